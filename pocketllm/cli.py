@@ -1,0 +1,55 @@
+"""The `pocketllm` command line: one subcommand per task, every user error one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from pocketllm.errors import UsageError
+from pocketllm.model_args import add_model_args
+
+# name -> (module under pocketllm, help, takes the shared model flags)
+COMMANDS = {
+    "generate": ("commands.generate", "generate tokens from a prompt", True),
+    "bench": ("commands.bench", "resident bench: timed prefill and decode", True),
+    "make-checkpoint": ("commands.make_checkpoint", "write a preset as an HF safetensors checkpoint", False),
+    "policy": ("commands.policy", "print the slice count per row count, starting no rank", False),
+    # "gdn-bench": ("bench.gdn_bench", "time the gated delta rule kernels side by side", False),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pocketllm", description="Tensor-parallel inference and measurement for the Qwen3.5/Qwen3.8 hybrid decoder.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module, help_text, model_flags) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(f"pocketllm.{module}")
+        if model_flags:
+            add_model_args(p)
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        mod = args._module
+        runner = getattr(mod, "run", None) or (lambda a, _argv: mod.main(a))
+        return int(runner(args, argv) or 0)
+    except UsageError as exc:
+        print(f"pocketllm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pocketllm: interrupted", file=sys.stderr)
+        return 130

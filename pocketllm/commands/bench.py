@@ -1,0 +1,109 @@
+"""`pocketllm bench`: the seed's resident bench. Load once, warm up, then one timed prefill of the
+prompt and one timed decode of --max-new-tokens; rank 0 prints the result line."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from pocketllm.commands.ranked import peak_rss_mib_per_rank, run_ranked
+from pocketllm.distributed.state import tp
+from pocketllm.errors import UsageError
+from pocketllm.inputs import bench_ids, check_ids, prompt_ids
+
+RESULT_FIELDS = ("prefill_seconds", "prefill_tokens", "prefill_tokens_per_s", "decode_seconds", "decode_tokens", "decode_tokens_per_s")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=512, help="length of the deterministic prompt (default 512)")
+    p.add_argument("--token-ids", help="use these ids as the prompt instead")
+    p.add_argument("--token-ids-file", help="read the prompt ids from this file instead")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--warmup-tokens", type=int, default=64, help="prompt length of the warm-up pass (default 64)")
+    p.add_argument("--json", help="also write the result and the run's settings to this file")
+
+
+def _prepare(args, plan):
+    ids = prompt_ids(args, plan.cfg) or check_ids(bench_ids(args.prompt_tokens, plan.cfg.vocab_size), plan.cfg, args.max_new_tokens)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {args.max_new_tokens}")
+    if args.warmup_tokens < 1:
+        raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    return ids
+
+
+def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
+    """One timed prefill and `new_tokens` timed greedy decode steps from a fresh sequence."""
+    engine.start_sequence(len(ids) + new_tokens)
+    prompt = torch.tensor(ids, dtype=torch.long)
+    sync()
+    t0 = time.perf_counter()
+    logits = engine.prefill(prompt)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    collectives = sum(engine.last_collectives.values())
+    slices = engine.last_slices
+    token = int(torch.argmax(logits))
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        token = int(torch.argmax(engine.decode(token)))
+    sync()
+    decode_s = time.perf_counter() - t0
+    return {
+        "prefill_seconds": prefill_s,
+        "prefill_tokens": len(ids),
+        "prefill_tokens_per_s": len(ids) / prefill_s,
+        "decode_seconds": decode_s,
+        "decode_tokens": new_tokens,
+        "decode_tokens_per_s": new_tokens / decode_s,
+        "slices": slices,
+        "collectives": collectives,
+    }
+
+
+def warm_up(engine, ids: list[int], warmup_tokens: int, sync) -> None:
+    timed_prefill_decode(engine, ids[: max(1, min(len(ids), warmup_tokens))], 2, sync)
+
+
+def format_result(r: dict) -> str:
+    parts = [
+        f"prefill_seconds={r['prefill_seconds']:.4f}",
+        f"prefill_tokens={r['prefill_tokens']}",
+        f"prefill_tokens_per_s={r['prefill_tokens_per_s']:.1f}",
+        f"decode_seconds={r['decode_seconds']:.4f}",
+        f"decode_tokens={r['decode_tokens']}",
+        f"decode_tokens_per_s={r['decode_tokens_per_s']:.2f}",
+        f"slices={r['slices']}",
+        f"collectives={r['collectives']}",
+    ]
+    return " ".join(parts)
+
+
+def _work(args, plan, ids, engine, device) -> int:
+    warm_up(engine, ids, args.warmup_tokens, device.synchronize)
+    result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
+    rss = peak_rss_mib_per_rank()
+    if tp().rank == 0:
+        print(format_result(result), flush=True)
+        if args.json:
+            settings = {
+                "model": plan.model_name,
+                "layers": plan.cfg.num_layers,
+                "tp_world": tp().world,
+                "dtype": args.dtype,
+                "device": device.describe(),
+                "backend": device.backend if tp().world > 1 else None,
+                "policy": plan.policy.policy.describe(),
+                "threads_per_rank": torch.get_num_threads(),
+                "peak_rss_mib_per_rank": rss,
+            }
+            with open(args.json, "w") as f:
+                json.dump({**result, "settings": settings}, f, indent=2)
+    return 0
+
+
+def run(args, argv) -> int:
+    return run_ranked(args, argv, _prepare, _work)

@@ -1,0 +1,57 @@
+"""`pocketllm generate`: greedy or sampled continuation of a prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pocketllm.commands.ranked import run_ranked
+from pocketllm.distributed.state import tp
+from pocketllm.engine.generate import SamplingParams, generate
+from pocketllm.errors import UsageError
+from pocketllm.inputs import load_tokenizer, prompt_ids
+
+
+def add_arguments(p) -> None:
+    src = p.add_argument_group("prompt (one of)")
+    src.add_argument("--prompt", help="text, tokenized with the checkpoint's tokenizer.json")
+    src.add_argument("--token-ids", help="comma- or space-separated token ids, e.g. 1,2,3")
+    src.add_argument("--token-ids-file", help="file of token ids separated by commas or whitespace")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (rank 0 draws, every rank takes its token)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's eos token")
+    p.add_argument("--logits-out", help="also write the prompt's fp32 logits, every position, to this .safetensors file")
+
+
+def _prepare(args, plan):
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    ids = prompt_ids(args, plan.cfg)
+    if not ids:
+        raise UsageError("give a prompt: --prompt TEXT, --token-ids 1,2,3 or --token-ids-file FILE")
+    return ids
+
+
+def _work(args, plan, ids, engine, device) -> int:
+    eos = () if args.ignore_eos else plan.cfg.eos_token_ids
+    if args.logits_out:
+        engine.start_sequence(len(ids))
+        logits = engine.prefill(torch.tensor(ids, dtype=torch.long), all_logits=True)
+        if tp().rank == 0:
+            save_file({"logits": logits.cpu().contiguous()}, args.logits_out)
+    out = generate(engine, ids, args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), eos)
+    if tp().rank == 0:
+        print("generated_ids=" + ",".join(map(str, out)), flush=True)
+        if args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():
+            print(load_tokenizer(args.ckpt).decode(out), flush=True)
+    return 0
+
+
+def run(args, argv) -> int:
+    return run_ranked(args, argv, _prepare, _work)

@@ -1,0 +1,38 @@
+"""`pocketllm policy`: print the slice count the active policy picks per row count, starting no rank."""
+
+from __future__ import annotations
+
+from pocketllm.distributed.policy import resolve_policy
+from pocketllm.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--rows", default="512,1024,2048,4096", help="comma-separated row counts (default 512,1024,2048,4096)")
+    p.add_argument("--comm-overlap-slices", help="the rule's ceiling (env QWEN_COMM_OVERLAP_SLICES, default 4)")
+    p.add_argument("--pin-slices", help="a pinned count (env QWEN_COMM_OVERLAP_PIN)")
+
+
+def parse_positive_list(text: str, flag: str) -> list[int]:
+    parts = [p.strip() for p in (text or "").split(",")]
+    if not text or not any(parts):
+        raise UsageError(f"{flag} is empty; give comma-separated positive integers")
+    values = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise UsageError(f"{flag}: {p!r} is not an integer") from None
+        if v < 1:
+            raise UsageError(f"{flag}: {v} must be a positive integer")
+        values.append(v)
+    return values
+
+
+def run(args, argv) -> int:
+    rows = parse_positive_list(args.rows, "--rows")
+    choice = resolve_policy(args.pin_slices, args.comm_overlap_slices)
+    if choice.note:
+        print(f"note: {choice.note}", file=__import__("sys").stderr)
+    for r in rows:
+        print(f"rows={r} slices={choice.policy.slices_for_rows(r)}")
+    return 0

@@ -1,0 +1,233 @@
+"""The model config: a frozen dataclass built from an HF config.json (flat or nested under
+`text_config`) or a preset, with the derived sizes computed once, plus the TP split check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pocketllm.errors import UsageError
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+LAYER_KINDS = (LINEAR, FULL)
+# Every fourth layer is full attention: layers 3, 7, ..., as in the released checkpoints.
+FULL_ATTENTION_INTERVAL = 4
+
+
+class ConfigError(UsageError):
+    """config.json is unreadable, incomplete or describes a model this engine cannot run."""
+
+
+def hybrid_layer_types(num_layers: int) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else LINEAR for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262_144
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str = "bfloat16"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def with_layers(self, n: int) -> "ModelConfig":
+        """Cut (or, for a preset, extend) the stack to n layers keeping the 3:1 pattern."""
+        if n < 1:
+            raise UsageError(f"--layers must be >= 1, got {n}")
+        if n <= self.num_layers:
+            types = self.layer_types[:n]
+        else:
+            types = hybrid_layer_types(n)
+        return dataclasses.replace(self, layer_types=types)
+
+    def to_hf_dict(self) -> dict:
+        """The config.json an HF `qwen3_5_text` checkpoint of this shape carries."""
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "layer_types": list(self.layer_types),
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "eos_token_id": list(self.eos_token_ids) or None,
+            "dtype": self.checkpoint_dtype,
+        }
+
+
+_REQUIRED_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+
+
+def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: text_config is not an object")
+    for key in _REQUIRED_INTS:
+        value = text.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: {key} is missing or not an integer (got {value!r})")
+        if value <= 0:
+            raise ConfigError(f"{where}: {key} must be positive, got {value}")
+    if text.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {text['hidden_act']!r} is not supported (only silu)")
+    num_layers = text["num_hidden_layers"]
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        layer_types = hybrid_layer_types(num_layers)
+    if not isinstance(layer_types, list | tuple) or len(layer_types) != num_layers:
+        got = len(layer_types) if isinstance(layer_types, list | tuple) else layer_types
+        raise ConfigError(f"{where}: layer_types has {got} entries, num_hidden_layers is {num_layers}")
+    for i, kind in enumerate(layer_types):
+        if kind not in LAYER_KINDS:
+            raise ConfigError(f"{where}: layer_types[{i}] is {kind!r}; known kinds: {', '.join(LAYER_KINDS)}")
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    if "tie_word_embeddings" in text:
+        tie = text["tie_word_embeddings"]
+    dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
+    return ModelConfig(
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"],
+        layer_types=tuple(layer_types),
+        num_attention_heads=text["num_attention_heads"],
+        num_key_value_heads=text["num_key_value_heads"],
+        head_dim=int(head_dim),
+        linear_num_key_heads=text["linear_num_key_heads"],
+        linear_num_value_heads=text["linear_num_value_heads"],
+        linear_key_head_dim=text["linear_key_head_dim"],
+        linear_value_head_dim=text["linear_value_head_dim"],
+        linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        partial_rotary_factor=float(partial),
+        max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
+        tie_word_embeddings=bool(tie),
+        eos_token_ids=eos_ids,
+        checkpoint_dtype=str(dtype),
+    )
+
+
+def load_config(ckpt_dir: Path) -> ModelConfig:
+    path = Path(ckpt_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no config.json in the checkpoint directory")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    return config_from_hf_dict(raw, where=str(path))
+
+
+def valid_world_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
+    return [w for w in range(1, limit + 1) if not tp_split_problems(cfg, w)]
+
+
+def tp_split_problems(cfg: ModelConfig, world: int) -> list[str]:
+    """Each dimension that cannot be split over `world` ranks, as a phrase."""
+    problems = []
+    for name, value in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("linear_num_key_heads", cfg.linear_num_key_heads),
+        ("linear_num_value_heads", cfg.linear_num_value_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if value % world:
+            problems.append(f"{name}={value}")
+    kv = cfg.num_key_value_heads
+    # Fewer KV heads than ranks: each KV head is replicated on world // kv ranks, so kv must divide world.
+    if (kv >= world and kv % world) or (kv < world and world % kv):
+        problems.append(f"num_key_value_heads={kv}")
+    if cfg.num_attention_heads % kv:
+        problems.append(f"num_attention_heads={cfg.num_attention_heads} per num_key_value_heads={kv}")
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        problems.append(
+            f"linear_num_value_heads={cfg.linear_num_value_heads} per linear_num_key_heads={cfg.linear_num_key_heads}"
+        )
+    return problems
+
+
+def check_tp_split(cfg: ModelConfig, world: int) -> None:
+    if world < 1:
+        raise UsageError(f"--tp-world must be >= 1, got {world}")
+    problems = tp_split_problems(cfg, world)
+    if problems:
+        valid = ", ".join(str(w) for w in valid_world_sizes(cfg, limit=max(64, world)))
+        raise UsageError(
+            f"cannot split the model over {world} ranks: {'; '.join(problems)} "
+            f"not divisible by the world size; valid world sizes: {valid}"
+        )

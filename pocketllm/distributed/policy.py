@@ -1,0 +1,100 @@
+"""How many slices the overlapped projection uses for a given row count.
+
+The seed's rule (section 4): double the slice count while each slice keeps at least
+K_MIN_ROWS_PER_OVERLAP_SLICE rows, up to the ceiling `comm_overlap_slices`. A pin uses one count
+everywhere, for sweeps. Decode rows (the batch) always come out serial under the rule.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pocketllm.errors import UsageError
+
+K_MIN_ROWS_PER_OVERLAP_SLICE = 1024
+DEFAULT_COMM_OVERLAP_SLICES = 4
+ENV_CEILING = "QWEN_COMM_OVERLAP_SLICES"
+ENV_PIN = "QWEN_COMM_OVERLAP_PIN"
+
+
+def comm_overlap_slices_for_rows(rows: int, ceiling: int = DEFAULT_COMM_OVERLAP_SLICES) -> int:
+    slices = 1
+    if ceiling <= 1:
+        return slices
+    while rows / (2 * slices) >= K_MIN_ROWS_PER_OVERLAP_SLICE and 2 * slices <= ceiling:
+        slices *= 2
+    return slices
+
+
+class SlicePolicy:
+    name = "policy"
+
+    def slices_for_rows(self, rows: int) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass
+class RulePolicy(SlicePolicy):
+    ceiling: int = DEFAULT_COMM_OVERLAP_SLICES
+    name = "rule"
+
+    def slices_for_rows(self, rows: int) -> int:
+        return comm_overlap_slices_for_rows(rows, self.ceiling)
+
+    def describe(self) -> str:
+        return f"rule (ceiling {self.ceiling})"
+
+
+@dataclass
+class PinnedPolicy(SlicePolicy):
+    slices: int
+    name = "pin"
+
+    def slices_for_rows(self, rows: int) -> int:
+        # The projection itself falls back to serial when rows < slices.
+        return self.slices
+
+    def describe(self) -> str:
+        return f"pinned at {self.slices}"
+
+
+def parse_knob(value: str | int | None, what: str) -> int | None:
+    """A non-negative integer knob from a flag or an env var; None when unset."""
+    if value is None or value == "":
+        return None
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"{what} must be a non-negative integer, got {value!r}") from None
+    if number < 0:
+        raise UsageError(f"{what} must be a non-negative integer, got {number}")
+    return number
+
+
+@dataclass
+class PolicyChoice:
+    policy: SlicePolicy
+    # One line the run prints once (on rank 0) when it overrode a knob, else None.
+    note: str | None = None
+
+
+def resolve_policy(pin: str | int | None = None, ceiling: str | int | None = None, env=os.environ) -> PolicyChoice:
+    """Flags win over env vars; a pin wins over a ceiling and the run says so once."""
+    pin_value = parse_knob(pin, "--pin-slices")
+    if pin_value is None:
+        pin_value = parse_knob(env.get(ENV_PIN), ENV_PIN)
+    ceiling_value = parse_knob(ceiling, "--comm-overlap-slices")
+    if ceiling_value is None:
+        ceiling_value = parse_knob(env.get(ENV_CEILING), ENV_CEILING)
+    if pin_value is not None:
+        note = None
+        if ceiling_value is not None:
+            note = f"slice pin {pin_value} overrides the rule's ceiling {ceiling_value}"
+        return PolicyChoice(PinnedPolicy(pin_value), note)
+    if ceiling_value is None:
+        ceiling_value = DEFAULT_COMM_OVERLAP_SLICES
+    return PolicyChoice(RulePolicy(ceiling_value))

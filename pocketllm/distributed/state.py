@@ -1,0 +1,58 @@
+"""The one place that knows the TP rank, world size and process group. Collectives are no-ops at
+world size 1, so the single-rank path never touches torch.distributed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pocketllm.distributed.accounting import COUNTER
+
+
+@dataclass
+class TPState:
+    rank: int = 0
+    world: int = 1
+
+
+_TP = TPState()
+
+
+def tp() -> TPState:
+    return _TP
+
+
+def set_tp(rank: int, world: int) -> None:
+    _TP.rank, _TP.world = rank, world
+
+
+def all_reduce_(t: torch.Tensor, site: str) -> None:
+    """Sum `t` across ranks in place (blocking) and count it against `site`."""
+    if _TP.world == 1:
+        return
+    COUNTER.add(site)
+    dist.all_reduce(t)
+
+
+def all_reduce_async_(t: torch.Tensor, site: str):
+    """Start an in-place sum across ranks and return its work handle; None at world size 1."""
+    if _TP.world == 1:
+        return None
+    COUNTER.add(site)
+    return dist.all_reduce(t, async_op=True)
+
+
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `t` along the last dim, in rank order."""
+    if _TP.world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(_TP.world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast_(t: torch.Tensor, src: int = 0) -> None:
+    if _TP.world > 1:
+        dist.broadcast(t, src)

@@ -1,0 +1,1 @@
+"""Running the model: per-pass context, state caches, the prefill/decode runner, generation."""

@@ -1,0 +1,17 @@
+"""What every layer needs to know about the pass it is in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    start: int  # position of the first row
+    rows: int
+    slices: int  # the slice count the policy chose for these rows
+    decode: bool
+    cos: torch.Tensor  # [rows, rotary_dim/2]
+    sin: torch.Tensor

@@ -1,0 +1,66 @@
+"""Token generation: greedy or temperature/top-p sampling. The token is chosen on rank 0 and
+broadcast, so every rank always feeds the same token to the next step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pocketllm.distributed.state import broadcast_, tp
+from pocketllm.engine.runner import Engine
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.gen = torch.Generator().manual_seed(params.seed)
+        self._token = torch.zeros(1, dtype=torch.long)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if tp().rank == 0:
+            self._token[0] = self._choose(logits.float().cpu())
+        broadcast_(self._token.to(logits.device) if logits.device.type != "cpu" else self._token)
+        return int(self._token[0])
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
+def generate(
+    engine: Engine,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    eos_ids: tuple[int, ...] = (),
+    on_token=None,
+) -> list[int]:
+    """Prefill the prompt, then decode up to max_new_tokens, stopping after an eos id."""
+    engine.start_sequence(len(prompt) + max_new_tokens)
+    sampler = Sampler(sampling)
+    logits = engine.prefill(torch.tensor(prompt, dtype=torch.long))
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        token = sampler(logits)
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in eos_ids or len(out) == max_new_tokens:
+            break
+        logits = engine.decode(token)
+    return out

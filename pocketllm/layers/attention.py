@@ -1,0 +1,86 @@
+"""Gated full attention: query and gate interleaved per head in q_proj, q/k norm, partial RoPE,
+causal GQA over a preallocated KV cache, out * sigmoid(gate), row-parallel o_proj."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.config import ModelConfig
+from pocketllm.distributed.state import tp
+from pocketllm.engine.cache import KVCache
+from pocketllm.engine.context import ForwardContext
+from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pocketllm.layers.norm import RMSNorm
+from pocketllm.layers.rotary import apply_rotary
+
+
+def kv_head_range(num_kv: int, rank: int, world: int) -> tuple[int, int]:
+    """KV heads this rank holds. With fewer KV heads than ranks each head is replicated on
+    world // num_kv consecutive ranks, which are exactly the ranks whose query heads read it."""
+    if num_kv >= world:
+        per = num_kv // world
+        return rank * per, (rank + 1) * per
+    head = rank // (world // num_kv)
+    return head, head + 1
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device):
+        super().__init__()
+        rank, world = tp().rank, tp().world
+        d, hidden = cfg.head_dim, cfg.hidden_size
+        self.head_dim = d
+        self.heads = cfg.num_attention_heads // world
+        kv0, kv1 = kv_head_range(cfg.num_key_value_heads, rank, world)
+        self.kv_heads = kv1 - kv0
+        q_rows = cfg.num_attention_heads * d * 2
+        kv_rows = cfg.num_key_value_heads * d
+        q_per_rank = self.heads * d * 2
+        self.qkv_proj = ColumnParallelLinear(
+            hidden,
+            [
+                (f"{prefix}.q_proj.weight", (q_rows, hidden), [(rank * q_per_rank, (rank + 1) * q_per_rank)]),
+                (f"{prefix}.k_proj.weight", (kv_rows, hidden), [(kv0 * d, kv1 * d)]),
+                (f"{prefix}.v_proj.weight", (kv_rows, hidden), [(kv0 * d, kv1 * d)]),
+            ],
+            dtype,
+            device,
+        )
+        self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, cfg.rms_norm_eps, dtype, device)
+        self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, cfg.rms_norm_eps, dtype, device)
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj.weight", cfg.num_attention_heads * d, hidden, "full.out", dtype, device)
+        self.scale = d**-0.5
+        self._dtype, self._device = dtype, device
+
+    def allocate_state(self, max_len: int) -> KVCache:
+        shape = (self.kv_heads, max_len, self.head_dim)
+        return KVCache(torch.zeros(shape, dtype=self._dtype, device=self._device), torch.zeros(shape, dtype=self._dtype, device=self._device))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: KVCache) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
+        q_gate = q_gate.view(t, self.heads, 2 * d)
+        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
+        q = apply_rotary(self.q_norm(q), ctx.cos, ctx.sin)  # [T, H, D]
+        k = apply_rotary(self.k_norm(k.view(t, self.kv_heads, d)), ctx.cos, ctx.sin)
+        end = ctx.start + t
+        cache.k[:, ctx.start : end] = k.transpose(0, 1)
+        cache.v[:, ctx.start : end] = v.view(t, self.kv_heads, d).transpose(0, 1)
+        out = attention_core(q.transpose(0, 1), cache.k[:, :end], cache.v[:, :end], ctx.start, self.scale)
+        out = out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
+        return self.o_proj(out, ctx.slices)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal GQA. q [H, T, D] at positions start..start+T; k, v [Hkv, S, D] with S = start + T."""
+    t, s = q.shape[1], k.shape[1]
+    mask, causal = None, False
+    if start == 0:
+        causal = t > 1
+    elif t > 1:
+        mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[0] != q.shape[0]
+    )[0]

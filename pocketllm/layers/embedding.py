@@ -1,0 +1,59 @@
+"""Vocab-parallel embedding and LM head. The vocab is padded to a multiple of the world size; each
+rank holds one contiguous block of rows, the padding rows stay zero and their logits are dropped."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.distributed.state import all_gather_cat, all_reduce_, tp
+from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param
+
+
+def vocab_block(vocab: int, rank: int, world: int) -> tuple[int, int, int]:
+    """(start, end, rows per rank) of this rank's block of the padded vocab."""
+    per_rank = -(-vocab // world)
+    return rank * per_rank, (rank + 1) * per_rank, per_rank
+
+
+def _vocab_param(key: str, vocab: int, hidden: int, dtype, device) -> tuple[nn.Parameter, int, int]:
+    start, end, per_rank = vocab_block(vocab, tp().rank, tp().world)
+    real_end = min(end, vocab)
+    sources = []
+    if real_end > start:
+        sources.append(ShardSource(key, (vocab, hidden), read_rows([(start, real_end)]), (0, real_end - start)))
+    return sharded_param((per_rank, hidden), sources, dtype, device), start, end
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, key: str, vocab: int, hidden: int, dtype, device):
+        super().__init__()
+        self.weight, self.start, self.end = _vocab_param(key, vocab, hidden, dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp().world == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        all_reduce_(out, "embed")
+        return out
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for the given rows, gathered over ranks and trimmed to the real vocab. Tied heads
+    share the embedding's shard; untied ones load `lm_head.weight` the same way."""
+
+    def __init__(self, key: str | None, vocab: int, hidden: int, dtype, device, tied_to: VocabParallelEmbedding | None):
+        super().__init__()
+        self.vocab = vocab
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            self.weight, _, _ = _vocab_param(key, vocab, hidden, dtype, device)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).float()
+        return all_gather_cat(logits)[..., : self.vocab]

@@ -1,0 +1,92 @@
+"""Gated DeltaNet linear attention, split over ranks by heads: the four in-projections as one
+column-parallel GEMM, the depthwise causal conv per q/k/v segment, the gated delta rule, the gated
+RMSNorm and the row-parallel `lin.out` projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.config import ModelConfig
+from pocketllm.distributed.state import tp
+from pocketllm.engine.cache import GDNState
+from pocketllm.engine.context import ForwardContext
+from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pocketllm.layers.norm import GatedRMSNorm
+from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
+from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_step_
+from pocketllm.ops.gated_delta import select_gdn_kernel
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device):
+        super().__init__()
+        rank, world = tp().rank, tp().world
+        hidden = cfg.hidden_size
+        self.hk = cfg.linear_num_key_heads // world
+        self.hv = cfg.linear_num_value_heads // world
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        key_dim, value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        # This rank's channels of each conv segment [q | k | v] of the full qkv projection.
+        q0, q1 = split_range(key_dim, rank, world)
+        v0, v1 = split_range(value_dim, rank, world)
+        qkv_ranges = [(q0, q1), (key_dim + q0, key_dim + q1), (2 * key_dim + v0, 2 * key_dim + v1)]
+        heads = [split_range(cfg.linear_num_value_heads, rank, world)]
+        self.in_proj = ColumnParallelLinear(
+            hidden,
+            [
+                (f"{prefix}.in_proj_qkv.weight", (cfg.conv_dim, hidden), qkv_ranges),
+                (f"{prefix}.in_proj_z.weight", (value_dim, hidden), [(v0, v1)]),
+                (f"{prefix}.in_proj_b.weight", (cfg.linear_num_value_heads, hidden), heads),
+                (f"{prefix}.in_proj_a.weight", (cfg.linear_num_value_heads, hidden), heads),
+            ],
+            dtype,
+            device,
+        )
+        kernel = cfg.linear_conv_kernel_dim
+        self.conv_channels = self.in_proj.part_sizes[0]
+        conv_src = ShardSource(f"{prefix}.conv1d.weight", (cfg.conv_dim, 1, kernel), read_rows(qkv_ranges))
+        self.conv_weight = sharded_param((self.conv_channels, 1, kernel), [conv_src], dtype, device)
+        head_src = lambda name: ShardSource(f"{prefix}.{name}", (cfg.linear_num_value_heads,), read_rows(heads))  # noqa: E731
+        self.A_log = sharded_param((self.hv,), [head_src("A_log")], dtype, device)
+        self.dt_bias = sharded_param((self.hv,), [head_src("dt_bias")], dtype, device)
+        self.norm = GatedRMSNorm(f"{prefix}.norm.weight", self.dv, cfg.rms_norm_eps, dtype, device)
+        self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device)
+        self.kernel = select_gdn_kernel(torch.device(device).type)
+        self._dtype, self._device = dtype, device
+
+    def allocate_state(self, max_len: int) -> GDNState:
+        k = self.conv_weight.shape[-1]
+        return GDNState(
+            conv=torch.zeros(k - 1, self.conv_channels, dtype=self._dtype, device=self._device),
+            recurrent=torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=self._device),
+        )
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: GDNState) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split(self.in_proj.part_sizes, dim=-1)
+        conv_w = self.conv_weight[:, 0, :]
+        if ctx.decode:
+            mixed = causal_conv1d_step_(mixed, conv_w, state.conv)
+        else:
+            mixed = causal_conv1d_prefill_(mixed, conv_w, state.conv)
+        kd = self.hk * self.dk
+        q, k, v = mixed.split((kd, kd, self.hv * self.dv), dim=-1)
+        q = l2_normalize(q.view(t, self.hk, self.dk)) * self.dk**-0.5
+        k = l2_normalize(k.view(t, self.hk, self.dk))
+        v = v.view(t, self.hv, self.dv)
+        beta = torch.sigmoid(b).float()
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
+        if ctx.decode:
+            out = self.kernel.decode_step_(q, k, v, g, beta, state.recurrent)
+        else:
+            out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)
+            state.recurrent.copy_(final)
+        out = self.norm(out.to(x.dtype), z.view(t, self.hv, self.dv))
+        return self.out_proj(out.reshape(t, self.hv * self.dv), ctx.slices)

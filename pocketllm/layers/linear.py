@@ -1,0 +1,42 @@
+"""Column-parallel (fused, split by heads) and row-parallel linear layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.distributed.overlap import projection_all_reduce_overlapped
+from pocketllm.distributed.state import tp
+from pocketllm.layers.sharding import RowRange, ShardSource, read_cols, row_sources, sharded_param
+
+
+class ColumnParallelLinear(nn.Module):
+    """One GEMM over the stacked rows this rank owns of one or more checkpoint weights; the
+    caller splits the output. `parts` is (checkpoint key, full [out, in] shape, row ranges)."""
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, tuple[int, int], Sequence[RowRange]]], dtype, device):
+        super().__init__()
+        rows, sources = row_sources(parts)
+        self.weight = sharded_param((rows, in_features), sources, dtype, device)
+        self.part_sizes = [s.dest[1] - s.dest[0] for s in sources]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """x [T, in_local] -> [T, out], summed over ranks by the overlapped projection at `site`."""
+
+    def __init__(self, key: str, in_features: int, out_features: int, site: str, dtype, device):
+        super().__init__()
+        world, rank = tp().world, tp().rank
+        local = in_features // world
+        self.site = site
+        source = ShardSource(key, (out_features, in_features), read_cols(rank * local, (rank + 1) * local))
+        self.weight = sharded_param((out_features, local), [source], dtype, device)
+
+    def forward(self, x: torch.Tensor, slices: int) -> torch.Tensor:
+        return projection_all_reduce_overlapped(x, self.weight, slices, self.site)

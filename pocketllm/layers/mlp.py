@@ -1,0 +1,30 @@
+"""SwiGLU MLP: gate and up as one column-parallel GEMM, down as the row-parallel `mlp.down` site."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketllm.config import ModelConfig
+from pocketllm.distributed.state import tp
+from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pocketllm.layers.sharding import split_range
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, dtype, device):
+        super().__init__()
+        inter, hidden = cfg.intermediate_size, cfg.hidden_size
+        rows = [split_range(inter, tp().rank, tp().world)]
+        self.gate_up = ColumnParallelLinear(
+            hidden,
+            [(f"{prefix}.gate_proj.weight", (inter, hidden), rows), (f"{prefix}.up_proj.weight", (inter, hidden), rows)],
+            dtype,
+            device,
+        )
+        self.down = RowParallelLinear(f"{prefix}.down_proj.weight", inter, hidden, "mlp.down", dtype, device)
+
+    def forward(self, x: torch.Tensor, slices: int) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, slices)

@@ -1,0 +1,63 @@
+"""What a parameter is loaded from: one or more checkpoint tensors, and which part of each belongs
+to this rank. A `ShardSource` reads through a safetensors slice, so a rank reads only its own part."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+RowRange = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    key: str
+    full_shape: tuple[int, ...]
+    read: Callable[[Any], torch.Tensor]
+    # First-dim rows of the parameter this source fills; None fills the whole parameter.
+    dest: RowRange | None = None
+
+
+def read_rows(ranges: Sequence[RowRange]) -> Callable[[Any], torch.Tensor]:
+    """Rows [a, b) of dim 0 for each range, concatenated (q/k/v segments of a fused projection)."""
+    ranges = [r for r in ranges if r[1] > r[0]]
+
+    def read(sl):
+        parts = [sl[a:b] for a, b in ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    return read
+
+
+def read_cols(start: int, end: int) -> Callable[[Any], torch.Tensor]:
+    return lambda sl: sl[:, start:end]
+
+
+def read_all(sl) -> torch.Tensor:
+    return sl[:]
+
+
+def split_range(total: int, rank: int, world: int) -> RowRange:
+    size = total // world
+    return rank * size, (rank + 1) * size
+
+
+def sharded_param(shape: Sequence[int], sources: Sequence[ShardSource], dtype: torch.dtype, device) -> nn.Parameter:
+    param = nn.Parameter(torch.zeros(tuple(shape), dtype=dtype, device=device), requires_grad=False)
+    param.sources = list(sources)
+    return param
+
+
+def row_sources(key_and_ranges: Sequence[tuple[str, tuple[int, ...], Sequence[RowRange]]]) -> tuple[int, list[ShardSource]]:
+    """Stack the row ranges of several checkpoint tensors into one parameter (a fused GEMM).
+    Returns the stacked row count and the sources that fill it in order."""
+    sources, offset = [], 0
+    for key, full_shape, ranges in key_and_ranges:
+        rows = sum(b - a for a, b in ranges)
+        sources.append(ShardSource(key, tuple(full_shape), read_rows(ranges), (offset, offset + rows)))
+        offset += rows
+    return offset, sources

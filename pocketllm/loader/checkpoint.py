@@ -1,0 +1,91 @@
+"""A HF safetensors checkpoint: `model.safetensors` or shards listed in
+`model.safetensors.index.json`, text weights under `model.` or `model.language_model.`.
+Tensors are read through safetensors slices, so a rank reads only its own part. Never pickle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from pocketllm.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Multimodal releases nest the text model one level deeper.
+TEXT_PREFIXES = ("model.language_model.", "model.")
+# Weights a text engine does not use.
+SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
+
+
+class CheckpointReader:
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        self.file_of = self._map_keys()
+        self.prefix = self._text_prefix()
+        self._handles: dict[Path, object] = {}
+
+    def _map_keys(self) -> dict[str, Path]:
+        index = self.dir / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+            missing = sorted({f for f in weight_map.values() if not (self.dir / f).is_file()})
+            if missing:
+                raise CheckpointError(f"{index} names shard(s) that are absent: {', '.join(missing)}")
+            files = {f: self.dir / f for f in set(weight_map.values())}
+            for path in files.values():
+                self._check_readable(path)
+            return {key: files[f] for key, f in weight_map.items()}
+        single = self.dir / SINGLE
+        if not single.is_file():
+            if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")):
+                raise CheckpointError(f"{self.dir} has only pickle weights (.bin/.pt); pocketllm reads safetensors only")
+            raise CheckpointError(f"{self.dir} has neither {SINGLE} nor {INDEX}")
+        keys = self._check_readable(single)
+        return {key: single for key in keys}
+
+    @staticmethod
+    def _check_readable(path: Path) -> list[str]:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from None
+
+    def _text_prefix(self) -> str:
+        for prefix in TEXT_PREFIXES:
+            if any(k.startswith(prefix + "layers.") or k == prefix + "embed_tokens.weight" for k in self.file_of):
+                return prefix
+        return "model."
+
+    def to_file_key(self, name: str) -> str:
+        """Canonical name (`model.layers.0...`, `lm_head.weight`) -> name in this checkpoint."""
+        return self.prefix + name[len("model.") :] if name.startswith("model.") else name
+
+    def from_file_key(self, key: str) -> str | None:
+        if key.startswith(self.prefix):
+            return "model." + key[len(self.prefix) :]
+        if key.startswith(SKIPPED_PREFIXES) or key.startswith("model."):
+            return None
+        return key
+
+    def canonical_keys(self) -> set[str]:
+        return {c for k in self.file_of if (c := self.from_file_key(k)) is not None}
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def get_slice(self, name: str):
+        key = self.to_file_key(name)
+        return self._handle(self.file_of[key]).get_slice(key)
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,90 @@
+"""A preset's weights: seeded random tensors behind the same slice interface as a checkpoint, so a
+preset runs the same loading path. Each tensor is a pure function of (seed, name)."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from pocketllm.config import FULL, ModelConfig
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this shape holds, by canonical name."""
+    h, shapes = cfg.hidden_size, {}
+    shapes["model.embed_tokens.weight"] = (cfg.vocab_size, h)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        for name in ("gate_proj", "up_proj"):
+            shapes[f"{p}.mlp.{name}.weight"] = (cfg.intermediate_size, h)
+        shapes[f"{p}.mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if kind == FULL:
+            d = cfg.head_dim
+            shapes[f"{p}.self_attn.q_proj.weight"] = (cfg.num_attention_heads * d * 2, h)
+            shapes[f"{p}.self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, h)
+            shapes[f"{p}.self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, h)
+            shapes[f"{p}.self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
+            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
+        else:
+            hv = cfg.linear_num_value_heads
+            a = f"{p}.linear_attn"
+            shapes[f"{a}.in_proj_qkv.weight"] = (cfg.conv_dim, h)
+            shapes[f"{a}.in_proj_z.weight"] = (cfg.linear_value_dim, h)
+            shapes[f"{a}.in_proj_b.weight"] = (hv, h)
+            shapes[f"{a}.in_proj_a.weight"] = (hv, h)
+            shapes[f"{a}.conv1d.weight"] = (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)
+            shapes[f"{a}.A_log"] = (hv,)
+            shapes[f"{a}.dt_bias"] = (hv,)
+            shapes[f"{a}.norm.weight"] = (cfg.linear_value_head_dim,)
+            shapes[f"{a}.out_proj.weight"] = (h, cfg.linear_value_dim)
+    return shapes
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Values at the scale a trained checkpoint has, so activations stay in range."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+    if name.endswith("dt_bias"):
+        return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("conv1d.weight"):
+        return 0.3 * torch.randn(shape, generator=gen)
+    fan_in = shape[-1]
+    return torch.randn(shape, generator=gen) * (0.5 / fan_in**0.5)
+
+
+class _RandomSlice:
+    def __init__(self, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype):
+        self.name, self.shape, self.seed, self.dtype = name, shape, seed, dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return random_tensor(self.name, self.shape, self.seed).to(self.dtype)[index]
+
+
+class RandomWeights:
+    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+        self.shapes = expected_shapes(cfg)
+        self.seed, self.dtype = seed, dtype
+
+    def canonical_keys(self) -> set[str]:
+        return set(self.shapes)
+
+    def get_slice(self, name: str) -> _RandomSlice:
+        return _RandomSlice(name, self.shapes[name], self.seed, self.dtype)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,103 @@
+"""The flags every model command shares, and turning them into a checked plan: the config, the
+weight source, the dtype and the slice policy. Everything here runs before any rank starts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from pocketllm.config import ModelConfig, check_tp_split, load_config
+from pocketllm.device import DEVICE_CHOICES
+from pocketllm.distributed.policy import PolicyChoice, resolve_policy
+from pocketllm.errors import UsageError
+from pocketllm.loader.checkpoint import CheckpointReader
+from pocketllm.loader.load import validate_source
+from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DIST_TIMEOUT = {"gloo": 120.0, "nccl": 600.0, "hccl": 600.0}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and parallelism")
+    g.add_argument("--preset", help=f"embedded model with seeded random weights: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
+    g.add_argument("--ckpt", help="HF checkpoint directory (config.json + safetensors)")
+    g.add_argument("--layers", type=int, help="cut the stack to N layers keeping the 3:1 linear/full pattern")
+    g.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 (default) or float16; GDN state and norms stay fp32")
+    g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
+    g.add_argument("--tp-world", type=int, default=1, help="tensor-parallel ranks; alone, starts them locally")
+    g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
+    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks")
+    g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait (default 120 on gloo, 600 on NCCL/HCCL)")
+    o = p.add_argument_group("collective overlap")
+    o.add_argument("--comm-overlap-slices", help="the slice rule's ceiling (env QWEN_COMM_OVERLAP_SLICES, default 4; 0 or 1 disables slicing)")
+    o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says (env QWEN_COMM_OVERLAP_PIN)")
+
+
+@dataclass
+class ModelPlan:
+    cfg: ModelConfig
+    dtype: torch.dtype
+    policy: PolicyChoice
+    ckpt: str | None
+    preset: str | None
+
+    def open_source(self):
+        if self.ckpt is not None:
+            return CheckpointReader(self.ckpt)
+        return RandomWeights(self.cfg, seed=0)
+
+    @property
+    def model_name(self) -> str:
+        return self.ckpt or f"preset:{self.preset}"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UsageError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def plan_model(args) -> ModelPlan:
+    if args.tp_world < 1:
+        raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
+    dtype = parse_dtype(args.dtype)
+    policy = resolve_policy(args.pin_slices, args.comm_overlap_slices)
+    if args.dist_timeout is not None and args.dist_timeout <= 0:
+        raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    if args.ckpt is not None and args.preset is not None:
+        raise UsageError("give either --ckpt or --preset, not both")
+    if args.ckpt is not None:
+        reader = CheckpointReader(args.ckpt)
+        cfg = load_config(args.ckpt)
+        if args.layers is not None:
+            if args.layers > cfg.num_layers:
+                raise UsageError(f"--layers {args.layers}: the checkpoint has only {cfg.num_layers} layers")
+            cfg = cfg.with_layers(args.layers)
+        check_tp_split(cfg, args.tp_world)
+        validate_source(reader, cfg)
+        reader.close()
+        return ModelPlan(cfg, dtype, policy, args.ckpt, None)
+    preset = args.preset or DEFAULT_PRESET
+    cfg = get_preset(preset)
+    if args.layers is not None:
+        cfg = cfg.with_layers(args.layers)
+    check_tp_split(cfg, args.tp_world)
+    return ModelPlan(cfg, dtype, policy, None, preset)
+
+
+def dist_timeout(args, backend: str) -> float:
+    return args.dist_timeout if args.dist_timeout is not None else DEFAULT_DIST_TIMEOUT[backend]
+
+
+def say(*parts, rank0: bool = True) -> None:
+    """Progress and notes go to stderr, results to stdout."""
+    from pocketllm.distributed.state import tp
+
+    if not rank0 or tp().rank == 0:
+        print(*parts, file=sys.stderr, flush=True)

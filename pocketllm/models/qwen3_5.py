@@ -1,0 +1,63 @@
+"""The Qwen3.5/Qwen3.8 hybrid decoder (HF `qwen3_5_text`), built from TP layers: per layer a
+token mixer (Gated DeltaNet or gated full attention) and a SwiGLU MLP, each behind a
+zero-centred RMSNorm with a residual add; then the final norm and the vocab-parallel head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pocketllm.config import FULL, ModelConfig
+from pocketllm.engine.context import ForwardContext
+from pocketllm.layers.attention import GatedAttention
+from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pocketllm.layers.gdn import GatedDeltaNet
+from pocketllm.layers.mlp import MLP
+from pocketllm.layers.norm import RMSNorm
+from pocketllm.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype, device):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.kind = cfg.layer_types[index]
+        if self.kind == FULL:
+            self.mixer = GatedAttention(cfg, f"{prefix}.self_attn", dtype, device)
+        else:
+            self.mixer = GatedDeltaNet(cfg, f"{prefix}.linear_attn", dtype, device)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", dtype, device)
+        eps, h = cfg.rms_norm_eps, cfg.hidden_size
+        self.input_norm = RMSNorm(f"{prefix}.input_layernorm.weight", h, eps, dtype, device)
+        self.post_norm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", h, eps, dtype, device)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
+        h = h + self.mixer(self.input_norm(h), ctx, state)
+        return h + self.mlp(self.post_norm(h), ctx.slices)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, h, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm("model.norm.weight", h, cfg.rms_norm_eps, dtype, device)
+        tied = self.embed if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead("lm_head.weight", cfg.vocab_size, h, dtype, device, tied_to=tied)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
+
+    def context(self, start: int, rows: int, slices: int, decode: bool) -> ForwardContext:
+        cos, sin = self.rotary.cos_sin(start, rows)
+        return ForwardContext(start, rows, slices, decode, cos, sin)
+
+    def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
+        """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked)."""
+        h = self.embed(ids)
+        for layer, state in zip(self.layers, states):
+            h = layer(h, ctx, state)
+        if not all_logits:
+            h = h[-1:]
+        logits = self.lm_head(self.norm(h))
+        return logits if all_logits else logits[0]

@@ -1,0 +1,65 @@
+"""Tiny random Qwen3_5ForCausalLM checkpoints written by transformers itself, with every norm and
+gate parameter moved off its default so that a wrong formula cannot hide."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def build_hf_model(vocab: int = 251, kv_heads: int = 1, tie: bool = False, layers: int = 4, seed: int = 0):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = Qwen3_5ForCausalLM(cfg).eval().float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2.0 - 1.0)
+    return model
+
+
+def save_hf_checkpoint(model, out: Path) -> Path:
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def hf_prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
