@@ -65,7 +65,8 @@ def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
 
 
 def warm_up(engine, ids: list[int], warmup_tokens: int, sync) -> None:
-    timed_prefill_decode(engine, ids[: max(1, min(len(ids), warmup_tokens))], 2, sync)
+    with engine.tagged(warmup=True):
+        timed_prefill_decode(engine, ids[: max(1, min(len(ids), warmup_tokens))], 2, sync)
 
 
 def format_result(r: dict) -> str:
@@ -84,7 +85,8 @@ def format_result(r: dict) -> str:
 
 def _work(args, plan, ids, engine, device) -> int:
     warm_up(engine, ids, args.warmup_tokens, device.synchronize)
-    result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
+    with engine.tagged(timed=True):
+        result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
     rss = peak_rss_mib_per_rank()
     if tp().rank == 0:
         print(format_result(result), flush=True)

@@ -3,6 +3,9 @@ policy, and the two passes every command is made of, prefill and decode."""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
 from pocketllm.config import ModelConfig
@@ -11,6 +14,18 @@ from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.engine.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
+
+
+@dataclass
+class PassInfo:
+    """What one forward pass is, for the hooks that watch passes (profilers, fault injection)."""
+
+    index: int  # unique within the run
+    kind: str  # "warmup", "prefill" or "decode"
+    rows: int
+    slices: int
+    timed: bool  # the timed pass of a bench
+    collectives: dict | None = None  # filled after the pass: all-reduces per site
 
 
 class Engine:
@@ -22,9 +37,30 @@ class Engine:
         self.states: list = []
         self.capacity = 0
         self.pos = 0
-        # All-reduces the last pass issued, per site.
-        self.last_collectives: dict[str, int] = {}
-        self.last_slices = 1
+        # Objects with before_pass(info) / after_pass(info), called around every pass.
+        self.hooks: list = []
+        self.last_pass: PassInfo | None = None
+        self._passes = 0
+        self._warmup = False
+        self._timed = False
+
+    @property
+    def last_collectives(self) -> dict[str, int]:
+        return self.last_pass.collectives if self.last_pass else {}
+
+    @property
+    def last_slices(self) -> int:
+        return self.last_pass.slices if self.last_pass else 1
+
+    @contextlib.contextmanager
+    def tagged(self, warmup: bool = False, timed: bool = False):
+        """Label the passes run inside: warm-up passes, or the timed passes of a bench."""
+        saved = self._warmup, self._timed
+        self._warmup, self._timed = warmup, timed
+        try:
+            yield
+        finally:
+            self._warmup, self._timed = saved
 
     def start_sequence(self, max_len: int) -> None:
         """Make room for max_len positions and forget any previous sequence."""
@@ -40,11 +76,19 @@ class Engine:
         rows = ids.shape[0]
         if self.pos + rows > self.capacity:
             raise RuntimeError(f"sequence of {self.pos + rows} positions exceeds the {self.capacity} allocated")
-        self.last_slices = self.policy.slices_for_rows(rows)
-        ctx = self.model.context(self.pos, rows, self.last_slices, decode)
+        slices = self.policy.slices_for_rows(rows)
+        kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
+        info = PassInfo(self._passes, kind, rows, slices, self._timed)
+        self._passes += 1
+        for hook in self.hooks:
+            hook.before_pass(info)
+        ctx = self.model.context(self.pos, rows, slices, decode)
         COUNTER.reset()
         logits = self.model(ids.to(self.device), ctx, self.states, all_logits=all_logits)
-        self.last_collectives = COUNTER.snapshot()
+        info.collectives = COUNTER.snapshot()
+        for hook in self.hooks:
+            hook.after_pass(info)
+        self.last_pass = info
         self.pos += rows
         return logits
 
