@@ -25,12 +25,23 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="weight seed (0 matches the preset as run directly)")
 
 
+def byte_symbols() -> dict[int, str]:
+    """The printable symbol byte-level BPE uses for each byte (the GPT-2 table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return symbols
+
+
 def write_byte_tokenizer(path: Path) -> None:
-    """A byte-level tokenizer with one token per byte: any text round-trips, ids < 256."""
+    """A byte-level tokenizer with one token per byte, id = byte value: any text round-trips."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    vocab = {sym: b for b, sym in byte_symbols().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path))

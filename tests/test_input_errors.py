@@ -1,0 +1,53 @@
+"""Bad input: one line on stderr naming what is wrong, exit code 2, no traceback, no rank started."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from test_loader_errors import assert_usage_error
+
+CASES = {
+    "negative-id": (["--token-ids", "1,-2,3"], "token id -2 at position 1 is outside the vocab [0, 1000)"),
+    "id-over-vocab": (["--token-ids", "1,1000"], "token id 1000 at position 1 is outside the vocab"),
+    "empty-prompt": (["--token-ids", ""], "the prompt is empty"),
+    "over-max-positions": (["--token-ids", "1,2", "--max-new-tokens", "40000"], "over max_position_embeddings=32768"),
+    "junk-id": (["--token-ids", "1,x2,3"], "'x2' is not an integer token id"),
+    "tp-world-zero": (["--token-ids", "1", "--tp-world", "0"], "--tp-world must be >= 1, got 0"),
+    "unknown-preset": (["--token-ids", "1", "--preset", "huge"], "unknown preset 'huge'"),
+    "bad-dtype": (["--token-ids", "1", "--dtype", "fp8"], "--dtype 'fp8' is not one of"),
+    "negative-pin": (["--token-ids", "1", "--pin-slices", "-1"], "--pin-slices must be a non-negative integer, got -1"),
+    "text-pin": (["--token-ids", "1", "--pin-slices", "two"], "--pin-slices must be a non-negative integer, got 'two'"),
+    "prompt-without-tokenizer": (["--prompt", "hello"], "--prompt needs a checkpoint with tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_generate_input(case):
+    args, message = CASES[case]
+    assert_usage_error(run_cli("generate", "--preset", "tiny", "--tp-world", "2", *args), message)
+
+
+def test_junk_token_ids_file(tmp_path):
+    f = tmp_path / "ids.txt"
+    f.write_text("1, 2, 3\n4 five 6\n")
+    assert_usage_error(run_cli("generate", "--preset", "tiny", "--token-ids-file", f), "'five' is not an integer token id")
+
+
+def test_missing_token_ids_file(tmp_path):
+    assert_usage_error(run_cli("generate", "--preset", "tiny", "--token-ids-file", tmp_path / "none.txt"), "none.txt: cannot read")
+
+
+def test_bad_flag_value_is_one_line():
+    r = run_cli("bench", "--prompt-tokens", "many")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path):
+    f = tmp_path / "ids.txt"
+    f.write_text("104 101\n108,108 111")
+    by_file = run_cli("generate", "--ckpt", tiny_ckpt, "--token-ids-file", f, "--max-new-tokens", 3)
+    by_text = run_cli("generate", "--ckpt", tiny_ckpt, "--prompt", "hello", "--max-new-tokens", 3)
+    assert by_file.returncode == 0 and by_text.returncode == 0, by_file.stderr + by_text.stderr
+    assert by_file.stdout.splitlines()[0] == by_text.stdout.splitlines()[0]
+    assert len(by_text.stdout.splitlines()) == 2

@@ -1,0 +1,119 @@
+"""A broken checkpoint is reported by name, in one line, with exit code 2, before any rank starts;
+the layouts real releases use (nested text weights, sharded files, mtp/vision extras) load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_cli
+
+PROMPT = "1,2,3,4,5,6,7,8"
+
+
+def generate(ckpt, *extra, world=1):
+    return run_cli("generate", "--ckpt", ckpt, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32", "--tp-world", world, *extra)
+
+
+def assert_usage_error(r, *fragments):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture
+def ckpt_copy(tiny_ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, dst)
+    return dst
+
+
+def rewrite(ckpt, change):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+def reference_ids(ckpt):
+    r = generate(ckpt)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()[0]
+
+
+def test_missing_directory(tmp_path):
+    assert_usage_error(generate(tmp_path / "nowhere"), "nowhere", "does not exist")
+
+
+def test_missing_tensor_named(ckpt_copy):
+    rewrite(ckpt_copy, lambda t: t.pop("model.layers.1.linear_attn.A_log"))
+    assert_usage_error(generate(ckpt_copy, world=2), "missing 1 tensor", "model.layers.1.linear_attn.A_log")
+
+
+def test_unexpected_tensor_named(ckpt_copy):
+    rewrite(ckpt_copy, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(2, 2)))
+    assert_usage_error(generate(ckpt_copy), "unexpected 1 tensor", "model.layers.0.mlp.extra_proj.weight")
+
+
+def test_shape_mismatch_named(ckpt_copy):
+    rewrite(ckpt_copy, lambda t: t.__setitem__("model.norm.weight", torch.zeros(63)))
+    assert_usage_error(generate(ckpt_copy), "model.norm.weight has shape [63], expected [64]")
+
+
+def test_dtype_mismatch_named(ckpt_copy):
+    rewrite(ckpt_copy, lambda t: t.__setitem__("model.norm.weight", torch.zeros(64, dtype=torch.int32)))
+    assert_usage_error(generate(ckpt_copy), "model.norm.weight has dtype I32")
+
+
+def test_truncated_file_named(ckpt_copy):
+    path = ckpt_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    assert_usage_error(generate(ckpt_copy), "model.safetensors is truncated or corrupt")
+
+
+def test_invalid_config_json(ckpt_copy):
+    (ckpt_copy / "config.json").write_text("{not json")
+    assert_usage_error(generate(ckpt_copy), "config.json", "invalid JSON")
+
+
+def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(tmp_path):
+    sharded = tmp_path / "sharded"
+    r = run_cli("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", sharded, "--max-shard-mib", 1)
+    assert r.returncode == 0, r.stderr
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    direct = run_cli("generate", "--preset", "tiny", "--layers", "24", "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32")
+    assert direct.returncode == 0, direct.stderr
+    assert reference_ids(sharded) == direct.stdout.splitlines()[0]
+    (sharded / shards[-1]).unlink()
+    assert_usage_error(generate(sharded), "absent", shards[-1])
+
+
+def test_nested_multimodal_layout_loads_and_skips_extras(tiny_ckpt, tmp_path):
+    """text_config nesting, `model.language_model.` names, and mtp/vision weights that are skipped."""
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    tensors = load_file(str(tiny_ckpt / "model.safetensors"))
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in tensors.items()}
+    renamed["mtp.fc.weight"] = torch.zeros(3, 3)
+    renamed["model.visual.patch_embed.weight"] = torch.zeros(3, 3)
+    save_file(renamed, str(nested / "model.safetensors"))
+    flat = json.loads((tiny_ckpt / "config.json").read_text())
+    (nested / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": flat, "tie_word_embeddings": False}))
+    assert reference_ids(nested) == reference_ids(tiny_ckpt)
+
+
+def test_layers_cut_beyond_checkpoint(tiny_ckpt):
+    assert_usage_error(generate(tiny_ckpt, "--layers", 9), "--layers 9", "only 4 layers")
+
+
+def test_unsplittable_world_names_dimension_and_valid_sizes(tiny_ckpt):
+    assert_usage_error(generate(tiny_ckpt, world=3), "over 3 ranks", "num_attention_heads=4", "valid world sizes: 1, 2, 4")
