@@ -1,0 +1,64 @@
+"""Engine-level consistency on the tiny preset in fp32, in process at TP=1: prefill then decode
+equals one longer prefill, and the state caches behave across sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pocketllm.distributed.policy import RulePolicy
+from pocketllm.distributed.state import set_tp
+from pocketllm.engine.runner import Engine
+from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.presets import get_preset
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    set_tp(0, 1)
+    cfg = get_preset("tiny").with_layers(8)
+    return Engine(cfg, RandomWeights(cfg), torch.float32, torch.device("cpu"), RulePolicy())
+
+
+def ids(n: int, offset: int = 0) -> torch.Tensor:
+    return torch.tensor([(13 * i + 5 + offset) % 1000 for i in range(n)])
+
+
+@pytest.mark.parametrize("prompt_len,decode_steps", [(1, 5), (70, 6), (130, 3)], ids=lambda v: str(v))
+def test_prefill_then_decode_equals_longer_prefill(engine, prompt_len, decode_steps):
+    seq = ids(prompt_len + decode_steps)
+    engine.start_sequence(len(seq))
+    full = engine.prefill(seq, all_logits=True)
+    engine.start_sequence(len(seq))
+    step_logits = [engine.prefill(seq[:prompt_len])]
+    for t in seq[prompt_len:].tolist():
+        step_logits.append(engine.decode(t))
+    torch.testing.assert_close(torch.stack(step_logits), full[prompt_len - 1 :], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_in_two_parts_equals_one(engine):
+    """A second prefill continues from the first's conv, recurrent and KV state."""
+    seq = ids(150, offset=7)
+    engine.start_sequence(150)
+    whole = engine.prefill(seq)
+    engine.start_sequence(150)
+    engine.prefill(seq[:90])
+    torch.testing.assert_close(engine.prefill(seq[90:]), whole, atol=1e-4, rtol=1e-4)
+
+
+def test_new_sequence_forgets_the_previous_one(engine):
+    engine.start_sequence(40)
+    first = engine.prefill(ids(40, offset=3))
+    engine.start_sequence(40)
+    engine.prefill(ids(40, offset=11))
+    engine.start_sequence(40)
+    torch.testing.assert_close(engine.prefill(ids(40, offset=3)), first, atol=0, rtol=0)
+
+
+def test_pass_accounting_at_world_one(engine):
+    engine.start_sequence(8)
+    engine.prefill(ids(8))
+    assert engine.last_pass.kind == "prefill" and engine.last_pass.rows == 8
+    assert engine.last_collectives == {}
