@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pocketllm.ops.gemm import linear_rows
 from pocketllm.distributed.state import all_reduce_, all_reduce_async_, tp
 
 
@@ -36,14 +37,13 @@ def projection_all_reduce_overlapped(
     serial GEMM-then-all-reduce for every slice count."""
     rows = x.shape[0]
     out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-    wt = weight.t()
     if is_serial(rows, slices):
-        torch.mm(x, wt, out=out)
+        linear_rows(x, weight, out=out)
         all_reduce_(out, site)
         return out
     works = []
     for start, end in slice_bounds(rows, slices):
-        torch.mm(x[start:end], wt, out=out[start:end])
+        linear_rows(x[start:end], weight, out=out[start:end])
         works.append(all_reduce_async_(out[start:end], site))
     for work in works:
         work.wait()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed.state import all_gather_cat, all_reduce_, tp
+from pocketllm.ops.gemm import linear_rows
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param
 
 
@@ -55,5 +56,5 @@ class ParallelLMHead(nn.Module):
             self.weight, _, _ = _vocab_param(key, vocab, hidden, dtype, device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight).float()
+        logits = linear_rows(h, self.weight).float()
         return all_gather_cat(logits)[..., : self.vocab]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed.overlap import projection_all_reduce_overlapped
 from pocketllm.distributed.state import tp
+from pocketllm.ops.gemm import linear_rows
 from pocketllm.layers.sharding import RowRange, ShardSource, read_cols, row_sources, sharded_param
 
 
@@ -24,7 +24,7 @@ class ColumnParallelLinear(nn.Module):
         self.part_sizes = [s.dest[1] - s.dest[0] for s in sources]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear_rows(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
