@@ -1,0 +1,1 @@
+"""Benchmarks and their reports: sweeps, tables and plots built from measured runs."""

@@ -1,0 +1,1 @@
+"""Compute kernels the layers call: the gated delta rule (naive, chunked, device backends)."""

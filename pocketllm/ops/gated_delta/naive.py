@@ -1,0 +1,97 @@
+"""The gated delta rule token by token: the reference every faster kernel is tested against, and
+the decode path (one token, state updated in place).
+
+Shapes are one sequence, no batch dim: q, k [T, Hk, Dk] (already l2-normalised, q already scaled
+by Dk**-0.5), v [T, Hv, Dv], g (log decay, <= 0) and beta [T, Hv], state [Hv, Dk, Dv] fp32.
+Value head j reads key head j // (Hv // Hk). Per value head, in fp32:
+    S = S * exp(g_t);  delta = beta_t * (v_t - k_t^T S);  S = S + k_t (x) delta;  o_t = q_t^T S
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_shapes(q, k, v, g, beta, state=None) -> tuple[int, int, int, int, int]:
+    """Validate one sequence's inputs; return (T, Hk, Hv, Dk, Dv)."""
+    if k.dim() != 3 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [T, Hk, Dk]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    T, Hk, Dk = k.shape
+    if v.dim() != 3 or v.shape[0] != T:
+        raise ValueError(f"v must be [T={T}, Hv, Dv]; got {tuple(v.shape)}")
+    Hv, Dv = v.shape[1], v.shape[2]
+    if Hv % Hk != 0:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (T, Hv):
+            raise ValueError(f"{name} must be [T={T}, Hv={Hv}]; got {tuple(x.shape)}")
+    if state is not None and tuple(state.shape) != (Hv, Dk, Dv):
+        raise ValueError(f"state must be [Hv={Hv}, Dk={Dk}, Dv={Dv}]; got {tuple(state.shape)}")
+    return T, Hk, Hv, Dk, Dv
+
+
+def expand_to_value_heads(x: torch.Tensor, value_heads: int) -> torch.Tensor:
+    """[..., Hk, D] -> [..., Hv, D] with consecutive value heads sharing a key head, in fp32."""
+    groups = value_heads // x.shape[-2]
+    x = x.float()
+    if groups == 1:
+        return x
+    return x.repeat_interleave(groups, dim=-2)
+
+
+def _step_f32(q, k, v, decay, beta, state, out, kv_mem) -> None:
+    """One token on prepared fp32 rows: q, k [Hv, Dk], v, out [Hv, Dv], decay, beta [Hv]."""
+    state.mul_(decay[:, None, None])
+    # k^T S for every head as one small bmm, into a reused [Hv, 1, Dv] buffer.
+    torch.bmm(k[:, None, :], state, out=kv_mem)
+    delta = torch.sub(v, kv_mem[:, 0], out=kv_mem[:, 0])  # [Hv, Dv]
+    delta.mul_(beta[:, None])
+    # The rank-1 update S += k (x) delta, in place: no state-sized temporary.
+    state.baddbmm_(k[:, :, None], delta[:, None, :])
+    torch.bmm(q[:, None, :], state, out=out[:, None, :])
+
+
+def gated_delta_step_(q, k, v, g, beta, state, out=None) -> torch.Tensor:
+    """Advance `state` ([Hv, Dk, Dv] fp32) by one token in place; return out [1, Hv, Dv].
+
+    `out` may be given ([1, Hv, Dv], any float dtype) to avoid allocating the result.
+    """
+    if q.dim() == 2:
+        q, k, v, g, beta = q[None], k[None], v[None], g.reshape(1, -1), beta.reshape(1, -1)
+    T, _, Hv, Dk, Dv = check_shapes(q, k, v, g, beta, state)
+    if T != 1:
+        raise ValueError(f"gated_delta_step_ takes one token; got T={T}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"state must be float32; got {state.dtype}")
+    q_v = expand_to_value_heads(q[0], Hv)  # [Hv, Dk]
+    k_v = expand_to_value_heads(k[0], Hv)  # [Hv, Dk]
+    decay = g[0].float().exp()  # [Hv]
+    kv_mem = state.new_empty(Hv, 1, Dv)
+    if out is None:
+        out = torch.empty(1, Hv, Dv, dtype=v.dtype, device=v.device)
+    target = out[0] if out.dtype == torch.float32 and out.is_contiguous() else state.new_empty(Hv, Dv)
+    _step_f32(q_v, k_v, v[0].float(), decay, beta[0].float(), state, target, kv_mem)
+    if target.data_ptr() != out.data_ptr():
+        out[0].copy_(target)
+    return out
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
+    """The whole sequence one token at a time. Returns (out [T, Hv, Dv] in v's dtype,
+    final_state [Hv, Dk, Dv] fp32)."""
+    T, _, Hv, Dk, Dv = check_shapes(q, k, v, g, beta, initial_state)
+    if initial_state is None:
+        state = torch.zeros(Hv, Dk, Dv, dtype=torch.float32, device=v.device)
+    else:
+        state = initial_state.to(dtype=torch.float32, copy=True)
+    # Convert and expand once for the whole sequence so the per-token loop only does the math.
+    q_v = expand_to_value_heads(q, Hv)  # [T, Hv, Dk]
+    k_v = expand_to_value_heads(k, Hv)  # [T, Hv, Dk]
+    v_f = v.float()  # [T, Hv, Dv]
+    decay = g.float().exp()  # [T, Hv]
+    beta_f = beta.float()  # [T, Hv]
+    out = torch.empty(T, Hv, Dv, dtype=torch.float32, device=v.device)
+    kv_mem = state.new_empty(Hv, 1, Dv)
+    for t in range(T):
+        _step_f32(q_v[t], k_v[t], v_f[t], decay[t], beta_f[t], state, out[t], kv_mem)
+    return out.to(v.dtype), state

@@ -1,0 +1,207 @@
+"""The gated delta rule kernels against a float64 per-token reference, and the kernel seam."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pocketllm.ops.gated_delta.backends as backends
+import pocketllm.ops.gated_delta.chunked as chunked_module
+from pocketllm.ops.gated_delta import (
+    GdnKernelError,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    gated_delta_step_,
+    select_gdn_kernel,
+)
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def reference_f64(q, k, v, g, beta, initial_state=None):
+    """The recurrence exactly as written, in float64, token by token."""
+    T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[1:]
+    q, k = (x.double().repeat_interleave(Hv // Hk, dim=1) for x in (q, k))
+    v, g, beta = v.double(), g.double(), beta.double()
+    S = torch.zeros(Hv, Dk, Dv, dtype=torch.float64) if initial_state is None else initial_state.double().clone()
+    out = torch.empty(T, Hv, Dv, dtype=torch.float64)
+    for t in range(T):
+        S = S * g[t].exp()[:, None, None]
+        delta = beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], S))
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hk,hkv->hv", q[t], S)
+    return out, S
+
+
+def make_inputs(T, Hk, Hv, Dk, Dv, gates="mild", seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1) * Dk**-0.5
+    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1)
+    v = torch.randn(T, Hv, Dv, generator=gen)
+    if gates == "strong":
+        g = -5.0 * torch.rand(T, Hv, generator=gen)
+    elif gates == "none":
+        g = torch.zeros(T, Hv)
+    else:
+        g = -F.softplus(torch.randn(T, Hv, generator=gen) - 1.0)
+    beta = torch.rand(T, Hv, generator=gen)
+    state = torch.randn(Hv, Dk, Dv, generator=gen) * 0.5
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), state
+
+
+def assert_close_rel(actual, expected, tol=1e-4):
+    err = (actual.double() - expected.double()).abs().max().item()
+    scale = expected.double().abs().max().item()
+    assert err <= tol * max(scale, 1e-6), f"max abs err {err:.3e} vs max |ref| {scale:.3e}"
+
+
+CASES = [
+    pytest.param(T, Hk, Hk * groups, with_state, id=f"T{T}-Hk{Hk}-Hv{Hk * groups}-{'state' if with_state else 'zero'}")
+    for T, Hk in ((1, 2), (63, 2), (64, 2), (65, 2), (1000, 1))
+    for groups in (1, 2, 3)
+    for with_state in (False, True)
+]
+
+
+@pytest.mark.parametrize("T, Hk, Hv, with_state", CASES)
+def test_kernels_match_float64_reference(T, Hk, Hv, with_state):
+    Dk, Dv = (16, 8) if T >= 1000 else (32, 16)
+    q, k, v, g, beta, state = make_inputs(T, Hk, Hv, Dk, Dv)
+    initial = state if with_state else None
+    ref_out, ref_state = reference_f64(q, k, v, g, beta, initial)
+    for kernel in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
+        out, final = kernel(q, k, v, g, beta, initial)
+        assert out.shape == (T, Hv, Dv) and out.dtype == v.dtype
+        assert final.shape == (Hv, Dk, Dv) and final.dtype == torch.float32
+        assert_close_rel(out, ref_out)
+        assert_close_rel(final, ref_state)
+    if with_state:
+        assert torch.equal(initial, state), "the kernels must not modify initial_state"
+
+
+@pytest.mark.parametrize("gates", ["strong", "none"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunked_across_blocks_and_gate_extremes(monkeypatch, gates, chunk_size):
+    # Small blocks so the sequence spans several precompute blocks and a ragged last chunk.
+    monkeypatch.setattr(chunked_module, "BLOCK_ROWS", 2 * 6 * chunk_size)
+    q, k, v, g, beta, state = make_inputs(333, 2, 6, 32, 16, gates=gates)
+    ref_out, ref_state = reference_f64(q, k, v, g, beta, state)
+    out, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
+    assert_close_rel(out, ref_out)
+    assert_close_rel(final, ref_state)
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+@pytest.mark.parametrize("T", [31, 32, 33, 63, 64, 65, 129])
+def test_chunked_at_chunk_boundaries(T, chunk_size):
+    q, k, v, g, beta, state = make_inputs(T, 2, 6, 16, 8)
+    ref_out, ref_state = reference_f64(q, k, v, g, beta, state)
+    out, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
+    assert_close_rel(out, ref_out)
+    assert_close_rel(final, ref_state)
+
+
+def test_strided_inputs_as_the_layer_passes_them():
+    # The layer splits one projection into q, k, v views: rows are not contiguous.
+    T, Hk, Hv, Dk, Dv = 100, 2, 4, 16, 8
+    q, k, v, g, beta, state = make_inputs(T, Hk, Hv, Dk, Dv)
+    mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qs, ks, vs = mixed.split((Hk * Dk, Hk * Dk, Hv * Dv), dim=1)
+    qs, ks, vs = qs.view(T, Hk, Dk), ks.view(T, Hk, Dk), vs.view(T, Hv, Dv)
+    assert not qs.is_contiguous()
+    ref_out, ref_state = reference_f64(q, k, v, g, beta, state)
+    for kernel in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
+        out, final = kernel(qs, ks, vs, g, beta, state)
+        assert_close_rel(out, ref_out)
+        assert_close_rel(final, ref_state)
+    S = state.clone()
+    out = gated_delta_step_(qs[:1], ks[:1], vs[:1], g[:1], beta[:1], S)
+    assert_close_rel(out[0], reference_f64(q[:1], k[:1], v[:1], g[:1], beta[:1], state)[0][0])
+
+
+def test_step_updates_state_in_place_and_matches_recurrence():
+    q, k, v, g, beta, state = make_inputs(20, 2, 6, 32, 16)
+    ref_out, ref_state = gated_delta_rule_recurrent(q, k, v, g, beta, state)
+    S = state.clone()
+    ptr = S.data_ptr()
+    out_buf = torch.empty(1, 6, 16)
+    for t in range(20):
+        out = gated_delta_step_(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], S, out=out_buf)
+        assert out.data_ptr() == out_buf.data_ptr()
+        assert_close_rel(out[0], ref_out[t], tol=1e-6)
+    assert S.data_ptr() == ptr
+    assert_close_rel(S, ref_state, tol=1e-6)
+
+
+def test_bf16_inputs_keep_fp32_state():
+    q, k, v, g, beta, state = make_inputs(70, 2, 4, 32, 16, dtype=torch.bfloat16)
+    ref_out, ref_state = reference_f64(q, k, v, g, beta, state)
+    for kernel in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
+        out, final = kernel(q, k, v, g, beta, state)
+        assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
+        assert_close_rel(out.float(), ref_out, tol=1e-2)
+        assert_close_rel(final, ref_state)
+    S = state.clone()
+    out = gated_delta_step_(q[:1], k[:1], v[:1], g[:1], beta[:1], S)
+    assert out.shape == (1, 4, 16) and out.dtype == torch.bfloat16 and S.dtype == torch.float32
+
+
+def test_step_rejects_non_fp32_state():
+    q, k, v, g, beta, state = make_inputs(1, 1, 2, 8, 8)
+    with pytest.raises(ValueError, match="float32"):
+        gated_delta_step_(q, k, v, g, beta, state.bfloat16())
+
+
+def test_chunked_matches_transformers():
+    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    q, k, v, g, beta, state = make_inputs(150, 2, 6, 32, 32)
+    # transformers scales q by Dk**-0.5 itself and takes [B, T, H, D].
+    hf_out, hf_state = hf.torch_chunk_gated_delta_rule(
+        (q * 32**0.5)[None], k[None], v[None], g=g[None], beta=beta[None],
+        initial_state=state[None], output_final_state=True,
+    )
+    out, final = gated_delta_rule_chunked(q, k, v, g, beta, state)
+    assert_close_rel(out, hf_out[0])
+    assert_close_rel(final, hf_state[0])
+
+
+def test_default_kernel_on_cpu_is_chunk_and_logged_once(monkeypatch, caplog):
+    monkeypatch.delenv("QWEN_GDN_KERNEL", raising=False)
+    monkeypatch.setattr(backends, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="pocketllm"):
+        kernel = select_gdn_kernel("cpu")
+        select_gdn_kernel("cpu")
+    assert kernel.name == "chunk"
+    assert kernel.prefill is gated_delta_rule_chunked and kernel.decode_step_ is gated_delta_step_
+    assert [r.getMessage() for r in caplog.records] == ["gdn kernel: chunk (torch chunked kernel on cpu)"]
+
+
+def test_forced_recurrent_prefills_and_decodes_per_token(monkeypatch):
+    monkeypatch.setenv("QWEN_GDN_KERNEL", "recurrent")
+    kernel = select_gdn_kernel("cpu")
+    assert kernel.name == "recurrent" and kernel.prefill is gated_delta_rule_recurrent
+    q, k, v, g, beta, _ = make_inputs(10, 1, 2, 8, 8)
+    out, state = kernel.prefill(q[:9], k[:9], v[:9], g[:9], beta[:9], None)
+    last = kernel.decode_step_(q[9:], k[9:], v[9:], g[9:], beta[9:], state)
+    ref_out, ref_state = reference_f64(q, k, v, g, beta)
+    assert_close_rel(torch.cat([out, last]), ref_out)
+    assert_close_rel(state, ref_state)
+
+
+def test_forced_fla_on_cpu_names_fla(monkeypatch):
+    monkeypatch.setenv("QWEN_GDN_KERNEL", "fla")
+    with pytest.raises(GdnKernelError, match="fla") as info:
+        select_gdn_kernel("cpu")
+    assert "chunk" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_kernel_is_refused(monkeypatch):
+    monkeypatch.setenv("QWEN_GDN_KERNEL", "bogus")
+    with pytest.raises(GdnKernelError, match="bogus") as info:
+        select_gdn_kernel("cpu")
+    assert isinstance(info.value, ValueError)
+    assert "chunk, recurrent, fla, npu" in str(info.value)

@@ -1,0 +1,47 @@
+"""`pocketllm gdn-bench` end to end on a tiny shape: kernels agree and the last line is the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from pocketllm.bench import gdn_bench
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    gdn_bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_tiny_run_prints_json_summary_last(capsys):
+    args = parse("--tokens", "130", "--reps", "2", "--key-heads", "2", "--value-heads", "4",
+                 "--head-dim", "32", "--threads", "1")
+    threads = torch.get_num_threads()
+    try:
+        assert gdn_bench.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert set(summary) == {"vs_transformers_chunk", "vs_recurrent", "matmul_rate_fraction"}
+    assert summary["vs_recurrent"] > 0 and summary["matmul_rate_fraction"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (("--tokens", "0"), "--tokens"),
+        (("--key-heads", "4", "--value-heads", "6"), "--value-heads"),
+        (("--dtype", "float8"), "float8"),
+    ],
+    ids=["tokens0", "heads-not-multiple", "unknown-dtype"],
+)
+def test_bad_values_are_usage_errors(argv, word):
+    errors = pytest.importorskip("pocketllm.errors")
+    with pytest.raises(errors.UsageError, match=word) as info:
+        gdn_bench.main(parse(*argv))
+    assert "\n" not in str(info.value)
