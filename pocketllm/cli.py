@@ -16,7 +16,11 @@ COMMANDS = {
     "bench": ("commands.bench", "resident bench: timed prefill and decode", True),
     "make-checkpoint": ("commands.make_checkpoint", "write a preset as an HF safetensors checkpoint", False),
     "policy": ("commands.policy", "print the slice count per row count, starting no rank", False),
-    # "gdn-bench": ("bench.gdn_bench", "time the gated delta rule kernels side by side", False),
+    "profile": ("commands.profile", "where the prefill wall goes: phase-profile tables per prompt length", True),
+    "allreduce": ("commands.allreduce", "all-reduce cost per payload size, with a latency/bandwidth fit", False),
+    "calibrate": ("commands.calibrate", "time the overlapped projection per rows x slices and write a calibration", True),
+    "sweep": ("commands.sweep", "prefill/decode TPS per row count for pinned slice counts and policies", True),
+    "gdn-bench": ("bench.gdn_bench", "time the gated delta rule kernels side by side", False),
 }
 
 

@@ -147,10 +147,20 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     for i, kind in enumerate(layer_types):
         if kind not in LAYER_KINDS:
             raise ConfigError(f"{where}: layer_types[{i}] is {kind!r}; known kinds: {', '.join(LAYER_KINDS)}")
+    # Optional fields have defaults, but a value that is present must make sense.
+    for key in ("head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
+        _check_positive(text.get(key), key, where, integer=True)
+    _check_positive(text.get("rms_norm_eps"), "rms_norm_eps", where)
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_parameters is not an object (got {rope!r})")
     rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    _check_positive(rope_theta, "rope_theta", where)
+    _check_positive(partial, "partial_rotary_factor", where)
+    if partial > 1:
+        raise ConfigError(f"{where}: partial_rotary_factor must be in (0, 1], got {partial}")
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -178,6 +188,15 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
         eos_token_ids=eos_ids,
         checkpoint_dtype=str(dtype),
     )
+
+
+def _check_positive(value, key: str, where: str, integer: bool = False) -> None:
+    """None (absent) passes; anything else must be a positive number (an integer if asked)."""
+    if value is None:
+        return
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+        raise ConfigError(f"{where}: {key} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
 
 def load_config(ckpt_dir: Path) -> ModelConfig:

@@ -1,5 +1,6 @@
-"""Running a model command on every rank: plan and check in this process, start the ranks if this
-process is the launcher, else join the process group, build the engine and do the work."""
+"""Running a model command on every rank: the launcher plans and checks, then starts the ranks; a
+rank joins the process group, takes rank 0's checked plan and inputs, builds the engine and does
+the work, and any failure ends it with one line (pocketllm.launch.run_rank)."""
 
 from __future__ import annotations
 
@@ -11,32 +12,56 @@ import torch
 from pocketllm.device import setup_device
 from pocketllm.distributed.state import all_gather_cat, tp
 from pocketllm.engine.runner import Engine
-from pocketllm.launch import init_distributed, rank_env, shutdown_distributed, spawn_local_ranks
+from pocketllm.faults import FaultHook, fault_from_env
+from pocketllm.launch import PassTracker, checked_on_rank0, init_distributed, rank_env, run_rank, spawn_local_ranks
 from pocketllm.model_args import dist_timeout, plan_model, say
+from pocketllm.profiling.profiler import attach_profiler, profile_options
 
 
 def run_ranked(args, argv: list[str], prepare, work) -> int:
     """prepare(args, plan) checks the command's own inputs and returns them; work(args, plan,
     inputs, engine, device) runs on every rank with the engine loaded."""
     renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path)
-    plan = plan_model(args)
-    inputs = prepare(args, plan)
+    profiling = profile_options(args)
+    fault = fault_from_env(args.tp_world if renv is None else renv.world)
     if renv is None:
+        # The launcher checks everything before it starts a rank: a bad input starts nothing.
+        prepare(args, plan_model(args))
         return spawn_local_ranks(args.tp_world, argv)
+    # run_rank leaves the process group after noting any failure, so the launcher hears the cause
+    # before the peers notice this rank is gone.
+    return run_rank(renv, lambda: _on_rank(args, renv, prepare, work, profiling, fault))
+
+
+def _checked(args, prepare):
+    plan = plan_model(args)
+    return plan, prepare(args, plan)
+
+
+def _on_rank(args, renv, prepare, work, profiling, fault) -> int:
     device = setup_device(args.device, renv.local_rank, renv.local_world)
-    init_distributed(renv, device.backend, dist_timeout(args, device.backend))
+    profiler = None
     try:
+        # Rank 0 checks the inputs once and shares them, so every rank runs on the same ones.
+        plan, inputs = checked_on_rank0(
+            renv, lambda: _checked(args, prepare), lambda: init_distributed(renv, device.backend, dist_timeout(args, device.backend))
+        )
         if plan.policy.note:
             say(f"note: {plan.policy.note}")
         t0 = time.perf_counter()
+        faults = FaultHook(fault, renv.rank)
+        faults.at("load")
         engine = Engine(plan.cfg, plan.open_source(), plan.dtype, device.torch_device, plan.policy.policy)
+        engine.hooks += [PassTracker(), faults]
         say(
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"
         )
+        profiler = attach_profiler(engine, profiling, tp().rank, device.synchronize)
         return work(args, plan, inputs, engine, device)
     finally:
-        shutdown_distributed()
+        if profiler is not None:
+            profiler.close()
 
 
 def peak_rss_mib_per_rank() -> list[float]:

@@ -1,0 +1,243 @@
+"""How ranks find each other, bounded and checked, before torch.distributed takes over.
+
+- Started by the local launcher: a FileStore in a fresh private directory (mode 0700) that the
+  launcher made for this run and removes afterwards.
+- Started by hand with `--nccl-id-path FILE`: rank 0 creates FILE exclusively and writes a run
+  nonce into it; the FileStore lives next to it in FILE.store. The other ranks wait (bounded by
+  POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS) for FILE, register their rank in the store once, and wait
+  for rank 0 to answer. A FILE left by an earlier run is refused with the command that clears it.
+- Under torchrun (env://): torch's TCPStore on MASTER_ADDR:MASTER_PORT; a port already in use is
+  a one-line error.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tempfile
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pocketllm.errors import UsageError
+
+ENV_WAIT_ATTEMPTS = "POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS"
+# One wait attempt of the hand-started rendezvous, as the C++ engine counts them.
+WAIT_ATTEMPT_SECONDS = 0.01
+DEFAULT_WAIT_ATTEMPTS = 12_000
+MAGIC = "pocketllm-rendezvous 1"
+END = "end"
+REFUSED = "refused"
+
+# Files this process must remove when the run ends (rank 0 of a hand-started run owns them).
+_owned: list[str] = []
+
+
+class RendezvousError(UsageError):
+    """The ranks cannot meet as asked: a stale or unwritable rendezvous file, a busy port."""
+
+
+def private_dir() -> str:
+    """A fresh directory only this user can enter (mkdtemp makes it 0700), for one run."""
+    return tempfile.mkdtemp(prefix="pocketllm-rdzv-")
+
+
+def wait_seconds(env=os.environ) -> float:
+    raw = env.get(ENV_WAIT_ATTEMPTS, "")
+    try:
+        attempts = int(raw) if raw else DEFAULT_WAIT_ATTEMPTS
+    except ValueError:
+        raise UsageError(f"{ENV_WAIT_ATTEMPTS} must be a positive integer, got {raw!r}") from None
+    if attempts < 1:
+        raise UsageError(f"{ENV_WAIT_ATTEMPTS} must be a positive integer, got {attempts}")
+    return attempts * WAIT_ATTEMPT_SECONDS
+
+
+def join_group(backend: str, rank: int, world: int, timeout_s: float, store_path: str | None, id_path: str | None) -> None:
+    try:
+        _join_group(backend, rank, world, timedelta(seconds=timeout_s), store_path, id_path)
+    except BaseException:
+        leave_group()
+        raise
+
+
+def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_path: str | None, id_path: str | None) -> None:
+    if id_path is not None:
+        store = _file_rendezvous(id_path, rank, world, wait_seconds())
+        store.set_timeout(timeout)
+    elif store_path is not None:
+        store = dist.FileStore(store_path, world)
+        store.set_timeout(timeout)
+    else:
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        except dist.DistNetworkError as exc:
+            if "EADDRINUSE" in str(exc):
+                port = os.environ.get("MASTER_PORT", "?")
+                raise RendezvousError(
+                    f"MASTER_PORT {port} is already in use on {socket.gethostname()}; rank 0 listens there for the "
+                    f"rendezvous, so give every rank a free port (torchrun --master-port PORT)"
+                ) from None
+            raise
+        return
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    while _owned:
+        try:
+            os.unlink(_owned.pop())
+        except FileNotFoundError:
+            pass
+
+
+def _clear_command(path: str) -> str:
+    return f"rm -f {path} {path}.store"
+
+
+def _read(path: str) -> dict | None:
+    """FILE's fields once rank 0 has finished writing it; None while absent or half written."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    first, newline, _ = text.partition("\n")
+    if not newline:
+        return None
+    if first != MAGIC:
+        # A file of another tool is never joined.
+        return {"foreign": "1"}
+    lines = text.splitlines()
+    if END not in lines:
+        return None
+    # A later refusal is appended after the end marker and must not hide the first nonce.
+    fields = {}
+    for key, _, value in (line.partition("=") for line in lines[1:] if "=" in line):
+        fields.setdefault(key, value)
+    return fields
+
+
+def _stale_message(path: str, fields: dict | None) -> str:
+    clear = f"clear it with `{_clear_command(path)}` and start every rank again"
+    if not fields or "nonce" not in fields:
+        return f"--nccl-id-path {path} exists and is not a pocketllm rendezvous file; pick another path or {clear}"
+    origin = f"run {fields['nonce']} (rank 0 pid {fields.get('pid', '?')} on {fields.get('host', '?')}, started {fields.get('started', '?')})"
+    if fields.get("host") == socket.gethostname() and _alive(fields.get("pid", "")):
+        return f"--nccl-id-path {path} is in use by {origin}, which is still running; give this run another path"
+    return f"--nccl-id-path {path} is left from an earlier {origin}; {clear}"
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_dir(path: str) -> None:
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise RendezvousError(f"--nccl-id-path {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RendezvousError(f"--nccl-id-path {path}: directory {parent} is not writable by this user")
+
+
+def _file_rendezvous(path: str, rank: int, world: int, wait_s: float):
+    _check_dir(path)
+    if rank == 0:
+        return _create(path, world, wait_s)
+    return _join(path, rank, world, wait_s)
+
+
+def _create(path: str, world: int, wait_s: float):
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        fields = _read(path)
+        _mark_refused(path)
+        raise RendezvousError(_stale_message(path, fields)) from None
+    except OSError as exc:
+        raise RendezvousError(f"--nccl-id-path {path}: cannot create it, directory {os.path.dirname(path) or '.'} is not writable ({exc.strerror})") from None
+    _owned.extend([path + ".store", path])
+    try:
+        # Holding FILE exclusively means no live run uses FILE.store: a leftover one is garbage.
+        if os.path.exists(path + ".store"):
+            os.unlink(path + ".store")
+        store = dist.FileStore(path + ".store", world)
+        fields = {
+            "nonce": secrets.token_hex(8),
+            "world": str(world),
+            "host": socket.gethostname(),
+            "pid": str(os.getpid()),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        # One write with the end marker last, so a reader never acts on half a file.
+        body = "\n".join([MAGIC, *(f"{k}={v}" for k, v in fields.items()), END, ""])
+        os.write(fd, body.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    joined = [f"join/{r}" for r in range(1, world)]
+    deadline = time.monotonic() + wait_s
+    while not store.check(joined):
+        if time.monotonic() > deadline:
+            missing = [str(r) for r in range(1, world) if not store.check([f"join/{r}"])]
+            raise RendezvousError(
+                f"rank(s) {', '.join(missing)} never joined at --nccl-id-path {path} within {wait_s:g} s "
+                f"({ENV_WAIT_ATTEMPTS} x {WAIT_ATTEMPT_SECONDS} s); start every rank with the same path and --tp-world {world}"
+            )
+        time.sleep(WAIT_ATTEMPT_SECONDS)
+    store.set("go", fields["nonce"])
+    return store
+
+
+def _mark_refused(path: str) -> None:
+    """Tell ranks waiting on a stale FILE that no rank 0 will answer there, so they stop now."""
+    try:
+        with open(path, "a") as f:
+            f.write(f"{REFUSED}={os.getpid()}\n")
+    except OSError:
+        pass
+
+
+def _join(path: str, rank: int, world: int, wait_s: float):
+    deadline = time.monotonic() + wait_s
+    fields = _read(path)
+    while fields is None:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"no rank 0 created --nccl-id-path {path} within {wait_s:g} s ({ENV_WAIT_ATTEMPTS} x {WAIT_ATTEMPT_SECONDS} s); "
+                f"start rank 0 with the same path"
+            )
+        time.sleep(WAIT_ATTEMPT_SECONDS)
+        fields = _read(path)
+    if "foreign" in fields or REFUSED in fields:
+        raise RendezvousError(_stale_message(path, fields))
+    if fields.get("world") != str(world):
+        raise RendezvousError(f"--nccl-id-path {path} belongs to a run of --tp-world {fields.get('world')}, this rank has --tp-world {world}")
+    store = dist.FileStore(path + ".store", world)
+    # Each rank registers once per run: a second registration means FILE is from a finished or
+    # crashed run whose rank already came (or two processes claim the same rank).
+    if store.add(f"join/{rank}", 1) > 1:
+        raise RendezvousError(_stale_message(path, fields) + f" (or two processes were started as rank {rank})")
+    while not store.check(["go"]):
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"rank 0 of run {fields['nonce']} never answered at --nccl-id-path {path} within {wait_s:g} s: "
+                f"it died, or the file is left from an earlier run; clear it with `{_clear_command(path)}` and start every rank again"
+            )
+        now = _read(path)
+        if now is None:
+            raise RendezvousError(f"rank 0 of run {fields['nonce']} gave up and removed --nccl-id-path {path}; start every rank again")
+        if REFUSED in now:
+            raise RendezvousError(_stale_message(path, fields))
+        time.sleep(WAIT_ATTEMPT_SECONDS)
+    return store

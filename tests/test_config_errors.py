@@ -1,0 +1,123 @@
+"""A corrupt or incomplete config.json, an unreadable tokenizer.json or a junk token-ids file is one
+line naming the problem and exit 2, checked once before any work: by the launcher before it
+starts a rank, and on rank 0 (which tells the others) when ranks are started by hand.
+
+Most cases call the CLI in this process (no torch import per case) with subprocess.Popen made to
+fail, which proves no rank is started; one case runs hand-started ranks for real."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from pocketllm import cli, launch
+from test_faults import assert_nothing_left, start
+
+PROMPT = "1,2,3,4,5,6,7,8"
+
+
+def _set(key, value):
+    return lambda cfg: cfg.__setitem__(key, value)
+
+
+CONFIG_CASES = {
+    "invalid-json": ("{\"vocab_size\": 1000,", "invalid JSON"),
+    "empty-file": ("", "invalid JSON"),
+    "not-an-object": ("[1, 2]", "expected a JSON object"),
+    "missing-hidden-size": (lambda cfg: cfg.pop("hidden_size"), "hidden_size is missing or not an integer (got None)"),
+    "string-vocab": (_set("vocab_size", "1000"), "vocab_size is missing or not an integer (got '1000')"),
+    "zero-heads": (_set("num_attention_heads", 0), "num_attention_heads must be positive, got 0"),
+    "negative-intermediate": (_set("intermediate_size", -128), "intermediate_size must be positive, got -128"),
+    "negative-head-dim": (_set("head_dim", -16), "head_dim must be a positive integer, got -16"),
+    "zero-eps": (_set("rms_norm_eps", 0), "rms_norm_eps must be a positive number, got 0"),
+    "rope-not-object": (_set("rope_parameters", "default"), "rope_parameters is not an object"),
+    "layer-types-short": (lambda cfg: cfg.__setitem__("layer_types", cfg["layer_types"][:3]), "layer_types has 3 entries, num_hidden_layers is 4"),
+    "layer-types-unknown": (lambda cfg: cfg["layer_types"].__setitem__(1, "mamba"), "layer_types[1] is 'mamba'; known kinds"),
+    "layer-types-not-list": (_set("layer_types", "linear_attention"), "layer_types has linear_attention entries"),
+}
+
+
+def corrupt(ckpt, change) -> None:
+    path = ckpt / "config.json"
+    if isinstance(change, str):
+        path.write_text(change)
+        return
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def ckpt_copy(tiny_ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, dst)
+    return dst
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started for a bad input")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+
+
+def usage_error_in_process(capsys, *argv) -> str:
+    t0 = time.monotonic()
+    rc = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pocketllm: error: "), err
+    assert time.monotonic() - t0 < 5
+    return lines[0]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"tp{w}")
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_corrupt_config_is_one_line(case, world, ckpt_copy, capsys, no_ranks):
+    change, message = CONFIG_CASES[case]
+    corrupt(ckpt_copy, change)
+    line = usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--token-ids", PROMPT, "--tp-world", world)
+    assert message in line and "config.json" in line, line
+
+
+@pytest.mark.timeout(30)
+def test_unreadable_tokenizer_is_one_line(ckpt_copy, capsys, no_ranks):
+    (ckpt_copy / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"')
+    line = usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--prompt", "hello", "--tp-world", 2)
+    assert "tokenizer.json is not a readable tokenizer" in line, line
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "content,message",
+    [("1, 2, 3\n4 five 6\n", "'five' is not an integer token id"), (b"\xff\xfe\x00junk", "cannot read"), ("1 2 1e3", "'1e3' is not an integer")],
+    ids=["word", "binary", "float"],
+)
+def test_junk_token_ids_file_is_one_line(content, message, tmp_path, capsys, no_ranks):
+    f = tmp_path / "ids.txt"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    line = usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids-file", f, "--tp-world", 2)
+    assert message in line, line
+
+
+@pytest.mark.timeout(60)
+def test_hand_started_ranks_agree_on_rank0_verdict(ckpt_copy, tmp_path):
+    """Rank 1 does not check the inputs itself: it gets rank 0's verdict and stops quietly with it."""
+    corrupt(ckpt_copy, CONFIG_CASES["layer-types-unknown"][0])
+    id_path = tmp_path / "run.id"
+    args = ["generate", "--ckpt", ckpt_copy, "--token-ids", PROMPT, "--tp-world", 2, "--nccl-id-path", id_path, "--dist-timeout", 20]
+    runs = [start(*args, "--tp-rank", r, tmp_path=tmp_path) for r in (0, 1)]
+    assert [r.wait() for r in runs] == [2, 2], runs[0].stderr + runs[1].stderr
+    lines0 = runs[0].stderr.strip().splitlines()
+    assert len(lines0) == 1 and "layer_types[1] is 'mamba'" in lines0[0], runs[0].stderr
+    assert runs[1].stderr.strip() == "", runs[1].stderr
+    assert max(r.ended for r in runs) - min(r.started for r in runs) < 30
+    assert not id_path.exists()
+    for r in runs:
+        assert_nothing_left(r)

@@ -1,0 +1,104 @@
+"""Rendezvous is checked and bounded: a --nccl-id-path file left by an earlier run is refused with
+the command that clears it (and the run works once it is cleared), a missing rank 0 is waited for
+only POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS x 10 ms, and an unwritable directory or a busy port is
+one line naming it. The launcher's own private directory is checked in test_faults.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from test_faults import assert_nothing_left, start
+
+ARGS = ["generate", "--preset", "tiny", "--token-ids", "1,2,3,4", "--max-new-tokens", 2, "--dist-timeout", 20]
+
+
+def hand_started(rank: int, id_path, tmp_path, attempts: int = 3000, world: int = 2):
+    env = {"POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS": str(attempts)}
+    return start(*ARGS, "--tp-world", world, "--tp-rank", rank, "--nccl-id-path", id_path, tmp_path=tmp_path, env=env)
+
+
+def one_line_error(run, rc: int = 2) -> str:
+    assert run.wait() == rc, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = [l for _, l in run.lines if l.startswith("pocketllm: error:")]
+    assert len(lines) == 1, run.stderr
+    return lines[0].strip()
+
+
+@pytest.mark.timeout(60)
+def test_stale_file_is_refused_then_cleared(tmp_path):
+    id_path = tmp_path / "run.id"
+    # An earlier run whose rank 0 was killed while it waited for rank 1 leaves the file behind.
+    earlier = hand_started(0, id_path, tmp_path)
+    deadline = time.monotonic() + 30
+    while not (id_path.exists() and "end" in id_path.read_text().split()):
+        assert time.monotonic() < deadline and earlier.proc.poll() is None, earlier.stderr
+        time.sleep(0.05)
+    earlier.proc.send_signal(signal.SIGKILL)
+    earlier.wait()
+
+    # Rank 1 starts first and waits on the stale file; the new rank 0's refusal stops it too,
+    # long before its 30 s wait would run out.
+    rank1 = hand_started(1, id_path, tmp_path)
+    time.sleep(0.5)
+    rank0 = hand_started(0, id_path, tmp_path)
+    message = one_line_error(rank0)
+    assert "is left from an earlier run" in message and str(id_path) in message, message
+    assert "left from an earlier run" in one_line_error(rank1)
+    assert rank1.ended - rank0.ended < 5
+    for run in (rank0, rank1):
+        assert_nothing_left(run)
+
+    # Doing what the message says makes the next run work, and a clean run leaves nothing.
+    clear = re.search(r"`([^`]+)`", message).group(1)
+    subprocess.run(clear, shell=True, check=True)
+    runs = [hand_started(r, id_path, tmp_path) for r in (1, 0)]
+    assert [r.wait() for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    assert "generated_ids=" in runs[1].stdout
+    assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
+
+
+@pytest.mark.timeout(30)
+def test_missing_rank0_is_waited_for_a_bounded_time(tmp_path):
+    rank1 = hand_started(1, tmp_path / "run.id", tmp_path, attempts=100)
+    message = one_line_error(rank1)
+    assert "no rank 0 created --nccl-id-path" in message and "within 1 s" in message, message
+    assert rank1.ended - rank1.started < 15
+    assert_nothing_left(rank1)
+
+
+@pytest.mark.timeout(30)
+def test_unwritable_directory_is_named(tmp_path):
+    if os.geteuid() == 0:
+        # Permission bits do not stop root; sysfs refuses new files to everyone.
+        directory = "/sys"
+    else:
+        directory = tmp_path / "ro"
+        directory.mkdir(mode=0o500)
+    run = hand_started(0, f"{directory}/run.id", tmp_path)
+    message = one_line_error(run)
+    assert f"directory {directory} is not writable" in message, message
+    assert_nothing_left(run)
+
+
+@pytest.mark.timeout(30)
+def test_port_in_use_is_named(tmp_path):
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        run = start(*ARGS, tmp_path=tmp_path, env=env)
+        message = one_line_error(run)
+    finally:
+        busy.close()
+    assert f"MASTER_PORT {port} is already in use" in message, message
+    assert_nothing_left(run)
