@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pocketllm.distributed.accounting import COUNTER
+from pocketllm.profiling.scopes import scope
 
 
 @dataclass
@@ -33,7 +34,9 @@ def all_reduce_(t: torch.Tensor, site: str) -> None:
     if _TP.world == 1:
         return
     COUNTER.add(site)
-    dist.all_reduce(t)
+    with scope("tp_all_reduce", site) as timed:
+        timed.wait_for_peers()
+        dist.all_reduce(t)
 
 
 def all_reduce_async_(t: torch.Tensor, site: str):
@@ -41,7 +44,12 @@ def all_reduce_async_(t: torch.Tensor, site: str):
     if _TP.world == 1:
         return None
     COUNTER.add(site)
-    return dist.all_reduce(t, async_op=True)
+    with scope("tp_all_reduce", site) as timed:
+        timed.wait_for_peers()
+        work = dist.all_reduce(t, async_op=True)
+        # A phase profile waits here, so the scope holds the collective and not just its issue.
+        timed.settle(work)
+    return work
 
 
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +57,8 @@ def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     if _TP.world == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(_TP.world)]
-    dist.all_gather(parts, t.contiguous())
+    with scope("tp_all_gather"):
+        dist.all_gather(parts, t.contiguous())
     return torch.cat(parts, dim=-1)
 
 

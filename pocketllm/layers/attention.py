@@ -14,6 +14,7 @@ from pocketllm.engine.context import ForwardContext
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import apply_rotary
+from pocketllm.profiling.scopes import scope
 
 
 def kv_head_range(num_kv: int, rank: int, world: int) -> tuple[int, int]:
@@ -60,16 +61,25 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: KVCache) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
+        with scope("projections", "full.in"):
+            qkv = self.qkv_proj(x)
+        q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
         q_gate = q_gate.view(t, self.heads, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
-        q = apply_rotary(self.q_norm(q), ctx.cos, ctx.sin)  # [T, H, D]
-        k = apply_rotary(self.k_norm(k.view(t, self.kv_heads, d)), ctx.cos, ctx.sin)
+        with scope("norms", "qk"):
+            q = self.q_norm(q)  # [T, H, D]
+            k = self.k_norm(k.view(t, self.kv_heads, d))
+        with scope("rope"):
+            q = apply_rotary(q, ctx.cos, ctx.sin)
+            k = apply_rotary(k, ctx.cos, ctx.sin)
         end = ctx.start + t
-        cache.k[:, ctx.start : end] = k.transpose(0, 1)
-        cache.v[:, ctx.start : end] = v.view(t, self.kv_heads, d).transpose(0, 1)
-        out = attention_core(q.transpose(0, 1), cache.k[:, :end], cache.v[:, :end], ctx.start, self.scale)
-        out = out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
+        with scope("kv_write"):
+            cache.k[:, ctx.start : end] = k.transpose(0, 1)
+            cache.v[:, ctx.start : end] = v.view(t, self.kv_heads, d).transpose(0, 1)
+        with scope("full_attention"):
+            out = attention_core(q.transpose(0, 1), cache.k[:, :end], cache.v[:, :end], ctx.start, self.scale)
+        with scope("gates", "full"):
+            out = out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
         return self.o_proj(out, ctx.slices)
 
 

@@ -17,6 +17,7 @@ from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
 from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_step_
 from pocketllm.ops.gated_delta import select_gdn_kernel
+from pocketllm.profiling.scopes import scope
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -70,23 +71,31 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: GDNState) -> torch.Tensor:
         t = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split(self.in_proj.part_sizes, dim=-1)
+        with scope("projections", "lin.in"):
+            proj = self.in_proj(x)
+        mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         conv_w = self.conv_weight[:, 0, :]
-        if ctx.decode:
-            mixed = causal_conv1d_step_(mixed, conv_w, state.conv)
-        else:
-            mixed = causal_conv1d_prefill_(mixed, conv_w, state.conv)
+        with scope("gdn_conv"):
+            if ctx.decode:
+                mixed = causal_conv1d_step_(mixed, conv_w, state.conv)
+            else:
+                mixed = causal_conv1d_prefill_(mixed, conv_w, state.conv)
         kd = self.hk * self.dk
         q, k, v = mixed.split((kd, kd, self.hv * self.dv), dim=-1)
-        q = l2_normalize(q.view(t, self.hk, self.dk)) * self.dk**-0.5
-        k = l2_normalize(k.view(t, self.hk, self.dk))
+        with scope("norms", "lin.qk_l2"):
+            q = l2_normalize(q.view(t, self.hk, self.dk)) * self.dk**-0.5
+            k = l2_normalize(k.view(t, self.hk, self.dk))
         v = v.view(t, self.hv, self.dv)
-        beta = torch.sigmoid(b).float()
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
-        if ctx.decode:
-            out = self.kernel.decode_step_(q, k, v, g, beta, state.recurrent)
-        else:
-            out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)
-            state.recurrent.copy_(final)
-        out = self.norm(out.to(x.dtype), z.view(t, self.hv, self.dv))
+        with scope("gates", "lin"):
+            beta = torch.sigmoid(b).float()
+            g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
+        # The recurrence itself, whichever kernel runs it.
+        with scope("gated_delta"):
+            if ctx.decode:
+                out = self.kernel.decode_step_(q, k, v, g, beta, state.recurrent)
+            else:
+                out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)
+                state.recurrent.copy_(final)
+        with scope("norms", "gated"):
+            out = self.norm(out.to(x.dtype), z.view(t, self.hv, self.dv))
         return self.out_proj(out.reshape(t, self.hv * self.dv), ctx.slices)

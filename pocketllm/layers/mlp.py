@@ -10,6 +10,7 @@ from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.sharding import split_range
+from pocketllm.profiling.scopes import scope
 
 
 class MLP(nn.Module):
@@ -26,5 +27,9 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(f"{prefix}.down_proj.weight", inter, hidden, "mlp.down", dtype, device)
 
     def forward(self, x: torch.Tensor, slices: int) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up, slices)
+        with scope("projections", "mlp.gate_up"):
+            gate_up = self.gate_up(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        with scope("mlp_act"):
+            act = F.silu(gate) * up
+        return self.down(act, slices)

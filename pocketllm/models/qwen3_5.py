@@ -15,6 +15,7 @@ from pocketllm.layers.gdn import GatedDeltaNet
 from pocketllm.layers.mlp import MLP
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
+from pocketllm.profiling.scopes import scope
 
 
 class DecoderLayer(nn.Module):
@@ -32,8 +33,16 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", h, eps, dtype, device)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
-        h = h + self.mixer(self.input_norm(h), ctx, state)
-        return h + self.mlp(self.post_norm(h), ctx.slices)
+        with scope("norms", "input"):
+            x = self.input_norm(h)
+        x = self.mixer(x, ctx, state)
+        with scope("norms", "resid_add"):
+            h = h + x
+        with scope("norms", "post"):
+            x = self.post_norm(h)
+        x = self.mlp(x, ctx.slices)
+        with scope("norms", "resid_add"):
+            return h + x
 
 
 class Qwen35ForCausalLM(nn.Module):
@@ -54,10 +63,16 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
         """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked)."""
-        h = self.embed(ids)
-        for layer, state in zip(self.layers, states):
-            h = layer(h, ctx, state)
-        if not all_logits:
-            h = h[-1:]
-        logits = self.lm_head(self.norm(h))
+        # STACK is the whole pass, embedding to logits: the profile's shares are fractions of it.
+        with scope("STACK"):
+            with scope("embed"):
+                h = self.embed(ids)
+            for layer, state in zip(self.layers, states):
+                h = layer(h, ctx, state)
+            if not all_logits:
+                h = h[-1:]
+            with scope("norms", "final"):
+                h = self.norm(h)
+            with scope("lm_head"):
+                logits = self.lm_head(h)
         return logits if all_logits else logits[0]

@@ -1,0 +1,178 @@
+"""`pocketllm profile`: the seed's section 5 measurement as one command. Load once, warm up, then
+one timed prefill per prompt length under the device-synced phase profile, on the serial path
+unless a slice count is given (as the seed ran it); rank 0 prints the attribution table (5.2) and
+the all-reduce priced from the same blocks (5.3). Each column is read from exactly one block, the
+one whose id the timed prefill's pass reported, never by matching numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from pocketllm.commands.bench import warm_up
+from pocketllm.commands.ranked import run_ranked
+from pocketllm.distributed.policy import ENV_CEILING, ENV_PIN
+from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
+from pocketllm.errors import UsageError
+from pocketllm.inputs import bench_ids, check_ids
+from pocketllm.profiling.profiler import ENV_PHASE, env_switch, profiler_of
+from pocketllm.profiling.tables import attribution_table, collective_points, collective_table, two_point_fit
+
+DEFAULT_LENGTHS = "1105,2223,4433"
+PICKS = ("median", "min")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--prompt-tokens", default=DEFAULT_LENGTHS, help=f"comma-separated prompt lengths (default the seed's {DEFAULT_LENGTHS})")
+    p.add_argument("--reps", type=int, default=1, help="timed prefills per length, run rep-major (default 1)")
+    p.add_argument(
+        "--pick", choices=PICKS, default="median", help="which rep's block each column reads: the median wall (default) or the least disturbed, min"
+    )
+    p.add_argument("--warmup-tokens", type=int, default=64, help="prompt length of the warm-up pass (default 64)")
+    p.add_argument("--json", help="also write the tables, the fit and every column's block to this file")
+
+
+def parse_lengths(text: str) -> list[int]:
+    lengths = []
+    for part in str(text).replace(" ", "").split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise UsageError(f"--prompt-tokens: {part!r} is not an integer (expected lengths like 1105,2223,4433)") from None
+        if n < 1:
+            raise UsageError(f"--prompt-tokens: every length must be >= 1, got {n}")
+        lengths.append(n)
+    # The fit reads the shortest and longest lengths as its two points.
+    return sorted(set(lengths))
+
+
+def _prepare(args, plan):
+    lengths = parse_lengths(args.prompt_tokens)
+    check_ids(bench_ids(lengths[-1], plan.cfg.vocab_size), plan.cfg, 0)
+    if args.reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {args.reps}")
+    if args.warmup_tokens < 1:
+        raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    return lengths
+
+
+def _timed_prefill(engine, ids: list[int], sync) -> tuple[float, int]:
+    """prefill_seconds of one timed prefill from a fresh sequence, and its pass's block id."""
+    engine.start_sequence(len(ids))
+    prompt = torch.tensor(ids, dtype=torch.long)
+    with engine.tagged(timed=True):
+        sync()
+        t0 = time.perf_counter()
+        engine.prefill(prompt)
+        sync()
+        wall = time.perf_counter() - t0
+    return wall, engine.last_pass.index
+
+
+def _report(args, plan, device, lengths: list[int], runs: list[dict]) -> None:
+    cfg = plan.cfg
+    elem_bytes = torch.tensor([], dtype=plan.dtype).element_size()
+    # One all-reduce per row-parallel site of each layer (mixer out, mlp.down) plus the embedding's.
+    points = collective_points(runs, cfg.hidden_size, elem_bytes, 2 * cfg.num_layers + 1)
+    fit = two_point_fit(points)
+    paths = sorted({r["block"]["path"] for r in runs})
+    print(
+        f"qwen_profile model={plan.model_name} layers={cfg.num_layers} tp={tp().world} dtype={args.dtype} "
+        f"device={device.describe().replace(' ', '_')} policy={plan.policy.policy.describe().replace(' ', '_')} "
+        f"path={','.join(paths)} split_skew={int(args.split_skew)} reps={args.reps} pick={args.pick} rank=0"
+    )
+    if args.split_skew:
+        print("note: tp_skew is the wait for the slowest rank (plus one barrier per call); tp_all_reduce is the collective alone")
+    else:
+        print("note: tp_all_reduce includes the wait for the slowest rank to arrive; --split-skew times that wait as tp_skew")
+    if paths != ["serial"]:
+        print("note: the phase profile waits each slice's all-reduce inside its scope: the overlapped path without its overlap")
+    print("\nattribution (seed 5.2): device-synced phase profile, exclusive seconds (% of STACK), timed prefill, rank 0")
+    print(attribution_table(runs))
+    print("\nall-reduce priced from the same blocks (seed 5.3)")
+    print(collective_table(points, fit), flush=True)
+    if args.json:
+        doc = {
+            "settings": {
+                "model": plan.model_name,
+                "layers": cfg.num_layers,
+                "tp_world": tp().world,
+                "dtype": args.dtype,
+                "device": device.describe(),
+                "policy": plan.policy.policy.describe(),
+                "reps": args.reps,
+                "pick": args.pick,
+                "split_skew": args.split_skew,
+                "threads_per_rank": torch.get_num_threads(),
+                "load_average": list(os.getloadavg()),
+            },
+            "runs": runs,
+            "collective": {"points": points, "fit": fit},
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+
+
+def _pick_rep(samples: list[dict], pick: str) -> int:
+    """The rep whose block a column reads. On a shared machine a rep that another process
+    preempted has some scope inflated at random; `min` reads the least disturbed one."""
+    order = sorted(range(len(samples)), key=lambda i: samples[i]["prefill_seconds"])
+    return order[0] if pick == "min" else order[(len(order) - 1) // 2]
+
+
+def _gather_rank_views(runs: list[dict]) -> None:
+    """Add every rank's STACK, tp_all_reduce and tp_skew seconds for the chosen pass to each run:
+    a rank that waited for a slower one shows it as collective (or skew) time."""
+    names = ("STACK", "tp_all_reduce", "tp_skew")
+    mine = torch.tensor(
+        [[(r["block"]["scopes"].get(name) or {}).get("seconds", 0.0) for name in names] for r in runs], dtype=torch.float64
+    )
+    every = all_gather_cat(mine.reshape(1, -1)).reshape(tp().world, len(runs), len(names))
+    for i, run in enumerate(runs):
+        run["ranks"] = [dict(zip(("rank",) + names, [rank] + every[rank, i].tolist())) for rank in range(tp().world)]
+
+
+def _work(args, plan, lengths, engine, device) -> int:
+    profiler = profiler_of(engine)
+    sync = device.synchronize
+    vocab = plan.cfg.vocab_size
+    warm_up(engine, bench_ids(lengths[-1], vocab), args.warmup_tokens, sync)
+    samples: dict[int, list[dict]] = {n: [] for n in lengths}
+    # Rep-major, so a slow patch of a shared machine lands on every length.
+    for _rep in range(args.reps):
+        for n in lengths:
+            wall, index = _timed_prefill(engine, bench_ids(n, vocab), sync)
+            samples[n].append({"prompt_tokens": n, "prefill_seconds": wall, "block": profiler.phase_block_for(index)})
+    # Rank 0 picks each length's rep and every rank reports that same pass, so a column is one
+    # pass seen from every rank.
+    picks = torch.tensor([_pick_rep(samples[n], args.pick) for n in lengths], dtype=torch.long)
+    broadcast_(picks)
+    runs = []
+    for n, pick in zip(lengths, picks.tolist()):
+        chosen = dict(samples[n][pick])
+        chosen["walls"] = [s["prefill_seconds"] for s in samples[n]]
+        runs.append(chosen)
+    _gather_rank_views(runs)
+    if tp().rank == 0:
+        _report(args, plan, device, lengths, runs)
+    return 0
+
+
+def _slices_given(args, env) -> bool:
+    """Whether the run names a slice count or policy itself; if not, it is pinned to 1."""
+    given = (args.pin_slices, args.comm_overlap_slices, getattr(args, "overlap_policy", None), getattr(args, "calibration", None))
+    from_env = (env.get(ENV_PIN), env.get(ENV_CEILING), env.get("QWEN_COMM_OVERLAP_CALIBRATION"))
+    return any(v not in (None, "") for v in given + from_env)
+
+
+def run(args, argv) -> int:
+    # The blocks go to stderr only when a phase profile was asked for explicitly; the tables are
+    # this command's output.
+    args.profile_text = bool(args.phase_profile) or env_switch(os.environ, ENV_PHASE)
+    args.phase_profile = True
+    if not _slices_given(args, os.environ):
+        args.pin_slices = "1"
+    return run_ranked(args, argv, _prepare, _work)

@@ -1,0 +1,195 @@
+"""The profiler as an Engine hook: which profiles are on, and one report block per pass.
+
+Phase profile (QWEN_PHASE_PROFILE=1 or --phase-profile): every scope synchronises the device on
+entry and exit, so its seconds are device time; attribution is exclusive. Host profile
+(QWEN_HOST_PROFILE=1 or --host-profile): wall clock, no synchronisation, nested spans with
+inclusive and self time, and a Chrome/Perfetto trace with --trace-out. The scope recorder is
+installed only while a pass runs, so nothing outside a pass is timed.
+
+Under a phase profile a rank that reaches an all-reduce first waits there for the others, so the
+all-reduce's seconds hold the ranks' skew as well as the collective; --split-skew puts a barrier in
+front of each all-reduce and charges the wait to its own scope, tp_skew.
+
+Blocks are kept in memory and written when the run ends (`close`), so formatting and writing a
+report never lands inside the timed window of the next pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pocketllm.distributed.overlap import is_serial
+from pocketllm.errors import UsageError
+from pocketllm.profiling.blocks import BlockId, host_block, host_text, phase_block, phase_text
+from pocketllm.profiling.scopes import ScopeRecorder, install
+from pocketllm.profiling.trace import TraceWriter
+
+ENV_PHASE = "QWEN_PHASE_PROFILE"
+ENV_HOST = "QWEN_HOST_PROFILE"
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    phase: bool = False
+    host: bool = False
+    profile_out: str | None = None  # directory for the JSON-lines blocks, one file per rank
+    trace_out: str | None = None  # directory for the Chrome traces, one file per rank
+    text: bool = True  # print every block to stderr at the end of the run
+    split_skew: bool = False  # phase profile: a barrier before each all-reduce, timed as tp_skew
+
+    @property
+    def enabled(self) -> bool:
+        return self.phase or self.host
+
+
+def env_switch(env, name: str) -> bool:
+    value = env.get(name, "")
+    if value.strip().lower() in _ON:
+        return True
+    if value.strip().lower() in _OFF:
+        return False
+    raise UsageError(f"{name}={value!r} is not a switch: use 1 (on) or 0 (off)")
+
+
+def _check_out_dir(flag: str, path: str) -> None:
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create the directory ({exc.strerror})") from None
+
+
+def profile_options(args, env=os.environ) -> ProfileOptions:
+    """The profiles a run asked for, from flags or env vars; checked before any rank starts."""
+    phase = bool(getattr(args, "phase_profile", False)) or env_switch(env, ENV_PHASE)
+    host = bool(getattr(args, "host_profile", False)) or env_switch(env, ENV_HOST)
+    profile_out = getattr(args, "profile_out", None)
+    trace_out = getattr(args, "trace_out", None)
+    # A trace is of host spans: asking for one turns the host profile on.
+    host = host or trace_out is not None
+    split_skew = bool(getattr(args, "split_skew", False))
+    if split_skew and not phase:
+        raise UsageError("--split-skew splits the phase profile's all-reduce time: add --phase-profile (or QWEN_PHASE_PROFILE=1)")
+    if profile_out is not None and not (phase or host):
+        raise UsageError("--profile-out needs a profile: add --phase-profile or --host-profile (or QWEN_PHASE_PROFILE=1)")
+    if profile_out is not None:
+        _check_out_dir("--profile-out", profile_out)
+    if trace_out is not None:
+        _check_out_dir("--trace-out", trace_out)
+    return ProfileOptions(phase, host, profile_out, trace_out, bool(getattr(args, "profile_text", True)), split_skew)
+
+
+def _write_stderr(text: str) -> None:
+    """One write per block: ranks share stderr, and a single write keeps a block's lines together."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        sys.stderr.write(text)
+        return
+    data = text.encode()
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+class PassProfiler:
+    """Engine hook: before_pass starts the pass's recorder, after_pass turns it into blocks."""
+
+    def __init__(self, options: ProfileOptions, rank: int, sync, device=None):
+        self.options = options
+        self.rank = rank
+        self._sync = sync if options.phase else None
+        align = _barrier(device) if options.split_skew else None
+        self.recorder = ScopeRecorder(sync=self._sync, keep_spans=options.trace_out is not None, align=align)
+        self.phase_blocks: list[dict] = []
+        self.host_blocks: list[dict] = []
+        self.trace = TraceWriter(rank) if options.trace_out is not None else None
+        self._start = 0
+
+    def path_of(self, rows: int, slices: int) -> str:
+        if is_serial(rows, slices):
+            return "serial"
+        # A phase profile waits for each slice's collective inside its scope: it measures the
+        # overlapped code path with the overlap itself taken away.
+        return "overlapped-serialised" if self.options.phase else "overlapped"
+
+    def before_pass(self, info) -> None:
+        self.recorder.reset()
+        if self._sync is not None:
+            self._sync()
+        self._start = self.recorder.clock()
+        install(self.recorder)
+
+    def after_pass(self, info) -> None:
+        if self._sync is not None:
+            self._sync()
+        end = self.recorder.clock()
+        install(None)
+        path = self.path_of(info.rows, info.slices)
+        ident = BlockId(info.index, self.rank, info.kind, info.rows, info.timed, info.slices, path, dict(info.collectives or {}))
+        wall = end - self._start
+        stats = self.recorder.stats
+        if self.options.phase:
+            self.phase_blocks.append(phase_block(ident, stats, wall))
+        if self.options.host:
+            block = host_block(ident, stats, wall)
+            self.host_blocks.append(block)
+            if self.trace is not None:
+                self.trace.add_pass(block, self._start, end, self.recorder.spans)
+
+    def phase_block_for(self, index: int) -> dict | None:
+        return next((b for b in self.phase_blocks if b["block"] == index), None)
+
+    def close(self) -> None:
+        """Write the run's blocks: text to stderr, JSON lines and traces to their directories."""
+        install(None)
+        o = self.options
+        if o.text:
+            for block in self.phase_blocks:
+                _write_stderr(phase_text(block))
+            for block in self.host_blocks:
+                _write_stderr(host_text(block))
+        if o.profile_out is not None:
+            out = Path(o.profile_out)
+            for kind, blocks in (("phase", self.phase_blocks), ("host", self.host_blocks)):
+                if blocks:
+                    with open(out / f"{kind}-rank{self.rank}.jsonl", "w") as f:
+                        f.writelines(json.dumps(b) + "\n" for b in blocks)
+        if self.trace is not None:
+            self.trace.write(Path(o.trace_out))
+
+
+def _barrier(device):
+    """Every rank waits for the others: a one-element all-reduce on the compute device, which
+    every backend runs (a gloo/NCCL/HCCL barrier would need backend-specific arguments)."""
+    token = torch.zeros(1, device=device)
+
+    def wait() -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(token)
+
+    return wait
+
+
+def attach_profiler(engine, options: ProfileOptions, rank: int, sync) -> PassProfiler | None:
+    """Register a profiler on the engine when a profile is on; None (and no hook) otherwise."""
+    if not options.enabled:
+        return None
+    profiler = PassProfiler(options, rank, sync, engine.device)
+    engine.hooks.append(profiler)
+    return profiler
+
+
+def profiler_of(engine) -> PassProfiler | None:
+    return next((h for h in engine.hooks if isinstance(h, PassProfiler)), None)
