@@ -47,3 +47,22 @@ def test_causal_conv_step_shifts_state_in_place():
     causal_conv1d_step_(torch.tensor([[10.0, 11.0]]), torch.ones(2, 4), state)
     assert state.data_ptr() == ptr
     assert state.tolist() == [[2.0, 3.0], [4.0, 5.0], [10.0, 11.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norms_match_hf_formulas(dtype):
+    from pocketllm.layers.norm import (
+        rms_norm_gated,
+        rms_norm_gated_reference,
+        rms_norm_zero_centred,
+        rms_norm_zero_centred_reference,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(33, 64, generator=g)).to(dtype)
+    z = torch.randn(33, 64, generator=g).to(dtype)
+    w = (0.2 * torch.randn(64, generator=g)).to(dtype)
+    # bf16: one rounding step apart at most.
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(rms_norm_zero_centred(x, w, 1e-6).float(), rms_norm_zero_centred_reference(x, w, 1e-6).float(), **tol)
+    torch.testing.assert_close(rms_norm_gated(x, z, 1 + w, 1e-6).float(), rms_norm_gated_reference(x, z, 1 + w, 1e-6).float(), **tol)
