@@ -11,7 +11,8 @@ import torch
 
 from pocketllm.config import ModelConfig, check_tp_split, load_config
 from pocketllm.device import DEVICE_CHOICES
-from pocketllm.distributed.policy import PolicyChoice, resolve_policy
+from pocketllm.distributed.calibration import checked_for_run
+from pocketllm.distributed.policy import OVERLAP_POLICIES, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
@@ -31,11 +32,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
     g.add_argument("--tp-world", type=int, default=1, help="tensor-parallel ranks; alone, starts them locally")
     g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
-    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks")
-    g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait (default 120 on gloo, 600 on NCCL/HCCL)")
+    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks; rank 0 creates it, one left by an earlier run is refused")
+    g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait before the run ends with an error (default 120 on gloo, 600 on NCCL/HCCL)")
     o = p.add_argument_group("collective overlap")
     o.add_argument("--comm-overlap-slices", help="the slice rule's ceiling (env QWEN_COMM_OVERLAP_SLICES, default 4; 0 or 1 disables slicing)")
     o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says (env QWEN_COMM_OVERLAP_PIN)")
+    o.add_argument("--overlap-policy", choices=OVERLAP_POLICIES, help="rule (the default) or calibrated (the default when a calibration is given)")
+    o.add_argument("--calibration", help="a `pocketllm calibrate` file for the calibrated policy (env QWEN_COMM_OVERLAP_CALIBRATION)")
+    o.add_argument("--force-calibration", "--force", action="store_true", help="use a calibration made for another backend, world, hidden size or dtype")
+    f = p.add_argument_group("profiling (docs/profile.md)")
+    f.add_argument("--phase-profile", action="store_true", help="device-synced phase profile, one report block per pass (env QWEN_PHASE_PROFILE=1)")
+    f.add_argument("--host-profile", action="store_true", help="host wall-clock spans, no synchronisation (env QWEN_HOST_PROFILE=1)")
+    f.add_argument("--profile-out", metavar="DIR", help="also write every block as JSON lines, one file per rank, to DIR")
+    f.add_argument("--trace-out", metavar="DIR", help="write a Chrome/Perfetto trace per rank to DIR (turns the host profile on)")
+    f.add_argument("--split-skew", action="store_true", help="with the phase profile: wait for every rank before each all-reduce and charge that wait to tp_skew")
 
 
 @dataclass
@@ -67,7 +77,7 @@ def plan_model(args) -> ModelPlan:
     if args.tp_world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
     dtype = parse_dtype(args.dtype)
-    policy = resolve_policy(args.pin_slices, args.comm_overlap_slices)
+    policy = resolve_policy(args.pin_slices, args.comm_overlap_slices, overlap_policy=args.overlap_policy, calibration=args.calibration)
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     if args.ckpt is not None and args.preset is not None:
@@ -82,13 +92,13 @@ def plan_model(args) -> ModelPlan:
         check_tp_split(cfg, args.tp_world)
         validate_source(reader, cfg)
         reader.close()
-        return ModelPlan(cfg, dtype, policy, args.ckpt, None)
+        return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), args.ckpt, None)
     preset = args.preset or DEFAULT_PRESET
     cfg = get_preset(preset)
     if args.layers is not None:
         cfg = cfg.with_layers(args.layers)
     check_tp_split(cfg, args.tp_world)
-    return ModelPlan(cfg, dtype, policy, None, preset)
+    return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), None, preset)
 
 
 def dist_timeout(args, backend: str) -> float:

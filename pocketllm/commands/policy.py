@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pocketllm.distributed.policy import resolve_policy
+import sys
+
+from pocketllm.distributed.calibration import CalibratedPolicy
+from pocketllm.distributed.policy import OVERLAP_POLICIES, resolve_policy
 from pocketllm.errors import UsageError
 
 
@@ -10,6 +13,12 @@ def add_arguments(p) -> None:
     p.add_argument("--rows", default="512,1024,2048,4096", help="comma-separated row counts (default 512,1024,2048,4096)")
     p.add_argument("--comm-overlap-slices", help="the rule's ceiling (env QWEN_COMM_OVERLAP_SLICES, default 4)")
     p.add_argument("--pin-slices", help="a pinned count (env QWEN_COMM_OVERLAP_PIN)")
+    p.add_argument("--overlap-policy", choices=OVERLAP_POLICIES, help="rule (the default) or calibrated (the default when a calibration is given)")
+    p.add_argument(
+        "--calibration",
+        help="show the calibrated policy from this `pocketllm calibrate` file (env QWEN_COMM_OVERLAP_CALIBRATION); "
+        "nothing is checked against this machine, so another machine's calibration can be inspected",
+    )
 
 
 def parse_positive_list(text: str, flag: str) -> list[int]:
@@ -30,7 +39,9 @@ def parse_positive_list(text: str, flag: str) -> list[int]:
 
 def run(args, argv) -> int:
     rows = parse_positive_list(args.rows, "--rows")
-    choice = resolve_policy(args.pin_slices, args.comm_overlap_slices)
+    choice = resolve_policy(args.pin_slices, args.comm_overlap_slices, overlap_policy=args.overlap_policy, calibration=args.calibration)
+    if isinstance(choice.policy, CalibratedPolicy):
+        print(f"calibrated policy from {choice.policy.source}: {choice.policy.calibration.describe()}", file=sys.stderr)
     if choice.note:
         print(f"note: {choice.note}", file=__import__("sys").stderr)
     for r in rows:

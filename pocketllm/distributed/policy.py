@@ -2,7 +2,8 @@
 
 The seed's rule (section 4): double the slice count while each slice keeps at least
 K_MIN_ROWS_PER_OVERLAP_SLICE rows, up to the ceiling `comm_overlap_slices`. A pin uses one count
-everywhere, for sweeps. Decode rows (the batch) always come out serial under the rule.
+everywhere, for sweeps. Decode rows (the batch) always come out serial under the rule. The
+calibrated policy (distributed/calibration.py) replaces the rule with measurements of this machine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ K_MIN_ROWS_PER_OVERLAP_SLICE = 1024
 DEFAULT_COMM_OVERLAP_SLICES = 4
 ENV_CEILING = "QWEN_COMM_OVERLAP_SLICES"
 ENV_PIN = "QWEN_COMM_OVERLAP_PIN"
+ENV_CALIBRATION = "QWEN_COMM_OVERLAP_CALIBRATION"
+OVERLAP_POLICIES = ("rule", "calibrated")
 
 
 def comm_overlap_slices_for_rows(rows: int, ceiling: int = DEFAULT_COMM_OVERLAP_SLICES) -> int:
@@ -82,19 +85,40 @@ class PolicyChoice:
     note: str | None = None
 
 
-def resolve_policy(pin: str | int | None = None, ceiling: str | int | None = None, env=os.environ) -> PolicyChoice:
-    """Flags win over env vars; a pin wins over a ceiling and the run says so once."""
+def resolve_policy(
+    pin: str | int | None = None,
+    ceiling: str | int | None = None,
+    env=os.environ,
+    overlap_policy: str | None = None,
+    calibration: str | None = None,
+) -> PolicyChoice:
+    """Flags win over env vars; a pin wins over a ceiling and the run says so once. A calibration
+    file (--calibration or ENV_CALIBRATION) selects the calibrated policy unless --overlap-policy
+    rule asks for the rule; without one the rule is the default."""
     pin_value = parse_knob(pin, "--pin-slices")
     if pin_value is None:
         pin_value = parse_knob(env.get(ENV_PIN), ENV_PIN)
     ceiling_value = parse_knob(ceiling, "--comm-overlap-slices")
     if ceiling_value is None:
         ceiling_value = parse_knob(env.get(ENV_CEILING), ENV_CEILING)
+    calibration_path = calibration or env.get(ENV_CALIBRATION) or None
+    if overlap_policy not in (None, *OVERLAP_POLICIES):
+        raise UsageError(f"--overlap-policy {overlap_policy!r} is not one of {', '.join(OVERLAP_POLICIES)}")
+    if overlap_policy == "calibrated" and calibration_path is None:
+        raise UsageError(f"--overlap-policy calibrated needs --calibration FILE (or env {ENV_CALIBRATION})")
+    calibrated = calibration_path is not None and overlap_policy != "rule"
     if pin_value is not None:
         note = None
-        if ceiling_value is not None:
+        if calibrated:
+            note = f"slice pin {pin_value} overrides the calibrated policy from {calibration_path}"
+        elif ceiling_value is not None:
             note = f"slice pin {pin_value} overrides the rule's ceiling {ceiling_value}"
         return PolicyChoice(PinnedPolicy(pin_value), note)
     if ceiling_value is None:
         ceiling_value = DEFAULT_COMM_OVERLAP_SLICES
+    if calibrated:
+        # Imported here because the calibrated policy builds on this module's SlicePolicy.
+        from pocketllm.distributed.calibration import CalibratedPolicy, load_calibration
+
+        return PolicyChoice(CalibratedPolicy(load_calibration(calibration_path), ceiling_value, calibration_path))
     return PolicyChoice(RulePolicy(ceiling_value))

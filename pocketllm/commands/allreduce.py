@@ -1,0 +1,99 @@
+"""`pocketllm allreduce`: the nccl-tests style table of TP all-reduce cost per payload size on
+this machine's backend, ending in the fit time = fixed + bytes / bandwidth.
+
+It also holds the model-free way to run work on every rank, which `calibrate` shares: neither
+command needs weights, only the process group and the device."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import torch
+
+from pocketllm.device import DEVICE_CHOICES, setup_device
+from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
+from pocketllm.distributed.state import tp
+from pocketllm.errors import UsageError
+from pocketllm.launch import init_distributed, rank_env, run_rank, spawn_local_ranks
+from pocketllm.model_args import dist_timeout, parse_dtype, say
+
+
+def add_rank_args(p) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp-world", type=int, default=2, help="ranks taking part (default 2); alone, starts them locally")
+    g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
+    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks")
+    g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
+    g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait (default 120 on gloo, 600 on NCCL/HCCL)")
+
+
+def add_arguments(p) -> None:
+    add_rank_args(p)
+    p.add_argument("--min-bytes", default="1K", help="smallest payload (default 1K; K/M/G are powers of 1024)")
+    p.add_argument("--max-bytes", default="64M", help="largest payload (default 64M)")
+    p.add_argument("--factor", type=int, default=2, help="each size is this times the last (default 2)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
+    p.add_argument("--warmup-iters", type=int, default=5, help="untimed calls per size first (default 5)")
+    p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 (default, the engine's) or float16")
+    p.add_argument("--json", help="also write the table, the fit and the settings to this file")
+
+
+def run_on_ranks(args, argv: list[str], work) -> int:
+    """work(args, device) on every rank of a --tp-world >= 2 group, started here if need be."""
+    if args.tp_world < 2:
+        raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
+    if args.dist_timeout is not None and args.dist_timeout <= 0:
+        raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path)
+    if renv is None:
+        return spawn_local_ranks(args.tp_world, argv)
+
+    def body() -> int:
+        device = setup_device(args.device, renv.local_rank, renv.local_world)
+        init_distributed(renv, device.backend, dist_timeout(args, device.backend))
+        return work(args, device)
+
+    # run_rank turns a failure into the one line the launcher reports, and leaves the group.
+    return run_rank(renv, body)
+
+
+def _work(args, device) -> int:
+    dtype = parse_dtype(args.dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = size_ladder(parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes"), args.factor, elem)
+    say(f"all-reduce on {device.backend}, {tp().world} ranks, {device.describe()}, {args.dtype}, {len(sizes)} sizes x {args.iters} calls")
+    results, fit = sweep_sizes(sizes, dtype, device, args.iters, args.warmup_iters, tp().world)
+    if tp().rank == 0:
+        for line in format_table(results):
+            print(line)
+        print(fit.line(), flush=True)
+        if args.json:
+            out = {
+                "backend": device.backend,
+                "device": device.describe(),
+                "world": tp().world,
+                "dtype": args.dtype,
+                "iters": args.iters,
+                "threads_per_rank": torch.get_num_threads(),
+                "sizes": [asdict(r) for r in results],
+                "fit": fit.to_json(),
+            }
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+    return 0
+
+
+def _check(args) -> None:
+    """Every flag checked in the launcher, before any rank starts."""
+    parse_dtype(args.dtype)
+    size_ladder(parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes"), args.factor, 1)
+    if args.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    if args.warmup_iters < 0:
+        raise UsageError(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
+
+
+def run(args, argv) -> int:
+    _check(args)
+    return run_on_ranks(args, argv, _work)

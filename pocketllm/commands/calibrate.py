@@ -1,0 +1,195 @@
+"""`pocketllm calibrate`: time the real overlapped projection at rows x slices points on this
+machine and write the calibration file the calibrated slice policy is built from.
+
+The timed unit is every row-parallel site of one repeat of the model's layer pattern, in the
+pass's proportions: for the 3:1 hybrid, 4 mlp.down + 3 lin.out + 1 full.out. All three all-reduce
+the same [rows, hidden] payload, but their GEMMs differ (mlp.down's inner size is intermediate/world,
+3x lin.out's on the 27B shape), and the GEMM is what hides the collective, so timing mlp.down alone
+would overstate what slicing buys at the other two sites while the policy picks one count for all.
+Weights and activations are random: a GEMM's time does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import reduce
+
+import torch
+import torch.distributed as dist
+
+from pocketllm.commands.allreduce import run_on_ranks
+from pocketllm.commands.policy import parse_positive_list
+from pocketllm.config import LINEAR, ModelConfig
+from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
+from pocketllm.distributed.calibration import Calibration, CalibratedPolicy, Point
+from pocketllm.distributed.overlap import projection_all_reduce_overlapped
+from pocketllm.distributed.policy import ENV_PIN, resolve_policy
+from pocketllm.distributed.state import tp
+from pocketllm.errors import UsageError
+from pocketllm.model_args import plan_model, say
+
+# Short passes are repeated inside one timing so that each timing covers at least this many rows;
+# a 256-row unit is a few milliseconds, which a scheduler tick can double.
+MIN_ROWS_PER_TIMING = 2048
+ALLREDUCE_FIT_ITERS = 10
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--rows", default="256,512,1024,2048,4096,8192", help="row counts to calibrate (default 256,512,1024,2048,4096,8192)")
+    p.add_argument("--pin", default="1,2,4,8", help="slice counts to time at each row count (default 1,2,4,8)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved over every point (default 3)")
+    p.add_argument("--out", required=True, help="the calibration file to write (JSON)")
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    in_local: int  # the GEMM's inner size on one rank
+    count: int  # calls per timed unit
+
+
+def row_parallel_sites(cfg: ModelConfig, world: int) -> list[Site]:
+    """The row-parallel projections of one repeat of the layer pattern, with their per-rank shapes."""
+    n_lin = sum(1 for t in cfg.layer_types if t == LINEAR)
+    n_full = cfg.num_layers - n_lin
+    counts = {"mlp.down": cfg.num_layers, "lin.out": n_lin, "full.out": n_full}
+    g = reduce(math.gcd, [c for c in counts.values() if c])
+    inner = {
+        "mlp.down": cfg.intermediate_size,
+        "lin.out": cfg.linear_value_dim,
+        "full.out": cfg.num_attention_heads * cfg.head_dim,
+    }
+    return [Site(name, inner[name] // world, counts[name] // g) for name in counts if counts[name]]
+
+
+def _prepare(args):
+    rows = parse_positive_list(args.rows, "--rows")
+    pins = parse_positive_list(args.pin, "--pin")
+    if args.reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {args.reps}")
+    # The calibration measures what a policy would be built from; it is driven by no policy, so a
+    # stale calibration in the environment must not stop it.
+    args.overlap_policy, args.calibration = "rule", None
+    plan = plan_model(args)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--out {args.out}: directory {out_dir} does not exist")
+    # The ceiling only shapes the choices printed here; the file holds every point, and each run
+    # applies its own ceiling.
+    env = {k: v for k, v in os.environ.items() if k != ENV_PIN}
+    ceiling = resolve_policy(None, args.comm_overlap_slices, env, overlap_policy="rule").policy.ceiling
+    return plan, sorted(set(rows)), sorted(set(pins)), ceiling
+
+
+class Unit:
+    """The timed unit at every row count, on one rank: weights and activations allocated once."""
+
+    def __init__(self, sites: list[Site], hidden: int, max_rows: int, dtype, device):
+        gen = torch.Generator().manual_seed(1234 + tp().rank)
+        self.sites = sites
+        self.weights = {s.name: (torch.randn(hidden, s.in_local, generator=gen) * s.in_local**-0.5).to(device, dtype) for s in sites}
+        self.inputs = {s.name: torch.randn(max_rows, s.in_local, generator=gen).to(device, dtype) for s in sites}
+
+    def run(self, rows: int, slices: int) -> None:
+        for s in self.sites:
+            x, w = self.inputs[s.name][:rows], self.weights[s.name]
+            for _ in range(s.count):
+                projection_all_reduce_overlapped(x, w, slices, s.name)
+
+
+def _timed_rows(rows: int) -> int:
+    return rows * max(1, math.ceil(MIN_ROWS_PER_TIMING / rows))
+
+
+def time_point(unit: Unit, rows: int, slices: int, device) -> float:
+    """Seconds for one unit at (rows, slices), as the slowest rank saw it."""
+    iters = _timed_rows(rows) // rows
+    device.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        unit.run(rows, slices)
+    device.synchronize()
+    return max_over_ranks((time.perf_counter() - t0) / iters)
+
+
+def measure(unit: Unit, rows_list: list[int], pins: list[int], reps: int, device) -> list[Point]:
+    """Every point once per rep, reps outermost, so a slow patch of machine lands on every point."""
+    order = [(r, s) for r in rows_list for s in pins]
+    for r, s in order:
+        unit.run(r, s)
+    times: dict[tuple[int, int], list[float]] = {p: [] for p in order}
+    bar = _progress(sum(_timed_rows(r) for r, _ in order) * reps)
+    for rep in range(reps):
+        for r, s in order:
+            if bar is not None:
+                bar.set_description(f"rep {rep + 1}/{reps} rows={r} slices={s}")
+            times[(r, s)].append(time_point(unit, r, s, device))
+            if bar is not None:
+                bar.update(_timed_rows(r))
+    if bar is not None:
+        bar.close()
+    return [Point(r, s, statistics.median(times[(r, s)]), tuple(times[(r, s)])) for r, s in order]
+
+
+def _progress(total_rows: int):
+    if tp().rank != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_rows, unit="row", desc="calibrate", leave=False, dynamic_ncols=True, mininterval=1.0)
+
+
+def payload_sizes(rows_list: list[int], pins: list[int], hidden: int, elem: int) -> list[int]:
+    """The slice payloads the calibrated points issue, for the all-reduce fit stored beside them."""
+    return sorted({max(1, r // s) * hidden * elem for r in rows_list for s in pins})
+
+
+def format_points(points: list[Point], policy: CalibratedPolicy) -> list[str]:
+    pins = sorted({p.slices for p in points})
+    by = {(p.rows, p.slices): p for p in points}
+    lines = ["rows  " + "".join(f"{'slices=' + str(s):>14}" for s in pins) + f"   chosen (ceiling {policy.ceiling})"]
+    for rows, chosen in policy.choices.items():
+        cells = "".join(f"{by[(rows, s)].seconds * 1e3:>11.2f} ms" if (rows, s) in by else f"{'-':>14}" for s in pins)
+        lines.append(f"{rows:<6}{cells}   {chosen}")
+    return lines
+
+
+def _work(args, device, inputs) -> int:
+    plan, rows_list, pins, ceiling = inputs
+    world = tp().world
+    sites = row_parallel_sites(plan.cfg, world)
+    hidden = plan.cfg.hidden_size
+    say(
+        f"calibrating {plan.model_name} at TP={world} on {device.backend} ({device.describe()}), {args.dtype}: "
+        f"unit {' + '.join(f'{s.count} {s.name}' for s in sites)}, {len(rows_list)} row counts x {len(pins)} slice counts x {args.reps} reps"
+    )
+    unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device)
+    points = measure(unit, rows_list, pins, args.reps, device)
+    elem = torch.empty((), dtype=plan.dtype).element_size()
+    sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, elem), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
+    if tp().rank == 0:
+        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        fit_json = fit.to_json() | {"sizes_bytes": [r.size_bytes for r in sizes], "times_us": [r.time_us for r in sizes]}
+        cal = Calibration(device.backend, device.describe(), world, hidden, args.dtype, created, points, fit_json)
+        policy = CalibratedPolicy(cal, ceiling)
+        for line in format_points(points, policy):
+            print(line)
+        print(f"all-reduce over the slice payloads: {fit.line()}")
+        unit_text = " + ".join(f"{s.count} x {s.name} [rows, {s.in_local}] @ [{s.in_local}, {hidden}]" for s in sites)
+        extra = {"model": plan.model_name, "layers": plan.cfg.num_layers, "unit": unit_text, "reps": args.reps, "threads_per_rank": torch.get_num_threads()}
+        with open(args.out, "w") as f:
+            json.dump(cal.to_json() | extra, f, indent=2)
+        print(f"wrote {args.out}: {policy.describe()}", flush=True)
+    return 0
+
+
+def run(args, argv) -> int:
+    inputs = _prepare(args)
+    return run_on_ranks(args, argv, lambda a, device: _work(a, device, inputs))

@@ -1,0 +1,157 @@
+"""`pocketllm sweep`: the seed's section 3 and 4 tables from one command. Load the model once,
+then time prefill and decode at every (rows, setting), where a setting is a pinned slice count or a
+named policy, with repetitions interleaved rep-major so a slow patch of machine lands on every
+setting. Prints the tables, optionally writes every run as JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from pocketllm.bench.plot import plot_sweep, require_matplotlib
+from pocketllm.bench.sweep_report import Setting, format_report, pinned
+from pocketllm.commands.bench import timed_prefill_decode, warm_up
+from pocketllm.commands.policy import parse_positive_list
+from pocketllm.commands.ranked import run_ranked
+from pocketllm.distributed.calibration import checked_for_run
+from pocketllm.distributed.overlap import is_serial
+from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
+from pocketllm.distributed.state import tp
+from pocketllm.errors import UsageError
+from pocketllm.inputs import bench_ids, check_ids
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--rows", default="512,1024,2048,4096", help="prompt lengths to time (default 512,1024,2048,4096)")
+    p.add_argument("--pin", default="1,2,4,8", help="pinned slice counts to time (default 1,2,4,8)")
+    p.add_argument("--policy", help="named policies to time: rule, calibrated (default rule, plus calibrated when a calibration is given)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every (rows, setting), interleaved (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="timed decode steps per run; their spread is the drift bound (default 8)")
+    p.add_argument("--warmup-tokens", type=int, default=64, help="prompt length of each setting's warm-up pass (default 64)")
+    p.add_argument("--json", help="write every rep of every setting and the summary here")
+    p.add_argument("--plot", help="write a PNG of prefill TPS against rows here (needs matplotlib)")
+
+
+def sweep_order(rows_list: list[int], settings: list[str], reps: int) -> list[tuple[int, int, str]]:
+    """(rep, rows, setting) in the order they run: every (rows, setting) once per rep, reps
+    outermost, then rows, then settings, all in the order given."""
+    return [(rep, rows, s) for rep in range(1, reps + 1) for rows in rows_list for s in settings]
+
+
+def _policy_names(args) -> list[str]:
+    if args.policy is None:
+        given = args.calibration or os.environ.get(ENV_CALIBRATION)
+        return ["rule", "calibrated"] if given else ["rule"]
+    names = [n.strip() for n in args.policy.split(",")]
+    if not any(names):
+        raise UsageError(f"--policy is empty; give a comma-separated list of {', '.join(OVERLAP_POLICIES)}")
+    for n in names:
+        if n not in OVERLAP_POLICIES:
+            raise UsageError(f"--policy: {n!r} is not one of {', '.join(OVERLAP_POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
+def build_settings(args, plan) -> list[tuple[Setting, object]]:
+    """Each setting with the SlicePolicy that runs it: the pins, then the named policies."""
+    out = [(pinned(k), PinnedPolicy(k)) for k in parse_positive_list(args.pin, "--pin")]
+    # A pin in the environment must not turn the named policies into pins as well.
+    env = {k: v for k, v in os.environ.items() if k != ENV_PIN}
+    for name in _policy_names(args):
+        choice = resolve_policy(None, args.comm_overlap_slices, env, overlap_policy=name, calibration=args.calibration)
+        out.append((Setting(name, None), checked_for_run(choice, args, plan.cfg.hidden_size).policy))
+    return out
+
+
+def _check_out(path: str | None, flag: str) -> None:
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise UsageError(f"{flag} {path}: its directory does not exist")
+
+
+def _prepare(args, plan):
+    rows_list = parse_positive_list(args.rows, "--rows")
+    if len(set(rows_list)) != len(rows_list):
+        raise UsageError(f"--rows {args.rows}: a row count is repeated")
+    if args.reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {args.reps}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1 for a sweep (decode is the drift bound), got {args.max_new_tokens}")
+    if args.warmup_tokens < 1:
+        raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    settings = build_settings(args, plan)
+    if len({s.name for s, _ in settings}) != len(settings):
+        raise UsageError(f"--pin {args.pin}: a slice count is repeated")
+    check_ids(bench_ids(max(rows_list), plan.cfg.vocab_size), plan.cfg, args.max_new_tokens)
+    _check_out(args.json, "--json")
+    _check_out(args.plot, "--plot")
+    if args.plot:
+        require_matplotlib()
+    return rows_list, settings
+
+
+def _progress(order):
+    if tp().rank != 0:
+        return None
+    from tqdm import tqdm
+
+    # Counted in prompt rows, so the time left weighs a 4096-row prefill 8x a 512-row one.
+    return tqdm(total=sum(rows for _, rows, _ in order), unit="row", desc="sweep", leave=False, dynamic_ncols=True, mininterval=1.0)
+
+
+def run_sweep(engine, rows_list, settings, args, sync) -> list[dict]:
+    policies = {s.name: policy for s, policy in settings}
+    ids = bench_ids(max(rows_list), engine.cfg.vocab_size)
+    engine.start_sequence(max(rows_list) + args.max_new_tokens)
+    for s, policy in settings:
+        engine.policy = policy
+        warm_up(engine, ids, args.warmup_tokens, sync)
+    order = sweep_order(rows_list, [s.name for s, _ in settings], args.reps)
+    bar = _progress(order)
+    records = []
+    for rep, rows, name in order:
+        if bar is not None:
+            bar.set_description(f"rep {rep}/{args.reps} rows={rows} {name}")
+        engine.policy = policies[name]
+        with engine.tagged(timed=True):
+            r = timed_prefill_decode(engine, ids[:rows], args.max_new_tokens, sync)
+        records.append({"rep": rep, "rows": rows, "setting": name, "serial": is_serial(rows, r["slices"]), **r})
+        if bar is not None:
+            bar.update(rows)
+    if bar is not None:
+        bar.close()
+    return records
+
+
+def _work(args, plan, inputs, engine, device) -> int:
+    rows_list, settings = inputs
+    records = run_sweep(engine, rows_list, settings, args, device.synchronize)
+    if tp().rank != 0:
+        return 0
+    lines, report = format_report(records, rows_list, [s for s, _ in settings])
+    run_settings = {
+        "model": plan.model_name,
+        "layers": plan.cfg.num_layers,
+        "tp_world": tp().world,
+        "dtype": args.dtype,
+        "device": device.describe(),
+        "backend": device.backend if tp().world > 1 else None,
+        "threads_per_rank": torch.get_num_threads(),
+        "rows": rows_list,
+        "settings": {s.name: policy.describe() for s, policy in settings},
+        "reps": args.reps,
+        "max_new_tokens": args.max_new_tokens,
+        "calibration": args.calibration or os.environ.get(ENV_CALIBRATION),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": run_settings, "runs": records, **report}, f, indent=2)
+    if args.plot:
+        title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {run_settings['backend'] or ''}, {args.dtype}, {device.describe()}"
+        plot_sweep(records, rows_list, [s for s, _ in settings], args.plot, title)
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+def run(args, argv) -> int:
+    return run_ranked(args, argv, _prepare, _work)

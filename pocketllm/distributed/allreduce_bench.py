@@ -1,0 +1,164 @@
+"""What one TP all-reduce costs on the machine at hand: time it per payload size, and fit
+time = fixed + bytes / bandwidth, the two terms the slice count trades (seed section 2)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from pocketllm.errors import UsageError
+
+SIZE_SUFFIXES = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'1K', '64M', '4096' -> bytes; K/M/G are powers of 1024, as nccl-tests reads them."""
+    s = str(text).strip().upper()
+    unit = s[-1] if s and s[-1] in SIZE_SUFFIXES else ""
+    number = s[: len(s) - len(unit)] if unit else s
+    try:
+        value = int(number) * SIZE_SUFFIXES[unit]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a size; give an integer with an optional K, M or G suffix") from None
+    if value < 1:
+        raise UsageError(f"{flag} must be at least 1 byte, got {text!r}")
+    return value
+
+
+def size_ladder(min_bytes: int, max_bytes: int, factor: int, elem_bytes: int) -> list[int]:
+    """Payload sizes from min to max, each `factor` times the last, rounded to whole elements."""
+    if factor < 2:
+        raise UsageError(f"--factor must be an integer >= 2, got {factor}")
+    if max_bytes < min_bytes:
+        raise UsageError(f"--max-bytes {max_bytes} is below --min-bytes {min_bytes}")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(max(elem_bytes, size // elem_bytes * elem_bytes))
+        size *= factor
+    return sorted(set(sizes))
+
+
+@dataclass
+class Fit:
+    fixed_us: float
+    bandwidth_GBps: float  # math.inf when the byte term is not measurable
+    max_rel_err: float
+
+    def predict_us(self, nbytes: float) -> float:
+        return self.fixed_us + nbytes / (self.bandwidth_GBps * 1e3)
+
+    def line(self) -> str:
+        return f"fixed_us={self.fixed_us:.2f} bandwidth_GBps={self.bandwidth_GBps:.3f} max_rel_err={self.max_rel_err:.3f}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def fit_latency_bandwidth(nbytes: list[float], times_us: list[float]) -> Fit:
+    """Least squares for time = fixed + bytes / bandwidth, minimising the relative error: a plain
+    fit would let the largest payloads (milliseconds) drown the fixed term the small ones (microseconds)
+    measure, and the fixed term is the number the slice count turns on."""
+    if len(nbytes) != len(times_us) or len(nbytes) < 2:
+        raise ValueError("the fit needs at least two (bytes, time) points")
+    if len(set(nbytes)) < 2:
+        raise ValueError("the fit needs at least two distinct payload sizes")
+    # Weighted normal equations for t = a + b*x with weights 1/t^2.
+    w = [1.0 / (t * t) for t in times_us]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, nbytes))
+    sy = sum(wi * t for wi, t in zip(w, times_us))
+    sxx = sum(wi * x * x for wi, x in zip(w, nbytes))
+    sxy = sum(wi * x * t for wi, x, t in zip(w, nbytes, times_us))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det  # us per byte
+    fixed = (sy - slope * sx) / sw
+    bandwidth = 1.0 / (slope * 1e3) if slope > 0 else math.inf  # bytes/us -> GB/s
+    fit = Fit(fixed, bandwidth, 0.0)
+    fit.max_rel_err = max(abs(fit.predict_us(x) - t) / t for x, t in zip(nbytes, times_us))
+    return fit
+
+
+@dataclass
+class SizeResult:
+    size_bytes: int
+    count: int
+    dtype: str
+    time_us: float
+    device_us: float
+    algbw_GBps: float
+    busbw_GBps: float
+
+
+def bus_factor(world: int) -> float:
+    """nccl-tests' busbw correction for all-reduce: each byte crosses 2(n-1)/n links."""
+    return 2.0 * (world - 1) / world
+
+
+def _event_pair(kind: str):
+    if kind == "cuda":
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if kind == "npu":
+        return torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+    return None
+
+
+def max_over_ranks(value: float) -> float:
+    """The slowest rank's figure: a collective is as slow as its last participant."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def time_allreduce(size_bytes: int, dtype: torch.dtype, device, iters: int, warmup: int, world: int) -> SizeResult:
+    """Mean wall time per call of `iters` back-to-back all-reduces after `warmup` untimed ones,
+    the device synchronised at both ends; device events alongside on CUDA/NPU."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = size_bytes // elem
+    buf = torch.ones(count, dtype=dtype, device=device.torch_device)
+    for _ in range(warmup):
+        dist.all_reduce(buf)
+    device.synchronize()
+    dist.barrier()
+    events = _event_pair(device.kind)
+    t0 = time.perf_counter()
+    if events:
+        events[0].record()
+    for _ in range(iters):
+        dist.all_reduce(buf)
+    if events:
+        events[1].record()
+    device.synchronize()
+    wall_us = (time.perf_counter() - t0) / iters * 1e6
+    device_us = events[0].elapsed_time(events[1]) * 1e3 / iters if events else wall_us
+    wall_us, device_us = max_over_ranks(wall_us), max_over_ranks(device_us)
+    nbytes = count * elem
+    algbw = nbytes / (wall_us * 1e3)
+    return SizeResult(nbytes, count, str(dtype).removeprefix("torch."), wall_us, device_us, algbw, algbw * bus_factor(world))
+
+
+COLUMNS = ("size_bytes", "count", "dtype", "time_us", "device_us", "algbw_GBps", "busbw_GBps")
+
+
+def format_table(rows: list[SizeResult]) -> list[str]:
+    lines = ["{:>12} {:>11} {:>9} {:>11} {:>11} {:>11} {:>11}".format(*COLUMNS)]
+    for r in rows:
+        lines.append(
+            f"{r.size_bytes:>12} {r.count:>11} {r.dtype:>9} {r.time_us:>11.2f} {r.device_us:>11.2f} "
+            f"{r.algbw_GBps:>11.3f} {r.busbw_GBps:>11.3f}"
+        )
+    return lines
+
+
+def sweep_sizes(sizes: list[int], dtype, device, iters: int, warmup: int, world: int, on_size=None) -> tuple[list[SizeResult], Fit]:
+    """Time every size and fit the two terms to the results."""
+    results = []
+    for size in sizes:
+        results.append(time_allreduce(size, dtype, device, iters, warmup, world))
+        if on_size is not None:
+            on_size(results[-1])
+    fit = fit_latency_bandwidth([r.size_bytes for r in results], [r.time_us for r in results])
+    return results, fit

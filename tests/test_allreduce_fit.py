@@ -1,0 +1,106 @@
+"""The all-reduce cost model: the least-squares fit recovers the fixed term and the bandwidth from
+synthetic timings, sizes parse as nccl-tests reads them, and `pocketllm allreduce` prints the
+nccl-tests columns and the fit line on a real TP=2 gloo group."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import run_cli
+from pocketllm.distributed.allreduce_bench import bus_factor, fit_latency_bandwidth, parse_size, size_ladder
+from pocketllm.errors import UsageError
+
+SIZES = [2**k for k in range(10, 27)]  # 1K .. 64M
+
+
+def _times_us(fixed_us: float, gbps: float, noise=None) -> list[float]:
+    out = []
+    for i, b in enumerate(SIZES):
+        t = fixed_us + b / (gbps * 1e3)
+        out.append(t * (1 + noise[i % len(noise)]) if noise else t)
+    return out
+
+
+@pytest.mark.parametrize("fixed_us, gbps", [(1700.0, 22.7), (12.0, 150.0), (60.0, 1.5)])
+def test_fit_recovers_exact_terms(fixed_us, gbps):
+    """The seed's 910A terms, a GPU-like 100x smaller fixed term, and a gloo-on-CPU-like one."""
+    fit = fit_latency_bandwidth(SIZES, _times_us(fixed_us, gbps))
+    assert fit.fixed_us == pytest.approx(fixed_us, rel=1e-6)
+    assert fit.bandwidth_GBps == pytest.approx(gbps, rel=1e-6)
+    assert fit.max_rel_err < 1e-9
+
+
+def test_fit_with_noise_keeps_the_fixed_term():
+    """+-3% multiplicative noise: a plain least-squares fit would let the 64M point's error swamp a
+    60 us fixed term; the relative fit keeps it within the noise."""
+    noise = [0.03, -0.02, 0.01, -0.03, 0.02, 0.0, -0.01]
+    fit = fit_latency_bandwidth(SIZES, _times_us(60.0, 1.5, noise))
+    assert fit.fixed_us == pytest.approx(60.0, rel=0.05)
+    assert fit.bandwidth_GBps == pytest.approx(1.5, rel=0.05)
+    assert 0.02 < fit.max_rel_err < 0.07
+
+
+def test_fit_without_a_byte_term_reports_infinite_bandwidth():
+    fit = fit_latency_bandwidth([1024, 2048, 4096], [50.0, 50.0, 50.0])
+    assert fit.fixed_us == pytest.approx(50.0)
+    assert math.isinf(fit.bandwidth_GBps) or fit.bandwidth_GBps > 1e6
+
+
+def test_fit_needs_two_sizes():
+    with pytest.raises(ValueError):
+        fit_latency_bandwidth([1024], [10.0])
+    with pytest.raises(ValueError):
+        fit_latency_bandwidth([1024, 1024], [10.0, 11.0])
+
+
+def test_sizes_and_bus_factor():
+    assert parse_size("1K", "--min-bytes") == 1024
+    assert parse_size("64m", "--max-bytes") == 64 * 2**20
+    assert parse_size("4096", "--min-bytes") == 4096
+    for bad in ("abc", "0", "-1K", "1.5M", ""):
+        with pytest.raises(UsageError):
+            parse_size(bad, "--min-bytes")
+    assert size_ladder(1024, 8192, 2, 2) == [1024, 2048, 4096, 8192]
+    assert size_ladder(1000, 1000, 2, 4) == [1000]
+    with pytest.raises(UsageError):
+        size_ladder(1024, 8192, 1, 2)
+    with pytest.raises(UsageError):
+        size_ladder(8192, 1024, 2, 2)
+    assert bus_factor(2) == 1.0 and bus_factor(4) == 1.5
+
+
+def test_allreduce_command_at_tp2(tmp_path):
+    out = tmp_path / "ar.json"
+    r = run_cli("allreduce", "--tp-world", "2", "--min-bytes", "1K", "--max-bytes", "64K", "--iters", "3", "--json", out, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].split() == ["size_bytes", "count", "dtype", "time_us", "device_us", "algbw_GBps", "busbw_GBps"]
+    assert len(lines) == 1 + 7 + 1
+    fit_fields = dict(p.split("=") for p in lines[-1].split())
+    assert set(fit_fields) == {"fixed_us", "bandwidth_GBps", "max_rel_err"}
+    data = json.loads(out.read_text())
+    assert data["backend"] == "gloo" and data["world"] == 2 and len(data["sizes"]) == 7
+    for row in data["sizes"]:
+        # On CPU there are no device events: device_us is the wall time.
+        assert row["device_us"] == row["time_us"] > 0
+        assert row["count"] * 2 == row["size_bytes"]
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--min-bytes", "lots"], "--min-bytes 'lots' is not a size"),
+        (["--factor", "1"], "--factor must be an integer >= 2"),
+        (["--tp-world", "1"], "--tp-world must be >= 2"),
+        (["--dtype", "int8"], "--dtype 'int8'"),
+    ],
+)
+def test_allreduce_errors(args, message):
+    r = run_cli("allreduce", *args, timeout=60)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("pocketllm: error: ") and message in r.stderr

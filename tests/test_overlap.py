@@ -1,0 +1,153 @@
+"""The overlapped projection and its slice policy (seed sections 1 and 4): the sliced path gives
+the serial path's result, the rule picks the seed's counts, a pin that cannot be served falls
+back to serial, bad knobs are one line and exit 2, and a pass issues 64s + 48s + 16s + 1
+collectives at s slices."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import cli_env, result_fields, run_cli
+from pocketllm.distributed.accounting import COUNTER
+from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
+from pocketllm.distributed.policy import PinnedPolicy, RulePolicy, comm_overlap_slices_for_rows, resolve_policy
+from pocketllm.distributed.state import set_tp
+from pocketllm.errors import UsageError
+
+SLICES = (1, 2, 3, 4, 8)
+# Uneven on purpose: not divisible by 2, 3, 4 or 8, and 3 is fewer rows than 4 or 8 slices.
+ROWS = (3, 13, 37)
+# Scale-relative: max |overlapped - serial| <= TOL * max |serial|. Slicing changes which rows
+# each GEMM call sees and how the all-reduce chunks its buffer, so sums may be ordered differently:
+# measured at most 1.9e-7 (fp32, ~1.6 eps) and exactly one bf16 ulp at the top magnitude
+# (2^-7 relative, TP=4). The bounds are 1e-6 (~8 fp32 eps) and 2^-6 (two bf16 ulps).
+TOL = {torch.float32: 1e-6, torch.bfloat16: 2**-6}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return float((a.double() - b.double()).abs().max()) <= tol * float(b.double().abs().max())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compare_worker(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    set_tp(rank, world)
+    try:
+        for dtype, tol in TOL.items():
+            for rows in ROWS:
+                gen = torch.Generator().manual_seed(100 * rows + rank)
+                x = torch.randn(rows, 24, generator=gen).to(dtype)
+                w = torch.randn(40, 24, generator=gen).to(dtype)
+                serial = projection_all_reduce_overlapped(x, w, 1, "mlp.down")
+                # The exact sum of every rank's partial product, as the reference both must match.
+                exact = torch.zeros(rows, 40, dtype=torch.float64)
+                for r in range(world):
+                    g = torch.Generator().manual_seed(100 * rows + r)
+                    xr = torch.randn(rows, 24, generator=g).to(dtype)
+                    wr = torch.randn(40, 24, generator=g).to(dtype)
+                    exact += xr.double() @ wr.double().t()
+                # The serial path rounds each rank's product and each partial sum once more.
+                assert _close(serial, exact, 4 * tol)
+                for slices in SLICES:
+                    COUNTER.reset()
+                    out = projection_all_reduce_overlapped(x, w, slices, "mlp.down")
+                    assert out.dtype == dtype and out.shape == (rows, 40)
+                    assert _close(out, serial, tol), f"TP={world} {dtype} rows={rows} slices={slices}"
+                    # One collective per slice, or one when the path falls back to serial.
+                    assert COUNTER.total == (1 if is_serial(rows, slices) else slices)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_equals_serial(world):
+    mp.start_processes(_compare_worker, args=(world, _free_port()), nprocs=world, join=True, start_method="spawn")
+
+
+def test_slice_bounds_cover_uneven_rows():
+    assert slice_bounds(13, 4) == [(0, 4), (4, 7), (7, 10), (10, 13)]
+    assert slice_bounds(8, 8) == [(i, i + 1) for i in range(8)]
+
+
+def test_rule_table():
+    assert {r: comm_overlap_slices_for_rows(r) for r in (512, 1024, 2048, 4096, 8192)} == {512: 1, 1024: 1, 2048: 2, 4096: 4, 8192: 4}
+    assert comm_overlap_slices_for_rows(8192, ceiling=8) == 8
+    assert comm_overlap_slices_for_rows(8192, ceiling=1) == 1
+    assert comm_overlap_slices_for_rows(8192, ceiling=0) == 1
+    # Decode rows come out serial.
+    assert RulePolicy().slices_for_rows(1) == 1
+
+
+def test_pin_falls_back_to_serial_when_rows_are_fewer_than_slices():
+    assert PinnedPolicy(8).slices_for_rows(3) == 8
+    set_tp(0, 2)
+    try:
+        assert is_serial(3, 8) and is_serial(1, 4) and not is_serial(8, 8) and not is_serial(13, 3)
+    finally:
+        set_tp(0, 1)
+    # At world size 1 there is nothing to overlap.
+    assert is_serial(4096, 4)
+
+
+def test_pin_overrides_ceiling_with_a_note():
+    choice = resolve_policy(pin="2", ceiling="8", env={})
+    assert isinstance(choice.policy, PinnedPolicy) and choice.policy.slices == 2
+    assert "overrides" in choice.note
+    assert resolve_policy(env={"QWEN_COMM_OVERLAP_PIN": "3"}).policy.slices == 3
+    assert resolve_policy(env={"QWEN_COMM_OVERLAP_SLICES": "8"}).policy.ceiling == 8
+    with pytest.raises(UsageError, match="non-negative integer"):
+        resolve_policy(pin="-1", env={})
+
+
+@pytest.mark.parametrize(
+    "args, env",
+    [
+        (["--pin-slices", "-1"], {}),
+        (["--comm-overlap-slices", "four"], {}),
+        ([], {"QWEN_COMM_OVERLAP_SLICES": "abc"}),
+        ([], {"QWEN_COMM_OVERLAP_PIN": "1.5"}),
+        (["--rows", "0"], {}),
+    ],
+)
+def test_knob_errors_exit_2(args, env):
+    r = run_cli("policy", *args, env=cli_env(**env), timeout=60)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr
+
+
+def test_policy_command_prints_the_rule():
+    r = run_cli("policy", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["rows=512", "slices=1", "rows=1024", "slices=1", "rows=2048", "slices=2", "rows=4096", "slices=4"]
+    r = run_cli("policy", "--rows", "8192", "--comm-overlap-slices", "8", timeout=60)
+    assert r.stdout.strip() == "rows=8192 slices=8"
+    r = run_cli("policy", "--rows", "512,8192", "--pin-slices", "3", "--comm-overlap-slices", "8", timeout=60)
+    assert r.stdout.split() == ["rows=512", "slices=3", "rows=8192", "slices=3"]
+    assert "overrides" in r.stderr
+
+
+@pytest.mark.parametrize("slices", [1, 3])
+def test_bench_collective_count(slices):
+    """64 layers: one mlp.down each, 48 lin.out, 16 full.out, plus the embedding's reduce."""
+    r = run_cli(
+        "bench", "--preset", "tiny", "--layers", "64", "--tp-world", "2", "--prompt-tokens", "32",
+        "--max-new-tokens", "1", "--warmup-tokens", "4", "--pin-slices", slices, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    fields = result_fields(r.stdout)
+    assert int(fields["slices"]) == slices
+    assert int(fields["collectives"]) == 64 * slices + 48 * slices + 16 * slices + 1
+    assert (slices == 1) == (int(fields["collectives"]) == 129)
+

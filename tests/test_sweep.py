@@ -1,0 +1,127 @@
+"""`pocketllm sweep`: the interleaving order, the tables and summary from synthetic timings, bad
+lists, and a real tiny sweep at TP=2 that writes valid JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from pocketllm.bench.sweep_report import Setting, format_report, pinned, summarize
+from pocketllm.commands.sweep import sweep_order
+
+SETTINGS = [pinned(1), pinned(4), pinned(8), Setting("rule", None), Setting("calibrated", None)]
+# Mean prefill TPS per (rows, setting) and the slices each setting resolved to: a 910A-like shape.
+MEANS = {
+    512: {"pin=1": (875.8, 1), "pin=4": (431.4, 4), "pin=8": (431.0, 8), "rule": (878.8, 1), "calibrated": (870.0, 1)},
+    4096: {"pin=1": (1205.2, 1), "pin=4": (1265.2, 4), "pin=8": (1200.0, 8), "rule": (1261.6, 4), "calibrated": (1205.0, 1)},
+}
+
+
+def _records(reps: int = 3) -> list[dict]:
+    out = []
+    for rep, rows, name in sweep_order(list(MEANS), [s.name for s in SETTINGS], reps):
+        mean, slices = MEANS[rows][name]
+        # Reps spread -1%, 0, +1% around the mean, so the mean is exact.
+        tps = mean * (1 + 0.01 * (rep - 2))
+        out.append({
+            "rep": rep, "rows": rows, "setting": name, "slices": slices, "serial": name == "pin=8" and rows < 8,
+            "prefill_tokens_per_s": tps, "decode_tokens_per_s": 8.7 + 0.1 * rep,
+        })
+    return out
+
+
+def test_interleaving_is_rep_major_in_a_fixed_order():
+    order = sweep_order([512, 4096], ["pin=1", "rule"], 2)
+    assert order == [
+        (1, 512, "pin=1"), (1, 512, "rule"), (1, 4096, "pin=1"), (1, 4096, "rule"),
+        (2, 512, "pin=1"), (2, 512, "rule"), (2, 4096, "pin=1"), (2, 4096, "rule"),
+    ]
+    # Every (rows, setting) once per rep, and no rep starts before the previous one ends.
+    order = sweep_order([1, 2, 3], ["a", "b", "c"], 3)
+    assert [r for r, _, _ in order] == sorted(r for r, _, _ in order)
+    assert len(set(order)) == 27
+
+
+def test_summary_from_synthetic_timings():
+    report = summarize(_records(), list(MEANS), SETTINGS)
+    assert report["best"]["512"]["slices"] == 1 and report["best"]["4096"]["slices"] == 4
+    rule, cal = report["summary"]["rule"], report["summary"]["calibrated"]
+    assert rule["512"]["slices"] == 1 and rule["512"]["ratio_to_best"] == pytest.approx(878.8 / 875.8, abs=1e-4)
+    assert rule["4096"]["slices"] == 4 and rule["4096"]["ratio_to_best"] == pytest.approx(1261.6 / 1265.2, abs=1e-4)
+    assert cal["4096"]["ratio_to_best"] == pytest.approx(1205.0 / 1265.2, abs=1e-4)
+
+
+def test_tables_from_synthetic_timings():
+    lines, _ = format_report(_records(), list(MEANS), SETTINGS)
+    text = "\n".join(lines)
+    assert "rows=512: prefill TPS per rep" in text and "rows=4096: prefill TPS per rep" in text
+    pin4 = next(line for line in lines if line.startswith("pin=4") and "431" in line)
+    assert pin4.split() == ["pin=4", "4", f"{431.4 * 0.99:.1f}", "431.4", f"{431.4 * 1.01:.1f}", "431.4"]
+    assert "best pinned count against each policy's choice" in text
+    assert "decode TPS 8.80..9.00 over all 30 runs" in text
+    last = json.loads(lines[-1])
+    assert last == {"summary": {p: {r: {"slices": c["slices"], "ratio_to_best": c["ratio_to_best"]} for r, c in by.items()} for p, by in summarize(_records(), list(MEANS), SETTINGS)["summary"].items()}}
+
+
+def test_fallback_to_serial_is_marked():
+    records = [
+        {"rep": 1, "rows": 4, "setting": "pin=8", "slices": 8, "serial": True, "prefill_tokens_per_s": 10.0, "decode_tokens_per_s": 1.0},
+        {"rep": 1, "rows": 4, "setting": "pin=1", "slices": 1, "serial": True, "prefill_tokens_per_s": 10.0, "decode_tokens_per_s": 1.0},
+    ]
+    lines, _ = format_report(records, [4], [pinned(1), pinned(8)])
+    assert "(fell back to serial)" in next(line for line in lines if line.startswith("pin=8"))
+    assert "fell back" not in next(line for line in lines if line.startswith("pin=1"))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rows", ""], "--rows is empty"),
+        (["--rows", "512,abc"], "--rows: 'abc' is not an integer"),
+        (["--pin", "1,0"], "--pin: 0 must be a positive integer"),
+        (["--policy", "rule,best"], "--policy: 'best' is not one of rule, calibrated"),
+        (["--policy", "calibrated"], "needs --calibration"),
+    ],
+)
+def test_bad_lists_exit_2(args, message):
+    r = run_cli("sweep", "--preset", "tiny", "--tp-world", "2", *args, timeout=60)
+    assert r.returncode == 2
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tiny_sweep_at_tp2_end_to_end(tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    r = run_cli(
+        "sweep", "--preset", "tiny", "--tp-world", "2", "--rows", "8,32", "--pin", "1,4", "--reps", "2",
+        "--max-new-tokens", "2", "--warmup-tokens", "4", "--json", out, "--plot", png, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])["summary"]
+    assert set(summary) == {"rule"} and set(summary["rule"]) == {"8", "32"}
+    assert summary["rule"]["8"]["slices"] == 1
+    data = json.loads(out.read_text())
+    assert len(data["runs"]) == 2 * 2 * 3
+    assert [(r["rep"], r["rows"], r["setting"]) for r in data["runs"]] == sweep_order([8, 32], ["pin=1", "pin=4", "rule"], 2)
+    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in data["runs"])
+    assert {r["slices"] for r in data["runs"] if r["setting"] == "pin=4"} == {4}
+    # The file's summary carries each policy's mean TPS as well.
+    assert {p: {r: {k: c[k] for k in ("slices", "ratio_to_best")} for r, c in by.items()} for p, by in data["summary"].items()} == summary
+    assert set(data["best"]) == {"8", "32"}
+    assert data["settings"]["tp_world"] == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Progress went to stderr, the tables to stdout.
+    assert "rows=8: prefill TPS per rep" in r.stdout and "rep 2/2" in r.stderr
+
+
+def test_plot_without_matplotlib_is_one_clear_line(monkeypatch):
+    import importlib.util
+
+    from pocketllm.bench import plot
+    from pocketllm.errors import UsageError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(UsageError, match=r"--plot needs matplotlib, which is not installed; pip install 'pocketllm\[plot\]'"):
+        plot.require_matplotlib()
