@@ -286,7 +286,7 @@ def test_profile_command_prints_both_tables_from_timed_prefill_blocks(tmp_path):
     "argv, env, needle",
     [
         (("profile", "--preset", "tiny", "--prompt-tokens", "64,abc"), {}, "'abc' is not an integer"),
-        (("profile", "--preset", "tiny", "--prompt-tokens", "0"), {}, "must be >= 1"),
+        (("profile", "--preset", "tiny", "--prompt-tokens", "0"), {}, "--prompt-tokens: 0 must be a positive integer"),
         (("bench", "--preset", "tiny"), {"QWEN_PHASE_PROFILE": "maybe"}, "QWEN_PHASE_PROFILE='maybe' is not a switch"),
         (("bench", "--preset", "tiny", "--profile-out", "somewhere"), {}, "--profile-out needs a profile"),
         (("bench", "--preset", "tiny", "--split-skew"), {}, "--split-skew splits the phase profile"),

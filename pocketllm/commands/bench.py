@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pocketllm.commands.ranked import peak_rss_mib_per_rank, run_ranked
+from pocketllm.commands.ranked import peak_rss_mib_per_rank, run_ranked, run_settings
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids, prompt_ids
@@ -92,14 +92,8 @@ def _work(args, plan, ids, engine, device) -> int:
         print(format_result(result), flush=True)
         if args.json:
             settings = {
-                "model": plan.model_name,
-                "layers": plan.cfg.num_layers,
-                "tp_world": tp().world,
-                "dtype": args.dtype,
-                "device": device.describe(),
-                "backend": device.backend if tp().world > 1 else None,
+                **run_settings(args, plan, device),
                 "policy": plan.policy.policy.describe(),
-                "threads_per_rank": torch.get_num_threads(),
                 "peak_rss_mib_per_rank": rss,
             }
             with open(args.json, "w") as f:

@@ -13,13 +13,19 @@ import time
 import torch
 
 from pocketllm.commands.bench import warm_up
+from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.ranked import run_ranked
 from pocketllm.distributed.policy import ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.profiling.profiler import ENV_PHASE, env_switch, profiler_of
-from pocketllm.profiling.tables import attribution_table, collective_points, collective_table, two_point_fit
+from pocketllm.profiling.tables import (
+    attribution_table,
+    collective_points,
+    collective_table,
+    two_point_fit,
+)
 
 DEFAULT_LENGTHS = "1105,2223,4433"
 PICKS = ("median", "min")
@@ -36,17 +42,8 @@ def add_arguments(p) -> None:
 
 
 def parse_lengths(text: str) -> list[int]:
-    lengths = []
-    for part in str(text).replace(" ", "").split(","):
-        try:
-            n = int(part)
-        except ValueError:
-            raise UsageError(f"--prompt-tokens: {part!r} is not an integer (expected lengths like 1105,2223,4433)") from None
-        if n < 1:
-            raise UsageError(f"--prompt-tokens: every length must be >= 1, got {n}")
-        lengths.append(n)
     # The fit reads the shortest and longest lengths as its two points.
-    return sorted(set(lengths))
+    return sorted(set(parse_positive_list(str(text), "--prompt-tokens")))
 
 
 def _prepare(args, plan):

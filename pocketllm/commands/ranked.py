@@ -64,6 +64,19 @@ def _on_rank(args, renv, prepare, work, profiling, fault) -> int:
             profiler.close()
 
 
+def run_settings(args, plan, device) -> dict:
+    """What a result was measured on, for the JSON a command writes beside its figures."""
+    return {
+        "model": plan.model_name,
+        "layers": plan.cfg.num_layers,
+        "tp_world": tp().world,
+        "dtype": args.dtype,
+        "device": device.describe(),
+        "backend": device.backend if tp().world > 1 else None,
+        "threads_per_rank": torch.get_num_threads(),
+    }
+
+
 def peak_rss_mib_per_rank() -> list[float]:
     """Each rank's peak resident memory so far, gathered in rank order."""
     mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)

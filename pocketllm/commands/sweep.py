@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
 from pocketllm.commands.bench import timed_prefill_decode, warm_up
 from pocketllm.commands.policy import parse_positive_list
-from pocketllm.commands.ranked import run_ranked
+from pocketllm.commands.ranked import run_ranked, run_settings
 from pocketllm.distributed.calibration import checked_for_run
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
@@ -129,14 +128,8 @@ def _work(args, plan, inputs, engine, device) -> int:
     if tp().rank != 0:
         return 0
     lines, report = format_report(records, rows_list, [s for s, _ in settings])
-    run_settings = {
-        "model": plan.model_name,
-        "layers": plan.cfg.num_layers,
-        "tp_world": tp().world,
-        "dtype": args.dtype,
-        "device": device.describe(),
-        "backend": device.backend if tp().world > 1 else None,
-        "threads_per_rank": torch.get_num_threads(),
+    settings_json = {
+        **run_settings(args, plan, device),
         "rows": rows_list,
         "settings": {s.name: policy.describe() for s, policy in settings},
         "reps": args.reps,
@@ -145,9 +138,9 @@ def _work(args, plan, inputs, engine, device) -> int:
     }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": run_settings, "runs": records, **report}, f, indent=2)
+            json.dump({"settings": settings_json, "runs": records, **report}, f, indent=2)
     if args.plot:
-        title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {run_settings['backend'] or ''}, {args.dtype}, {device.describe()}"
+        title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {settings_json['backend'] or ''}, {args.dtype}, {device.describe()}"
         plot_sweep(records, rows_list, [s for s, _ in settings], args.plot, title)
     print("\n".join(lines), flush=True)
     return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.ops.gemm import linear_rows
 from pocketllm.distributed.state import all_reduce_, all_reduce_async_, tp
+from pocketllm.ops.gemm import linear_rows
 from pocketllm.profiling.scopes import scope
 
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed.state import all_gather_cat, all_reduce_, tp
-from pocketllm.ops.gemm import linear_rows
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param
+from pocketllm.ops.gemm import linear_rows
 
 
 def vocab_block(vocab: int, rank: int, world: int) -> tuple[int, int, int]:

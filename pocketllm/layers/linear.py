@@ -9,8 +9,14 @@ from torch import nn
 
 from pocketllm.distributed.overlap import projection_all_reduce_overlapped
 from pocketllm.distributed.state import tp
+from pocketllm.layers.sharding import (
+    RowRange,
+    ShardSource,
+    read_cols,
+    row_sources,
+    sharded_param,
+)
 from pocketllm.ops.gemm import linear_rows
-from pocketllm.layers.sharding import RowRange, ShardSource, read_cols, row_sources, sharded_param
 
 
 class ColumnParallelLinear(nn.Module):
