@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pocketllm.commands.ranked import peak_rss_mib_per_rank, run_ranked, run_settings
+from pocketllm.commands.ranked import peak_rss_mib_per_rank, per_rank, run_ranked, run_settings
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids, prompt_ids
@@ -88,6 +88,8 @@ def _work(args, plan, ids, engine, device) -> int:
     with engine.tagged(timed=True):
         result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
     rss = peak_rss_mib_per_rank()
+    load_peak = per_rank(engine.load_peak_mib)
+    weights = per_rank(engine.loaded_bytes / 2**20)
     if tp().rank == 0:
         print(format_result(result), flush=True)
         if args.json:
@@ -95,6 +97,8 @@ def _work(args, plan, ids, engine, device) -> int:
                 **run_settings(args, plan, device),
                 "policy": plan.policy.policy.describe(),
                 "peak_rss_mib_per_rank": rss,
+                "weights_mib_per_rank": weights,
+                "load_peak_rss_over_baseline_mib_per_rank": load_peak,
             }
             with open(args.json, "w") as f:
                 json.dump({**result, "settings": settings}, f, indent=2)

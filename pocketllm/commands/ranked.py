@@ -51,7 +51,10 @@ def _on_rank(args, renv, prepare, work, profiling, fault) -> int:
         t0 = time.perf_counter()
         faults = FaultHook(fault, renv.rank)
         faults.at("load")
+        rss_before = current_rss_mib()
         engine = Engine(plan.cfg, plan.open_source(), plan.dtype, device.torch_device, plan.policy.policy)
+        # What loading cost this rank at its peak, above what the process held before it.
+        engine.load_peak_mib = peak_rss_mib() - rss_before
         engine.hooks += [PassTracker(), faults]
         say(
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
@@ -77,7 +80,24 @@ def run_settings(args, plan, device) -> dict:
     }
 
 
+def current_rss_mib() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return peak_rss_mib()
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def per_rank(value: float) -> list[float]:
+    """One number from every rank, gathered in rank order."""
+    mine = torch.tensor([value], dtype=torch.float64)
+    return [round(float(x), 1) for x in all_gather_cat(mine)]
+
+
 def peak_rss_mib_per_rank() -> list[float]:
     """Each rank's peak resident memory so far, gathered in rank order."""
-    mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
-    return [round(float(x), 1) for x in all_gather_cat(mine)]
+    return per_rank(peak_rss_mib())
