@@ -10,23 +10,20 @@ from torch import nn
 from pocketllm.layers.sharding import ShardSource, read_all, sharded_param
 
 
-def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """rsqrt(mean(x^2) + eps) per row in fp32, from one read of x and no full-size temporary."""
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-    return torch.rsqrt(n.square_().div_(x.shape[-1]).add_(eps))
+def rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * scale in fp32, returned in x's dtype. torch's fused rms_norm
+    is one op where the textbook form is five passes over fp32 temporaries; that matters most
+    for decode's single rows, where every op is mostly dispatch."""
+    return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(x.dtype)
 
 
 def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # The textbook form (float, pow, mean, rsqrt, two products) makes five full passes over fp32
-    # temporaries; this makes three and computes the same fp32 value (measured 15-45% faster).
-    out = x * inv_rms(x, eps)
-    out.mul_(1.0 + weight.float())
-    return out.to(x.dtype)
+    return rms_norm_scaled(x, 1.0 + weight.float(), eps)
 
 
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF rounds the normed value to the input dtype before the weight, so this does too.
-    normed = (x * inv_rms(x, eps)).to(x.dtype)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     out = F.silu(z.float())
     out.mul_(weight * normed)
     return out.to(x.dtype)
@@ -53,8 +50,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = sharded_param((dim,), [ShardSource(key, (dim,), read_all)], dtype, device)
 
+        self._scale: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_zero_centred(x, self.weight, self.eps)
+        # 1 + w in fp32, made once: the weight never changes after loading.
+        if self._scale is None:
+            self._scale = 1.0 + self.weight.float()
+        return rms_norm_scaled(x, self._scale, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
