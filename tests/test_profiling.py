@@ -57,7 +57,8 @@ def _ident(**kw) -> BlockId:
     return BlockId(**{**base, **kw})
 
 
-def test_exclusive_attribution_on_a_hand_built_tree():
+def _recorded_tree():
+    """The hand-built tree recorded with a fake clock: (recorder, clock)."""
     clock = FakeClock()
     recorder = ScopeRecorder(clock=clock, keep_spans=True)
     scopes.install(recorder)
@@ -65,6 +66,11 @@ def test_exclusive_attribution_on_a_hand_built_tree():
         _hand_built_tree(recorder, clock)
     finally:
         scopes.install(None)
+    return recorder, clock
+
+
+def test_exclusive_attribution_on_a_hand_built_tree():
+    recorder, clock = _recorded_tree()
     block = phase_block(_ident(), recorder.stats, wall_ns=110)
     s = block["scopes"]
     assert block["stack_seconds"] == pytest.approx(100e-9)
@@ -192,13 +198,7 @@ def _assert_properly_nested(events: list[dict]) -> None:
 
 
 def test_trace_of_a_hand_built_tree_nests_with_collectives_on_their_own_track():
-    clock = FakeClock()
-    recorder = ScopeRecorder(clock=clock, keep_spans=True)
-    scopes.install(recorder)
-    try:
-        _hand_built_tree(recorder, clock)
-    finally:
-        scopes.install(None)
+    recorder, clock = _recorded_tree()
     block = host_block(_ident(), recorder.stats, 100)
     writer = TraceWriter(0)
     writer.add_pass(block, 0, clock.now, recorder.spans)
