@@ -61,6 +61,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device)
         self.kernel = select_gdn_kernel(torch.device(device).type)
         self._dtype, self._device = dtype, device
+        self._neg_a: torch.Tensor | None = None
 
     def allocate_state(self, max_len: int) -> GDNState:
         k = self.conv_weight.shape[-1]
@@ -81,14 +82,18 @@ class GatedDeltaNet(nn.Module):
             else:
                 mixed = causal_conv1d_prefill_(mixed, conv_w, state.conv)
         kd = self.hk * self.dk
-        q, k, v = mixed.split((kd, kd, self.hv * self.dv), dim=-1)
+        qk, v = mixed.split((2 * kd, self.hv * self.dv), dim=-1)
         with scope("norms", "lin.qk_l2"):
-            q = l2_normalize(q.view(t, self.hk, self.dk)) * self.dk**-0.5
-            k = l2_normalize(k.view(t, self.hk, self.dk))
+            # q and k are adjacent channels: one normalisation over both halves the op count.
+            qk = l2_normalize(qk.view(t, 2 * self.hk, self.dk))
+            q, k = qk[:, : self.hk] * self.dk**-0.5, qk[:, self.hk :]
         v = v.view(t, self.hv, self.dv)
         with scope("gates", "lin"):
+            if self._neg_a is None:
+                # -exp(A_log) never changes after loading; made once.
+                self._neg_a = -torch.exp(self.A_log.float())
             beta = torch.sigmoid(b).float()
-            g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
+            g = self._neg_a * F.softplus(a.float() + self.dt_bias)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
             if ctx.decode:

@@ -21,7 +21,7 @@ def causal_conv1d_step_(x: torch.Tensor, weight: torch.Tensor, state: torch.Tens
     k = weight.shape[1]
     out = x[0] * weight[:, k - 1]
     for i in range(k - 1):
-        out = out + state[i] * weight[:, i]
+        out.addcmul_(state[i], weight[:, i])
     for i in range(k - 2):
         state[i].copy_(state[i + 1])
     state[k - 2].copy_(x[0])
