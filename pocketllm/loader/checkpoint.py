@@ -87,5 +87,9 @@ class CheckpointReader:
         key = self.to_file_key(name)
         return self._handle(self.file_of[key]).get_slice(key)
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Unmap the files: the pages a read touched count in this process's memory until then."""
         self._handles.clear()
+
+    def close(self) -> None:
+        self.release()

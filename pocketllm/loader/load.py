@@ -60,4 +60,7 @@ def load_weights(model: nn.Module, source) -> int:
                 raise CheckpointError(f"{src.key}: read {list(part.shape)} for {name}, which holds {list(dest.shape)}")
             dest.copy_(part)
             loaded += part.numel() * part.element_size()
+        # Unmapping after every parameter keeps the file pages this rank touched from adding up
+        # to a second copy of its weights; reopening a file costs only its header.
+        source.release()
     return loaded

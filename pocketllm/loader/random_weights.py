@@ -86,5 +86,8 @@ class RandomWeights:
     def get_slice(self, name: str) -> _RandomSlice:
         return _RandomSlice(name, self.shapes[name], self.seed, self.dtype)
 
+    def release(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
