@@ -94,14 +94,27 @@ def shutdown_distributed() -> None:
     rendezvous.leave_group()
 
 
+class _PassPlace:
+    """A pass as a place, put into words only if a collective fails in it."""
+
+    __slots__ = ("info", "after")
+
+    def __init__(self, info, after: bool):
+        self.info, self.after = info, after
+
+    def __str__(self) -> str:
+        return f"{'after ' if self.after else ''}{self.info.kind} pass {self.info.index}"
+
+
 class PassTracker:
-    """A pass hook that remembers where this rank is, so a failed collective can say where."""
+    """A pass hook that remembers where this rank is, so a failed collective can say where. It
+    runs around every decode step, so it only keeps the pass; the words are made on failure."""
 
     def before_pass(self, info) -> None:
-        _where["place"] = f"{info.kind} pass {info.index}"
+        _where["place"] = _PassPlace(info, after=False)
 
     def after_pass(self, info) -> None:
-        _where["place"] = f"after {info.kind} pass {info.index}"
+        _where["place"] = _PassPlace(info, after=True)
 
 
 class RefusedByRank0(UsageError):
@@ -180,7 +193,7 @@ def run_rank(renv: RankEnv, body) -> int:
 
 def _collective_line(kind: str) -> str:
     place, timeout_s = _where["place"], _where["timeout_s"]
-    if kind == "timeout" and place == "the rendezvous":
+    if kind == "timeout" and str(place) == "the rendezvous":
         return f"the rendezvous timed out after {timeout_s:g} s (--dist-timeout): not every rank joined"
     if kind == "timeout":
         return (

@@ -34,15 +34,21 @@ def _prepare(args, plan):
     return ids
 
 
-def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
-    """One timed prefill and `new_tokens` timed greedy decode steps from a fresh sequence."""
-    engine.start_sequence(len(ids) + new_tokens)
+def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, torch.Tensor]:
+    """Seconds of one prefill of `ids` from a fresh sequence with `room` positions left after it,
+    device-synchronised at both ends, and its logits."""
+    engine.start_sequence(len(ids) + room)
     prompt = torch.tensor(ids, dtype=torch.long)
     sync()
     t0 = time.perf_counter()
     logits = engine.prefill(prompt)
     sync()
-    prefill_s = time.perf_counter() - t0
+    return time.perf_counter() - t0, logits
+
+
+def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
+    """One timed prefill and `new_tokens` timed greedy decode steps from a fresh sequence."""
+    prefill_s, logits = timed_prefill(engine, ids, sync, room=new_tokens)
     collectives = sum(engine.last_collectives.values())
     slices = engine.last_slices
     token = int(torch.argmax(logits))

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 
-from pocketllm.commands.bench import warm_up
+from pocketllm.commands.bench import timed_prefill, warm_up
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.ranked import run_ranked
 from pocketllm.distributed.policy import ENV_CEILING, ENV_PIN
@@ -58,14 +57,8 @@ def _prepare(args, plan):
 
 def _timed_prefill(engine, ids: list[int], sync) -> tuple[float, int]:
     """prefill_seconds of one timed prefill from a fresh sequence, and its pass's block id."""
-    engine.start_sequence(len(ids))
-    prompt = torch.tensor(ids, dtype=torch.long)
     with engine.tagged(timed=True):
-        sync()
-        t0 = time.perf_counter()
-        engine.prefill(prompt)
-        sync()
-        wall = time.perf_counter() - t0
+        wall, _ = timed_prefill(engine, ids, sync)
     return wall, engine.last_pass.index
 
 

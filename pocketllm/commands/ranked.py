@@ -55,7 +55,9 @@ def _on_rank(args, renv, prepare, work, profiling, fault) -> int:
         engine = Engine(plan.cfg, plan.open_source(), plan.dtype, device.torch_device, plan.policy.policy)
         # What loading cost this rank at its peak, above what the process held before it.
         engine.load_peak_mib = peak_rss_mib() - rss_before
-        engine.hooks += [PassTracker(), faults]
+        engine.hooks.append(PassTracker())
+        if faults.fault is not None:
+            engine.hooks.append(faults)
         say(
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"

@@ -61,7 +61,14 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device)
         self.kernel = select_gdn_kernel(torch.device(device).type)
         self._dtype, self._device = dtype, device
-        self._neg_a: torch.Tensor | None = None
+        self.neg_a: torch.Tensor | None = None
+        self.conv_w: torch.Tensor | None = None
+
+    def after_loading(self) -> None:
+        # Neither changes after loading: -exp(A_log) in fp32 (HF's decay rate) and the conv
+        # weight as [C, K].
+        self.neg_a = -torch.exp(self.A_log.float())
+        self.conv_w = self.conv_weight[:, 0, :]
 
     def allocate_state(self, max_len: int) -> GDNState:
         k = self.conv_weight.shape[-1]
@@ -75,12 +82,11 @@ class GatedDeltaNet(nn.Module):
         with scope("projections", "lin.in"):
             proj = self.in_proj(x)
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
-        conv_w = self.conv_weight[:, 0, :]
         with scope("gdn_conv"):
             if ctx.decode:
-                mixed = causal_conv1d_step_(mixed, conv_w, state.conv)
+                mixed = causal_conv1d_step_(mixed, self.conv_w, state.conv)
             else:
-                mixed = causal_conv1d_prefill_(mixed, conv_w, state.conv)
+                mixed = causal_conv1d_prefill_(mixed, self.conv_w, state.conv)
         kd = self.hk * self.dk
         qk, v = mixed.split((2 * kd, self.hv * self.dv), dim=-1)
         with scope("norms", "lin.qk_l2"):
@@ -89,11 +95,8 @@ class GatedDeltaNet(nn.Module):
             q, k = qk[:, : self.hk] * self.dk**-0.5, qk[:, self.hk :]
         v = v.view(t, self.hv, self.dv)
         with scope("gates", "lin"):
-            if self._neg_a is None:
-                # -exp(A_log) never changes after loading; made once.
-                self._neg_a = -torch.exp(self.A_log.float())
             beta = torch.sigmoid(b).float()
-            g = self._neg_a * F.softplus(a.float() + self.dt_bias)
+            g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
             if ctx.decode:

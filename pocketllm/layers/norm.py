@@ -50,13 +50,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = sharded_param((dim,), [ShardSource(key, (dim,), read_all)], dtype, device)
 
-        self._scale: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+
+    def after_loading(self) -> None:
+        # 1 + w in fp32: the weight never changes after loading.
+        self.scale = 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # 1 + w in fp32, made once: the weight never changes after loading.
-        if self._scale is None:
-            self._scale = 1.0 + self.weight.float()
-        return rms_norm_scaled(x, self._scale, self.eps)
+        return rms_norm_scaled(x, self.scale, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

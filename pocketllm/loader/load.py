@@ -63,4 +63,9 @@ def load_weights(model: nn.Module, source) -> int:
         # Unmapping after every parameter keeps the file pages this rank touched from adding up
         # to a second copy of its weights; reopening a file costs only its header.
         source.release()
+    # Constants derived from the weights (fp32 norm scales, the GDN decay rate) are made once
+    # here, not checked for on every forward.
+    for module in model.modules():
+        if hasattr(module, "after_loading"):
+            module.after_loading()
     return loaded
