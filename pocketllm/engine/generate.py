@@ -22,13 +22,17 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
         self.gen = torch.Generator().manual_seed(params.seed)
-        self._token = torch.zeros(1, dtype=torch.long)
+        self._token: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor) -> int:
+        # The broadcast buffer lives on the logits' device (NCCL/HCCL broadcast device tensors),
+        # and the token is read back from that same buffer.
+        if self._token is None or self._token.device != logits.device:
+            self._token = torch.zeros(1, dtype=torch.long, device=logits.device)
         if tp().rank == 0:
-            self._token[0] = self._choose(logits.float().cpu())
-        broadcast_(self._token.to(logits.device) if logits.device.type != "cpu" else self._token)
-        return int(self._token[0])
+            self._token.fill_(self._choose(logits.float().cpu()))
+        broadcast_(self._token)
+        return int(self._token.item())
 
     def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
