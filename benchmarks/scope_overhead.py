@@ -1,0 +1,117 @@
+"""What the profiling scopes cost when no profile is on: `pocketllm bench` on this tree against
+the same tree with every `with scope(...)` stripped out, interleaved rep-major, plus the cost of
+one disabled scope.
+
+    python benchmarks/scope_overhead.py [--reps 5] [bench flags, e.g. --preset small --tp-world 2]
+
+The stripped copy is made in a temporary directory (bodies dedented, scope imports and the
+collective scopes' timed.* calls dropped) and run through PYTHONPATH, so both trees run the same
+command in fresh processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import timeit
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The modules whose forward path holds scopes.
+SCOPED = ["models/qwen3_5.py", "layers/attention.py", "layers/gdn.py", "layers/mlp.py", "distributed/overlap.py", "distributed/state.py"]
+_WITH = re.compile(r"^(\s*)with scope\(.*\)( as \w+)?:\s*$")
+_TIMED = re.compile(r"^\s*timed\.(settle|wait_for_peers)\(")
+
+
+def _strip_once(lines: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(lines):
+        m = _WITH.match(lines[i])
+        if m:
+            indent = len(m.group(1))
+            i += 1
+            while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
+                out.append(lines[i][4:] if lines[i].strip() else lines[i])
+                i += 1
+            continue
+        if "from pocketllm.profiling.scopes import scope" not in lines[i] and not _TIMED.match(lines[i]):
+            out.append(lines[i])
+        i += 1
+    return out
+
+
+def stripped_tree(dest: Path) -> Path:
+    shutil.copytree(REPO / "pocketllm", dest / "pocketllm", ignore=shutil.ignore_patterns("__pycache__"))
+    for rel in SCOPED:
+        path = dest / "pocketllm" / rel
+        lines = path.read_text().splitlines(keepends=True)
+        # Nested scopes come out one level per pass.
+        while (new := _strip_once(lines)) != lines:
+            lines = new
+        text = "".join(lines)
+        if "scope(" in text:
+            raise SystemExit(f"could not strip every scope from {rel}")
+        path.write_text(text)
+    return dest
+
+
+def disabled_scope_ns() -> float:
+    from pocketllm.profiling.scopes import installed, scope
+
+    assert installed() is None
+
+    def scoped():
+        with scope("norms", "input"):
+            pass
+
+    def bare():
+        pass
+
+    n = 200_000
+    with_scope = min(timeit.repeat(scoped, number=n, repeat=5)) / n
+    without = min(timeit.repeat(bare, number=n, repeat=5)) / n
+    return (with_scope - without) * 1e9
+
+
+def bench(tree: Path, bench_args: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        r = subprocess.run([sys.executable, "-m", "pocketllm", "bench", *bench_args, "--json", f.name], env=env, capture_output=True, text=True, cwd=tree)
+        if r.returncode != 0:
+            raise SystemExit(r.stderr.strip().splitlines()[-1])
+        return json.load(open(f.name))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=5)
+    args, bench_args = p.parse_known_args(argv)
+    print(f"one disabled scope: {disabled_scope_ns():.0f} ns")
+    with tempfile.TemporaryDirectory(prefix="pocketllm-noscope-") as tmp:
+        trees = {"scopes, profiles off": REPO, "scopes stripped": stripped_tree(Path(tmp))}
+        results = {name: [] for name in trees}
+        for rep in range(args.reps):
+            for name, tree in trees.items():
+                results[name].append(bench(tree, bench_args))
+            print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    print(f"pocketllm bench {' '.join(bench_args)}: {args.reps} reps interleaved, median (min..max)")
+    medians = {}
+    for name, runs in results.items():
+        pre = [r["prefill_tokens_per_s"] for r in runs]
+        dec = [r["decode_tokens_per_s"] for r in runs]
+        medians[name] = (statistics.median(pre), statistics.median(dec))
+        print(f"  {name:22s} prefill TPS {medians[name][0]:8.1f} ({min(pre):.1f}..{max(pre):.1f})   decode TPS {medians[name][1]:7.2f} ({min(dec):.2f}..{max(dec):.2f})")
+    (p_on, d_on), (p_off, d_off) = medians.values()
+    print(json.dumps({"prefill_ratio_with_to_without": round(p_on / p_off, 4), "decode_ratio_with_to_without": round(d_on / d_off, 4)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
