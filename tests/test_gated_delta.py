@@ -95,6 +95,27 @@ def test_chunked_across_blocks_and_gate_extremes(monkeypatch, gates, chunk_size)
     assert_close_rel(final, ref_state)
 
 
+@pytest.mark.parametrize("keys", ["identical", "alternating", "near-parallel"])
+def test_chunked_where_the_chunk_inverse_is_hardest(keys):
+    # The chunk's (I + L)^-1 comes from a decay-free fp32 solve: its entries are largest when
+    # keys repeat (|k_t . k_s| = 1) and beta is near 1, with no decay to damp them.
+    T, Hk, Hv, D = 200, 1, 2, 16
+    q, _, v, _, _, state = make_inputs(T, Hk, Hv, D, D)
+    gen = torch.Generator().manual_seed(1)
+    k1 = F.normalize(torch.randn(1, Hk, D, generator=gen), dim=-1)
+    if keys == "identical":
+        k = k1.expand(T, Hk, D).contiguous()
+    elif keys == "alternating":
+        k = (k1 * torch.tensor([1.0, -1.0]).repeat(T // 2)[:, None, None]).contiguous()
+    else:
+        k = F.normalize(k1 + 0.05 * torch.randn(T, Hk, D, generator=gen), dim=-1)
+    g, beta = torch.zeros(T, Hv), torch.full((T, Hv), 0.999)
+    ref_out, ref_state = reference_f64(q, k, v, g, beta, state)
+    out, final = gated_delta_rule_chunked(q, k, v, g, beta, state)
+    assert_close_rel(out, ref_out)
+    assert_close_rel(final, ref_state)
+
+
 @pytest.mark.parametrize("chunk_size", [32, 64])
 @pytest.mark.parametrize("T", [31, 32, 33, 63, 64, 65, 129])
 def test_chunked_at_chunk_boundaries(T, chunk_size):

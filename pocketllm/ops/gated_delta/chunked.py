@@ -6,13 +6,15 @@ and S the state entering the chunk, the per-token recurrence unrolls (the WY / U
     U  = W_v - W_k S                                  (the deltas the chunk writes)
     O  = gamma*Q S + A U,                              A[t,s] = exp(gc_t - gc_s) q_t.k_s (s <= t)
     S' = exp(gc_C) S + (K exp(gc_C - gc))^T U
-Everything that does not depend on S (L, A, W_v, W_k) is computed for a block of chunks and heads
-at once; the pass over chunks is then three [C, D] x [D, D] matmuls per chunk, and A U is one
-batched matmul per block once the pass has produced the block's U.
+Everything that does not depend on S (L, A, (I + L)^-1, W_k) is computed for a block of chunks
+and heads at once. The pass over chunks is then three [C, D] x [D, D] matmuls per chunk plus
+W_v = (I + L)^-1 diag(beta) V, a small matmul that reads V where it lies (no chunk-major copy of
+V is made); A U is one batched matmul per block once the pass has produced the block's U.
 
-(I + L) is inverted by one batched unit-lower-triangular solve against the identity and W_v, W_k
-come from matmuls with the inverse: on CPU a triangular solve with Dv + Dk right-hand sides is
-~10x slower than solving for the C x C inverse and multiplying. Q K^T, K K^T and the product with
+(I + L) is inverted through its decay-free twin I + L0 (see _precompute) by one batched
+unit-lower-triangular solve against the identity, and W_v, W_k come from matmuls with the
+inverse: on CPU a triangular solve with Dv + Dk right-hand sides is ~10x slower than solving for
+the C x C inverse and multiplying. Q K^T, K K^T and the product with
 K are done once per key head, the value heads of a group broadcast or stacked as matmul rows.
 
 The default chunk is 32, not the usual 64: on a 2-core AVX-512 CPU it measured 15-25% faster at
@@ -28,9 +30,9 @@ import torch
 from pocketllm.ops.gated_delta.naive import check_shapes
 
 DEFAULT_CHUNK_SIZE = 32
-# Decay weights below exp(EXP_FLOOR) (about 1e-13, far under fp32 resolution) are set to zero.
-# Left in, they and their products become subnormal floats, which made the CPU matmuls up to
-# 6x slower on realistic gates.
+# Decays below exp(EXP_FLOOR) (about 1e-13, far under fp32 resolution) are not computed as such:
+# left in, they and their products become subnormal floats, which made the CPU matmuls up to 6x
+# slower on realistic gates. Per-token decays are set to zero there, pairwise ones held at it.
 EXP_FLOOR = -30.0
 # Token x value-head rows per precompute block: bounds the intermediates (a few floats per row
 # per head dim) to a few MB that the allocator reuses. Larger blocks allocate past glibc's mmap
@@ -48,16 +50,18 @@ def _floored_exp_(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.threshold_(x, math.exp(EXP_FLOOR), 0.0)
 
 
-def _chunk_major(x: torch.Tensor, start: int, chunks: int, chunk: int) -> torch.Tensor:
+def _chunk_major(x: torch.Tensor, start: int, chunks: int, chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens [start, start + chunks*chunk) of x ([T, H, D] or [T, H], any dtype) as fp32
-    [chunks, H, chunk(, D)], zero past the end of the sequence."""
+    [chunks, H, chunk(, D)], zero past the end of the sequence; written into `out` when given."""
     T, H = x.shape[0], x.shape[1]
     rest = tuple(x.shape[2:])
     full = max(0, min(chunks, (T - start) // chunk))
     tail = min(T - start - full * chunk, chunk) if full < chunks else 0
+    if out is None:
+        out = torch.empty((chunks, H, chunk) + rest, dtype=torch.float32, device=x.device)
     # Padded tokens have k = v = beta = g = 0: they decay nothing and write nothing.
-    alloc = torch.empty if full == chunks else torch.zeros
-    out = alloc((chunks, H, chunk) + rest, dtype=torch.float32, device=x.device)
+    if full < chunks:
+        out[full:].zero_()
     stop = start + full * chunk
     out[:full].copy_(x[start:stop].unflatten(0, (full, chunk)).transpose(1, 2))
     if tail > 0:
@@ -73,82 +77,114 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
     # A prompt shorter than a chunk is one chunk of its own length: no padding work.
     C = max(1, min(chunk_size, T))
     N = -(-T // C)
+    dev = v.device
     if initial_state is None:
-        S = torch.zeros(Hv, Dk, Dv, dtype=torch.float32, device=v.device)
+        S = torch.zeros(Hv, Dk, Dv, dtype=torch.float32, device=dev)
     else:
         S = initial_state.to(dtype=torch.float32, copy=True)
-    out = torch.empty(N * C, Hv, Dv, dtype=v.dtype, device=v.device)
-    Qg = torch.empty(Hv, C, Dk, dtype=torch.float32, device=v.device)
-    Kd = torch.empty(Hv, C, Dk, dtype=torch.float32, device=v.device)
+    vf = v.float()  # no copy when v is already fp32
+    out = torch.empty(N * C, Hv, Dv, dtype=v.dtype, device=dev)
+    # The chunk's queries scaled by gamma and keys by their decay to the chunk end, per value
+    # head, made by one multiply per chunk into this reused buffer.
+    QKs = torch.empty(Hk, G, 2, C, Dk, dtype=torch.float32, device=dev)
+    Qg, Kd = QKs.view(Hv, 2, C, Dk).unbind(1)
+    KdT = Kd.transpose(1, 2)
     chunks_per_block = max(1, BLOCK_ROWS // (Hv * C))
     for n0 in range(0, N, chunks_per_block):
         nb = min(chunks_per_block, N - n0)
-        Q, K, gamma, to_end, Wv, Wk, A, chunk_decay = _precompute(q, k, v, g, beta, n0 * C, nb, C)
-        O = torch.empty(nb, Hv, C, Dv, dtype=torch.float32, device=v.device)
-        for n in range(nb):
-            # Queries and keys scaled per value head here rather than for the whole block: the
-            # chunk-sized results stay in cache for the matmuls that read them.
-            torch.mul(Q[n, :, None], gamma[n].view(Hk, G, C, 1), out=Qg.view(Hk, G, C, Dk))
-            torch.mul(K[n, :, None], to_end[n].view(Hk, G, C, 1), out=Kd.view(Hk, G, C, Dk))
-            # U = W_v - W_k S in place: Wv holds the block's U once the pass is done.
-            U = Wv[n].baddbmm_(Wk[n], S, alpha=-1.0)  # [Hv, C, Dv]
-            torch.bmm(Qg, S, out=O[n])
-            S.mul_(chunk_decay[n, :, None, None])
-            S.baddbmm_(Kd.transpose(1, 2), U)
+        start = n0 * C
+        QK, scales, Mv, Wk, A, chunk_decay = _precompute(q, k, g, beta, start, nb, C)
+        if start + nb * C <= T:
+            # V is read in place, [nb, Hv, C, Dv] as a strided view: the matmuls accept
+            # rows Hv*Dv apart, and a chunk-major copy of V cost as much as the matmul.
+            V = vf[start : start + nb * C].unflatten(0, (nb, C)).transpose(1, 2)
+        else:
+            V = _chunk_major(vf, start, nb, C)
+        O = torch.empty(nb, Hv, C, Dv, dtype=torch.float32, device=dev)
+        U = torch.empty(nb, Hv, C, Dv, dtype=torch.float32, device=dev)
+        # Per-chunk views made by one unbind each: indexing inside the loop cost more than some
+        # of the small ops it fed.
+        per_chunk = zip(
+            QK[:, :, None].unbind(0),
+            scales.view(nb, Hk, G, 2, C, 1).unbind(0),
+            Mv.unbind(0),
+            V.unbind(0),
+            Wk.unbind(0),
+            U.unbind(0),
+            O.unbind(0),
+            chunk_decay[:, :, None, None].unbind(0),
+        )
+        for qk_n, scale_n, mv_n, v_n, wk_n, u_n, o_n, decay_n in per_chunk:
+            torch.mul(qk_n, scale_n, out=QKs)
+            # U = W_v - W_k S, with W_v = Mv V made here from the in-place V.
+            torch.bmm(mv_n, v_n, out=u_n)
+            u_n.baddbmm_(wk_n, S, alpha=-1.0)
+            torch.bmm(Qg, S, out=o_n)
+            S.mul_(decay_n)
+            S.baddbmm_(KdT, u_n)
         # The intra-chunk term A U for the whole block: one batched matmul rather than a small
         # one per chunk inside the pass.
-        O.view(nb * Hv, C, Dv).baddbmm_(A.view(nb * Hv, C, C), Wv.view(nb * Hv, C, Dv))
-        out[n0 * C : (n0 + nb) * C].view(nb, C, Hv, Dv).copy_(O.transpose(1, 2))
+        O.view(nb * Hv, C, Dv).baddbmm_(A.view(nb * Hv, C, C), U.view(nb * Hv, C, Dv))
+        out[start : start + nb * C].view(nb, C, Hv, Dv).copy_(O.transpose(1, 2))
     return out[:T], S
 
 
-def _precompute(q, k, v, g, beta, start: int, nb: int, C: int):
-    """The state-free part of `nb` chunks from token `start`: Q, K [nb, Hk, C, Dk]; gamma and the
-    decay of each token to the chunk end [nb, Hv, C]; W_v [nb, Hv, C, Dv], W_k [nb, Hv, C, Dk],
-    A [nb, Hv, C, C]; the whole-chunk decays [nb, Hv]."""
-    Q = _chunk_major(q, start, nb, C)  # [nb, Hk, C, Dk]
-    K = _chunk_major(k, start, nb, C)  # [nb, Hk, C, Dk]
-    V = _chunk_major(v, start, nb, C)  # [nb, Hv, C, Dv]
+def _precompute(q, k, g, beta, start: int, nb: int, C: int):
+    """The state-free part of `nb` chunks from token `start`: Q and K chunk-major
+    [nb, Hk, 2, C, Dk] (index 0 queries, 1 keys); gamma and each token's decay to the chunk end
+    [nb, Hv, 2, C]; Mv = (I + L)^-1 diag(beta) [nb, Hv, C, C], so that W_v = Mv V; W_k
+    [nb, Hv, C, Dk]; A [nb, Hv, C, C]; the whole-chunk decays [nb, Hv]."""
+    Hk, Dk = k.shape[1], k.shape[2]
+    dev = k.device
+    QK = torch.empty(nb, Hk, 2, C, Dk, dtype=torch.float32, device=dev)
+    _chunk_major(q, start, nb, C, out=QK[:, :, 0])
+    K = _chunk_major(k, start, nb, C, out=QK[:, :, 1])  # [nb, Hk, C, Dk]
     b = _chunk_major(beta, start, nb, C)  # [nb, Hv, C]
     gc = _chunk_major(g, start, nb, C).cumsum_(-1)  # [nb, Hv, C]
-    Hk, Dk, Hv = K.shape[1], K.shape[3], V.shape[1]
+    Hv = b.shape[1]
     G = Hv // Hk
 
-    # Pairwise decay exp(gc_t - gc_s), zero above the diagonal. The upper half is positive and
-    # would overflow, so it is masked before the exp.
-    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu_(1)
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill_(upper, EXP_FLOOR - 1.0)
-    decay = _floored_exp_(decay)  # [nb, Hv, C, C]
-    negligible = decay == 0  # [nb, Hv, C, C]
+    # Pairwise decay exp(gc_t - gc_s), zero above the diagonal. The exponent is clamped to
+    # [EXP_FLOOR, 0]: the upper half is positive and would overflow, and very negative arguments
+    # take the vectorised exp's slow path. What the floor leaves (~1e-13 instead of smaller) is
+    # far under fp32 resolution next to the O(1) terms it is summed with, and is a normal
+    # float, so no product of it comes out subnormal.
+    decay = (gc[..., :, None] - gc[..., None, :]).clamp_(min=EXP_FLOOR, max=0.0).exp_().tril_()
     decay = decay.view(nb, Hk, G, C, C)
-    # Key-space products once per key head, broadcast over the value heads of its group.
-    L = torch.matmul(K, K.transpose(-1, -2))[:, :, None].mul(decay).view(nb, Hv, C, C)
-    L.mul_(b[..., None])
-    A = torch.matmul(Q, K.transpose(-1, -2))[:, :, None].mul(decay).view(nb, Hv, C, C)
-    del decay
+    # Key-space products once per key head, broadcast over the value heads of its group; Q K^T
+    # and K K^T as one matmul of the stacked [Q; K] with K^T.
+    QKK = torch.matmul(QK.view(nb, Hk, 2 * C, Dk), K.transpose(-1, -2)).view(nb, Hk, 2, 1, C, C)
+    A = QKK[:, :, 0].mul(decay).view(nb, Hv, C, C)
 
-    # Tinv[t, s] is of order exp(gc_t - gc_s). The solve runs in fp64: in fp32, a chunk whose
-    # decay spans more than the fp32 exponent range fills the solve with subnormals (2-3x
-    # slower); fp64 has the range, and entries whose decay was floored are zeroed after.
-    # It solves the transposed system because LAPACK returns column-major results: Tinv^T in
-    # column-major is Tinv row-major. With unitriangular=True only the strict triangle is read.
-    eye = torch.eye(C, dtype=torch.float64, device=v.device).expand(nb, Hv, C, C)
-    Tinv = torch.linalg.solve_triangular(L.double().mT, eye, upper=True, unitriangular=True).mT
-    Tinv = Tinv.masked_fill_(negligible, 0.0).float()  # [nb, Hv, C, C]
-    del L, negligible
+    # With Gamma = diag(gamma), L = Gamma L0 Gamma^-1 where L0 = diag(beta) K K^T (strictly
+    # lower) carries no decay, so (I + L)^-1 = Gamma (I + L0)^-1 Gamma^-1, i.e. T0 * decay
+    # elementwise. L0's entries are O(1): the solve runs in fp32 without the subnormals a
+    # decayed L produces (a chunk's decay can span more than the fp32 exponent range), and the
+    # floored decay zeroes the negligible entries of the inverse. The solve is of the
+    # transposed system because LAPACK returns column-major results: T0^T in column-major is
+    # T0 row-major. With unitriangular=True only the strict triangle is read, so L0 needs no
+    # masking, and T0 comes out exactly zero above the diagonal.
+    L0 = QKK[:, :, 1].mul(b.view(nb, Hk, G, C, 1)).view(nb, Hv, C, C)
+    eye = torch.eye(C, dtype=torch.float32, device=dev).expand(nb, Hv, C, C)
+    T0b = torch.linalg.solve_triangular(L0.mT, eye, upper=True, unitriangular=True).mT
+    T0b = T0b.mul_(b[:, :, None, :])  # (I + L0)^-1 diag(beta)
+    del L0
 
-    gamma = _floored_exp_(gc.clone())  # [nb, Hv, C]
-    Wv = torch.matmul(Tinv * b[:, :, None, :], V)  # [nb, Hv, C, Dv]
-    Mk = Tinv.mul_((b * gamma)[:, :, None, :])
-    # Row t of W_k is of order gamma_t. Where that is floored to zero, the row's products of
-    # small factors would otherwise come out subnormal instead of zero.
-    Mk.masked_fill_((gamma == 0)[..., None], 0.0)
-    Wk = torch.matmul(Mk.view(nb, Hk, G * C, C), K).view(nb, Hv, C, Dk)
-
+    # gamma_t = exp(gc_t) and the decay to the chunk end exp(gc_last - gc_t), floored together.
+    scales = torch.empty(nb, Hv, 2, C, dtype=torch.float32, device=dev)
     gc_last = gc[..., -1:]  # [nb, Hv, 1]
-    to_end = _floored_exp_(gc_last - gc)  # [nb, Hv, C]
-    chunk_decay = _floored_exp_(gc_last[..., 0].clone())  # [nb, Hv]
-    return Q, K, gamma, to_end, Wv, Wk, A, chunk_decay
+    scales[:, :, 0] = gc
+    torch.sub(gc_last, gc, out=scales[:, :, 1])
+    _floored_exp_(scales)
+    gamma = scales[:, :, 0]  # [nb, Hv, C]
+    chunk_decay = gamma[..., -1]  # exp(gc_last): [nb, Hv]
+
+    # W_v = (I + L)^-1 diag(beta) V = Mv V, and W_k = (I + L)^-1 diag(beta gamma) K, whose
+    # factor is Gamma T0 diag(beta) since decay_ts gamma_s = gamma_t: no decay needed there.
+    Mv = T0b.mul(decay.view(nb, Hv, C, C))
+    Mk = T0b.mul_(gamma[..., None])
+    Wk = torch.matmul(Mk.view(nb, Hk, G * C, C), K).view(nb, Hv, C, Dk)
+    return QK, scales, Mv, Wk, A, chunk_decay
 
 
 def matmul_flops(T: int, Hk: int, Hv: int, Dk: int, Dv: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
