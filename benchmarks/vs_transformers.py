@@ -4,7 +4,8 @@ Same checkpoint, dtype and thread count, TP=1, repetitions interleaved (every en
 per rep, in a fixed order). Prints prefill tokens/s at each prompt length and decode tokens/s over
 --decode-tokens, as medians with min..max and as ratios; compares the greedy tokens; and prints the
 weight-streaming limit of a decode step (the weight bytes one step reads divided by the machine's
-measured memory read bandwidth) with pocketllm's share of it.
+measured memory read bandwidth) with pocketllm's share of it, and the rate of a step cut down to
+its GEMVs alone (what no fusion of the rest can beat).
 
     python benchmarks/vs_transformers.py [--ckpt DIR | --preset small] [--lengths 512,2048]
         [--decode-tokens 64] [--reps 3] [--dtype bfloat16] [--threads 2]
@@ -60,6 +61,25 @@ def decode_weight_bytes(model) -> int:
         else:
             total += p.numel() * p.element_size()
     return total
+
+
+def gemv_only_step_seconds(model, reps: int = 5) -> float:
+    """A decode step cut down to its GEMVs: the engine's single-row GEMV (pocketllm.ops.gemm) over
+    the model's own projection and head weights, in module order, and nothing else; best of
+    `reps`. The fastest a step can be with this GEMV on this machine, whatever else is fused."""
+    from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from pocketllm.ops.gemm import linear_rows
+
+    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    weights.append(model.lm_head.weight)
+    rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+    best = float("inf")
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for x, w in zip(rows, weights):
+            linear_rows(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class PocketRunner:
@@ -179,6 +199,13 @@ def main(argv=None) -> int:
     print(
         f"decode weight bytes/step={weight_bytes / 2**20:.1f} MiB  read bandwidth={bandwidth:.1f} GB/s  "
         f"streaming limit={limit:.1f} tok/s  pocketllm at {100 * statistics.median(a) / limit:.0f}% of it"
+    )
+    gemv_step = gemv_only_step_seconds(runners[0].engine.model)
+    summary["gemv_only_step_tok_s"] = round(1.0 / gemv_step, 1)
+    summary["gemv_only_fraction_of_limit"] = round(1.0 / gemv_step / limit, 3)
+    print(
+        f"a step of its GEMVs alone: {gemv_step * 1e3:.1f} ms = {1.0 / gemv_step:.1f} tok/s, "
+        f"{100 / gemv_step / limit:.0f}% of the limit ({weight_bytes / gemv_step / 1e9:.1f} GB/s)"
     )
     same = sum(1 for x, y in zip(tokens["pocketllm"], tokens["transformers"]) if x == y)
     first_diff = next((i for i, (x, y) in enumerate(zip(tokens["pocketllm"], tokens["transformers"])) if x != y), None)

@@ -71,7 +71,9 @@ class Engine:
             reset_states(self.states)
         self.pos = 0
 
-    @torch.no_grad()
+    # inference_mode, not no_grad: no version counters or view tracking on the hundreds of
+    # small ops of a decode step.
+    @torch.inference_mode()
     def _run(self, ids: torch.Tensor, decode: bool, all_logits: bool = False) -> torch.Tensor:
         rows = ids.shape[0]
         if self.pos + rows > self.capacity:
