@@ -7,9 +7,9 @@ and S the state entering the chunk, the per-token recurrence unrolls (the WY / U
     O  = gamma*Q S + A U,                              A[t,s] = exp(gc_t - gc_s) q_t.k_s (s <= t)
     S' = exp(gc_C) S + (K exp(gc_C - gc))^T U
 Everything that does not depend on S (L, A, (I + L)^-1, W_k) is computed for a block of chunks
-and heads at once. The pass over chunks is then three [C, D] x [D, D] matmuls per chunk plus
-W_v = (I + L)^-1 diag(beta) V, a small matmul that reads V where it lies (no chunk-major copy of
-V is made); A U is one batched matmul per block once the pass has produced the block's U.
+and heads at once. The pass over chunks is then three [C, D] x [D, D] matmuls per chunk plus two
+[C, C] x [C, D] ones: W_v = (I + L)^-1 diag(beta) V, read from V where it lies (no chunk-major
+copy of V is made), and A U, whose sum with gamma Q S is copied straight into the output.
 
 (I + L) is inverted through its decay-free twin I + L0 (see _precompute) by one batched
 unit-lower-triangular solve against the identity, and W_v, W_k come from matmuls with the
@@ -89,6 +89,8 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
     QKs = torch.empty(Hk, G, 2, C, Dk, dtype=torch.float32, device=dev)
     Qg, Kd = QKs.view(Hv, 2, C, Dk).unbind(1)
     KdT = Kd.transpose(1, 2)
+    U = torch.empty(Hv, C, Dv, dtype=torch.float32, device=dev)
+    O = torch.empty(Hv, C, Dv, dtype=torch.float32, device=dev)
     chunks_per_block = max(1, BLOCK_ROWS // (Hv * C))
     for n0 in range(0, N, chunks_per_block):
         nb = min(chunks_per_block, N - n0)
@@ -100,8 +102,6 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
             V = vf[start : start + nb * C].unflatten(0, (nb, C)).transpose(1, 2)
         else:
             V = _chunk_major(vf, start, nb, C)
-        O = torch.empty(nb, Hv, C, Dv, dtype=torch.float32, device=dev)
-        U = torch.empty(nb, Hv, C, Dv, dtype=torch.float32, device=dev)
         # Per-chunk views made by one unbind each: indexing inside the loop cost more than some
         # of the small ops it fed.
         per_chunk = zip(
@@ -110,22 +110,22 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, chunk_size: i
             Mv.unbind(0),
             V.unbind(0),
             Wk.unbind(0),
-            U.unbind(0),
-            O.unbind(0),
+            A.unbind(0),
+            out[start : start + nb * C].view(nb, C, Hv, Dv).transpose(1, 2).unbind(0),
             chunk_decay[:, :, None, None].unbind(0),
         )
-        for qk_n, scale_n, mv_n, v_n, wk_n, u_n, o_n, decay_n in per_chunk:
+        for qk_n, scale_n, mv_n, v_n, wk_n, a_n, out_n, decay_n in per_chunk:
             torch.mul(qk_n, scale_n, out=QKs)
             # U = W_v - W_k S, with W_v = Mv V made here from the in-place V.
-            torch.bmm(mv_n, v_n, out=u_n)
-            u_n.baddbmm_(wk_n, S, alpha=-1.0)
-            torch.bmm(Qg, S, out=o_n)
+            torch.bmm(mv_n, v_n, out=U)
+            U.baddbmm_(wk_n, S, alpha=-1.0)
+            # O = gamma Q S + A U, written straight to the chunk's rows of the output: U and O
+            # stay in cache instead of going through block-sized buffers.
+            torch.bmm(Qg, S, out=O)
+            O.baddbmm_(a_n, U)
+            out_n.copy_(O)
             S.mul_(decay_n)
-            S.baddbmm_(KdT, u_n)
-        # The intra-chunk term A U for the whole block: one batched matmul rather than a small
-        # one per chunk inside the pass.
-        O.view(nb * Hv, C, Dv).baddbmm_(A.view(nb * Hv, C, C), U.view(nb * Hv, C, Dv))
-        out[start : start + nb * C].view(nb, C, Hv, Dv).copy_(O.transpose(1, 2))
+            S.baddbmm_(KdT, U)
     return out[:T], S
 
 
