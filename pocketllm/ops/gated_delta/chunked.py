@@ -160,7 +160,7 @@ def _precompute(q, k, g, beta, start: int, nb: int, C: int):
     # lower) carries no decay, so (I + L)^-1 = Gamma (I + L0)^-1 Gamma^-1, i.e. T0 * decay
     # elementwise. L0's entries are O(1): the solve runs in fp32 without the subnormals a
     # decayed L produces (a chunk's decay can span more than the fp32 exponent range), and the
-    # floored decay zeroes the negligible entries of the inverse. The solve is of the
+    # clamped decay scales each entry back down, to ~1e-13 at least. The solve is of the
     # transposed system because LAPACK returns column-major results: T0^T in column-major is
     # T0 row-major. With unitriangular=True only the strict triangle is read, so L0 needs no
     # masking, and T0 comes out exactly zero above the diagonal.
