@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 
-def build_hf_model(vocab: int = 251, kv_heads: int = 1, tie: bool = False, layers: int = 4, seed: int = 0):
+def build_hf_model(vocab: int = 251, kv_heads: int = 1, tie: bool = False, layers: int = 4, seed: int = 0, max_positions: int = 512):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
@@ -25,7 +25,7 @@ def build_hf_model(vocab: int = 251, kv_heads: int = 1, tie: bool = False, layer
         linear_key_head_dim=16,
         linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tie,
         initializer_range=0.1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},

@@ -44,3 +44,24 @@ def test_logits_and_greedy_tokens_match_transformers(oracle, world, tmp_path):
     torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-3)
     line = next(l for l in r.stdout.splitlines() if l.startswith("generated_ids="))
     assert [int(t) for t in line.split("=", 1)[1].split(",")] == ref_tokens
+
+
+LONG_PROMPT = [(13 * i + 5) % 250 for i in range(1100)]
+
+
+def test_long_prompt_matches_transformers(tmp_path):
+    # 1100 tokens take the paths short prompts never do: the conv's blocked multiply-adds, several
+    # row blocks of the l2 norm, gated norm and activation, and more than one precompute block of
+    # the chunked gated delta rule.
+    model = build_hf_model(**CASES["vocab251-kv1-untied"], max_positions=2048)
+    ckpt = save_hf_checkpoint(model, tmp_path / "ckpt")
+    ref_logits, ref_tokens = hf_prefill_logits(model, LONG_PROMPT), hf_greedy(model, LONG_PROMPT, 4)
+    logits_path = tmp_path / "logits.safetensors"
+    r = run_cli(
+        "generate", "--ckpt", ckpt, "--dtype", "float32", "--token-ids", ",".join(map(str, LONG_PROMPT)),
+        "--max-new-tokens", 4, "--logits-out", logits_path,
+    )
+    assert r.returncode == 0, r.stderr
+    torch.testing.assert_close(load_file(str(logits_path))["logits"], ref_logits, atol=2e-4, rtol=1e-3)
+    line = next(l for l in r.stdout.splitlines() if l.startswith("generated_ids="))
+    assert [int(t) for t in line.split("=", 1)[1].split(",")] == ref_tokens

@@ -39,6 +39,27 @@ def test_causal_conv_prefill_matches_token_by_token(rows, with_state):
     torch.testing.assert_close(state, state_ref)
 
 
+@pytest.mark.parametrize("path", ["conv1d", "blocked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_causal_conv_prefill_paths_match_token_by_token(monkeypatch, path, dtype):
+    # Long prompts take the blocked multiply-add path; a low threshold and a small block make a
+    # short prompt span several blocks of it, including a ragged last one.
+    import pocketllm.ops.causal_conv as conv
+
+    monkeypatch.setattr(conv, "BLOCKED_FROM_TOKENS", 1 if path == "blocked" else 10**9)
+    monkeypatch.setattr(conv, "BLOCK_BYTES", 4 * 12 * 7)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 12, generator=g).to(dtype)
+    w = torch.randn(12, 4, generator=g).to(dtype)
+    state = torch.randn(3, 12, generator=g).to(dtype)
+    state_ref = state.clone()
+    got = causal_conv1d_prefill_(x, w, state)
+    want = causal_conv1d_reference(x.float(), w.float(), state_ref.float())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(state, x[-3:])
+
+
 def test_causal_conv_step_shifts_state_in_place():
     from pocketllm.ops.causal_conv import causal_conv1d_step_
 
@@ -66,3 +87,23 @@ def test_norms_match_hf_formulas(dtype):
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
     torch.testing.assert_close(rms_norm_zero_centred(x, w, 1e-6).float(), rms_norm_zero_centred_reference(x, w, 1e-6).float(), **tol)
     torch.testing.assert_close(rms_norm_gated(x, z, 1 + w, 1e-6).float(), rms_norm_gated_reference(x, z, 1 + w, 1e-6).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_blocked_norms_equal_one_block(dtype):
+    # Many rows are normed block by block; every row is computed alone, so the result must be
+    # exactly the single-block one, ragged last block included.
+    import torch.nn.functional as F
+
+    from pocketllm.layers.gdn import _l2_normalize_block, l2_normalize
+    from pocketllm.layers.norm import _rms_norm_gated_block, rms_norm_gated, rms_norm_scaled
+    from pocketllm.ops.row_blocks import block_rows
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3 * block_rows(torch.empty(1, 1024)) + 5, 1024, generator=g).to(dtype)
+    scale = 1 + 0.1 * torch.randn(1024, generator=g)
+    assert torch.equal(rms_norm_scaled(x, scale, 1e-6), F.rms_norm(x.float(), (1024,), scale, 1e-6).to(dtype))
+    xh, z = x.view(-1, 8, 128), torch.randn(x.shape[0], 8, 128, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
+    assert torch.equal(rms_norm_gated(xh, z, w, 1e-6), _rms_norm_gated_block(xh, z, w, 1e-6))
+    assert torch.equal(l2_normalize(xh), _l2_normalize_block(xh, 1e-6))

@@ -17,10 +17,16 @@ from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
 from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_step_
 from pocketllm.ops.gated_delta import select_gdn_kernel
+from pocketllm.ops.row_blocks import by_row_blocks
 from pocketllm.profiling.scopes import scope
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (HF's l2norm), by row blocks."""
+    return by_row_blocks(lambda xb: _l2_normalize_block(xb, eps), x, out_dtype=torch.float32)
+
+
+def _l2_normalize_block(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 

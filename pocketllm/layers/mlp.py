@@ -10,7 +10,12 @@ from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.sharding import split_range
+from pocketllm.ops.row_blocks import by_row_blocks
 from pocketllm.profiling.scopes import scope
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -31,5 +36,5 @@ class MLP(nn.Module):
             gate_up = self.gate_up(x)
         gate, up = gate_up.chunk(2, dim=-1)
         with scope("mlp_act"):
-            act = F.silu(gate) * up
+            act = by_row_blocks(_silu_mul, gate, up)
         return self.down(act, slices)

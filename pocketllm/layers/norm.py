@@ -8,13 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.layers.sharding import ShardSource, read_all, sharded_param
+from pocketllm.ops.row_blocks import by_row_blocks
 
 
 def rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * scale in fp32, returned in x's dtype. torch's fused rms_norm
     is one op where the textbook form is five passes over fp32 temporaries; that matters most
-    for decode's single rows, where every op is mostly dispatch."""
-    return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(x.dtype)
+    for decode's single rows, where every op is mostly dispatch. Many rows go by row blocks."""
+    return by_row_blocks(lambda xb: F.rms_norm(xb.float(), (x.shape[-1],), scale, eps).to(x.dtype), x)
 
 
 def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,6 +23,10 @@ def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
 
 
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return by_row_blocks(lambda xb, zb: _rms_norm_gated_block(xb, zb, weight, eps), x, z)
+
+
+def _rms_norm_gated_block(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF rounds the normed value to the input dtype before the weight, so this does too.
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     out = F.silu(z.float())
