@@ -107,3 +107,15 @@ def test_row_blocked_norms_equal_one_block(dtype):
     w = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
     assert torch.equal(rms_norm_gated(xh, z, w, 1e-6), _rms_norm_gated_block(xh, z, w, 1e-6))
     assert torch.equal(l2_normalize(xh), _l2_normalize_block(xh, 1e-6))
+
+
+def test_row_blocks_run_whole_off_cpu():
+    # On an accelerator many small launches would cost more than the cache they save.
+    from pocketllm.ops.row_blocks import block_rows, by_row_blocks
+
+    x = torch.empty(10 * block_rows(torch.empty(1, 64)), 64, device="meta")
+    calls = []
+    out = by_row_blocks(lambda xb: calls.append(xb.shape[0]) or xb, x)
+    assert calls == [x.shape[0]] and out.shape == x.shape
+    by_row_blocks(lambda xb: calls.append(xb.shape[0]) or xb, torch.empty(x.shape))
+    assert len(calls) == 11

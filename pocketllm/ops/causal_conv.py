@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pocketllm.ops.row_blocks import BLOCK_BYTES
+from pocketllm.ops.row_blocks import BLOCK_BYTES, blocks_pay_off
 
 # From this many tokens the prefill conv runs as K shifted multiply-adds over row blocks instead of
 # one F.conv1d: at 4096 tokens of 2048 channels that measured 26 ms against 60 ms in bf16 (41
-# against 112 in fp32), while at 512 tokens conv1d was as fast or faster in bf16.
+# against 112 in fp32), while at 512 tokens conv1d was as fast or faster in bf16. CPU only.
 BLOCKED_FROM_TOKENS = 1024
 
 
@@ -19,7 +19,7 @@ def causal_conv1d_prefill_(x: torch.Tensor, weight: torch.Tensor, state: torch.T
     k = weight.shape[1]
     window = torch.cat((state.to(x.dtype), x), dim=0)  # [T+K-1, C]
     state.copy_(window[window.shape[0] - (k - 1) :])
-    if x.shape[0] >= BLOCKED_FROM_TOKENS:
+    if x.shape[0] >= BLOCKED_FROM_TOKENS and blocks_pay_off(x):
         return _conv_silu_blocked(window, weight, x.shape[0])
     out = F.conv1d(window.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]  # [C, T]
     return F.silu(out.t())

@@ -19,11 +19,17 @@ def block_rows(x: torch.Tensor) -> int:
     return max(1, BLOCK_BYTES // (4 * (x.numel() // max(1, x.shape[0]))))
 
 
+def blocks_pay_off(x: torch.Tensor) -> bool:
+    """Row blocks are a CPU cache measure. On CUDA or Ascend one kernel over all rows beats many
+    small launches, so there the ops run whole."""
+    return x.device.type == "cpu"
+
+
 def by_row_blocks(fn, x: torch.Tensor, *rows_like: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """fn(x, *rows_like) computed on row blocks of x (and of the tensors that share its rows)
     into one output of x's shape: the same values, since fn treats every row alone."""
     step = block_rows(x)
-    if x.shape[0] <= step:
+    if x.shape[0] <= step or not blocks_pay_off(x):
         return fn(x, *rows_like)
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     for r0 in range(0, x.shape[0], step):
