@@ -68,13 +68,13 @@ class GatedDeltaNet(nn.Module):
         self.kernel = select_gdn_kernel(torch.device(device).type)
         self._dtype, self._device = dtype, device
         self.neg_a: torch.Tensor | None = None
-        self.conv_w: torch.Tensor | None = None
+        self.conv_taps: torch.Tensor | None = None
 
     def after_loading(self) -> None:
         # Neither changes after loading: -exp(A_log) in fp32 (HF's decay rate) and the conv
-        # weight as [C, K].
+        # weight as fp32 taps [K, C], the form both conv paths read.
         self.neg_a = -torch.exp(self.A_log.float())
-        self.conv_w = self.conv_weight[:, 0, :]
+        self.conv_taps = self.conv_weight[:, 0, :].t().float().contiguous()
 
     def allocate_state(self, max_len: int) -> GDNState:
         k = self.conv_weight.shape[-1]
@@ -90,9 +90,9 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
             if ctx.decode:
-                mixed = causal_conv1d_step_(mixed, self.conv_w, state.conv)
+                mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
             else:
-                mixed = causal_conv1d_prefill_(mixed, self.conv_w, state.conv)
+                mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
         kd = self.hk * self.dk
         qk, v = mixed.split((2 * kd, self.hv * self.dv), dim=-1)
         with scope("norms", "lin.qk_l2"):

@@ -36,7 +36,8 @@ class GdnKernelError(ValueError):
 @dataclass(frozen=True)
 class GdnKernel:
     """prefill(q, k, v, g, beta, initial_state) -> (out [T, Hv, Dv], final_state [Hv, Dk, Dv] fp32);
-    decode_step_(q, k, v, g, beta, state) -> out [1, Hv, Dv], advancing `state` in place."""
+    decode_step_(q, k, v, g, beta, state) -> out [1, Hv, Dv] (fp32 or v's dtype; the layer rounds
+    it to its own), advancing `state` in place."""
 
     name: str
     reason: str
