@@ -63,7 +63,19 @@ def join_group(backend: str, rank: int, world: int, timeout_s: float, store_path
         raise
 
 
+# NCCL and HCCL carry only device tensors, but the commands also reduce a few host numbers (a max
+# of timings over ranks, every rank's RSS): a gloo backend serves the CPU tensors in the same group.
+_DEVICE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu"}
+
+
+def backend_spec(backend: str) -> str:
+    """The init_process_group backend string: a device backend gets gloo for CPU tensors beside it."""
+    device = _DEVICE_OF_BACKEND.get(backend)
+    return backend if device is None else f"cpu:gloo,{device}:{backend}"
+
+
 def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_path: str | None, id_path: str | None) -> None:
+    backend = backend_spec(backend)
     if id_path is not None:
         store = _file_rendezvous(id_path, rank, world, wait_seconds())
         store.set_timeout(timeout)
