@@ -22,6 +22,9 @@ import time
 
 import torch
 
+from pocketllm.commands.bench import timed_prefill
+from pocketllm.model_args import parse_dtype
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,7 +39,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def read_bandwidth_gbps(threads: int, mib: int = 1024, reps: int = 5) -> float:
+def read_bandwidth_gbps(mib: int = 1024, reps: int = 5) -> float:
     """Memory read bandwidth: the best of a few full reductions over a buffer far beyond cache."""
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     best = float("inf")
@@ -63,15 +66,21 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
+def projection_weights(model) -> list[torch.Tensor]:
+    """Every weight a decode step reads through a GEMV: the projections, then the head."""
+    from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return weights + [model.lm_head.weight]
+
+
 def gemv_only_step_seconds(model, reps: int = 5) -> float:
     """A decode step cut down to its GEMVs: the engine's single-row GEMV (pocketllm.ops.gemm) over
     the model's own projection and head weights, in module order, and nothing else; best of
     `reps`. The fastest a step can be with this GEMV on this machine, whatever else is fused."""
-    from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
     from pocketllm.ops.gemm import linear_rows
 
-    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    weights.append(model.lm_head.weight)
+    weights = projection_weights(model)
     rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
     best = float("inf")
     for _ in range(reps + 1):
@@ -97,20 +106,21 @@ class PocketRunner:
         self.engine = Engine(cfg, CheckpointReader(ckpt), dtype, torch.device("cpu"), RulePolicy())
 
     def prefill(self, ids: list[int]) -> float:
-        self.engine.start_sequence(len(ids) + 1)
-        t0 = time.perf_counter()
-        self.engine.prefill(torch.tensor(ids))
-        return time.perf_counter() - t0
+        return timed_prefill(self.engine, ids, _no_sync, room=1)[0]
 
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        self.engine.start_sequence(len(ids) + n + 1)
-        token = int(torch.argmax(self.engine.prefill(torch.tensor(ids))))
+        _, logits = timed_prefill(self.engine, ids, _no_sync, room=n + 1)
+        token = int(torch.argmax(logits))
         out = [token]
         t0 = time.perf_counter()
         for _ in range(n):
             token = int(torch.argmax(self.engine.decode(token)))
             out.append(token)
         return time.perf_counter() - t0, out
+
+
+def _no_sync() -> None:
+    """CPU ops are synchronous: nothing to wait for around a timing."""
 
 
 class HFRunner:
@@ -149,7 +159,7 @@ def spread(xs: list[float]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = parse_dtype(args.dtype)
     lengths = [int(x) for x in args.lengths.split(",")]
     ckpt = args.ckpt
     if ckpt is None:
@@ -192,7 +202,7 @@ def main(argv=None) -> int:
     summary["decode_ratio"] = round(ratio, 3)
     print(f"{f'decode tok/s x{args.decode_tokens}':<22}{spread(a):>26}{spread(b):>26}{ratio:>8.2f}")
     weight_bytes = decode_weight_bytes(runners[0].engine.model)
-    bandwidth = read_bandwidth_gbps(args.threads)
+    bandwidth = read_bandwidth_gbps()
     limit = bandwidth * 1e9 / weight_bytes
     summary["decode_streaming_limit_tok_s"] = round(limit, 1)
     summary["decode_fraction_of_limit"] = round(statistics.median(a) / limit, 3)

@@ -18,10 +18,10 @@ import time
 
 import torch
 
+from pocketllm.model_args import DTYPES, parse_dtype
 from pocketllm.ops.gated_delta.chunked import DEFAULT_CHUNK_SIZE, gated_delta_rule_chunked, matmul_flops
 from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Worst relative error (max |diff| / max |reference|) accepted between kernels, per input dtype.
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
@@ -54,9 +54,7 @@ def _validate(args) -> torch.dtype:
         )
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1; got {args.threads}")
-    if args.dtype not in DTYPES:
-        raise UsageError(f"unknown --dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[args.dtype]
+    return parse_dtype(args.dtype)
 
 
 def make_inputs(T: int, Hk: int, Hv: int, D: int, dtype: torch.dtype, seed: int = 0):

@@ -19,10 +19,6 @@ class KVCache:
     k: torch.Tensor  # [Hkv_local, max_len, D]
     v: torch.Tensor
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
 
 def allocate_states(model, max_len: int) -> list:
     """One state object per layer, shaped by that layer's own local sizes."""

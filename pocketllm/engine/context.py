@@ -10,7 +10,6 @@ import torch
 @dataclass
 class ForwardContext:
     start: int  # position of the first row
-    rows: int
     slices: int  # the slice count the policy chose for these rows
     decode: bool
     cos: torch.Tensor  # [rows, rotary_dim/2]

@@ -59,7 +59,7 @@ class Qwen35ForCausalLM(nn.Module):
 
     def context(self, start: int, rows: int, slices: int, decode: bool) -> ForwardContext:
         cos, sin = self.rotary.cos_sin(start, rows)
-        return ForwardContext(start, rows, slices, decode, cos, sin)
+        return ForwardContext(start, slices, decode, cos, sin)
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
         """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked)."""
