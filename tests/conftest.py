@@ -1,11 +1,18 @@
-"""Shared test helpers: run the CLI as a user would (a fresh process, short timeouts), and build
-tiny HF checkpoints with transformers as the oracle."""
+"""Shared test helpers: run the CLI as a user would (a fresh process, short timeouts), check its
+one-line usage errors and its generated ids, start a run whose processes can all be found again
+(start, assert_nothing_left), and copy the tiny checkpoint for a test to break."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -37,6 +44,130 @@ def result_fields(stdout: str) -> dict[str, str]:
     return {}
 
 
+def assert_usage_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2, exactly one line on stderr, no traceback, every fragment in that line; returns it."""
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "error: " in lines[0], lines[0]
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+def generated_ids(stdout: str) -> list[int]:
+    """The token ids of the one `generated_ids=` line a generate run prints."""
+    lines = [line for line in stdout.splitlines() if line.startswith("generated_ids=")]
+    assert len(lines) == 1, stdout
+    return [int(t) for t in lines[0].split("=", 1)[1].split(",") if t]
+
+
+# Every run started with start() is tagged through its environment, so a test finds all of its
+# processes (even ones the launcher lost) by scanning /proc.
+TAG = "POCKETLLM_TEST_TAG"
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen
+    tag: str
+    tmpdir: Path
+    started: float
+    lines: list = field(default_factory=list)  # (arrival time, stderr line)
+    stdout: str = ""
+    ended: float | None = None
+
+    def line_time(self, fragment: str, timeout: float = 60) -> float:
+        """When a stderr line containing fragment arrived (waits for it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if fragment in line:
+                    return t
+            if self.proc.poll() is not None and self.ended is not None:
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no stderr line with {fragment!r}:\n{self.stderr}")
+
+    @property
+    def stderr(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    @property
+    def last_line(self) -> str:
+        return self.lines[-1][1].strip() if self.lines else ""
+
+    def wait(self, timeout: float = 90) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            kill_tagged(self.tag)
+            raise AssertionError(f"the run hung past {timeout} s:\n{self.stderr}") from None
+        self.ended = time.monotonic()
+        self._reader.join(timeout=5)
+        self.stdout = self.proc.stdout.read()
+        return self.proc.returncode
+
+
+def start(*args, tmp_path: Path, env: dict | None = None) -> Run:
+    """`python -m pocketllm ARGS` with its stderr read line by line as it comes."""
+    tag = uuid.uuid4().hex
+    tmpdir = tmp_path / f"tmp-{tag[:8]}"
+    tmpdir.mkdir()
+    full_env = cli_env(**{TAG: tag, "TMPDIR": str(tmpdir)})
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "pocketllm", *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+    run = Run(proc, tag, tmpdir, time.monotonic())
+
+    def read():
+        for line in proc.stderr:
+            run.lines.append((time.monotonic(), line))
+
+    run._reader = threading.Thread(target=read, daemon=True)
+    run._reader.start()
+    return run
+
+
+def tagged(tag: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries this run's tag."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def kill_tagged(tag: str) -> None:
+    for pid in tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def assert_nothing_left(run: Run, within: float = 0.0) -> None:
+    deadline = time.monotonic() + within
+    while (left := tagged(run.tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        kill_tagged(run.tag)
+    assert not left, f"processes of the run left behind: {left}"
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The tiny preset written as an HF checkpoint by `pocketllm make-checkpoint`."""
@@ -44,3 +175,11 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     r = run_cli("make-checkpoint", "--preset", "tiny", "--out", out)
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture
+def ckpt_copy(tiny_ckpt, tmp_path) -> Path:
+    """A private copy of the tiny checkpoint, for a test to break."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, dst)
+    return dst

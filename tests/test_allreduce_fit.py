@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from conftest import run_cli
+from conftest import assert_usage_error, run_cli
 from pocketllm.distributed.allreduce_bench import bus_factor, fit_latency_bandwidth, parse_size, size_ladder
 from pocketllm.errors import UsageError
 
@@ -100,7 +100,5 @@ def test_allreduce_command_at_tp2(tmp_path):
     ],
 )
 def test_allreduce_errors(args, message):
-    r = run_cli("allreduce", *args, timeout=60)
-    assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1
-    assert r.stderr.startswith("pocketllm: error: ") and message in r.stderr
+    line = assert_usage_error(run_cli("allreduce", *args, timeout=60), message)
+    assert line.startswith("pocketllm: error: "), line

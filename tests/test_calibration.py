@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import cli_env, run_cli
+from conftest import assert_usage_error, cli_env, run_cli
 from pocketllm.distributed.calibration import CalibratedPolicy, Calibration, Point, check_calibration, choose_slices, load_calibration, parse_calibration
 from pocketllm.distributed.policy import RulePolicy, resolve_policy
 from pocketllm.errors import UsageError
@@ -127,9 +127,7 @@ def test_bad_files_exit_2(tmp_path, content, message):
     path = tmp_path / "cal.json"
     if content is not None:
         path.write_text(content)
-    r = run_cli("policy", "--calibration", path, timeout=60)
-    assert r.returncode == 2 and message in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert_usage_error(run_cli("policy", "--calibration", path, timeout=60), message)
 
 
 def test_policy_command_inspects_a_foreign_calibration(tmp_path):
@@ -149,8 +147,7 @@ def test_a_run_refuses_a_calibration_for_another_run(tmp_path):
     path.write_text(json.dumps(GOOD))
     # Refused in the launcher, before any rank starts.
     r = run_cli("bench", "--preset", "tiny", "--tp-world", "2", "--dtype", "float32", "--calibration", path, timeout=60)
-    assert r.returncode == 2
-    assert "dtype bfloat16 (this run float32)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert_usage_error(r, "dtype bfloat16 (this run float32)")
 
 
 def test_calibrate_at_tp2_writes_a_usable_file(tmp_path):

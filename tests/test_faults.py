@@ -2,133 +2,26 @@
 that failed and how, within seconds, and no process of the run is left. Faults are injected with
 POCKETLLM_FAULT (see pocketllm/faults.py). Also: greedy output does not depend on TP or slicing.
 
-Every run is tagged through its environment, so the tests find all of its processes (even ones
-the launcher lost) by scanning /proc."""
+Every run is started with conftest.start, which tags it so that all of its processes (even ones
+the launcher lost) are found by scanning /proc."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, run_cli
+from conftest import Run, assert_nothing_left, generated_ids, run_cli, start, tagged
 from pocketllm.errors import UsageError
 from pocketllm.faults import parse_fault
 
-TAG = "POCKETLLM_TEST_TAG"
 # The issue's bound from a rank's death to the launcher's exit.
 STOP_BOUND_S = 5.0
 HANG_TIMEOUT_S = 3
 PROMPT = ",".join(str((7 * i + 3) % 997) for i in range(40))
-
-
-@dataclass
-class Run:
-    proc: subprocess.Popen
-    tag: str
-    tmpdir: Path
-    started: float
-    lines: list = field(default_factory=list)  # (arrival time, stderr line)
-    stdout: str = ""
-    ended: float | None = None
-
-    def line_time(self, fragment: str, timeout: float = 60) -> float:
-        """When a stderr line containing fragment arrived (waits for it)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for t, line in list(self.lines):
-                if fragment in line:
-                    return t
-            if self.proc.poll() is not None and self.ended is not None:
-                break
-            time.sleep(0.02)
-        raise AssertionError(f"no stderr line with {fragment!r}:\n{self.stderr}")
-
-    @property
-    def stderr(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    @property
-    def last_line(self) -> str:
-        return self.lines[-1][1].strip() if self.lines else ""
-
-    def wait(self, timeout: float = 90) -> int:
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            kill_tagged(self.tag)
-            raise AssertionError(f"the run hung past {timeout} s:\n{self.stderr}") from None
-        self.ended = time.monotonic()
-        self._reader.join(timeout=5)
-        self.stdout = self.proc.stdout.read()
-        return self.proc.returncode
-
-
-def start(*args, tmp_path: Path, env: dict | None = None) -> Run:
-    """`python -m pocketllm ARGS` with its stderr read line by line as it comes."""
-    tag = uuid.uuid4().hex
-    tmpdir = tmp_path / f"tmp-{tag[:8]}"
-    tmpdir.mkdir()
-    full_env = cli_env(**{TAG: tag, "TMPDIR": str(tmpdir)})
-    full_env.update(env or {})
-    cmd = [sys.executable, "-m", "pocketllm", *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
-    run = Run(proc, tag, tmpdir, time.monotonic())
-
-    def read():
-        for line in proc.stderr:
-            run.lines.append((time.monotonic(), line))
-
-    run._reader = threading.Thread(target=read, daemon=True)
-    run._reader.start()
-    return run
-
-
-def tagged(tag: str) -> list[int]:
-    """Live (non-zombie) processes whose environment carries this run's tag."""
-    needle = f"{TAG}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
-
-
-def kill_tagged(tag: str) -> None:
-    for pid in tagged(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def assert_nothing_left(run: Run, within: float = 0.0) -> None:
-    deadline = time.monotonic() + within
-    while (left := tagged(run.tag)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if left:
-        kill_tagged(run.tag)
-    assert not left, f"processes of the run left behind: {left}"
 
 
 def rdzv_dirs(run: Run) -> list[Path]:
@@ -226,8 +119,8 @@ def test_greedy_tokens_same_at_every_tp_and_slice_setting(tiny_ckpt):
             "--max-new-tokens", 32, "--ignore-eos", "--dist-timeout", 30, *extra, timeout=60,
         )
         assert r.returncode == 0, r.stderr
-        outputs[(world, pin)] = next(l for l in r.stdout.splitlines() if l.startswith("generated_ids="))
-        assert outputs[(world, pin)].count(",") == 31
+        outputs[(world, pin)] = generated_ids(r.stdout)
+        assert len(outputs[(world, pin)]) == 32
     reference = outputs[(1, None)]
     assert all(ids == reference for ids in outputs.values()), outputs
 

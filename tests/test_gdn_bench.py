@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pocketllm.bench import gdn_bench
+from pocketllm.errors import UsageError
 
 
 def parse(*argv):
@@ -41,7 +42,6 @@ def test_tiny_run_prints_json_summary_last(capsys):
     ids=["tokens0", "heads-not-multiple", "unknown-dtype"],
 )
 def test_bad_values_are_usage_errors(argv, word):
-    errors = pytest.importorskip("pocketllm.errors")
-    with pytest.raises(errors.UsageError, match=word) as info:
+    with pytest.raises(UsageError, match=word) as info:
         gdn_bench.main(parse(*argv))
     assert "\n" not in str(info.value)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_cli
+from conftest import generated_ids, run_cli
 
 PROMPT = "11,12,13,14,15,16,17,18,19,20"
 
 
 def generated(r) -> list[int]:
     assert r.returncode == 0, r.stderr
-    line = next(l for l in r.stdout.splitlines() if l.startswith("generated_ids="))
-    return [int(t) for t in line.split("=", 1)[1].split(",") if t]
+    return generated_ids(r.stdout)
 
 
 def test_sampling_is_seeded_and_the_same_on_every_world_size():

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # noqa: F401  (a declared test dependency: a broken install fails here, loudly)
 from safetensors.torch import load_file
 
-from conftest import run_cli
+from conftest import generated_ids, run_cli
 from hf_oracle import build_hf_model, hf_greedy, hf_prefill_logits, save_hf_checkpoint
-
-pytest.importorskip("transformers")
 
 PROMPT = [(7 * i + 3) % 200 for i in range(70)]
 NEW_TOKENS = 16
@@ -42,8 +41,7 @@ def test_logits_and_greedy_tokens_match_transformers(oracle, world, tmp_path):
     logits = load_file(str(logits_path))["logits"]
     assert logits.shape == ref_logits.shape
     torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-3)
-    line = next(l for l in r.stdout.splitlines() if l.startswith("generated_ids="))
-    assert [int(t) for t in line.split("=", 1)[1].split(",")] == ref_tokens
+    assert generated_ids(r.stdout) == ref_tokens
 
 
 LONG_PROMPT = [(13 * i + 5) % 250 for i in range(1100)]
@@ -63,5 +61,4 @@ def test_long_prompt_matches_transformers(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     torch.testing.assert_close(load_file(str(logits_path))["logits"], ref_logits, atol=2e-4, rtol=1e-3)
-    line = next(l for l in r.stdout.splitlines() if l.startswith("generated_ids="))
-    assert [int(t) for t in line.split("=", 1)[1].split(",")] == ref_tokens
+    assert generated_ids(r.stdout) == ref_tokens

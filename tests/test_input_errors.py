@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli
-from test_loader_errors import assert_usage_error
+from conftest import assert_usage_error, run_cli
 
 CASES = {
     "negative-id": (["--token-ids", "1,-2,3"], "token id -2 at position 1 is outside the vocab [0, 1000)"),
@@ -28,19 +27,12 @@ def test_bad_generate_input(case):
     assert_usage_error(run_cli("generate", "--preset", "tiny", "--tp-world", "2", *args), message)
 
 
-def test_junk_token_ids_file(tmp_path):
-    f = tmp_path / "ids.txt"
-    f.write_text("1, 2, 3\n4 five 6\n")
-    assert_usage_error(run_cli("generate", "--preset", "tiny", "--token-ids-file", f), "'five' is not an integer token id")
-
-
 def test_missing_token_ids_file(tmp_path):
     assert_usage_error(run_cli("generate", "--preset", "tiny", "--token-ids-file", tmp_path / "none.txt"), "none.txt: cannot read")
 
 
 def test_bad_flag_value_is_one_line():
-    r = run_cli("bench", "--prompt-tokens", "many")
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert_usage_error(run_cli("bench", "--prompt-tokens", "many"), "--prompt-tokens", "'many'")
 
 
 def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path):

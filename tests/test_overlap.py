@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import cli_env, result_fields, run_cli
+from conftest import assert_usage_error, cli_env, result_fields, run_cli
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
 from pocketllm.distributed.policy import PinnedPolicy, RulePolicy, comm_overlap_slices_for_rows, resolve_policy
@@ -112,19 +112,18 @@ def test_pin_overrides_ceiling_with_a_note():
 
 
 @pytest.mark.parametrize(
-    "args, env",
+    "args, env, message",
     [
-        (["--pin-slices", "-1"], {}),
-        (["--comm-overlap-slices", "four"], {}),
-        ([], {"QWEN_COMM_OVERLAP_SLICES": "abc"}),
-        ([], {"QWEN_COMM_OVERLAP_PIN": "1.5"}),
-        (["--rows", "0"], {}),
+        (["--pin-slices", "-1"], {}, "--pin-slices must be a non-negative integer, got -1"),
+        (["--comm-overlap-slices", "four"], {}, "--comm-overlap-slices must be a non-negative integer, got 'four'"),
+        ([], {"QWEN_COMM_OVERLAP_SLICES": "abc"}, "QWEN_COMM_OVERLAP_SLICES must be a non-negative integer, got 'abc'"),
+        ([], {"QWEN_COMM_OVERLAP_PIN": "1.5"}, "QWEN_COMM_OVERLAP_PIN must be a non-negative integer, got '1.5'"),
+        (["--rows", "0"], {}, "--rows: 0 must be a positive integer"),
     ],
 )
-def test_knob_errors_exit_2(args, env):
-    r = run_cli("policy", *args, env=cli_env(**env), timeout=60)
-    assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr
+def test_knob_errors_exit_2(args, env, message):
+    line = assert_usage_error(run_cli("policy", *args, env=cli_env(**env), timeout=60))
+    assert line == "pocketllm: error: " + message
 
 
 def test_policy_command_prints_the_rule():
@@ -149,5 +148,4 @@ def test_bench_collective_count(slices):
     fields = result_fields(r.stdout)
     assert int(fields["slices"]) == slices
     assert int(fields["collectives"]) == 64 * slices + 48 * slices + 16 * slices + 1
-    assert (slices == 1) == (int(fields["collectives"]) == 129)
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from test_faults import assert_nothing_left, start
+from conftest import assert_nothing_left, start
 
 ARGS = ["generate", "--preset", "tiny", "--token-ids", "1,2,3,4", "--max-new-tokens", 2, "--dist-timeout", 20]
 

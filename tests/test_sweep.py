@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import assert_usage_error, run_cli
 from pocketllm.bench.sweep_report import Setting, format_report, pinned, summarize
 from pocketllm.commands.sweep import sweep_order
 
@@ -86,9 +86,7 @@ def test_fallback_to_serial_is_marked():
     ],
 )
 def test_bad_lists_exit_2(args, message):
-    r = run_cli("sweep", "--preset", "tiny", "--tp-world", "2", *args, timeout=60)
-    assert r.returncode == 2
-    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert_usage_error(run_cli("sweep", "--preset", "tiny", "--tp-world", "2", *args, timeout=60), message)
 
 
 def test_tiny_sweep_at_tp2_end_to_end(tmp_path):
