@@ -24,8 +24,7 @@ import timeit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The modules whose forward path holds scopes.
-SCOPED = ["models/qwen3_5.py", "layers/attention.py", "layers/gdn.py", "layers/mlp.py", "distributed/overlap.py", "distributed/state.py"]
+_IMPORT = re.compile(r"^from pocketllm\.profiling\.scopes import (.+)$", re.MULTILINE)
 _WITH = re.compile(r"^(\s*)with scope\(.*\)( as \w+)?:\s*$")
 _TIMED = re.compile(r"^\s*timed\.(settle|wait_for_peers)\(")
 
@@ -47,9 +46,20 @@ def _strip_once(lines: list[str]) -> list[str]:
     return out
 
 
+def scoped_modules(package: Path) -> list[str]:
+    """The modules (relative to `package`) that import `scope`: the ones whose code holds scopes."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for names in _IMPORT.findall(path.read_text()):
+            if "scope" in (n.strip() for n in names.split(",")):
+                found.append(path.relative_to(package).as_posix())
+                break
+    return found
+
+
 def stripped_tree(dest: Path) -> Path:
     shutil.copytree(REPO / "pocketllm", dest / "pocketllm", ignore=shutil.ignore_patterns("__pycache__"))
-    for rel in SCOPED:
+    for rel in scoped_modules(dest / "pocketllm"):
         path = dest / "pocketllm" / rel
         lines = path.read_text().splitlines(keepends=True)
         # Nested scopes come out one level per pass.
@@ -85,7 +95,8 @@ def bench(tree: Path, bench_args: list[str]) -> dict:
         env = dict(os.environ, PYTHONPATH=str(tree))
         r = subprocess.run([sys.executable, "-m", "pocketllm", "bench", *bench_args, "--json", f.name], env=env, capture_output=True, text=True, cwd=tree)
         if r.returncode != 0:
-            raise SystemExit(r.stderr.strip().splitlines()[-1])
+            lines = r.stderr.strip().splitlines()
+            raise SystemExit(lines[-1] if lines else f"pocketllm bench failed with exit code {r.returncode} and no message")
         return json.load(open(f.name))
 
 

@@ -4,6 +4,7 @@ weight source, the dtype and the slice policy. Everything here runs before any r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 
@@ -99,6 +100,15 @@ def plan_model(args) -> ModelPlan:
         cfg = cfg.with_layers(args.layers)
     check_tp_split(cfg, args.tp_world)
     return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), None, preset)
+
+
+def check_out_path(path: str | None, flag: str) -> None:
+    """An output file's directory must exist before any measuring, so a typo does not cost a run."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag} {path}: directory {directory} does not exist")
 
 
 def dist_timeout(args, backend: str) -> float:

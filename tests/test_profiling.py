@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import cli_env, result_fields, run_cli
+from conftest import assert_usage_error, cli_env, result_fields, run_cli
 from pocketllm.distributed.policy import PinnedPolicy
 from pocketllm.engine.runner import Engine
 from pocketllm.loader.random_weights import RandomWeights
@@ -34,7 +34,7 @@ class FakeClock:
         return self.now
 
 
-def _hand_built_tree(recorder: ScopeRecorder, clock: FakeClock) -> None:
+def _hand_built_tree(clock: FakeClock) -> None:
     """STACK 100 = embed 10 (its all-reduce 4 inside) + 2 x [norms 3, projections 20 (gated_delta
     5 inside)] + 44 in no named scope."""
     with scope("STACK"):
@@ -63,14 +63,14 @@ def _recorded_tree():
     recorder = ScopeRecorder(clock=clock, keep_spans=True)
     scopes.install(recorder)
     try:
-        _hand_built_tree(recorder, clock)
+        _hand_built_tree(clock)
     finally:
         scopes.install(None)
     return recorder, clock
 
 
 def test_exclusive_attribution_on_a_hand_built_tree():
-    recorder, clock = _recorded_tree()
+    recorder, _ = _recorded_tree()
     block = phase_block(_ident(), recorder.stats, wall_ns=110)
     s = block["scopes"]
     assert block["stack_seconds"] == pytest.approx(100e-9)
@@ -143,7 +143,7 @@ def test_the_phase_profile_syncs_only_when_on_and_covers_a_real_pass():
     engine.start_sequence(32)
     syncs = []
     engine.prefill(torch.arange(16))
-    profiler = PassProfiler(ProfileOptions(phase=True, text=False), 0, lambda: syncs.append(1))
+    profiler = PassProfiler(ProfileOptions(phase=True, phase_text=False, host_text=False), 0, lambda: syncs.append(1))
     engine.hooks.append(profiler)
     engine.start_sequence(32)
     engine.prefill(torch.arange(16))
@@ -261,11 +261,14 @@ def test_host_trace_on_the_overlapped_path_loads_and_nests(tmp_path):
 
 
 def test_profile_command_prints_both_tables_from_timed_prefill_blocks(tmp_path):
-    """Also with the skew split: the wait before each all-reduce is its own scope, same calls."""
+    """Also with the skew split: the wait before each all-reduce is its own scope, same calls.
+    A host profile asked for alongside still prints its blocks; only the phase blocks, which the
+    tables replace, are not printed."""
     out = tmp_path / "profile.json"
-    r = run_cli("profile", *TINY_TP2, "--prompt-tokens", "128,64,256", "--split-skew", "--json", out)
+    r = run_cli("profile", *TINY_TP2, "--prompt-tokens", "128,64,256", "--split-skew", "--host-profile", "--json", out)
     assert r.returncode == 0, r.stderr
     assert "qwen_phase" not in r.stderr
+    assert "qwen_host " in r.stderr
     needles = ("prompt tokens", "wall (prefill_seconds)", "STACK", "prefill TPS", "gated_delta (3)", "tp_all_reduce (9)", "tp_skew (9)", "us/call")
     for needle in needles + ("two-point fit on rows 64 and 256",):
         assert needle in r.stdout, needle
@@ -293,6 +296,4 @@ def test_profile_command_prints_both_tables_from_timed_prefill_blocks(tmp_path):
     ],
 )
 def test_profiling_usage_errors_are_one_line_exit_2(argv, env, needle, tmp_path):
-    r = run_cli(*argv, env=cli_env(**env), cwd=tmp_path)
-    assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+    assert_usage_error(run_cli(*argv, env=cli_env(**env), cwd=tmp_path), needle)

@@ -16,7 +16,7 @@ from pocketllm.distributed.allreduce_bench import format_table, parse_size, size
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.launch import init_distributed, rank_env, run_rank, spawn_local_ranks
-from pocketllm.model_args import dist_timeout, parse_dtype, say
+from pocketllm.model_args import check_out_path, dist_timeout, parse_dtype, say
 
 
 def add_rank_args(p) -> None:
@@ -39,29 +39,35 @@ def add_arguments(p) -> None:
     p.add_argument("--json", help="also write the table, the fit and the settings to this file")
 
 
-def run_on_ranks(args, argv: list[str], work) -> int:
-    """work(args, device) on every rank of a --tp-world >= 2 group, started here if need be."""
+def run_on_ranks(args, argv: list[str], prepare, work) -> int:
+    """prepare(args) checks the command's own inputs and returns them, in the launcher before any
+    rank starts and again on every rank; work(args, device, inputs) runs on every rank of a
+    --tp-world >= 2 group, started here if need be."""
+    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path)
+    if renv is not None:
+        # Under torchrun the world comes from WORLD_SIZE even when --tp-world was left at its
+        # default; prepare's checks and the ones below must see that world.
+        args.tp_world = renv.world
+    inputs = prepare(args)
     if args.tp_world < 2:
         raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
-    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path)
     if renv is None:
         return spawn_local_ranks(args.tp_world, argv)
 
     def body() -> int:
         device = setup_device(args.device, renv.local_rank, renv.local_world)
         init_distributed(renv, device.backend, dist_timeout(args, device.backend))
-        return work(args, device)
+        return work(args, device, inputs)
 
     # run_rank turns a failure into the one line the launcher reports, and leaves the group.
     return run_rank(renv, body)
 
 
-def _work(args, device) -> int:
+def _work(args, device, _inputs) -> int:
     dtype = parse_dtype(args.dtype)
-    elem = torch.empty((), dtype=dtype).element_size()
-    sizes = size_ladder(parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes"), args.factor, elem)
+    sizes = size_ladder(parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes"), args.factor, dtype.itemsize)
     say(f"all-reduce on {device.backend}, {tp().world} ranks, {device.describe()}, {args.dtype}, {len(sizes)} sizes x {args.iters} calls")
     results, fit = sweep_sizes(sizes, dtype, device, args.iters, args.warmup_iters, tp().world)
     if tp().rank == 0:
@@ -92,8 +98,8 @@ def _check(args) -> None:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
     if args.warmup_iters < 0:
         raise UsageError(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
+    check_out_path(args.json, "--json")
 
 
 def run(args, argv) -> int:
-    _check(args)
-    return run_on_ranks(args, argv, _work)
+    return run_on_ranks(args, argv, _check, _work)

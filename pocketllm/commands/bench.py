@@ -12,6 +12,7 @@ from pocketllm.commands.ranked import peak_rss_mib_per_rank, per_rank, run_ranke
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids, prompt_ids
+from pocketllm.model_args import check_out_path
 
 RESULT_FIELDS = ("prefill_seconds", "prefill_tokens", "prefill_tokens_per_s", "decode_seconds", "decode_tokens", "decode_tokens_per_s")
 
@@ -31,6 +32,7 @@ def _prepare(args, plan):
         raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {args.max_new_tokens}")
     if args.warmup_tokens < 1:
         raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    check_out_path(args.json, "--json")
     return ids
 
 

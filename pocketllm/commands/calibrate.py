@@ -25,14 +25,15 @@ import torch.distributed as dist
 
 from pocketllm.commands.allreduce import run_on_ranks
 from pocketllm.commands.policy import parse_positive_list
+from pocketllm.commands.progress import row_progress
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
 from pocketllm.distributed.calibration import Calibration, CalibratedPolicy, Point
-from pocketllm.distributed.overlap import projection_all_reduce_overlapped
+from pocketllm.distributed.overlap import projection_all_reduce_overlapped, slice_bounds
 from pocketllm.distributed.policy import ENV_PIN, resolve_policy
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
-from pocketllm.model_args import plan_model, say
+from pocketllm.model_args import check_out_path, plan_model, say
 
 # Short passes are repeated inside one timing so that each timing covers at least this many rows;
 # a 256-row unit is a few milliseconds, which a scheduler tick can double.
@@ -77,9 +78,7 @@ def _prepare(args):
     # stale calibration in the environment must not stop it.
     args.overlap_policy, args.calibration = "rule", None
     plan = plan_model(args)
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise UsageError(f"--out {args.out}: directory {out_dir} does not exist")
+    check_out_path(args.out, "--out")
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
     # applies its own ceiling.
     env = {k: v for k, v in os.environ.items() if k != ENV_PIN}
@@ -116,7 +115,8 @@ def time_point(unit: Unit, rows: int, slices: int, device) -> float:
     for _ in range(iters):
         unit.run(rows, slices)
     device.synchronize()
-    return max_over_ranks((time.perf_counter() - t0) / iters)
+    (seconds,) = max_over_ranks([(time.perf_counter() - t0) / iters])
+    return seconds
 
 
 def measure(unit: Unit, rows_list: list[int], pins: list[int], reps: int, device) -> list[Point]:
@@ -125,30 +125,27 @@ def measure(unit: Unit, rows_list: list[int], pins: list[int], reps: int, device
     for r, s in order:
         unit.run(r, s)
     times: dict[tuple[int, int], list[float]] = {p: [] for p in order}
-    bar = _progress(sum(_timed_rows(r) for r, _ in order) * reps)
+    bar = row_progress(sum(_timed_rows(r) for r, _ in order) * reps, "calibrate")
     for rep in range(reps):
         for r, s in order:
-            if bar is not None:
-                bar.set_description(f"rep {rep + 1}/{reps} rows={r} slices={s}")
+            bar.set_description(f"rep {rep + 1}/{reps} rows={r} slices={s}")
             times[(r, s)].append(time_point(unit, r, s, device))
-            if bar is not None:
-                bar.update(_timed_rows(r))
-    if bar is not None:
-        bar.close()
+            bar.update(_timed_rows(r))
+    bar.close()
     return [Point(r, s, statistics.median(times[(r, s)]), tuple(times[(r, s)])) for r, s in order]
 
 
-def _progress(total_rows: int):
-    if tp().rank != 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total_rows, unit="row", desc="calibrate", leave=False, dynamic_ncols=True, mininterval=1.0)
-
-
 def payload_sizes(rows_list: list[int], pins: list[int], hidden: int, elem: int) -> list[int]:
-    """The slice payloads the calibrated points issue, for the all-reduce fit stored beside them."""
-    return sorted({max(1, r // s) * hidden * elem for r in rows_list for s in pins})
+    """The slice payloads the calibrated points issue, for the all-reduce fit stored beside them:
+    each slice's rows as overlap.slice_bounds cuts them (earlier slices take the remainder), and
+    the whole rows where the projection runs serially (one slice, or fewer rows than slices; the
+    world is >= 2 here, so that is overlap.is_serial)."""
+    sizes = set()
+    for r in rows_list:
+        for s in pins:
+            bounds = [(0, r)] if s <= 1 or r < s else slice_bounds(r, s)
+            sizes.update((end - start) * hidden * elem for start, end in bounds)
+    return sorted(sizes)
 
 
 def format_points(points: list[Point], policy: CalibratedPolicy) -> list[str]:
@@ -172,8 +169,7 @@ def _work(args, device, inputs) -> int:
     )
     unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device)
     points = measure(unit, rows_list, pins, args.reps, device)
-    elem = torch.empty((), dtype=plan.dtype).element_size()
-    sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, elem), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
+    sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, plan.dtype.itemsize), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
     if tp().rank == 0:
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         fit_json = fit.to_json() | {"sizes_bytes": [r.size_bytes for r in sizes], "times_us": [r.time_us for r in sizes]}
@@ -191,5 +187,4 @@ def _work(args, device, inputs) -> int:
 
 
 def run(args, argv) -> int:
-    inputs = _prepare(args)
-    return run_on_ranks(args, argv, lambda a, device: _work(a, device, inputs))
+    return run_on_ranks(args, argv, _prepare, _work)

@@ -43,7 +43,7 @@ def run(args, argv) -> int:
     if isinstance(choice.policy, CalibratedPolicy):
         print(f"calibrated policy from {choice.policy.source}: {choice.policy.calibration.describe()}", file=sys.stderr)
     if choice.note:
-        print(f"note: {choice.note}", file=__import__("sys").stderr)
+        print(f"note: {choice.note}", file=sys.stderr)
     for r in rows:
         print(f"rows={r} slices={choice.policy.slices_for_rows(r)}")
     return 0

@@ -13,13 +13,15 @@ import torch
 
 from pocketllm.commands.bench import timed_prefill, warm_up
 from pocketllm.commands.policy import parse_positive_list
-from pocketllm.commands.ranked import run_ranked
-from pocketllm.distributed.policy import ENV_CEILING, ENV_PIN
+from pocketllm.commands.ranked import run_ranked, run_settings
+from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids
+from pocketllm.model_args import check_out_path
 from pocketllm.profiling.profiler import ENV_PHASE, env_switch, profiler_of
 from pocketllm.profiling.tables import (
+    RANK_VIEW_SCOPES,
     attribution_table,
     collective_points,
     collective_table,
@@ -52,6 +54,7 @@ def _prepare(args, plan):
         raise UsageError(f"--reps must be >= 1, got {args.reps}")
     if args.warmup_tokens < 1:
         raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    check_out_path(args.json, "--json")
     return lengths
 
 
@@ -62,11 +65,10 @@ def _timed_prefill(engine, ids: list[int], sync) -> tuple[float, int]:
     return wall, engine.last_pass.index
 
 
-def _report(args, plan, device, lengths: list[int], runs: list[dict]) -> None:
+def _report(args, plan, device, runs: list[dict]) -> None:
     cfg = plan.cfg
-    elem_bytes = torch.tensor([], dtype=plan.dtype).element_size()
     # One all-reduce per row-parallel site of each layer (mixer out, mlp.down) plus the embedding's.
-    points = collective_points(runs, cfg.hidden_size, elem_bytes, 2 * cfg.num_layers + 1)
+    points = collective_points(runs, cfg.hidden_size, plan.dtype.itemsize, 2 * cfg.num_layers + 1)
     fit = two_point_fit(points)
     paths = sorted({r["block"]["path"] for r in runs})
     print(
@@ -87,16 +89,11 @@ def _report(args, plan, device, lengths: list[int], runs: list[dict]) -> None:
     if args.json:
         doc = {
             "settings": {
-                "model": plan.model_name,
-                "layers": cfg.num_layers,
-                "tp_world": tp().world,
-                "dtype": args.dtype,
-                "device": device.describe(),
+                **run_settings(args, plan, device),
                 "policy": plan.policy.policy.describe(),
                 "reps": args.reps,
                 "pick": args.pick,
                 "split_skew": args.split_skew,
-                "threads_per_rank": torch.get_num_threads(),
                 "load_average": list(os.getloadavg()),
             },
             "runs": runs,
@@ -116,7 +113,7 @@ def _pick_rep(samples: list[dict], pick: str) -> int:
 def _gather_rank_views(runs: list[dict]) -> None:
     """Add every rank's STACK, tp_all_reduce and tp_skew seconds for the chosen pass to each run:
     a rank that waited for a slower one shows it as collective (or skew) time."""
-    names = ("STACK", "tp_all_reduce", "tp_skew")
+    names = RANK_VIEW_SCOPES
     mine = torch.tensor(
         [[(r["block"]["scopes"].get(name) or {}).get("seconds", 0.0) for name in names] for r in runs], dtype=torch.float64
     )
@@ -147,21 +144,21 @@ def _work(args, plan, lengths, engine, device) -> int:
         runs.append(chosen)
     _gather_rank_views(runs)
     if tp().rank == 0:
-        _report(args, plan, device, lengths, runs)
+        _report(args, plan, device, runs)
     return 0
 
 
 def _slices_given(args, env) -> bool:
     """Whether the run names a slice count or policy itself; if not, it is pinned to 1."""
     given = (args.pin_slices, args.comm_overlap_slices, getattr(args, "overlap_policy", None), getattr(args, "calibration", None))
-    from_env = (env.get(ENV_PIN), env.get(ENV_CEILING), env.get("QWEN_COMM_OVERLAP_CALIBRATION"))
+    from_env = (env.get(ENV_PIN), env.get(ENV_CEILING), env.get(ENV_CALIBRATION))
     return any(v not in (None, "") for v in given + from_env)
 
 
 def run(args, argv) -> int:
-    # The blocks go to stderr only when a phase profile was asked for explicitly; the tables are
-    # this command's output.
-    args.profile_text = bool(args.phase_profile) or env_switch(os.environ, ENV_PHASE)
+    # The phase blocks go to stderr only when a phase profile was asked for explicitly: the tables
+    # are this command's output. Host blocks, when asked for, print as in every other command.
+    args.phase_text = bool(args.phase_profile) or env_switch(os.environ, ENV_PHASE)
     args.phase_profile = True
     if not _slices_given(args, os.environ):
         args.pin_slices = "1"

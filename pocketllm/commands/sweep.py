@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 
-
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
 from pocketllm.commands.bench import timed_prefill_decode, warm_up
 from pocketllm.commands.policy import parse_positive_list
+from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_ranked, run_settings
 from pocketllm.distributed.calibration import checked_for_run
 from pocketllm.distributed.overlap import is_serial
@@ -20,6 +20,7 @@ from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLIC
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids
+from pocketllm.model_args import check_out_path
 
 
 def add_arguments(p) -> None:
@@ -63,11 +64,6 @@ def build_settings(args, plan) -> list[tuple[Setting, object]]:
     return out
 
 
-def _check_out(path: str | None, flag: str) -> None:
-    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise UsageError(f"{flag} {path}: its directory does not exist")
-
-
 def _prepare(args, plan):
     rows_list = parse_positive_list(args.rows, "--rows")
     if len(set(rows_list)) != len(rows_list):
@@ -82,20 +78,11 @@ def _prepare(args, plan):
     if len({s.name for s, _ in settings}) != len(settings):
         raise UsageError(f"--pin {args.pin}: a slice count is repeated")
     check_ids(bench_ids(max(rows_list), plan.cfg.vocab_size), plan.cfg, args.max_new_tokens)
-    _check_out(args.json, "--json")
-    _check_out(args.plot, "--plot")
+    check_out_path(args.json, "--json")
+    check_out_path(args.plot, "--plot")
     if args.plot:
         require_matplotlib()
     return rows_list, settings
-
-
-def _progress(order):
-    if tp().rank != 0:
-        return None
-    from tqdm import tqdm
-
-    # Counted in prompt rows, so the time left weighs a 4096-row prefill 8x a 512-row one.
-    return tqdm(total=sum(rows for _, rows, _ in order), unit="row", desc="sweep", leave=False, dynamic_ncols=True, mininterval=1.0)
 
 
 def run_sweep(engine, rows_list, settings, args, sync) -> list[dict]:
@@ -106,19 +93,16 @@ def run_sweep(engine, rows_list, settings, args, sync) -> list[dict]:
         engine.policy = policy
         warm_up(engine, ids, args.warmup_tokens, sync)
     order = sweep_order(rows_list, [s.name for s, _ in settings], args.reps)
-    bar = _progress(order)
+    bar = row_progress(sum(rows for _, rows, _ in order), "sweep")
     records = []
     for rep, rows, name in order:
-        if bar is not None:
-            bar.set_description(f"rep {rep}/{args.reps} rows={rows} {name}")
+        bar.set_description(f"rep {rep}/{args.reps} rows={rows} {name}")
         engine.policy = policies[name]
         with engine.tagged(timed=True):
             r = timed_prefill_decode(engine, ids[:rows], args.max_new_tokens, sync)
         records.append({"rep": rep, "rows": rows, "setting": name, "serial": is_serial(rows, r["slices"]), **r})
-        if bar is not None:
-            bar.update(rows)
-    if bar is not None:
-        bar.close()
+        bar.update(rows)
+    bar.close()
     return records
 
 

@@ -13,8 +13,8 @@ class CollectiveCounter:
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
 
-    def add(self, site: str, n: int = 1) -> None:
-        self.calls[site] += n
+    def add(self, site: str) -> None:
+        self.calls[site] += 1
 
     def reset(self) -> None:
         self.calls.clear()

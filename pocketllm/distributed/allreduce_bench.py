@@ -106,17 +106,18 @@ def _event_pair(kind: str):
     return None
 
 
-def max_over_ranks(value: float) -> float:
-    """The slowest rank's figure: a collective is as slow as its last participant."""
-    t = torch.tensor([value], dtype=torch.float64)
+def max_over_ranks(values: list[float]) -> list[float]:
+    """The slowest rank's figure for each value, all in one all-reduce: a collective is as slow as
+    its last participant."""
+    t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0])
+    return t.tolist()
 
 
 def time_allreduce(size_bytes: int, dtype: torch.dtype, device, iters: int, warmup: int, world: int) -> SizeResult:
     """Mean wall time per call of `iters` back-to-back all-reduces after `warmup` untimed ones,
     the device synchronised at both ends; device events alongside on CUDA/NPU."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     count = size_bytes // elem
     buf = torch.ones(count, dtype=dtype, device=device.torch_device)
     for _ in range(warmup):
@@ -134,7 +135,7 @@ def time_allreduce(size_bytes: int, dtype: torch.dtype, device, iters: int, warm
     device.synchronize()
     wall_us = (time.perf_counter() - t0) / iters * 1e6
     device_us = events[0].elapsed_time(events[1]) * 1e3 / iters if events else wall_us
-    wall_us, device_us = max_over_ranks(wall_us), max_over_ranks(device_us)
+    wall_us, device_us = max_over_ranks([wall_us, device_us])
     nbytes = count * elem
     algbw = nbytes / (wall_us * 1e3)
     return SizeResult(nbytes, count, str(dtype).removeprefix("torch."), wall_us, device_us, algbw, algbw * bus_factor(world))

@@ -164,8 +164,6 @@ class CalibratedPolicy(SlicePolicy):
     """Between calibrated row counts, the choice of the nearest calibrated count below; above the
     largest, the largest's; below the smallest, 1 (serial, as the rule gives short passes)."""
 
-    name = "calibrated"
-
     def __init__(self, calibration: Calibration, ceiling: int = DEFAULT_COMM_OVERLAP_SLICES, source: str = ""):
         self.calibration = calibration
         self.ceiling = ceiling
@@ -174,8 +172,9 @@ class CalibratedPolicy(SlicePolicy):
         self._rows = sorted(self.choices)
 
     def slices_for_rows(self, rows: int) -> int:
+        # choose_slices already holds a ceiling <= 1 to one slice everywhere.
         i = bisect.bisect_right(self._rows, rows) - 1
-        if i < 0 or self.ceiling <= 1:
+        if i < 0:
             return 1
         return self.choices[self._rows[i]]
 

@@ -31,19 +31,17 @@ def comm_overlap_slices_for_rows(rows: int, ceiling: int = DEFAULT_COMM_OVERLAP_
 
 
 class SlicePolicy:
-    name = "policy"
-
     def slices_for_rows(self, rows: int) -> int:
         raise NotImplementedError
 
     def describe(self) -> str:
-        return self.name
+        """One line naming the policy and its settings, for the run's report."""
+        raise NotImplementedError
 
 
 @dataclass
 class RulePolicy(SlicePolicy):
     ceiling: int = DEFAULT_COMM_OVERLAP_SLICES
-    name = "rule"
 
     def slices_for_rows(self, rows: int) -> int:
         return comm_overlap_slices_for_rows(rows, self.ceiling)
@@ -55,7 +53,6 @@ class RulePolicy(SlicePolicy):
 @dataclass
 class PinnedPolicy(SlicePolicy):
     slices: int
-    name = "pin"
 
     def slices_for_rows(self, rows: int) -> int:
         # The projection itself falls back to serial when rows < slices.

@@ -11,7 +11,7 @@ with shares of STACK) and the host block (wall clock, inclusive and self seconds
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from pocketllm.profiling.scopes import STACK
 
@@ -29,23 +29,13 @@ class BlockId:
     path: str  # serial, overlapped, or overlapped-serialised (a phase profile waits each slice)
     collectives: dict[str, int] = field(default_factory=dict)  # the engine's all-reduces per site
 
-    def header(self) -> str:
-        return (
-            f"block={self.block} rank={self.rank} kind={self.kind} rows={self.rows} timed={int(self.timed)} "
-            f"slices={self.slices} path={self.path}"
-        )
 
-    def as_dict(self) -> dict:
-        return {
-            "block": self.block,
-            "rank": self.rank,
-            "kind": self.kind,
-            "rows": self.rows,
-            "timed": self.timed,
-            "slices": self.slices,
-            "path": self.path,
-            "collectives": dict(self.collectives),
-        }
+def header(block: dict) -> str:
+    """A block's identity as the first fields of its text header, read from the block itself."""
+    return (
+        f"block={block['block']} rank={block['rank']} kind={block['kind']} rows={block['rows']} timed={int(block['timed'])} "
+        f"slices={block['slices']} path={block['path']}"
+    )
 
 
 def _site_name(name: str, site: str | None) -> str:
@@ -83,7 +73,7 @@ def phase_block(ident: BlockId, stats: dict, wall_ns: int) -> dict:
                 for site, s in sorted(e["sites"].items(), key=lambda kv: -kv[1]["ns"])
             }
         out[name] = row
-    return {**ident.as_dict(), "wall_seconds": wall_ns * NS, "stack_seconds": stack_ns * NS, "scopes": out}
+    return {**asdict(ident), "wall_seconds": wall_ns * NS, "stack_seconds": stack_ns * NS, "scopes": out}
 
 
 def host_block(ident: BlockId, stats: dict, wall_ns: int) -> dict:
@@ -94,7 +84,7 @@ def host_block(ident: BlockId, stats: dict, wall_ns: int) -> dict:
     for (name, site), (excl, incl, calls) in sorted(stats.items(), key=lambda kv: -kv[1][0]):
         self_total += excl
         spans[_site_name(name, site)] = {"inclusive_seconds": incl * NS, "self_seconds": excl * NS, "calls": calls}
-    return {**ident.as_dict(), "wall_seconds": wall_ns * NS, "self_total_seconds": self_total * NS, "spans": spans}
+    return {**asdict(ident), "wall_seconds": wall_ns * NS, "self_total_seconds": self_total * NS, "spans": spans}
 
 
 def _share(value) -> str:
@@ -105,9 +95,8 @@ def phase_text(block: dict) -> str:
     """`qwen_phase block=...` then one `scope=` line per scope and one `site=` line per sub-total.
     Sites are on their own key so that summing the scope= lines never counts a second twice."""
     tag = f"block={block['block']} rank={block['rank']}"
-    ident = BlockId(**{k: block[k] for k in ("block", "rank", "kind", "rows", "timed", "slices", "path", "collectives")})
     total_collectives = sum(block["collectives"].values())
-    lines = [f"qwen_phase {ident.header()} wall_seconds={block['wall_seconds']:.6f} collectives={total_collectives}"]
+    lines = [f"qwen_phase {header(block)} wall_seconds={block['wall_seconds']:.6f} collectives={total_collectives}"]
     for name, s in block["scopes"].items():
         lines.append(f"scope={name} seconds={s['seconds']:.6f} calls={s['calls']} share={_share(s['share'])} {tag}")
     for name, s in block["scopes"].items():
@@ -118,9 +107,8 @@ def phase_text(block: dict) -> str:
 
 def host_text(block: dict) -> str:
     tag = f"block={block['block']} rank={block['rank']}"
-    ident = BlockId(**{k: block[k] for k in ("block", "rank", "kind", "rows", "timed", "slices", "path", "collectives")})
     lines = [
-        f"qwen_host {ident.header()} wall_seconds={block['wall_seconds']:.6f} "
+        f"qwen_host {header(block)} wall_seconds={block['wall_seconds']:.6f} "
         f"self_total_seconds={block['self_total_seconds']:.6f}"
     ]
     for name, s in block["spans"].items():

@@ -43,7 +43,10 @@ class ProfileOptions:
     host: bool = False
     profile_out: str | None = None  # directory for the JSON-lines blocks, one file per rank
     trace_out: str | None = None  # directory for the Chrome traces, one file per rank
-    text: bool = True  # print every block to stderr at the end of the run
+    # Print the phase (host) blocks to stderr at the end of the run; each is its own switch, so a
+    # command that turns one off leaves the other as asked.
+    phase_text: bool = True
+    host_text: bool = True
     split_skew: bool = False  # phase profile: a barrier before each all-reduce, timed as tp_skew
 
     @property
@@ -87,7 +90,15 @@ def profile_options(args, env=os.environ) -> ProfileOptions:
         _check_out_dir("--profile-out", profile_out)
     if trace_out is not None:
         _check_out_dir("--trace-out", trace_out)
-    return ProfileOptions(phase, host, profile_out, trace_out, bool(getattr(args, "profile_text", True)), split_skew)
+    return ProfileOptions(
+        phase,
+        host,
+        profile_out,
+        trace_out,
+        phase_text=bool(getattr(args, "phase_text", True)),
+        host_text=bool(getattr(args, "host_text", True)),
+        split_skew=split_skew,
+    )
 
 
 def _write_stderr(text: str) -> None:
@@ -155,9 +166,10 @@ class PassProfiler:
         """Write the run's blocks: text to stderr, JSON lines and traces to their directories."""
         install(None)
         o = self.options
-        if o.text:
+        if o.phase_text:
             for block in self.phase_blocks:
                 _write_stderr(phase_text(block))
+        if o.host_text:
             for block in self.host_blocks:
                 _write_stderr(host_text(block))
         if o.profile_out is not None:

@@ -119,8 +119,8 @@ class ScopeRecorder:
         # Open frames, innermost last: [key, start ns, children's ns].
         self.stack: list[list] = []
         self.open_count: dict[tuple[str, str | None], int] = {}
-        # (name, site, start ns, end ns, depth) per closed span, when kept.
-        self.spans: list[tuple[str, str | None, int, int, int]] = []
+        # (name, site, start ns, end ns) per closed span, when kept.
+        self.spans: list[tuple[str, str | None, int, int]] = []
 
     def open(self, key: tuple[str, str | None]) -> None:
         self.sync()
@@ -146,4 +146,4 @@ class ScopeRecorder:
         if self.stack:
             self.stack[-1][2] += elapsed
         if self.keep_spans:
-            self.spans.append((key[0], key[1], frame[1], end, len(self.stack)))
+            self.spans.append((key[0], key[1], frame[1], end))

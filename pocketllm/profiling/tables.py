@@ -11,6 +11,9 @@ from __future__ import annotations
 from pocketllm.profiling.scopes import STACK
 
 COLLECTIVE = "tp_all_reduce"
+# The scopes the attribution table shows per rank: a rank that waited for a slower one shows it
+# as collective (or skew) time.
+RANK_VIEW_SCOPES = (STACK, COLLECTIVE, "tp_skew")
 
 
 def _calls_label(values: list[int]) -> str:
@@ -60,7 +63,7 @@ def attribution_rows(runs: list[dict]) -> list[list[str]]:
             rows.append([f"  {site} ({_calls_label([s['calls'] if s else 0 for s in subs])})"] + [cell(s) for s in subs])
     if all(len(r.get("ranks", ())) > 1 for r in runs):
         # The same pass on every rank: the spread between ranks is skew, not collective cost.
-        for name in ("STACK", "tp_all_reduce", "tp_skew"):
+        for name in RANK_VIEW_SCOPES:
             if any(v[name] for r in runs for v in r["ranks"]):
                 rows.append([f"{name} by rank"] + [" / ".join(f"{v[name]:.4f}" for v in r["ranks"]) for r in runs])
     total = [sum(e["share"] or 0.0 for n, e in b["scopes"].items() if n != STACK) for b in blocks]

@@ -19,18 +19,17 @@ MAX_EVENTS = 2_000_000
 
 
 class TraceWriter:
-    """origin_ns: the clock reading drawn at ts 0. The default, 0, keeps perf_counter's own epoch
-    (CLOCK_MONOTONIC on Linux, shared by every process on a host), so the ranks' files line up
-    when their traceEvents are concatenated into one."""
+    """Timestamps keep perf_counter's own epoch (CLOCK_MONOTONIC on Linux, shared by every process
+    on a host), so the ranks' files line up when their traceEvents are concatenated into one."""
 
-    def __init__(self, rank: int, origin_ns: int = 0):
+    def __init__(self, rank: int):
         self.rank = rank
-        self.origin_ns = origin_ns
         self.events: list[dict] = []
         self.dropped = 0
 
-    def _us(self, ns: int) -> float:
-        return (ns - self.origin_ns) / 1000.0
+    @staticmethod
+    def _us(ns: int) -> float:
+        return ns / 1000.0
 
     def _event(self, name: str, tid: int, start_ns: int, end_ns: int, args: dict | None = None) -> None:
         if len(self.events) >= MAX_EVENTS:
@@ -46,7 +45,7 @@ class TraceWriter:
         """The pass as one span on the compute track, and its scopes' spans inside it."""
         label = f"{block['kind']} block={block['block']} rows={block['rows']}"
         self._event(label, COMPUTE_TID, start_ns, end_ns, {k: block[k] for k in ("block", "kind", "rows", "timed", "slices", "path")})
-        for name, site, s, e, _depth in spans:
+        for name, site, s, e in spans:
             tid = COLLECTIVE_TID if name in COLLECTIVE_SCOPES else COMPUTE_TID
             self._event(name if site is None else f"{name}/{site}", tid, s, e)
 
