@@ -163,9 +163,8 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: partial_rotary_factor must be in (0, 1], got {partial}")
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    if "tie_word_embeddings" in text:
-        tie = text["tie_word_embeddings"]
+    # The text config's own value wins over the outer (multimodal) one.
+    tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
     return ModelConfig(
         vocab_size=text["vocab_size"],
@@ -241,8 +240,7 @@ def tp_split_problems(cfg: ModelConfig, world: int) -> list[str]:
 
 
 def check_tp_split(cfg: ModelConfig, world: int) -> None:
-    if world < 1:
-        raise UsageError(f"--tp-world must be >= 1, got {world}")
+    """world >= 1: plan_model refuses a smaller --tp-world before it gets here."""
     problems = tp_split_problems(cfg, world)
     if problems:
         valid = ", ".join(str(w) for w in valid_world_sizes(cfg, limit=max(64, world)))

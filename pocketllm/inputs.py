@@ -3,6 +3,7 @@ checked against the vocab and the position limit before any rank starts."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -38,10 +39,16 @@ def load_tokenizer(ckpt: str | None):
     path = Path(ckpt) / "tokenizer.json"
     if not path.is_file():
         raise UsageError(f"--prompt needs {path}, which does not exist; pass --token-ids instead")
+    return _read_tokenizer(str(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_tokenizer(path: str):
+    """Parsed once per process: rank 0 encodes the prompt and later decodes the output with it."""
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises its own exception type for any malformed file
         raise UsageError(f"{path} is not a readable tokenizer: {str(exc).splitlines()[0]}") from None
 

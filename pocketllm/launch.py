@@ -39,8 +39,8 @@ TERMINATE_GRACE_SECONDS = 3.0
 ROOT_CAUSE_WAIT_SECONDS = 1.0
 # When two failures are seen at once, the one least likely to follow from another comes first:
 # a death by signal or an exit without a report (nothing a peer does causes those), then an
-# exception or a user error, then a timed-out collective, then a lost peer.
-_CONSEQUENCE = {"usage": 1, "exception": 1, "timeout": 2, "peer": 3}
+# exception or a user error (any other kind: 1), then a timed-out collective, then a lost peer.
+_CONSEQUENCE = {"timeout": 2, "peer": 3}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,6 @@ class RankEnv:
     world: int
     local_rank: int
     local_world: int
-    init_method: str | None  # "env://" under torchrun, else None
     file_store: str | None = None  # the launcher's private FileStore
     id_path: str | None = None  # the hand-started rendezvous file
 
@@ -58,21 +57,21 @@ def rank_env(tp_world: int, tp_rank: int | None, id_path: str | None, env=os.env
     """This process's place in the run, or None when it must start the ranks itself."""
     if ENV_RANK in env:
         world = int(env[ENV_WORLD])
-        return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, None, env[ENV_RDZV])
+        return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
         if tp_world not in (1, world):
             raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world, "env://")
+        return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
     if tp_rank is not None:
         if not 0 <= tp_rank < tp_world:
             raise UsageError(f"--tp-rank must be in 0..{tp_world - 1}, got {tp_rank}")
         if not id_path:
             raise UsageError("--tp-rank needs --nccl-id-path FILE, the rendezvous file every rank names")
-        return RankEnv(tp_rank, tp_world, tp_rank, tp_world, None, id_path=os.path.abspath(id_path))
+        return RankEnv(tp_rank, tp_world, tp_rank, tp_world, id_path=os.path.abspath(id_path))
     if tp_world == 1:
-        return RankEnv(0, 1, 0, 1, None)
+        return RankEnv(0, 1, 0, 1)
     return None
 
 

@@ -9,7 +9,7 @@ import torch
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
 from pocketllm.engine.runner import Engine
-from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.loader.random_weights import RandomWeights, random_tensor
 from pocketllm.presets import get_preset
 
 torch.set_num_threads(2)
@@ -62,3 +62,14 @@ def test_pass_accounting_at_world_one(engine):
     engine.prefill(ids(8))
     assert engine.last_pass.kind == "prefill" and engine.last_pass.rows == 8
     assert engine.last_collectives == {}
+
+
+def test_random_slice_reads_match_the_full_tensor():
+    # A slice generates its tensor once and casts only the rows read: the same values as casting
+    # the whole tensor, for every key and for the ranges a fused projection reads.
+    rw = RandomWeights(get_preset("tiny"), dtype=torch.bfloat16)
+    for key, shape in rw.shapes.items():
+        sl = rw.get_slice(key)
+        full = random_tensor(key, shape, 0).to(torch.bfloat16)
+        for idx in (slice(None), slice(0, shape[0] // 2), slice(shape[0] // 3, None)):
+            assert torch.equal(sl[idx], full[idx]), key

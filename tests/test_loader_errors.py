@@ -4,35 +4,17 @@ the layouts real releases use (nested text weights, sharded files, mtp/vision ex
 from __future__ import annotations
 
 import json
-import shutil
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from conftest import assert_usage_error, run_cli
 
 PROMPT = "1,2,3,4,5,6,7,8"
 
 
 def generate(ckpt, *extra, world=1):
     return run_cli("generate", "--ckpt", ckpt, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32", "--tp-world", world, *extra)
-
-
-def assert_usage_error(r, *fragments):
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
-
-
-@pytest.fixture
-def ckpt_copy(tiny_ckpt, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(tiny_ckpt, dst)
-    return dst
 
 
 def rewrite(ckpt, change):
@@ -78,11 +60,6 @@ def test_truncated_file_named(ckpt_copy):
     assert_usage_error(generate(ckpt_copy), "model.safetensors is truncated or corrupt")
 
 
-def test_invalid_config_json(ckpt_copy):
-    (ckpt_copy / "config.json").write_text("{not json")
-    assert_usage_error(generate(ckpt_copy), "config.json", "invalid JSON")
-
-
 def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(tmp_path):
     sharded = tmp_path / "sharded"
     r = run_cli("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", sharded, "--max-shard-mib", 1)
@@ -117,3 +94,15 @@ def test_layers_cut_beyond_checkpoint(tiny_ckpt):
 
 def test_unsplittable_world_names_dimension_and_valid_sizes(tiny_ckpt):
     assert_usage_error(generate(tiny_ckpt, world=3), "over 3 ranks", "num_attention_heads=4", "valid world sizes: 1, 2, 4")
+
+
+def test_index_key_in_the_wrong_shard_is_named(tmp_path):
+    sharded = tmp_path / "sharded"
+    assert run_cli("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", sharded, "--max-shard-mib", 1).returncode == 0
+    path = sharded / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    weight_map = index["weight_map"]
+    wrong = next(f for f in sorted(set(weight_map.values())) if f != weight_map["model.norm.weight"])
+    weight_map["model.norm.weight"] = wrong
+    path.write_text(json.dumps(index))
+    assert_usage_error(generate(sharded), "model.norm.weight", f"not in {wrong}")

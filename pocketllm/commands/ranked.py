@@ -22,8 +22,12 @@ def run_ranked(args, argv: list[str], prepare, work) -> int:
     """prepare(args, plan) checks the command's own inputs and returns them; work(args, plan,
     inputs, engine, device) runs on every rank with the engine loaded."""
     renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path)
+    if renv is not None:
+        # Under torchrun the world comes from WORLD_SIZE even when --tp-world was left at 1; the
+        # plan's split check and the calibration check must see that world.
+        args.tp_world = renv.world
     profiling = profile_options(args)
-    fault = fault_from_env(args.tp_world if renv is None else renv.world)
+    fault = fault_from_env(args.tp_world)
     if renv is None:
         # The launcher checks everything before it starts a rank: a bad input starts nothing.
         prepare(args, plan_model(args))

@@ -30,14 +30,16 @@ class Sampler:
         if self._token is None or self._token.device != logits.device:
             self._token = torch.zeros(1, dtype=torch.long, device=logits.device)
         if tp().rank == 0:
-            self._token.fill_(self._choose(logits.float().cpu()))
+            if self.params.temperature <= 0:
+                # Greedy stays on the device: only the chosen id crosses to the host, not the vocab row.
+                self._token.copy_(torch.argmax(logits).reshape(1))
+            else:
+                self._token.fill_(self._sample(logits.float().cpu()))
         broadcast_(self._token)
         return int(self._token.item())
 
-    def _choose(self, logits: torch.Tensor) -> int:
+    def _sample(self, logits: torch.Tensor) -> int:
         p = self.params
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
         probs = torch.softmax(logits / p.temperature, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
@@ -52,7 +54,6 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
     eos_ids: tuple[int, ...] = (),
-    on_token=None,
 ) -> list[int]:
     """Prefill the prompt, then decode up to max_new_tokens, stopping after an eos id."""
     engine.start_sequence(len(prompt) + max_new_tokens)
@@ -62,8 +63,6 @@ def generate(
     while len(out) < max_new_tokens:
         token = sampler(logits)
         out.append(token)
-        if on_token is not None:
-            on_token(token)
         if token in eos_ids or len(out) == max_new_tokens:
             break
         logits = engine.decode(token)

@@ -38,10 +38,13 @@ class CheckpointReader:
             missing = sorted({f for f in weight_map.values() if not (self.dir / f).is_file()})
             if missing:
                 raise CheckpointError(f"{index} names shard(s) that are absent: {', '.join(missing)}")
-            files = {f: self.dir / f for f in set(weight_map.values())}
-            for path in files.values():
-                self._check_readable(path)
-            return {key: files[f] for key, f in weight_map.items()}
+            held = {f: set(self._check_readable(self.dir / f)) for f in sorted(set(weight_map.values()))}
+            astray = sorted(key for key, f in weight_map.items() if key not in held[f])
+            if astray:
+                shown = ", ".join(f"{k} (not in {weight_map[k]})" for k in astray[:5])
+                more = f" and {len(astray) - 5} more" if len(astray) > 5 else ""
+                raise CheckpointError(f"{index} maps {len(astray)} tensor(s) to a shard that does not hold them: {shown}{more}")
+            return {key: self.dir / f for key, f in weight_map.items()}
         single = self.dir / SINGLE
         if not single.is_file():
             if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")):
@@ -87,9 +90,7 @@ class CheckpointReader:
         key = self.to_file_key(name)
         return self._handle(self.file_of[key]).get_slice(key)
 
-    def release(self) -> None:
-        """Unmap the files: the pages a read touched count in this process's memory until then."""
-        self._handles.clear()
-
     def close(self) -> None:
-        self.release()
+        """Unmap the files: the pages a read touched count in this process's memory until then.
+        A later read reopens its file, which costs only the header."""
+        self._handles.clear()

@@ -37,7 +37,7 @@ def validate_source(source, cfg: ModelConfig, max_listed: int = 5) -> None:
         shape = tuple(sl.get_shape())
         if shape != expected[key]:
             problems.append(f"{key} has shape {list(shape)}, expected {list(expected[key])}")
-        dtype = sl.get_dtype() if hasattr(sl, "get_dtype") else "BF16"
+        dtype = sl.get_dtype()
         if dtype not in FLOAT_DTYPES:
             problems.append(f"{key} has dtype {dtype}, expected a floating type")
     if problems:
@@ -62,7 +62,7 @@ def load_weights(model: nn.Module, source) -> int:
             loaded += part.numel() * part.element_size()
         # Unmapping after every parameter keeps the file pages this rank touched from adding up
         # to a second copy of its weights; reopening a file costs only its header.
-        source.release()
+        source.close()
     # Constants derived from the weights (fp32 norm scales, the GDN decay rate) are made once
     # here, not checked for on every forward.
     for module in model.modules():

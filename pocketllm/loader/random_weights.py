@@ -67,12 +67,17 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 class _RandomSlice:
     def __init__(self, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype):
         self.name, self.shape, self.seed, self.dtype = name, shape, seed, dtype
+        self._full: torch.Tensor | None = None
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        return random_tensor(self.name, self.shape, self.seed).to(self.dtype)[index]
+        # A fused projection reads several row ranges of one slice: generate the tensor once. The
+        # cast is elementwise, so casting only the rows read gives the same values.
+        if self._full is None:
+            self._full = random_tensor(self.name, self.shape, self.seed)
+        return self._full[index].to(self.dtype)
 
 
 class RandomWeights:
@@ -85,9 +90,6 @@ class RandomWeights:
 
     def get_slice(self, name: str) -> _RandomSlice:
         return _RandomSlice(name, self.shapes[name], self.seed, self.dtype)
-
-    def release(self) -> None:
-        pass
 
     def close(self) -> None:
         pass
