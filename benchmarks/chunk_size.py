@@ -1,0 +1,54 @@
+"""The chunked gated delta rule at two chunk sizes, interleaved, over several sequence lengths:
+the measurement behind DEFAULT_CHUNK_SIZE.
+
+    python benchmarks/chunk_size.py [--sizes 32,64] [--lengths 128,512,4096] [--threads 2]
+
+Inputs are gdn-bench's (one TP=4 rank of the 27B shape by default: 4 key / 12 value heads, head
+dim 128, fp32). Each length is timed for about as many reps as fit in a few seconds, every size
+once per rep; prints the median ms per size and each size's time over the first size's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from pocketllm.bench.gdn_bench import make_inputs
+from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="32,64")
+    p.add_argument("--lengths", default="128,512,4096")
+    p.add_argument("--key-heads", type=int, default=4)
+    p.add_argument("--value-heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"threads={args.threads} Hk={args.key_heads} Hv={args.value_heads} D={args.head_dim} fp32; median ms")
+    print(f"{'tokens':>7} {'reps':>5}" + "".join(f"{f'chunk {c}':>12}" for c in sizes) + "".join(f"{f'{c}/{sizes[0]}':>9}" for c in sizes[1:]))
+    for T in (int(n) for n in args.lengths.split(",")):
+        x = make_inputs(T, args.key_heads, args.value_heads, args.head_dim, torch.float32)
+        reps = max(5, 20000 // T)
+        times = {c: [] for c in sizes}
+        for c in sizes:
+            gated_delta_rule_chunked(*x, chunk_size=c)
+        for _ in range(reps):
+            for c in sizes:
+                t0 = time.perf_counter()
+                gated_delta_rule_chunked(*x, chunk_size=c)
+                times[c].append(1e3 * (time.perf_counter() - t0))
+        med = {c: statistics.median(times[c]) for c in sizes}
+        print(f"{T:>7} {reps:>5}" + "".join(f"{med[c]:>12.2f}" for c in sizes) + "".join(f"{med[c] / med[sizes[0]]:>9.2f}" for c in sizes[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Where a decode step's time goes, beyond the weight bytes it has to read.
+
+One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, it times:
+- the real decode step;
+- the same step with every single-row GEMV replaced by a ready output (the rest of the step);
+- a step cut down to its GEMVs alone (the engine's GEMV over the model's own weights), and the
+  same with F.linear instead of torch.mv;
+- the same matrices in fp32 summed one op at a time, against one 1 GiB fp32 sum (the read
+  bandwidth the streaming limit uses);
+and, for context, one-row ops alone and right after a GEMV has streamed a 12 MiB weight.
+
+    python benchmarks/decode_anatomy.py [--ckpt DIR | --preset small] [--steps 32] [--reps 5]
+        [--dtype bfloat16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pocketllm.model_args import parse_dtype
+from vs_transformers import PocketRunner, gemv_only_step_seconds, projection_weights, read_bandwidth_gbps
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timing")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args(argv)
+
+
+class ReadyGemvs:
+    """While active, every single-row GEMV in the engine returns a ready output of the right shape
+    instead of reading its weight: what is left of a step is everything but the weight streaming."""
+
+    MODULES = ("pocketllm.layers.linear", "pocketllm.layers.embedding", "pocketllm.distributed.overlap")
+
+    def __init__(self):
+        self.modules = [sys.modules[name] for name in self.MODULES]
+        self.real = self.modules[0].linear_rows
+        self.outputs = {}
+
+    def _fake(self, x, w, out=None):
+        if x.shape[0] != 1:
+            return self.real(x, w, out)
+        ready = self.outputs.setdefault(w.shape[0], 0.1 * torch.randn(1, w.shape[0], dtype=w.dtype))
+        if out is None:
+            return ready
+        return out.copy_(ready)
+
+    def __enter__(self):
+        for m in self.modules:
+            m.linear_rows = self._fake
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.linear_rows = self.real
+
+
+def sum_one_at_a_time_seconds(weights_f32: list[torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for w in weights_f32:
+        w.sum()
+    return time.perf_counter() - t0
+
+
+def after_gemv_us(op, weights: list[torch.Tensor], n: int = 100) -> tuple[float, float]:
+    """Median microseconds of op() alone, and right after a GEMV over one of `weights`."""
+    x = torch.randn(weights[0].shape[1], dtype=weights[0].dtype)
+    alone, after = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        op()
+        alone.append(time.perf_counter() - t0)
+        torch.mv(weights[i % len(weights)], x)
+        t0 = time.perf_counter()
+        op()
+        after.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(alone), 1e6 * statistics.median(after)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):7.2f} ({min(xs):.2f}..{max(xs):.2f})"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = parse_dtype(args.dtype)
+    ckpt = args.ckpt
+    if ckpt is None:
+        from pocketllm.cli import main as cli
+
+        ckpt = tempfile.mkdtemp(prefix="pocketllm-decode-anatomy-")
+        cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
+    runner = PocketRunner(ckpt, dtype)
+    model = runner.engine.model
+    weights = projection_weights(model)
+    weights_f32 = [w.float() for w in weights]
+    prompt = list(range(1, 33))
+    ready = ReadyGemvs()
+    runner.decode(prompt, 2)
+
+    ms = {"real step": [], "step, GEMVs ready": [], "GEMVs alone (mv)": [], "GEMVs alone (linear)": [], "fp32 sums alone": []}
+    for rep in range(args.reps):
+        ms["real step"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
+        with ready:
+            ms["step, GEMVs ready"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
+        ms["GEMVs alone (mv)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
+        ms["GEMVs alone (linear)"].append(1e3 * _linear_only_step_seconds(weights))
+        ms["fp32 sums alone"].append(1e3 * sum_one_at_a_time_seconds(weights_f32))
+        print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    bandwidth = read_bandwidth_gbps()
+    print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} steps={args.steps}; "
+          f"{len(weights)} GEMV weights, {weight_bytes / 2**20:.1f} MiB per step")
+    print(f"{'per decode step':<24}{'ms, median (min..max)':>28}{'GB/s of weights':>18}")
+    for name, xs in ms.items():
+        nbytes = 2 * weight_bytes if name.startswith("fp32") else weight_bytes
+        rate = "" if name.startswith("step") else f"{nbytes / statistics.median(xs) / 1e6:.1f}"
+        print(f"{name:<24}{spread(xs):>28}{rate:>18}")
+    print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s (the read bandwidth of the streaming limit)")
+    rest = statistics.median(ms["real step"]) - statistics.median(ms["GEMVs alone (mv)"])
+    print(f"real step minus GEMVs alone: {rest:.2f} ms; the step with GEMVs ready: "
+          f"{statistics.median(ms['step, GEMVs ready']):.2f} ms")
+
+    h = torch.randn(1, model.cfg.hidden_size, dtype=dtype)
+    big = [w for w in weights if w.numel() * w.element_size() >= 12 * 2**20][:8] or weights
+    norm = model.layers[0].input_norm
+    for name, op in (("torch.empty(1 row)", lambda: torch.empty(1, model.cfg.hidden_size)), ("input RMSNorm, 1 row", lambda: norm(h))):
+        alone, after = after_gemv_us(op, big)
+        print(f"{name}: {alone:.1f} us alone, {after:.1f} us right after a GEMV over a "
+              f"{big[0].numel() * big[0].element_size() / 2**20:.0f} MiB weight")
+    return 0
+
+
+def _linear_only_step_seconds(weights: list[torch.Tensor]) -> float:
+    rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+    t0 = time.perf_counter()
+    for x, w in zip(rows, weights):
+        F.linear(x, w)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
