@@ -53,17 +53,20 @@ class RankEnv:
     id_path: str | None = None  # the hand-started rendezvous file
 
 
-def rank_env(tp_world: int, tp_rank: int | None, id_path: str | None, env=os.environ) -> RankEnv | None:
-    """This process's place in the run, or None when it must start the ranks itself."""
+def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env=os.environ, default_world: int = 1) -> RankEnv | None:
+    """This process's place in the run, or None when it must start the ranks itself. tp_world None
+    means --tp-world was not given: torchrun's WORLD_SIZE, else `default_world`."""
     if ENV_RANK in env:
         world = int(env[ENV_WORLD])
         return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
-        if tp_world not in (1, world):
+        if tp_world not in (None, 1, world):
             raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
         return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
+    if tp_world is None:
+        tp_world = default_world
     if tp_rank is not None:
         if not 0 <= tp_rank < tp_world:
             raise UsageError(f"--tp-rank must be in 0..{tp_world - 1}, got {tp_rank}")

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from conftest import assert_usage_error, run_cli
+from conftest import assert_usage_error, cli_env, run_cli
 from pocketllm.distributed.allreduce_bench import bus_factor, fit_latency_bandwidth, parse_size, size_ladder
 from pocketllm.errors import UsageError
 
@@ -102,3 +102,10 @@ def test_allreduce_command_at_tp2(tmp_path):
 def test_allreduce_errors(args, message):
     line = assert_usage_error(run_cli("allreduce", *args, timeout=60), message)
     assert line.startswith("pocketllm: error: "), line
+
+
+def test_under_torchrun_the_default_world_is_world_size():
+    # With --tp-world left out the world is torchrun's WORLD_SIZE (here 1: refused as too few),
+    # not the local default of 2 disagreeing with it.
+    r = run_cli("allreduce", env=cli_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"))
+    assert_usage_error(r, "--tp-world must be >= 2 to time an all-reduce, got 1")

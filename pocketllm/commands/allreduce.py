@@ -19,9 +19,13 @@ from pocketllm.launch import init_distributed, rank_env, run_rank, spawn_local_r
 from pocketllm.model_args import check_out_path, dist_timeout, parse_dtype, say
 
 
+# An all-reduce needs two ranks at least: the world a local run starts when --tp-world is not given.
+DEFAULT_WORLD = 2
+
+
 def add_rank_args(p) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tp-world", type=int, default=2, help="ranks taking part (default 2); alone, starts them locally")
+    g.add_argument("--tp-world", type=int, help="ranks taking part (default 2, or torchrun's WORLD_SIZE); alone, starts them locally")
     g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
     g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks")
     g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
@@ -43,11 +47,13 @@ def run_on_ranks(args, argv: list[str], prepare, work) -> int:
     """prepare(args) checks the command's own inputs and returns them, in the launcher before any
     rank starts and again on every rank; work(args, device, inputs) runs on every rank of a
     --tp-world >= 2 group, started here if need be."""
-    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path)
+    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=DEFAULT_WORLD)
+    # Under torchrun the world comes from WORLD_SIZE when --tp-world is not given; prepare's checks
+    # and the ones below must see the world the run has.
     if renv is not None:
-        # Under torchrun the world comes from WORLD_SIZE even when --tp-world was left at its
-        # default; prepare's checks and the ones below must see that world.
         args.tp_world = renv.world
+    elif args.tp_world is None:
+        args.tp_world = DEFAULT_WORLD
     inputs = prepare(args)
     if args.tp_world < 2:
         raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
