@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 from pocketllm.model_args import parse_dtype
-from vs_transformers import PocketRunner, gemv_only_step_seconds, projection_weights, read_bandwidth_gbps
+from vs_transformers import PocketRunner, checkpoint_dir, gemv_only_step_seconds, projection_weights, read_bandwidth_gbps, spread
 
 
 def parse_args(argv=None):
@@ -89,21 +88,11 @@ def after_gemv_us(op, weights: list[torch.Tensor], n: int = 100) -> tuple[float,
     return 1e6 * statistics.median(alone), 1e6 * statistics.median(after)
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):7.2f} ({min(xs):.2f}..{max(xs):.2f})"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
-    ckpt = args.ckpt
-    if ckpt is None:
-        from pocketllm.cli import main as cli
-
-        ckpt = tempfile.mkdtemp(prefix="pocketllm-decode-anatomy-")
-        cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
-    runner = PocketRunner(ckpt, dtype)
+    runner = PocketRunner(checkpoint_dir(args), dtype)
     model = runner.engine.model
     weights = projection_weights(model)
     weights_f32 = [w.float() for w in weights]
@@ -129,7 +118,7 @@ def main(argv=None) -> int:
     for name, xs in ms.items():
         nbytes = 2 * weight_bytes if name.startswith("fp32") else weight_bytes
         rate = "" if name.startswith("step") else f"{nbytes / statistics.median(xs) / 1e6:.1f}"
-        print(f"{name:<24}{spread(xs):>28}{rate:>18}")
+        print(f"{name:<24}{spread(xs, 2):>28}{rate:>18}")
     print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s (the read bandwidth of the streaming limit)")
     rest = statistics.median(ms["real step"]) - statistics.median(ms["GEMVs alone (mv)"])
     print(f"real step minus GEMVs alone: {rest:.2f} ms; the step with GEMVs ready: "

@@ -152,8 +152,20 @@ class HFRunner:
         return time.perf_counter() - t0, tokens
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):8.1f} ({min(xs):.1f}..{max(xs):.1f})"
+def spread(xs: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(xs):{7 + digits}.{digits}f} ({min(xs):.{digits}f}..{max(xs):.{digits}f})"
+
+
+def checkpoint_dir(args) -> str:
+    """--ckpt, or --preset written as a checkpoint in a temporary directory: both engines (and
+    every benchmark here) read the same safetensors."""
+    if args.ckpt is not None:
+        return args.ckpt
+    from pocketllm.cli import main as cli
+
+    ckpt = tempfile.mkdtemp(prefix="pocketllm-bench-")
+    cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
+    return ckpt
 
 
 def main(argv=None) -> int:
@@ -161,12 +173,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
     lengths = [int(x) for x in args.lengths.split(",")]
-    ckpt = args.ckpt
-    if ckpt is None:
-        from pocketllm.cli import main as cli
-
-        ckpt = tempfile.mkdtemp(prefix="pocketllm-vs-hf-")
-        cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
+    ckpt = checkpoint_dir(args)
     from pocketllm.inputs import bench_ids
 
     runners = [PocketRunner(ckpt, dtype), HFRunner(ckpt, dtype)]
