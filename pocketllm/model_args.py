@@ -56,10 +56,14 @@ class ModelPlan:
     policy: PolicyChoice
     ckpt: str | None
     preset: str | None
+    # The reader that validated the checkpoint, files unmapped: loading reuses its key map
+    # instead of reading the index and every shard header again (it travels to the other ranks
+    # with the plan, so they read them not at all).
+    reader: CheckpointReader | None = None
 
     def open_source(self):
-        if self.ckpt is not None:
-            return CheckpointReader(self.ckpt)
+        if self.reader is not None:
+            return self.reader
         return RandomWeights(self.cfg, seed=0)
 
     @property
@@ -93,7 +97,7 @@ def plan_model(args) -> ModelPlan:
         check_tp_split(cfg, args.tp_world)
         validate_source(reader, cfg)
         reader.close()
-        return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), args.ckpt, None)
+        return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), args.ckpt, None, reader)
     preset = args.preset or DEFAULT_PRESET
     cfg = get_preset(preset)
     if args.layers is not None:
