@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
 from pocketllm.distributed.calibration import Calibration, CalibratedPolicy, Point
 from pocketllm.distributed.overlap import projection_all_reduce_overlapped, slice_bounds
-from pocketllm.distributed.policy import ENV_PIN, resolve_policy
+from pocketllm.distributed.policy import resolve_ceiling
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.model_args import check_out_path, plan_model, say
@@ -80,9 +79,8 @@ def _prepare(args):
     plan = plan_model(args)
     check_out_path(args.out, "--out")
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
-    # applies its own ceiling.
-    env = {k: v for k, v in os.environ.items() if k != ENV_PIN}
-    ceiling = resolve_policy(None, args.comm_overlap_slices, env, overlap_policy="rule").policy.ceiling
+    # applies its own ceiling. A pin in the environment does not apply to a calibration.
+    ceiling = resolve_ceiling(args.comm_overlap_slices)
     return plan, sorted(set(rows)), sorted(set(pins)), ceiling
 
 

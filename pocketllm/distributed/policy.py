@@ -82,6 +82,18 @@ class PolicyChoice:
     note: str | None = None
 
 
+def _given_ceiling(ceiling: str | int | None, env) -> int | None:
+    value = parse_knob(ceiling, "--comm-overlap-slices")
+    return value if value is not None else parse_knob(env.get(ENV_CEILING), ENV_CEILING)
+
+
+def resolve_ceiling(ceiling: str | int | None = None, env=os.environ) -> int:
+    """The rule's ceiling alone (flag, else env, else the default), for commands that build their
+    own policies from it and so must not be stopped by a pin or a calibration in the environment."""
+    value = _given_ceiling(ceiling, env)
+    return DEFAULT_COMM_OVERLAP_SLICES if value is None else value
+
+
 def resolve_policy(
     pin: str | int | None = None,
     ceiling: str | int | None = None,
@@ -95,9 +107,7 @@ def resolve_policy(
     pin_value = parse_knob(pin, "--pin-slices")
     if pin_value is None:
         pin_value = parse_knob(env.get(ENV_PIN), ENV_PIN)
-    ceiling_value = parse_knob(ceiling, "--comm-overlap-slices")
-    if ceiling_value is None:
-        ceiling_value = parse_knob(env.get(ENV_CEILING), ENV_CEILING)
+    ceiling_value = _given_ceiling(ceiling, env)
     calibration_path = calibration or env.get(ENV_CALIBRATION) or None
     if overlap_policy not in (None, *OVERLAP_POLICIES):
         raise UsageError(f"--overlap-policy {overlap_policy!r} is not one of {', '.join(OVERLAP_POLICIES)}")
