@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pocketllm import host_memory
+
 RowRange = tuple[int, int]
 
 
@@ -47,7 +49,7 @@ def split_range(total: int, rank: int, world: int) -> RowRange:
 
 
 def sharded_param(shape: Sequence[int], sources: Sequence[ShardSource], dtype: torch.dtype, device) -> nn.Parameter:
-    param = nn.Parameter(torch.zeros(tuple(shape), dtype=dtype, device=device), requires_grad=False)
+    param = nn.Parameter(host_memory.zeros(shape, dtype, device), requires_grad=False)
     param.sources = list(sources)
     return param
 

@@ -1,0 +1,88 @@
+"""Weights on huge pages: host_memory.zeros behaves as torch.zeros, its mapping is advised for
+transparent huge pages and starts on a huge-page boundary, lives as long as any view of it, and is
+unmapped after; an engine loaded onto such mappings still matches transformers."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_oracle import build_hf_model, hf_prefill_logits, save_hf_checkpoint
+from pocketllm import host_memory
+
+THP_BUILT = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+
+
+def mapping_of(t: torch.Tensor) -> tuple[str, list[str]] | None:
+    """(address range, VmFlags) of the mapping in /proc/self/smaps that holds t's first byte."""
+    addr = t.data_ptr()
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            current = head if lo <= addr < hi else None
+        elif head == "VmFlags:" and current:
+            return current, line.split()[1:]
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_large_cpu_zeros_are_zeros_on_an_advised_aligned_mapping(dtype):
+    shape = (1500, 1024)  # 2.9 MiB in bf16: more than one huge page, not a whole number of them
+    t = host_memory.zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+    assert not t.any()
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+    t.fill_(3)
+    assert bool((t == 3).all())
+    found = mapping_of(t)
+    assert found is not None
+    if THP_BUILT:
+        assert "hg" in found[1], f"mapping {found[0]} not advised for huge pages: {found[1]}"
+
+
+def test_small_or_non_cpu_requests_are_plain_torch_zeros():
+    small = host_memory.zeros((64, 64), torch.float32)
+    assert not small.any() and small.shape == (64, 64)
+    assert mapping_of(small) is None or "hg" not in mapping_of(small)[1]
+    meta = host_memory.zeros((4096, 4096), torch.float32, "meta")
+    assert meta.is_meta and meta.shape == (4096, 4096)
+
+
+def test_mapping_lives_while_a_view_does_and_is_unmapped_after():
+    t = host_memory.zeros((3 * 2**20,), torch.uint8)
+    view = t[2**20 :]
+    region = mapping_of(t)[0]
+    del t
+    gc.collect()
+    view.fill_(7)
+    assert int(view[-1]) == 7 and mapping_of(view)[0] == region
+    del view
+    gc.collect()
+    assert region not in Path("/proc/self/maps").read_text()
+
+
+def test_engine_on_huge_pages_matches_transformers(tmp_path):
+    # vocab 8300 x hidden 64 in fp32 is 2.1 MB: the embedding and the head take the huge-page path.
+    from pocketllm.config import load_config
+    from pocketllm.distributed.policy import RulePolicy
+    from pocketllm.distributed.state import set_tp
+    from pocketllm.engine.runner import Engine
+    from pocketllm.loader.checkpoint import CheckpointReader
+
+    model = build_hf_model(vocab=8300, kv_heads=2, tie=False, seed=5)
+    ckpt = save_hf_checkpoint(model, tmp_path / "ckpt")
+    prompt = [(31 * i + 7) % 8300 for i in range(40)]
+    set_tp(0, 1)
+    engine = Engine(load_config(ckpt), CheckpointReader(str(ckpt)), torch.float32, torch.device("cpu"), RulePolicy())
+    big = [p for p in engine.model.parameters() if p.numel() * p.element_size() >= host_memory.MIN_BYTES]
+    assert len(big) == 2
+    for p in big:
+        assert p.data_ptr() % host_memory.HUGE_PAGE == 0
+    engine.start_sequence(len(prompt))
+    logits = engine.prefill(torch.tensor(prompt), all_logits=True)
+    torch.testing.assert_close(logits.float(), hf_prefill_logits(model, prompt), atol=2e-4, rtol=1e-3)
