@@ -1,12 +1,13 @@
 """Where a decode step's time goes, beyond the weight bytes it has to read.
 
 One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, it times:
-- the real decode step;
+- the real decode step, and the same with its weights moved from huge pages to plain 4 KiB pages
+  (torch's own allocation; pocketllm.host_memory says why the engine avoids it);
 - the same step with every single-row GEMV replaced by a ready output (the rest of the step);
 - a step cut down to its GEMVs alone (the engine's GEMV over the model's own weights), and the
   same with F.linear instead of torch.mv;
-- the same matrices in fp32 summed one op at a time, against one 1 GiB fp32 sum (the read
-  bandwidth the streaming limit uses);
+- the same matrices in fp32, on huge pages, summed one op at a time, against one 1 GiB fp32 sum
+  (the read bandwidth the streaming limit uses);
 and, for context, one-row ops alone and right after a GEMV has streamed a 12 MiB weight.
 
     python benchmarks/decode_anatomy.py [--ckpt DIR | --preset small] [--steps 32] [--reps 5]
@@ -23,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pocketllm import host_memory
 from pocketllm.model_args import parse_dtype
 from vs_transformers import PocketRunner, checkpoint_dir, gemv_only_step_seconds, projection_weights, read_bandwidth_gbps, spread
 
@@ -66,6 +68,32 @@ class ReadyGemvs:
             m.linear_rows = self.real
 
 
+class PlainPages:
+    """While active, every parameter of the model is a plain torch copy (4 KiB pages) of itself."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.huge = [p.data for p in self.params]
+        self.plain = [t.clone() for t in self.huge]
+
+    def __enter__(self):
+        for p, t in zip(self.params, self.plain):
+            p.data = t
+
+    def __exit__(self, *exc):
+        for p, t in zip(self.params, self.huge):
+            p.data = t
+
+
+def huge_page_mib() -> float:
+    """MiB of this process's anonymous memory the kernel has placed on transparent huge pages."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def sum_one_at_a_time_seconds(weights_f32: list[torch.Tensor]) -> float:
     t0 = time.perf_counter()
     for w in weights_f32:
@@ -95,14 +123,17 @@ def main(argv=None) -> int:
     runner = PocketRunner(checkpoint_dir(args), dtype)
     model = runner.engine.model
     weights = projection_weights(model)
-    weights_f32 = [w.float() for w in weights]
+    weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w) for w in weights]
     prompt = list(range(1, 33))
     ready = ReadyGemvs()
+    plain = PlainPages(model)
     runner.decode(prompt, 2)
 
-    ms = {"real step": [], "step, GEMVs ready": [], "GEMVs alone (mv)": [], "GEMVs alone (linear)": [], "fp32 sums alone": []}
+    ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (mv)": [], "GEMVs alone (linear)": [], "fp32 sums alone": []}
     for rep in range(args.reps):
         ms["real step"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
+        with plain:
+            ms["step, 4 KiB pages"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with ready:
             ms["step, GEMVs ready"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         ms["GEMVs alone (mv)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
@@ -113,13 +144,15 @@ def main(argv=None) -> int:
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     bandwidth = read_bandwidth_gbps()
     print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} steps={args.steps}; "
-          f"{len(weights)} GEMV weights, {weight_bytes / 2**20:.1f} MiB per step")
+          f"{len(weights)} GEMV weights, {weight_bytes / 2**20:.1f} MiB per step; "
+          f"{huge_page_mib():.0f} MiB of the process on huge pages")
     print(f"{'per decode step':<24}{'ms, median (min..max)':>28}{'GB/s of weights':>18}")
     for name, xs in ms.items():
         nbytes = 2 * weight_bytes if name.startswith("fp32") else weight_bytes
-        rate = "" if name.startswith("step") else f"{nbytes / statistics.median(xs) / 1e6:.1f}"
+        rate = "" if name == "step, GEMVs ready" else f"{nbytes / statistics.median(xs) / 1e6:.1f}"
         print(f"{name:<24}{spread(xs, 2):>28}{rate:>18}")
-    print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s (the read bandwidth of the streaming limit)")
+    print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s (the read bandwidth of the streaming limit, "
+          "the better of huge and plain pages)")
     rest = statistics.median(ms["real step"]) - statistics.median(ms["GEMVs alone (mv)"])
     print(f"real step minus GEMVs alone: {rest:.2f} ms; the step with GEMVs ready: "
           f"{statistics.median(ms['step, GEMVs ready']):.2f} ms")

@@ -93,7 +93,7 @@ def disabled_scope_ns() -> float:
 def bench(tree: Path, bench_args: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         env = dict(os.environ, PYTHONPATH=str(tree))
-        r = subprocess.run([sys.executable, "-m", "pocketllm", "bench", *bench_args, "--json", f.name], env=env, capture_output=True, text=True, cwd=tree)
+        r = subprocess.run([sys.executable, "-m", "pocketllm", "bench", *bench_args, "--json", f.name], check=False, env=env, capture_output=True, text=True, cwd=tree)
         if r.returncode != 0:
             lines = r.stderr.strip().splitlines()
             raise SystemExit(lines[-1] if lines else f"pocketllm bench failed with exit code {r.returncode} and no message")
