@@ -78,6 +78,13 @@ def parse_dtype(name: str) -> torch.dtype:
         raise UsageError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}") from None
 
 
+def preset_config(name: str, layers: int | None) -> ModelConfig:
+    """The preset's config, cut or extended to `layers` when given. Unlike a checkpoint's, a
+    preset's stack may grow: its weights are generated, not read."""
+    cfg = get_preset(name)
+    return cfg if layers is None else cfg.with_layers(layers)
+
+
 def plan_model(args) -> ModelPlan:
     if args.tp_world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
@@ -99,9 +106,7 @@ def plan_model(args) -> ModelPlan:
         reader.close()
         return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), args.ckpt, None, reader)
     preset = args.preset or DEFAULT_PRESET
-    cfg = get_preset(preset)
-    if args.layers is not None:
-        cfg = cfg.with_layers(args.layers)
+    cfg = preset_config(preset, args.layers)
     check_tp_split(cfg, args.tp_world)
     return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), None, preset)
 

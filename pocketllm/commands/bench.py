@@ -30,8 +30,7 @@ def _prepare(args, plan):
     ids = prompt_ids(args, plan.cfg) or check_ids(bench_ids(args.prompt_tokens, plan.cfg.vocab_size), plan.cfg, args.max_new_tokens)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {args.max_new_tokens}")
-    if args.warmup_tokens < 1:
-        raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    check_warmup_tokens(args.warmup_tokens)
     check_out_path(args.json, "--json")
     return ids
 
@@ -70,6 +69,12 @@ def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
         "slices": slices,
         "collectives": collectives,
     }
+
+
+def check_warmup_tokens(warmup_tokens: int) -> None:
+    """warm_up's --warmup-tokens, checked before any rank starts."""
+    if warmup_tokens < 1:
+        raise UsageError(f"--warmup-tokens must be >= 1, got {warmup_tokens}")
 
 
 def warm_up(engine, ids: list[int], warmup_tokens: int, sync) -> None:

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import INDEX, SINGLE
 from pocketllm.loader.random_weights import RandomWeights
-from pocketllm.model_args import parse_dtype
-from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
+from pocketllm.model_args import parse_dtype, preset_config
+from pocketllm.presets import DEFAULT_PRESET, PRESETS
 
 
 def add_arguments(p) -> None:
@@ -50,9 +50,7 @@ def write_byte_tokenizer(path: Path) -> None:
 def run(args, argv) -> int:
     import dataclasses
 
-    cfg = get_preset(args.preset)
-    if args.layers is not None:
-        cfg = cfg.with_layers(args.layers)
+    cfg = preset_config(args.preset, args.layers)
     dtype = parse_dtype(args.dtype)
     cfg = dataclasses.replace(cfg, tie_word_embeddings=args.tie_word_embeddings, checkpoint_dtype=args.dtype)
     if args.max_shard_mib < 1:

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from pocketllm.commands.bench import timed_prefill, warm_up
+from pocketllm.commands.bench import check_warmup_tokens, timed_prefill, warm_up
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.ranked import run_ranked, run_settings
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
@@ -52,8 +52,7 @@ def _prepare(args, plan):
     check_ids(bench_ids(lengths[-1], plan.cfg.vocab_size), plan.cfg, 0)
     if args.reps < 1:
         raise UsageError(f"--reps must be >= 1, got {args.reps}")
-    if args.warmup_tokens < 1:
-        raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    check_warmup_tokens(args.warmup_tokens)
     check_out_path(args.json, "--json")
     return lengths
 
