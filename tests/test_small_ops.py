@@ -1,4 +1,5 @@
-"""The small fast ops against their naive references: the projection GEMM and the causal conv."""
+"""The small fast ops against their naive references: the projection GEMM, the causal conv and the
+two RMSNorms (HF's formulas), and the row blocking the norms run by, against one whole block."""
 
 from __future__ import annotations
 
@@ -99,20 +100,20 @@ def test_causal_conv_step_shifts_state_in_place():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_norms_match_hf_formulas(dtype):
-    from pocketllm.layers.norm import (
-        rms_norm_gated,
-        rms_norm_gated_reference,
-        rms_norm_zero_centred,
-        rms_norm_zero_centred_reference,
-    )
+    from pocketllm.layers.norm import RMSNorm, rms_norm_gated, rms_norm_gated_reference, rms_norm_zero_centred_reference
 
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(33, 64, generator=g)).to(dtype)
     z = torch.randn(33, 64, generator=g).to(dtype)
     w = (0.2 * torch.randn(64, generator=g)).to(dtype)
+    # The module itself, loaded as the loader leaves it: the zero-centred norm is split between
+    # after_loading (1 + w) and forward, so neither half alone is what the engine runs.
+    norm = RMSNorm("norm.weight", 64, 1e-6, dtype, "cpu")
+    norm.weight.data.copy_(w)
+    norm.after_loading()
     # bf16: one rounding step apart at most.
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
-    torch.testing.assert_close(rms_norm_zero_centred(x, w, 1e-6).float(), rms_norm_zero_centred_reference(x, w, 1e-6).float(), **tol)
+    torch.testing.assert_close(norm(x).float(), rms_norm_zero_centred_reference(x, w, 1e-6).float(), **tol)
     torch.testing.assert_close(rms_norm_gated(x, z, 1 + w, 1e-6).float(), rms_norm_gated_reference(x, z, 1 + w, 1e-6).float(), **tol)
 
 

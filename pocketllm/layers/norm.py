@@ -1,5 +1,6 @@
 """The two RMSNorms of this model: zero-centred (weight stored as w, applied as 1 + w) and the
-GDN's gated norm (plain weight, times silu(z)). Both compute in fp32 as HF does."""
+GDN's gated norm (plain weight, times silu(z)). Both compute in fp32 as HF does; each has HF's
+formula beside it as the reference its fast form is tested against."""
 
 from __future__ import annotations
 
@@ -18,10 +19,6 @@ def rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.T
     return by_row_blocks(lambda xb: F.rms_norm(xb.float(), (x.shape[-1],), scale, eps).to(x.dtype), x)
 
 
-def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_scaled(x, 1.0 + weight.float(), eps)
-
-
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return by_row_blocks(lambda xb, zb: _rms_norm_gated_block(xb, zb, weight, eps), x, z)
 
@@ -35,7 +32,8 @@ def _rms_norm_gated_block(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
 
 
 def rms_norm_zero_centred_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Qwen3_5RMSNorm, written as it is there: what the fast form must equal."""
+    """HF's Qwen3_5RMSNorm, written as it is there: what RMSNorm (1 + w folded once by
+    after_loading, then rms_norm_scaled) must equal."""
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * (1.0 + weight.float())).to(x.dtype)
