@@ -10,7 +10,7 @@ import os
 
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
-from pocketllm.commands.bench import timed_prefill_decode, warm_up
+from pocketllm.commands.bench import check_warmup_tokens, timed_prefill_decode, warm_up
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_ranked, run_settings
@@ -72,8 +72,7 @@ def _prepare(args, plan):
         raise UsageError(f"--reps must be >= 1, got {args.reps}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 for a sweep (decode is the drift bound), got {args.max_new_tokens}")
-    if args.warmup_tokens < 1:
-        raise UsageError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    check_warmup_tokens(args.warmup_tokens)
     settings = build_settings(args, plan)
     if len({s.name for s, _ in settings}) != len(settings):
         raise UsageError(f"--pin {args.pin}: a slice count is repeated")
