@@ -1,9 +1,11 @@
 """Shared test helpers: run the CLI as a user would (a fresh process, short timeouts), check its
-one-line usage errors and its generated ids, start a run whose processes can all be found again
-(start, assert_nothing_left), and copy the tiny checkpoint for a test to break."""
+one-line usage errors (from a fresh process, or from a call in this one that must start no rank)
+and its generated ids, start a run whose processes can all be found again (start,
+assert_nothing_left), and copy the tiny checkpoint for a test to break."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -16,15 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
+
+from pocketllm import cli, launch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Settings a developer may have exported that would change what a command does; every CLI call a
+# test makes, in a subprocess or in this process, runs without them.
+UNSET_FOR_CLI = ("QWEN_COMM_OVERLAP_SLICES", "QWEN_COMM_OVERLAP_PIN", "QWEN_GDN_KERNEL")
 
 
 def cli_env(**extra) -> dict:
     env = dict(os.environ)
-    env.pop("QWEN_COMM_OVERLAP_SLICES", None)
-    env.pop("QWEN_COMM_OVERLAP_PIN", None)
-    env.pop("QWEN_GDN_KERNEL", None)
+    for name in UNSET_FOR_CLI:
+        env.pop(name, None)
     env["OMP_NUM_THREADS"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -53,6 +61,44 @@ def assert_usage_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
     assert "error: " in lines[0], lines[0]
     for f in fragments:
         assert f in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """For a CLI call in this process: starting a rank fails the test, which proves a usage error
+    starts none, and the environment lacks what run_cli removes from a subprocess's. Popen is
+    patched on the subprocess module itself, so such a test cannot run_cli either; fixtures of a
+    wider scope (tiny_ckpt) are set up before this one and are unaffected."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started for a bad input")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+    for name in UNSET_FOR_CLI:
+        monkeypatch.delenv(name, raising=False)
+
+
+def usage_error_in_process(capsys, *argv) -> str:
+    """`pocketllm ARGS` called in this process (no interpreter or torch start per case): exit code 2
+    and exactly one line on stderr, `pocketllm: error: ...`; returns it. An exception escaping
+    main() fails the test, as a traceback would fail assert_usage_error. Use with no_ranks."""
+    # What main() may change in this process, put back so later tests do not inherit it: a
+    # single-rank run gives itself every core (device.setup_device), and logging.basicConfig adds
+    # a root handler holding this test's captured stderr when pytest's logging plugin is off.
+    threads = torch.get_num_threads()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        rc = cli.main([str(a) for a in argv])
+    finally:
+        torch.set_num_threads(threads)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pocketllm: error: "), err
     return lines[0]
 
 

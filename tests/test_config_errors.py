@@ -11,8 +11,7 @@ import json
 
 import pytest
 
-from conftest import assert_nothing_left, start
-from pocketllm import cli, launch
+from conftest import assert_nothing_left, start, usage_error_in_process
 
 PROMPT = "1,2,3,4,5,6,7,8"
 
@@ -48,30 +47,14 @@ def corrupt(ckpt, change) -> None:
     path.write_text(json.dumps(cfg))
 
 
-@pytest.fixture
-def no_ranks(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a rank was started for a bad input")
-
-    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
-
-
-def usage_error_in_process(capsys, *argv) -> str:
-    rc = cli.main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pocketllm: error: "), err
-    return lines[0]
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"tp{w}")
 @pytest.mark.parametrize("case", list(CONFIG_CASES))
 def test_corrupt_config_is_one_line(case, world, ckpt_copy, capsys, no_ranks):
     change, message = CONFIG_CASES[case]
     corrupt(ckpt_copy, change)
-    line = usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--token-ids", PROMPT, "--tp-world", world)
+    # --device cpu: at one rank this process is the rank, and must not bind a GPU it cannot unbind.
+    line = usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--token-ids", PROMPT, "--tp-world", world, "--device", "cpu")
     assert message in line and "config.json" in line, line
 
 

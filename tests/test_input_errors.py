@@ -1,10 +1,15 @@
-"""Bad input: one line on stderr naming what is wrong, exit code 2, no traceback, no rank started."""
+"""Bad input: one line on stderr naming what is wrong, exit code 2, no traceback, no rank started.
+
+The cases call the CLI in this process at --tp-world 2, where the launcher checks the input before
+it would start a rank (no_ranks fails the test if one is started); a bad flag value and an
+unreadable token-ids file at the default single rank run `python -m pocketllm` for real, so the
+exit status and the clean stderr of an actual process stay covered."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import assert_usage_error, run_cli
+from conftest import assert_usage_error, run_cli, usage_error_in_process
 
 CASES = {
     "negative-id": (["--token-ids", "1,-2,3"], "token id -2 at position 1 is outside the vocab [0, 1000)"),
@@ -22,16 +27,21 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_generate_input(case):
+def test_bad_generate_input(case, capsys, no_ranks):
     args, message = CASES[case]
-    assert_usage_error(run_cli("generate", "--preset", "tiny", "--tp-world", "2", *args), message)
+    line = usage_error_in_process(capsys, "generate", "--preset", "tiny", "--tp-world", "2", *args)
+    assert message in line, line
 
 
 def test_missing_token_ids_file(tmp_path):
+    # In a real process at one rank: that process is the rank and checks the input itself, and the
+    # UsageError it raises must still end as one line and exit 2 from `python -m pocketllm`.
     assert_usage_error(run_cli("generate", "--preset", "tiny", "--token-ids-file", tmp_path / "none.txt"), "none.txt: cannot read")
 
 
 def test_bad_flag_value_is_one_line():
+    # In a real process: argparse rejects the value and exits from inside parse_args, a path that
+    # does not go through main()'s UsageError handling.
     assert_usage_error(run_cli("bench", "--prompt-tokens", "many"), "--prompt-tokens", "'many'")
 
 

@@ -1,20 +1,58 @@
 """A broken checkpoint is reported by name, in one line, with exit code 2, before any rank starts;
-the layouts real releases use (nested text weights, sharded files, mtp/vision extras) load."""
+the layouts real releases use (nested text weights, sharded files, mtp/vision extras) load.
+
+The broken-checkpoint cases call the CLI in this process at two ranks or more, where the launcher
+checks the checkpoint before it would start a rank (no_ranks fails the test if one is started). At
+one rank this process would be the rank and bind a device, so the absent shard, checked at the
+default single rank by `python -m pocketllm` for real, keeps the exit status and the clean stderr
+of an actual process covered."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_usage_error, run_cli
+from conftest import assert_usage_error, run_cli, usage_error_in_process
 
 PROMPT = "1,2,3,4,5,6,7,8"
 
 
 def generate(ckpt, *extra, world=1):
     return run_cli("generate", "--ckpt", ckpt, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32", "--tp-world", world, *extra)
+
+
+def generate_error(capsys, ckpt, *extra, world=2) -> str:
+    """generate's one-line usage error, from a call in this process (use with no_ranks)."""
+    return usage_error_in_process(
+        capsys, "generate", "--ckpt", ckpt, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32", "--tp-world", world, *extra
+    )
+
+
+def assert_names(line: str, *fragments: str) -> None:
+    for f in fragments:
+        assert f in line, line
+
+
+@pytest.fixture(scope="module")
+def sharded_ckpt(tmp_path_factory):
+    """The tiny preset at 24 layers in 1 MiB shards. Module scope: made before any no_ranks test
+    stops this process from starting one, and once for the tests that copy it."""
+    out = tmp_path_factory.mktemp("sharded")
+    r = run_cli("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", out, "--max-shard-mib", 1)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture
+def sharded(sharded_ckpt, tmp_path):
+    """A private copy of the sharded checkpoint, for a test to break."""
+    dst = tmp_path / "sharded"
+    shutil.copytree(sharded_ckpt, dst)
+    return dst
 
 
 def rewrite(ckpt, change):
@@ -30,40 +68,37 @@ def reference_ids(ckpt):
     return r.stdout.splitlines()[0]
 
 
-def test_missing_directory(tmp_path):
-    assert_usage_error(generate(tmp_path / "nowhere"), "nowhere", "does not exist")
+def test_missing_directory(tmp_path, capsys, no_ranks):
+    assert_names(generate_error(capsys, tmp_path / "nowhere"), "nowhere", "does not exist")
 
 
-def test_missing_tensor_named(ckpt_copy):
+def test_missing_tensor_named(ckpt_copy, capsys, no_ranks):
     rewrite(ckpt_copy, lambda t: t.pop("model.layers.1.linear_attn.A_log"))
-    assert_usage_error(generate(ckpt_copy, world=2), "missing 1 tensor", "model.layers.1.linear_attn.A_log")
+    assert_names(generate_error(capsys, ckpt_copy), "missing 1 tensor", "model.layers.1.linear_attn.A_log")
 
 
-def test_unexpected_tensor_named(ckpt_copy):
+def test_unexpected_tensor_named(ckpt_copy, capsys, no_ranks):
     rewrite(ckpt_copy, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(2, 2)))
-    assert_usage_error(generate(ckpt_copy), "unexpected 1 tensor", "model.layers.0.mlp.extra_proj.weight")
+    assert_names(generate_error(capsys, ckpt_copy), "unexpected 1 tensor", "model.layers.0.mlp.extra_proj.weight")
 
 
-def test_shape_mismatch_named(ckpt_copy):
+def test_shape_mismatch_named(ckpt_copy, capsys, no_ranks):
     rewrite(ckpt_copy, lambda t: t.__setitem__("model.norm.weight", torch.zeros(63)))
-    assert_usage_error(generate(ckpt_copy), "model.norm.weight has shape [63], expected [64]")
+    assert_names(generate_error(capsys, ckpt_copy), "model.norm.weight has shape [63], expected [64]")
 
 
-def test_dtype_mismatch_named(ckpt_copy):
+def test_dtype_mismatch_named(ckpt_copy, capsys, no_ranks):
     rewrite(ckpt_copy, lambda t: t.__setitem__("model.norm.weight", torch.zeros(64, dtype=torch.int32)))
-    assert_usage_error(generate(ckpt_copy), "model.norm.weight has dtype I32")
+    assert_names(generate_error(capsys, ckpt_copy), "model.norm.weight has dtype I32")
 
 
-def test_truncated_file_named(ckpt_copy):
+def test_truncated_file_named(ckpt_copy, capsys, no_ranks):
     path = ckpt_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    assert_usage_error(generate(ckpt_copy), "model.safetensors is truncated or corrupt")
+    assert_names(generate_error(capsys, ckpt_copy), "model.safetensors is truncated or corrupt")
 
 
-def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(tmp_path):
-    sharded = tmp_path / "sharded"
-    r = run_cli("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", sharded, "--max-shard-mib", 1)
-    assert r.returncode == 0, r.stderr
+def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(sharded):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1
@@ -88,21 +123,20 @@ def test_nested_multimodal_layout_loads_and_skips_extras(tiny_ckpt, tmp_path):
     assert reference_ids(nested) == reference_ids(tiny_ckpt)
 
 
-def test_layers_cut_beyond_checkpoint(tiny_ckpt):
-    assert_usage_error(generate(tiny_ckpt, "--layers", 9), "--layers 9", "only 4 layers")
+def test_layers_cut_beyond_checkpoint(tiny_ckpt, capsys, no_ranks):
+    assert_names(generate_error(capsys, tiny_ckpt, "--layers", 9), "--layers 9", "only 4 layers")
 
 
-def test_unsplittable_world_names_dimension_and_valid_sizes(tiny_ckpt):
-    assert_usage_error(generate(tiny_ckpt, world=3), "over 3 ranks", "num_attention_heads=4", "valid world sizes: 1, 2, 4")
+def test_unsplittable_world_names_dimension_and_valid_sizes(tiny_ckpt, capsys, no_ranks):
+    line = generate_error(capsys, tiny_ckpt, world=3)
+    assert_names(line, "over 3 ranks", "num_attention_heads=4", "valid world sizes: 1, 2, 4")
 
 
-def test_index_key_in_the_wrong_shard_is_named(tmp_path):
-    sharded = tmp_path / "sharded"
-    assert run_cli("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", sharded, "--max-shard-mib", 1).returncode == 0
+def test_index_key_in_the_wrong_shard_is_named(sharded, capsys, no_ranks):
     path = sharded / "model.safetensors.index.json"
     index = json.loads(path.read_text())
     weight_map = index["weight_map"]
     wrong = next(f for f in sorted(set(weight_map.values())) if f != weight_map["model.norm.weight"])
     weight_map["model.norm.weight"] = wrong
     path.write_text(json.dumps(index))
-    assert_usage_error(generate(sharded), "model.norm.weight", f"not in {wrong}")
+    assert_names(generate_error(capsys, sharded), "model.norm.weight", f"not in {wrong}")
