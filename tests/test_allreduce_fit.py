@@ -1,11 +1,14 @@
 """The all-reduce cost model: the least-squares fit recovers the fixed term and the bandwidth from
 synthetic timings, sizes parse as nccl-tests reads them, and `pocketllm allreduce` prints the
-nccl-tests columns and the fit line on a real TP=2 gloo group."""
+nccl-tests columns and the fit line on a real TP=2 gloo group, where only rank 0 checks the
+inputs and every rank runs on its result."""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -109,3 +112,35 @@ def test_under_torchrun_the_default_world_is_world_size():
     # not the local default of 2 disagreeing with it.
     r = run_cli("allreduce", env=cli_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"))
     assert_usage_error(r, "--tp-world must be >= 2 to time an all-reduce, got 1")
+
+
+# One hand-started rank of run_on_ranks: prepare leaves a file naming the rank that ran it and
+# returns that process's id; work writes down the id it was given.
+_RANK_SCRIPT = """
+import argparse, os, sys
+from pocketllm.commands.allreduce import run_on_ranks
+
+rank, id_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+args = argparse.Namespace(tp_world=2, tp_rank=rank, nccl_id_path=id_path, device="cpu", dist_timeout=60.0)
+
+def prepare(args):
+    open(os.path.join(out, f"prepared.{rank}"), "w").close()
+    return os.getpid()
+
+def work(args, device, inputs):
+    with open(os.path.join(out, f"inputs.{rank}"), "w") as f:
+        f.write(str(inputs))
+    return 0
+
+sys.exit(run_on_ranks(args, [], prepare, work))
+"""
+
+
+def test_on_the_ranks_only_rank_0_prepares(tmp_path):
+    cmd = [sys.executable, "-c", _RANK_SCRIPT]
+    procs = [subprocess.Popen([*cmd, str(r), str(tmp_path / "run.id"), str(tmp_path)], stderr=subprocess.PIPE, text=True, env=cli_env()) for r in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    # Each rank preparing for itself would leave prepared.1 and hand rank 1 its own id.
+    assert sorted(f.name for f in tmp_path.glob("prepared.*")) == ["prepared.0"]
+    assert (tmp_path / "inputs.0").read_text() == (tmp_path / "inputs.1").read_text() == str(procs[0].pid)

@@ -11,12 +11,13 @@ from dataclasses import asdict
 
 import torch
 
-from pocketllm.device import DEVICE_CHOICES, setup_device
+from pocketllm.commands.ranked import run_checked
+from pocketllm.device import DEVICE_CHOICES
 from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
-from pocketllm.launch import init_distributed, rank_env, run_rank, spawn_local_ranks
-from pocketllm.model_args import check_out_path, dist_timeout, parse_dtype, say
+from pocketllm.launch import rank_env
+from pocketllm.model_args import check_out_path, parse_dtype, say
 
 
 # An all-reduce needs two ranks at least: the world a local run starts when --tp-world is not given.
@@ -44,9 +45,10 @@ def add_arguments(p) -> None:
 
 
 def run_on_ranks(args, argv: list[str], prepare, work) -> int:
-    """prepare(args) checks the command's own inputs and returns them, in the launcher before any
-    rank starts and again on every rank; work(args, device, inputs) runs on every rank of a
-    --tp-world >= 2 group, started here if need be."""
+    """prepare(args) checks the command's own inputs and returns them: in the launcher before any
+    rank starts, and on rank 0 alone once the ranks run, which shares the result (so it must
+    pickle) with the others; work(args, device, inputs) runs on every rank of a --tp-world >= 2
+    group, started here if need be."""
     renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=DEFAULT_WORLD)
     # Under torchrun the world comes from WORLD_SIZE when --tp-world is not given; prepare's checks
     # and the ones below must see the world the run has.
@@ -54,21 +56,17 @@ def run_on_ranks(args, argv: list[str], prepare, work) -> int:
         args.tp_world = renv.world
     elif args.tp_world is None:
         args.tp_world = DEFAULT_WORLD
-    inputs = prepare(args)
+    _check_group(args)
+    return run_checked(args, argv, renv, lambda: prepare(args), lambda device, inputs: work(args, device, inputs))
+
+
+def _check_group(args) -> None:
+    """The group's own flags, checked by every process before it starts or joins a group, which
+    they shape; rank 0 need not check them for the others."""
     if args.tp_world < 2:
         raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
-    if renv is None:
-        return spawn_local_ranks(args.tp_world, argv)
-
-    def body() -> int:
-        device = setup_device(args.device, renv.local_rank, renv.local_world)
-        init_distributed(renv, device.backend, dist_timeout(args, device.backend))
-        return work(args, device, inputs)
-
-    # run_rank turns a failure into the one line the launcher reports, and leaves the group.
-    return run_rank(renv, body)
 
 
 def _work(args, device, _inputs) -> int:

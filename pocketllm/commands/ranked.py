@@ -1,6 +1,8 @@
-"""Running a model command on every rank: the launcher plans and checks, then starts the ranks; a
-rank joins the process group, takes rank 0's checked plan and inputs, builds the engine and does
-the work, and any failure ends it with one line (pocketllm.launch.run_rank)."""
+"""Running a command on every rank: the launcher checks, then starts the ranks; a rank joins the
+process group, takes rank 0's checked inputs, does the work, and any failure ends it with one line
+(pocketllm.launch.run_rank). run_checked is that sequence for any command (the model-free
+`allreduce` and `calibrate` use it too); run_ranked adds the plan and the engine for a model
+command."""
 
 from __future__ import annotations
 
@@ -28,13 +30,34 @@ def run_ranked(args, argv: list[str], prepare, work) -> int:
         args.tp_world = renv.world
     profiling = profile_options(args)
     fault = fault_from_env(args.tp_world)
+    return run_checked(
+        args,
+        argv,
+        renv,
+        lambda: _checked(args, prepare),
+        lambda device, checked: _on_rank(args, renv, device, checked, work, profiling, fault),
+    )
+
+
+def run_checked(args, argv: list[str], renv, check, on_rank) -> int:
+    """The sequence every command that runs on ranks shares. With no renv (this process starts the
+    ranks): check(), then start args.tp_world ranks. On a rank: set up the device (args.device);
+    rank 0 runs check() once and shares its result, which must pickle, over the group every rank
+    joins (args.dist_timeout); then on_rank(device, checked)."""
     if renv is None:
         # The launcher checks everything before it starts a rank: a bad input starts nothing.
-        prepare(args, plan_model(args))
+        check()
         return spawn_local_ranks(args.tp_world, argv)
+
+    def body() -> int:
+        device = setup_device(args.device, renv.local_rank, renv.local_world)
+        # Rank 0 checks the inputs once and shares them, so every rank runs on the same ones.
+        checked = checked_on_rank0(renv, check, lambda: init_distributed(renv, device.backend, dist_timeout(args, device.backend)))
+        return on_rank(device, checked)
+
     # run_rank leaves the process group after noting any failure, so the launcher hears the cause
     # before the peers notice this rank is gone.
-    return run_rank(renv, lambda: _on_rank(args, renv, prepare, work, profiling, fault))
+    return run_rank(renv, body)
 
 
 def _checked(args, prepare):
@@ -42,16 +65,12 @@ def _checked(args, prepare):
     return plan, prepare(args, plan)
 
 
-def _on_rank(args, renv, prepare, work, profiling, fault) -> int:
-    device = setup_device(args.device, renv.local_rank, renv.local_world)
+def _on_rank(args, renv, device, checked, work, profiling, fault) -> int:
+    plan, inputs = checked
+    if plan.policy.note:
+        say(f"note: {plan.policy.note}")
     profiler = None
     try:
-        # Rank 0 checks the inputs once and shares them, so every rank runs on the same ones.
-        plan, inputs = checked_on_rank0(
-            renv, lambda: _checked(args, prepare), lambda: init_distributed(renv, device.backend, dist_timeout(args, device.backend))
-        )
-        if plan.policy.note:
-            say(f"note: {plan.policy.note}")
         t0 = time.perf_counter()
         faults = FaultHook(fault, renv.rank)
         faults.at("load")
