@@ -4,11 +4,12 @@ One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, 
 - the real decode step, and the same with its weights moved from huge pages to plain 4 KiB pages
   (torch's own allocation; pocketllm.host_memory says why the engine avoids it);
 - the same step with every single-row GEMV replaced by a ready output (the rest of the step);
-- a step cut down to its GEMVs alone (the engine's GEMV over the model's own weights), and the
-  same with F.linear instead of torch.mv;
+- a step cut down to its GEMVs alone (the engine's GEMV over the model's own weights), the same
+  with F.linear instead of torch.mv, and with torch.mv off oneDNN (torch's native kernel);
 - the same matrices in fp32, on huge pages, summed one op at a time, against one 1 GiB fp32 sum
   (the read bandwidth the streaming limit uses);
-and, for context, one-row ops alone and right after a GEMV has streamed a 12 MiB weight.
+and, for context, one-row ops alone and right after a GEMV has streamed a 12 MiB weight, and the
+fixed cost of one small bf16 torch.mv with and without oneDNN.
 
     python benchmarks/decode_anatomy.py [--ckpt DIR | --preset small] [--steps 32] [--reps 5]
         [--dtype bfloat16] [--threads 2]
@@ -17,9 +18,11 @@ and, for context, one-row ops alone and right after a GEMV has streamed a 12 MiB
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
     plain = PlainPages(model)
     runner.decode(prompt, 2)
 
-    ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (mv)": [], "GEMVs alone (linear)": [], "fp32 sums alone": []}
+    ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (mv)": [], "GEMVs alone (linear)": [], "GEMVs alone (no oneDNN)": [], "fp32 sums alone": []}
     for rep in range(args.reps):
         ms["real step"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with plain:
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
             ms["step, GEMVs ready"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         ms["GEMVs alone (mv)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
         ms["GEMVs alone (linear)"].append(1e3 * _linear_only_step_seconds(weights))
+        with without_onednn():
+            ms["GEMVs alone (no oneDNN)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
         ms["fp32 sums alone"].append(1e3 * sum_one_at_a_time_seconds(weights_f32))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
@@ -165,7 +170,31 @@ def main(argv=None) -> int:
         alone, after = after_gemv_us(op, big)
         print(f"{name}: {alone:.1f} us alone, {after:.1f} us right after a GEMV over a "
               f"{big[0].numel() * big[0].element_size() / 2**20:.0f} MiB weight")
+    small, x = torch.randn(64, model.cfg.hidden_size, dtype=dtype), torch.randn(model.cfg.hidden_size, dtype=dtype)
+    onednn = median_us(lambda: torch.mv(small, x))
+    with without_onednn():
+        native = median_us(lambda: torch.mv(small, x))
+    print(f"torch.mv over a cached 64 x {model.cfg.hidden_size} {args.dtype} weight: {onednn:.1f} us through oneDNN, "
+          f"{native:.1f} us without")
     return 0
+
+
+@contextlib.contextmanager
+def without_onednn():
+    # The flags' setter also sets oneDNN's TF32 switch and warns that this build has no Intel GPU.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
+
+
+def median_us(op, n: int = 300) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
 
 
 def _linear_only_step_seconds(weights: list[torch.Tensor]) -> float:
