@@ -16,9 +16,10 @@ from pocketllm import host_memory
 THP_BUILT = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
 
 
-def mapping_of(t: torch.Tensor) -> tuple[str, list[str]] | None:
-    """(address range, VmFlags) of the mapping in /proc/self/smaps that holds t's first byte."""
-    addr = t.data_ptr()
+def mapping_of(t: torch.Tensor, last: bool = False) -> tuple[str, list[str]] | None:
+    """(address range, VmFlags) of the mapping in /proc/self/smaps that holds t's first byte (or
+    its last)."""
+    addr = t.data_ptr() + (t.numel() * t.element_size() - 1 if last else 0)
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
@@ -43,6 +44,9 @@ def test_large_cpu_zeros_are_zeros_on_an_advised_aligned_mapping(dtype):
     assert found is not None
     if THP_BUILT:
         assert "hg" in found[1], f"mapping {found[0]} not advised for huge pages: {found[1]}"
+        # The tail short of a whole huge page is not advised: a huge page there would cover slack.
+        tail = mapping_of(t, last=True)
+        assert tail is not None and tail[0] != found[0] and "hg" not in tail[1], tail
 
 
 def test_small_or_non_cpu_requests_are_plain_torch_zeros():
