@@ -14,7 +14,9 @@ its GEMVs alone (what no fusion of the rest can beat).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -167,13 +169,14 @@ def spread(xs: list[float], digits: int = 1) -> str:
 
 
 def checkpoint_dir(args) -> str:
-    """--ckpt, or --preset written as a checkpoint in a temporary directory: both engines (and
-    every benchmark here) read the same safetensors."""
+    """--ckpt, or --preset written as a checkpoint in a temporary directory, removed when the
+    process exits: both engines (and every benchmark here) read the same safetensors."""
     if args.ckpt is not None:
         return args.ckpt
     from pocketllm.cli import main as cli
 
     ckpt = tempfile.mkdtemp(prefix="pocketllm-bench-")
+    atexit.register(shutil.rmtree, ckpt, ignore_errors=True)
     cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
     return ckpt
 
