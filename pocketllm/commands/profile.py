@@ -19,7 +19,8 @@ from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import check_out_path
-from pocketllm.profiling.profiler import ENV_PHASE, env_switch, profiler_of
+from pocketllm.profiling.profiler import ENV_PHASE, profiler_of
+from pocketllm.switches import env_switch
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,

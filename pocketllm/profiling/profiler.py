@@ -30,11 +30,10 @@ from pocketllm.errors import UsageError
 from pocketllm.profiling.blocks import BlockId, host_block, host_text, phase_block, phase_text
 from pocketllm.profiling.scopes import ScopeRecorder, install
 from pocketllm.profiling.trace import TraceWriter
+from pocketllm.switches import env_switch
 
 ENV_PHASE = "QWEN_PHASE_PROFILE"
 ENV_HOST = "QWEN_HOST_PROFILE"
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -52,15 +51,6 @@ class ProfileOptions:
     @property
     def enabled(self) -> bool:
         return self.phase or self.host
-
-
-def env_switch(env, name: str) -> bool:
-    value = env.get(name, "")
-    if value.strip().lower() in _ON:
-        return True
-    if value.strip().lower() in _OFF:
-        return False
-    raise UsageError(f"{name}={value!r} is not a switch: use 1 (on) or 0 (off)")
 
 
 def _check_out_dir(flag: str, path: str) -> None:
