@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus, cpu_shares
 from pocketllm.distributed import rendezvous
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_switch
 
 ENV_RANK = "POCKETLLM_LAUNCH_RANK"
 ENV_WORLD = "POCKETLLM_LAUNCH_WORLD"
@@ -220,6 +222,10 @@ def _leave_report(kind: str, line: str) -> None:
 def spawn_local_ranks(world: int, argv: list[str]) -> int:
     """Start `world` ranks of this same command and supervise them. When one fails, stop the rest
     and name the first failure; on SIGINT/SIGTERM stop every rank. Returns the exit status."""
+    # The launcher splits the cores it may run on among its ranks; to run two launches side by
+    # side, give each its own cores (taskset -c).
+    pin = hasattr(os, "sched_setaffinity") and env_switch(os.environ, ENV_PIN_CPUS, default=True)
+    shares = cpu_shares(world, allowed_cpus()) if pin else [None] * world
     rdzv_dir = rendezvous.private_dir()
     procs: list[subprocess.Popen] = []
     wake_r, wake_w = os.pipe()
@@ -235,12 +241,14 @@ def spawn_local_ranks(world: int, argv: list[str]) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        preexec = _rank_preexec(os.getpid())
-        for rank in range(world):
+        for rank, cpus in enumerate(shares):
             env = dict(
                 os.environ,
                 **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), ENV_REPORT: _report_path(rdzv_dir, rank)},
             )
+            if cpus is not None:
+                env[ENV_RANK_CPUS] = ",".join(map(str, cpus))
+            preexec = _rank_preexec(os.getpid(), cpus)
             # stdin closed: a rank in its own process group must never stop on a terminal read.
             procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm", *argv], env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec))
         outcome = _supervise(procs, wake_r, signals, rdzv_dir)
@@ -349,9 +357,10 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _rank_preexec(launcher_pid: int):
+def _rank_preexec(launcher_pid: int, cpus: list[int] | None):
     """Runs in each rank between fork and exec: its own process group (a Ctrl-C reaches only the
-    launcher, which then stops the ranks), and death with the launcher if that is killed outright."""
+    launcher, which then stops the ranks), death with the launcher if that is killed outright, and
+    its cores, set before exec so that every thread the rank starts inherits them."""
     try:
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
@@ -360,6 +369,8 @@ def _rank_preexec(launcher_pid: int):
 
     def preexec() -> None:
         os.setpgid(0, 0)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
         if prctl is not None:
             prctl(pr_set_pdeathsig, signal.SIGKILL)
         # The launcher may have died before prctl took effect.

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pocketllm.commands.ranked import peak_rss_mib_per_rank, per_rank, run_ranked, run_settings
+from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_ranked, run_settings
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids, prompt_ids
@@ -103,6 +103,7 @@ def _work(args, plan, ids, engine, device) -> int:
     rss = peak_rss_mib_per_rank()
     load_peak = per_rank(engine.load_peak_mib)
     weights = per_rank(engine.loaded_bytes / 2**20)
+    cpus = cpus_per_rank()
     if tp().rank == 0:
         print(format_result(result), flush=True)
         if args.json:
@@ -112,6 +113,7 @@ def _work(args, plan, ids, engine, device) -> int:
                 "peak_rss_mib_per_rank": rss,
                 "weights_mib_per_rank": weights,
                 "load_peak_rss_over_baseline_mib_per_rank": load_peak,
+                "cpus_per_rank": cpus,
             }
             with open(args.json, "w") as f:
                 json.dump({**result, "settings": settings}, f, indent=2)

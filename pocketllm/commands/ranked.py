@@ -10,8 +10,9 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
 
-from pocketllm.device import setup_device
+from pocketllm.device import allowed_cpus, setup_device
 from pocketllm.distributed.state import all_gather_cat, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.faults import FaultHook, fault_from_env
@@ -121,6 +122,16 @@ def per_rank(value: float) -> list[float]:
     """One number from every rank, gathered in rank order."""
     mine = torch.tensor([value], dtype=torch.float64)
     return [round(float(x), 1) for x in all_gather_cat(mine)]
+
+
+def cpus_per_rank() -> list[list[int]]:
+    """The cores each rank may run on (its CPU affinity), gathered in rank order."""
+    mine = allowed_cpus()
+    if tp().world == 1:
+        return [mine]
+    gathered: list = [None] * tp().world
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def peak_rss_mib_per_rank() -> list[float]:
