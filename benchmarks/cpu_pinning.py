@@ -1,0 +1,58 @@
+"""`pocketllm bench` with the launcher pinning each rank to its share of the cores, against the
+same run with POCKETLLM_PIN_CPUS=0 (ranks free to migrate), interleaved rep-major in fresh
+processes; prints prefill and decode tokens/s per world size and the pinned/unpinned ratios.
+
+    python benchmarks/cpu_pinning.py [--worlds 2,4] [--reps 3] [bench flags, e.g. --preset small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from vs_transformers import spread
+
+
+def bench(world: int, pinned: bool, bench_args: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        env = dict(os.environ, POCKETLLM_PIN_CPUS="1" if pinned else "0")
+        cmd = [sys.executable, "-m", "pocketllm", "bench", "--tp-world", str(world), *bench_args, "--json", f.name]
+        r = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"bench failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--reps", type=int, default=3)
+    args, bench_args = p.parse_known_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    tps = {(w, pin, kind): [] for w in worlds for pin in (True, False) for kind in ("prefill", "decode")}
+    cpus = {}
+    for rep in range(args.reps):
+        for w in worlds:
+            for pin in (True, False):
+                out = bench(w, pin, bench_args)
+                tps[(w, pin, "prefill")].append(out["prefill_tokens_per_s"])
+                tps[(w, pin, "decode")].append(out["decode_tokens_per_s"])
+                cpus[(w, pin)] = out["settings"]["cpus_per_rank"]
+        print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    print(f"pocketllm bench {' '.join(bench_args)}; reps={args.reps}; tok/s median (min..max)")
+    print(f"{'TP':<4}{'measure':<10}{'pinned':>24}{'unpinned':>24}{'ratio':>8}")
+    for w in worlds:
+        for kind in ("prefill", "decode"):
+            a, b = tps[(w, True, kind)], tps[(w, False, kind)]
+            print(f"{w:<4}{kind:<10}{spread(a):>24}{spread(b):>24}{statistics.median(a) / statistics.median(b):>8.2f}")
+        print(f"    cores per rank: pinned {cpus[(w, True)]}, unpinned {cpus[(w, False)]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
