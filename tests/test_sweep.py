@@ -61,8 +61,16 @@ def test_tables_from_synthetic_timings():
     assert pin4.split() == ["pin=4", "4", f"{431.4 * 0.99:.1f}", "431.4", f"{431.4 * 1.01:.1f}", "431.4"]
     assert "best pinned count against each policy's choice" in text
     assert "decode TPS 8.80..9.00 over all 30 runs" in text
+    # The last line is each policy's choice and its prefill TPS over the best pin's, per row count.
     last = json.loads(lines[-1])
-    assert last == {"summary": {p: {r: {"slices": c["slices"], "ratio_to_best": c["ratio_to_best"]} for r, c in by.items()} for p, by in summarize(_records(), list(MEANS), SETTINGS)["summary"].items()}}
+    best = {"512": 875.8, "4096": 1265.2}
+    expected = {p: {str(rows): (MEANS[rows][p][1], MEANS[rows][p][0] / best[str(rows)]) for rows in MEANS} for p in ("rule", "calibrated")}
+    assert set(last) == {"summary"} and set(last["summary"]) == set(expected)
+    for policy, by_rows in expected.items():
+        assert set(last["summary"][policy]) == set(by_rows)
+        for rows, (slices, ratio) in by_rows.items():
+            got = last["summary"][policy][rows]
+            assert got["slices"] == slices and got["ratio_to_best"] == pytest.approx(ratio, abs=1e-3), (policy, rows, got)
 
 
 def test_fallback_to_serial_is_marked():
