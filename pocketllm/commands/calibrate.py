@@ -45,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pin", default="1,2,4,8", help="slice counts to time at each row count (default 1,2,4,8)")
     p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved over every point (default 3)")
     p.add_argument("--out", required=True, help="the calibration file to write (JSON)")
+    # The model flags' --tp-world defaults to one rank, which has no all-reduce to calibrate; left
+    # unset, it is torchrun's WORLD_SIZE or 2, as for `allreduce`.
+    p.set_defaults(tp_world=None)
 
 
 @dataclass(frozen=True)
