@@ -98,6 +98,11 @@ def test_signal_to_the_launcher_ends_every_rank(sig, tmp_path):
         assert rc == -signal.SIGKILL
         # Orphaned ranks see their parent die (PR_SET_PDEATHSIG) and go with it.
         assert_nothing_left(run, within=STOP_BOUND_S)
+        # A launcher killed outright leaves its directory; the next launch removes it.
+        assert rdzv_dirs(run) == [rdzv]
+        after = start(*generate_args(2), tmp_path=tmp_path, env={"TMPDIR": str(run.tmpdir)})
+        assert after.wait() == 0, after.stderr
+        assert rdzv_dirs(run) == []
         return
     assert rc == 128 + sig, run.stderr
     assert run.last_line == f"pocketllm: error: got {sig.name}; stopped every rank"

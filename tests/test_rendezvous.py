@@ -102,3 +102,20 @@ def test_port_in_use_is_named(tmp_path):
         busy.close()
     assert f"MASTER_PORT {port} is already in use" in message, message
     assert_nothing_left(run)
+
+
+def test_private_dirs_of_dead_launchers_are_removed(tmp_path):
+    from pocketllm.distributed.rendezvous import private_dir
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"pocketllm-rdzv-{dead.pid}-abc123"
+    live = tmp_path / f"pocketllm-rdzv-{os.getpid()}-def456"
+    other = tmp_path / f"pocketllm-rdzv-{dead.pid}"  # not a name private_dir makes: left alone
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "store").write_text("x")
+    made = private_dir(str(tmp_path))
+    assert not stale.exists() and live.exists() and other.exists()
+    assert os.path.basename(made).startswith(f"pocketllm-rdzv-{os.getpid()}-")
+    assert os.stat(made).st_mode & 0o777 == 0o700

@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import shutil
 import socket
 import tempfile
 import time
@@ -39,9 +41,44 @@ class RendezvousError(UsageError):
     """The ranks cannot meet as asked: a stale or unwritable rendezvous file, a busy port."""
 
 
-def private_dir() -> str:
-    """A fresh directory only this user can enter (mkdtemp makes it 0700), for one run."""
-    return tempfile.mkdtemp(prefix="pocketllm-rdzv-")
+PRIVATE_PREFIX = "pocketllm-rdzv-"
+_PRIVATE_NAME = re.compile(re.escape(PRIVATE_PREFIX) + r"(\d+)-[\w]+")
+
+
+def private_dir(root: str | None = None) -> str:
+    """A fresh directory only this user can enter (mkdtemp makes it 0700), for one run, named after
+    the launcher's pid. A launcher killed outright (SIGKILL) cannot remove its own; the next launch
+    removes every one whose launcher is gone."""
+    root = root or tempfile.gettempdir()
+    remove_stale_private_dirs(root)
+    return tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=root)
+
+
+def remove_stale_private_dirs(root: str) -> None:
+    """Remove this user's private rendezvous directories under root whose launcher has exited."""
+    for entry in os.scandir(root):
+        m = _PRIVATE_NAME.fullmatch(entry.name)
+        if m is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if not _launcher_alive(int(m.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _launcher_alive(pid: int) -> bool:
+    """Whether a process of this user has this pid (a reused pid keeps a stale directory, safely)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # Another user's process took the pid: this user's launcher is gone.
+        return False
+    return True
 
 
 def wait_seconds(env=os.environ) -> float:
