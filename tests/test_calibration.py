@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import assert_usage_error, cli_env, run_cli
+from conftest import assert_usage_error, cli_env, run_cli, usage_error_in_process
 from pocketllm.distributed.calibration import CalibratedPolicy, Calibration, Point, check_calibration, choose_slices, load_calibration, parse_calibration
 from pocketllm.distributed.policy import RulePolicy, resolve_policy
 from pocketllm.errors import UsageError
@@ -166,3 +166,20 @@ def test_calibrate_at_tp2_writes_a_usable_file(tmp_path):
     # The same run's bench accepts it.
     r = run_cli("bench", "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", "64", "--max-new-tokens", "1", "--calibration", out, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--pin-slices", "2"], "--pin-slices"),
+        (["--overlap-policy", "rule"], "--overlap-policy"),
+        (["--calibration", "cal.json"], "--calibration"),
+        (["--phase-profile"], "--phase-profile"),
+        (["--trace-out", "t"], "--trace-out"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_flags_calibrate_would_ignore_are_refused(flags, named, tmp_path, capsys, no_ranks):
+    line = usage_error_in_process(capsys, "calibrate", "--preset", "tiny", "--out", tmp_path / "c.json", *flags)
+    assert f"{named}" in line and "does not apply to calibrate" in line, line
+    assert not (tmp_path / "c.json").exists()

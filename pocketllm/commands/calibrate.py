@@ -71,14 +71,32 @@ def row_parallel_sites(cfg: ModelConfig, world: int) -> list[Site]:
     return [Site(name, inner[name] // world, counts[name] // g) for name in counts if counts[name]]
 
 
+# Shared model flags that calibrate has no use for: it times every --pin count itself under no
+# policy, and profiles nothing. Given, they would be silently ignored.
+NOT_FOR_CALIBRATE = {
+    "pin_slices": "--pin-slices (calibrate times every --pin count)",
+    "overlap_policy": "--overlap-policy (calibrate runs under no policy)",
+    "calibration": "--calibration (calibrate makes one)",
+    "force_calibration": "--force-calibration",
+    "phase_profile": "--phase-profile",
+    "host_profile": "--host-profile",
+    "profile_out": "--profile-out",
+    "trace_out": "--trace-out",
+    "split_skew": "--split-skew",
+}
+
+
 def _prepare(args):
+    given = [flag for attr, flag in NOT_FOR_CALIBRATE.items() if getattr(args, attr, None)]
+    if given:
+        raise UsageError(f"{given[0]} does not apply to calibrate")
     rows = parse_positive_list(args.rows, "--rows")
     pins = parse_positive_list(args.pin, "--pin")
     if args.reps < 1:
         raise UsageError(f"--reps must be >= 1, got {args.reps}")
     # The calibration measures what a policy would be built from; it is driven by no policy, so a
     # stale calibration in the environment must not stop it.
-    args.overlap_policy, args.calibration = "rule", None
+    args.overlap_policy = "rule"
     plan = plan_model(args)
     check_out_path(args.out, "--out")
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
