@@ -24,7 +24,7 @@ MIN_BYTES = HUGE_PAGE
 def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype, device=device), on huge pages when on CPU and large."""
     shape = tuple(shape)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
     # One huge page of slack so the tensor can start on a 2 MiB boundary; the slack is never

@@ -149,10 +149,9 @@ def test_step_updates_state_in_place_and_matches_recurrence():
     ref_out, ref_state = gated_delta_rule_recurrent(q, k, v, g, beta, state)
     S = state.clone()
     ptr = S.data_ptr()
-    out_buf = torch.empty(1, 6, 16)
     for t in range(20):
-        out = gated_delta_step_(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], S, out=out_buf)
-        assert out.data_ptr() == out_buf.data_ptr()
+        out = gated_delta_step_(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], S)
+        assert out.shape == (1, 6, 16) and out.dtype == torch.float32
         assert_close_rel(out[0], ref_out[t], tol=1e-6)
     assert S.data_ptr() == ptr
     assert_close_rel(S, ref_state, tol=1e-6)

@@ -32,8 +32,8 @@ class Engine:
     def __init__(self, cfg: ModelConfig, source, dtype: torch.dtype, device: torch.device, policy: SlicePolicy):
         self.cfg, self.dtype, self.device, self.policy = cfg, dtype, device, policy
         self.model = Qwen35ForCausalLM(cfg, dtype, device)
+        # load_weights closes the source after every parameter.
         self.loaded_bytes = load_weights(self.model, source)
-        source.close()
         self.states: list = []
         self.capacity = 0
         self.pos = 0

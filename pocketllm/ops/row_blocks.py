@@ -28,8 +28,11 @@ def blocks_pay_off(x: torch.Tensor) -> bool:
 def by_row_blocks(fn, x: torch.Tensor, *rows_like: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """fn(x, *rows_like) computed on row blocks of x (and of the tensors that share its rows)
     into one output of x's shape: the same values, since fn treats every row alone."""
+    # A decode row (the per-token path) returns before any block arithmetic.
+    if x.shape[0] == 1 or not blocks_pay_off(x):
+        return fn(x, *rows_like)
     step = block_rows(x)
-    if x.shape[0] <= step or not blocks_pay_off(x):
+    if x.shape[0] <= step:
         return fn(x, *rows_like)
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     for r0 in range(0, x.shape[0], step):

@@ -51,10 +51,10 @@ def _step_f32(q, k, v, decay, beta, state, out, kv_mem) -> None:
     torch.bmm(q[:, None, :], state, out=out[:, None, :])
 
 
-def gated_delta_step_(q, k, v, g, beta, state, out=None) -> torch.Tensor:
-    """Advance `state` ([Hv, Dk, Dv] fp32) by one token in place; return out [1, Hv, Dv], fp32
-    unless `out` ([1, Hv, Dv], any float dtype) is given to write it into. The caller rounds to
-    its own dtype: an fp32 result is not copied into a v-dtype buffer only to be converted again."""
+def gated_delta_step_(q, k, v, g, beta, state) -> torch.Tensor:
+    """Advance `state` ([Hv, Dk, Dv] fp32) by one token in place; return out [1, Hv, Dv] in fp32.
+    The caller rounds to its own dtype: an fp32 result is not copied into a v-dtype buffer only to
+    be converted again."""
     T, _, Hv, Dk, Dv = check_shapes(q, k, v, g, beta, state)
     if T != 1:
         raise ValueError(f"gated_delta_step_ takes one token; got T={T}")
@@ -64,13 +64,9 @@ def gated_delta_step_(q, k, v, g, beta, state, out=None) -> torch.Tensor:
     k_v = expand_to_value_heads(k[0], Hv)  # [Hv, Dk]
     decay = g[0].float().exp()  # [Hv]
     kv_mem = state.new_empty(Hv, 1, Dv)
-    direct = out is None or (out.dtype == torch.float32 and out.is_contiguous())
-    result = state.new_empty(1, Hv, Dv) if out is None else out
-    target = result[0] if direct else state.new_empty(Hv, Dv)
-    _step_f32(q_v, k_v, v[0].float(), decay, beta[0].float(), state, target, kv_mem)
-    if not direct:
-        result[0].copy_(target)
-    return result
+    out = state.new_empty(1, Hv, Dv)
+    _step_f32(q_v, k_v, v[0].float(), decay, beta[0].float(), state, out[0], kv_mem)
+    return out
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
