@@ -8,19 +8,19 @@ import logging
 import sys
 
 from pocketllm.errors import UsageError
-from pocketllm.model_args import add_model_args
 
-# name -> (module under pocketllm, help, takes the shared model flags)
+# name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
+# it uses (pocketllm.model_args) and its own.
 COMMANDS = {
-    "generate": ("commands.generate", "generate tokens from a prompt", True),
-    "bench": ("commands.bench", "resident bench: timed prefill and decode", True),
-    "make-checkpoint": ("commands.make_checkpoint", "write a preset as an HF safetensors checkpoint", False),
-    "policy": ("commands.policy", "print the slice count per row count, starting no rank", False),
-    "profile": ("commands.profile", "where the prefill wall goes: phase-profile tables per prompt length", True),
-    "allreduce": ("commands.allreduce", "all-reduce cost per payload size, with a latency/bandwidth fit", False),
-    "calibrate": ("commands.calibrate", "time the overlapped projection per rows x slices and write a calibration", True),
-    "sweep": ("commands.sweep", "prefill/decode TPS per row count for pinned slice counts and policies", True),
-    "gdn-bench": ("bench.gdn_bench", "time the gated delta rule kernels side by side", False),
+    "generate": ("commands.generate", "generate tokens from a prompt"),
+    "bench": ("commands.bench", "resident bench: timed prefill and decode"),
+    "make-checkpoint": ("commands.make_checkpoint", "write a preset as an HF safetensors checkpoint"),
+    "policy": ("commands.policy", "print the slice count per row count, starting no rank"),
+    "profile": ("commands.profile", "where the prefill wall goes: phase-profile tables per prompt length"),
+    "allreduce": ("commands.allreduce", "all-reduce cost per payload size, with a latency/bandwidth fit"),
+    "calibrate": ("commands.calibrate", "time the overlapped projection per rows x slices and write a calibration"),
+    "sweep": ("commands.sweep", "prefill/decode TPS per row count for pinned slice counts and policies"),
+    "gdn-bench": ("bench.gdn_bench", "time the gated delta rule kernels side by side"),
 }
 
 
@@ -33,11 +33,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pocketllm", description="Tensor-parallel inference and measurement for the Qwen3.5/Qwen3.8 hybrid decoder.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, (module, help_text, model_flags) in COMMANDS.items():
+    for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod = importlib.import_module(f"pocketllm.{module}")
-        if model_flags:
-            add_model_args(p)
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
     return parser

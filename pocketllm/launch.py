@@ -63,7 +63,7 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
         return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
-        if tp_world not in (None, 1, world):
+        if tp_world not in (None, world):
             raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
         return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)

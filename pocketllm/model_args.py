@@ -25,22 +25,46 @@ DEFAULT_DIST_TIMEOUT = {"gloo": 120.0, "nccl": 600.0, "hccl": 600.0}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and parallelism")
+    """Every flag a model command (generate, bench, profile) takes."""
+    add_rank_args(p)
+    add_source_args(p)
+    add_overlap_args(p)
+    add_profiling_args(p)
+
+
+def add_rank_args(p: argparse.ArgumentParser, default_world: int = 1) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
+    g.add_argument(
+        "--tp-world", type=int, help=f"tensor-parallel ranks (default {default_world}, or torchrun's WORLD_SIZE); alone, starts them locally"
+    )
+    g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
+    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks; rank 0 creates it, one left by an earlier run is refused")
+    g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait before the run ends with an error (default 120 on gloo, 600 on NCCL/HCCL)")
+
+
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
     g.add_argument("--preset", help=f"embedded model with seeded random weights: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
     g.add_argument("--ckpt", help="HF checkpoint directory (config.json + safetensors)")
     g.add_argument("--layers", type=int, help="cut the stack to N layers keeping the 3:1 linear/full pattern")
     g.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 (default) or float16; GDN state and norms stay fp32")
-    g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
-    g.add_argument("--tp-world", type=int, default=1, help="tensor-parallel ranks; alone, starts them locally")
-    g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
-    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks; rank 0 creates it, one left by an earlier run is refused")
-    g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait before the run ends with an error (default 120 on gloo, 600 on NCCL/HCCL)")
+
+
+def add_overlap_args(p: argparse.ArgumentParser, pin: bool = True, policy: bool = True) -> None:
+    """The slice policy's flags. A command that times slice counts itself leaves out the pin, and
+    one that names its policies itself leaves out --overlap-policy."""
     o = p.add_argument_group("collective overlap")
     o.add_argument("--comm-overlap-slices", help="the slice rule's ceiling (env QWEN_COMM_OVERLAP_SLICES, default 4; 0 or 1 disables slicing)")
-    o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says (env QWEN_COMM_OVERLAP_PIN)")
-    o.add_argument("--overlap-policy", choices=OVERLAP_POLICIES, help="rule (the default) or calibrated (the default when a calibration is given)")
+    if pin:
+        o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says (env QWEN_COMM_OVERLAP_PIN)")
+    if policy:
+        o.add_argument("--overlap-policy", choices=OVERLAP_POLICIES, help="rule (the default) or calibrated (the default when a calibration is given)")
     o.add_argument("--calibration", help="a `pocketllm calibrate` file for the calibrated policy (env QWEN_COMM_OVERLAP_CALIBRATION)")
     o.add_argument("--force-calibration", "--force", action="store_true", help="use a calibration made for another backend, world, hidden size or dtype")
+
+
+def add_profiling_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("profiling (docs/profile.md)")
     f.add_argument("--phase-profile", action="store_true", help="device-synced phase profile, one report block per pass (env QWEN_PHASE_PROFILE=1)")
     f.add_argument("--host-profile", action="store_true", help="host wall-clock spans, no synchronisation (env QWEN_HOST_PROFILE=1)")
@@ -53,7 +77,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 class ModelPlan:
     cfg: ModelConfig
     dtype: torch.dtype
-    policy: PolicyChoice
+    policy: PolicyChoice | None  # None for a plan made without one (calibrate)
     ckpt: str | None
     preset: str | None
     # The reader that validated the checkpoint, files unmapped: loading reuses its key map
@@ -85,13 +109,17 @@ def preset_config(name: str, layers: int | None) -> ModelConfig:
     return cfg if layers is None else cfg.with_layers(layers)
 
 
-def plan_model(args) -> ModelPlan:
+def plan_model(args, with_policy: bool = True) -> ModelPlan:
+    """The checked plan. Without a policy (calibrate, which times slice counts under none) the
+    plan's policy is None. A command without --pin-slices or --overlap-policy (sweep) plans as
+    though they were not given."""
     if args.tp_world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
     dtype = parse_dtype(args.dtype)
-    policy = resolve_policy(args.pin_slices, args.comm_overlap_slices, overlap_policy=args.overlap_policy, calibration=args.calibration)
-    if args.dist_timeout is not None and args.dist_timeout <= 0:
-        raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    policy = None
+    if with_policy:
+        pin, overlap_policy = getattr(args, "pin_slices", None), getattr(args, "overlap_policy", None)
+        policy = resolve_policy(pin, args.comm_overlap_slices, overlap_policy=overlap_policy, calibration=args.calibration)
     if args.ckpt is not None and args.preset is not None:
         raise UsageError("give either --ckpt or --preset, not both")
     if args.ckpt is not None:
@@ -104,11 +132,15 @@ def plan_model(args) -> ModelPlan:
         check_tp_split(cfg, args.tp_world)
         validate_source(reader, cfg)
         reader.close()
-        return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), args.ckpt, None, reader)
+        return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), args.ckpt, None, reader)
     preset = args.preset or DEFAULT_PRESET
     cfg = preset_config(preset, args.layers)
     check_tp_split(cfg, args.tp_world)
-    return ModelPlan(cfg, dtype, checked_for_run(policy, args, cfg.hidden_size), None, preset)
+    return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), None, preset)
+
+
+def _checked_policy(policy: PolicyChoice | None, args, cfg: ModelConfig) -> PolicyChoice | None:
+    return None if policy is None else checked_for_run(policy, args, cfg.hidden_size)
 
 
 def check_out_path(path: str | None, flag: str) -> None:

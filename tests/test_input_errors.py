@@ -53,3 +53,15 @@ def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path):
     assert by_file.returncode == 0 and by_text.returncode == 0, by_file.stderr + by_text.stderr
     assert by_file.stdout.splitlines()[0] == by_text.stdout.splitlines()[0]
     assert len(by_text.stdout.splitlines()) == 2
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("command", ["generate", "allreduce"])
+def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_path, capsys, no_ranks):
+    # Rank 1 started by hand never runs rank 0's checks; it must refuse a bad --dist-timeout
+    # itself, not wait for a group that rank 0 will never form.
+    extra = ["--preset", "tiny", "--token-ids", "1,2"] if command == "generate" else []
+    line = usage_error_in_process(
+        capsys, command, *extra, "--tp-world", "2", "--tp-rank", "1", "--nccl-id-path", tmp_path / "run.id", "--dist-timeout", "-1"
+    )
+    assert "--dist-timeout must be positive, got -1" in line, line

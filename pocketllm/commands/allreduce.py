@@ -11,30 +11,19 @@ from dataclasses import asdict
 
 import torch
 
-from pocketllm.commands.ranked import run_checked
-from pocketllm.device import DEVICE_CHOICES
+from pocketllm.commands.ranked import place_in_run, run_checked
 from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
-from pocketllm.launch import rank_env
-from pocketllm.model_args import check_out_path, parse_dtype, say
+from pocketllm.model_args import add_rank_args, check_out_path, parse_dtype, say
 
 
 # An all-reduce needs two ranks at least: the world a local run starts when --tp-world is not given.
 DEFAULT_WORLD = 2
 
 
-def add_rank_args(p) -> None:
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tp-world", type=int, help="ranks taking part (default 2, or torchrun's WORLD_SIZE); alone, starts them locally")
-    g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
-    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks")
-    g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
-    g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait (default 120 on gloo, 600 on NCCL/HCCL)")
-
-
 def add_arguments(p) -> None:
-    add_rank_args(p)
+    add_rank_args(p, default_world=DEFAULT_WORLD)
     p.add_argument("--min-bytes", default="1K", help="smallest payload (default 1K; K/M/G are powers of 1024)")
     p.add_argument("--max-bytes", default="64M", help="largest payload (default 64M)")
     p.add_argument("--factor", type=int, default=2, help="each size is this times the last (default 2)")
@@ -49,24 +38,11 @@ def run_on_ranks(args, argv: list[str], prepare, work) -> int:
     rank starts, and on rank 0 alone once the ranks run, which shares the result (so it must
     pickle) with the others; work(args, device, inputs) runs on every rank of a --tp-world >= 2
     group, started here if need be."""
-    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=DEFAULT_WORLD)
-    # Under torchrun the world comes from WORLD_SIZE when --tp-world is not given; prepare's checks
-    # and the ones below must see the world the run has.
-    if renv is not None:
-        args.tp_world = renv.world
-    elif args.tp_world is None:
-        args.tp_world = DEFAULT_WORLD
-    _check_group(args)
-    return run_checked(args, argv, renv, lambda: prepare(args), lambda device, inputs: work(args, device, inputs))
-
-
-def _check_group(args) -> None:
-    """The group's own flags, checked by every process before it starts or joins a group, which
-    they shape; rank 0 need not check them for the others."""
+    renv = place_in_run(args, default_world=DEFAULT_WORLD)
+    # Every process checks the world it is part of, before it starts or joins a group.
     if args.tp_world < 2:
         raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
-    if args.dist_timeout is not None and args.dist_timeout <= 0:
-        raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    return run_checked(args, argv, renv, lambda: prepare(args), lambda device, inputs: work(args, device, inputs))
 
 
 def _work(args, device, _inputs) -> int:

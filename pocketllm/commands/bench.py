@@ -12,12 +12,13 @@ from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids, prompt_ids
-from pocketllm.model_args import check_out_path
+from pocketllm.model_args import add_model_args, check_out_path
 
 RESULT_FIELDS = ("prefill_seconds", "prefill_tokens", "prefill_tokens_per_s", "decode_seconds", "decode_tokens", "decode_tokens_per_s")
 
 
 def add_arguments(p) -> None:
+    add_model_args(p)
     p.add_argument("--prompt-tokens", type=int, default=512, help="length of the deterministic prompt (default 512)")
     p.add_argument("--token-ids", help="use these ids as the prompt instead")
     p.add_argument("--token-ids-file", help="read the prompt ids from this file instead")

@@ -22,7 +22,7 @@ from functools import reduce
 import torch
 import torch.distributed as dist
 
-from pocketllm.commands.allreduce import run_on_ranks
+from pocketllm.commands.allreduce import DEFAULT_WORLD, run_on_ranks
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.progress import row_progress
 from pocketllm.config import LINEAR, ModelConfig
@@ -32,7 +32,7 @@ from pocketllm.distributed.overlap import projection_all_reduce_overlapped, slic
 from pocketllm.distributed.policy import resolve_ceiling
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
-from pocketllm.model_args import check_out_path, plan_model, say
+from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say
 
 # Short passes are repeated inside one timing so that each timing covers at least this many rows;
 # a 256-row unit is a few milliseconds, which a scheduler tick can double.
@@ -41,13 +41,16 @@ ALLREDUCE_FIT_ITERS = 10
 
 
 def add_arguments(p) -> None:
+    # One rank has no all-reduce to calibrate: --tp-world defaults to 2, as for `allreduce`. The
+    # command times every --pin count under no policy and profiles nothing, so it takes only the
+    # rule's ceiling of the overlap flags (it shapes the choices printed).
+    add_rank_args(p, default_world=DEFAULT_WORLD)
+    add_source_args(p)
+    p.add_argument("--comm-overlap-slices", help="the slice rule's ceiling for the choices printed (env QWEN_COMM_OVERLAP_SLICES, default 4)")
     p.add_argument("--rows", default="256,512,1024,2048,4096,8192", help="row counts to calibrate (default 256,512,1024,2048,4096,8192)")
     p.add_argument("--pin", default="1,2,4,8", help="slice counts to time at each row count (default 1,2,4,8)")
     p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved over every point (default 3)")
     p.add_argument("--out", required=True, help="the calibration file to write (JSON)")
-    # The model flags' --tp-world defaults to one rank, which has no all-reduce to calibrate; left
-    # unset, it is torchrun's WORLD_SIZE or 2, as for `allreduce`.
-    p.set_defaults(tp_world=None)
 
 
 @dataclass(frozen=True)
@@ -71,36 +74,17 @@ def row_parallel_sites(cfg: ModelConfig, world: int) -> list[Site]:
     return [Site(name, inner[name] // world, counts[name] // g) for name in counts if counts[name]]
 
 
-# Shared model flags that calibrate has no use for: it times every --pin count itself under no
-# policy, and profiles nothing. Given, they would be silently ignored.
-NOT_FOR_CALIBRATE = {
-    "pin_slices": "--pin-slices (calibrate times every --pin count)",
-    "overlap_policy": "--overlap-policy (calibrate runs under no policy)",
-    "calibration": "--calibration (calibrate makes one)",
-    "force_calibration": "--force-calibration",
-    "phase_profile": "--phase-profile",
-    "host_profile": "--host-profile",
-    "profile_out": "--profile-out",
-    "trace_out": "--trace-out",
-    "split_skew": "--split-skew",
-}
-
-
 def _prepare(args):
-    given = [flag for attr, flag in NOT_FOR_CALIBRATE.items() if getattr(args, attr, None)]
-    if given:
-        raise UsageError(f"{given[0]} does not apply to calibrate")
     rows = parse_positive_list(args.rows, "--rows")
     pins = parse_positive_list(args.pin, "--pin")
     if args.reps < 1:
         raise UsageError(f"--reps must be >= 1, got {args.reps}")
-    # The calibration measures what a policy would be built from; it is driven by no policy, so a
-    # stale calibration in the environment must not stop it.
-    args.overlap_policy = "rule"
-    plan = plan_model(args)
+    # The calibration measures what a policy would be built from, under none: a pin or a stale
+    # calibration in the environment does not apply to it.
+    plan = plan_model(args, with_policy=False)
     check_out_path(args.out, "--out")
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
-    # applies its own ceiling. A pin in the environment does not apply to a calibration.
+    # applies its own ceiling.
     ceiling = resolve_ceiling(args.comm_overlap_slices)
     return plan, sorted(set(rows)), sorted(set(pins)), ceiling
 

@@ -12,9 +12,11 @@ from pocketllm.distributed.state import tp
 from pocketllm.engine.generate import SamplingParams, generate
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer, prompt_ids
+from pocketllm.model_args import add_model_args
 
 
 def add_arguments(p) -> None:
+    add_model_args(p)
     src = p.add_argument_group("prompt (one of)")
     src.add_argument("--prompt", help="text, tokenized with the checkpoint's tokenizer.json")
     src.add_argument("--token-ids", help="comma- or space-separated token ids, e.g. 1,2,3")

@@ -18,7 +18,7 @@ from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids
-from pocketllm.model_args import check_out_path
+from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.profiling.profiler import ENV_PHASE, profiler_of
 from pocketllm.switches import env_switch
 from pocketllm.profiling.tables import (
@@ -34,6 +34,7 @@ PICKS = ("median", "min")
 
 
 def add_arguments(p) -> None:
+    add_model_args(p)
     p.add_argument("--prompt-tokens", default=DEFAULT_LENGTHS, help=f"comma-separated prompt lengths (default the seed's {DEFAULT_LENGTHS})")
     p.add_argument("--reps", type=int, default=1, help="timed prefills per length, run rep-major (default 1)")
     p.add_argument(

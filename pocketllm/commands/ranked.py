@@ -15,6 +15,7 @@ import torch.distributed as dist
 from pocketllm.device import allowed_cpus, setup_device
 from pocketllm.distributed.state import all_gather_cat, tp
 from pocketllm.engine.runner import Engine
+from pocketllm.errors import UsageError
 from pocketllm.faults import FaultHook, fault_from_env
 from pocketllm.launch import PassTracker, checked_on_rank0, init_distributed, rank_env, run_rank, spawn_local_ranks
 from pocketllm.model_args import dist_timeout, plan_model, say
@@ -24,11 +25,7 @@ from pocketllm.profiling.profiler import attach_profiler, profile_options
 def run_ranked(args, argv: list[str], prepare, work) -> int:
     """prepare(args, plan) checks the command's own inputs and returns them; work(args, plan,
     inputs, engine, device) runs on every rank with the engine loaded."""
-    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path)
-    if renv is not None:
-        # Under torchrun the world comes from WORLD_SIZE even when --tp-world was left at 1; the
-        # plan's split check and the calibration check must see that world.
-        args.tp_world = renv.world
+    renv = place_in_run(args, default_world=1)
     profiling = profile_options(args)
     fault = fault_from_env(args.tp_world)
     return run_checked(
@@ -38,6 +35,22 @@ def run_ranked(args, argv: list[str], prepare, work) -> int:
         lambda: _checked(args, prepare),
         lambda device, checked: _on_rank(args, renv, device, checked, work, profiling, fault),
     )
+
+
+def place_in_run(args, default_world: int):
+    """This process's place in the run (pocketllm.launch.rank_env; None in a launcher that starts
+    the ranks), with args.tp_world set to the world the run has: torchrun's WORLD_SIZE, or
+    default_world when --tp-world is not given, so that every later check sees it. Also checks
+    the flags every process needs before it starts or joins a group; rank 0 cannot check them for
+    a hand-started peer, which would otherwise wait on a group it can never join."""
+    if args.dist_timeout is not None and args.dist_timeout <= 0:
+        raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=default_world)
+    if renv is not None:
+        args.tp_world = renv.world
+    elif args.tp_world is None:
+        args.tp_world = default_world
+    return renv
 
 
 def run_checked(args, argv: list[str], renv, check, on_rank) -> int:

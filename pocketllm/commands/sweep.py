@@ -20,10 +20,16 @@ from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLIC
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids
-from pocketllm.model_args import check_out_path
+from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path
 
 
 def add_arguments(p) -> None:
+    # The sweep times its own pins (--pin) and names its own policies (--policy), so it takes
+    # neither --pin-slices nor --overlap-policy.
+    add_rank_args(p)
+    add_source_args(p)
+    add_overlap_args(p, pin=False, policy=False)
+    add_profiling_args(p)
     p.add_argument("--rows", default="512,1024,2048,4096", help="prompt lengths to time (default 512,1024,2048,4096)")
     p.add_argument("--pin", default="1,2,4,8", help="pinned slice counts to time (default 1,2,4,8)")
     p.add_argument("--policy", help="named policies to time: rule, calibrated (default rule, plus calibrated when a calibration is given)")
