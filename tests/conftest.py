@@ -1,6 +1,6 @@
 """Shared test helpers: run the CLI as a user would (a fresh process, short timeouts), check its
 one-line usage errors (from a fresh process, or from a call in this one that must start no rank)
-and its generated ids, start a run whose processes can all be found again (start,
+and its generated ids, find a free port, start a run whose processes can all be found again (start,
 assert_nothing_left), and copy the tiny checkpoint for a test to break."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -107,6 +108,13 @@ def generated_ids(stdout: str) -> list[int]:
     lines = [line for line in stdout.splitlines() if line.startswith("generated_ids=")]
     assert len(lines) == 1, stdout
     return [int(t) for t in lines[0].split("=", 1)[1].split(",") if t]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a rendezvous a test sets up itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # Every run started with start() is tagged through its environment, so a test finds all of its

@@ -9,6 +9,7 @@ import torch
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
 from pocketllm.engine.runner import Engine
+from pocketllm.loader import random_weights
 from pocketllm.loader.random_weights import RandomWeights, random_tensor
 from pocketllm.presets import get_preset
 
@@ -64,12 +65,23 @@ def test_pass_accounting_at_world_one(engine):
     assert engine.last_collectives == {}
 
 
-def test_random_slice_reads_match_the_full_tensor():
+def test_random_slice_reads_match_the_full_tensor(monkeypatch):
     # A slice generates its tensor once and casts only the rows read: the same values as casting
     # the whole tensor, for every key and for the ranges a fused projection reads.
+    calls = []
+
+    def counting(name, shape, seed):
+        calls.append(name)
+        return random_tensor(name, shape, seed)
+
+    # The slice looks the generator up in its module at read time; the reference values below come
+    # from the unpatched function, imported before the patch, and are not counted.
+    monkeypatch.setattr(random_weights, "random_tensor", counting)
     rw = RandomWeights(get_preset("tiny"), dtype=torch.bfloat16)
     for key, shape in rw.shapes.items():
         sl = rw.get_slice(key)
         full = random_tensor(key, shape, 0).to(torch.bfloat16)
+        calls.clear()
         for idx in (slice(None), slice(0, shape[0] // 2), slice(shape[0] // 3, None)):
             assert torch.equal(sl[idx], full[idx]), key
+        assert calls == [key], f"{key}: generated {len(calls)} times over three reads of one slice"

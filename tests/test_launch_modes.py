@@ -3,14 +3,13 @@ launcher, by torchrun, or one process per rank by hand with a rendezvous file.""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_usage_error, cli_env, generated_ids, run_cli
+from conftest import assert_usage_error, cli_env, free_port, generated_ids, run_cli
 
 ARGS = ["generate", "--preset", "tiny", "--dtype", "float32", "--token-ids", "5,6,7,8,9,10,11,12", "--max-new-tokens", "6"]
 
@@ -48,9 +47,6 @@ def test_hand_started_ranks_match_launcher(launcher_ids, tmp_path):
 def test_torchrun_env_without_tp_world_plans_for_its_world_size():
     # torchrun gives WORLD_SIZE; --tp-world may be left out, so the split is checked for 3 ranks
     # (the tiny preset's 4 heads do not split 3 ways), not for the flag's default of 1.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = cli_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = cli_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     r = run_cli("generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--dist-timeout", 3, env=env)
     assert_usage_error(r, "over 3 ranks", "valid world sizes: 1, 2, 4")

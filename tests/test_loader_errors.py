@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_usage_error, run_cli, usage_error_in_process
+from conftest import assert_usage_error, generated_ids, run_cli, usage_error_in_process
 
 PROMPT = "1,2,3,4,5,6,7,8"
 
@@ -62,10 +62,10 @@ def rewrite(ckpt, change):
     save_file(tensors, str(path))
 
 
-def reference_ids(ckpt):
+def reference_ids(ckpt) -> list[int]:
     r = generate(ckpt)
     assert r.returncode == 0, r.stderr
-    return r.stdout.splitlines()[0]
+    return generated_ids(r.stdout)
 
 
 def test_missing_directory(tmp_path, capsys, no_ranks):
@@ -104,7 +104,7 @@ def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(s
     assert len(shards) > 1
     direct = run_cli("generate", "--preset", "tiny", "--layers", "24", "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32")
     assert direct.returncode == 0, direct.stderr
-    assert reference_ids(sharded) == direct.stdout.splitlines()[0]
+    assert reference_ids(sharded) == generated_ids(direct.stdout)
     (sharded / shards[-1]).unlink()
     assert_usage_error(generate(sharded), "absent", shards[-1])
 

@@ -5,14 +5,12 @@ collectives at s slices."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import assert_usage_error, cli_env, result_fields, run_cli
+from conftest import assert_usage_error, cli_env, free_port, result_fields, run_cli
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
 from pocketllm.distributed.policy import PinnedPolicy, RulePolicy, comm_overlap_slices_for_rows, resolve_policy
@@ -31,12 +29,6 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 2**-6}
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return float((a.double() - b.double()).abs().max()) <= tol * float(b.double().abs().max())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compare_worker(rank: int, world: int, port: int) -> None:
@@ -73,7 +65,7 @@ def _compare_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2, 4])
 def test_overlapped_equals_serial(world):
-    mp.start_processes(_compare_worker, args=(world, _free_port()), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_compare_worker, args=(world, free_port()), nprocs=world, join=True, start_method="spawn")
 
 
 def test_slice_bounds_cover_uneven_rows():
