@@ -8,24 +8,14 @@ processes; prints prefill and decode tokens/s per world size and the pinned/unpi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-from vs_transformers import spread
+from vs_transformers import run_bench_json, spread
 
 
 def bench(world: int, pinned: bool, bench_args: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        env = dict(os.environ, POCKETLLM_PIN_CPUS="1" if pinned else "0")
-        cmd = [sys.executable, "-m", "pocketllm", "bench", "--tp-world", str(world), *bench_args, "--json", f.name]
-        r = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"bench failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
-        return json.load(f)
+    return run_bench_json(["--tp-world", str(world), *bench_args], env={"POCKETLLM_PIN_CPUS": "1" if pinned else "0"})
 
 
 def main(argv=None) -> int:

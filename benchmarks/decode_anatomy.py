@@ -5,11 +5,13 @@ One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, 
   (torch's own allocation; pocketllm.host_memory says why the engine avoids it);
 - the same step with every single-row GEMV replaced by a ready output (the rest of the step);
 - a step cut down to its GEMVs alone (the engine's GEMV over the model's own weights), the same
-  with F.linear instead of torch.mv, and with torch.mv off oneDNN (torch's native kernel);
+  with F.linear instead of torch.mv, and with torch.mv off oneDNN (torch's native kernel), all
+  three timed alike (vs_transformers.gemv_only_step_seconds);
 - the same matrices in fp32, on huge pages, summed one op at a time, against one 1 GiB fp32 sum
   (the read bandwidth the streaming limit uses);
-and, for context, one-row ops alone and right after a GEMV has streamed a 12 MiB weight, and the
-fixed cost of one small bf16 torch.mv with and without oneDNN.
+and, for context, one-row ops alone and right after a GEMV has streamed a weight (in turn, up to 8
+of the model's weights of 12 MiB or more that take a hidden-size row, or every weight that takes
+one if none is that big), and the fixed cost of one small torch.mv with and without oneDNN.
 
     python benchmarks/decode_anatomy.py [--ckpt DIR | --preset small] [--steps 32] [--reps 5]
         [--dtype bfloat16] [--threads 2]
@@ -104,9 +106,9 @@ def sum_one_at_a_time_seconds(weights_f32: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def after_gemv_us(op, weights: list[torch.Tensor], n: int = 100) -> tuple[float, float]:
-    """Median microseconds of op() alone, and right after a GEMV over one of `weights`."""
-    x = torch.randn(weights[0].shape[1], dtype=weights[0].dtype)
+def after_gemv_us(op, weights: list[torch.Tensor], x: torch.Tensor, n: int = 100) -> tuple[float, float]:
+    """Median microseconds of op() alone, and right after torch.mv(w, x) for w cycling through
+    `weights` (each of which takes x as its input)."""
     alone, after = [], []
     for i in range(n):
         t0 = time.perf_counter()
@@ -140,13 +142,15 @@ def main(argv=None) -> int:
         with ready:
             ms["step, GEMVs ready"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         ms["GEMVs alone (mv)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
-        ms["GEMVs alone (linear)"].append(1e3 * _linear_only_step_seconds(weights))
+        ms["GEMVs alone (linear)"].append(1e3 * gemv_only_step_seconds(model, reps=1, op=F.linear))
         with without_onednn():
             ms["GEMVs alone (no oneDNN)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
         ms["fp32 sums alone"].append(1e3 * sum_one_at_a_time_seconds(weights_f32))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    # The fp32 row reads the fp32 copies: 4 bytes a weight, whatever --dtype is.
+    f32_bytes = sum(w.numel() * w.element_size() for w in weights_f32)
     bandwidths = read_bandwidths_gbps()
     bandwidth = max(bandwidths.values())
     print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} steps={args.steps}; "
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
           f"{huge_page_mib():.0f} MiB of the process on huge pages")
     print(f"{'per decode step':<24}{'ms, median (min..max)':>28}{'GB/s of weights':>18}")
     for name, xs in ms.items():
-        nbytes = 2 * weight_bytes if name.startswith("fp32") else weight_bytes
+        nbytes = f32_bytes if name.startswith("fp32") else weight_bytes
         rate = "" if name == "step, GEMVs ready" else f"{nbytes / statistics.median(xs) / 1e6:.1f}"
         print(f"{name:<24}{spread(xs, 2):>28}{rate:>18}")
     print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s, the read bandwidth of the streaming limit ("
@@ -164,12 +168,17 @@ def main(argv=None) -> int:
           f"{statistics.median(ms['step, GEMVs ready']):.2f} ms")
 
     h = torch.randn(1, model.cfg.hidden_size, dtype=dtype)
-    big = [w for w in weights if w.numel() * w.element_size() >= 12 * 2**20][:8] or weights
+    # One x serves every GEMV, so only weights that take a hidden-size row (not down_proj, say).
+    on_hidden = [w for w in weights if w.shape[1] == model.cfg.hidden_size]
+    big = [w for w in on_hidden if w.numel() * w.element_size() >= 12 * 2**20][:8] or on_hidden
+    x = torch.randn(model.cfg.hidden_size, dtype=big[0].dtype)
+    mib = [w.numel() * w.element_size() / 2**20 for w in big]
+    sizes = f"{min(mib):.3g}" if min(mib) == max(mib) else f"{min(mib):.3g}..{max(mib):.3g}"
     norm = model.layers[0].input_norm
     for name, op in (("torch.empty(1 row)", lambda: torch.empty(1, model.cfg.hidden_size)), ("input RMSNorm, 1 row", lambda: norm(h))):
-        alone, after = after_gemv_us(op, big)
+        alone, after = after_gemv_us(op, big, x)
         print(f"{name}: {alone:.1f} us alone, {after:.1f} us right after a GEMV over a "
-              f"{big[0].numel() * big[0].element_size() / 2**20:.0f} MiB weight")
+              f"{sizes} MiB weight (one of {len(big)} in turn)")
     small, x = torch.randn(64, model.cfg.hidden_size, dtype=dtype), torch.randn(model.cfg.hidden_size, dtype=dtype)
     onednn = median_us(lambda: torch.mv(small, x))
     with without_onednn():
@@ -195,14 +204,6 @@ def median_us(op, n: int = 300) -> float:
         op()
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
-
-
-def _linear_only_step_seconds(weights: list[torch.Tensor]) -> float:
-    rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
-    t0 = time.perf_counter()
-    for x, w in zip(rows, weights):
-        F.linear(x, w)
-    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

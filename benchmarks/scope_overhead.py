@@ -5,23 +5,23 @@ one disabled scope.
     python benchmarks/scope_overhead.py [--reps 5] [bench flags, e.g. --preset small --tp-world 2]
 
 The stripped copy is made in a temporary directory (bodies dedented, scope imports and the
-collective scopes' timed.* calls dropped) and run through PYTHONPATH, so both trees run the same
-command in fresh processes.
+collective scopes' timed.* calls dropped); each tree's bench runs from inside that tree with it on
+PYTHONPATH, so both trees run the same command in fresh processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import timeit
 from pathlib import Path
+
+from vs_transformers import run_bench_json
 
 REPO = Path(__file__).resolve().parents[1]
 _IMPORT = re.compile(r"^from pocketllm\.profiling\.scopes import (.+)$", re.MULTILINE)
@@ -91,13 +91,9 @@ def disabled_scope_ns() -> float:
 
 
 def bench(tree: Path, bench_args: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        r = subprocess.run([sys.executable, "-m", "pocketllm", "bench", *bench_args, "--json", f.name], check=False, env=env, capture_output=True, text=True, cwd=tree)
-        if r.returncode != 0:
-            lines = r.stderr.strip().splitlines()
-            raise SystemExit(lines[-1] if lines else f"pocketllm bench failed with exit code {r.returncode} and no message")
-        return json.load(open(f.name))
+    # Run from inside the tree as well as with it on PYTHONPATH: `-m` puts the working directory
+    # first on sys.path, so only then does `pocketllm` come from that tree rather than this one.
+    return run_bench_json(bench_args, env={"PYTHONPATH": str(tree)}, cwd=tree)
 
 
 def main(argv=None) -> int:
