@@ -13,7 +13,8 @@ from pocketllm.errors import UsageError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-# Set by the launcher for each rank it starts: the cores it pinned that rank to, comma-separated.
+# Set by the launcher for each rank it pinned: that its cores are its own (the rank reads them from
+# its affinity; the value lists them, comma-separated, for anyone inspecting the process).
 ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
 # 0 leaves the ranks the launcher starts unpinned (default 1, pinned).
 ENV_PIN_CPUS = "POCKETLLM_PIN_CPUS"
@@ -76,10 +77,7 @@ def cpu_shares(world: int, cpus: list[int]) -> list[list[int]]:
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return len(allowed_cpus())
 
 
 def resolve_kind(requested: str) -> str:

@@ -80,9 +80,9 @@ class ModelPlan:
     policy: PolicyChoice | None  # None for a plan made without one (calibrate)
     ckpt: str | None
     preset: str | None
-    # The reader that validated the checkpoint, files unmapped: loading reuses its key map
-    # instead of reading the index and every shard header again (it travels to the other ranks
-    # with the plan, so they read them not at all).
+    # The reader that validated the checkpoint, files unmapped: loading reuses its key map instead
+    # of rebuilding it from the index and every shard header (it travels to the other ranks with
+    # the plan). Loading still reopens a shard, and parses its header, for each parameter it reads.
     reader: CheckpointReader | None = None
 
     def open_source(self):

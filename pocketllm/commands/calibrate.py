@@ -28,7 +28,7 @@ from pocketllm.commands.progress import row_progress
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
 from pocketllm.distributed.calibration import Calibration, CalibratedPolicy, Point
-from pocketllm.distributed.overlap import projection_all_reduce_overlapped, slice_bounds
+from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
 from pocketllm.distributed.policy import resolve_ceiling
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
@@ -141,12 +141,11 @@ def measure(unit: Unit, rows_list: list[int], pins: list[int], reps: int, device
 def payload_sizes(rows_list: list[int], pins: list[int], hidden: int, elem: int) -> list[int]:
     """The slice payloads the calibrated points issue, for the all-reduce fit stored beside them:
     each slice's rows as overlap.slice_bounds cuts them (earlier slices take the remainder), and
-    the whole rows where the projection runs serially (one slice, or fewer rows than slices; the
-    world is >= 2 here, so that is overlap.is_serial)."""
+    the whole rows where the projection runs serially (overlap.is_serial, on this rank's group)."""
     sizes = set()
     for r in rows_list:
         for s in pins:
-            bounds = [(0, r)] if s <= 1 or r < s else slice_bounds(r, s)
+            bounds = [(0, r)] if is_serial(r, s) else slice_bounds(r, s)
             sizes.update((end - start) * hidden * elem for start, end in bounds)
     return sorted(sizes)
 

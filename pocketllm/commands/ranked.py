@@ -10,10 +10,9 @@ import resource
 import time
 
 import torch
-import torch.distributed as dist
 
 from pocketllm.device import allowed_cpus, setup_device
-from pocketllm.distributed.state import all_gather_cat, tp
+from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
 from pocketllm.faults import FaultHook, fault_from_env
@@ -139,12 +138,7 @@ def per_rank(value: float) -> list[float]:
 
 def cpus_per_rank() -> list[list[int]]:
     """The cores each rank may run on (its CPU affinity), gathered in rank order."""
-    mine = allowed_cpus()
-    if tp().world == 1:
-        return [mine]
-    gathered: list = [None] * tp().world
-    dist.all_gather_object(gathered, mine)
-    return gathered
+    return all_gather_objects(allowed_cpus())
 
 
 def peak_rss_mib_per_rank() -> list[float]:

@@ -52,6 +52,15 @@ def all_reduce_async_(t: torch.Tensor, site: str):
     return work
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (host values, not tensors)."""
+    if _TP.world == 1:
+        return [obj]
+    gathered: list = [None] * _TP.world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's `t` along the last dim, in rank order."""
     if _TP.world == 1:
