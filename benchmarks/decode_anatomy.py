@@ -11,7 +11,9 @@ One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, 
   (the read bandwidth the streaming limit uses);
 and, for context, one-row ops alone and right after a GEMV has streamed a weight (in turn, up to 8
 of the model's weights of 12 MiB or more that take a hidden-size row, or every weight that takes
-one if none is that big), and the fixed cost of one small torch.mv with and without oneDNN.
+one if none is that big) and right after a plain fp32 sum has streamed 1 to 128 MiB (whether the
+extra cost starts where the streamed bytes outgrow a core's L2), and the fixed cost of one small
+torch.mv with and without oneDNN.
 
     python benchmarks/decode_anatomy.py [--ckpt DIR | --preset small] [--steps 32] [--reps 5]
         [--dtype bfloat16] [--threads 2]
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import statistics
 import sys
 import time
@@ -106,19 +109,31 @@ def sum_one_at_a_time_seconds(weights_f32: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def after_gemv_us(op, weights: list[torch.Tensor], x: torch.Tensor, n: int = 100) -> tuple[float, float]:
-    """Median microseconds of op() alone, and right after torch.mv(w, x) for w cycling through
-    `weights` (each of which takes x as its input)."""
+def after_us(op, before, n: int = 100) -> tuple[float, float]:
+    """Median microseconds of op() alone, and right after before(i) on the i-th of n turns."""
     alone, after = [], []
     for i in range(n):
         t0 = time.perf_counter()
         op()
         alone.append(time.perf_counter() - t0)
-        torch.mv(weights[i % len(weights)], x)
+        before(i)
         t0 = time.perf_counter()
         op()
         after.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(alone), 1e6 * statistics.median(after)
+
+
+def l2_cache_text() -> str:
+    """This CPU's per-core L2 size as the kernel reports it, or '?' where it does not."""
+    try:
+        for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+            with open(f"{index}/level") as f:
+                if f.read().strip() == "2":
+                    with open(f"{index}/size") as f:
+                        return f.read().strip()
+    except OSError:
+        pass
+    return "?"
 
 
 def main(argv=None) -> int:
@@ -175,10 +190,21 @@ def main(argv=None) -> int:
     mib = [w.numel() * w.element_size() / 2**20 for w in big]
     sizes = f"{min(mib):.3g}" if min(mib) == max(mib) else f"{min(mib):.3g}..{max(mib):.3g}"
     norm = model.layers[0].input_norm
-    for name, op in (("torch.empty(1 row)", lambda: torch.empty(1, model.cfg.hidden_size)), ("input RMSNorm, 1 row", lambda: norm(h))):
-        alone, after = after_gemv_us(op, big, x)
+    ops = (("torch.empty(1 row)", lambda: torch.empty(1, model.cfg.hidden_size)), ("input RMSNorm, 1 row", lambda: norm(h)))
+    for name, op in ops:
+        alone, after = after_us(op, lambda i: torch.mv(big[i % len(big)], x))
         print(f"{name}: {alone:.1f} us alone, {after:.1f} us right after a GEMV over a "
               f"{sizes} MiB weight (one of {len(big)} in turn)")
+    # Whether that cost is the streamed bytes pushing the op's code and data out of the core's
+    # L2: it should appear once a plain fp32 sum streams more than the L2 holds.
+    streams = {mib: torch.ones(mib * 2**20 // 4) for mib in (1, 2, 4, 8, 32, 128)}
+    for name, op in ops:
+        cells = []
+        for mib, buf in streams.items():
+            alone, after = after_us(op, lambda i: buf.sum())
+            cells.append(f"{mib} MiB: {after - alone:.1f}")
+        print(f"{name}, extra us right after an fp32 sum streams (L2 per core {l2_cache_text()}): " + ", ".join(cells))
+    del streams
     small, x = torch.randn(64, model.cfg.hidden_size, dtype=dtype), torch.randn(model.cfg.hidden_size, dtype=dtype)
     onednn = median_us(lambda: torch.mv(small, x))
     with without_onednn():
