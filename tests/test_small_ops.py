@@ -111,6 +111,8 @@ def test_norms_match_hf_formulas(dtype):
     # after_loading (1 + w) and forward, so neither half alone is what the engine runs.
     norm = RMSNorm("norm.weight", 64, 1e-6, dtype, "cpu")
     norm.weight.data.copy_(w)
+    with pytest.raises(RuntimeError, match="before after_loading"):
+        norm(x)  # no scale yet: it must not run as an unscaled norm
     norm.after_loading()
     # bf16: one rounding step apart at most.
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)

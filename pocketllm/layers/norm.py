@@ -60,6 +60,9 @@ class RMSNorm(nn.Module):
         self.scale = 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm takes a None scale as "no scale": fail instead of silently dropping 1 + w.
+        if self.scale is None:
+            raise RuntimeError("RMSNorm used before after_loading(): its fp32 scale is not made yet")
         return rms_norm_scaled(x, self.scale, self.eps)
 
 
