@@ -285,6 +285,15 @@ def test_profile_command_prints_both_tables_from_timed_prefill_blocks(tmp_path):
     assert len(doc["collective"]["fit"]["checks"]) == 1
 
 
+@pytest.mark.parametrize("asked", [False, True], ids=["quiet", "QWEN_PHASE_PROFILE=1"])
+def test_profile_prints_phase_blocks_only_when_asked(asked):
+    env = cli_env(QWEN_PHASE_PROFILE="1") if asked else cli_env()
+    r = run_cli("profile", "--preset", "tiny", "--prompt-tokens", "32", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "prefill TPS" in r.stdout
+    assert ("qwen_phase" in r.stderr) == asked
+
+
 @pytest.mark.parametrize(
     "argv, env, needle",
     [

@@ -5,8 +5,9 @@ extra (`pip install 'pocketllm[plot]'`)."""
 from __future__ import annotations
 
 import importlib.util
+import statistics
 
-from pocketllm.bench.sweep_report import Setting, mean_tps, runs_of
+from pocketllm.bench.sweep_report import Setting, runs_of
 from pocketllm.errors import UsageError
 
 POLICY_MARKERS = {"rule": ("o", 13), "calibrated": ("*", 15)}
@@ -31,7 +32,7 @@ def plot_sweep(records: list[dict], rows_list: list[int], settings: list[Setting
         means, low, high = [], [], []
         for rows in rows_list:
             tps = [r["prefill_tokens_per_s"] for r in runs_of(records, rows, s.name)]
-            mean = mean_tps(records, rows, s.name)
+            mean = statistics.fmean(tps)
             means.append(mean)
             low.append(mean - min(tps))
             high.append(max(tps) - mean)
@@ -42,9 +43,10 @@ def plot_sweep(records: list[dict], rows_list: list[int], settings: list[Setting
         marker, size = POLICY_MARKERS.get(s.name, ("D", 10))
         xs, ys, labels = [], [], []
         for rows in rows_list:
+            runs = runs_of(records, rows, s.name)
             xs.append(rows)
-            ys.append(mean_tps(records, rows, s.name))
-            labels.append(runs_of(records, rows, s.name)[0]["slices"])
+            ys.append(statistics.fmean(r["prefill_tokens_per_s"] for r in runs))
+            labels.append(runs[0]["slices"])
         ax.plot(xs, ys, linestyle="none", marker=marker, markersize=size, markerfacecolor="none", markeredgewidth=1.5, label=f"{s.name}'s choice")
         for x, y, k in zip(xs, ys, labels):
             ax.annotate(f"{s.name[0]}{k}", (x, y), textcoords="offset points", xytext=(6, -12 if s.name == "rule" else 6), fontsize=8)

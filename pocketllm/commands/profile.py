@@ -19,8 +19,7 @@ from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import add_model_args, check_out_path
-from pocketllm.profiling.profiler import ENV_PHASE, profiler_of
-from pocketllm.switches import env_switch
+from pocketllm.profiling.profiler import phase_requested, profiler_of
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,
@@ -159,7 +158,7 @@ def _slices_given(args, env) -> bool:
 def run(args, argv) -> int:
     # The phase blocks go to stderr only when a phase profile was asked for explicitly: the tables
     # are this command's output. Host blocks, when asked for, print as in every other command.
-    args.phase_text = bool(args.phase_profile) or env_switch(os.environ, ENV_PHASE)
+    args.phase_text = phase_requested(args, os.environ)
     args.phase_profile = True
     if not _slices_given(args, os.environ):
         args.pin_slices = "1"

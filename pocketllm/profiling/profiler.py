@@ -63,9 +63,16 @@ def _check_out_dir(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: cannot create the directory ({exc.strerror})") from None
 
 
+def phase_requested(args, env=os.environ) -> bool:
+    """Whether the run asked for the phase profile, by flag or env var."""
+    return bool(getattr(args, "phase_profile", False)) or env_switch(env, ENV_PHASE)
+
+
 def profile_options(args, env=os.environ) -> ProfileOptions:
-    """The profiles a run asked for, from flags or env vars; checked before any rank starts."""
-    phase = bool(getattr(args, "phase_profile", False)) or env_switch(env, ENV_PHASE)
+    """The profiles a run asked for, from flags or env vars; checked before any rank starts.
+    `args.phase_text` (set only by `profile`, which always profiles) says whether phase blocks
+    also print to stderr; everywhere else they do."""
+    phase = phase_requested(args, env)
     host = bool(getattr(args, "host_profile", False)) or env_switch(env, ENV_HOST)
     profile_out = getattr(args, "profile_out", None)
     trace_out = getattr(args, "trace_out", None)
