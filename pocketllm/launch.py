@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus, cpu_shares
-from pocketllm.distributed import rendezvous
+from pocketllm.distributed import rendezvous, waiting
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
 from pocketllm.switches import env_switch
@@ -89,6 +89,7 @@ def init_distributed(renv: RankEnv, backend: str, timeout_s: float) -> None:
     _where["timeout_s"] = timeout_s
     if renv.world == 1:
         return
+    waiting.configure(backend)
     _where["place"] = "the rendezvous"
     rendezvous.join_group(backend, renv.rank, renv.world, timeout_s, renv.file_store, renv.id_path)
     _where["place"] = "loading"
@@ -225,6 +226,8 @@ def spawn_local_ranks(world: int, argv: list[str]) -> int:
     # The launcher splits the cores it may run on among its ranks; to run two launches side by
     # side, give each its own cores (taskset -c).
     pin = hasattr(os, "sched_setaffinity") and env_switch(os.environ, ENV_PIN_CPUS, default=True)
+    # Checked here so that a bad value starts no rank; each rank reads it again for its backend.
+    waiting.polls_on("gloo")
     shares = cpu_shares(world, allowed_cpus()) if pin else [None] * world
     rdzv_dir = rendezvous.private_dir()
     procs: list[subprocess.Popen] = []

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Settings a developer may have exported that would change what a command does; every CLI call a
 # test makes, in a subprocess or in this process, runs without them.
-UNSET_FOR_CLI = ("QWEN_COMM_OVERLAP_SLICES", "QWEN_COMM_OVERLAP_PIN", "QWEN_GDN_KERNEL")
+UNSET_FOR_CLI = ("QWEN_COMM_OVERLAP_SLICES", "QWEN_COMM_OVERLAP_PIN", "QWEN_GDN_KERNEL", "POCKETLLM_POLL_COLLECTIVES")
 
 
 def cli_env(**extra) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pocketllm.distributed import waiting
 from pocketllm.distributed.state import all_reduce_, all_reduce_async_, tp
 from pocketllm.ops.gemm import linear_rows
 from pocketllm.profiling.scopes import scope
@@ -52,5 +53,5 @@ def projection_all_reduce_overlapped(
     # already waited for each slice inside its tp_all_reduce scope).
     with scope("tp_wait", site):
         for work in works:
-            work.wait()
+            waiting.wait(work)
     return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pocketllm.distributed import waiting
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.profiling.scopes import scope
 
@@ -36,7 +37,7 @@ def all_reduce_(t: torch.Tensor, site: str) -> None:
     COUNTER.add(site)
     with scope("tp_all_reduce", site) as timed:
         timed.wait_for_peers()
-        dist.all_reduce(t)
+        waiting.wait(dist.all_reduce(t, async_op=True))
 
 
 def all_reduce_async_(t: torch.Tensor, site: str):
@@ -67,10 +68,10 @@ def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
         return t
     parts = [torch.empty_like(t) for _ in range(_TP.world)]
     with scope("tp_all_gather"):
-        dist.all_gather(parts, t.contiguous())
+        waiting.wait(dist.all_gather(parts, t.contiguous(), async_op=True))
     return torch.cat(parts, dim=-1)
 
 
 def broadcast_(t: torch.Tensor, src: int = 0) -> None:
     if _TP.world > 1:
-        dist.broadcast(t, src)
+        waiting.wait(dist.broadcast(t, src, async_op=True))

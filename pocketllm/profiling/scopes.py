@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+from pocketllm.distributed import waiting
+
 # The scope that is the whole forward pass; shares are fractions of its inclusive time and
 # its own exclusive time is reported as "other".
 STACK = "STACK"
@@ -85,7 +87,7 @@ class _Scope:
         """Called with an async collective's work handle inside its scope: a synchronising
         recorder waits for it here, so the scope's time is the collective's own."""
         if self.recorder.settle_collectives and work is not None:
-            work.wait()
+            waiting.wait(work)
 
     def wait_for_peers(self) -> None:
         """Called inside a collective's scope before it starts. With skew split on, wait here for
