@@ -12,6 +12,7 @@ import time
 import torch
 
 from pocketllm.device import allowed_cpus, setup_device
+from pocketllm.distributed import waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
@@ -115,6 +116,7 @@ def run_settings(args, plan, device) -> dict:
         "device": device.describe(),
         "backend": device.backend if tp().world > 1 else None,
         "threads_per_rank": torch.get_num_threads(),
+        "polls_collectives": waiting.polling(),
     }
 
 
