@@ -27,7 +27,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Settings a developer may have exported that would change what a command does; every CLI call a
 # test makes, in a subprocess or in this process, runs without them.
-UNSET_FOR_CLI = ("QWEN_COMM_OVERLAP_SLICES", "QWEN_COMM_OVERLAP_PIN", "QWEN_GDN_KERNEL", "POCKETLLM_POLL_COLLECTIVES")
+UNSET_FOR_CLI = (
+    "QWEN_COMM_OVERLAP_SLICES",
+    "QWEN_COMM_OVERLAP_PIN",
+    "QWEN_COMM_OVERLAP_CALIBRATION",
+    "QWEN_GDN_KERNEL",
+    "QWEN_PHASE_PROFILE",
+    "QWEN_HOST_PROFILE",
+    "POCKETLLM_PIN_CPUS",
+    "POCKETLLM_POLL_COLLECTIVES",
+)
 
 
 def cli_env(**extra) -> dict:
@@ -39,10 +48,11 @@ def cli_env(**extra) -> dict:
     return env
 
 
-def run_cli(*args, timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """`python -m pocketllm ARGS`; a hang fails the test at `timeout` seconds."""
+def run_cli(*args, timeout: float = 120, env: dict | None = None, cwd=None, **run_kwargs) -> subprocess.CompletedProcess:
+    """`python -m pocketllm ARGS`; a hang fails the test at `timeout` seconds. Other keywords go
+    to subprocess.run (preexec_fn, say)."""
     cmd = [sys.executable, "-m", "pocketllm", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd, **run_kwargs)
 
 
 def result_fields(stdout: str) -> dict[str, str]:
@@ -92,6 +102,9 @@ def usage_error_in_process(capsys, *argv) -> str:
     handlers, level = list(root.handlers), root.level
     try:
         rc = cli.main([str(a) for a in argv])
+    except SystemExit as exc:
+        # argparse refuses a flag by exiting from inside main().
+        rc = exc.code
     finally:
         torch.set_num_threads(threads)
         root.handlers[:] = handlers

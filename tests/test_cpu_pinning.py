@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -30,10 +28,11 @@ def test_cpu_shares(world, cpus, expected):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"tp{w}")
-def test_bench_ranks_run_on_their_share_of_the_cores(world, tmp_path):
+@pytest.mark.parametrize("world,pin", [(1, "1"), (2, "1"), (2, "0")], ids=["tp1", "tp2", "tp2-unpinned"])
+def test_bench_ranks_run_on_their_share_of_the_cores(world, pin, tmp_path):
     out = tmp_path / "r.json"
-    r = run_cli("bench", "--preset", "tiny", "--tp-world", world, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out)
+    r = run_cli("bench", "--preset", "tiny", "--tp-world", world, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out,
+                env=cli_env(POCKETLLM_PIN_CPUS=pin))
     assert r.returncode == 0, r.stderr
     settings = json.loads(out.read_text())["settings"]
     mine = allowed_cpus()
@@ -41,6 +40,10 @@ def test_bench_ranks_run_on_their_share_of_the_cores(world, tmp_path):
         # One rank is this command's own process: it keeps every core it was given.
         assert settings["cpus_per_rank"] == [mine]
         assert settings["threads_per_rank"] == len(mine)
+    elif pin == "0":
+        # Unpinned ranks may run anywhere and split the cores' count between them.
+        assert settings["cpus_per_rank"] == [mine] * world
+        assert settings["threads_per_rank"] == max(1, len(mine) // world)
     else:
         shares = cpu_shares(world, mine)
         assert settings["cpus_per_rank"] == shares
@@ -55,26 +58,14 @@ def test_launcher_splits_the_cores_it_was_given(tmp_path):
     # is how two launches are kept apart on one machine.
     first = allowed_cpus()[:1]
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "pocketllm", "bench", "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", "16",
-           "--max-new-tokens", "2", "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=cli_env(), preexec_fn=lambda: os.sched_setaffinity(0, first))
+    r = run_cli("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out,
+                preexec_fn=lambda: os.sched_setaffinity(0, first))
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["settings"]["cpus_per_rank"] == [first, first]
 
 
-@pytest.mark.timeout(120)
-def test_pinning_can_be_turned_off(tmp_path):
-    out = tmp_path / "r.json"
-    r = run_cli("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out,
-                env=cli_env(POCKETLLM_PIN_CPUS="0"))
-    assert r.returncode == 0, r.stderr
-    settings = json.loads(out.read_text())["settings"]
-    mine = allowed_cpus()
-    assert settings["cpus_per_rank"] == [mine, mine]
-    assert settings["threads_per_rank"] == max(1, len(mine) // 2)
-
-
-def test_bad_pin_switch_is_a_usage_error(capsys, no_ranks, monkeypatch):
-    monkeypatch.setenv("POCKETLLM_PIN_CPUS", "maybe")
+@pytest.mark.parametrize("switch", ["POCKETLLM_PIN_CPUS", "POCKETLLM_POLL_COLLECTIVES"])
+def test_a_bad_launcher_switch_is_a_usage_error(switch, capsys, no_ranks, monkeypatch):
+    monkeypatch.setenv(switch, "maybe")
     line = usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--tp-world", "2")
-    assert "POCKETLLM_PIN_CPUS='maybe' is not a switch" in line, line
+    assert f"{switch}='maybe' is not a switch" in line, line

@@ -44,7 +44,6 @@ def test_large_cpu_zeros_are_zeros_on_an_aligned_mapping(dtype):
     assert t.untyped_storage().nbytes() == t.numel() * t.element_size() + host_memory.HUGE_PAGE
     t.fill_(3)
     assert bool((t == 3).all())
-    assert mapping_of(t) is not None
 
 
 @pytest.mark.skipif(not THP_BUILT, reason="kernel built without transparent huge pages: madvise(MADV_HUGEPAGE) is refused")
