@@ -1,11 +1,11 @@
-"""The chunked gated delta rule at two chunk sizes, interleaved, over several sequence lengths:
-the measurement behind DEFAULT_CHUNK_SIZE.
+"""The chunked gated delta rule at several chunk sizes, interleaved, over several sequence
+lengths: the measurement behind DEFAULT_CHUNK_SIZE.
 
     python benchmarks/chunk_size.py [--sizes 32,64] [--lengths 128,512,4096] [--threads 2]
 
 Inputs are gdn-bench's (one TP=4 rank of the 27B shape by default: 4 key / 12 value heads, head
-dim 128, fp32). Each length is timed for about as many reps as fit in a few seconds, every size
-once per rep; prints the median ms per size and each size's time over the first size's.
+dim 128, fp32). Each length is timed max(5, 20000 // tokens) reps, every size once per rep; prints
+the ms per size as median (min..max) and each size's median over the first size's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from common import spread
 from pocketllm.bench.gdn_bench import make_inputs
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 
@@ -32,8 +33,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"threads={args.threads} Hk={args.key_heads} Hv={args.value_heads} D={args.head_dim} fp32; median ms")
-    print(f"{'tokens':>7} {'reps':>5}" + "".join(f"{f'chunk {c}':>12}" for c in sizes) + "".join(f"{f'{c}/{sizes[0]}':>9}" for c in sizes[1:]))
+    print(f"threads={args.threads} Hk={args.key_heads} Hv={args.value_heads} D={args.head_dim} fp32; ms, median (min..max)")
+    print(f"{'tokens':>7} {'reps':>5}" + "".join(f"{f'chunk {c}':>26}" for c in sizes) + "".join(f"{f'{c}/{sizes[0]}':>9}" for c in sizes[1:]))
     for T in (int(n) for n in args.lengths.split(",")):
         x = make_inputs(T, args.key_heads, args.value_heads, args.head_dim, torch.float32)
         reps = max(5, 20000 // T)
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
                 gated_delta_rule_chunked(*x, chunk_size=c)
                 times[c].append(1e3 * (time.perf_counter() - t0))
         med = {c: statistics.median(times[c]) for c in sizes}
-        print(f"{T:>7} {reps:>5}" + "".join(f"{med[c]:>12.2f}" for c in sizes) + "".join(f"{med[c] / med[sizes[0]]:>9.2f}" for c in sizes[1:]))
+        print(f"{T:>7} {reps:>5}" + "".join(f"{spread(times[c], 2):>26}" for c in sizes) + "".join(f"{med[c] / med[sizes[0]]:>9.2f}" for c in sizes[1:]))
     return 0
 
 

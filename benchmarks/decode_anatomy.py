@@ -1,18 +1,19 @@
 """Where a decode step's time goes, beyond the weight bytes it has to read.
 
 One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, it times:
-- the real decode step, and the same with its weights moved from huge pages to plain 4 KiB pages
-  (torch's own allocation; pocketllm.host_memory says why the engine avoids it);
+- the real decode step, and the same with its weights copied to torch's own allocation, which is
+  plain 4 KiB pages where THP is `madvise` or `never` (pocketllm.host_memory says why the engine
+  avoids it; with THP `always` torch's memory may get huge pages too);
 - the same step with every single-row GEMV replaced by a ready output (the rest of the step);
 - a step cut down to its GEMVs alone (the engine's GEMV over the model's own weights), the same
   with F.linear instead of torch.mv, and with torch.mv off oneDNN (torch's native kernel), all
-  three timed alike (vs_transformers.gemv_only_step_seconds);
-- the same matrices in fp32, on huge pages, summed one op at a time, against one 1 GiB fp32 sum
-  (the read bandwidth the streaming limit uses);
-and, for context, one-row ops alone and right after a GEMV has streamed a weight (in turn, up to 8
-of the model's weights of 12 MiB or more that take a hidden-size row, or every weight that takes
-one if none is that big) and right after a plain fp32 sum has streamed 1 to 128 MiB (whether the
-extra cost starts where the streamed bytes outgrow a core's L2), and the fixed cost of one small
+  three timed alike (common.gemv_only_step_seconds);
+- the same matrices in fp32, on huge pages, summed one op at a time.
+After the reps, once: one 1 GiB fp32 sum (the read bandwidth the streaming limit uses); and, for
+context, one-row ops alone and right after a GEMV has streamed a weight (in turn, up to 8 of the
+model's weights of 12 MiB or more that take a hidden-size row, or every weight that takes one if
+none is that big) and right after a plain fp32 sum has streamed 1 to 128 MiB (whether the extra
+cost starts where the streamed bytes outgrow a core's L2); and the fixed cost of one small
 torch.mv with and without oneDNN.
 
     python benchmarks/decode_anatomy.py [--ckpt DIR | --preset small] [--steps 32] [--reps 5]
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from pocketllm import host_memory
 from pocketllm.model_args import parse_dtype
-from vs_transformers import PocketRunner, checkpoint_dir, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread
+from common import PocketRunner, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread, tensor_bytes
 
 
 def parse_args(argv=None):
@@ -62,7 +63,11 @@ class ReadyGemvs:
     def _fake(self, x, w, out=None):
         if x.shape[0] != 1:
             return self.real(x, w, out)
-        ready = self.outputs.setdefault(w.shape[0], 0.1 * torch.randn(1, w.shape[0], dtype=w.dtype))
+        # Made once per shape: the stand-in must cost nothing per call (setdefault would build a
+        # random tensor on every call only to drop it).
+        ready = self.outputs.get(w.shape[0])
+        if ready is None:
+            ready = self.outputs[w.shape[0]] = 0.1 * torch.randn(1, w.shape[0], dtype=w.dtype)
         if out is None:
             return ready
         return out.copy_(ready)
@@ -143,6 +148,8 @@ def main(argv=None) -> int:
     runner = PocketRunner(checkpoint_dir(args), dtype)
     model = runner.engine.model
     weights = projection_weights(model)
+    # Before the fp32 copies below, which are on huge pages too: this is the engine's own.
+    huge_mib = huge_page_mib()
     weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w) for w in weights]
     prompt = list(range(1, 33))
     ready = ReadyGemvs()
@@ -163,23 +170,25 @@ def main(argv=None) -> int:
         ms["fp32 sums alone"].append(1e3 * sum_one_at_a_time_seconds(weights_f32))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    # The fp32 row reads the fp32 copies: 4 bytes a weight, whatever --dtype is.
-    f32_bytes = sum(w.numel() * w.element_size() for w in weights_f32)
+    # A whole step reads every weight but the embedding table; the GEMV rows read the GEMV
+    # weights alone; the fp32 row reads the fp32 copies, 4 bytes a weight whatever --dtype is.
+    step_bytes = decode_weight_bytes(model)
+    gemv_bytes = tensor_bytes(weights)
+    f32_bytes = tensor_bytes(weights_f32)
     bandwidths = read_bandwidths_gbps()
     bandwidth = max(bandwidths.values())
     print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} steps={args.steps}; "
-          f"{len(weights)} GEMV weights, {weight_bytes / 2**20:.1f} MiB per step; "
-          f"{huge_page_mib():.0f} MiB of the process on huge pages")
+          f"{step_bytes / 2**20:.1f} MiB of weights per step, {gemv_bytes / 2**20:.1f} of them in "
+          f"{len(weights)} GEMV weights; {huge_mib:.0f} MiB of the engine's process on huge pages")
     print(f"{'per decode step':<24}{'ms, median (min..max)':>28}{'GB/s of weights':>18}")
     for name, xs in ms.items():
-        nbytes = f32_bytes if name.startswith("fp32") else weight_bytes
+        nbytes = f32_bytes if name.startswith("fp32") else step_bytes if name.startswith(("real", "step,")) else gemv_bytes
         rate = "" if name == "step, GEMVs ready" else f"{nbytes / statistics.median(xs) / 1e6:.1f}"
         print(f"{name:<24}{spread(xs, 2):>28}{rate:>18}")
     print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s, the read bandwidth of the streaming limit ("
           + ", ".join(f"{v:.1f} on {k}" for k, v in bandwidths.items()) + ")")
     rest = statistics.median(ms["real step"]) - statistics.median(ms["GEMVs alone (mv)"])
-    print(f"real step minus GEMVs alone: {rest:.2f} ms; the step with GEMVs ready: "
+    print(f"real step minus GEMVs alone (medians of per-rep figures: a step averaged over --steps, one GEMV-only pass after a warm-up): {rest:.2f} ms; the step with GEMVs ready: "
           f"{statistics.median(ms['step, GEMVs ready']):.2f} ms")
 
     h = torch.randn(1, model.cfg.hidden_size, dtype=dtype)
@@ -198,12 +207,13 @@ def main(argv=None) -> int:
     # Whether that cost is the streamed bytes pushing the op's code and data out of the core's
     # L2: it should appear once a plain fp32 sum streams more than the L2 holds.
     streams = {mib: torch.ones(mib * 2**20 // 4) for mib in (1, 2, 4, 8, 32, 128)}
+    l2 = l2_cache_text()
     for name, op in ops:
         cells = []
         for mib, buf in streams.items():
             alone, after = after_us(op, lambda i: buf.sum())
             cells.append(f"{mib} MiB: {after - alone:.1f}")
-        print(f"{name}, extra us right after an fp32 sum streams (L2 per core {l2_cache_text()}): " + ", ".join(cells))
+        print(f"{name}, extra us right after an fp32 sum streams (L2 per core {l2}): " + ", ".join(cells))
     del streams
     small, x = torch.randn(64, model.cfg.hidden_size, dtype=dtype), torch.randn(model.cfg.hidden_size, dtype=dtype)
     onednn = median_us(lambda: torch.mv(small, x))

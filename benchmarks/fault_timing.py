@@ -1,18 +1,21 @@
 """Time from an injected rank fault to the launcher's error line and to its exit.
 
-    python benchmarks/fault_timing.py [runs, default 5]
+    python benchmarks/fault_timing.py [--runs 5]
 
 Each case starts `pocketllm generate --preset tiny` with POCKETLLM_FAULT set, and times from the
-fault's note on stderr (the rank dies right after printing it) to the launcher's error line and
-to the launcher's exit; prints min / median / max per case.
+fault's note on stderr (a killed rank dies right after printing it; a hung one sleeps, and the
+error comes when a peer's collective times out) to the launcher's error line and to the
+launcher's exit; prints median (min..max) per case.
 """
 
+import argparse
 import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
+
+from common import spread
 
 PROMPT = ",".join(str((7 * i + 3) % 997) for i in range(40))
 
@@ -33,12 +36,10 @@ def one(world, fault, timeout):
     return error_t - fault_t, end - fault_t, lines[-1][1].strip()
 
 
-def summary(xs):
-    return f"min {min(xs):.2f} / median {statistics.median(xs):.2f} / max {max(xs):.2f} s"
-
-
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5, help="runs per case (default 5)")
+    n = p.parse_args().runs
     cases = [
         ("kill rank 1 of 2 at prefill", 2, "rank=1,at=prefill,kind=kill", 30),
         ("kill rank 3 of 4 at decode", 4, "rank=3,at=decode,kind=kill", 30),
@@ -47,6 +48,6 @@ if __name__ == "__main__":
     for name, world, fault, timeout in cases:
         runs = [one(world, fault, timeout) for _ in range(n)]
         print(f"{name} ({n} runs)")
-        print(f"  fault -> launcher's error line: {summary([r[0] for r in runs])}")
-        print(f"  fault -> launcher exits:        {summary([r[1] for r in runs])}")
+        print(f"  fault -> launcher's error line: {spread([r[0] for r in runs], 2)} s")
+        print(f"  fault -> launcher exits:        {spread([r[1] for r in runs], 2)} s")
         print(f"  last line: {runs[-1][2]}")

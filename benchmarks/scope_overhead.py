@@ -21,7 +21,7 @@ import tempfile
 import timeit
 from pathlib import Path
 
-from vs_transformers import run_bench_json
+from common import run_bench_json, spread
 
 REPO = Path(__file__).resolve().parents[1]
 _IMPORT = re.compile(r"^from pocketllm\.profiling\.scopes import (.+)$", re.MULTILINE)
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         pre = [r["prefill_tokens_per_s"] for r in runs]
         dec = [r["decode_tokens_per_s"] for r in runs]
         medians[name] = (statistics.median(pre), statistics.median(dec))
-        print(f"  {name:22s} prefill TPS {medians[name][0]:8.1f} ({min(pre):.1f}..{max(pre):.1f})   decode TPS {medians[name][1]:7.2f} ({min(dec):.2f}..{max(dec):.2f})")
+        print(f"  {name:22s} prefill TPS {spread(pre)}   decode TPS {spread(dec, 2)}")
     (p_on, d_on), (p_off, d_off) = medians.values()
     print(json.dumps({"prefill_ratio_with_to_without": round(p_on / p_off, 4), "decode_ratio_with_to_without": round(d_on / d_off, 4)}))
     return 0

@@ -14,7 +14,7 @@ import argparse
 import statistics
 import sys
 
-from vs_transformers import run_bench_json, spread
+from common import run_bench_json, spread
 
 
 def bench(world: int, switch: str, on: bool, bench_args: list[str]) -> dict:

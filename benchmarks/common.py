@@ -1,0 +1,148 @@
+"""What the benchmarks here share: the engine as one runner, the figures a decode step is measured
+against (its weight bytes, the machine's read bandwidth, a step of GEMVs alone), a checkpoint to
+run on, `pocketllm bench --json` in a fresh process, and median (min..max) formatting."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from pocketllm.commands.bench import timed_prefill
+
+
+def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:
+    """Memory read bandwidth: {"huge pages": GB/s, "plain pages": GB/s}, each the best of `reps`
+    full fp32 sums over a buffer far beyond cache, interleaved. The streaming limit takes the
+    faster: the engine keeps its weights on huge pages where the kernel allows."""
+    from pocketllm import host_memory
+
+    n = mib * 2**20 // 4
+    buffers = {"huge pages": host_memory.zeros((n,), torch.float32).fill_(1), "plain pages": torch.ones(n, dtype=torch.float32)}
+    best = dict.fromkeys(buffers, float("inf"))
+    for _ in range(reps):
+        for name, x in buffers.items():
+            t0 = time.perf_counter()
+            x.sum()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: n * 4 / seconds / 1e9 for name, seconds in best.items()}
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter except the embedding table, of
+    which a step reads one row (a tied head reads it whole, as the head)."""
+    total = 0
+    # named_parameters lists a tied head's shared weight once.
+    for name, p in model.named_parameters():
+        if "embed" in name and not model.cfg.tie_word_embeddings:
+            total += p.shape[-1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def projection_weights(model) -> list[torch.Tensor]:
+    """Every weight a decode step reads through a GEMV: the projections, then the head."""
+    from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return weights + [model.lm_head.weight]
+
+
+def gemv_only_step_seconds(model, reps: int = 5, op=None) -> float:
+    """A decode step cut down to its GEMVs: op(x, w) for a single row x over the model's own
+    projection and head weights, in module order, and nothing else; best of `reps` passes after
+    one warm-up pass. `op` defaults to the engine's single-row GEMV (pocketllm.ops.gemm), which
+    makes this the fastest a step can be with that GEMV on this machine, whatever else is fused;
+    any other op (decode_anatomy passes F.linear) is timed the same way, so the figures compare."""
+    if op is None:
+        from pocketllm.ops.gemm import linear_rows as op
+
+    weights = projection_weights(model)
+    rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+    best = float("inf")
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        for x, w in zip(rows, weights):
+            op(x, w)
+        if i:  # pass 0 is the warm-up
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def checkpoint_dir(args) -> str:
+    """--ckpt, or --preset written as a checkpoint in a temporary directory, removed when the
+    process exits: both engines (and every benchmark here) read the same safetensors."""
+    if args.ckpt is not None:
+        return args.ckpt
+    from pocketllm.cli import main as cli
+
+    ckpt = tempfile.mkdtemp(prefix="pocketllm-bench-")
+    atexit.register(shutil.rmtree, ckpt, ignore_errors=True)
+    cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
+    return ckpt
+
+
+def run_bench_json(bench_args: list[str], env: dict[str, str] | None = None, cwd=None) -> dict:
+    """`python -m pocketllm bench *bench_args --json FILE` in a fresh process, and FILE's contents.
+
+    `env` holds variables set over this process's environment; `cwd` is where the command runs,
+    which also decides which tree `-m pocketllm` imports (the working directory comes first on
+    sys.path). A failed run ends this process with the bench's last line of stderr."""
+    with tempfile.TemporaryDirectory(prefix="pocketllm-bench-json-") as tmp:
+        path = f"{tmp}/bench.json"
+        cmd = [sys.executable, "-m", "pocketllm", "bench", *bench_args, "--json", path]
+        r = subprocess.run(cmd, check=False, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True)
+        if r.returncode != 0:
+            lines = r.stderr.strip().splitlines()
+            raise SystemExit(f"pocketllm bench failed: {lines[-1]}" if lines else f"pocketllm bench failed with exit code {r.returncode} and no message")
+        with open(path) as f:
+            return json.load(f)
+
+
+class PocketRunner:
+    name = "pocketllm"
+
+    def __init__(self, ckpt: str, dtype: torch.dtype):
+        from pocketllm.config import load_config
+        from pocketllm.distributed.policy import RulePolicy
+        from pocketllm.distributed.state import set_tp
+        from pocketllm.engine.runner import Engine
+        from pocketllm.loader.checkpoint import CheckpointReader
+
+        set_tp(0, 1)
+        cfg = load_config(ckpt)
+        self.engine = Engine(cfg, CheckpointReader(ckpt), dtype, torch.device("cpu"), RulePolicy())
+
+    def prefill(self, ids: list[int]) -> float:
+        return timed_prefill(self.engine, ids, _no_sync, room=1)[0]
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+        _, logits = timed_prefill(self.engine, ids, _no_sync, room=n + 1)
+        token = int(torch.argmax(logits))
+        out = [token]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            token = int(torch.argmax(self.engine.decode(token)))
+            out.append(token)
+        return time.perf_counter() - t0, out
+
+
+def _no_sync() -> None:
+    """CPU ops are synchronous: nothing to wait for around a timing."""
+
+
+def spread(xs: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(xs):{7 + digits}.{digits}f} ({min(xs):.{digits}f}..{max(xs):.{digits}f})"
