@@ -25,7 +25,7 @@ from common import run_bench_json, spread
 
 REPO = Path(__file__).resolve().parents[1]
 _IMPORT = re.compile(r"^from pocketllm\.profiling\.scopes import (.+)$", re.MULTILINE)
-_WITH = re.compile(r"^(\s*)with scope\(.*\)( as \w+)?:\s*$")
+_WITH = re.compile(r"^(\s*)with scope\(.*\)( as \w+)?:\s*$", re.MULTILINE)
 _TIMED = re.compile(r"^\s*timed\.(settle|wait_for_peers)\(")
 
 
@@ -40,7 +40,13 @@ def _strip_once(lines: list[str]) -> list[str]:
                 out.append(lines[i][4:] if lines[i].strip() else lines[i])
                 i += 1
             continue
-        if "from pocketllm.profiling.scopes import scope" not in lines[i] and not _TIMED.match(lines[i]):
+        imported = _IMPORT.match(lines[i])
+        if imported:
+            # Only `scope` leaves the import; any other name it brings stays.
+            rest = [n.strip() for n in imported.group(1).split(",") if n.strip() != "scope"]
+            if rest:
+                out.append(f"from pocketllm.profiling.scopes import {', '.join(rest)}\n")
+        elif not _TIMED.match(lines[i]):
             out.append(lines[i])
         i += 1
     return out
@@ -69,6 +75,11 @@ def stripped_tree(dest: Path) -> Path:
         if "scope(" in text:
             raise SystemExit(f"could not strip every scope from {rel}")
         path.write_text(text)
+    # A scope in a module the import pattern missed (a parenthesised import, say) would stay in
+    # both trees and hide its cost: refuse rather than measure that.
+    left = [p.relative_to(dest).as_posix() for p in (dest / "pocketllm").rglob("*.py") if _WITH.search(p.read_text())]
+    if left:
+        raise SystemExit(f"scopes left in the stripped copy: {', '.join(left)}")
     return dest
 
 
