@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import assert_usage_error, cli_env, free_port, result_fields, run_cli
+from conftest import free_port, result_fields, run_cli, usage_error_in_process
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
 from pocketllm.distributed.policy import PinnedPolicy, RulePolicy, comm_overlap_slices_for_rows, resolve_policy
@@ -113,8 +113,10 @@ def test_pin_overrides_ceiling_with_a_note():
         (["--rows", "0"], {}, "--rows: 0 must be a positive integer"),
     ],
 )
-def test_knob_errors_exit_2(args, env, message):
-    line = assert_usage_error(run_cli("policy", *args, env=cli_env(**env), timeout=60))
+def test_knob_errors_exit_2(args, env, message, capsys, no_ranks, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = usage_error_in_process(capsys, "policy", *args)
     assert line == "pocketllm: error: " + message
 
 
