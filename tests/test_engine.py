@@ -8,6 +8,7 @@ import torch
 
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
+from pocketllm.engine.generate import generate
 from pocketllm.engine.runner import Engine
 from pocketllm.loader import random_weights
 from pocketllm.loader.random_weights import RandomWeights, random_tensor
@@ -56,6 +57,21 @@ def test_new_sequence_forgets_the_previous_one(engine):
     engine.prefill(ids(40, offset=11))
     engine.start_sequence(40)
     torch.testing.assert_close(engine.prefill(ids(40, offset=3)), first, atol=0, rtol=0)
+
+
+def test_prompt_logits_come_from_the_one_prefill(engine, monkeypatch):
+    # --logits-out used to run the prompt a second time; now the generation's own prefill hands
+    # its every-row logits over, and the tokens are those of a plain generation.
+    prompt = ids(20, offset=5).tolist()
+    plain = generate(engine, prompt, 4)
+    prefills, seen = [], []
+    real_prefill = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda x, **kw: prefills.append(len(x)) or real_prefill(x, **kw))
+    tokens = generate(engine, prompt, 4, prompt_logits=seen.append)
+    assert prefills == [20] and tokens == plain
+    assert seen[0].shape == (20, engine.cfg.vocab_size)
+    engine.start_sequence(20)
+    torch.testing.assert_close(seen[0], real_prefill(torch.tensor(prompt), all_logits=True), atol=0, rtol=0)
 
 
 def test_pass_accounting_at_world_one(engine):

@@ -42,12 +42,13 @@ def _prepare(args, plan):
 
 def _work(args, plan, ids, engine, device) -> int:
     eos = () if args.ignore_eos else plan.cfg.eos_token_ids
-    if args.logits_out:
-        engine.start_sequence(len(ids))
-        logits = engine.prefill(torch.tensor(ids, dtype=torch.long), all_logits=True)
+
+    def save_prompt_logits(logits: torch.Tensor) -> None:
         if tp().rank == 0:
             save_file({"logits": logits.cpu().contiguous()}, args.logits_out)
-    out = generate(engine, ids, args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed), eos)
+
+    sampling = SamplingParams(args.temperature, args.top_p, args.seed)
+    out = generate(engine, ids, args.max_new_tokens, sampling, eos, save_prompt_logits if args.logits_out else None)
     if tp().rank == 0:
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
         if args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():

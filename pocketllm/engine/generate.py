@@ -3,6 +3,7 @@ broadcast, so every rank always feeds the same token to the next step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +55,21 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
     eos_ids: tuple[int, ...] = (),
+    prompt_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> list[int]:
-    """Prefill the prompt, then decode up to max_new_tokens, stopping after an eos id."""
+    """Prefill the prompt, then decode up to max_new_tokens, stopping after an eos id.
+    prompt_logits, when given, receives every prompt position's logits [T, V] from that same
+    prefill (the head then runs on every row instead of the last only, so the first token comes
+    from a [T, V] GEMM rather than a GEMV: equal up to rounding)."""
     engine.start_sequence(len(prompt) + max_new_tokens)
     sampler = Sampler(sampling)
-    logits = engine.prefill(torch.tensor(prompt, dtype=torch.long))
+    ids = torch.tensor(prompt, dtype=torch.long)
+    if prompt_logits is None:
+        logits = engine.prefill(ids)
+    else:
+        every = engine.prefill(ids, all_logits=True)
+        prompt_logits(every)
+        logits = every[-1]
     out: list[int] = []
     while len(out) < max_new_tokens:
         token = sampler(logits)
