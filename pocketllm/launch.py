@@ -226,8 +226,8 @@ def spawn_local_ranks(world: int, argv: list[str]) -> int:
     # The launcher splits the cores it may run on among its ranks; to run two launches side by
     # side, give each its own cores (taskset -c).
     pin = hasattr(os, "sched_setaffinity") and env_switch(os.environ, ENV_PIN_CPUS, default=True)
-    # Checked here so that a bad value starts no rank; each rank reads it again for its backend.
-    waiting.polls_on("gloo")
+    # Read here only so that a bad value starts no rank; each rank reads it for its own backend.
+    env_switch(os.environ, waiting.ENV_POLL, default=True)
     shares = cpu_shares(world, allowed_cpus()) if pin else [None] * world
     rdzv_dir = rendezvous.private_dir()
     procs: list[subprocess.Popen] = []
