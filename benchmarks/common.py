@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pocketllm.commands.bench import timed_prefill
+from pocketllm.commands.bench import timed_greedy_decode, timed_prefill
 
 
 def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:
@@ -131,13 +131,9 @@ class PocketRunner:
 
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
         _, logits = timed_prefill(self.engine, ids, _no_sync, room=n + 1)
-        token = int(torch.argmax(logits))
-        out = [token]
-        t0 = time.perf_counter()
-        for _ in range(n):
-            token = int(torch.argmax(self.engine.decode(token)))
-            out.append(token)
-        return time.perf_counter() - t0, out
+        first = int(torch.argmax(logits))
+        seconds, rest = timed_greedy_decode(self.engine, first, n, _no_sync)
+        return seconds, [first] + rest
 
 
 def _no_sync() -> None:

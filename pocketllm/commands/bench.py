@@ -48,18 +48,25 @@ def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, t
     return time.perf_counter() - t0, logits
 
 
+def timed_greedy_decode(engine, token: int, steps: int, sync) -> tuple[float, list[int]]:
+    """Seconds of `steps` greedy decode steps fed from `token`, device-synchronised at both ends,
+    and the tokens they chose."""
+    chosen = []
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = int(torch.argmax(engine.decode(token)))
+        chosen.append(token)
+    sync()
+    return time.perf_counter() - t0, chosen
+
+
 def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
     """One timed prefill and `new_tokens` timed greedy decode steps from a fresh sequence."""
     prefill_s, logits = timed_prefill(engine, ids, sync, room=new_tokens)
     collectives = sum(engine.last_collectives.values())
     slices = engine.last_slices
-    token = int(torch.argmax(logits))
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        token = int(torch.argmax(engine.decode(token)))
-    sync()
-    decode_s = time.perf_counter() - t0
+    decode_s, _ = timed_greedy_decode(engine, int(torch.argmax(logits)), new_tokens, sync)
     return {
         "prefill_seconds": prefill_s,
         "prefill_tokens": len(ids),
