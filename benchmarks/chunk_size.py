@@ -4,8 +4,9 @@ lengths: the measurement behind DEFAULT_CHUNK_SIZE.
     python benchmarks/chunk_size.py [--sizes 32,64] [--lengths 128,512,4096] [--threads 2]
 
 Inputs are gdn-bench's (one TP=4 rank of the 27B shape by default: 4 key / 12 value heads, head
-dim 128, fp32). Each length is timed max(5, 20000 // tokens) reps, every size once per rep; prints
-the ms per size as median (min..max) and each size's median over the first size's.
+dim 128, fp32). Each length is timed max(5, 20000 // tokens) reps, every size once per rep (the
+order reversed every other rep); prints the ms per size as median (min..max) and each size's
+median over the first size's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from common import spread
+from common import alternate, spread
 from pocketllm.bench.gdn_bench import make_inputs
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 
@@ -41,8 +42,8 @@ def main(argv=None) -> int:
         times = {c: [] for c in sizes}
         for c in sizes:
             gated_delta_rule_chunked(*x, chunk_size=c)
-        for _ in range(reps):
-            for c in sizes:
+        for rep in range(reps):
+            for c in alternate(sizes, rep):
                 t0 = time.perf_counter()
                 gated_delta_rule_chunked(*x, chunk_size=c)
                 times[c].append(1e3 * (time.perf_counter() - t0))

@@ -140,5 +140,13 @@ def _no_sync() -> None:
     """CPU ops are synchronous: nothing to wait for around a timing."""
 
 
+def alternate(items: list, rep: int) -> list:
+    """The order to run `items` in on repetition `rep`: as given on even reps, reversed on odd
+    ones, so that over an even number of reps each variant runs first as often as last and an
+    order effect (a warmer cache, a quieter moment right after a rep's progress line) falls on
+    both sides instead of on one."""
+    return list(items) if rep % 2 == 0 else list(reversed(items))
+
+
 def spread(xs: list[float], digits: int = 1) -> str:
     return f"{statistics.median(xs):{7 + digits}.{digits}f} ({min(xs):.{digits}f}..{max(xs):.{digits}f})"

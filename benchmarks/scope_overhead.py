@@ -1,6 +1,6 @@
 """What the profiling scopes cost when no profile is on: `pocketllm bench` on this tree against
-the same tree with every `with scope(...)` stripped out, interleaved rep-major, plus the cost of
-one disabled scope.
+the same tree with every `with scope(...)` stripped out, interleaved rep-major (the order reversed
+every other rep), plus the cost of one disabled scope.
 
     python benchmarks/scope_overhead.py [--reps 5] [bench flags, e.g. --preset small --tp-world 2]
 
@@ -21,7 +21,7 @@ import tempfile
 import timeit
 from pathlib import Path
 
-from common import run_bench_json, spread
+from common import alternate, run_bench_json, spread
 
 REPO = Path(__file__).resolve().parents[1]
 _IMPORT = re.compile(r"^from pocketllm\.profiling\.scopes import (.+)$", re.MULTILINE)
@@ -116,8 +116,8 @@ def main(argv=None) -> int:
         trees = {"scopes, profiles off": REPO, "scopes stripped": stripped_tree(Path(tmp))}
         results = {name: [] for name in trees}
         for rep in range(args.reps):
-            for name, tree in trees.items():
-                results[name].append(bench(tree, bench_args))
+            for name in alternate(list(trees), rep):
+                results[name].append(bench(trees[name], bench_args))
             print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
     print(f"pocketllm bench {' '.join(bench_args)}: {args.reps} reps interleaved, median (min..max)")
     medians = {}

@@ -1,5 +1,5 @@
 """`pocketllm bench` with an on/off environment switch on against the same run with it off,
-interleaved rep-major in fresh processes; prints prefill and decode tokens/s per world size and the
+interleaved rep-major in fresh processes (on first in even reps, off first in odd ones); prints prefill and decode tokens/s per world size and the
 on/off ratios. The switches it is for: POCKETLLM_PIN_CPUS (the launcher pins each rank to its share
 of the cores, the default) and POCKETLLM_POLL_COLLECTIVES (gloo ranks poll for a collective instead
 of blocking in it).
@@ -14,7 +14,7 @@ import argparse
 import statistics
 import sys
 
-from common import run_bench_json, spread
+from common import alternate, run_bench_json, spread
 
 
 def bench(world: int, switch: str, on: bool, bench_args: list[str]) -> dict:
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     cpus = {}
     for rep in range(args.reps):
         for w in worlds:
-            for on in (True, False):
+            for on in alternate([True, False], rep):
                 out = bench(w, args.switch, on, bench_args)
                 tps[(w, on, "prefill")].append(out["prefill_tokens_per_s"])
                 tps[(w, on, "decode")].append(out["decode_tokens_per_s"])

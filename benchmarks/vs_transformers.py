@@ -1,7 +1,7 @@
 """pocketllm against transformers on the same safetensors checkpoint, side by side in one process.
 
 Same checkpoint, dtype and thread count, TP=1, repetitions interleaved (every engine and length once
-per rep, in a fixed order). Prints prefill tokens/s at each prompt length and decode tokens/s over
+per rep, the engines' order reversed every other rep). Prints prefill tokens/s at each prompt length and decode tokens/s over
 --decode-tokens, as medians with min..max and as ratios; compares the greedy tokens; and prints the
 weight-streaming limit of a decode step (the weight bytes one step reads divided by the machine's
 measured memory read bandwidth) with pocketllm's share of it, and the rate of a step cut down to
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from common import PocketRunner, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread, tensor_bytes
+from common import PocketRunner, alternate, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread, tensor_bytes
 from pocketllm.model_args import parse_dtype
 
 
@@ -86,10 +86,11 @@ def main(argv=None) -> int:
     decode = {r.name: [] for r in runners}
     tokens = {}
     for rep in range(args.reps):
+        order = alternate(runners, rep)
         for n in lengths:
-            for r in runners:
+            for r in order:
                 prefill[(r.name, n)].append(n / r.prefill(prompts[n]))
-        for r in runners:
+        for r in order:
             seconds, toks = r.decode(decode_prompt, args.decode_tokens)
             decode[r.name].append(args.decode_tokens / seconds)
             tokens[r.name] = toks
