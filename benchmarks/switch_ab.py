@@ -1,8 +1,8 @@
 """`pocketllm bench` with an on/off environment switch on against the same run with it off,
-interleaved rep-major in fresh processes (on first in even reps, off first in odd ones); prints prefill and decode tokens/s per world size and the
-on/off ratios. The switches it is for: POCKETLLM_PIN_CPUS (the launcher pins each rank to its share
-of the cores, the default) and POCKETLLM_POLL_COLLECTIVES (gloo ranks poll for a collective instead
-of blocking in it).
+interleaved rep-major in fresh processes (on first in even reps, off first in odd ones); prints
+prefill and decode tokens/s per world size and the on/off ratios. The switches it is for:
+POCKETLLM_PIN_CPUS (the launcher pins each rank to its share of the cores, the default) and
+POCKETLLM_POLL_COLLECTIVES (gloo ranks poll for a collective instead of blocking in it).
 
     python benchmarks/switch_ab.py [--switch POCKETLLM_PIN_CPUS] [--worlds 2,4] [--reps 3]
         [bench flags, e.g. --preset small]

@@ -1,11 +1,11 @@
 """pocketllm against transformers on the same safetensors checkpoint, side by side in one process.
 
 Same checkpoint, dtype and thread count, TP=1, repetitions interleaved (every engine and length once
-per rep, the engines' order reversed every other rep). Prints prefill tokens/s at each prompt length and decode tokens/s over
---decode-tokens, as medians with min..max and as ratios; compares the greedy tokens; and prints the
-weight-streaming limit of a decode step (the weight bytes one step reads divided by the machine's
-measured memory read bandwidth) with pocketllm's share of it, and the rate of a step cut down to
-its GEMVs alone (what no fusion of the rest can beat).
+per rep, the engines' order reversed every other rep). Prints prefill tokens/s at each prompt length
+and decode tokens/s over --decode-tokens, as medians with min..max and as ratios; compares the
+greedy tokens; and prints the weight-streaming limit of a decode step (the weight bytes one step
+reads divided by the machine's measured memory read bandwidth) with pocketllm's share of it, and the
+rate of a step cut down to its GEMVs alone (what no fusion of the rest can beat).
 
     python benchmarks/vs_transformers.py [--ckpt DIR | --preset small] [--lengths 512,2048]
         [--decode-tokens 64] [--reps 3] [--dtype bfloat16] [--threads 2]
