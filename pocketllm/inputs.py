@@ -33,12 +33,13 @@ def read_token_ids_file(path: str) -> list[int]:
     return parse_token_ids(text, f"--token-ids-file {path}")
 
 
-def load_tokenizer(ckpt: str | None):
+def load_tokenizer(ckpt: str | None, flag: str = "--prompt", instead: str = "pass --token-ids instead"):
+    """The checkpoint's tokenizer.json, parsed; a usage error naming `flag` when there is none."""
     if ckpt is None:
-        raise UsageError("--prompt needs a checkpoint with tokenizer.json (--ckpt DIR); presets take --token-ids")
+        raise UsageError(f"{flag} needs a checkpoint with tokenizer.json (--ckpt DIR), and presets have none; {instead}")
     path = Path(ckpt) / "tokenizer.json"
     if not path.is_file():
-        raise UsageError(f"--prompt needs {path}, which does not exist; pass --token-ids instead")
+        raise UsageError(f"{flag} needs {path}, which does not exist; {instead}")
     return _read_tokenizer(str(path))
 
 

@@ -74,6 +74,15 @@ def test_prompt_logits_come_from_the_one_prefill(engine, monkeypatch):
     torch.testing.assert_close(seen[0], real_prefill(torch.tensor(prompt), all_logits=True), atol=0, rtol=0)
 
 
+def test_each_token_is_handed_over_before_the_step_it_feeds(engine, monkeypatch):
+    # What `generate --stream` prints by: token k arrives after k decode steps, not at the end.
+    decodes, seen = [], []
+    real_decode = engine.decode
+    monkeypatch.setattr(engine, "decode", lambda token: decodes.append(token) or real_decode(token))
+    tokens = generate(engine, ids(12, offset=2).tolist(), 5, on_token=lambda t: seen.append((t, len(decodes))))
+    assert seen == [(t, k) for k, t in enumerate(tokens)] and len(tokens) == 5
+
+
 def test_pass_accounting_at_world_one(engine):
     engine.start_sequence(8)
     engine.prefill(ids(8))

@@ -23,6 +23,7 @@ CASES = {
     "negative-pin": (["--token-ids", "1", "--pin-slices", "-1"], "--pin-slices must be a non-negative integer, got -1"),
     "text-pin": (["--token-ids", "1", "--pin-slices", "two"], "--pin-slices must be a non-negative integer, got 'two'"),
     "prompt-without-tokenizer": (["--prompt", "hello"], "--prompt needs a checkpoint with tokenizer.json"),
+    "stream-without-tokenizer": (["--token-ids", "1", "--stream"], "--stream needs a checkpoint with tokenizer.json"),
 }
 
 
@@ -53,6 +54,22 @@ def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path):
     assert by_file.returncode == 0 and by_text.returncode == 0, by_file.stderr + by_text.stderr
     assert by_file.stdout.splitlines()[0] == by_text.stdout.splitlines()[0]
     assert len(by_text.stdout.splitlines()) == 2
+
+
+def test_stream_needs_the_checkpoints_tokenizer(ckpt_copy, capsys, no_ranks):
+    (ckpt_copy / "tokenizer.json").unlink()
+    line = usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--token-ids", "1,2", "--stream", "--tp-world", "2")
+    assert f"--stream needs {ckpt_copy / 'tokenizer.json'}, which does not exist" in line, line
+
+
+def test_streamed_text_is_the_decoded_output(tiny_ckpt):
+    # The tiny model's random tokens decode to bytes that are often not whole UTF-8 characters:
+    # what the stream holds back and finish() prints must add up to the plain run's text.
+    plain = run_cli("generate", "--ckpt", tiny_ckpt, "--prompt", "hello", "--max-new-tokens", 40)
+    streamed = run_cli("generate", "--ckpt", tiny_ckpt, "--prompt", "hello", "--max-new-tokens", 40, "--stream")
+    assert plain.returncode == 0 and streamed.returncode == 0, plain.stderr + streamed.stderr
+    ids_line, text = plain.stdout.split("\n", 1)
+    assert streamed.stdout == text + ids_line + "\n"
 
 
 @pytest.mark.timeout(30)

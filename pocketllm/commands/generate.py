@@ -27,6 +27,11 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (rank 0 draws, every rank takes its token)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's eos token")
     p.add_argument("--logits-out", help="also write the prompt's fp32 logits, every position, to this .safetensors file")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the text as each token is chosen (needs the checkpoint's tokenizer.json); the generated_ids= line follows it",
+    )
 
 
 def _prepare(args, plan):
@@ -37,7 +42,31 @@ def _prepare(args, plan):
     ids = prompt_ids(args, plan.cfg)
     if not ids:
         raise UsageError("give a prompt: --prompt TEXT, --token-ids 1,2,3 or --token-ids-file FILE")
+    if args.stream:
+        load_tokenizer(args.ckpt, "--stream", "leave --stream off to print the generated ids at the end")
     return ids
+
+
+class TextStream:
+    """Rank 0's text as tokens arrive: tokenizers' DecodeStream holds back a token that ends inside
+    a multi-byte character until the character completes; finish() prints what the whole output
+    decodes to beyond what was streamed (such a held-back tail), so the streamed text ends equal
+    to the tokenizer's decode of all the tokens."""
+
+    def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.stream, self.shown = tokenizer, DecodeStream(skip_special_tokens=True), ""
+
+    def __call__(self, token: int) -> None:
+        chunk = self.stream.step(self.tokenizer, token)
+        if chunk:
+            self.shown += chunk
+            print(chunk, end="", flush=True)
+
+    def finish(self, tokens: list[int]) -> None:
+        full = self.tokenizer.decode(tokens)
+        print(full[len(self.shown) :] if full.startswith(self.shown) else "", flush=True)
 
 
 def _work(args, plan, ids, engine, device) -> int:
@@ -47,9 +76,13 @@ def _work(args, plan, ids, engine, device) -> int:
         if tp().rank == 0:
             save_file({"logits": logits.cpu().contiguous()}, args.logits_out)
 
+    stream = TextStream(load_tokenizer(args.ckpt)) if args.stream and tp().rank == 0 else None
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
-    out = generate(engine, ids, args.max_new_tokens, sampling, eos, save_prompt_logits if args.logits_out else None)
-    if tp().rank == 0:
+    out = generate(engine, ids, args.max_new_tokens, sampling, eos, save_prompt_logits if args.logits_out else None, stream)
+    if stream is not None:
+        stream.finish(out)
+        print("generated_ids=" + ",".join(map(str, out)), flush=True)
+    elif tp().rank == 0:
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
         if args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():
             print(load_tokenizer(args.ckpt).decode(out), flush=True)

@@ -56,11 +56,13 @@ def generate(
     sampling: SamplingParams = SamplingParams(),
     eos_ids: tuple[int, ...] = (),
     prompt_logits: Callable[[torch.Tensor], None] | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Prefill the prompt, then decode up to max_new_tokens, stopping after an eos id.
     prompt_logits, when given, receives every prompt position's logits [T, V] from that same
     prefill (the head then runs on every row instead of the last only, so the first token comes
-    from a [T, V] GEMM rather than a GEMV: equal up to rounding)."""
+    from a [T, V] GEMM rather than a GEMV: equal up to rounding). on_token, when given, receives
+    each token as soon as it is chosen, before the step that feeds it (on every rank)."""
     engine.start_sequence(len(prompt) + max_new_tokens)
     sampler = Sampler(sampling)
     ids = torch.tensor(prompt, dtype=torch.long)
@@ -74,6 +76,8 @@ def generate(
     while len(out) < max_new_tokens:
         token = sampler(logits)
         out.append(token)
+        if on_token is not None:
+            on_token(token)
         if token in eos_ids or len(out) == max_new_tokens:
             break
         logits = engine.decode(token)
