@@ -90,10 +90,11 @@ def no_ranks(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def usage_error_in_process(capsys, *argv) -> str:
+def usage_error_in_process(capsys, *argv, expect: str | tuple[str, ...] = ()) -> str:
     """`pocketllm ARGS` called in this process (no interpreter or torch start per case): exit code 2
-    and exactly one line on stderr, `pocketllm: error: ...`; returns it. An exception escaping
-    main() fails the test, as a traceback would fail assert_usage_error. Use with no_ranks."""
+    and exactly one line on stderr, `pocketllm: error: ...`, holding every `expect` fragment;
+    returns it. An exception escaping main() fails the test, as a traceback would fail
+    assert_usage_error. Use with no_ranks."""
     # What main() may change in this process, put back so later tests do not inherit it: a
     # single-rank run gives itself every core (device.setup_device), and logging.basicConfig adds
     # a root handler holding this test's captured stderr when pytest's logging plugin is off.
@@ -113,6 +114,8 @@ def usage_error_in_process(capsys, *argv) -> str:
     assert rc == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pocketllm: error: "), err
+    for fragment in (expect,) if isinstance(expect, str) else expect:
+        assert fragment in lines[0], lines[0]
     return lines[0]
 
 

@@ -127,8 +127,7 @@ def test_bad_files_exit_2(tmp_path, content, message, capsys, no_ranks):
     path = tmp_path / "cal.json"
     if content is not None:
         path.write_text(content)
-    line = usage_error_in_process(capsys, "policy", "--calibration", path)
-    assert message in line, line
+    usage_error_in_process(capsys, "policy", "--calibration", path, expect=message)
 
 
 def test_policy_command_inspects_a_foreign_calibration(tmp_path):
@@ -147,8 +146,7 @@ def test_a_run_refuses_a_calibration_for_another_run(tmp_path, capsys, no_ranks)
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(GOOD))
     # Refused in the launcher, before any rank starts (no_ranks fails the test if one is).
-    line = usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", "--dtype", "float32", "--calibration", path)
-    assert "dtype bfloat16 (this run float32)" in line, line
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", "--dtype", "float32", "--calibration", path, expect="dtype bfloat16 (this run float32)")
 
 
 def test_calibrate_at_tp2_writes_a_usable_file(tmp_path):
@@ -184,5 +182,4 @@ def test_calibrate_at_tp2_writes_a_usable_file(tmp_path):
 def test_flags_a_command_would_ignore_are_not_its_flags(command, flags, capsys, no_ranks):
     # calibrate times every --pin count under no policy and profiles nothing; sweep times its own
     # --pin counts and names its own --policy. Neither takes the shared flags it would ignore.
-    line = usage_error_in_process(capsys, command, "--preset", "tiny", *flags, *(["--out", "c.json"] if command == "calibrate" else []))
-    assert f"unrecognized arguments: {flags[0]}" in line, line
+    usage_error_in_process(capsys, command, "--preset", "tiny", *flags, *(["--out", "c.json"] if command == "calibrate" else []), expect=f"unrecognized arguments: {flags[0]}")

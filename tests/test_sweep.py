@@ -94,8 +94,7 @@ def test_fallback_to_serial_is_marked():
     ],
 )
 def test_bad_lists_exit_2(args, message, capsys, no_ranks):
-    line = usage_error_in_process(capsys, "sweep", "--preset", "tiny", "--tp-world", "2", *args)
-    assert message in line, line
+    usage_error_in_process(capsys, "sweep", "--preset", "tiny", "--tp-world", "2", *args, expect=message)
 
 
 def test_tiny_sweep_at_tp2_end_to_end(tmp_path):
