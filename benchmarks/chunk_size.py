@@ -19,7 +19,7 @@ import time
 import torch
 
 from common import alternate, spread
-from pocketllm.bench.gdn_bench import make_inputs
+from pocketllm.bench.gdn_bench import add_head_arguments, make_inputs
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 
 
@@ -27,9 +27,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="32,64")
     p.add_argument("--lengths", default="128,512,4096")
-    p.add_argument("--key-heads", type=int, default=4)
-    p.add_argument("--value-heads", type=int, default=12)
-    p.add_argument("--head-dim", type=int, default=128)
+    add_head_arguments(p)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -28,15 +28,21 @@ TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="sequence length (default 4096)")
-    parser.add_argument("--key-heads", type=int, default=4, help="key heads Hk (default 4: 27B at TP4)")
-    parser.add_argument("--value-heads", type=int, default=12, help="value heads Hv (default 12)")
-    parser.add_argument("--head-dim", type=int, default=128, help="key and value head dim (default 128)")
+    add_head_arguments(parser)
     parser.add_argument("--dtype", default="float32", help="input dtype: " + ", ".join(DTYPES))
     parser.add_argument("--reps", type=int, default=5, help="timed reps per kernel (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: unchanged)")
     parser.add_argument(
         "--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help=f"pocketllm chunk size (default {DEFAULT_CHUNK_SIZE})"
     )
+
+
+def add_head_arguments(parser: argparse.ArgumentParser) -> None:
+    """The head shape of the inputs; the defaults are one TP=4 rank of the 27B model. Shared with
+    benchmarks/chunk_size.py, which times the chunked kernel on the same inputs."""
+    parser.add_argument("--key-heads", type=int, default=4, help="key heads Hk (default 4: 27B at TP4)")
+    parser.add_argument("--value-heads", type=int, default=12, help="value heads Hv (default 12)")
+    parser.add_argument("--head-dim", type=int, default=128, help="key and value head dim (default 128)")
 
 
 def _validate(args) -> torch.dtype:
