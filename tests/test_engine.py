@@ -74,6 +74,22 @@ def test_prompt_logits_come_from_the_one_prefill(engine, monkeypatch):
     torch.testing.assert_close(seen[0], real_prefill(torch.tensor(prompt), all_logits=True), atol=0, rtol=0)
 
 
+def test_every_row_logits_end_with_the_one_row_heads_logits():
+    # In bf16 at hidden 1024 a [T, V] head GEMM rounds the last row differently from the one-row
+    # GEMV (by up to 4e-3 at 64 rows); an all_logits pass recomputes that row the one-row way, so
+    # `generate --logits-out` picks the tokens a run without it does.
+    set_tp(0, 1)
+    cfg = get_preset("small").with_layers(2)
+    bf16 = Engine(cfg, RandomWeights(cfg, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu"), RulePolicy())
+    prompt = ids(64).tolist()
+    bf16.start_sequence(64)
+    last = bf16.prefill(torch.tensor(prompt))
+    bf16.start_sequence(64)
+    every = bf16.prefill(torch.tensor(prompt), all_logits=True)
+    torch.testing.assert_close(every[-1], last, atol=0, rtol=0)
+    assert every.shape == (64, cfg.vocab_size)
+
+
 def test_each_token_is_handed_over_before_the_step_it_feeds(engine, monkeypatch):
     # What `generate --stream` prints by: token k arrives after k decode steps, not at the end.
     decodes, seen = [], []
@@ -81,6 +97,14 @@ def test_each_token_is_handed_over_before_the_step_it_feeds(engine, monkeypatch)
     monkeypatch.setattr(engine, "decode", lambda token: decodes.append(token) or real_decode(token))
     tokens = generate(engine, ids(12, offset=2).tolist(), 5, on_token=lambda t: seen.append((t, len(decodes))))
     assert seen == [(t, k) for k, t in enumerate(tokens)] and len(tokens) == 5
+
+
+def test_a_sequence_reserves_its_rotary_rows(engine):
+    # Bench times decode steps: none of them may be the one that rebuilds the rotary table.
+    engine.start_sequence(5000)
+    rope = engine.model.rotary
+    first, last = rope.cos_sin(0, 1)[0], rope.cos_sin(4999, 1)[0]
+    assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
 
 
 def test_pass_accounting_at_world_one(engine):

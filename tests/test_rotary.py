@@ -18,7 +18,7 @@ def direct(rope: RotaryEmbedding, start: int, rows: int) -> tuple[torch.Tensor, 
                          ids=lambda v: str(v))
 def test_table_rows_match_the_positions_asked(start, rows):
     rope = RotaryEmbedding(32, 10_000.0, "cpu")
-    rope.cos_sin(0, 1)  # a first, small table, so the larger asks below must grow it
+    rope.cos_sin(0, 1)  # a first table of 256 rows, which the asks past it must grow
     cos, sin = rope.cos_sin(start, rows)
     ref_cos, ref_sin = direct(rope, start, rows)
     assert cos.shape == (rows, 16)
@@ -36,3 +36,12 @@ def test_decode_positions_slice_one_table_that_doubles():
     assert storages[1] != storages[0]  # position 512 grew the 512-row table
     assert set(storages[1:513]) == {storages[1]}  # 512..1023: one 1024-row table
     assert storages[513] != storages[1]  # position 1024 grew it again
+
+
+def test_a_reserved_table_serves_the_whole_sequence():
+    # The engine reserves a sequence's length when it starts one: no pass of it rebuilds the table.
+    rope = RotaryEmbedding(32, 10_000.0, "cpu")
+    rope.reserve(3000)
+    kept = [rope.cos_sin(0, 2000)[0], rope.cos_sin(2000, 1)[0], rope.cos_sin(2999, 1)[0]]
+    assert len({t.untyped_storage().data_ptr() for t in kept}) == 1
+    torch.testing.assert_close(kept[2], direct(rope, 2999, 1)[0], atol=2e-6, rtol=0)

@@ -60,9 +60,9 @@ def generate(
 ) -> list[int]:
     """Prefill the prompt, then decode up to max_new_tokens, stopping after an eos id.
     prompt_logits, when given, receives every prompt position's logits [T, V] from that same
-    prefill (the head then runs on every row instead of the last only, so the first token comes
-    from a [T, V] GEMM rather than a GEMV: equal up to rounding). on_token, when given, receives
-    each token as soon as it is chosen, before the step that feeds it (on every rank)."""
+    prefill; their last row is the one-row head's, so the tokens are those of a run without it.
+    on_token, when given, receives each token as soon as it is chosen, before the step that feeds
+    it (on every rank)."""
     engine.start_sequence(len(prompt) + max_new_tokens)
     sampler = Sampler(sampling)
     ids = torch.tensor(prompt, dtype=torch.long)

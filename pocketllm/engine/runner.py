@@ -69,6 +69,7 @@ class Engine:
             self.capacity = max_len
         else:
             reset_states(self.states)
+        self.model.rotary.reserve(max_len)
         self.pos = 0
 
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of

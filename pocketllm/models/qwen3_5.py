@@ -75,4 +75,9 @@ class Qwen35ForCausalLM(nn.Module):
                 h = self.norm(h)
             with scope("lm_head"):
                 logits = self.lm_head(h)
+                if all_logits and h.shape[0] > 1:
+                    # The last row again through the one-row head (a GEMV, where the rows above
+                    # went through a GEMM that rounds differently), so a token drawn from it is
+                    # the one a last-row-only pass would draw.
+                    logits[-1] = self.lm_head(h[-1:])[0]
         return logits if all_logits else logits[0]
