@@ -90,26 +90,30 @@ def no_ranks(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def usage_error_in_process(capsys, *argv, expect: str | tuple[str, ...] = ()) -> str:
-    """`pocketllm ARGS` called in this process (no interpreter or torch start per case): exit code 2
-    and exactly one line on stderr, `pocketllm: error: ...`, holding every `expect` fragment;
-    returns it. An exception escaping main() fails the test, as a traceback would fail
-    assert_usage_error. Use with no_ranks."""
-    # What main() may change in this process, put back so later tests do not inherit it: a
-    # single-rank run gives itself every core (device.setup_device), and logging.basicConfig adds
-    # a root handler holding this test's captured stderr when pytest's logging plugin is off.
+def main_in_process(*argv) -> int:
+    """`pocketllm ARGS` called in this process (no interpreter or torch start); its exit code. What
+    main() may change in this process is put back so later tests do not inherit it: a single-rank
+    run gives itself every core (device.setup_device), and logging.basicConfig adds a root handler
+    holding this test's captured stderr when pytest's logging plugin is off."""
     threads = torch.get_num_threads()
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
-        rc = cli.main([str(a) for a in argv])
+        return cli.main([str(a) for a in argv])
     except SystemExit as exc:
         # argparse refuses a flag by exiting from inside main().
-        rc = exc.code
+        return exc.code
     finally:
         torch.set_num_threads(threads)
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def usage_error_in_process(capsys, *argv, expect: str | tuple[str, ...] = ()) -> str:
+    """main_in_process(ARGS): exit code 2 and exactly one line on stderr, `pocketllm: error: ...`,
+    holding every `expect` fragment; returns it. An exception escaping main() fails the test, as a
+    traceback would fail assert_usage_error. Use with no_ranks."""
+    rc = main_in_process(*argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     lines = err.strip().splitlines()

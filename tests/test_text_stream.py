@@ -22,3 +22,49 @@ def test_a_split_character_waits_and_a_cut_one_ends_the_text(tmp_path, capsys):
     assert tokenizer.decode([104, 195, 169, 195]) == "hé\ufffd"
     stream.finish([104, 195, 169, 195])
     assert capsys.readouterr().out == "\ufffd\n"
+
+
+def test_generate_streams_every_token_as_it_comes(tiny_ckpt, capsys, monkeypatch):
+    # In process at one rank, so the stream can be watched: each token reaches it as generate
+    # chooses it, and what it printed plus finish()'s tail is the plain run's text.
+    from conftest import generated_ids, main_in_process
+    from pocketllm.commands import generate as command
+
+    fed, shown = [], []
+    real_step, real_finish = command.TextStream.__call__, command.TextStream.finish
+
+    def step(self, token):
+        fed.append(token)
+        real_step(self, token)
+
+    def finish(self, tokens):
+        shown.append(self.shown)
+        real_finish(self, tokens)
+
+    monkeypatch.setattr(command.TextStream, "__call__", step)
+    monkeypatch.setattr(command.TextStream, "finish", finish)
+    args = ("generate", "--ckpt", tiny_ckpt, "--prompt", "hello", "--max-new-tokens", 40)
+    assert main_in_process(*args, "--stream") == 0
+    streamed = capsys.readouterr().out
+    assert main_in_process(*args) == 0
+    ids_line, text = capsys.readouterr().out.split("\n", 1)
+    tokens = generated_ids(ids_line)
+    assert fed == tokens and len(tokens) == 40
+    assert shown[0] and text.startswith(shown[0])  # the tiny model's bytes include whole characters
+    assert streamed == text + ids_line + "\n"
+
+
+def test_a_failing_stream_ends_with_the_whole_text(tmp_path, capsys):
+    write_byte_tokenizer(tmp_path / "tokenizer.json")
+    stream = TextStream(load_tokenizer(str(tmp_path)))
+    stream(104)
+
+    class Broken:
+        def step(self, tokenizer, token):
+            raise RuntimeError("decoder state lost")
+
+    stream.stream = Broken()
+    stream(105)
+    stream(33)
+    stream.finish([104, 105, 33])
+    assert capsys.readouterr().out == "h\nhi!\n"

@@ -51,22 +51,34 @@ class TextStream:
     """Rank 0's text as tokens arrive: tokenizers' DecodeStream holds back a token that ends inside
     a multi-byte character until the character completes; finish() prints what the whole output
     decodes to beyond what was streamed (such a held-back tail), so the streamed text ends equal
-    to the tokenizer's decode of all the tokens."""
+    to the tokenizer's decode of all the tokens. Should the stream fail or disagree with that
+    decode, the stream stops and finish() prints the whole decode on a line of its own: the
+    generation goes on either way."""
 
     def __init__(self, tokenizer):
         from tokenizers.decoders import DecodeStream
 
         self.tokenizer, self.stream, self.shown = tokenizer, DecodeStream(skip_special_tokens=True), ""
+        self.failed = False
 
     def __call__(self, token: int) -> None:
-        chunk = self.stream.step(self.tokenizer, token)
+        if self.failed:
+            return
+        try:
+            chunk = self.stream.step(self.tokenizer, token)
+        except Exception:  # tokenizers raises its own exception types; the text comes at the end
+            self.failed = True
+            return
         if chunk:
             self.shown += chunk
             print(chunk, end="", flush=True)
 
     def finish(self, tokens: list[int]) -> None:
         full = self.tokenizer.decode(tokens)
-        print(full[len(self.shown) :] if full.startswith(self.shown) else "", flush=True)
+        if self.failed or not full.startswith(self.shown):
+            print("\n" + full, flush=True)
+        else:
+            print(full[len(self.shown) :], flush=True)
 
 
 def _work(args, plan, ids, engine, device) -> int:
