@@ -4,9 +4,9 @@ lengths: the measurement behind DEFAULT_CHUNK_SIZE.
     python benchmarks/chunk_size.py [--sizes 32,64] [--lengths 128,512,4096] [--threads 2]
 
 Inputs are gdn-bench's (one TP=4 rank of the 27B shape by default: 4 key / 12 value heads, head
-dim 128, fp32). Each length is timed max(5, 20000 // tokens) reps, every size once per rep (the
-order reversed every other rep); prints the ms per size as median (min..max) and each size's
-median over the first size's.
+dim 128, fp32). Each length is timed max(6, 20000 // tokens) reps (made even), every size once
+per rep (the order reversed every other rep); prints the ms per size as median (min..max) and each
+size's median over the first size's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     print(f"{'tokens':>7} {'reps':>5}" + "".join(f"{f'chunk {c}':>26}" for c in sizes) + "".join(f"{f'{c}/{sizes[0]}':>9}" for c in sizes[1:]))
     for T in (int(n) for n in args.lengths.split(",")):
         x = make_inputs(T, args.key_heads, args.value_heads, args.head_dim, torch.float32)
-        reps = max(5, 20000 // T)
+        reps = max(6, 20000 // T)
+        reps += reps % 2  # even, so each size runs first equally often
         times = {c: [] for c in sizes}
         for c in sizes:
             gated_delta_rule_chunked(*x, chunk_size=c)

@@ -2,7 +2,7 @@
 the same tree with every `with scope(...)` stripped out, interleaved rep-major (the order reversed
 every other rep), plus the cost of one disabled scope.
 
-    python benchmarks/scope_overhead.py [--reps 5] [bench flags, e.g. --preset small --tp-world 2]
+    python benchmarks/scope_overhead.py [--reps 6] [bench flags, e.g. --preset small --tp-world 2]
 
 The stripped copy is made in a temporary directory (bodies dedented, scope imports and the
 collective scopes' timed.* calls dropped); each tree's bench runs from inside that tree with it on
@@ -109,7 +109,7 @@ def bench(tree: Path, bench_args: list[str]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=6, help="reps per tree, even so each runs first as often (default 6)")
     args, bench_args = p.parse_known_args(argv)
     print(f"one disabled scope: {disabled_scope_ns():.0f} ns")
     with tempfile.TemporaryDirectory(prefix="pocketllm-noscope-") as tmp:

@@ -4,7 +4,7 @@ prefill and decode tokens/s per world size and the on/off ratios. The switches i
 POCKETLLM_PIN_CPUS (the launcher pins each rank to its share of the cores, the default) and
 POCKETLLM_POLL_COLLECTIVES (gloo ranks poll for a collective instead of blocking in it).
 
-    python benchmarks/switch_ab.py [--switch POCKETLLM_PIN_CPUS] [--worlds 2,4] [--reps 3]
+    python benchmarks/switch_ab.py [--switch POCKETLLM_PIN_CPUS] [--worlds 2,4] [--reps 4]
         [bench flags, e.g. --preset small]
 """
 
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--switch", default="POCKETLLM_PIN_CPUS", help="the environment switch to compare on and off")
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=4, help="reps per setting, even so on and off run first equally often (default 4)")
     args, bench_args = p.parse_known_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     tps = {(w, on, kind): [] for w in worlds for on in (True, False) for kind in ("prefill", "decode")}
