@@ -5,9 +5,8 @@ extra (`pip install 'pocketllm[plot]'`)."""
 from __future__ import annotations
 
 import importlib.util
-import statistics
 
-from pocketllm.bench.sweep_report import Setting, runs_of
+from pocketllm.bench.sweep_report import Setting, mean_of, runs_of
 from pocketllm.errors import UsageError
 
 POLICY_MARKERS = {"rule": ("o", 13), "calibrated": ("*", 15)}
@@ -31,8 +30,9 @@ def plot_sweep(records: list[dict], rows_list: list[int], settings: list[Setting
             continue
         means, low, high = [], [], []
         for rows in rows_list:
-            tps = [r["prefill_tokens_per_s"] for r in runs_of(records, rows, s.name)]
-            mean = statistics.fmean(tps)
+            runs = runs_of(records, rows, s.name)
+            tps = [r["prefill_tokens_per_s"] for r in runs]
+            mean = mean_of(runs)
             means.append(mean)
             low.append(mean - min(tps))
             high.append(max(tps) - mean)
@@ -45,7 +45,7 @@ def plot_sweep(records: list[dict], rows_list: list[int], settings: list[Setting
         for rows in rows_list:
             runs = runs_of(records, rows, s.name)
             xs.append(rows)
-            ys.append(statistics.fmean(r["prefill_tokens_per_s"] for r in runs))
+            ys.append(mean_of(runs))
             labels.append(runs[0]["slices"])
         ax.plot(xs, ys, linestyle="none", marker=marker, markersize=size, markerfacecolor="none", markeredgewidth=1.5, label=f"{s.name}'s choice")
         for x, y, k in zip(xs, ys, labels):

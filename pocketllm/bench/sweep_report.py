@@ -30,8 +30,13 @@ def runs_of(records: list[dict], rows: int, setting: str) -> list[dict]:
     return sorted((r for r in records if r["rows"] == rows and r["setting"] == setting), key=lambda r: r["rep"])
 
 
+def mean_of(runs: list[dict]) -> float:
+    """The mean prefill tokens/s of runs."""
+    return statistics.fmean(r["prefill_tokens_per_s"] for r in runs)
+
+
 def mean_tps(records: list[dict], rows: int, setting: str) -> float:
-    return statistics.fmean(r["prefill_tokens_per_s"] for r in runs_of(records, rows, setting))
+    return mean_of(runs_of(records, rows, setting))
 
 
 def summarize(records: list[dict], rows_list: list[int], settings: list[Setting]) -> dict:
