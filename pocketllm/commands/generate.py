@@ -91,13 +91,14 @@ def _work(args, plan, ids, engine, device) -> int:
     stream = TextStream(load_tokenizer(args.ckpt)) if args.stream and tp().rank == 0 else None
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     out = generate(engine, ids, args.max_new_tokens, sampling, eos, save_prompt_logits if args.logits_out else None, stream)
+    if tp().rank != 0:
+        return 0
+    # Streamed, the text came first and the ids close it; otherwise the ids come first.
     if stream is not None:
         stream.finish(out)
-        print("generated_ids=" + ",".join(map(str, out)), flush=True)
-    elif tp().rank == 0:
-        print("generated_ids=" + ",".join(map(str, out)), flush=True)
-        if args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():
-            print(load_tokenizer(args.ckpt).decode(out), flush=True)
+    print("generated_ids=" + ",".join(map(str, out)), flush=True)
+    if stream is None and args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():
+        print(load_tokenizer(args.ckpt).decode(out), flush=True)
     return 0
 
 
