@@ -69,6 +69,7 @@ class Engine:
             self.capacity = max_len
         else:
             reset_states(self.states)
+        # Every pass of the sequence then slices the rotary table; none rebuilds it.
         self.model.rotary.reserve(max_len)
         self.pos = 0
 
