@@ -22,7 +22,7 @@ def bench(world: int, switch: str, on: bool, bench_args: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
     p.add_argument("--switch", default="POCKETLLM_PIN_CPUS", help="the environment switch to compare on and off")
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--reps", type=int, default=4, help="reps per setting, even so on and off run first equally often (default 4)")
