@@ -68,17 +68,27 @@ def test_small_or_non_cpu_requests_are_plain_torch_zeros():
     assert meta.is_meta and meta.shape == (4096, 4096)
 
 
+def mapped(addr: int) -> bool:
+    """Whether any mapping of this process holds addr (by containment: the kernel may merge an
+    unadvised mapping with its neighbours, so its range string is not stable)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            return True
+    return False
+
+
 def test_mapping_lives_while_a_view_does_and_is_unmapped_after():
     t = host_memory.zeros((3 * 2**20,), torch.uint8)
     view = t[2**20 :]
-    region = mapping_of(t)[0]
+    base = t.untyped_storage().data_ptr()  # the mapping's first byte, slack included
     del t
     gc.collect()
     view.fill_(7)
-    assert int(view[-1]) == 7 and mapping_of(view)[0] == region
+    assert int(view[-1]) == 7 and mapped(base)
     del view
     gc.collect()
-    assert region not in Path("/proc/self/maps").read_text()
+    assert not mapped(base)
 
 
 def test_engine_on_huge_pages_matches_transformers(tmp_path):
