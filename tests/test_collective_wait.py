@@ -72,6 +72,39 @@ def test_blocking_backends_never_poll(restore_waiting):
     assert (work.checked, work.waited) == (0, 1)
 
 
+def test_every_engine_collective_is_waited_for_by_polling(restore_waiting, monkeypatch):
+    # The all-reduce (serial and overlapped), the head's all-gather and the token broadcast each
+    # hand their work handle to waiting.wait, with no real group: torch.distributed's calls are
+    # replaced by ones that return a handle and record the call.
+    import torch
+    import torch.distributed as dist
+
+    from pocketllm.distributed import state
+    from pocketllm.distributed.overlap import projection_all_reduce_overlapped
+
+    issued, waited = [], []
+
+    def fake(name):
+        def call(*args, async_op=False, **kwargs):
+            assert async_op, f"{name} issued blocking"
+            issued.append(name)
+            return FakeWork(polls=0)
+
+        return call
+
+    for name in ("all_reduce", "all_gather", "broadcast"):
+        monkeypatch.setattr(dist, name, fake(name))
+    monkeypatch.setattr(waiting, "wait", lambda work: waited.append(work))
+    monkeypatch.setattr(state, "_TP", state.TPState(0, 2))
+    x, w = torch.ones(4, 8), torch.ones(3, 8)
+    projection_all_reduce_overlapped(x, w, 1, "mlp.down")  # serial
+    projection_all_reduce_overlapped(x, w, 2, "mlp.down")  # two slices
+    state.all_gather_cat(torch.ones(1, 3))
+    state.broadcast_(torch.zeros(1, dtype=torch.long))
+    assert issued == ["all_reduce", "all_reduce", "all_reduce", "all_gather", "broadcast"]
+    assert len(waited) == len(issued)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("value,polls", [("1", True), ("0", False)], ids=["on", "off"])
 def test_gloo_ranks_poll_unless_turned_off(value, polls, tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from conftest import cli_env, run_cli, usage_error_in_process
 from pocketllm.device import allowed_cpus, cpu_shares
@@ -25,6 +26,25 @@ from pocketllm.device import allowed_cpus, cpu_shares
 )
 def test_cpu_shares(world, cpus, expected):
     assert cpu_shares(world, cpus) == expected
+
+
+@pytest.mark.parametrize("pinned,threads", [(True, 4), (False, 2)], ids=["pinned", "unpinned"])
+def test_a_pinned_rank_takes_a_thread_per_core_it_owns(pinned, threads, monkeypatch):
+    # A rank of two whose affinity holds four cores: pinned by the launcher, those four are its
+    # own and it runs four threads; unpinned, it shares them with its peer and takes half.
+    from pocketllm import device
+
+    monkeypatch.setattr(device, "allowed_cpus", lambda: [0, 1, 2, 3])
+    if pinned:
+        monkeypatch.setenv(device.ENV_RANK_CPUS, "0,1,2,3")
+    else:
+        monkeypatch.delenv(device.ENV_RANK_CPUS, raising=False)
+    saved = torch.get_num_threads()
+    try:
+        device.setup_device("cpu", local_rank=0, world=2)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.timeout(120)
