@@ -25,31 +25,39 @@ def test_a_split_character_waits_and_a_cut_one_ends_the_text(tmp_path, capsys):
 
 
 def test_generate_streams_every_token_as_it_comes(tiny_ckpt, capsys, monkeypatch):
-    # In process at one rank, so the stream can be watched: each token reaches it as generate
-    # chooses it, and what it printed plus finish()'s tail is the plain run's text.
+    # In process at one rank, so the stream can be watched: the k-th token reaches it after k
+    # decode steps (as it is chosen, not after the generation), and what it printed plus
+    # finish()'s tail is the plain run's text.
     from conftest import generated_ids, main_in_process
     from pocketllm.commands import generate as command
+    from pocketllm.engine.runner import Engine
 
-    fed, shown = [], []
-    real_step, real_finish = command.TextStream.__call__, command.TextStream.finish
+    decodes, fed, shown = [], [], []
+    real_decode, real_step, real_finish = Engine.decode, command.TextStream.__call__, command.TextStream.finish
+
+    def decode(self, token):
+        decodes.append(token)
+        return real_decode(self, token)
 
     def step(self, token):
-        fed.append(token)
+        fed.append((token, len(decodes)))
         real_step(self, token)
 
     def finish(self, tokens):
         shown.append(self.shown)
         real_finish(self, tokens)
 
+    monkeypatch.setattr(Engine, "decode", decode)
     monkeypatch.setattr(command.TextStream, "__call__", step)
     monkeypatch.setattr(command.TextStream, "finish", finish)
-    args = ("generate", "--ckpt", tiny_ckpt, "--prompt", "hello", "--max-new-tokens", 40)
+    # --device cpu: this process is the rank, and must not bind a GPU it cannot unbind.
+    args = ("generate", "--ckpt", tiny_ckpt, "--prompt", "hello", "--max-new-tokens", 40, "--device", "cpu")
     assert main_in_process(*args, "--stream") == 0
     streamed = capsys.readouterr().out
     assert main_in_process(*args) == 0
     ids_line, text = capsys.readouterr().out.split("\n", 1)
     tokens = generated_ids(ids_line)
-    assert fed == tokens and len(tokens) == 40
+    assert fed == [(t, k) for k, t in enumerate(tokens)] and len(tokens) == 40
     assert shown[0] and text.startswith(shown[0])  # the tiny model's bytes include whole characters
     assert streamed == text + ids_line + "\n"
 
