@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,16 +64,21 @@ def result_fields(stdout: str) -> dict[str, str]:
     return {}
 
 
-def assert_usage_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
-    """Exit code 2, exactly one line on stderr, no traceback, every fragment in that line; returns it."""
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    assert "error: " in lines[0], lines[0]
-    for f in fragments:
-        assert f in lines[0], lines[0]
+def usage_line(rc: int, stderr: str, fragments) -> str:
+    """A usage error as a user sees it: exit code 2 and exactly one line on stderr, `pocketllm:
+    error: ...` (`pocketllm COMMAND: error: ...` when a command's own parser refuses a flag value),
+    holding every fragment; returns the line. (One line rules out a traceback.)"""
+    assert rc == 2, (rc, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"pocketllm( [\w-]+)?: error: ", lines[0]), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
     return lines[0]
+
+
+def assert_usage_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    """usage_line of a finished `pocketllm` process."""
+    return usage_line(r.returncode, r.stderr, fragments)
 
 
 @pytest.fixture
@@ -110,17 +116,10 @@ def main_in_process(*argv) -> int:
 
 
 def usage_error_in_process(capsys, *argv, expect: str | tuple[str, ...] = ()) -> str:
-    """main_in_process(ARGS): exit code 2 and exactly one line on stderr, `pocketllm: error: ...`,
-    holding every `expect` fragment; returns it. An exception escaping main() fails the test, as a
-    traceback would fail assert_usage_error. Use with no_ranks."""
+    """usage_line of main_in_process(ARGS), holding every `expect` fragment. An exception escaping
+    main() fails the test, as a traceback would fail assert_usage_error. Use with no_ranks."""
     rc = main_in_process(*argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pocketllm: error: "), err
-    for fragment in (expect,) if isinstance(expect, str) else expect:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
+    return usage_line(rc, capsys.readouterr().err, (expect,) if isinstance(expect, str) else expect)
 
 
 def generated_ids(stdout: str) -> list[int]:
