@@ -69,6 +69,8 @@ def test_bench_ranks_run_on_their_share_of_the_cores(world, pin, tmp_path):
         assert settings["cpus_per_rank"] == shares
         assert settings["threads_per_rank"] == len(shares[0])
     assert len(settings["peak_rss_mib_per_rank"]) == world and min(settings["peak_rss_mib_per_rank"]) > 0
+    # gloo ranks poll for their collectives by default; one rank has none to wait for.
+    assert settings["polls_collectives"] is (world > 1)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
