@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.config import ModelConfig, check_tp_split, load_config
-from pocketllm.device import DEVICE_CHOICES
+from pocketllm.device import DEVICE_CHOICES, resolve_kind
 from pocketllm.distributed.calibration import checked_for_run
 from pocketllm.distributed.policy import OVERLAP_POLICIES, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
 from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.ops.gated_delta import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,6 +85,9 @@ class ModelPlan:
     # of rebuilding it from the index and every shard header (it travels to the other ranks with
     # the plan). Loading still reopens a shard, and parses its header, for each parameter it reads.
     reader: CheckpointReader | None = None
+    # The GDN kernel planned for the run's device and dtype; each rank still probes a device
+    # kernel before trusting it, and reports what it runs.
+    gdn_kernel: KernelChoice | None = None
 
     def open_source(self):
         if self.reader is not None:
@@ -116,6 +120,7 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
     if args.tp_world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
     dtype = parse_dtype(args.dtype)
+    gdn_kernel = plan_gdn_kernel(resolve_kind(args.device), dtype)
     policy = None
     if with_policy:
         pin, overlap_policy = getattr(args, "pin_slices", None), getattr(args, "overlap_policy", None)
@@ -132,11 +137,11 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
         check_tp_split(cfg, args.tp_world)
         validate_source(reader, cfg)
         reader.close()
-        return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), args.ckpt, None, reader)
+        return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), args.ckpt, None, reader, gdn_kernel)
     preset = args.preset or DEFAULT_PRESET
     cfg = preset_config(preset, args.layers)
     check_tp_split(cfg, args.tp_world)
-    return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), None, preset)
+    return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), None, preset, gdn_kernel=gdn_kernel)
 
 
 def _checked_policy(policy: PolicyChoice | None, args, cfg: ModelConfig) -> PolicyChoice | None:

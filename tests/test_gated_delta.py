@@ -1,21 +1,17 @@
-"""The gated delta rule kernels against a float64 per-token reference, and the kernel seam."""
+"""The gated delta rule kernels against a float64 per-token reference (the seam that picks a
+device kernel: test_gdn_kernels.py)."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import pocketllm.ops.gated_delta.backends as backends
 import pocketllm.ops.gated_delta.chunked as chunked_module
 from pocketllm.ops.gated_delta import (
-    GdnKernelError,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
     gated_delta_step_,
-    select_gdn_kernel,
 )
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -189,41 +185,3 @@ def test_chunked_matches_transformers():
     out, final = gated_delta_rule_chunked(q, k, v, g, beta, state)
     assert_close_rel(out, hf_out[0])
     assert_close_rel(final, hf_state[0])
-
-
-def test_default_kernel_on_cpu_is_chunk_and_logged_once(monkeypatch, caplog):
-    monkeypatch.delenv("QWEN_GDN_KERNEL", raising=False)
-    monkeypatch.setattr(backends, "_logged", set())
-    with caplog.at_level(logging.INFO, logger="pocketllm"):
-        kernel = select_gdn_kernel("cpu")
-        select_gdn_kernel("cpu")
-    assert kernel.name == "chunk"
-    assert kernel.prefill is gated_delta_rule_chunked and kernel.decode_step_ is gated_delta_step_
-    assert [r.getMessage() for r in caplog.records] == ["gdn kernel: chunk (torch chunked kernel on cpu)"]
-
-
-def test_forced_recurrent_prefills_and_decodes_per_token(monkeypatch):
-    monkeypatch.setenv("QWEN_GDN_KERNEL", "recurrent")
-    kernel = select_gdn_kernel("cpu")
-    assert kernel.name == "recurrent" and kernel.prefill is gated_delta_rule_recurrent
-    q, k, v, g, beta, _ = make_inputs(10, 1, 2, 8, 8)
-    out, state = kernel.prefill(q[:9], k[:9], v[:9], g[:9], beta[:9], None)
-    last = kernel.decode_step_(q[9:], k[9:], v[9:], g[9:], beta[9:], state)
-    ref_out, ref_state = reference_f64(q, k, v, g, beta)
-    assert_close_rel(torch.cat([out, last]), ref_out)
-    assert_close_rel(state, ref_state)
-
-
-def test_forced_fla_on_cpu_names_fla(monkeypatch):
-    monkeypatch.setenv("QWEN_GDN_KERNEL", "fla")
-    with pytest.raises(GdnKernelError, match="fla") as info:
-        select_gdn_kernel("cpu")
-    assert "chunk" in str(info.value) and "\n" not in str(info.value)
-
-
-def test_unknown_kernel_is_refused(monkeypatch):
-    monkeypatch.setenv("QWEN_GDN_KERNEL", "bogus")
-    with pytest.raises(GdnKernelError, match="bogus") as info:
-        select_gdn_kernel("cpu")
-    assert isinstance(info.value, ValueError)
-    assert "chunk, recurrent, fla, npu" in str(info.value)

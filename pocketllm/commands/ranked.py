@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pocketllm.device import allowed_cpus, setup_device
+from pocketllm.device import allowed_cpus, resolve_kind, setup_device
 from pocketllm.distributed import waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
@@ -45,6 +45,7 @@ def place_in_run(args, default_world: int):
     a hand-started peer, which would otherwise wait on a group it can never join."""
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    resolve_kind(args.device)
     renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=default_world)
     if renv is not None:
         args.tp_world = renv.world
@@ -99,6 +100,8 @@ def _on_rank(args, renv, device, checked, work, profiling, fault) -> int:
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"
         )
+        kernel = engine.gdn_kernel
+        say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
         profiler = attach_profiler(engine, profiling, tp().rank, device.synchronize)
         return work(args, plan, inputs, engine, device)
     finally:

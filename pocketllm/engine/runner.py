@@ -14,6 +14,7 @@ from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.engine.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
+from pocketllm.ops.gated_delta import GdnKernel
 
 
 @dataclass
@@ -47,6 +48,11 @@ class Engine:
     @property
     def last_collectives(self) -> dict[str, int]:
         return self.last_pass.collectives if self.last_pass else {}
+
+    @property
+    def gdn_kernel(self) -> GdnKernel | None:
+        """The gated-delta-rule kernel the GDN layers run (one per process), None without any."""
+        return next((m.kernel for m in self.model.modules() if isinstance(getattr(m, "kernel", None), GdnKernel)), None)
 
     @property
     def last_slices(self) -> int:

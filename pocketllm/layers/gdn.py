@@ -65,7 +65,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = sharded_param((self.hv,), [head_src("dt_bias")], dtype, device)
         self.norm = GatedRMSNorm(f"{prefix}.norm.weight", self.dv, cfg.rms_norm_eps, dtype, device)
         self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device)
-        self.kernel = select_gdn_kernel(torch.device(device).type)
+        self.kernel = select_gdn_kernel(device, dtype)
         self._dtype, self._device = dtype, device
         self.neg_a: torch.Tensor | None = None
         self.conv_taps: torch.Tensor | None = None

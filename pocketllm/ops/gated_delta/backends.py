@@ -1,36 +1,48 @@
-"""Which gated-delta-rule kernel runs on a device: the one seam where device kernels plug in.
+"""Which gated-delta-rule kernel runs: the one seam where device kernels plug in.
 
-Order when nothing is forced: on cuda, flash-linear-attention when importable; on npu, torch_npu's
-npu_chunk_gated_delta_rule when present; otherwise the torch chunked kernel, which works
-everywhere. QWEN_GDN_KERNEL=chunk|recurrent|fla|npu forces one ('recurrent' runs the per-token
-loop for prefill too: the seed's ablation). Decode never takes a chunked path.
+The choice is made from (device, dtype, QWEN_GDN_KERNEL) and what is installed, before any rank
+starts (choose_gdn_kernel, pure, so every combination is tested on CPU); each rank then probes a
+device kernel once with a tiny call against the per-token reference before trusting it
+(select_gdn_kernel). Unforced: fla on cuda for bf16/fp16, the CANN op on npu for bf16, else the
+torch chunked kernel, which works everywhere. QWEN_GDN_KERNEL=chunk|recurrent|fla|npu forces one
+('recurrent' runs the per-token loop for prefill too: the seed's ablation); a forced kernel this
+machine cannot run is a usage error. Decode never takes a chunked path.
 
-The fla and npu adapters are written from those libraries' documented signatures and have not
-been run here (no CUDA or Ascend device in development): treat them as unverified.
+The fla and npu adapters are contract-tested on CPU against stand-ins bound to those libraries'
+signatures (tests/test_gdn_kernels.py); they have not yet run on a device.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from pocketllm.errors import UsageError
+from pocketllm.ops.gated_delta import fla_adapter, npu_adapter
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
-from pocketllm.ops.gated_delta.naive import expand_to_value_heads, gated_delta_rule_recurrent, gated_delta_step_
+from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent, gated_delta_step_
 
 ENV = "QWEN_GDN_KERNEL"
 CHOICES = ("chunk", "recurrent", "fla", "npu")
+# The probe's shape: one key head, two value heads (so GVA is exercised), the model's head dim.
+PROBE_SHAPE = (8, 1, 2, 128)
+# Worst relative error (max |diff| / max |ref|) a probe accepts, by the dtype the kernel ran in.
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
-log = logging.getLogger("pocketllm")
-_logged: set[tuple[str, str]] = set()
 
-
-class GdnKernelError(ValueError):
+class GdnKernelError(UsageError):
     """QWEN_GDN_KERNEL names an unknown kernel, or one this machine cannot run."""
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    name: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -44,102 +56,153 @@ class GdnKernel:
     prefill: Callable
     decode_step_: Callable
 
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
 
-def _fla_available(device_type: str) -> bool:
-    return device_type == "cuda" and importlib.util.find_spec("fla") is not None
+
+def fla_importable() -> bool:
+    return importlib.util.find_spec("fla") is not None
 
 
-def _npu_available(device_type: str) -> bool:
-    if device_type != "npu" or importlib.util.find_spec("torch_npu") is None:
+def npu_op_present() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
         return False
     import torch_npu
 
     return hasattr(torch_npu, "npu_chunk_gated_delta_rule")
 
 
-def _fla_prefill(q, k, v, g, beta, initial_state=None):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    # fla takes [B, T, H, D] with q and k at value heads (older releases have no grouped
-    # heads) and scales q itself: ours is already scaled, hence scale=1.
-    Hv = v.shape[1]
-    q_v, k_v = (expand_to_value_heads(x, Hv).to(v.dtype) for x in (q, k))
-    state = None if initial_state is None else initial_state[None].float()
-    out, final = chunk_gated_delta_rule(
-        q_v[None], k_v[None], v[None], g[None].float(), beta[None].to(v.dtype),
-        scale=1.0, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False,
-    )
-    return out[0].to(v.dtype), final[0].float()
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _fla_decode_step_(q, k, v, g, beta, state):
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-    Hv = v.shape[1]
-    q_v, k_v = (expand_to_value_heads(x, Hv).to(v.dtype) for x in (q, k))
-    out, final = fused_recurrent_gated_delta_rule(
-        q_v[None], k_v[None], v[None], g[None].float(), beta[None].to(v.dtype),
-        scale=1.0, initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=False,
-    )
-    # fla returns the new state rather than updating it; the caller owns `state`.
-    state.copy_(final[0])
-    return out[0]
-
-
-def _npu_prefill(q, k, v, g, beta, initial_state=None):
-    import torch_npu
-
-    # The CANN op takes packed [T, H, D] in bf16/fp16 (key heads for q and k), g in fp32, and
-    # its state value-major, [B, Hv, Dv, Dk].
-    T, Hv, Dv = v.shape
-    Dk = k.shape[-1]
-    low = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if initial_state is None:
-        initial_state = torch.zeros(Hv, Dk, Dv, dtype=torch.float32, device=v.device)
-    out, final = torch_npu.npu_chunk_gated_delta_rule(
-        q.to(low), k.to(low), v.to(low),
-        beta=beta.to(low),
-        initial_state=initial_state.transpose(-1, -2)[None].to(low).contiguous(),
-        actual_seq_lengths=torch.tensor([T], dtype=torch.int32, device=v.device),
-        scale=1.0,
-        g=g.float(),
-    )
-    return out.to(v.dtype), final[0].transpose(-1, -2).float().contiguous()
-
-
-def _build(name: str, reason: str) -> GdnKernel:
-    if name == "fla":
-        return GdnKernel(name, reason, _fla_prefill, _fla_decode_step_)
-    if name == "npu":
-        return GdnKernel(name, reason, _npu_prefill, gated_delta_step_)
-    if name == "recurrent":
-        return GdnKernel(name, reason, gated_delta_rule_recurrent, gated_delta_step_)
-    return GdnKernel(name, reason, gated_delta_rule_chunked, gated_delta_step_)
+def choose_gdn_kernel(device_type: str, dtype: torch.dtype, forced: str, have_fla: bool, have_npu_op: bool) -> KernelChoice:
+    """The kernel for a run, from what it asks and what is installed; no device is touched."""
+    forced = forced.strip().lower()
+    dname = _dtype_name(dtype)
+    if not forced:
+        if device_type == "cuda" and have_fla:
+            if dtype in fla_adapter.DTYPES:
+                return KernelChoice("fla", f"fla on cuda, {dname}")
+            return KernelChoice("chunk", f"torch chunked kernel: fla would run {dname} matmuls as TF32")
+        if device_type == "npu" and have_npu_op:
+            if dtype in npu_adapter.DTYPES:
+                return KernelChoice("npu", "torch_npu.npu_chunk_gated_delta_rule, bfloat16")
+            return KernelChoice("chunk", f"torch chunked kernel: the CANN op is bfloat16-only, not {dname}")
+        return KernelChoice("chunk", f"torch chunked kernel on {device_type}")
+    if forced not in CHOICES:
+        raise GdnKernelError(f"{ENV}={forced!r} is not a GDN kernel; valid: {', '.join(CHOICES)}")
+    if forced in ("chunk", "recurrent"):
+        return KernelChoice(forced, f"forced by {ENV}")
+    if forced == "fla":
+        if device_type not in ("cuda", "npu"):
+            raise GdnKernelError(f"{ENV}=fla needs --device cuda (or npu); this run is on {device_type}: use chunk or recurrent")
+        if not have_fla:
+            raise GdnKernelError(f"{ENV}=fla: fla is not importable (pip install -e '.[cuda]'); use chunk or recurrent")
+        if dtype not in fla_adapter.DTYPES:
+            raise GdnKernelError(f"{ENV}=fla runs bfloat16 or float16, not --dtype {dname} (fla would multiply it as TF32): use chunk")
+        return KernelChoice("fla", f"forced by {ENV}")
+    if device_type != "npu" or not have_npu_op:
+        where = f"this run is on {device_type}" if device_type != "npu" else "this torch_npu lacks it"
+        raise GdnKernelError(f"{ENV}=npu needs --device npu with torch_npu.npu_chunk_gated_delta_rule ({where}): use chunk or recurrent")
+    if dtype not in npu_adapter.DTYPES:
+        raise GdnKernelError(f"{ENV}=npu runs bfloat16 only (the CANN op), not --dtype {dname}: use chunk")
+    return KernelChoice("npu", f"forced by {ENV}")
 
 
-def select_gdn_kernel(device_type: str) -> GdnKernel:
-    """The kernel for `device_type` ('cpu', 'cuda', 'npu', ...), honouring QWEN_GDN_KERNEL."""
-    forced = os.environ.get(ENV, "").strip().lower()
-    available = ["chunk", "recurrent"]
-    if _fla_available(device_type):
-        available.append("fla")
-    if _npu_available(device_type):
-        available.append("npu")
-    if forced:
-        if forced not in CHOICES:
-            raise GdnKernelError(f"{ENV}={forced!r} is not a GDN kernel; valid: {', '.join(CHOICES)}")
-        if forced not in available:
-            raise GdnKernelError(
-                f"{ENV}={forced} is not available on device {device_type!r}; available: {', '.join(available)}"
-            )
-        kernel = _build(forced, f"forced by {ENV}")
-    elif "fla" in available:
-        kernel = _build("fla", "cuda with flash-linear-attention")
-    elif "npu" in available:
-        kernel = _build("npu", "npu with torch_npu.npu_chunk_gated_delta_rule")
+def plan_gdn_kernel(device_type: str, dtype: torch.dtype, env=os.environ) -> KernelChoice:
+    """choose_gdn_kernel with this machine's environment and libraries."""
+    forced = env.get(ENV, "")
+    have_fla = fla_importable()
+    have_npu = device_type == "npu" and npu_op_present()
+    return choose_gdn_kernel(device_type, dtype, forced, have_fla, have_npu)
+
+
+def probe_inputs(device, dtype, shape=PROBE_SHAPE, seed: int = 0):
+    """Small inputs like a layer's: q, k l2-normalised (q scaled), g <= 0, beta in (0, 1)."""
+    T, Hk, Hv, D = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(T, Hk, D, generator=gen), dim=-1) * D**-0.5
+    k = torch.nn.functional.normalize(torch.randn(T, Hk, D, generator=gen), dim=-1)
+    v = torch.randn(T, Hv, D, generator=gen)
+    g = -torch.rand(T, Hv, generator=gen)
+    beta = torch.rand(T, Hv, generator=gen)
+    state = torch.randn(Hv, D, D, generator=gen) * 0.1
+    put = lambda x, dt: x.to(device=device, dtype=dt)  # noqa: E731
+    return put(q, torch.float32), put(k, torch.float32), put(v, dtype), put(g, torch.float32), put(beta, torch.float32), put(state, torch.float32)
+
+
+def _worst(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
+
+
+def probe(prefill, decode_step_, device, dtype) -> str | None:
+    """Run a kernel once on a tiny input on `device` against the per-token reference; None when
+    it agrees, else why not (its exception's last line, or how far off it was)."""
+    q, k, v, g, beta, state = probe_inputs(device, dtype)
+    tol = PROBE_TOLERANCE[dtype]
+    try:
+        out, final = prefill(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], state)
+        ref_out, ref_final = gated_delta_rule_recurrent(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], state)
+        errors = {"prefill out": _worst(out, ref_out), "prefill state": _worst(final, ref_final)}
+        if decode_step_ is not gated_delta_step_:
+            mine, ref = ref_final.clone(), ref_final.clone()
+            step = decode_step_(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], mine)
+            ref_step = gated_delta_step_(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], ref)
+            errors |= {"decode out": _worst(step, ref_step), "decode state": _worst(mine, ref)}
+    except Exception as exc:  # the probe's purpose: any failure means "do not trust it"
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+    bad = {name: e for name, e in errors.items() if not e <= tol}
+    if bad:
+        return "disagrees with the reference: " + ", ".join(f"{n} {e:.1e}" for n, e in bad.items()) + f" (tolerance {tol:.0e})"
+    return None
+
+
+def _fla_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:
+    why = probe(fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, device, dtype)
+    if why is not None:
+        return None, why
+    return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_), None
+
+
+def _npu_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:
+    # fp32 state first: where the op takes it, the state is never rounded.
+    whys = []
+    for state_dtype in (torch.float32, torch.bfloat16):
+        prefill = functools.partial(npu_adapter.npu_prefill, state_dtype=state_dtype)
+        why = probe(prefill, gated_delta_step_, device, dtype)
+        if why is None:
+            state = "fp32 state" if state_dtype == torch.float32 else "state rounded to bf16 per prefill: the op refused fp32"
+            return GdnKernel("npu", f"{choice.reason}, {state}", prefill, gated_delta_step_), None
+        whys.append(f"{_dtype_name(state_dtype)} state: {why}")
+    return None, "; ".join(whys)
+
+
+def torch_kernel(name: str, reason: str) -> GdnKernel:
+    prefill = gated_delta_rule_recurrent if name == "recurrent" else gated_delta_rule_chunked
+    return GdnKernel(name, reason, prefill, gated_delta_step_)
+
+
+_selected: dict[tuple, GdnKernel] = {}
+
+
+def select_gdn_kernel(device, dtype: torch.dtype, env=os.environ) -> GdnKernel:
+    """The kernel this process runs on `device` for `dtype`: planned, and for a device kernel
+    probed once (per device and dtype). A forced kernel that fails its probe is a usage error; an
+    unforced one gives way to the torch chunked kernel, saying why."""
+    device = torch.device(device)
+    key = (device, dtype, env.get(ENV, ""))
+    if key in _selected:
+        return _selected[key]
+    choice = plan_gdn_kernel(device.type, dtype, env)
+    if choice.name in ("fla", "npu"):
+        build = _fla_kernel if choice.name == "fla" else _npu_kernel
+        kernel, why = build(choice, device, dtype)
+        if kernel is None:
+            if env.get(ENV, "").strip():
+                raise GdnKernelError(f"{ENV}={choice.name} failed its probe on {device}: {why}")
+            kernel = torch_kernel("chunk", f"torch chunked kernel: {choice.name} failed its probe ({why})")
     else:
-        kernel = _build("chunk", f"torch chunked kernel on {device_type}")
-    if (kernel.name, kernel.reason) not in _logged:
-        _logged.add((kernel.name, kernel.reason))
-        log.info("gdn kernel: %s (%s)", kernel.name, kernel.reason)
+        kernel = torch_kernel(choice.name, choice.reason)
+    _selected[key] = kernel
     return kernel

@@ -1,0 +1,56 @@
+"""The gated delta rule through flash-linear-attention (fla), on CUDA: our [T, H, D] one-sequence
+convention against fla's batched [B, T, H, D] one.
+
+Written against fla-core 0.6.0 (pinned in the `cuda` extra): `chunk_gated_delta_rule(q, k, v, g,
+beta, scale=None, initial_state=None, output_final_state=False, ...)` and
+`fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+initial_state=None, output_final_state=False, ...)`, both in fla/ops/gated_delta_rule/. Every
+argument after v goes by keyword: in the recurrent form the fifth slot is `gk`, not `beta`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# What the kernels take as q, k, v: fla 0.6.0 runs fp32 inputs, but its chunked solve multiplies
+# in TF32 where the GPU has it (fla/ops/gated_delta_rule/chunk_fwd.py), which is not the fp32 the
+# oracle runs at; bf16 and fp16 are what its kernels are tuned for.
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _ops():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _batched(q, k, v, g, beta):
+    # fla handles more value heads than key heads itself (GVA when HV > H, since 0.6.0's
+    # signatures), so q and k stay at key heads, in v's dtype: no fp32 value-head copies.
+    return q.to(v.dtype)[None], k.to(v.dtype)[None], v[None], g.float()[None], beta.to(v.dtype)[None]
+
+
+def fla_prefill(q, k, v, g, beta, initial_state=None):
+    """Same contract as gated_delta_rule_chunked: (out [T, Hv, Dv] in v's dtype, final_state
+    [Hv, Dk, Dv] fp32)."""
+    chunk, _ = _ops()
+    qb, kb, vb, gb, bb = _batched(q, k, v, g, beta)
+    # fla's state is [N, HV, K, V] fp32, ours [Hv, Dk, Dv] fp32: a batch dim, no copy. q is
+    # already scaled by Dk**-0.5, hence scale=1.
+    state = None if initial_state is None else initial_state[None]
+    out, final = chunk(
+        qb, kb, vb, g=gb, beta=bb, scale=1.0, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False
+    )
+    return out[0].to(v.dtype), final[0].float()
+
+
+def fla_decode_step_(q, k, v, g, beta, state):
+    """Same contract as gated_delta_step_: out [1, Hv, Dv], `state` advanced in place."""
+    _, recurrent = _ops()
+    qb, kb, vb, gb, bb = _batched(q, k, v, g, beta)
+    out, final = recurrent(
+        qb, kb, vb, g=gb, beta=bb, scale=1.0, initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=False
+    )
+    # fla returns the new state rather than updating it; the caller owns `state`.
+    state.copy_(final[0])
+    return out[0]
