@@ -134,3 +134,31 @@ def test_random_slice_reads_match_the_full_tensor(monkeypatch):
         for idx in (slice(None), slice(0, shape[0] // 2), slice(shape[0] // 3, None)):
             assert torch.equal(sl[idx], full[idx]), key
         assert calls == [key], f"{key}: generated {len(calls)} times over three reads of one slice"
+
+
+class _Passes:
+    def __init__(self):
+        self.seen = []
+
+    def before_pass(self, info) -> None:
+        pass
+
+    def after_pass(self, info) -> None:
+        self.seen.append((info.kind, info.rows, info.slices))
+
+
+@pytest.mark.parametrize("cap", [None, 24], ids=["timed-length", "capped"])
+def test_warm_up_runs_each_timed_length_under_the_timed_slice_policy(engine, cap):
+    from pocketllm.commands.bench import warm_up
+    from pocketllm.distributed.policy import PinnedPolicy
+
+    saved, passes = engine.policy, _Passes()
+    engine.policy = PinnedPolicy(3)
+    engine.hooks.append(passes)
+    try:
+        warm_up(engine, ids(40).tolist(), [32, 16, 32], lambda: None, cap)
+    finally:
+        engine.policy = saved
+        engine.hooks.remove(passes)
+    lengths = [16, 24] if cap else [16, 32]
+    assert passes.seen == [p for n in lengths for p in [("warmup", n, 3), ("warmup", 1, 3), ("warmup", 1, 3)]]

@@ -221,9 +221,10 @@ def test_bench_blocks_are_identified_by_fields_and_agree_with_the_engine(tmp_pat
         blocks = _jsonl(out / f"phase-rank{rank}.jsonl")
         ids = [b["block"] for b in blocks]
         assert len(set(ids)) == len(ids) and all(b["rank"] == rank for b in blocks)
-        # The bench's warm-up (a prefill and 2 decodes), its timed prefill, its 3 timed decodes.
+        # The bench's warm-up (a prefill at the timed length and 2 decodes), its timed prefill, its
+        # 3 timed decodes.
         assert [(b["kind"], b["rows"], b["timed"]) for b in blocks] == (
-            [("warmup", 64, False), ("warmup", 1, False), ("warmup", 1, False), ("prefill", 512, True)] + [("decode", 1, True)] * 3
+            [("warmup", 512, False), ("warmup", 1, False), ("warmup", 1, False), ("prefill", 512, True)] + [("decode", 1, True)] * 3
         )
         for b in blocks:
             s = b["scopes"]

@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--token-ids", help="use these ids as the prompt instead")
     p.add_argument("--token-ids-file", help="read the prompt ids from this file instead")
     p.add_argument("--max-new-tokens", type=int, default=32, help="timed decode steps (default 32)")
-    p.add_argument("--warmup-tokens", type=int, default=64, help="prompt length of the warm-up pass (default 64)")
+    add_warmup_arg(p)
     p.add_argument("--json", help="also write the result and the run's settings to this file")
 
 
@@ -79,15 +79,28 @@ def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
     }
 
 
-def check_warmup_tokens(warmup_tokens: int) -> None:
+def add_warmup_arg(p) -> None:
+    p.add_argument(
+        "--warmup-tokens", type=int, help="cap each warm-up prefill at N tokens (default: none, so each runs the timed length and slice count)"
+    )
+
+
+def check_warmup_tokens(warmup_tokens: int | None) -> None:
     """warm_up's --warmup-tokens, checked before any rank starts."""
-    if warmup_tokens < 1:
+    if warmup_tokens is not None and warmup_tokens < 1:
         raise UsageError(f"--warmup-tokens must be >= 1, got {warmup_tokens}")
 
 
-def warm_up(engine, ids: list[int], warmup_tokens: int, sync) -> None:
+def warm_up(engine, ids: list[int], rows: list[int], sync, warmup_tokens: int | None = None) -> None:
+    """One untimed prefill of ids[:n] for each timed row count n, under the engine's current slice
+    policy, so each warms the slice count its timed pass runs, then two decode steps. The first
+    pass at a shape pays for what a device sets up per shape (GEMM heuristics, the collective's
+    protocol, Triton autotuning, Ascend operators compiled per shape); warmed at another shape,
+    that cost would land in the timed prefill. `warmup_tokens` caps each warm-up prefill."""
+    lengths = sorted({max(1, min(n, len(ids), warmup_tokens or n)) for n in rows})
     with engine.tagged(warmup=True):
-        timed_prefill_decode(engine, ids[: max(1, min(len(ids), warmup_tokens))], 2, sync)
+        for n in lengths:
+            timed_prefill_decode(engine, ids[:n], 2, sync)
 
 
 def format_result(r: dict) -> str:
@@ -105,7 +118,7 @@ def format_result(r: dict) -> str:
 
 
 def _work(args, plan, ids, engine, device) -> int:
-    warm_up(engine, ids, args.warmup_tokens, device.synchronize)
+    warm_up(engine, ids, [len(ids)], device.synchronize, args.warmup_tokens)
     with engine.tagged(timed=True):
         result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
     rss = peak_rss_mib_per_rank()

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from pocketllm.commands.bench import check_warmup_tokens, timed_prefill, warm_up
+from pocketllm.commands.bench import add_warmup_arg, check_warmup_tokens, timed_prefill, warm_up
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.ranked import run_ranked, run_settings
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--pick", choices=PICKS, default="median", help="which rep's block each column reads: the median wall (default) or the least disturbed, min"
     )
-    p.add_argument("--warmup-tokens", type=int, default=64, help="prompt length of the warm-up pass (default 64)")
+    add_warmup_arg(p)
     p.add_argument("--json", help="also write the tables, the fit and every column's block to this file")
 
 
@@ -126,7 +126,7 @@ def _work(args, plan, lengths, engine, device) -> int:
     profiler = profiler_of(engine)
     sync = device.synchronize
     vocab = plan.cfg.vocab_size
-    warm_up(engine, bench_ids(lengths[-1], vocab), args.warmup_tokens, sync)
+    warm_up(engine, bench_ids(lengths[-1], vocab), lengths, sync, args.warmup_tokens)
     samples: dict[int, list[dict]] = {n: [] for n in lengths}
     # Rep-major, so a slow patch of a shared machine lands on every length.
     for _rep in range(args.reps):

@@ -10,7 +10,7 @@ import os
 
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
-from pocketllm.commands.bench import check_warmup_tokens, timed_prefill_decode, warm_up
+from pocketllm.commands.bench import add_warmup_arg, check_warmup_tokens, timed_prefill_decode, warm_up
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_ranked, run_settings
@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", help="named policies to time: rule, calibrated (default rule, plus calibrated when a calibration is given)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every (rows, setting), interleaved (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="timed decode steps per run; their spread is the drift bound (default 8)")
-    p.add_argument("--warmup-tokens", type=int, default=64, help="prompt length of each setting's warm-up pass (default 64)")
+    add_warmup_arg(p)
     p.add_argument("--json", help="write every rep of every setting and the summary here")
     p.add_argument("--plot", help="write a PNG of prefill TPS against rows here (needs matplotlib)")
 
@@ -96,7 +96,7 @@ def run_sweep(engine, rows_list, settings, args, sync) -> list[dict]:
     engine.start_sequence(max(rows_list) + args.max_new_tokens)
     for s, policy in settings:
         engine.policy = policy
-        warm_up(engine, ids, args.warmup_tokens, sync)
+        warm_up(engine, ids, rows_list, sync, args.warmup_tokens)
     order = sweep_order(rows_list, [s.name for s, _ in settings], args.reps)
     bar = row_progress(sum(rows for _, rows, _ in order), "sweep")
     records = []
