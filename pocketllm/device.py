@@ -47,6 +47,21 @@ class DeviceInfo:
         elif self.kind == "npu":
             torch.npu.synchronize(self.index)
 
+    @property
+    def timing_event(self):
+        """A function recording a timing event on the current stream and returning it (its
+        elapsed_time(other) is in ms), or None on CPU, where an op has finished when it returns."""
+        if self.kind == "cpu":
+            return None
+        module = torch.cuda if self.kind == "cuda" else torch.npu
+
+        def record():
+            event = module.Event(enable_timing=True)
+            event.record()
+            return event
+
+        return record
+
     def describe(self) -> str:
         if self.kind == "cuda":
             return torch.cuda.get_device_name(self.index)

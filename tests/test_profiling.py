@@ -94,6 +94,33 @@ def test_exclusive_attribution_on_a_hand_built_tree():
     assert host["self_total_seconds"] <= host["wall_seconds"]
 
 
+class FakeEvent:
+    """A device timing event stand-in: it remembers the fake clock's time when recorded; the
+    device's own clock is that plus a fixed lag, as a stream runs behind the host."""
+
+    def __init__(self, clock: FakeClock, lag_ns: int):
+        self.at = clock.now + lag_ns
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return (other.at - self.at) / 1e6
+
+
+def test_device_events_replay_into_the_same_accounting_as_the_host_clock():
+    host, _ = _recorded_tree()
+    clock = FakeClock()
+    recorder = ScopeRecorder(clock=lambda: 10**9, keep_spans=True, event=lambda: FakeEvent(clock, 1000))
+    origin = FakeEvent(clock, 1000)
+    scopes.install(recorder)
+    try:
+        _hand_built_tree(clock)
+    finally:
+        scopes.install(None)
+    assert recorder.stats == {} and len(recorder.log) == 2 * sum(calls for _, _, calls in host.stats.values())
+    recorder.replay(origin, 5)
+    assert recorder.stats == host.stats and recorder.log == []
+    assert recorder.spans == [(n, site, a + 5, b + 5) for n, site, a, b in host.spans]
+
+
 def test_a_scope_nested_in_itself_counts_its_inclusive_time_once():
     clock = FakeClock()
     recorder = ScopeRecorder(clock=clock)

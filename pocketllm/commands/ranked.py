@@ -102,7 +102,7 @@ def _on_rank(args, renv, device, checked, work, profiling, fault) -> int:
         )
         kernel = engine.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
-        profiler = attach_profiler(engine, profiling, tp().rank, device.synchronize)
+        profiler = attach_profiler(engine, profiling, tp().rank, device.synchronize, device.timing_event)
         return work(args, plan, inputs, engine, device)
     finally:
         if profiler is not None:

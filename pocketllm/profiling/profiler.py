@@ -3,7 +3,10 @@
 Phase profile (QWEN_PHASE_PROFILE=1 or --phase-profile): every scope synchronises the device on
 entry and exit, so its seconds are device time; attribution is exclusive. Host profile
 (QWEN_HOST_PROFILE=1 or --host-profile): wall clock, no synchronisation, nested spans with
-inclusive and self time, and a Chrome/Perfetto trace with --trace-out. The scope recorder is
+inclusive and self time, and a Chrome/Perfetto trace with --trace-out. On CUDA and Ascend the host
+clock would time kernel launches, so there each scope records device events on the compute stream
+instead, read after one synchronisation at the pass's end: the spans are device time, and a
+collective's wait is the compute stream waiting on the communication stream. The scope recorder is
 installed only while a pass runs, so nothing outside a pass is timed.
 
 Under a phase profile a rank that reaches an all-reduce first waits there for the others, so the
@@ -114,12 +117,17 @@ def _write_stderr(text: str) -> None:
 class PassProfiler:
     """Engine hook: before_pass starts the pass's recorder, after_pass turns it into blocks."""
 
-    def __init__(self, options: ProfileOptions, rank: int, sync, device=None):
+    def __init__(self, options: ProfileOptions, rank: int, sync, device=None, event=None):
         self.options = options
         self.rank = rank
         self._sync = sync if options.phase else None
+        # A host profile on a device times device events (event: DeviceInfo.timing_event), read
+        # after one synchronisation at the pass's end; a phase profile synchronises every scope.
+        self._event = event if not options.phase else None
+        self._device_sync = sync
         align = _barrier(device) if options.split_skew else None
-        self.recorder = ScopeRecorder(sync=self._sync, keep_spans=options.trace_out is not None, align=align)
+        self.recorder = ScopeRecorder(sync=self._sync, keep_spans=options.trace_out is not None, align=align, event=self._event)
+        self._origin = None
         self.phase_blocks: list[dict] = []
         self.host_blocks: list[dict] = []
         self.trace = TraceWriter(rank) if options.trace_out is not None else None
@@ -137,12 +145,20 @@ class PassProfiler:
         if self._sync is not None:
             self._sync()
         self._start = self.recorder.clock()
+        if self._event is not None:
+            self._origin = self._event()
         install(self.recorder)
 
     def after_pass(self, info) -> None:
         if self._sync is not None:
             self._sync()
-        end = self.recorder.clock()
+        if self._event is not None:
+            last = self._event()
+            self._device_sync()
+            end = self._start + round(self._origin.elapsed_time(last) * 1e6)
+            self.recorder.replay(self._origin, self._start)
+        else:
+            end = self.recorder.clock()
         install(None)
         path = self.path_of(info.rows, info.slices)
         ident = BlockId(info.index, self.rank, info.kind, info.rows, info.timed, info.slices, path, dict(info.collectives or {}))
@@ -191,11 +207,12 @@ def _barrier(device):
     return wait
 
 
-def attach_profiler(engine, options: ProfileOptions, rank: int, sync) -> PassProfiler | None:
-    """Register a profiler on the engine when a profile is on; None (and no hook) otherwise."""
+def attach_profiler(engine, options: ProfileOptions, rank: int, sync, event=None) -> PassProfiler | None:
+    """Register a profiler on the engine when a profile is on; None (and no hook) otherwise.
+    `event` records a device timing event (None on CPU, where an op is done when it returns)."""
     if not options.enabled:
         return None
-    profiler = PassProfiler(options, rank, sync, engine.device)
+    profiler = PassProfiler(options, rank, sync, engine.device, event)
     engine.hooks.append(profiler)
     return profiler
 

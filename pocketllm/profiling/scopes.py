@@ -103,16 +103,20 @@ class ScopeRecorder:
     """Exclusive and inclusive nanoseconds and calls per (name, site) for one pass.
 
     sync: called on entry and exit of every scope (the device synchronize of a phase profile) or
-    None (host wall clock only). keep_spans: also keep every span for a trace. align: a barrier
-    across ranks, run before each collective to split off skew, or None.
+    None (no synchronisation). keep_spans: also keep every span for a trace. align: a barrier
+    across ranks, run before each collective to split off skew, or None. event: on a device
+    without sync, a function recording a timing event on the compute stream; each open and close
+    then logs an event instead of reading the host clock (which would time kernel launches, not
+    kernels), and replay() accounts them once the device has caught up.
     """
 
-    def __init__(self, sync=None, clock=time.perf_counter_ns, keep_spans: bool = False, align=None):
+    def __init__(self, sync=None, clock=time.perf_counter_ns, keep_spans: bool = False, align=None, event=None):
         self.sync = sync or _no_sync
         self.settle_collectives = sync is not None
         self.align = align
         self.clock = clock
         self.keep_spans = keep_spans
+        self.event = event
         self.reset()
 
     def reset(self) -> None:
@@ -123,14 +127,35 @@ class ScopeRecorder:
         self.open_count: dict[tuple[str, str | None], int] = {}
         # (name, site, start ns, end ns) per closed span, when kept.
         self.spans: list[tuple[str, str | None, int, int]] = []
+        # With events: (opens, key, event) per open and close, in order, until replay().
+        self.log: list[tuple[bool, tuple[str, str | None], object]] = []
+
+    def replay(self, origin_event, origin_ns: int) -> None:
+        """After the device has synchronised: account every logged open and close as though the
+        clock had read origin_ns + the event's device time since origin_event."""
+        log, self.log = self.log, []
+        times = iter([origin_ns + round(origin_event.elapsed_time(ev) * 1e6) for _, _, ev in log])
+        clock, event = self.clock, self.event
+        self.clock, self.event = (lambda: next(times)), None
+        try:
+            for opens, key, _ in log:
+                (self.open if opens else self.close)(key)
+        finally:
+            self.clock, self.event = clock, event
 
     def open(self, key: tuple[str, str | None]) -> None:
         self.sync()
+        if self.event is not None:
+            self.log.append((True, key, self.event()))
+            return
         self.open_count[key] = self.open_count.get(key, 0) + 1
         self.stack.append([key, self.clock(), 0])
 
     def close(self, key: tuple[str, str | None]) -> None:
         self.sync()
+        if self.event is not None:
+            self.log.append((False, key, self.event()))
+            return
         end = self.clock()
         frame = self.stack.pop()
         if frame[0] != key:
