@@ -20,7 +20,7 @@ def parse(*argv):
 
 def test_tiny_run_prints_json_summary_last(capsys):
     args = parse("--tokens", "130", "--reps", "2", "--key-heads", "2", "--value-heads", "4",
-                 "--head-dim", "32", "--threads", "1")
+                 "--head-dim", "32", "--threads", "1", "--device", "cpu")
     threads = torch.get_num_threads()
     try:
         assert gdn_bench.main(args) == 0
@@ -28,7 +28,8 @@ def test_tiny_run_prints_json_summary_last(capsys):
         torch.set_num_threads(threads)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
-    assert set(summary) == {"vs_transformers_chunk", "vs_recurrent", "matmul_rate_fraction"}
+    assert set(summary) == {"device", "device_kernel", "device_kernel_vs_chunked", "vs_transformers_chunk", "vs_recurrent", "matmul_rate_fraction"}
+    assert summary["device"] == "cpu" and summary["device_kernel"] is None
     assert summary["vs_recurrent"] > 0 and summary["matmul_rate_fraction"] > 0
 
 
@@ -38,8 +39,9 @@ def test_tiny_run_prints_json_summary_last(capsys):
         (("--tokens", "0"), "--tokens"),
         (("--key-heads", "4", "--value-heads", "6"), "--value-heads"),
         (("--dtype", "float8"), "float8"),
+        (("--device", "foo"), "--device 'foo'"),
     ],
-    ids=["tokens0", "heads-not-multiple", "unknown-dtype"],
+    ids=["tokens0", "heads-not-multiple", "unknown-dtype", "unknown-device"],
 )
 def test_bad_values_are_usage_errors(argv, word):
     with pytest.raises(UsageError, match=word) as info:

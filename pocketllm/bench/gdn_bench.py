@@ -1,8 +1,10 @@
 """`pocketllm gdn-bench`: time the gated delta rule kernels on one layer's shapes.
 
-Runs pocketllm's chunked and per-token kernels and, when transformers is importable, its
-torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule, interleaved rep-major on the
-same seeded inputs; checks they agree; prints a table and, last, one JSON line with the ratios.
+Runs pocketllm's chunked and per-token kernels, the device kernel the engine would run on
+--device (fla on CUDA, torch_npu's op on Ascend, where installed and the dtype allows) and, when
+transformers is importable, its torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule,
+interleaved rep-major on the same seeded inputs; checks they agree; prints a table and, last, one
+JSON line with the ratios. On a device every timing is between two synchronisations.
 The achieved rate counts the chunked algorithm's real matmul FLOPs and is set against this
 machine's batched-matmul rate measured at the chunk's shapes.
 """
@@ -18,7 +20,9 @@ import time
 
 import torch
 
+from pocketllm.device import DEVICE_CHOICES, DeviceInfo, resolve_kind
 from pocketllm.model_args import DTYPES, parse_dtype
+from pocketllm.ops.gated_delta.backends import select_gdn_kernel
 from pocketllm.ops.gated_delta.chunked import DEFAULT_CHUNK_SIZE, gated_delta_rule_chunked, matmul_flops
 from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
 
@@ -30,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="sequence length (default 4096)")
     add_head_arguments(parser)
     parser.add_argument("--dtype", default="float32", help="input dtype: " + ", ".join(DTYPES))
+    parser.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
     parser.add_argument("--reps", type=int, default=5, help="timed reps per kernel (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: unchanged)")
     parser.add_argument(
@@ -60,7 +65,9 @@ def _validate(args) -> torch.dtype:
         )
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1; got {args.threads}")
-    return parse_dtype(args.dtype)
+    dtype = parse_dtype(args.dtype)
+    resolve_kind(args.device)
+    return dtype
 
 
 def make_inputs(T: int, Hk: int, Hv: int, D: int, dtype: torch.dtype, seed: int = 0):
@@ -81,43 +88,48 @@ def make_inputs(T: int, Hk: int, Hv: int, D: int, dtype: torch.dtype, seed: int 
     return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype)
 
 
-def _best_rate(fn, flops: float, reps: int) -> float:
+def _best_rate(fn, flops: float, reps: int, sync) -> float:
     fn()
     times = []
     for _ in range(reps):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     # The best rep: on a shared machine that is the closest to what the hardware can do, so the
     # fraction a kernel reaches of it errs low rather than high.
     return flops / min(times) / 1e9
 
 
-def measure_matmul_rates(Hv: int, T: int, D: int, chunk: int, reps: int = 5) -> tuple[float, float]:
+def measure_matmul_rates(Hv: int, T: int, D: int, chunk: int, reps: int = 5, device: DeviceInfo = DeviceInfo("cpu", 0)) -> tuple[float, float]:
     """This machine's torch.bmm GFLOP/s at the kernel's shapes: all chunks at once,
     [Hv * nchunks, C, Dk] x [Hv * nchunks, Dk, Dv] (the reference for the rate fraction), and one
     chunk's pass, [Hv, C, Dk] x [Hv, Dk, Dv] repeated on cache-resident operands (for context)."""
     nchunks = -(-T // chunk)
     batch = Hv * nchunks
-    a, b, out = torch.randn(batch, chunk, D), torch.randn(batch, D, D), torch.empty(batch, chunk, D)
-    all_chunks = _best_rate(lambda: torch.bmm(a, b, out=out), 2.0 * batch * chunk * D * D, reps)
+    dev, sync = device.torch_device, device.synchronize
+    a, b, out = (torch.randn(*s).to(dev) for s in ((batch, chunk, D), (batch, D, D), (batch, chunk, D)))
+    all_chunks = _best_rate(lambda: torch.bmm(a, b, out=out), 2.0 * batch * chunk * D * D, reps, sync)
     a, b, out = a[:Hv].clone(), b[:Hv].clone(), out[:Hv].clone()
 
     def per_chunk():
         for _ in range(nchunks):
             torch.bmm(a, b, out=out)
 
-    one_chunk = _best_rate(per_chunk, 2.0 * batch * chunk * D * D, reps)
+    one_chunk = _best_rate(per_chunk, 2.0 * batch * chunk * D * D, reps, sync)
     return all_chunks, one_chunk
 
 
-def _variants(args, inputs):
+def _variants(args, inputs, device_kernel=None):
     q, k, v, g, beta = inputs
     C = args.chunk_size
     variants = {
         "pocketllm chunked": lambda: gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=C),
         "pocketllm recurrent": lambda: gated_delta_rule_recurrent(q, k, v, g, beta),
     }
+    if device_kernel is not None:
+        variants[f"device {device_kernel.name}"] = lambda: device_kernel.prefill(q, k, v, g, beta, None)
     try:
         from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
     except ImportError:
@@ -144,14 +156,16 @@ def _relative_error(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(ref.float().abs().max().item(), 1e-30)
 
 
-def _time_interleaved(variants, reps: int):
+def _time_interleaved(variants, reps: int, sync):
     """Rep-major: every kernel once per rep, so a slow patch of a shared machine hits them all."""
     times = {name: [] for name in variants}
     results = {}
     for rep in range(reps):
         for name, fn in variants.items():
+            sync()
             start = time.perf_counter()
             results[name] = fn()
+            sync()
             times[name].append(time.perf_counter() - start)
         print(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.1f} ms" for n in variants),
               file=sys.stderr)
@@ -176,23 +190,34 @@ def _check_agreement(results, tolerance: float) -> bool:
 
 def main(args) -> int:
     dtype = _validate(args)
+    device = DeviceInfo(resolve_kind(args.device), 0)
+    if device.kind == "cuda":
+        torch.cuda.set_device(0)
+    elif device.kind == "npu":
+        torch.npu.set_device(0)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     T, Hk, Hv, D = args.tokens, args.key_heads, args.value_heads, args.head_dim
     C = min(args.chunk_size, T)
-    print(f"gdn-bench: T={T} Hk={Hk} Hv={Hv} D={D} dtype={args.dtype} chunk={args.chunk_size} "
-          f"threads={torch.get_num_threads()} reps={args.reps}", file=sys.stderr)
-    variants = _variants(args, make_inputs(T, Hk, Hv, D, dtype))
+    kernel = select_gdn_kernel(device.torch_device, dtype)
+    device_kernel = kernel if kernel.name in ("fla", "npu") else None
+    print(f"gdn-bench: T={T} Hk={Hk} Hv={Hv} D={D} dtype={args.dtype} chunk={args.chunk_size} device={device.describe()} "
+          f"threads={torch.get_num_threads()} reps={args.reps}; engine's kernel here: {kernel.describe()}", file=sys.stderr)
+
+    def inputs(seed):
+        return tuple(x.to(device.torch_device) for x in make_inputs(T, Hk, Hv, D, dtype, seed=seed))
+
+    variants = _variants(args, inputs(0), device_kernel)
     # Warm every kernel at the timed shape, so first-call and per-shape costs stay out of the timings.
-    for fn in _variants(args, make_inputs(T, Hk, Hv, D, dtype, seed=1)).values():
+    for fn in _variants(args, inputs(1), device_kernel).values():
         fn()
-    times, results = _time_interleaved(variants, args.reps)
+    times, results = _time_interleaved(variants, args.reps, device.synchronize)
     agree = _check_agreement(results, TOLERANCE[dtype])
 
     chunked = statistics.median(times["pocketllm chunked"])
     flops = matmul_flops(T, Hk, Hv, D, D, args.chunk_size)
     achieved = flops / chunked / 1e9
-    rate, pass_rate = measure_matmul_rates(Hv, T, D, C)
+    rate, pass_rate = measure_matmul_rates(Hv, T, D, C, device=device)
     print(f"{'kernel':24s} {'median ms':>10s} {'min..max ms':>19s} {'us/tok/head':>12s} {'x chunked':>10s}")
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -205,7 +230,11 @@ def main(args) -> int:
           f"-> chunked reaches {achieved / pass_rate:.0%}")
 
     hf_chunk = times.get("transformers chunk")
+    on_device = times.get(f"device {kernel.name}")
     summary = {
+        "device": device.kind,
+        "device_kernel": device_kernel.name if device_kernel else None,
+        "device_kernel_vs_chunked": round(statistics.median(on_device) / chunked, 3) if on_device else None,
         "vs_transformers_chunk": round(statistics.median(hf_chunk) / chunked, 3) if hf_chunk else None,
         "vs_recurrent": round(statistics.median(times["pocketllm recurrent"]) / chunked, 3),
         "matmul_rate_fraction": round(achieved / rate, 3),
