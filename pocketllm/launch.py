@@ -154,7 +154,13 @@ def checked_on_rank0(renv: RankEnv, check, join):
 
 
 def collective_failure(exc: BaseException) -> str | None:
-    """"timeout" or "peer" when exc is a collective that timed out or lost a peer, else None."""
+    """"timeout" or "peer" when exc is a collective that timed out or lost a peer, else None. By
+    type where torch says it (a network error is a lost peer); gloo raises a plain RuntimeError
+    for both (torch 2.13: "Timed out waiting 2000ms for recv operation", "Connection closed by
+    peer"), so there only the message tells them apart. On NCCL/HCCL a timed-out collective
+    raises nothing: the backend's watchdog aborts the process (_describe_exit says so)."""
+    if isinstance(exc, dist.DistNetworkError):
+        return "peer"
     text = str(exc).lower()
     if not (isinstance(exc, dist.DistError) or any(b in text for b in ("gloo", "nccl", "hccl", "store"))):
         return None
@@ -355,6 +361,9 @@ def _read_report(rdzv_dir: str, rank: int) -> dict | None:
 
 
 def _describe_exit(code: int) -> str:
+    if code == -signal.SIGABRT:
+        # NCCL's (and HCCL's) watchdog aborts a rank whose collective timed out or failed.
+        return "killed by signal SIGABRT: on NCCL/HCCL, the watchdog's abort after a collective timed out or failed"
     if code < 0:
         return f"killed by signal {signal.Signals(-code).name}"
     return f"exit code {code}"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from conftest import Run, assert_nothing_left, generated_ids, run_cli, start, tagged
 from pocketllm.errors import UsageError
@@ -145,3 +146,28 @@ def test_greedy_tokens_same_at_every_tp_and_slice_setting(tiny_ckpt):
 def test_bad_fault_spec_is_a_usage_error(spec, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         parse_fault(spec, world=2)
+
+
+@pytest.mark.parametrize(
+    "exc, kind",
+    [
+        (dist.DistNetworkError("Connection reset"), "peer"),
+        # Gloo's own messages (torch 2.13), raised as plain RuntimeErrors.
+        (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete"), "timeout"),
+        (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16790"), "peer"),
+        (RuntimeError("shape mismatch: timeout of 3 in the config"), None),
+        (ValueError("timed out"), None),
+    ],
+    ids=["network-error-type", "gloo-timeout", "gloo-peer", "not-a-collective", "not-a-collective-type"],
+)
+def test_collective_failures_are_classified(exc, kind):
+    from pocketllm.launch import collective_failure
+
+    assert collective_failure(exc) == kind
+
+
+def test_an_aborted_rank_is_described_as_the_watchdog_would_have_it():
+    from pocketllm.launch import _describe_exit
+
+    assert "watchdog" in _describe_exit(-signal.SIGABRT) and "NCCL" in _describe_exit(-signal.SIGABRT)
+    assert _describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
