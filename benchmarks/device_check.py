@@ -1,0 +1,196 @@
+"""One command for a machine with a GPU or an Ascend NPU: print the versions that matter, run the
+device tests (tests/device) and the device benches, and print one table of what passed and failed.
+
+    python benchmarks/device_check.py                 # the device torch sees (cuda, else npu)
+    python benchmarks/device_check.py --device npu
+    python benchmarks/device_check.py --device cpu --quick   # a dry run of this script itself
+
+Every step runs in its own process with a time limit, so one that hangs or crashes is a FAIL
+row, not the end of the check. Exit status: 0 when every step passed (skips allowed), 1 when any
+failed, 2 when there is no such device to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def describe_machine(kind: str) -> list[str]:
+    import torch
+
+    lines = [f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}, hip {getattr(torch.version, 'hip', None)})"]
+    lines.append("libraries: " + ", ".join(f"{d} {_version(d)}" for d in ("fla-core", "flash-linear-attention", "triton", "torch_npu", "transformers")))
+    if kind == "cuda":
+        lines += [f"cuda:{i} {torch.cuda.get_device_name(i)}, capability {torch.cuda.get_device_capability(i)}" for i in range(torch.cuda.device_count())]
+    elif kind == "npu":
+        lines += [f"npu:{i} {torch.npu.get_device_name(i)}" for i in range(torch.npu.device_count())]
+    return lines
+
+
+def detect(requested: str) -> tuple[str | None, int]:
+    """The device kind to check and how many there are; (None, 0) when there is none."""
+    import torch
+
+    npu = 0
+    if requested in ("auto", "npu"):
+        try:
+            import torch_npu  # noqa: F401
+
+            npu = torch.npu.device_count() if torch.npu.is_available() else 0
+        except ImportError:
+            npu = 0
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu":
+        return "cpu", 1
+    if requested == "cuda" or (requested == "auto" and cuda):
+        return ("cuda", cuda) if cuda else (None, 0)
+    return ("npu", npu) if npu else (None, 0)
+
+
+class Table:
+    def __init__(self):
+        self.rows: list[tuple[str, str, str, float]] = []
+
+    def add(self, step: str, outcome: str, detail: str, seconds: float) -> None:
+        self.rows.append((step, outcome, detail, seconds))
+        if outcome != "skip":
+            print(f"  {outcome:<7} {step} ({seconds:.1f} s) {detail}", file=sys.stderr, flush=True)
+
+    def failed(self) -> int:
+        return sum(1 for _, outcome, _, _ in self.rows if outcome == "FAIL")
+
+    def print(self) -> None:
+        width = max(len(r[0]) for r in self.rows)
+        print(f"{'step':<{width}}  {'result':<7} {'s':>6}  detail")
+        for step, outcome, detail, seconds in self.rows:
+            print(f"{step:<{width}}  {outcome:<7} {seconds:6.1f}  {detail}")
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int | None, str, str, float]:
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        return r.returncode, r.stdout, r.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return None, out, err, time.monotonic() - t0
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def device_tests(table: Table, timeout: float) -> None:
+    """tests/device under pytest, one row per test, read from its JUnit XML."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "device.xml"
+        rc, out, err, seconds = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/device"], timeout)
+        if not xml.exists():
+            why = "timed out" if rc is None else f"exit {rc}"
+            table.add("tests/device", "FAIL", f"pytest {why}: {_last_line(err or out)}", seconds)
+            return
+        skips: dict[str, int] = {}
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            name = f"{Path(case.get('file') or case.get('classname', '').replace('.', '/')).stem}::{case.get('name')}"
+            problem = next((case.find(tag) for tag in ("failure", "error") if case.find(tag) is not None), None)
+            skipped = case.find("skipped")
+            if problem is not None:
+                table.add(name, "FAIL", (problem.get("message") or "").splitlines()[0][:200] if problem.get("message") else "", float(case.get("time", 0)))
+            elif skipped is not None:
+                # One row per reason: the other device's tests skip here by design.
+                reason = (skipped.get("message") or "").removeprefix("Skipped: ")[:200]
+                skips[reason] = skips.get(reason, 0) + 1
+            else:
+                table.add(name, "pass", "", float(case.get("time", 0)))
+        for reason, n in skips.items():
+            table.add(f"tests/device: {n} test(s)", "skip", reason, 0.0)
+        if rc is None:
+            table.add("tests/device", "FAIL", "pytest timed out: the rows above are the tests that finished", seconds)
+
+
+def gdn_bench(table: Table, kind: str, dtype: str, tokens: int, reps: int, timeout: float) -> None:
+    step = f"gdn-bench --device {kind} --dtype {dtype} --tokens {tokens}"
+    rc, out, err, seconds = _run([sys.executable, "-m", "pocketllm", "gdn-bench", "--device", kind, "--dtype", dtype, "--tokens", str(tokens), "--reps", str(reps)], timeout)
+    if rc != 0:
+        table.add(step, "FAIL", "timed out" if rc is None else f"exit {rc}: {_last_line(err)}", seconds)
+        return
+    summary = json.loads(_last_line(out))
+    detail = f"device kernel {summary['device_kernel']}"
+    if summary["device_kernel_vs_chunked"] is not None:
+        detail += f" at {summary['device_kernel_vs_chunked']:.3f}x the torch chunked kernel's time"
+    table.add(step, "pass", f"{detail}; recurrence at {summary['vs_recurrent']:.2f}x; all outputs agree", seconds)
+
+
+def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float) -> None:
+    step = f"bench --device {kind} --tp-world {world} --preset {preset} --prompt-tokens {tokens}" + (f" {' '.join(extra)}" if extra else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "bench.json"
+        cmd = [sys.executable, "-m", "pocketllm", "bench", "--device", kind, "--tp-world", str(world), "--preset", preset,
+               "--prompt-tokens", str(tokens), "--max-new-tokens", "16", "--dist-timeout", "120", "--json", str(out_json), *extra]
+        for i, flag in enumerate(cmd):
+            if flag == "DIR":
+                cmd[i] = str(Path(tmp) / "profile")
+        rc, out, err, seconds = _run(cmd, timeout)
+        if rc != 0:
+            table.add(step, "FAIL", "timed out" if rc is None else f"exit {rc}: {_last_line(err)}", seconds)
+            return
+        doc = json.loads(out_json.read_text())
+    s = doc["settings"]
+    table.add(step, "pass", f"prefill {doc['prefill_tokens_per_s']:.0f} tok/s, decode {doc['decode_tokens_per_s']:.1f} tok/s, "
+                            f"gdn kernel {s['gdn_kernel']}, backend {s['backend']}", seconds)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"), help="what to check (cpu: a dry run of this script)")
+    p.add_argument("--quick", action="store_true", help="small shapes only (a dry run's speed)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds each step may take (default 300)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    kind, count = detect(args.device)
+    if kind is None:
+        print(f"device_check: no {'CUDA or Ascend' if args.device == 'auto' else args.device} device is visible to torch; nothing to check", file=sys.stderr)
+        for line in describe_machine("cpu"):
+            print(line)
+        return 2
+    for line in describe_machine(kind):
+        print(line)
+    table = Table()
+    device_tests(table, args.timeout * 3)
+    tokens = 256 if args.quick else 4096
+    gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, args.timeout)
+    gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, args.timeout)
+    preset, prompt = ("tiny", 64) if args.quick else ("small", 2048)
+    bench(table, kind, 1, preset, prompt, [], args.timeout)
+    bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], args.timeout)
+    if count >= 2 and kind != "cpu":
+        bench(table, kind, 2, preset, prompt, [], args.timeout)
+    print()
+    table.print()
+    failed = table.failed()
+    print(f"\n{failed} step(s) failed" if failed else "\nevery step passed or was skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
