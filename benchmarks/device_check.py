@@ -176,15 +176,23 @@ def main(argv=None) -> int:
     for line in describe_machine(kind):
         print(line)
     table = Table()
-    device_tests(table, args.timeout * 3)
     tokens = 256 if args.quick else 4096
-    gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, args.timeout)
-    gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, args.timeout)
     preset, prompt = ("tiny", 64) if args.quick else ("small", 2048)
-    bench(table, kind, 1, preset, prompt, [], args.timeout)
-    bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], args.timeout)
+    steps = [
+        ("tests/device", lambda: device_tests(table, args.timeout * 3)),
+        ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, args.timeout)),
+        ("gdn-bench float32", lambda: gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, args.timeout)),
+        ("bench tp1", lambda: bench(table, kind, 1, preset, prompt, [], args.timeout)),
+        ("bench tp1 host profile", lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], args.timeout)),
+    ]
     if count >= 2 and kind != "cpu":
-        bench(table, kind, 2, preset, prompt, [], args.timeout)
+        steps.append(("bench tp2", lambda: bench(table, kind, 2, preset, prompt, [], args.timeout)))
+    for name, step in steps:
+        # A step whose output this script cannot read is a failed step, not the end of the check.
+        try:
+            step()
+        except Exception as exc:
+            table.add(name, "FAIL", f"device_check could not read its result: {type(exc).__name__}: {exc}"[:200], 0.0)
     print()
     table.print()
     failed = table.failed()

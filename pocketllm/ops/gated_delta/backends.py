@@ -29,8 +29,8 @@ from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent, gated_de
 
 ENV = "QWEN_GDN_KERNEL"
 CHOICES = ("chunk", "recurrent", "fla", "npu")
-# The probe's shape: one key head, two value heads (so GVA is exercised), the model's head dim.
-PROBE_SHAPE = (8, 1, 2, 128)
+# The probe's shape: 8 tokens, the model's head dim and its 3 value heads per key head (48 / 16).
+PROBE_SHAPE = (8, 2, 6, 128)
 # Worst relative error (max |diff| / max |ref|) a probe accepts, by the dtype the kernel ran in.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
