@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.config import ModelConfig, check_tp_split, load_config
-from pocketllm.device import DEVICE_CHOICES
+from pocketllm.device import DEVICE_CHOICES, resolve_kind
 from pocketllm.distributed.calibration import checked_for_run
 from pocketllm.distributed.policy import OVERLAP_POLICIES, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
 from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.ops import gemv
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,6 +117,7 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
     if args.tp_world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
     dtype = parse_dtype(args.dtype)
+    gemv.check_forced(dtype, resolve_kind(args.device))
     policy = None
     if with_policy:
         pin, overlap_policy = getattr(args, "pin_slices", None), getattr(args, "overlap_policy", None)

@@ -99,6 +99,7 @@ def _on_rank(args, renv, device, checked, work, profiling, fault) -> int:
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"
         )
+        say(f"{engine.gemv.describe()}; {engine.model.decode_ops.describe()}")
         profiler = attach_profiler(engine, profiling, tp().rank, device.synchronize)
         return work(args, plan, inputs, engine, device)
     finally:
