@@ -61,6 +61,7 @@ def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
     fast, plain = engine(monkeypatch, True, cfg), engine(monkeypatch, False, cfg)
     assert fast.model.layers[0].mixer.compiled_decode is not None
     assert plain.model.layers[0].mixer.compiled_decode is None
+    assert fast.model.layers[3].mixer.compiled_decode is not None and plain.model.layers[3].mixer.compiled_decode is None
     prompt = torch.tensor([(7 * i + 3) % 1000 for i in range(12)])
     steps = [(11 * i + 1) % 1000 for i in range(10)]
     for e in (fast, plain):

@@ -1,5 +1,6 @@
-"""The decode step's work between its GEMVs: a norm with its residual add, SiLU-and-multiply, and
-the Gated DeltaNet block from conv to gated norm, each one call per row. Compiled (decode_bf16.c)
+"""The decode step's work between its GEMVs: a norm with its residual add, SiLU-and-multiply, the
+Gated DeltaNet block from conv to gated norm, and gated attention from q/k norm to the output
+gate, each one call per row. Compiled (decode_bf16.c)
 for bf16 on a CPU, where a decode row's dozens of small torch ops cost more than their arithmetic;
 the torch forms (reference.py) everywhere else. `POCKETLLM_FUSED_DECODE=0` keeps the torch forms."""
 
@@ -21,6 +22,7 @@ class DecodeOps:
     add_rms_norm: object
     silu_mul: object
     gdn_decode: object | None  # None: the layer runs its torch path
+    attention_decode: object | None
     compiled: bool
     note: str
 
@@ -28,7 +30,7 @@ class DecodeOps:
         return f"decode ops: {'compiled' if self.compiled else 'torch'}" + (f" ({self.note})" if self.note else "")
 
 
-TORCH_OPS = DecodeOps(reference.add_rms_norm_reference, reference.silu_mul_reference, None, False, "")
+TORCH_OPS = DecodeOps(reference.add_rms_norm_reference, reference.silu_mul_reference, None, None, False, "")
 
 
 def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> DecodeOps:
@@ -41,7 +43,7 @@ def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> Deco
     lib, why = kernels.library()
     if lib is None:
         return DecodeOps(**{**torch_ops.__dict__, "note": why})
-    return DecodeOps(kernels.add_rms_norm, kernels.silu_mul, kernels.gdn_decode, True, "")
+    return DecodeOps(kernels.add_rms_norm, kernels.silu_mul, kernels.gdn_decode, kernels.attention_decode, True, "")
 
 
 __all__ = ["ENV_FUSED", "TORCH_OPS", "DecodeOps", "decode_ops", "kernels", "reference"]

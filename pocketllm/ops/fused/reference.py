@@ -1,8 +1,8 @@
 """The torch forms of the fused decode calls, with the same signatures: what pocketllm.ops.fused
 must equal up to fp32 summation order, and what the engine runs where the compiled form cannot
-(another dtype or device, no compiler, or POCKETLLM_FUSED_DECODE=0). The Gated DeltaNet block's
-torch form is the layer's own path (GatedDeltaNet.forward in pocketllm.layers.gdn): the compiled
-block takes the same inputs and the tests compare the two."""
+(another dtype or device, no compiler, or POCKETLLM_FUSED_DECODE=0). The torch forms of the Gated
+DeltaNet and attention blocks are the layers' own paths (GatedDeltaNet.forward, GatedAttention.
+forward): the compiled blocks take the same inputs and the tests compare the two."""
 
 from __future__ import annotations
 

@@ -3,7 +3,10 @@
 A decode step has a handful of distinct weight shapes. For each, every candidate kernel is timed
 on the model's own weights in the order a step reads them, so each call finds its weight out of
 cache as it does in a real step (a kernel timed on one hot weight would be timed on the cache,
-not on memory). Passes alternate the candidates' order and the median over passes decides. The
+not on memory). Passes alternate the candidates' order, and each kernel's fastest pass decides:
+another process on a shared machine only ever adds time, so the minimum is what the kernel can
+do, where a median taken in a busy spell could crown the kernel that happened to run in a quiet
+one. The
 result is cached per machine in a file keyed by CPU, torch version, dtype, threads and shape, so
 the next load on the same machine only reads it. `POCKETLLM_GEMV=NAME` forces one kernel.
 """
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -56,7 +58,8 @@ class GemvChoice:
 
     how: str  # "measured", "cached", "forced" or "default"
     by_shape: dict[tuple[int, int], str] = field(default_factory=dict)
-    # Median seconds per candidate and shape, from the measurement that made this choice.
+    # Seconds per call of each candidate on each shape (its fastest pass), from the measurement
+    # that made this choice.
     seconds: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -95,7 +98,7 @@ def choose(weights: list[torch.Tensor], env=os.environ) -> GemvChoice:
 
 
 def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PASSES) -> dict[tuple[int, int], dict[str, float]]:
-    """Median seconds per call of each candidate on each shape, over `passes` passes through
+    """Seconds per call of each candidate on each shape, its fastest of `passes` passes through
     `weights` (cut to PASS_BYTES) per candidate, the candidates' order reversed every other pass."""
     shapes = {tuple(w.shape) for w in weights}
     taken = dict.fromkeys(shapes, 0)
@@ -128,7 +131,7 @@ def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PA
                 counts[s] += 1
             for s in inputs:
                 per_pass[s][c].append(sums[s] / counts[s])
-    return {s: {c: statistics.median(v) for c, v in by_c.items()} for s, by_c in per_pass.items()}
+    return {s: {c: min(v) for c, v in by_c.items()} for s, by_c in per_pass.items()}
 
 
 def _cache_key(shape: tuple[int, int], dtype: torch.dtype) -> str:
