@@ -51,10 +51,7 @@ def decode_weight_bytes(model) -> int:
 
 def projection_weights(model) -> list[torch.Tensor]:
     """Every weight a decode step reads through a GEMV: the projections, then the head."""
-    from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    return weights + [model.lm_head.weight]
+    return model.one_row_weights()
 
 
 def gemv_only_step_seconds(model, reps: int = 5, op=None) -> float:

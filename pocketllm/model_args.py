@@ -18,6 +18,7 @@ from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
 from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.ops import gemv
 from pocketllm.ops.gated_delta import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 
@@ -120,7 +121,9 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
     if args.tp_world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
     dtype = parse_dtype(args.dtype)
-    gdn_kernel = plan_gdn_kernel(resolve_kind(args.device), dtype)
+    kind = resolve_kind(args.device)
+    gemv.check_forced(dtype, kind)
+    gdn_kernel = plan_gdn_kernel(kind, dtype)
     policy = None
     if with_policy:
         pin, overlap_policy = getattr(args, "pin_slices", None), getattr(args, "overlap_policy", None)

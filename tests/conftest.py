@@ -37,7 +37,25 @@ UNSET_FOR_CLI = (
     "QWEN_HOST_PROFILE",
     "POCKETLLM_PIN_CPUS",
     "POCKETLLM_POLL_COLLECTIVES",
+    "POCKETLLM_GEMV",
+    "POCKETLLM_FUSED_DECODE",
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Compiled kernels and measured kernel choices go to a cache of this test session's own, not
+    the user's: a test must not read a choice some earlier run measured, nor leave one behind.
+    Processes the tests start inherit it."""
+    from pocketllm import compiled
+
+    saved = os.environ.get(compiled.ENV_CACHE_DIR)
+    os.environ[compiled.ENV_CACHE_DIR] = str(tmp_path_factory.mktemp("pocketllm-cache"))
+    yield
+    if saved is None:
+        os.environ.pop(compiled.ENV_CACHE_DIR, None)
+    else:
+        os.environ[compiled.ENV_CACHE_DIR] = saved
 
 
 def cli_env(**extra) -> dict:

@@ -218,8 +218,8 @@ def test_torch_kernels_run_on_cpu_as_named(monkeypatch):
 @pytest.mark.parametrize(
     "env, flags, expect",
     [
-        ({"QWEN_GDN_KERNEL": "fla"}, (), "QWEN_GDN_KERNEL=fla needs --device cuda"),
-        ({"QWEN_GDN_KERNEL": "npu"}, ("--dtype", "float32"), "QWEN_GDN_KERNEL=npu needs --device npu"),
+        ({"QWEN_GDN_KERNEL": "fla"}, ("--device", "cpu"), "QWEN_GDN_KERNEL=fla needs --device cuda"),
+        ({"QWEN_GDN_KERNEL": "npu"}, ("--device", "cpu", "--dtype", "float32"), "QWEN_GDN_KERNEL=npu needs --device npu"),
         ({"QWEN_GDN_KERNEL": "bogus"}, (), "valid: chunk, recurrent, fla, npu"),
         ({}, ("--device", "foo"), "--device 'foo' is not one of auto, cpu, cuda, npu"),
     ],

@@ -101,7 +101,8 @@ def test_causal_conv_step_shifts_state_in_place():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_norms_match_hf_formulas(dtype):
-    from pocketllm.layers.norm import RMSNorm, rms_norm_gated, rms_norm_gated_reference, rms_norm_zero_centred_reference
+    from pocketllm.layers.norm import RMSNorm
+    from pocketllm.ops.norms import rms_norm_gated, rms_norm_gated_reference, rms_norm_zero_centred_reference
 
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(33, 64, generator=g)).to(dtype)
@@ -126,8 +127,7 @@ def test_row_blocked_ops_equal_one_block(dtype):
     # exactly the single-block one, ragged last block included.
     import torch.nn.functional as F
 
-    from pocketllm.layers.gdn import _l2_normalize_block, l2_normalize
-    from pocketllm.layers.norm import _rms_norm_gated_block, rms_norm_gated, rms_norm_scaled
+    from pocketllm.ops.norms import _l2_normalize_block, _rms_norm_gated_block, l2_normalize, rms_norm_gated, rms_norm_scaled
     from pocketllm.ops.row_blocks import block_rows
 
     g = torch.Generator().manual_seed(9)
@@ -138,11 +138,11 @@ def test_row_blocked_ops_equal_one_block(dtype):
     w = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
     assert torch.equal(rms_norm_gated(xh, z, w, 1e-6), _rms_norm_gated_block(xh, z, w, 1e-6))
     assert torch.equal(l2_normalize(xh), _l2_normalize_block(xh, 1e-6))
-    from pocketllm.layers.mlp import _silu_mul
+    from pocketllm.ops.fused.reference import silu_mul_reference
     from pocketllm.ops.row_blocks import by_row_blocks
 
     up = torch.randn(x.shape, generator=g).to(dtype)
-    assert torch.equal(by_row_blocks(_silu_mul, x, up), _silu_mul(x, up))
+    assert torch.equal(by_row_blocks(silu_mul_reference, x, up), silu_mul_reference(x, up))
 
 
 def test_row_blocks_run_whole_off_cpu():

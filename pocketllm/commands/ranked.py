@@ -100,6 +100,7 @@ def _on_rank(args, renv, device, checked, work, profiling, fault) -> int:
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"
         )
+        say(f"{engine.gemv.describe()}; {engine.model.decode_ops.describe()}")
         kernel = engine.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
         profiler = attach_profiler(engine, profiling, tp().rank, device.synchronize, device.timing_event)

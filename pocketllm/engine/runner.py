@@ -14,6 +14,7 @@ from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.engine.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
+from pocketllm.ops import gemv
 from pocketllm.ops.gated_delta import GdnKernel
 
 
@@ -35,6 +36,9 @@ class Engine:
         self.model = Qwen35ForCausalLM(cfg, dtype, device)
         # load_weights closes the source after every parameter.
         self.loaded_bytes = load_weights(self.model, source)
+        # The one-row kernel per weight shape, measured here (or read from this machine's cache).
+        self.gemv = gemv.choose(self.model.one_row_weights())
+        gemv.install(self.gemv, dtype)
         self.states: list = []
         self.capacity = 0
         self.pos = 0

@@ -14,6 +14,7 @@ from pocketllm.engine.context import ForwardContext
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import apply_rotary
+from pocketllm.ops.fused import decode_ops
 from pocketllm.profiling.scopes import scope
 
 
@@ -54,6 +55,7 @@ class GatedAttention(nn.Module):
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj.weight", cfg.num_attention_heads * d, hidden, "full.out", dtype, device)
         self.scale = d**-0.5
         self._dtype, self._device = dtype, device
+        self.compiled_decode = decode_ops(dtype, torch.device(device)).attention_decode
 
     def allocate_state(self, max_len: int) -> KVCache:
         shape = (self.kv_heads, max_len, self.head_dim)
@@ -63,6 +65,15 @@ class GatedAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         with scope("projections", "full.in"):
             qkv = self.qkv_proj(x)
+        if t == 1 and self.compiled_decode is not None:
+            # One call from the q/k norms to the output gate: the same as the path below (the
+            # tests compare them) up to fp32 summation order.
+            with scope("attention_decode"):
+                out = self.compiled_decode(
+                    qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, ctx.cos[0], ctx.sin[0], cache.k, cache.v,
+                    ctx.start, self.heads, self.kv_heads, d, self.scale,
+                )
+            return self.o_proj(out, ctx.slices)
         q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
         q_gate = q_gate.view(t, self.heads, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)

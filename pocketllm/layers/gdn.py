@@ -16,19 +16,10 @@ from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
 from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_step_
-from pocketllm.ops.gated_delta import select_gdn_kernel
-from pocketllm.ops.row_blocks import by_row_blocks
+from pocketllm.ops.fused import decode_ops
+from pocketllm.ops.gated_delta import gated_delta_step_, select_gdn_kernel
+from pocketllm.ops.norms import l2_normalize
 from pocketllm.profiling.scopes import scope
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (HF's l2norm), by row blocks."""
-    return by_row_blocks(lambda xb: _l2_normalize_block(xb, eps), x, out_dtype=torch.float32)
-
-
-def _l2_normalize_block(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -66,6 +57,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(f"{prefix}.norm.weight", self.dv, cfg.rms_norm_eps, dtype, device)
         self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device)
         self.kernel = select_gdn_kernel(device, dtype)
+        # The compiled decode block replaces only the CPU torch recurrence, not a device kernel.
+        ops = decode_ops(dtype, torch.device(device))
+        self.compiled_decode = ops.gdn_decode if self.kernel.decode_step_ is gated_delta_step_ else None
         self._dtype, self._device = dtype, device
         self.neg_a: torch.Tensor | None = None
         self.conv_taps: torch.Tensor | None = None
@@ -87,6 +81,15 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         with scope("projections", "lin.in"):
             proj = self.in_proj(x)
+        if ctx.decode and self.compiled_decode is not None:
+            # One call from the conv to the gated norm; the same as the path below (the tests
+            # compare them) up to fp32 summation order.
+            with scope("gdn_decode"):
+                out = self.compiled_decode(
+                    proj, self.conv_taps, state.conv, self.neg_a, self.dt_bias, self.norm.weight, self.norm.eps,
+                    state.recurrent, self.hk, self.hv, self.dk, self.dv,
+                )
+            return self.out_proj(out, ctx.slices)
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
             if ctx.decode:

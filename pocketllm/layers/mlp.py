@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.sharding import split_range
+from pocketllm.ops.fused import decode_ops
+from pocketllm.ops.fused.reference import silu_mul_reference
 from pocketllm.ops.row_blocks import by_row_blocks
 from pocketllm.profiling.scopes import scope
-
-
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -30,11 +27,12 @@ class MLP(nn.Module):
             device,
         )
         self.down = RowParallelLinear(f"{prefix}.down_proj.weight", inter, hidden, "mlp.down", dtype, device)
+        self.decode_silu_mul = decode_ops(dtype, torch.device(device)).silu_mul
 
     def forward(self, x: torch.Tensor, slices: int) -> torch.Tensor:
         with scope("projections", "mlp.gate_up"):
             gate_up = self.gate_up(x)
         gate, up = gate_up.chunk(2, dim=-1)
         with scope("mlp_act"):
-            act = by_row_blocks(_silu_mul, gate, up)
+            act = self.decode_silu_mul(gate, up) if x.shape[0] == 1 else by_row_blocks(silu_mul_reference, gate, up)
         return self.down(act, slices)

@@ -12,9 +12,11 @@ from pocketllm.engine.context import ForwardContext
 from pocketllm.layers.attention import GatedAttention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.gdn import GatedDeltaNet
+from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.mlp import MLP
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
+from pocketllm.ops.fused import TORCH_OPS, decode_ops
 from pocketllm.profiling.scopes import scope
 
 
@@ -31,15 +33,15 @@ class DecoderLayer(nn.Module):
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
         self.input_norm = RMSNorm(f"{prefix}.input_layernorm.weight", h, eps, dtype, device)
         self.post_norm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", h, eps, dtype, device)
+        self.decode_ops = decode_ops(dtype, torch.device(device))
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
+        ops = self.decode_ops if h.shape[0] == 1 else TORCH_OPS
         with scope("norms", "input"):
-            x = self.input_norm(h)
+            x = ops.add_rms_norm(h, None, self.input_norm.scale, self.input_norm.eps)[1]
         x = self.mixer(x, ctx, state)
         with scope("norms", "resid_add"):
-            h = h + x
-        with scope("norms", "post"):
-            x = self.post_norm(h)
+            h, x = ops.add_rms_norm(h, x, self.post_norm.scale, self.post_norm.eps)
         x = self.mlp(x, ctx.slices)
         with scope("norms", "resid_add"):
             return h + x
@@ -56,6 +58,13 @@ class Qwen35ForCausalLM(nn.Module):
         tied = self.embed if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead("lm_head.weight", cfg.vocab_size, h, dtype, device, tied_to=tied)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
+        self.decode_ops = decode_ops(dtype, torch.device(device))
+
+    def one_row_weights(self) -> list[torch.Tensor]:
+        """Every weight a decode step reads through a one-row GEMV, in the order it reads them:
+        the projections layer by layer, then the head."""
+        weights = [m.weight for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        return weights + [self.lm_head.weight]
 
     def context(self, start: int, rows: int, slices: int, decode: bool) -> ForwardContext:
         cos, sin = self.rotary.cos_sin(start, rows)

@@ -1,0 +1,166 @@
+"""Which one-row kernel runs each weight shape: measured on this machine, cached, or forced.
+
+A decode step has a handful of distinct weight shapes. For each, every candidate kernel is timed
+on the model's own weights in the order a step reads them, so each call finds its weight out of
+cache as it does in a real step (a kernel timed on one hot weight would be timed on the cache,
+not on memory). Passes alternate the candidates' order, and each kernel's fastest pass decides:
+another process on a shared machine only ever adds time, so the minimum is what the kernel can
+do, where a median taken in a busy spell could crown the kernel that happened to run in a quiet
+one. The
+result is cached per machine in a file keyed by CPU, torch version, dtype, threads and shape, so
+the next load on the same machine only reads it. `POCKETLLM_GEMV=NAME` forces one kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pocketllm import compiled
+from pocketllm.errors import UsageError
+from pocketllm.ops.gemv.kernels import CANDIDATES, DEFAULT, kernels_for
+
+ENV_GEMV = "POCKETLLM_GEMV"
+# Passes per candidate; even, so each candidate runs first as often as last.
+PASSES = 6
+# Enough weights per pass that the pass streams from memory, yet a 64-layer model is not read
+# 24 times over at load: each shape's weights are taken in step order up to its share of this.
+PASS_BYTES = 1 << 30
+
+
+def forced_kernel(env=os.environ) -> str | None:
+    """POCKETLLM_GEMV, checked: None for auto (unset, empty or "auto")."""
+    value = env.get(ENV_GEMV, "").strip()
+    if value in ("", "auto"):
+        return None
+    if value not in CANDIDATES:
+        raise UsageError(f"{ENV_GEMV}={value!r} is not a one-row kernel: use auto, {', '.join(CANDIDATES)}")
+    return value
+
+
+def check_forced(dtype: torch.dtype, device_kind: str, env=os.environ) -> None:
+    """A forced kernel this run cannot use is a usage error, before any rank starts."""
+    name = forced_kernel(env)
+    if name is None:
+        return
+    why = CANDIDATES[name].unavailable(dtype, torch.device(device_kind))
+    if why:
+        raise UsageError(f"{ENV_GEMV}={name}: {why}")
+
+
+@dataclass
+class GemvChoice:
+    """Kernel name per (out, in) weight shape, and how it was decided."""
+
+    how: str  # "measured", "cached", "forced" or "default"
+    by_shape: dict[tuple[int, int], str] = field(default_factory=dict)
+    # Seconds per call of each candidate on each shape (its fastest pass), from the measurement
+    # that made this choice.
+    seconds: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        shapes = sorted(self.by_shape.items(), key=lambda kv: (-kv[0][0] * kv[0][1]))
+        parts = ", ".join(f"{o}x{i} {name}" for (o, i), name in shapes)
+        return f"one-row kernels ({self.how}): {parts}"
+
+    def to_json(self) -> dict:
+        return {
+            "how": self.how,
+            "by_shape": {f"{o}x{i}": name for (o, i), name in self.by_shape.items()},
+            "seconds": {f"{o}x{i}": s for (o, i), s in self.seconds.items()},
+        }
+
+
+def choose(weights: list[torch.Tensor], env=os.environ) -> GemvChoice:
+    """The kernel for each shape among `weights` (the step's one-row weights, in step order)."""
+    shapes = sorted({tuple(w.shape) for w in weights})
+    forced = forced_kernel(env)
+    if forced is not None:
+        return GemvChoice("forced", dict.fromkeys(shapes, forced))
+    if not weights:
+        return GemvChoice("default")
+    dtype, device = weights[0].dtype, weights[0].device
+    candidates = [c.name for c in kernels_for(dtype, device)]
+    if len(candidates) == 1 or device.type != "cpu":
+        return GemvChoice("default", dict.fromkeys(shapes, DEFAULT))
+    keys = {s: _cache_key(s, dtype) for s in shapes}
+    cached = _read_cache()
+    if all(k in cached and cached[k]["kernel"] in candidates for k in keys.values()):
+        return GemvChoice("cached", {s: cached[k]["kernel"] for s, k in keys.items()}, {s: cached[k]["seconds"] for s, k in keys.items()})
+    seconds = measure(weights, candidates)
+    by_shape = {s: min(seconds[s], key=seconds[s].get) for s in shapes}
+    _write_cache({keys[s]: {"kernel": by_shape[s], "seconds": seconds[s]} for s in shapes})
+    return GemvChoice("measured", by_shape, seconds)
+
+
+def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PASSES) -> dict[tuple[int, int], dict[str, float]]:
+    """Seconds per call of each candidate on each shape, its fastest of `passes` passes through
+    `weights` (cut to PASS_BYTES) per candidate, the candidates' order reversed every other pass."""
+    shapes = {tuple(w.shape) for w in weights}
+    taken = dict.fromkeys(shapes, 0)
+    chosen = []
+    for w in weights:
+        s = tuple(w.shape)
+        # Every shape keeps at least one weight, and none more than its share of PASS_BYTES.
+        if taken[s] == 0 or taken[s] < PASS_BYTES // len(shapes):
+            chosen.append(w)
+            taken[s] += w.numel() * w.element_size()
+    inputs = {tuple(w.shape): torch.randn(w.shape[1], dtype=w.dtype, device=w.device) for w in chosen}
+    outs = {s: torch.empty(s[0], dtype=chosen[0].dtype, device=chosen[0].device) for s in inputs}
+    per_pass: dict[tuple[int, int], dict[str, list[float]]] = {s: {c: [] for c in candidates} for s in inputs}
+    kernels = {c: CANDIDATES[c].run for c in candidates}
+    # One untimed pass per candidate first: the first call of a kernel pays for its setup.
+    for c in candidates:
+        for w in chosen:
+            kernels[c](inputs[tuple(w.shape)], w, outs[tuple(w.shape)])
+    clock = time.perf_counter
+    for p in range(passes):
+        order = candidates if p % 2 == 0 else candidates[::-1]
+        for c in order:
+            run, sums = kernels[c], dict.fromkeys(inputs, 0.0)
+            counts = dict.fromkeys(inputs, 0)
+            for w in chosen:
+                s = tuple(w.shape)
+                t0 = clock()
+                run(inputs[s], w, outs[s])
+                sums[s] += clock() - t0
+                counts[s] += 1
+            for s in inputs:
+                per_pass[s][c].append(sums[s] / counts[s])
+    return {s: {c: min(v) for c, v in by_c.items()} for s, by_c in per_pass.items()}
+
+
+def _cache_key(shape: tuple[int, int], dtype: torch.dtype) -> str:
+    return "|".join([compiled.cpu_model(), f"torch {torch.__version__}", str(dtype).removeprefix("torch."), f"{torch.get_num_threads()} threads", f"{shape[0]}x{shape[1]}"])
+
+
+def cache_path() -> str:
+    return str(compiled.cache_dir() / "gemv.json")
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(entries: dict) -> None:
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = {**_read_cache(), **entries}
+        # Written beside and renamed over: ranks writing at once never leave a torn file.
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        # A read-only home only means measuring again next time.
+        pass

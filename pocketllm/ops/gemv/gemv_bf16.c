@@ -1,0 +1,155 @@
+/* y = W x for one bf16 row x: W [rows, n] row-major bf16, x [n] bf16, y [rows] bf16.
+ *
+ * Decode reads every weight once per token, so this is a streaming loop: four weight rows at a
+ * time share each load of x, products are summed in fp32 and rounded to bf16 once per output
+ * (round to nearest even, as torch rounds). Rows are split over the OpenMP threads torch already
+ * runs (see pocketllm/compiled.py). Built with -march=native: the widest path this CPU has is
+ * compiled in, AVX-512 BF16 dot products, else AVX-512 or AVX2 FMAs on bf16 widened to fp32, else
+ * plain C.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define STEP 32
+static inline __m512bh load_bh(const uint16_t *p, __mmask32 m) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; i += STEP) {
+        __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
+        __m512bh xv = load_bh(x + i, m);
+        a0 = _mm512_dpbf16_ps(a0, load_bh(w + i, m), xv);
+        a1 = _mm512_dpbf16_ps(a1, load_bh(w + n + i, m), xv);
+        a2 = _mm512_dpbf16_ps(a2, load_bh(w + 2 * n + i, m), xv);
+        a3 = _mm512_dpbf16_ps(a3, load_bh(w + 3 * n + i, m), xv);
+    }
+    o[0] = _mm512_reduce_add_ps(a0);
+    o[1] = _mm512_reduce_add_ps(a1);
+    o[2] = _mm512_reduce_add_ps(a2);
+    o[3] = _mm512_reduce_add_ps(a3);
+}
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += STEP) {
+        __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
+        a = _mm512_dpbf16_ps(a, load_bh(w + i, m), load_bh(x + i, m));
+    }
+    return _mm512_reduce_add_ps(a);
+}
+const char *gemv_bf16_isa(void) { return "avx512_bf16"; }
+
+#elif defined(__AVX512F__)
+#define STEP 16
+static inline __m512 load_f(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; i += STEP) {
+        __mmask16 m = n - i >= STEP ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 xv = load_f(x + i, m);
+        a0 = _mm512_fmadd_ps(load_f(w + i, m), xv, a0);
+        a1 = _mm512_fmadd_ps(load_f(w + n + i, m), xv, a1);
+        a2 = _mm512_fmadd_ps(load_f(w + 2 * n + i, m), xv, a2);
+        a3 = _mm512_fmadd_ps(load_f(w + 3 * n + i, m), xv, a3);
+    }
+    o[0] = _mm512_reduce_add_ps(a0);
+    o[1] = _mm512_reduce_add_ps(a1);
+    o[2] = _mm512_reduce_add_ps(a2);
+    o[3] = _mm512_reduce_add_ps(a3);
+}
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += STEP) {
+        __mmask16 m = n - i >= STEP ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        a = _mm512_fmadd_ps(load_f(w + i, m), load_f(x + i, m), a);
+    }
+    return _mm512_reduce_add_ps(a);
+}
+const char *gemv_bf16_isa(void) { return "avx512f"; }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define STEP 8
+static inline __m256 load_f(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + STEP <= n; i += STEP) {
+        __m256 xv = load_f(x + i);
+        a0 = _mm256_fmadd_ps(load_f(w + i), xv, a0);
+        a1 = _mm256_fmadd_ps(load_f(w + n + i), xv, a1);
+        a2 = _mm256_fmadd_ps(load_f(w + 2 * n + i), xv, a2);
+        a3 = _mm256_fmadd_ps(load_f(w + 3 * n + i), xv, a3);
+    }
+    o[0] = hsum(a0);
+    o[1] = hsum(a1);
+    o[2] = hsum(a2);
+    o[3] = hsum(a3);
+    for (; i < n; i++) {
+        float xi = bf16_to_f32(x[i]);
+        for (int r = 0; r < 4; r++) o[r] += bf16_to_f32(w[r * n + i]) * xi;
+    }
+}
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
+    float o[4];
+    __m256 a = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + STEP <= n; i += STEP) a = _mm256_fmadd_ps(load_f(w + i), load_f(x + i), a);
+    o[0] = hsum(a);
+    for (; i < n; i++) o[0] += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
+    return o[0];
+}
+const char *gemv_bf16_isa(void) { return "avx2"; }
+
+#else
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
+    return s;
+}
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
+    for (int r = 0; r < 4; r++) o[r] = dot1(w + r * n, n, x);
+}
+const char *gemv_bf16_isa(void) { return "scalar"; }
+#endif
+
+void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n) {
+    int64_t blocks = rows / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float o[4];
+        dot4(w + b * 4 * n, n, x, o);
+        for (int r = 0; r < 4; r++) y[b * 4 + r] = f32_to_bf16(o[r]);
+    }
+    for (int64_t r = blocks * 4; r < rows; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x));
+}

@@ -1,0 +1,107 @@
+"""The one-row (decode) projection kernels: y = W x for a single row, each with the signature
+`kernel(x [in], w [out, in], out [out]) -> None`, writing into `out`.
+
+Which is fastest depends on the CPU: torch.mv's bf16 path goes through oneDNN, which on some CPUs
+streams the weight at a third of the speed of torch's own kernel and on others is the fastest;
+pocketllm.ops.gemv.choice times them on the machine that runs and picks per weight shape.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pocketllm import compiled
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def gemv_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """The plain form every kernel must equal (up to fp32 summation order): fp32 products and
+    sums, rounded once to out's dtype."""
+    out.copy_(w.float() @ x.float())
+
+
+def _mv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mv(w, x, out=out)
+
+
+def _mv_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    # oneDNN off for this call only: prefill's GEMMs keep it.
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        torch.mv(w, x, out=out)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mm(x[None], w.t(), out=out[None])
+
+
+_SOURCE = Path(__file__).with_name("gemv_bf16.c")
+
+
+_c_gemv = None
+
+
+def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
+    global _c_gemv
+    lib, why = compiled.load(_SOURCE)
+    if lib is not None and _c_gemv is None:
+        lib.gemv_bf16.restype = None
+        lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.gemv_bf16_isa.restype = ctypes.c_char_p
+        _c_gemv = lib.gemv_bf16
+    return lib, why
+
+
+def _c(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    # Only ever installed after unavailable() built the library, which set _c_gemv.
+    if not x.is_contiguous():
+        x = x.contiguous()
+    _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    run: Kernel
+    what: str
+
+    def unavailable(self, dtype: torch.dtype, device: torch.device) -> str:
+        """Why this kernel cannot run weights of this dtype on this device ("" when it can)."""
+        if self.name == "c":
+            if device.type != "cpu" or dtype != torch.bfloat16:
+                return "the compiled kernel takes bfloat16 weights on a CPU"
+            _, why = _compiled_library()
+            return why
+        if self.name == "mv-native" and device.type != "cpu":
+            return "oneDNN is a CPU library"
+        return ""
+
+
+CANDIDATES: dict[str, Candidate] = {
+    c.name: c
+    for c in (
+        Candidate("mv", _mv, "torch.mv (oneDNN for bf16/fp16 where torch has it)"),
+        Candidate("mv-native", _mv_native, "torch.mv with oneDNN off (torch's own kernel)"),
+        Candidate("mm", _mm, "torch.mm of one row (F.linear's path)"),
+        Candidate("c", _c, "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)"),
+    )
+}
+DEFAULT = "mv"
+
+
+def compiled_isa() -> str:
+    """The instruction set the compiled kernel was built for, or why it was not."""
+    lib, why = _compiled_library()
+    return lib.gemv_bf16_isa().decode() if lib is not None else f"unavailable: {why}"
+
+
+def kernels_for(dtype: torch.dtype, device: torch.device) -> list[Candidate]:
+    return [c for c in CANDIDATES.values() if not c.unavailable(dtype, device)]

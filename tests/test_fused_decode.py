@@ -1,0 +1,77 @@
+"""The compiled decode ops (pocketllm.ops.fused) against their torch forms: each call alone, and
+whole bf16 decode steps of an engine with them against one without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pocketllm.distributed.policy import RulePolicy
+from pocketllm.distributed.state import set_tp
+from pocketllm.engine.runner import Engine
+from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.ops.fused import ENV_FUSED, decode_ops, kernels, reference
+from pocketllm.presets import get_preset
+
+BF16_ULP = 2**-7
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float) -> None:
+    """|got - want| <= ulps bf16 roundings of |want| (at least of 1e-3)."""
+    err = (got.float() - want.float()).abs()
+    bound = ulps * BF16_ULP * want.float().abs().clamp_min(1e-3)
+    assert bool((err <= bound).all()), f"worst {float((err / bound).max()):.2f} of the allowed {ulps} ulps"
+
+
+def test_compiled_ops_are_used_for_bf16_on_cpu():
+    ops = decode_ops(torch.bfloat16, torch.device("cpu"), env={})
+    assert ops.compiled and ops.describe() == "decode ops: compiled"
+    assert not decode_ops(torch.float32, torch.device("cpu"), env={}).compiled
+    off = decode_ops(torch.bfloat16, torch.device("cpu"), env={ENV_FUSED: "0"})
+    assert not off.compiled and ENV_FUSED in off.describe()
+
+
+@pytest.mark.parametrize("n", [64, 1024, 1001])
+def test_add_rms_norm_and_silu_mul_match_torch(n):
+    torch.manual_seed(n)
+    kernels.library()
+    h, x = torch.randn(1, n, dtype=torch.bfloat16) * 3, torch.randn(1, n, dtype=torch.bfloat16)
+    scale = 1 + 0.1 * torch.randn(n)
+    for residual in (x, None):
+        got_h, got_y = kernels.add_rms_norm(h, residual, scale, 1e-6)
+        want_h, want_y = reference.add_rms_norm_reference(h, residual, scale, 1e-6)
+        assert torch.equal(got_h, want_h)
+        assert_within_ulps(got_y, want_y, 1)
+    gate, up = torch.randn(1, n, dtype=torch.bfloat16) * 4, torch.randn(1, n, dtype=torch.bfloat16)
+    assert_within_ulps(kernels.silu_mul(gate, up), reference.silu_mul_reference(gate, up), 1)
+
+
+def engine(monkeypatch, fused: bool, cfg):
+    monkeypatch.setenv(ENV_FUSED, "1" if fused else "0")
+    set_tp(0, 1)
+    return Engine(cfg, RandomWeights(cfg), torch.bfloat16, torch.device("cpu"), RulePolicy())
+
+
+@pytest.mark.parametrize("head_dim", [16, 128], ids=lambda d: f"head{d}")
+def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
+    """Teacher-forced decode from the same prompt: every step's logits, and the GDN states they
+    leave, agree within bf16 rounding (the two differ in fp32 summation order only)."""
+    base = get_preset("tiny")
+    cfg = base if head_dim == 16 else base.__class__(**{**base.__dict__, "linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim})
+    fast, plain = engine(monkeypatch, True, cfg), engine(monkeypatch, False, cfg)
+    assert fast.model.layers[0].mixer.compiled_decode is not None
+    assert plain.model.layers[0].mixer.compiled_decode is None
+    assert fast.model.layers[3].mixer.compiled_decode is not None and plain.model.layers[3].mixer.compiled_decode is None
+    prompt = torch.tensor([(7 * i + 3) % 1000 for i in range(12)])
+    steps = [(11 * i + 1) % 1000 for i in range(10)]
+    for e in (fast, plain):
+        e.start_sequence(len(prompt) + len(steps))
+        e.prefill(prompt)
+    for token in steps:
+        a, b = fast.decode(token), plain.decode(token)
+        # Logits of a random tiny model are O(1): allow a few bf16 roundings of their range.
+        assert (a - b).abs().max().item() <= 8 * BF16_ULP * b.abs().max().item()
+    for sa, sb in zip(fast.states, plain.states):
+        if hasattr(sa, "recurrent"):
+            torch.testing.assert_close(sa.recurrent, sb.recurrent, atol=2e-2, rtol=2e-2)
+            assert_within_ulps(sa.conv, sb.conv, 1)
