@@ -1,0 +1,65 @@
+"""The shared-memory all-reduce as the engine calls it: an in-place sum of a CPU tensor over the
+ranks that mapped one segment, done by the C helper on the calling rank's own core."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pocketllm.distributed.shm import segment as shm_segment
+from pocketllm.distributed.shm.reduce import DTYPE_CODES
+
+# Bytes per rank per chunk: a larger payload goes through the segment in chunks of this size,
+# small enough that a chunk's copies stay in a core's L2 (docs/collectives.md). The segment is
+# 2 x (world + 1) chunks, 1.5 MiB at TP=2.
+CHUNK_BYTES = 256 << 10
+# Up to this many bytes per chunk, each rank reduces every element itself after one flag wait;
+# above it, each reduces its 1/world share and copies the result out after a second wait.
+ONE_STEP_BYTES = 32 << 10
+# The helper's return codes (allreduce.c).
+_TIMEOUT, _PEER_GONE = 1, 2
+
+
+class ShmCollectiveError(dist.DistError):
+    """A shared-memory all-reduce that a peer never joined (collective_kind "timeout") or whose
+    peer died (collective_kind "peer"); the launcher words it as it words gloo's."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.collective_kind = kind
+
+
+class ShmAllReduce:
+    def __init__(self, lib, seg: shm_segment.Segment, rank: int, world: int, timeout_s: float):
+        self.lib, self.seg, self.rank, self.world, self.timeout_s = lib, seg, rank, world, timeout_s
+
+    @staticmethod
+    def segment_bytes(lib, world: int) -> int:
+        return lib.pl_segment_bytes(world, CHUNK_BYTES)
+
+    def attach(self, pid: int) -> None:
+        self.lib.pl_attach(self.seg.base, self.world, self.rank, CHUNK_BYTES, pid)
+
+    @staticmethod
+    def handles(t: torch.Tensor) -> bool:
+        """Whether this collective sums `t` (every rank asks about the same tensor shape and dtype,
+        so all take the same path)."""
+        return t.device.type == "cpu" and t.dtype in DTYPE_CODES
+
+    def all_reduce_(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place; returns when every rank's sum is in."""
+        if not t.is_contiguous():
+            flat = t.contiguous()
+            self.all_reduce_(flat)
+            t.copy_(flat)
+            return
+        rc = self.lib.pl_all_reduce(
+            self.seg.base, self.world, self.rank, CHUNK_BYTES, DTYPE_CODES[t.dtype], t.data_ptr(), t.numel(), self.timeout_s, ONE_STEP_BYTES
+        )
+        if rc == _TIMEOUT:
+            raise ShmCollectiveError(f"shm all-reduce timed out after {self.timeout_s:g} s: a peer rank never arrived", "timeout")
+        if rc >= _PEER_GONE:
+            raise ShmCollectiveError(f"shm all-reduce: rank {rc - _PEER_GONE} exited while this rank waited for it", "peer")
+
+    def close(self) -> None:
+        self.seg.close()
