@@ -14,8 +14,9 @@ from pocketllm.distributed.shm.reduce import DTYPE_CODES
 # 2 x (world + 1) chunks, 1.5 MiB at TP=2.
 CHUNK_BYTES = 256 << 10
 # Up to this many bytes per chunk, each rank reduces every element itself after one flag wait;
-# above it, each reduces its 1/world share and copies the result out after a second wait.
-ONE_STEP_BYTES = 32 << 10
+# above it, each reduces its 1/world share and copies the result out after a second wait, which
+# measured faster from 16 KiB up at TP=2 (docs/collectives.md).
+ONE_STEP_BYTES = 8 << 10
 # The helper's return codes (allreduce.c).
 _TIMEOUT, _PEER_GONE = 1, 2
 
