@@ -49,11 +49,10 @@
 enum { PL_F32 = 0, PL_BF16 = 1, PL_F16 = 2 };
 enum { PL_OK = 0, PL_TIMEOUT = 1, PL_PEER_GONE = 2 };
 
-/* A wait spins this long, then yields its core this long, then sleeps between looks. Spinning is
- * the fast path when every rank has its own core; yielding lets a peer that shares the core run;
- * sleeping keeps a rank that waits on a slow or stopped peer from burning a core. */
-#define SPIN_NS 20000LL
-#define YIELD_NS 20000000LL
+/* A wait spins for spin_ns, then yields its core until yield_ns, then sleeps SLEEP_NS between
+ * looks (the caller picks the two). Spinning is the fast path when every rank has its own core;
+ * yielding lets a peer that shares the core run; sleeping keeps a rank that waits on a slow or
+ * stopped peer from burning a core. */
 #define SLEEP_NS 100000L
 /* How often a long wait checks that the peer it waits for still exists. */
 #define PEER_CHECK_NS 100000000LL
@@ -125,7 +124,8 @@ static int peer_gone(char *base, int r)
 
 /* Wait until every peer's flag `which` reaches g. Returns PL_OK, PL_TIMEOUT, or
  * PL_PEER_GONE + r for the first peer found gone. */
-static int wait_all(char *base, int world, int rank, int which, uint64_t g, long long deadline)
+static int wait_all(char *base, int world, int rank, int which, uint64_t g, long long deadline, long long spin_ns,
+                    long long yield_ns)
 {
     for (int r = 0; r < world; r++) {
         if (r == rank)
@@ -149,9 +149,9 @@ static int wait_all(char *base, int world, int rank, int which, uint64_t g, long
                     return PL_PEER_GONE + r;
                 next_check = t + PEER_CHECK_NS;
             }
-            if (t - start < SPIN_NS) {
+            if (t - start < spin_ns) {
                 cpu_relax();
-            } else if (t - start < YIELD_NS) {
+            } else if (t - start < yield_ns) {
                 sched_yield();
             } else {
                 struct timespec nap = {0, SLEEP_NS};
@@ -231,7 +231,7 @@ void pl_reduce(int dtype, void *out, void *const *src, int world, size_t lo, siz
 /* The in-place sum of `n` elements at `data` over every rank. Returns PL_OK, PL_TIMEOUT (a peer
  * did not arrive by `timeout_s` after the call began) or PL_PEER_GONE + r. */
 int pl_all_reduce(char *base, int world, int rank, size_t chunk, int dtype, void *data, size_t n, double timeout_s,
-                  size_t one_step_bytes)
+                  size_t one_step_bytes, long long spin_ns, long long yield_ns)
 {
     size_t es = dtype == PL_F32 ? 4 : 2;
     size_t per_chunk = chunk / es;
@@ -257,7 +257,7 @@ int pl_all_reduce(char *base, int world, int rank, size_t chunk, int dtype, void
         memcpy(src[rank], at, lo * es);
         memcpy(src[rank] + hi * es, at + hi * es, (m - hi) * es);
         __atomic_store_n(mine, g, __ATOMIC_RELEASE);
-        int rc = wait_all(base, world, rank, 0, g, deadline);
+        int rc = wait_all(base, world, rank, 0, g, deadline, spin_ns, yield_ns);
         if (rc != PL_OK)
             return rc;
         /* This rank's own input is read where it is. In one step the sum overwrites it block by
@@ -273,7 +273,7 @@ int pl_all_reduce(char *base, int world, int rank, size_t chunk, int dtype, void
         pl_reduce(dtype, result, src, world, lo, hi);
         __atomic_store_n(done, g, __ATOMIC_RELEASE);
         memcpy(at + lo * es, result + lo * es, (hi - lo) * es);
-        rc = wait_all(base, world, rank, 1, g, deadline);
+        rc = wait_all(base, world, rank, 1, g, deadline, spin_ns, yield_ns);
         if (rc != PL_OK)
             return rc;
         memcpy(at, result, lo * es);

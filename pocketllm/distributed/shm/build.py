@@ -100,6 +100,8 @@ def load(path: Path | str) -> ctypes.CDLL:
     lib.pl_segment_bytes.argtypes, lib.pl_segment_bytes.restype = [ctypes.c_int, size_t], size_t
     lib.pl_attach.argtypes, lib.pl_attach.restype = [ptr, ctypes.c_int, ctypes.c_int, size_t, ctypes.c_int32], None
     lib.pl_reduce.argtypes, lib.pl_reduce.restype = [ctypes.c_int, ptr, ctypes.POINTER(ptr), ctypes.c_int, size_t, size_t], None
-    lib.pl_all_reduce.argtypes = [ptr, ctypes.c_int, ctypes.c_int, size_t, ctypes.c_int, ptr, size_t, ctypes.c_double, size_t]
+    lib.pl_all_reduce.argtypes = [
+        ptr, ctypes.c_int, ctypes.c_int, size_t, ctypes.c_int, ptr, size_t, ctypes.c_double, size_t, ctypes.c_longlong, ctypes.c_longlong
+    ]
     lib.pl_all_reduce.restype = ctypes.c_int
     return lib

@@ -17,6 +17,12 @@ CHUNK_BYTES = 256 << 10
 # above it, each reduces its 1/world share and copies the result out after a second wait, which
 # measured faster from 16 KiB up at TP=2 (docs/collectives.md).
 ONE_STEP_BYTES = 8 << 10
+# A wait spins this long (the fast path when each rank has its own core), then yields its core
+# until YIELD_NS (a peer that shares the core gets to run), then sleeps between looks. A spinning
+# or yielding rank slows the GEMMs of a rank on the other vCPU of this VM (docs/collectives.md), so
+# both are short; sleeping at once measured slower (a sleeping vCPU is slow to wake).
+SPIN_NS = 20_000
+YIELD_NS = 20_000_000
 # The helper's return codes (allreduce.c).
 _TIMEOUT, _PEER_GONE = 1, 2
 
@@ -54,8 +60,9 @@ class ShmAllReduce:
             self.all_reduce_(flat)
             t.copy_(flat)
             return
+        seg, code = self.seg.base, DTYPE_CODES[t.dtype]
         rc = self.lib.pl_all_reduce(
-            self.seg.base, self.world, self.rank, CHUNK_BYTES, DTYPE_CODES[t.dtype], t.data_ptr(), t.numel(), self.timeout_s, ONE_STEP_BYTES
+            seg, self.world, self.rank, CHUNK_BYTES, code, t.data_ptr(), t.numel(), self.timeout_s, ONE_STEP_BYTES, SPIN_NS, YIELD_NS
         )
         if rc == _TIMEOUT:
             raise ShmCollectiveError(f"shm all-reduce timed out after {self.timeout_s:g} s: a peer rank never arrived", "timeout")
