@@ -100,7 +100,7 @@ def setup(choice: str, backend: str, rank: int, world: int, timeout_s: float) ->
         offer = box[0]
         failure = None
         if offer[0] == "shm":
-            shm, failure = _map(offer, created, rank, world, timeout_s)
+            shm, failure = _map(offer, created, rank, world, timeout_s, _share_cores([p[2] for p in places]))
         failures = [None] * world
         dist.all_gather_object(failures, failure)
     finally:
@@ -126,12 +126,26 @@ def setup(choice: str, backend: str, rank: int, world: int, timeout_s: float) ->
 
 
 def _place() -> tuple:
+    """(host, boot, cores this rank may run on)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = None
-    return socket.gethostname(), boot
+    cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+    return socket.gethostname(), boot, cpus
+
+
+def _share_cores(cpus: list[frozenset]) -> bool:
+    """Whether two ranks may run on one core (or a rank's cores are unknown)."""
+    if not all(cpus):
+        return True
+    seen: set = set()
+    for mine in cpus:
+        if seen & mine:
+            return True
+        seen |= mine
+    return False
 
 
 def _offer(places: list, world: int):
@@ -142,7 +156,7 @@ def _offer(places: list, world: int):
 
     if places[0][1] is None:
         return ("gloo", "this system does not say which boot the ranks run in (/proc/sys/kernel/random/boot_id)"), None
-    if len(set(places)) > 1:
+    if len({p[:2] for p in places}) > 1:
         return ("gloo", "the ranks are not all on one host"), None
     if world > MAX_SHM_WORLD:
         return ("gloo", f"more than {MAX_SHM_WORLD} ranks"), None
@@ -157,7 +171,7 @@ def _offer(places: list, world: int):
     return ("shm", str(lib_path), created.path, size), created
 
 
-def _map(offer, created, rank: int, world: int, timeout_s: float):
+def _map(offer, created, rank: int, world: int, timeout_s: float, shares_cores: bool):
     """This rank's collective on the offered segment, or (None, why not) in one line."""
     from pocketllm.distributed.shm import build, segment
     from pocketllm.distributed.shm.collective import ShmAllReduce
@@ -165,7 +179,7 @@ def _map(offer, created, rank: int, world: int, timeout_s: float):
     _, lib_path, path, size = offer
     try:
         seg = created if created is not None else segment.attach(path, size)
-        shm = ShmAllReduce(build.load(lib_path), seg, rank, world, timeout_s)
+        shm = ShmAllReduce(build.load(lib_path), seg, rank, world, timeout_s, shares_cores)
         shm.attach(os.getpid())
         return shm, None
     except OSError as exc:

@@ -17,10 +17,11 @@ CHUNK_BYTES = 256 << 10
 # above it, each reduces its 1/world share and copies the result out after a second wait, which
 # measured faster from 16 KiB up at TP=2 (docs/collectives.md).
 ONE_STEP_BYTES = 8 << 10
-# A wait spins this long (the fast path when each rank has its own core), then yields its core
-# until YIELD_NS (a peer that shares the core gets to run), then sleeps between looks. A spinning
-# or yielding rank slows the GEMMs of a rank on the other vCPU of this VM (docs/collectives.md), so
-# both are short; sleeping at once measured slower (a sleeping vCPU is slow to wake).
+# A wait spins this long when every rank has cores of its own (the fast path), then yields its
+# core until YIELD_NS, then sleeps between looks. Ranks that share a core do not spin at all: the
+# peer it waits for may be the one its spinning keeps off the core. A spinning or yielding rank
+# slows the GEMMs of a rank on the other vCPU of this VM (docs/collectives.md), so both spans are
+# short; sleeping at once measured slower (a sleeping vCPU is slow to wake).
 SPIN_NS = 20_000
 YIELD_NS = 20_000_000
 # The helper's return codes (allreduce.c).
@@ -37,8 +38,9 @@ class ShmCollectiveError(dist.DistError):
 
 
 class ShmAllReduce:
-    def __init__(self, lib, seg: shm_segment.Segment, rank: int, world: int, timeout_s: float):
+    def __init__(self, lib, seg: shm_segment.Segment, rank: int, world: int, timeout_s: float, shares_cores: bool = False):
         self.lib, self.seg, self.rank, self.world, self.timeout_s = lib, seg, rank, world, timeout_s
+        self.spin_ns = 0 if shares_cores else SPIN_NS
 
     @staticmethod
     def segment_bytes(lib, world: int) -> int:
@@ -62,7 +64,7 @@ class ShmAllReduce:
             return
         seg, code = self.seg.base, DTYPE_CODES[t.dtype]
         rc = self.lib.pl_all_reduce(
-            seg, self.world, self.rank, CHUNK_BYTES, code, t.data_ptr(), t.numel(), self.timeout_s, ONE_STEP_BYTES, SPIN_NS, YIELD_NS
+            seg, self.world, self.rank, CHUNK_BYTES, code, t.data_ptr(), t.numel(), self.timeout_s, ONE_STEP_BYTES, self.spin_ns, YIELD_NS
         )
         if rc == _TIMEOUT:
             raise ShmCollectiveError(f"shm all-reduce timed out after {self.timeout_s:g} s: a peer rank never arrived", "timeout")
