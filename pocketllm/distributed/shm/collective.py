@@ -17,13 +17,15 @@ CHUNK_BYTES = 256 << 10
 # above it, each reduces its 1/world share and copies the result out after a second wait, which
 # measured faster from 16 KiB up at TP=2 (docs/collectives.md).
 ONE_STEP_BYTES = 8 << 10
-# A wait spins this long when every rank has cores of its own (the fast path), then yields its
-# core until YIELD_NS, then sleeps between looks. Ranks that share a core do not spin at all: the
-# peer it waits for may be the one its spinning keeps off the core. A spinning or yielding rank
-# slows the GEMMs of a rank on the other vCPU of this VM (docs/collectives.md), so both spans are
-# short; sleeping at once measured slower (a sleeping vCPU is slow to wake).
-SPIN_NS = 20_000
-YIELD_NS = 20_000_000
+# How a rank waits for its peers. With a core of its own, it spins for up to SPIN_NS (most waits
+# end there) and then sleeps between looks: yielding instead lets any other runnable process take
+# the core for a whole time slice, and on a host shared with other work that made TP=2 prefill
+# 1.6x slower (docs/collectives.md). Ranks that share a core never spin (the peer a rank waits
+# for may be the one its spinning keeps off the core) and yield for up to SHARED_YIELD_NS, which
+# hands the core to that peer, before they sleep too. Spinning also slows the GEMMs of a rank on
+# the other vCPU of this VM, which is why the spin stays short.
+SPIN_NS = 200_000
+SHARED_YIELD_NS = 20_000_000
 # The helper's return codes (allreduce.c).
 _TIMEOUT, _PEER_GONE = 1, 2
 
@@ -40,7 +42,8 @@ class ShmCollectiveError(dist.DistError):
 class ShmAllReduce:
     def __init__(self, lib, seg: shm_segment.Segment, rank: int, world: int, timeout_s: float, shares_cores: bool = False):
         self.lib, self.seg, self.rank, self.world, self.timeout_s = lib, seg, rank, world, timeout_s
-        self.spin_ns = 0 if shares_cores else SPIN_NS
+        # The helper spins until spin_ns, yields until yield_ns, then sleeps.
+        self.spin_ns, self.yield_ns = (0, SHARED_YIELD_NS) if shares_cores else (SPIN_NS, 0)
 
     @staticmethod
     def segment_bytes(lib, world: int) -> int:
@@ -64,7 +67,7 @@ class ShmAllReduce:
             return
         seg, code = self.seg.base, DTYPE_CODES[t.dtype]
         rc = self.lib.pl_all_reduce(
-            seg, self.world, self.rank, CHUNK_BYTES, code, t.data_ptr(), t.numel(), self.timeout_s, ONE_STEP_BYTES, self.spin_ns, YIELD_NS
+            seg, self.world, self.rank, CHUNK_BYTES, code, t.data_ptr(), t.numel(), self.timeout_s, ONE_STEP_BYTES, self.spin_ns, self.yield_ns
         )
         if rc == _TIMEOUT:
             raise ShmCollectiveError(f"shm all-reduce timed out after {self.timeout_s:g} s: a peer rank never arrived", "timeout")
