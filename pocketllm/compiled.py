@@ -1,12 +1,13 @@
 """Small C kernels built on the machine that runs them, loaded with ctypes.
 
 A kernel is compiled on first use with the system C compiler (`CC`, default `cc`) for this very
-CPU (-march=native), into a cache directory keyed by its source, the flags, the compiler and the
-CPU, so a later run loads it at once and a machine with another CPU builds its own. Compiled with
+CPU (-march=native), into a private cache directory keyed by its source, the flags, the compiler
+and the CPU, so a later run loads it at once and a machine with another CPU builds its own. Compiled with
 -fopenmp, a kernel's parallel loops join the OpenMP runtime torch has already loaded (the loader
 reuses a library it holds under the same name), so they run on torch's threads instead of a
 second pool that would fight it for the cores. Without a compiler, or when a build fails, the
-caller gets None and a one-line reason, and keeps its torch path.
+caller gets a one-line reason (BuildError, or None and the reason from load) and keeps its torch
+or gloo path.
 """
 
 from __future__ import annotations
@@ -16,21 +17,30 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
 # Where built kernels (and measured choices, pocketllm.ops.gemv) are cached.
 ENV_CACHE_DIR = "POCKETLLM_CACHE_DIR"
+# The kernels' flags: OpenMP for the ones that split work over torch's threads.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_SECONDS = 120
 
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
 
+class BuildError(Exception):
+    """No library: no compiler, a failed compile, or an unsafe cache directory; one line."""
+
+
 def cache_dir() -> Path:
-    root = os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "pocketllm")
-    return Path(root)
+    """POCKETLLM_CACHE_DIR, else pocketllm/ under $XDG_CACHE_HOME or ~/.cache."""
+    if os.environ.get(ENV_CACHE_DIR):
+        return Path(os.environ[ENV_CACHE_DIR])
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "pocketllm"
 
 
 def cpu_identity() -> str:
@@ -52,53 +62,71 @@ def cpu_model() -> str:
     return cpu_identity().split("|", 1)[0] or platform.machine()
 
 
-def load(source: Path) -> tuple[ctypes.CDLL | None, str]:
-    """(the built library, "") or (None, why not). Built once per process and cached on disk."""
-    key = str(source)
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The built library's path, compiled now if this source was not built here before."""
+    cc = compiler()
+    if cc is None:
+        raise BuildError(f"no C compiler (cc, gcc or clang; or $CC) to build {source.name}")
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(flags).encode(), cc.encode(), _compiler_version(cc), cpu_identity().encode()]))
+    target = cache_dir() / "native" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    _private_dir(target.parent)
+    if not target.exists():
+        _compile(cc, source, flags, target)
+    return target
+
+
+def load(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
+    """(the built library, "") or (None, why not), built once per process and cached on disk."""
+    key = f"{source}|{' '.join(flags)}"
     if key not in _loaded:
-        _loaded[key] = _build_and_load(source)
+        try:
+            path = build(source, flags)
+            _loaded[key] = ctypes.CDLL(str(path)), ""
+        except BuildError as e:
+            _loaded[key] = None, str(e)
+        except OSError as e:
+            _loaded[key] = None, f"could not load the build of {source.name}: {e}"
     return _loaded[key]
 
 
-def _build_and_load(source: Path) -> tuple[ctypes.CDLL | None, str]:
-    cc = os.environ.get("CC", "cc")
-    compiler = shutil.which(cc)
-    if compiler is None:
-        return None, f"no C compiler ({cc!r} not found)"
-    text = source.read_bytes()
-    digest = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), compiler.encode(), _compiler_version(compiler), cpu_identity().encode()]))
-    target = cache_dir() / "native" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        why = _build(compiler, source, target)
-        if why:
-            return None, why
+def _private_dir(path: Path) -> None:
+    """Create the directory 0700 if need be, and refuse one another user could write to: a
+    library loaded from it runs in this process."""
     try:
-        return ctypes.CDLL(str(target)), ""
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
     except OSError as e:
-        return None, f"built {target.name} but could not load it: {e}"
+        raise BuildError(f"cannot use the build cache {path}: {e.strerror or e}") from None
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise BuildError(f"the build cache {path} is not this user's private directory")
 
 
-def _compiler_version(compiler: str) -> bytes:
+def _compiler_version(cc: str) -> bytes:
     try:
-        return subprocess.run([compiler, "--version"], capture_output=True, timeout=10).stdout
+        return subprocess.run([cc, "--version"], capture_output=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return b""
 
 
-def _build(compiler: str, source: Path, target: Path) -> str:
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _compile(cc: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
     # Built beside the target and renamed over it: ranks building at once never load a half file.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
     os.close(fd)
     try:
-        r = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=BUILD_SECONDS)
+        r = subprocess.run([cc, *flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=BUILD_SECONDS)
         if r.returncode != 0:
-            first = (r.stderr.strip().splitlines() or ["no message"])[0]
-            return f"{source.name} did not compile: {first}"
+            first = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[0]
+            raise BuildError(f"{cc} could not build {source.name}: {first}")
         os.replace(tmp, target)
-        return ""
     except (OSError, subprocess.SubprocessError) as e:
-        return f"{source.name} did not compile: {e}"
+        raise BuildError(f"{cc} could not build {source.name}: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

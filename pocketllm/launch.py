@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus, cpu_shares
-from pocketllm.distributed import rendezvous, waiting
+from pocketllm.distributed import collective, rendezvous, waiting
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
 from pocketllm.switches import env_switch
@@ -95,7 +95,18 @@ def init_distributed(renv: RankEnv, backend: str, timeout_s: float) -> None:
     _where["place"] = "loading"
 
 
+def setup_collective(renv: RankEnv, choice: str, backend: str) -> None:
+    """Choose the engine's all-reduce (pocketllm.distributed.collective) once the group runs on
+    checked inputs; its waits honour the same --dist-timeout as the group's."""
+    if renv.world == 1:
+        return
+    _where["place"] = "setting up the all-reduce"
+    collective.setup(choice, backend, renv.rank, renv.world, _where["timeout_s"])
+    _where["place"] = "loading"
+
+
 def shutdown_distributed() -> None:
+    collective.close()
     rendezvous.leave_group()
 
 
@@ -159,6 +170,10 @@ def collective_failure(exc: BaseException) -> str | None:
     for both (torch 2.13: "Timed out waiting 2000ms for recv operation", "Connection closed by
     peer"), so there only the message tells them apart. On NCCL/HCCL a timed-out collective
     raises nothing: the backend's watchdog aborts the process (_describe_exit says so)."""
+    # The shared-memory all-reduce says which it was.
+    kind = getattr(exc, "collective_kind", None)
+    if kind is not None:
+        return kind
     if isinstance(exc, dist.DistNetworkError):
         return "peer"
     text = str(exc).lower()

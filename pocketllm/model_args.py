@@ -42,6 +42,9 @@ def add_rank_args(p: argparse.ArgumentParser, default_world: int = 1) -> None:
     )
     g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
     g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks; rank 0 creates it, one left by an earlier run is refused")
+    g.add_argument(
+        "--collective", help="the TP all-reduce: auto (default: shm when every rank is a CPU rank on this host), shm or gloo (env POCKETLLM_COLLECTIVE)"
+    )
     g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait before the run ends with an error (default 120 on gloo, 600 on NCCL/HCCL)")
 
 

@@ -39,6 +39,7 @@ UNSET_FOR_CLI = (
     "POCKETLLM_POLL_COLLECTIVES",
     "POCKETLLM_GEMV",
     "POCKETLLM_FUSED_DECODE",
+    "POCKETLLM_COLLECTIVE",
 )
 
 
@@ -145,6 +146,13 @@ def generated_ids(stdout: str) -> list[int]:
     lines = [line for line in stdout.splitlines() if line.startswith("generated_ids=")]
     assert len(lines) == 1, stdout
     return [int(t) for t in lines[0].split("=", 1)[1].split(",") if t]
+
+
+def shm_segments() -> set[str]:
+    """The shared-memory all-reduce's segments in /dev/shm (each run unlinks its own at setup)."""
+    from pocketllm.distributed.shm import segment
+
+    return {name for name in os.listdir(segment.SHM_DIR) if name.startswith(segment.PREFIX)}
 
 
 def free_port() -> int:

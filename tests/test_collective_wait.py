@@ -107,9 +107,11 @@ def test_every_engine_collective_is_waited_for_by_polling(restore_waiting, monke
 
 @pytest.mark.timeout(120)
 def test_gloo_ranks_block_when_polling_is_turned_off(tmp_path):
-    # Polling by default is checked by test_cpu_pinning's TP=2 bench runs.
+    # Polling by default is checked by test_cpu_pinning's TP=2 bench runs. The all-reduce is
+    # gloo's here too (POCKETLLM_COLLECTIVE), so that a gloo all-reduce is waited for blocking.
     out = tmp_path / "r.json"
     r = run_cli("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out,
-                env=cli_env(POCKETLLM_POLL_COLLECTIVES="0"))
+                env=cli_env(POCKETLLM_POLL_COLLECTIVES="0", POCKETLLM_COLLECTIVE="gloo"))
     assert r.returncode == 0, r.stderr
-    assert json.loads(out.read_text())["settings"]["polls_collectives"] is False
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["polls_collectives"] is False and settings["collective"] == "gloo"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import Run, assert_nothing_left, generated_ids, run_cli, start, tagged
+from conftest import Run, assert_nothing_left, generated_ids, run_cli, shm_segments, start, tagged
 from pocketllm.errors import UsageError
 from pocketllm.faults import parse_fault
 
@@ -54,6 +54,7 @@ EXPECTED = {
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world,rank,at,kind", FAULTS, ids=lambda v: str(v))
 def test_dead_rank_stops_the_run(world, rank, at, kind, tmp_path):
+    segments = shm_segments()
     run = start(*generate_args(world, "--dist-timeout", 30), tmp_path=tmp_path, env={"POCKETLLM_FAULT": f"rank={rank},at={at},kind={kind}"})
     rc = run.wait()
     died = run.line_time("injected fault")
@@ -63,6 +64,8 @@ def test_dead_rank_stops_the_run(world, rank, at, kind, tmp_path):
     assert "generated_ids" not in run.stdout
     assert_nothing_left(run)
     assert rdzv_dirs(run) == [], "the private rendezvous directory was not removed"
+    # Every run here sums through shared memory (auto on one host); its segment must be gone too.
+    assert shm_segments() == segments
 
 
 @pytest.mark.timeout(60)
@@ -78,6 +81,8 @@ def test_hung_rank_ends_in_a_collective_timeout(tmp_path):
         run.last_line,
     ), run.stderr
     assert "Traceback" not in run.stderr
+    # The wait that timed out was the shared-memory all-reduce's, worded as gloo's would be.
+    assert "all-reduce: shm" in run.stderr
     # Rank 0 may have started waiting a little before rank 1 printed its note.
     assert HANG_TIMEOUT_S - 1 < run.ended - hung < HANG_TIMEOUT_S + STOP_BOUND_S
     assert_nothing_left(run)
@@ -87,6 +92,7 @@ def test_hung_rank_ends_in_a_collective_timeout(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_signal_to_the_launcher_ends_every_rank(sig, tmp_path):
     # A hung rank with a long timeout keeps the run alive until the signal.
+    segments = shm_segments()
     run = start(*generate_args(2, "--dist-timeout", 60), tmp_path=tmp_path, env={"POCKETLLM_FAULT": "rank=1,at=prefill,kind=hang"})
     run.line_time("injected fault")
     (rdzv,) = rdzv_dirs(run)
@@ -99,6 +105,7 @@ def test_signal_to_the_launcher_ends_every_rank(sig, tmp_path):
         assert rc == -signal.SIGKILL
         # Orphaned ranks see their parent die (PR_SET_PDEATHSIG) and go with it.
         assert_nothing_left(run, within=STOP_BOUND_S)
+        assert shm_segments() == segments
         # A launcher killed outright leaves its directory; the next launch removes it.
         assert rdzv_dirs(run) == [rdzv]
         after = start(*generate_args(2), tmp_path=tmp_path, env={"TMPDIR": str(run.tmpdir)})
@@ -111,6 +118,7 @@ def test_signal_to_the_launcher_ends_every_rank(sig, tmp_path):
     assert run.ended - sent < STOP_BOUND_S
     assert_nothing_left(run)
     assert rdzv_dirs(run) == []
+    assert shm_segments() == segments
 
 
 @pytest.mark.timeout(120)

@@ -95,6 +95,7 @@ def test_the_cli_refuses_a_bad_kernel_before_any_rank(no_ranks, capsys, monkeypa
 def test_without_a_compiler_the_compiled_kernel_is_left_out(monkeypatch, tmp_path):
     monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(compiled, "_loaded", {})
     from pocketllm.ops.gemv import kernels
 

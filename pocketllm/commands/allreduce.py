@@ -12,6 +12,7 @@ from dataclasses import asdict
 import torch
 
 from pocketllm.commands.ranked import place_in_run, run_checked
+from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
@@ -48,7 +49,7 @@ def run_on_ranks(args, argv: list[str], prepare, work) -> int:
 def _work(args, device, _inputs) -> int:
     dtype = parse_dtype(args.dtype)
     sizes = size_ladder(parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes"), args.factor, dtype.itemsize)
-    say(f"all-reduce on {device.backend}, {tp().world} ranks, {device.describe()}, {args.dtype}, {len(sizes)} sizes x {args.iters} calls")
+    say(f"all-reduce on {collective.name()}, {tp().world} ranks, {device.describe()}, {args.dtype}, {len(sizes)} sizes x {args.iters} calls")
     results, fit = sweep_sizes(sizes, dtype, device, args.iters, args.warmup_iters, tp().world)
     if tp().rank == 0:
         for line in format_table(results):
@@ -57,6 +58,7 @@ def _work(args, device, _inputs) -> int:
         if args.json:
             out = {
                 "backend": device.backend,
+                "collective": collective.name(),
                 "device": device.describe(),
                 "world": tp().world,
                 "dtype": args.dtype,

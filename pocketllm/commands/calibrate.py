@@ -26,6 +26,7 @@ from pocketllm.commands.allreduce import DEFAULT_WORLD, run_on_ranks
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.progress import row_progress
 from pocketllm.config import LINEAR, ModelConfig
+from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
 from pocketllm.distributed.calibration import Calibration, CalibratedPolicy, Point
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
@@ -166,7 +167,7 @@ def _work(args, device, inputs) -> int:
     sites = row_parallel_sites(plan.cfg, world)
     hidden = plan.cfg.hidden_size
     say(
-        f"calibrating {plan.model_name} at TP={world} on {device.backend} ({device.describe()}), {args.dtype}: "
+        f"calibrating {plan.model_name} at TP={world} on {collective.name()} ({device.describe()}), {args.dtype}: "
         f"unit {' + '.join(f'{s.count} {s.name}' for s in sites)}, {len(rows_list)} row counts x {len(pins)} slice counts x {args.reps} reps"
     )
     unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device)
@@ -181,7 +182,9 @@ def _work(args, device, inputs) -> int:
             print(line)
         print(f"all-reduce over the slice payloads: {fit.line()}")
         unit_text = " + ".join(f"{s.count} x {s.name} [rows, {s.in_local}] @ [{s.in_local}, {hidden}]" for s in sites)
-        extra = {"model": plan.model_name, "layers": plan.cfg.num_layers, "unit": unit_text, "reps": args.reps, "threads_per_rank": torch.get_num_threads()}
+        # The all-reduce the points were timed on (shm or the backend's): a file made on one
+        # prices slicing wrongly for the other.
+        extra = {"collective": collective.name(), "model": plan.model_name, "layers": plan.cfg.num_layers, "unit": unit_text, "reps": args.reps, "threads_per_rank": torch.get_num_threads()}
         with open(args.out, "w") as f:
             json.dump(cal.to_json() | extra, f, indent=2)
         print(f"wrote {args.out}: {policy.describe()}", flush=True)

@@ -12,12 +12,12 @@ import time
 import torch
 
 from pocketllm.device import allowed_cpus, resolve_kind, setup_device
-from pocketllm.distributed import waiting
+from pocketllm.distributed import collective, waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
 from pocketllm.faults import FaultHook, fault_from_env
-from pocketllm.launch import PassTracker, checked_on_rank0, init_distributed, rank_env, run_rank, spawn_local_ranks
+from pocketllm.launch import PassTracker, checked_on_rank0, init_distributed, rank_env, run_rank, setup_collective, spawn_local_ranks
 from pocketllm.model_args import dist_timeout, plan_model, say
 from pocketllm.profiling.profiler import attach_profiler, profile_options
 
@@ -46,6 +46,7 @@ def place_in_run(args, default_world: int):
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     resolve_kind(args.device)
+    collective.resolve_choice(getattr(args, "collective", None))
     renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=default_world)
     if renv is not None:
         args.tp_world = renv.world
@@ -68,6 +69,7 @@ def run_checked(args, argv: list[str], renv, check, on_rank) -> int:
         device = setup_device(args.device, renv.local_rank, renv.local_world)
         # Rank 0 checks the inputs once and shares them, so every rank runs on the same ones.
         checked = checked_on_rank0(renv, check, lambda: init_distributed(renv, device.backend, dist_timeout(args, device.backend)))
+        setup_collective(renv, collective.resolve_choice(getattr(args, "collective", None)), device.backend)
         return on_rank(device, checked)
 
     # run_rank leaves the process group after noting any failure, so the launcher hears the cause
@@ -121,6 +123,7 @@ def run_settings(args, plan, device) -> dict:
         "backend": device.backend if tp().world > 1 else None,
         "threads_per_rank": torch.get_num_threads(),
         "polls_collectives": waiting.polling(),
+        "collective": collective.name(),
     }
 
 

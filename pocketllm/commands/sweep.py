@@ -129,7 +129,7 @@ def _work(args, plan, inputs, engine, device) -> int:
         with open(args.json, "w") as f:
             json.dump({"settings": settings_json, "runs": records, **report}, f, indent=2)
     if args.plot:
-        title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {settings_json['backend'] or ''}, {args.dtype}, {device.describe()}"
+        title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {settings_json['collective'] or ''}, {args.dtype}, {device.describe()}"
         plot_sweep(records, rows_list, [s for s, _ in settings], args.plot, title)
     print("\n".join(lines), flush=True)
     return 0

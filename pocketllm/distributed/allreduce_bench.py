@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from pocketllm.distributed import waiting
+from pocketllm.distributed import collective, waiting
 from pocketllm.errors import UsageError
 
 SIZE_SUFFIXES = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -121,10 +121,10 @@ def time_allreduce(size_bytes: int, dtype: torch.dtype, device, iters: int, warm
     elem = dtype.itemsize
     count = size_bytes // elem
     buf = torch.ones(count, dtype=dtype, device=device.torch_device)
-    # Waited for as the engine waits (pocketllm.distributed.waiting), so the fit prices the
-    # collectives the engine runs.
+    # Started and waited for as the engine does (pocketllm.distributed.collective and .waiting),
+    # so the fit prices the all-reduce the engine runs, shm or gloo.
     for _ in range(warmup):
-        waiting.wait(dist.all_reduce(buf, async_op=True))
+        waiting.wait(collective.start_all_reduce(buf))
     device.synchronize()
     dist.barrier()
     events = _event_pair(device.kind)
@@ -132,7 +132,7 @@ def time_allreduce(size_bytes: int, dtype: torch.dtype, device, iters: int, warm
     if events:
         events[0].record()
     for _ in range(iters):
-        waiting.wait(dist.all_reduce(buf, async_op=True))
+        waiting.wait(collective.start_all_reduce(buf))
     if events:
         events[1].record()
     device.synchronize()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pocketllm.distributed import waiting
+from pocketllm.distributed import collective, waiting
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.profiling.scopes import scope
 
@@ -37,7 +37,7 @@ def all_reduce_(t: torch.Tensor, site: str) -> None:
     COUNTER.add(site)
     with scope("tp_all_reduce", site) as timed:
         timed.wait_for_peers()
-        waiting.wait(dist.all_reduce(t, async_op=True))
+        waiting.wait(collective.start_all_reduce(t))
 
 
 def all_reduce_async_(t: torch.Tensor, site: str):
@@ -47,7 +47,7 @@ def all_reduce_async_(t: torch.Tensor, site: str):
     COUNTER.add(site)
     with scope("tp_all_reduce", site) as timed:
         timed.wait_for_peers()
-        work = dist.all_reduce(t, async_op=True)
+        work = collective.start_all_reduce(t)
         # A phase profile waits here, so the scope holds the collective and not just its issue.
         timed.settle(work)
     return work
