@@ -5,9 +5,10 @@ One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, 
   plain 4 KiB pages where THP is `madvise` or `never` (pocketllm.host_memory says why the engine
   avoids it; with THP `always` torch's memory may get huge pages too);
 - the same step with every single-row GEMV replaced by a ready output (the rest of the step);
-- a step cut down to its GEMVs alone (the engine's GEMV over the model's own weights), the same
-  with F.linear instead of torch.mv, and with torch.mv off oneDNN (torch's native kernel), all
-  three timed alike (common.gemv_only_step_seconds);
+- a step cut down to its GEMVs alone (the engine's one-row kernels, as measured and chosen per
+  weight shape at load, over the model's own weights), and the same with every weight run by one
+  candidate kernel (pocketllm.ops.gemv: mv, mv-native, mm, c where it runs), all timed alike
+  (common.gemv_only_step_seconds);
 - the same matrices in fp32, on huge pages, summed one op at a time.
 After the reps, once: one 1 GiB fp32 sum (the read bandwidth the streaming limit uses); and, for
 context, one-row ops alone and right after a GEMV has streamed a weight (in turn, up to 8 of the
@@ -31,10 +32,10 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from pocketllm import host_memory
 from pocketllm.model_args import parse_dtype
+from pocketllm.ops.gemv.kernels import kernels_for
 from common import PocketRunner, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread, tensor_bytes
 
 
@@ -156,17 +157,19 @@ def main(argv=None) -> int:
     plain = PlainPages(model)
     runner.decode(prompt, 2)
 
-    ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (mv)": [], "GEMVs alone (linear)": [], "GEMVs alone (no oneDNN)": [], "fp32 sums alone": []}
+    kernels = [c for c in kernels_for(weights[0].dtype, weights[0].device)]
+    ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
+    ms.update({f"GEMVs alone, all {c.name}": [] for c in kernels})
+    ms["fp32 sums alone"] = []
     for rep in range(args.reps):
         ms["real step"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with plain:
             ms["step, 4 KiB pages"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with ready:
             ms["step, GEMVs ready"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
-        ms["GEMVs alone (mv)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
-        ms["GEMVs alone (linear)"].append(1e3 * gemv_only_step_seconds(model, reps=1, op=F.linear))
-        with without_onednn():
-            ms["GEMVs alone (no oneDNN)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
+        ms["GEMVs alone (chosen)"].append(1e3 * gemv_only_step_seconds(model, reps=1))
+        for c in kernels:
+            ms[f"GEMVs alone, all {c.name}"].append(1e3 * gemv_only_step_seconds(model, reps=1, op=one_row(c.run)))
         ms["fp32 sums alone"].append(1e3 * sum_one_at_a_time_seconds(weights_f32))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
         print(f"{name:<24}{spread(xs, 2):>28}{rate:>18}")
     print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s, the read bandwidth of the streaming limit ("
           + ", ".join(f"{v:.1f} on {k}" for k, v in bandwidths.items()) + ")")
-    rest = statistics.median(ms["real step"]) - statistics.median(ms["GEMVs alone (mv)"])
+    rest = statistics.median(ms["real step"]) - statistics.median(ms["GEMVs alone (chosen)"])
     print(f"real step minus GEMVs alone (medians of per-rep figures: a step averaged over --steps, one GEMV-only pass after a warm-up): {rest:.2f} ms; the step with GEMVs ready: "
           f"{statistics.median(ms['step, GEMVs ready']):.2f} ms")
 
@@ -222,6 +225,19 @@ def main(argv=None) -> int:
     print(f"torch.mv over a cached 64 x {model.cfg.hidden_size} {args.dtype} weight: {onednn:.1f} us through oneDNN, "
           f"{native:.1f} us without")
     return 0
+
+
+def one_row(kernel):
+    """A one-row kernel (x [in], w, out [out]) as the op(x [1, in], w) the GEMV-only step calls."""
+    outs = {}
+
+    def op(x, w):
+        out = outs.get(w.shape[0])
+        if out is None:
+            out = outs[w.shape[0]] = torch.empty(w.shape[0], dtype=w.dtype)
+        kernel(x[0], w, out)
+
+    return op
 
 
 @contextlib.contextmanager
