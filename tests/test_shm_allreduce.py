@@ -126,6 +126,16 @@ def _check_overlapped(rank: int, world: int) -> None:
     d = torch.full((3,), float(rank), dtype=torch.float64)
     collective.start_all_reduce(d).wait()
     assert d.tolist() == [float(sum(range(world)))] * 3
+    # The head's logits gather as a sum over zeros: the concatenation, bit for bit, specials kept.
+    from pocketllm.distributed.state import all_gather_cat
+
+    part = _values(1001, 300 + rank, torch.float32)[None]
+    part[0, :2] = torch.tensor([float("inf"), -1e-40])
+    gathered = all_gather_cat(part)
+    want = torch.cat([_values(1001, 300 + r, torch.float32)[None] for r in range(world)], dim=-1)
+    for r in range(world):
+        want[0, r * 1001 : r * 1001 + 2] = torch.tensor([float("inf"), -1e-40])
+    _assert_same(gathered, want, f"gather TP={world}")
 
 
 def _check_lost_peers(rank: int) -> None:

@@ -76,6 +76,12 @@ def start_all_reduce(t: torch.Tensor):
     return dist.all_reduce(t, async_op=True)
 
 
+def sums_on_host(t: torch.Tensor) -> bool:
+    """Whether an all-reduce of `t` would run in shared memory (microseconds, where gloo's
+    gather costs a loopback round trip)."""
+    return _shm is not None and _shm.handles(t)
+
+
 def setup(choice: str, backend: str, rank: int, world: int, timeout_s: float) -> None:
     """Choose the all-reduce on every rank of a joined group (all agree: rank 0 decides) and, for
     shm, create, map and unlink the segment. Prints the choice on rank 0."""
