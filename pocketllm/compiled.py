@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -74,7 +75,7 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     cc = compiler()
     if cc is None:
         raise BuildError(f"no C compiler (cc, gcc or clang; or $CC) to build {source.name}")
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(flags).encode(), cc.encode(), _compiler_version(cc), cpu_identity().encode()]))
+    digest = hashlib.sha256(b"\0".join([_source_text(source), " ".join(flags).encode(), cc.encode(), _compiler_version(cc), cpu_identity().encode()]))
     target = cache_dir() / "native" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     _private_dir(target.parent)
     if not target.exists():
@@ -94,6 +95,14 @@ def load(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | No
         except OSError as e:
             _loaded[key] = None, f"could not load the build of {source.name}: {e}"
     return _loaded[key]
+
+
+def _source_text(source: Path) -> bytes:
+    """The source and every header it includes by a quoted relative path, so editing a header
+    rebuilds each kernel that uses it."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.M)
+    return b"\0".join([text, *((source.parent / h.decode()).read_bytes() for h in headers)])
 
 
 def _private_dir(path: Path) -> None:

@@ -8,22 +8,12 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float bf(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "../bf16.h"
 
-static inline uint16_t to_bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+static inline float bf(uint16_t h) { return bf16_to_f32(h); }
+
+static inline uint16_t to_bf(float f) { return f32_to_bf16(f); }
 
 /* bf16 rounding of an fp32 value, kept as fp32. */
 static inline float rbf(float f) { return bf(to_bf(f)); }
