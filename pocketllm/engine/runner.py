@@ -10,8 +10,9 @@ import torch
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.accounting import COUNTER
+from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
-from pocketllm.engine.cache import allocate_states, reset_states
+from pocketllm.layers.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops import gemv
@@ -26,6 +27,7 @@ class PassInfo:
     kind: str  # "warmup", "prefill" or "decode"
     rows: int
     slices: int
+    serial: bool  # whether the row-parallel projections take the unsliced path
     timed: bool  # the timed pass of a bench
     collectives: dict | None = None  # filled after the pass: all-reduces per site
 
@@ -92,7 +94,7 @@ class Engine:
             raise RuntimeError(f"sequence of {self.pos + rows} positions exceeds the {self.capacity} allocated")
         slices = self.policy.slices_for_rows(rows)
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
-        info = PassInfo(self._passes, kind, rows, slices, self._timed)
+        info = PassInfo(self._passes, kind, rows, slices, is_serial(rows, slices), self._timed)
         self._passes += 1
         for hook in self.hooks:
             hook.before_pass(info)
