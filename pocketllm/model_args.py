@@ -12,7 +12,7 @@ import torch
 
 from pocketllm.config import ModelConfig, check_tp_split, load_config
 from pocketllm.device import DEVICE_CHOICES, resolve_kind
-from pocketllm.distributed.calibration import checked_for_run
+from pocketllm.distributed.policy import checked_for_run
 from pocketllm.distributed.policy import OVERLAP_POLICIES, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader

@@ -28,9 +28,9 @@ from pocketllm.commands.progress import row_progress
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
-from pocketllm.distributed.calibration import Calibration, CalibratedPolicy, Point
+from pocketllm.distributed.calibration import Calibration, Point
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
-from pocketllm.distributed.policy import resolve_ceiling
+from pocketllm.distributed.policy import CalibratedPolicy, resolve_ceiling
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from pocketllm.distributed.calibration import CalibratedPolicy
+from pocketllm.distributed.policy import CalibratedPolicy
 from pocketllm.distributed.policy import OVERLAP_POLICIES, resolve_policy
 from pocketllm.errors import UsageError
 

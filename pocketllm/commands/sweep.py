@@ -14,7 +14,7 @@ from pocketllm.commands.bench import add_warmup_arg, check_warmup_tokens, timed_
 from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_ranked, run_settings
-from pocketllm.distributed.calibration import checked_for_run
+from pocketllm.distributed.policy import checked_for_run
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
 from pocketllm.distributed.state import tp
