@@ -15,8 +15,7 @@ import bisect
 import os
 from dataclasses import dataclass
 
-from pocketllm.device import BACKENDS, resolve_kind
-from pocketllm.distributed.calibration import Calibration, Point, check_calibration, load_calibration
+from pocketllm.distributed.calibration import Calibration, Point, load_calibration
 from pocketllm.errors import UsageError
 
 K_MIN_ROWS_PER_OVERLAP_SLICE = 1024
@@ -175,15 +174,3 @@ class CalibratedPolicy(SlicePolicy):
     def describe(self) -> str:
         picks = ", ".join(f"{r}->{s}" for r, s in self.choices.items())
         return f"calibrated (ceiling {self.ceiling}; {picks})"
-
-
-def checked_for_run(choice: PolicyChoice, args, hidden: int) -> PolicyChoice:
-    """The plan's policy, with a calibrated one checked against the run it would drive: the
-    backend --device resolves to, --tp-world, the model's hidden size and --dtype."""
-    policy = choice.policy
-    if not isinstance(policy, CalibratedPolicy):
-        return choice
-    backend = BACKENDS[resolve_kind(args.device)]
-    force = bool(getattr(args, "force_calibration", False))
-    note = check_calibration(policy.calibration, policy.source, backend, args.tp_world, hidden, args.dtype, force)
-    return PolicyChoice(policy, "; ".join(n for n in (choice.note, note) if n) or None)
