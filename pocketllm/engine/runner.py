@@ -27,9 +27,14 @@ class PassInfo:
     kind: str  # "warmup", "prefill" or "decode"
     rows: int
     slices: int
-    serial: bool  # whether the row-parallel projections take the unsliced path
     timed: bool  # the timed pass of a bench
     collectives: dict | None = None  # filled after the pass: all-reduces per site
+
+    @property
+    def serial(self) -> bool:
+        """Whether the row-parallel projections take the unsliced path (asked only by a profiler,
+        so a plain pass pays nothing for it)."""
+        return is_serial(self.rows, self.slices)
 
 
 class Engine:
@@ -94,7 +99,7 @@ class Engine:
             raise RuntimeError(f"sequence of {self.pos + rows} positions exceeds the {self.capacity} allocated")
         slices = self.policy.slices_for_rows(rows)
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
-        info = PassInfo(self._passes, kind, rows, slices, is_serial(rows, slices), self._timed)
+        info = PassInfo(self._passes, kind, rows, slices, self._timed)
         self._passes += 1
         for hook in self.hooks:
             hook.before_pass(info)
