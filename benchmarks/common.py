@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pocketllm.commands.bench import timed_greedy_decode, timed_prefill
+from pocketllm.engine.timing import timed_greedy_decode, timed_prefill
 
 
 def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:

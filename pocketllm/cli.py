@@ -10,7 +10,8 @@ import sys
 from pocketllm.errors import UsageError
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
-# it uses (pocketllm.model_args) and its own.
+# it uses (pocketllm.model_args) and its own. Only the module of the command that runs is
+# imported: most import torch, which `pocketllm --help` and `pocketllm policy` do not need.
 COMMANDS = {
     "generate": ("commands.generate", "generate tokens from a prompt"),
     "bench": ("commands.bench", "resident bench: timed prefill and decode"),
@@ -30,21 +31,25 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser for `argv`: every command listed, and the flags of the one argv names (the top
+    level has no flag but --help, so that is the first word not starting with '-')."""
     parser = _Parser(prog="pocketllm", description="Tensor-parallel inference and measurement for the Qwen3.5/Qwen3.8 hybrid decoder.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(f"pocketllm.{module}")
-        mod.add_arguments(p)
-        p.set_defaults(_module=mod)
+        if name == chosen:
+            mod = importlib.import_module(f"pocketllm.{module}")
+            mod.add_arguments(p)
+            p.set_defaults(_module=mod)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         mod = args._module
         runner = getattr(mod, "run", None) or (lambda a, _argv: mod.main(a))

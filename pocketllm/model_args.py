@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.config import ModelConfig, check_tp_split, load_config
-from pocketllm.device import DEVICE_CHOICES, resolve_kind
-from pocketllm.distributed.calibration import checked_for_run
-from pocketllm.distributed.policy import OVERLAP_POLICIES, PolicyChoice, resolve_policy
+from pocketllm.device import BACKENDS, DEVICE_CHOICES, resolve_kind
+from pocketllm.distributed.calibration import check_calibration
+from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
@@ -152,6 +152,18 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
 
 def _checked_policy(policy: PolicyChoice | None, args, cfg: ModelConfig) -> PolicyChoice | None:
     return None if policy is None else checked_for_run(policy, args, cfg.hidden_size)
+
+
+def checked_for_run(choice: PolicyChoice, args, hidden: int) -> PolicyChoice:
+    """The plan's policy, with a calibrated one checked against the run it would drive: the
+    backend --device resolves to, --tp-world, the model's hidden size and --dtype."""
+    policy = choice.policy
+    if not isinstance(policy, CalibratedPolicy):
+        return choice
+    backend = BACKENDS[resolve_kind(args.device)]
+    force = bool(getattr(args, "force_calibration", False))
+    note = check_calibration(policy.calibration, policy.source, backend, args.tp_world, hidden, args.dtype, force)
+    return PolicyChoice(policy, "; ".join(n for n in (choice.note, note) if n) or None)
 
 
 def check_out_path(path: str | None, flag: str) -> None:

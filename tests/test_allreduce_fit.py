@@ -118,7 +118,7 @@ def test_under_torchrun_the_default_world_is_world_size():
 # returns that process's id; work writes down the id it was given.
 _RANK_SCRIPT = """
 import argparse, os, sys
-from pocketllm.commands.allreduce import run_on_ranks
+from pocketllm.commands.ranked import run_on_ranks
 
 rank, id_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 args = argparse.Namespace(tp_world=2, tp_rank=rank, nccl_id_path=id_path, device="cpu", dist_timeout=60.0)

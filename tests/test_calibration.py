@@ -9,8 +9,8 @@ import json
 import pytest
 
 from conftest import cli_env, run_cli, usage_error_in_process
-from pocketllm.distributed.calibration import CalibratedPolicy, Calibration, Point, check_calibration, choose_slices, load_calibration, parse_calibration
-from pocketllm.distributed.policy import RulePolicy, resolve_policy
+from pocketllm.distributed.calibration import Calibration, Point, check_calibration, load_calibration, parse_calibration
+from pocketllm.distributed.policy import CalibratedPolicy, RulePolicy, choose_slices, resolve_policy
 from pocketllm.errors import UsageError
 
 # seconds per unit at (rows, slices): a made-up machine whose crossover is at 2048 rows.

@@ -149,7 +149,7 @@ class _Passes:
 
 @pytest.mark.parametrize("cap", [None, 24], ids=["timed-length", "capped"])
 def test_warm_up_runs_each_timed_length_under_the_timed_slice_policy(engine, cap):
-    from pocketllm.commands.bench import warm_up
+    from pocketllm.engine.timing import warm_up
     from pocketllm.distributed.policy import PinnedPolicy
 
     saved, passes = engine.policy, _Passes()

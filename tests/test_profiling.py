@@ -137,10 +137,13 @@ def test_a_scope_nested_in_itself_counts_its_inclusive_time_once():
 
 
 def test_disabled_scopes_are_one_shared_null_object_and_never_sync():
+    def waited_for(work):
+        work.wait()
+
     assert scopes.installed() is None
     assert scope("STACK") is NULL_SCOPE and scope("projections", "mlp.down") is NULL_SCOPE
     with scope("tp_all_reduce", "embed") as s:
-        s.settle(None)
+        s.settle(None, waited_for)
 
     class Work:
         waited = 0
@@ -154,7 +157,7 @@ def test_disabled_scopes_are_one_shared_null_object_and_never_sync():
         scopes.install(ScopeRecorder(sync=sync))
         try:
             with scope("tp_all_reduce", "mlp.down") as s:
-                s.settle(Work())
+                s.settle(Work(), waited_for)
         finally:
             scopes.install(None)
         assert Work.waited == expected

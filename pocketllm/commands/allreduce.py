@@ -1,8 +1,5 @@
 """`pocketllm allreduce`: the nccl-tests style table of TP all-reduce cost per payload size on
-this machine's backend, ending in the fit time = fixed + bytes / bandwidth.
-
-It also holds the model-free way to run work on every rank, which `calibrate` shares: neither
-command needs weights, only the process group and the device."""
+this machine's backend, ending in the fit time = fixed + bytes / bandwidth."""
 
 from __future__ import annotations
 
@@ -11,16 +8,12 @@ from dataclasses import asdict
 
 import torch
 
-from pocketllm.commands.ranked import place_in_run, run_checked
+from pocketllm.commands.ranked import DEFAULT_WORLD, run_on_ranks
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.model_args import add_rank_args, check_out_path, parse_dtype, say
-
-
-# An all-reduce needs two ranks at least: the world a local run starts when --tp-world is not given.
-DEFAULT_WORLD = 2
 
 
 def add_arguments(p) -> None:
@@ -32,18 +25,6 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup-iters", type=int, default=5, help="untimed calls per size first (default 5)")
     p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 (default, the engine's) or float16")
     p.add_argument("--json", help="also write the table, the fit and the settings to this file")
-
-
-def run_on_ranks(args, argv: list[str], prepare, work) -> int:
-    """prepare(args) checks the command's own inputs and returns them: in the launcher before any
-    rank starts, and on rank 0 alone once the ranks run, which shares the result (so it must
-    pickle) with the others; work(args, device, inputs) runs on every rank of a --tp-world >= 2
-    group, started here if need be."""
-    renv = place_in_run(args, default_world=DEFAULT_WORLD)
-    # Every process checks the world it is part of, before it starts or joins a group.
-    if args.tp_world < 2:
-        raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
-    return run_checked(args, argv, renv, lambda: prepare(args), lambda device, inputs: work(args, device, inputs))
 
 
 def _work(args, device, _inputs) -> int:

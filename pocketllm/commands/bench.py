@@ -4,17 +4,14 @@ prompt and one timed decode of --max-new-tokens; rank 0 prints the result line."
 from __future__ import annotations
 
 import json
-import time
-
-import torch
 
 from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_ranked, run_settings
 from pocketllm.distributed.state import tp
+from pocketllm.engine.timing import timed_prefill_decode, warm_up
 from pocketllm.errors import UsageError
+from pocketllm.flags import add_warmup_arg, check_warmup_tokens
 from pocketllm.inputs import bench_ids, check_ids, prompt_ids
 from pocketllm.model_args import add_model_args, check_out_path
-
-RESULT_FIELDS = ("prefill_seconds", "prefill_tokens", "prefill_tokens_per_s", "decode_seconds", "decode_tokens", "decode_tokens_per_s")
 
 
 def add_arguments(p) -> None:
@@ -34,73 +31,6 @@ def _prepare(args, plan):
     check_warmup_tokens(args.warmup_tokens)
     check_out_path(args.json, "--json")
     return ids
-
-
-def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, torch.Tensor]:
-    """Seconds of one prefill of `ids` from a fresh sequence with `room` positions left after it,
-    device-synchronised at both ends, and its logits."""
-    engine.start_sequence(len(ids) + room)
-    prompt = torch.tensor(ids, dtype=torch.long)
-    sync()
-    t0 = time.perf_counter()
-    logits = engine.prefill(prompt)
-    sync()
-    return time.perf_counter() - t0, logits
-
-
-def timed_greedy_decode(engine, token: int, steps: int, sync) -> tuple[float, list[int]]:
-    """Seconds of `steps` greedy decode steps fed from `token`, device-synchronised at both ends,
-    and the tokens they chose."""
-    chosen = []
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        token = int(torch.argmax(engine.decode(token)))
-        chosen.append(token)
-    sync()
-    return time.perf_counter() - t0, chosen
-
-
-def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
-    """One timed prefill and `new_tokens` timed greedy decode steps from a fresh sequence."""
-    prefill_s, logits = timed_prefill(engine, ids, sync, room=new_tokens)
-    collectives = sum(engine.last_collectives.values())
-    slices = engine.last_slices
-    decode_s, _ = timed_greedy_decode(engine, int(torch.argmax(logits)), new_tokens, sync)
-    return {
-        "prefill_seconds": prefill_s,
-        "prefill_tokens": len(ids),
-        "prefill_tokens_per_s": len(ids) / prefill_s,
-        "decode_seconds": decode_s,
-        "decode_tokens": new_tokens,
-        "decode_tokens_per_s": new_tokens / decode_s,
-        "slices": slices,
-        "collectives": collectives,
-    }
-
-
-def add_warmup_arg(p) -> None:
-    p.add_argument(
-        "--warmup-tokens", type=int, help="cap each warm-up prefill at N tokens (default: none, so each runs the timed length and slice count)"
-    )
-
-
-def check_warmup_tokens(warmup_tokens: int | None) -> None:
-    """warm_up's --warmup-tokens, checked before any rank starts."""
-    if warmup_tokens is not None and warmup_tokens < 1:
-        raise UsageError(f"--warmup-tokens must be >= 1, got {warmup_tokens}")
-
-
-def warm_up(engine, ids: list[int], rows: list[int], sync, warmup_tokens: int | None = None) -> None:
-    """One untimed prefill of ids[:n] for each timed row count n, under the engine's current slice
-    policy, so each warms the slice count its timed pass runs, then two decode steps. The first
-    pass at a shape pays for what a device sets up per shape (GEMM heuristics, the collective's
-    protocol, Triton autotuning, Ascend operators compiled per shape); warmed at another shape,
-    that cost would land in the timed prefill. `warmup_tokens` caps each warm-up prefill."""
-    lengths = sorted({max(1, min(n, len(ids), warmup_tokens or n)) for n in rows})
-    with engine.tagged(warmup=True):
-        for n in lengths:
-            timed_prefill_decode(engine, ids[:n], 2, sync)
 
 
 def format_result(r: dict) -> str:

@@ -22,17 +22,17 @@ from functools import reduce
 import torch
 import torch.distributed as dist
 
-from pocketllm.commands.allreduce import DEFAULT_WORLD, run_on_ranks
-from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.progress import row_progress
+from pocketllm.commands.ranked import DEFAULT_WORLD, run_on_ranks
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
-from pocketllm.distributed.calibration import Calibration, CalibratedPolicy, Point
+from pocketllm.distributed.calibration import Calibration, Point
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
-from pocketllm.distributed.policy import resolve_ceiling
+from pocketllm.distributed.policy import CalibratedPolicy, resolve_ceiling
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
+from pocketllm.flags import parse_positive_list
 from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say
 
 # Short passes are repeated inside one timing so that each timing covers at least this many rows;

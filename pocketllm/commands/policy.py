@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from pocketllm.distributed.calibration import CalibratedPolicy
-from pocketllm.distributed.policy import OVERLAP_POLICIES, resolve_policy
-from pocketllm.errors import UsageError
+from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, resolve_policy
+from pocketllm.flags import parse_positive_list
 
 
 def add_arguments(p) -> None:
@@ -19,22 +18,6 @@ def add_arguments(p) -> None:
         help="show the calibrated policy from this `pocketllm calibrate` file (env QWEN_COMM_OVERLAP_CALIBRATION); "
         "nothing is checked against this machine, so another machine's calibration can be inspected",
     )
-
-
-def parse_positive_list(text: str, flag: str) -> list[int]:
-    parts = [p.strip() for p in (text or "").split(",")]
-    if not text or not any(parts):
-        raise UsageError(f"{flag} is empty; give comma-separated positive integers")
-    values = []
-    for p in parts:
-        try:
-            v = int(p)
-        except ValueError:
-            raise UsageError(f"{flag}: {p!r} is not an integer") from None
-        if v < 1:
-            raise UsageError(f"{flag}: {v} must be a positive integer")
-        values.append(v)
-    return values
 
 
 def run(args, argv) -> int:

@@ -11,12 +11,12 @@ import os
 
 import torch
 
-from pocketllm.commands.bench import add_warmup_arg, check_warmup_tokens, timed_prefill, warm_up
-from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.ranked import run_ranked, run_settings
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
+from pocketllm.engine.timing import timed_prefill, warm_up
 from pocketllm.errors import UsageError
+from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.profiling.profiler import phase_requested, profiler_of

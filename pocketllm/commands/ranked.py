@@ -22,6 +22,11 @@ from pocketllm.model_args import dist_timeout, plan_model, say
 from pocketllm.profiling.profiler import attach_profiler, profile_options
 
 
+# The model-free commands (allreduce, calibrate) time collectives, so they need two ranks at
+# least: the world a local run of theirs starts when --tp-world is not given.
+DEFAULT_WORLD = 2
+
+
 def run_ranked(args, argv: list[str], prepare, work) -> int:
     """prepare(args, plan) checks the command's own inputs and returns them; work(args, plan,
     inputs, engine, device) runs on every rank with the engine loaded."""
@@ -153,3 +158,16 @@ def cpus_per_rank() -> list[list[int]]:
 def peak_rss_mib_per_rank() -> list[float]:
     """Each rank's peak resident memory so far, gathered in rank order."""
     return per_rank(peak_rss_mib())
+
+
+def run_on_ranks(args, argv: list[str], prepare, work) -> int:
+    """prepare(args) checks the command's own inputs and returns them: in the launcher before any
+    rank starts, and on rank 0 alone once the ranks run, which shares the result (so it must
+    pickle) with the others; work(args, device, inputs) runs on every rank of a --tp-world >= 2
+    group, started here if need be. The model-free commands (allreduce, calibrate) run this way:
+    neither needs weights, only the process group and the device."""
+    renv = place_in_run(args, default_world=DEFAULT_WORLD)
+    # Every process checks the world it is part of, before it starts or joins a group.
+    if args.tp_world < 2:
+        raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
+    return run_checked(args, argv, renv, lambda: prepare(args), lambda device, inputs: work(args, device, inputs))

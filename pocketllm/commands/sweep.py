@@ -10,17 +10,16 @@ import os
 
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
-from pocketllm.commands.bench import add_warmup_arg, check_warmup_tokens, timed_prefill_decode, warm_up
-from pocketllm.commands.policy import parse_positive_list
 from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_ranked, run_settings
-from pocketllm.distributed.calibration import checked_for_run
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
 from pocketllm.distributed.state import tp
+from pocketllm.engine.timing import timed_prefill_decode, warm_up
 from pocketllm.errors import UsageError
+from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
-from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path
+from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path, checked_for_run
 
 
 def add_arguments(p) -> None:

@@ -1,25 +1,17 @@
-"""The slice policy calibrated by measurement, and the calibration file it is built from.
+"""The calibration file: what `pocketllm calibrate` measured, read back and checked.
 
 `pocketllm calibrate` times the real overlapped projection at rows x slices points on this machine
-and writes them here; the policy then picks, per row count, the fewest slices within 2% of the
-fastest. The seed's rule was fitted by hand on one machine (4 x 910A); the crossover moves with
-the collective's fixed term, which differs by orders of magnitude between backends.
+and writes them here; the calibrated slice policy (distributed/policy.py) is built from them.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 from dataclasses import dataclass
 
-from pocketllm.device import BACKENDS, resolve_kind
-from pocketllm.distributed.policy import DEFAULT_COMM_OVERLAP_SLICES, PolicyChoice, SlicePolicy
 from pocketllm.errors import UsageError
 
-# A point within this fraction of the fastest is a wash, and a wash keeps fewer slices (the seed
-# chose 1 slice at 1024 rows, where 1 and 2 were 0.1% apart).
-WASH = 0.02
 # What a calibration must match to describe this run; each is (file key, what to call it).
 MATCHED = (("backend", "backend"), ("world", "TP world size"), ("hidden", "hidden size"), ("dtype", "dtype"))
 
@@ -141,55 +133,3 @@ def check_calibration(cal: Calibration, path: str, backend: str, world: int, hid
     if not force:
         raise UsageError(f"calibration {path} was made for {listed}; recalibrate, or pass --force-calibration to use it anyway")
     return f"using calibration {path} made for {listed} (--force-calibration)"
-
-
-def choose_slices(points: list[Point], ceiling: int) -> dict[int, int]:
-    """Per calibrated row count, the fewest slices within WASH of the fastest, counting only
-    slice counts at or below the ceiling; 1 where none is."""
-    by_rows: dict[int, list[Point]] = {}
-    for p in points:
-        by_rows.setdefault(p.rows, []).append(p)
-    choice = {}
-    for rows, pts in sorted(by_rows.items()):
-        allowed = [p for p in pts if p.slices <= max(1, ceiling)]
-        if not allowed:
-            choice[rows] = 1
-            continue
-        fastest = min(p.seconds for p in allowed)
-        choice[rows] = min(p.slices for p in allowed if p.seconds <= fastest * (1 + WASH))
-    return choice
-
-
-class CalibratedPolicy(SlicePolicy):
-    """Between calibrated row counts, the choice of the nearest calibrated count below; above the
-    largest, the largest's; below the smallest, 1 (serial, as the rule gives short passes)."""
-
-    def __init__(self, calibration: Calibration, ceiling: int = DEFAULT_COMM_OVERLAP_SLICES, source: str = ""):
-        self.calibration = calibration
-        self.ceiling = ceiling
-        self.source = source
-        self.choices = choose_slices(calibration.points, ceiling)
-        self._rows = sorted(self.choices)
-
-    def slices_for_rows(self, rows: int) -> int:
-        # choose_slices already holds a ceiling <= 1 to one slice everywhere.
-        i = bisect.bisect_right(self._rows, rows) - 1
-        if i < 0:
-            return 1
-        return self.choices[self._rows[i]]
-
-    def describe(self) -> str:
-        picks = ", ".join(f"{r}->{s}" for r, s in self.choices.items())
-        return f"calibrated (ceiling {self.ceiling}; {picks})"
-
-
-def checked_for_run(choice: PolicyChoice, args, hidden: int) -> PolicyChoice:
-    """The plan's policy, with a calibrated one checked against the run it would drive: the
-    backend --device resolves to, --tp-world, the model's hidden size and --dtype."""
-    policy = choice.policy
-    if not isinstance(policy, CalibratedPolicy):
-        return choice
-    backend = BACKENDS[resolve_kind(args.device)]
-    force = bool(getattr(args, "force_calibration", False))
-    note = check_calibration(policy.calibration, policy.source, backend, args.tp_world, hidden, args.dtype, force)
-    return PolicyChoice(policy, "; ".join(n for n in (choice.note, note) if n) or None)

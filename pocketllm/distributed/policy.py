@@ -3,14 +3,19 @@
 The seed's rule (section 4): double the slice count while each slice keeps at least
 K_MIN_ROWS_PER_OVERLAP_SLICE rows, up to the ceiling `comm_overlap_slices`. A pin uses one count
 everywhere, for sweeps. Decode rows (the batch) always come out serial under the rule. The
-calibrated policy (distributed/calibration.py) replaces the rule with measurements of this machine.
+calibrated policy replaces the rule with measurements of this machine (the points of a
+calibration file, distributed/calibration.py): per row count, the fewest slices within 2% of the
+fastest. The seed's rule was fitted by hand on one machine (4 x 910A); the crossover moves with
+the collective's fixed term, which differs by orders of magnitude between backends.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 
+from pocketllm.distributed.calibration import Calibration, Point, load_calibration
 from pocketllm.errors import UsageError
 
 K_MIN_ROWS_PER_OVERLAP_SLICE = 1024
@@ -19,6 +24,9 @@ ENV_CEILING = "QWEN_COMM_OVERLAP_SLICES"
 ENV_PIN = "QWEN_COMM_OVERLAP_PIN"
 ENV_CALIBRATION = "QWEN_COMM_OVERLAP_CALIBRATION"
 OVERLAP_POLICIES = ("rule", "calibrated")
+# A point within this fraction of the fastest is a wash, and a wash keeps fewer slices (the seed
+# chose 1 slice at 1024 rows, where 1 and 2 were 0.1% apart).
+WASH = 0.02
 
 
 def comm_overlap_slices_for_rows(rows: int, ceiling: int = DEFAULT_COMM_OVERLAP_SLICES) -> int:
@@ -124,8 +132,45 @@ def resolve_policy(
     if ceiling_value is None:
         ceiling_value = DEFAULT_COMM_OVERLAP_SLICES
     if calibrated:
-        # Imported here because the calibrated policy builds on this module's SlicePolicy.
-        from pocketllm.distributed.calibration import CalibratedPolicy, load_calibration
-
         return PolicyChoice(CalibratedPolicy(load_calibration(calibration_path), ceiling_value, calibration_path))
     return PolicyChoice(RulePolicy(ceiling_value))
+
+
+def choose_slices(points: list[Point], ceiling: int) -> dict[int, int]:
+    """Per calibrated row count, the fewest slices within WASH of the fastest, counting only
+    slice counts at or below the ceiling; 1 where none is."""
+    by_rows: dict[int, list[Point]] = {}
+    for p in points:
+        by_rows.setdefault(p.rows, []).append(p)
+    choice = {}
+    for rows, pts in sorted(by_rows.items()):
+        allowed = [p for p in pts if p.slices <= max(1, ceiling)]
+        if not allowed:
+            choice[rows] = 1
+            continue
+        fastest = min(p.seconds for p in allowed)
+        choice[rows] = min(p.slices for p in allowed if p.seconds <= fastest * (1 + WASH))
+    return choice
+
+
+class CalibratedPolicy(SlicePolicy):
+    """Between calibrated row counts, the choice of the nearest calibrated count below; above the
+    largest, the largest's; below the smallest, 1 (serial, as the rule gives short passes)."""
+
+    def __init__(self, calibration: Calibration, ceiling: int = DEFAULT_COMM_OVERLAP_SLICES, source: str = ""):
+        self.calibration = calibration
+        self.ceiling = ceiling
+        self.source = source
+        self.choices = choose_slices(calibration.points, ceiling)
+        self._rows = sorted(self.choices)
+
+    def slices_for_rows(self, rows: int) -> int:
+        # choose_slices already holds a ceiling <= 1 to one slice everywhere.
+        i = bisect.bisect_right(self._rows, rows) - 1
+        if i < 0:
+            return 1
+        return self.choices[self._rows[i]]
+
+    def describe(self) -> str:
+        picks = ", ".join(f"{r}->{s}" for r, s in self.choices.items())
+        return f"calibrated (ceiling {self.ceiling}; {picks})"

@@ -49,7 +49,7 @@ def all_reduce_async_(t: torch.Tensor, site: str):
         timed.wait_for_peers()
         work = collective.start_all_reduce(t)
         # A phase profile waits here, so the scope holds the collective and not just its issue.
-        timed.settle(work)
+        timed.settle(work, waiting.wait)
     return work
 
 

@@ -2,8 +2,8 @@
 
 On gloo (CPU ranks) the rank polls the work handle, yielding its core between polls, instead of
 blocking in `work.wait()`. A blocked rank lets its core go idle, and waking an idle core costs
-far more than the collective itself on a virtual machine: measured on the 2-core VM of the
-README, a 2 KiB gloo all-reduce between two pinned ranks with work between calls had a median of
+far more than the collective itself on a virtual machine: measured on the 2-core VM of
+docs/measuring.md, a 2 KiB gloo all-reduce between two pinned ranks with work between calls had a median of
 about 0.25 ms but a tenth of the calls took 3.4-3.7 ms, a mean of 0.8-1.0 ms. Polling keeps the
 core awake, while sched_yield still lets gloo's own threads, pinned to the same core, run.
 NCCL and HCCL keep the plain wait: their work handles order device streams and return at once.

@@ -1,1 +1,2 @@
-"""Running the model: per-pass context, state caches, the prefill/decode runner, generation."""
+"""Running the model: the prefill/decode runner and generation. The per-pass context and the
+decode state it keeps are the layers' own types (pocketllm.layers.context, .cache)."""

@@ -10,8 +10,9 @@ import torch
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.accounting import COUNTER
+from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
-from pocketllm.engine.cache import allocate_states, reset_states
+from pocketllm.layers.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops import gemv
@@ -28,6 +29,12 @@ class PassInfo:
     slices: int
     timed: bool  # the timed pass of a bench
     collectives: dict | None = None  # filled after the pass: all-reduces per site
+
+    @property
+    def serial(self) -> bool:
+        """Whether the row-parallel projections take the unsliced path (asked only by a profiler,
+        so a plain pass pays nothing for it)."""
+        return is_serial(self.rows, self.slices)
 
 
 class Engine:

@@ -9,8 +9,8 @@ from torch import nn
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
-from pocketllm.engine.cache import KVCache
-from pocketllm.engine.context import ForwardContext
+from pocketllm.layers.cache import KVCache
+from pocketllm.layers.context import ForwardContext
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import apply_rotary

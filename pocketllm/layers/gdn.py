@@ -10,8 +10,8 @@ from torch import nn
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
-from pocketllm.engine.cache import GDNState
-from pocketllm.engine.context import ForwardContext
+from pocketllm.layers.cache import GDNState
+from pocketllm.layers.context import ForwardContext
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pocketllm.config import FULL, ModelConfig
-from pocketllm.engine.context import ForwardContext
+from pocketllm.layers.context import ForwardContext
 from pocketllm.layers.attention import GatedAttention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.gdn import GatedDeltaNet

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pocketllm.distributed.overlap import is_serial
 from pocketllm.errors import UsageError
 from pocketllm.profiling.blocks import BlockId, host_block, host_text, phase_block, phase_text
 from pocketllm.profiling.scopes import ScopeRecorder, install
@@ -133,8 +132,8 @@ class PassProfiler:
         self.trace = TraceWriter(rank) if options.trace_out is not None else None
         self._start = 0
 
-    def path_of(self, rows: int, slices: int) -> str:
-        if is_serial(rows, slices):
+    def path_of(self, info) -> str:
+        if info.serial:
             return "serial"
         # A phase profile waits for each slice's collective inside its scope: it measures the
         # overlapped code path with the overlap itself taken away.
@@ -160,7 +159,7 @@ class PassProfiler:
         else:
             end = self.recorder.clock()
         install(None)
-        path = self.path_of(info.rows, info.slices)
+        path = self.path_of(info)
         ident = BlockId(info.index, self.rank, info.kind, info.rows, info.timed, info.slices, path, dict(info.collectives or {}))
         wall = end - self._start
         stats = self.recorder.stats

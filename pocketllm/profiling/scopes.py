@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import time
 
-from pocketllm.distributed import waiting
-
 # The scope that is the whole forward pass; shares are fractions of its inclusive time and
 # its own exclusive time is reported as "other".
 STACK = "STACK"
@@ -36,7 +34,7 @@ class _NullScope:
     def __exit__(self, *exc) -> bool:
         return False
 
-    def settle(self, work) -> None:
+    def settle(self, work, wait) -> None:
         pass
 
     def wait_for_peers(self) -> None:
@@ -83,11 +81,12 @@ class _Scope:
         self.recorder.close(self.key)
         return False
 
-    def settle(self, work) -> None:
+    def settle(self, work, wait) -> None:
         """Called with an async collective's work handle inside its scope: a synchronising
-        recorder waits for it here, so the scope's time is the collective's own."""
+        recorder waits for it here with `wait` (the caller's, so that profiling needs nothing
+        from distributed), and the scope's time is the collective's own."""
         if self.recorder.settle_collectives and work is not None:
-            waiting.wait(work)
+            wait(work)
 
     def wait_for_peers(self) -> None:
         """Called inside a collective's scope before it starts. With skew split on, wait here for

@@ -1,4 +1,5 @@
-"""What every layer needs to know about the pass it is in."""
+"""What every layer needs to know about the pass it is in (built by the model, for the engine's
+passes; a leaf module, so layers and engine both import it and neither imports the other)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,33 @@
+"""The command line imports a command's module only when that command runs, so the answers that
+need no model (`pocketllm --help`, `pocketllm policy`) start without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# Runs the CLI in a fresh interpreter and fails if torch got imported along the way.
+PROBE = """
+import sys
+from pocketllm.cli import main
+try:
+    code = main({argv!r})
+except SystemExit as exit:
+    code = exit.code
+assert code == 0, code
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["policy", "--rows", "512,4096"], ["policy", "--rows", "4096", "--pin-slices", "2"]])
+def test_answers_that_need_no_model_do_not_import_torch(argv):
+    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_command_still_gets_its_own_flags():
+    done = subprocess.run([sys.executable, "-m", "pocketllm", "policy", "--rows", "4096", "--pin-slices", "2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "rows=4096 slices=2"
