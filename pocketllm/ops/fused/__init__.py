@@ -1,13 +1,12 @@
 """The decode step's work between its GEMVs: a norm with its residual add, SiLU-and-multiply, the
 Gated DeltaNet block from conv to gated norm, and gated attention from q/k norm to the output
-gate, each one call per row. Compiled (decode_bf16.c)
-for bf16 on a CPU, where a decode row's dozens of small torch ops cost more than their arithmetic;
+gate, each one call per row. Compiled (decode_bf16.c) for bf16 on a CPU, where a decode row's dozens of small torch ops cost more than their arithmetic;
 the torch forms (reference.py) everywhere else. `POCKETLLM_FUSED_DECODE=0` keeps the torch forms."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,14 +34,13 @@ TORCH_OPS = DecodeOps(reference.add_rms_norm_reference, reference.silu_mul_refer
 
 def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> DecodeOps:
     """The compiled decode ops where they apply and are wanted, else the torch forms."""
-    torch_ops = TORCH_OPS
     if not env_switch(env, ENV_FUSED, default=True):
-        return DecodeOps(**{**torch_ops.__dict__, "note": f"{ENV_FUSED}=0"})
+        return replace(TORCH_OPS, note=f"{ENV_FUSED}=0")
     if device.type != "cpu" or dtype != torch.bfloat16:
-        return torch_ops
+        return TORCH_OPS
     lib, why = kernels.library()
     if lib is None:
-        return DecodeOps(**{**torch_ops.__dict__, "note": why})
+        return replace(TORCH_OPS, note=why)
     return DecodeOps(kernels.add_rms_norm, kernels.silu_mul, kernels.gdn_decode, kernels.attention_decode, True, "")
 
 

@@ -32,15 +32,17 @@ static float inv_rms(const float *x, int64_t n, float eps) {
 }
 
 /* h_out = bf16(h + x) (x may be NULL: h_out = h), y = bf16(h_out * rsqrt(mean(h_out^2) + eps) * scale). */
-void add_rms_norm_bf16(const uint16_t *h, const uint16_t *x, const float *scale, float eps, int64_t n, uint16_t *h_out, uint16_t *y,
-                       float *scratch) {
+void add_rms_norm_bf16(const uint16_t *h, const uint16_t *x, const float *scale, float eps, int64_t n, uint16_t *h_out, uint16_t *y) {
+    /* The sum is exact in bf16 once rounded, so the second pass reads it back from h_out (or h). */
+    const uint16_t *sum = x ? h_out : h;
+    float s = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         float v = x ? rbf(bf(h[i]) + bf(x[i])) : bf(h[i]);
-        if (h_out) h_out[i] = to_bf(v);
-        scratch[i] = v;
+        if (x) h_out[i] = to_bf(v);
+        s += v * v;
     }
-    float r = inv_rms(scratch, n, eps);
-    for (int64_t i = 0; i < n; i++) y[i] = to_bf(scratch[i] * r * scale[i]);
+    const float r = 1.0f / sqrtf(s / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = to_bf(bf(sum[i]) * r * scale[i]);
 }
 
 /* out = bf16(bf16(silu(gate)) * up). */

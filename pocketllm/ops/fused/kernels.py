@@ -13,7 +13,7 @@ from pocketllm import compiled
 _SOURCE = Path(__file__).with_name("decode_bf16.c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "add_rms_norm_bf16": [_P, _P, _P, _F, _I, _P, _P, _P],
+    "add_rms_norm_bf16": [_P, _P, _P, _F, _I, _P, _P],
     "silu_mul_bf16": [_P, _P, _P, _I],
     "gdn_decode_bf16": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P],
     "attention_decode_bf16": [_P, _P, _P, _F, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
@@ -37,11 +37,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    n = h.shape[-1]
     h_out = torch.empty_like(h) if x is not None else h
     y = torch.empty_like(h)
-    scratch = torch.empty(n, dtype=torch.float32)
-    _lib.add_rms_norm_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, n, h_out.data_ptr() if x is not None else None, y.data_ptr(), scratch.data_ptr())
+    _lib.add_rms_norm_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, h.shape[-1], _ptr(h_out if x is not None else None), y.data_ptr())
     return h_out, y
 
 
