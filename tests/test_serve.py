@@ -290,3 +290,23 @@ def test_sigint_ends_every_rank_with_exit_0_and_the_open_stream_with_an_error(se
     assert time.monotonic() - sent < 10
     assert_nothing_left(server.run, within=1)
     assert "server stopped" in server.run.stderr
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault,line", [
+    ("rank=1,at=decode,kind=kill", r"rank 1 failed \(killed by signal SIGKILL\)"),
+    ("rank=0,at=decode,kind=raise", r"rank 0 failed .*RuntimeError: injected fault"),
+], ids=["rank1-killed", "rank0-raises"])
+def test_a_failed_rank_ends_the_server_with_the_launchers_line(text_ckpt, tmp_path, fault, line):
+    run = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", 2, "--port", 0, "--max-len", 64,
+                tmp_path=tmp_path, env={"POCKETLLM_FAULT": fault})
+    run.line_time("serving ", timeout=START_TIMEOUT_S)
+    url = re.search(r"on (http://\S+)", run.stderr).group(1)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=20, max_retries=0)
+    # The request in flight ends with an error, never with silence: a 500 when rank 0 could still
+    # answer, the connection closed when the launcher stopped it first.
+    with pytest.raises((openai.InternalServerError, openai.APIConnectionError)):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
+    assert run.wait(timeout=20) == 1
+    assert re.search(line, run.last_line), run.stderr
+    assert_nothing_left(run, within=2)
