@@ -53,16 +53,8 @@ def build_app(served: Served) -> FastAPI:
     async def http_error(_request, exc: StarletteHTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if served.api_key is not None:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {served.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                what = "no API key given" if not given else "the API key is wrong"
-                body = error_body(401, f"{what}: send the header 'Authorization: Bearer KEY' with this server's --api-key", code="invalid_api_key")
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    if served.api_key is not None:
+        app.add_middleware(ApiKeyCheck, key=served.api_key)
 
     @app.get("/health")
     async def health():
@@ -102,6 +94,24 @@ def build_app(served: Served) -> FastAPI:
         return await _answer(served, request, gen, "chatcmpl", _chat_chunk, _chat_body)
 
     return app
+
+
+class ApiKeyCheck:
+    """Every request must carry 'Authorization: Bearer KEY', else a 401. Plain ASGI rather than
+    FastAPI's http middleware, which would pass every streamed chunk through a memory stream."""
+
+    def __init__(self, app, key: str):
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            return await self.app(scope, receive, send)
+        what = "the API key is wrong" if given else "no API key given"
+        body = error_body(401, f"{what}: send the header 'Authorization: Bearer KEY' with this server's --api-key", code="invalid_api_key")
+        await JSONResponse(body, status_code=401)(scope, receive, send)
 
 
 async def _json(request: Request):

@@ -48,12 +48,23 @@ class Sequence:
             self._loop.cancel(self.request)
 
 
+@dataclass(eq=False)
+class _Sink:
+    """Where one request's events go, and what the thread knows of it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request: object
+    arrived: float
+    seen_token: bool = False
+    cancelled_at_shutdown: bool = False
+
+
 class EngineLoop:
     def __init__(self, scheduler, metrics: Metrics, on_failure=lambda: None):
         self.scheduler, self.metrics, self.on_failure = scheduler, metrics, on_failure
         self._lock = threading.Lock()
-        # request id -> [event loop, queue, arrival time, got a token yet, request]
-        self._sinks: dict[int, list] = {}
+        self._sinks: dict[int, _Sink] = {}
         self._wake = threading.Event()
         self.stopping = False
         self.failure: BaseException | None = None
@@ -75,7 +86,7 @@ class EngineLoop:
                 request = self.scheduler.submit(prompt, max_tokens, sampling, eos_ids)
             except ValueError as exc:
                 raise ApiError(400, str(exc), "prompt") from None
-            self._sinks[request.id] = [loop, queue, time.monotonic(), False, request]
+            self._sinks[request.id] = _Sink(loop, queue, request, time.monotonic())
         self.metrics.admitted(len(prompt))
         self._wake.set()
         return Sequence(self, request, queue)
@@ -84,13 +95,16 @@ class EngineLoop:
         self.scheduler.cancel(request)
         self._wake.set()
 
+    def request_stop(self) -> None:
+        """Admit nothing more; the thread cancels every request, runs the step that frees them and
+        closes the scheduler. Safe in a signal handler: it only sets a flag, which the thread reads
+        after each step, or within IDLE_STEP_S when idle (a lock or an Event here could be held
+        by the very code the signal interrupted)."""
+        self.stopping = True
+
     def begin_shutdown(self) -> None:
-        """Admit nothing more and cancel every request; the thread then closes the scheduler."""
-        with self._lock:
-            self.stopping = True
-            pending = [sink[4] for sink in self._sinks.values()]
-        for request in pending:
-            self.scheduler.cancel(request)
+        """request_stop, and wake the thread now."""
+        self.request_stop()
         self._wake.set()
 
     def join(self, timeout: float) -> bool:
@@ -100,8 +114,14 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            while not (self.stopping and not self.scheduler.has_work):
-                if not self.scheduler.has_work:
+            while True:
+                if self.stopping:
+                    # Every pass through: a request admitted while the flag was being set is
+                    # cancelled too.
+                    self._cancel_all()
+                    if not self.scheduler.has_work:
+                        break
+                elif not self.scheduler.has_work:
                     self._wake.wait(IDLE_STEP_S)
                     self._wake.clear()
                 for request, token in self.scheduler.step():
@@ -112,6 +132,14 @@ class EngineLoop:
             self.on_failure()
             return
         self.scheduler.close()
+
+    def _cancel_all(self) -> None:
+        with self._lock:
+            fresh = [sink.request for sink in self._sinks.values() if not sink.cancelled_at_shutdown]
+            for sink in self._sinks.values():
+                sink.cancelled_at_shutdown = True
+        for request in fresh:
+            self.scheduler.cancel(request)
 
     def _deliver(self, request, token: int | None) -> None:
         with self._lock:
@@ -124,25 +152,23 @@ class EngineLoop:
             self.metrics.ended_with(request.finish_reason or "cancelled")
         if sink is None:
             return
-        loop, queue, arrived, seen, _ = sink
-        if token is not None and not seen:
-            sink[3] = True
-            self.metrics.first_token(time.monotonic() - arrived)
-        event = Event(token, request.finish_reason if request.finished else None)
-        _put(loop, queue, event)
+        if token is not None and not sink.seen_token:
+            sink.seen_token = True
+            self.metrics.first_token(time.monotonic() - sink.arrived)
+        _put(sink, Event(token, request.finish_reason if request.finished else None))
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             sinks, self._sinks = list(self._sinks.values()), {}
         error = ApiError(500, f"the engine failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        for loop, queue, *_ in sinks:
+        for sink in sinks:
             self.metrics.ended_with("error")
-            _put(loop, queue, Event(None, None, error))
+            _put(sink, Event(None, None, error))
 
 
-def _put(loop, queue: asyncio.Queue, event: Event) -> None:
+def _put(sink: _Sink, event: Event) -> None:
     try:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, event)
     except RuntimeError:
         # The event loop already closed: nobody is left to answer.
         pass

@@ -35,7 +35,7 @@ class _Server(uvicorn.Server):
         if self.should_exit:
             self.force_exit = True
             return
-        self.served.engine.begin_shutdown()
+        self.served.engine.request_stop()
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
