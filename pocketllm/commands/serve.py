@@ -77,7 +77,7 @@ def _work(args, plan, settings: dict, engine, device) -> int:
     from pocketllm.engine.scheduler import Scheduler, follow
 
     if tp().rank != 0:
-        follow(engine)
+        follow(engine, args.max_running, settings["max_len"])
         return 0
     from pocketllm.serving.app import Served
     from pocketllm.serving.chat_template import load_chat_template

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pocketllm.serving.errors import ApiError
 from pocketllm.serving.metrics import Metrics
 
-# With nothing to do the thread still steps this often: a step reaches every rank, so a follower
-# waiting for the next pass never sees the process group time out while the server is idle.
-IDLE_STEP_S = 1.0
+# With nothing to do the thread wakes this often to tell the other ranks rank 0 is still there
+# (Scheduler.keep_alive), so their wait for the next pass never reaches the collective timeout.
+IDLE_WAKE_S = 0.5
 
 
 @dataclass
@@ -98,7 +98,7 @@ class EngineLoop:
     def request_stop(self) -> None:
         """Admit nothing more; the thread cancels every request, runs the step that frees them and
         closes the scheduler. Safe in a signal handler: it only sets a flag, which the thread reads
-        after each step, or within IDLE_STEP_S when idle (a lock or an Event here could be held
+        after each step, or within IDLE_WAKE_S when idle (a lock or an Event here could be held
         by the very code the signal interrupted)."""
         self.stopping = True
 
@@ -122,8 +122,11 @@ class EngineLoop:
                     if not self.scheduler.has_work:
                         break
                 elif not self.scheduler.has_work:
-                    self._wake.wait(IDLE_STEP_S)
+                    self._wake.wait(IDLE_WAKE_S)
                     self._wake.clear()
+                    if not self.scheduler.has_work:
+                        self.scheduler.keep_alive()
+                        continue
                 for request, token in self.scheduler.step():
                     self._deliver(request, token)
         except BaseException as exc:
