@@ -4,11 +4,12 @@ inter-token latency percentiles per client count, and fails if any request faile
 
 Starts the server itself (on --ckpt, or --preset written as a checkpoint to a temporary
 directory), runs one warm-up request, then each --clients level in turn against the same server,
-and stops it with SIGINT. Each client sends its requests one after another; request i of the run
+--reps times with the levels' order reversed every other rep (so neither level always runs
+first), and stops it with SIGINT. With several reps the summary is each level's median. Each client sends its requests one after another; request i of the run
 takes mix entry i (prompt length, max_tokens), greedy, so every level sends the same requests.
 
     python benchmarks/serve_load.py [--ckpt DIR | --preset small] [--dtype bfloat16] [--tp-world 1]
-        [--clients 1,8] [--requests-per-client 4] [--max-seconds 300] [--max-running 8] [--json F]
+        [--clients 1,8] [--requests-per-client 4] [--reps 1] [--max-seconds 300] [--max-running 8] [--json F]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common import checkpoint_dir
+from common import alternate, checkpoint_dir
 
 # (prompt tokens, max_tokens): short chat-sized prompts, answers long enough that decode dominates.
 MIX = [(32, 96), (128, 64), (64, 128), (256, 64), (16, 96), (96, 128), (48, 64), (192, 96)]
@@ -53,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--max-running", type=int, default=8)
     p.add_argument("--clients", default="1,8", help="client counts, one level each (default 1,8)")
     p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--reps", type=int, default=1, help="runs of every level, interleaved (default 1)")
     p.add_argument("--max-seconds", type=float, default=300, help="per level: no request starts after this (default 300)")
     p.add_argument("--json", help="write the settings and every level's figures here")
     return p.parse_args(argv)
@@ -177,16 +179,20 @@ def main(argv=None) -> int:
         if warm.error:
             raise SystemExit(f"the warm-up request failed: {warm.error}")
         results = []
-        for clients in levels:
-            res = run_level(addr, model, clients, args.requests_per_client, args.max_seconds)
-            results.append(res)
-            print(
-                f"clients={clients} requests={res['requests_done']}/{res['requests_planned']} failed={len(res['requests_failed'])} "
-                f"requests_per_s={res['requests_per_s']} output_tok_per_s={res['output_tokens_per_s']} "
-                f"ttft_ms p50/p90/p99={'/'.join(str(v) for v in res['ttft_ms'].values())} "
-                f"itl_ms p50/p90/p99={'/'.join(str(v) for v in res['itl_ms'].values())}",
-                flush=True,
-            )
+        for rep in range(args.reps):
+            for clients in alternate(levels, rep):
+                res = run_level(addr, model, clients, args.requests_per_client, args.max_seconds)
+                res["rep"] = rep
+                res["load_average_1m"] = os.getloadavg()[0]
+                results.append(res)
+                print(
+                    f"rep={rep} clients={clients} requests={res['requests_done']}/{res['requests_planned']} failed={len(res['requests_failed'])} "
+                    f"requests_per_s={res['requests_per_s']} output_tok_per_s={res['output_tokens_per_s']} "
+                    f"ttft_ms p50/p90/p99={'/'.join(str(v) for v in res['ttft_ms'].values())} "
+                    f"itl_ms p50/p90/p99={'/'.join(str(v) for v in res['itl_ms'].values())} "
+                    f"load_average_1m={res['load_average_1m']:.2f}",
+                    flush=True,
+                )
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -194,16 +200,24 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = "killed after 15 s"
-    base = results[0]["output_tokens_per_s"] if results else 0
-    for res in results[1:]:
-        print(f"clients={res['clients']} vs clients={results[0]['clients']}: {res['output_tokens_per_s'] / base:.2f}x output tok/s")
+    summary = {}
+    for clients in levels:
+        mine = [r for r in results if r["clients"] == clients]
+        if mine:
+            summary[clients] = {k: statistics.median(r[k] for r in mine) for k in ("requests_per_s", "output_tokens_per_s")}
+            print(f"clients={clients} median of {len(mine)}: requests_per_s={summary[clients]['requests_per_s']:.3f} "
+                  f"output_tok_per_s={summary[clients]['output_tokens_per_s']:.1f}")
+    if len(summary) > 1 and summary[levels[0]]["output_tokens_per_s"] > 0:
+        base = summary[levels[0]]["output_tokens_per_s"]
+        for clients in levels[1:]:
+            print(f"clients={clients} vs clients={levels[0]}: {summary[clients]['output_tokens_per_s'] / base:.2f}x output tok/s (medians)")
     print(f"server exit status: {rc}")
     settings = {"preset": None if args.ckpt else args.preset, "ckpt": args.ckpt, "dtype": args.dtype, "tp_world": args.tp_world,
                 "max_running": args.max_running, "mix": MIX, "requests_per_client": args.requests_per_client,
                 "machine": f"{platform.machine()} {os.cpu_count()} cores", "server_log": "".join(server_lines[-5:])}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": settings, "levels": results}, f, indent=2)
+            json.dump({"settings": settings, "levels": results, "medians": summary}, f, indent=2)
     lost = any(r["requests_failed"] or r["requests_not_started"] for r in results)
     return 1 if lost or rc != 0 else 0
 

@@ -195,10 +195,20 @@ def test_concurrent_requests_each_equal_generate(server, expected):
         c = completion(server, prompt).choices[0]
         return c.text, c.model_extra["token_ids"], c.finish_reason
 
+    # A long request running all along: every job shares its passes with it, and with the others.
+    long = server.client.completions.create(model=MODEL, prompt="long", max_tokens=MAX_LEN - 8, temperature=0, stream=True)
+    next(iter(long))
+    running = []
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(one, jobs))
+        futures = [pool.submit(one, job) for job in jobs]
+        while not all(f.done() for f in futures):
+            running.append(server.metrics()["pocketllm_requests_running"])
+        results = [f.result() for f in futures]
+    long.close()
+    assert max(running) >= 3, running
     for (prompt, stream), got in zip(jobs, results):
         assert got == (expected[prompt][1], expected[prompt][0], "length"), (prompt, stream)
+    assert _wait_idle(server)["pocketllm_requests_running"] == 0
 
 
 @pytest.mark.timeout(60)
