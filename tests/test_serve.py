@@ -28,24 +28,32 @@ MODEL = "tiny-text"
 MAX_LEN = 2048
 NEW = 12
 PROMPTS = ["Hello", "The capital of France is", "<300><301> a b c", "x"]
+# The prompt whose greedy answer reaches the eos id text_ckpt sets, half way.
+EOS_PROMPT = "x"
 START_TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
 def text_ckpt(tiny_ckpt, tmp_path_factory):
-    """The tiny checkpoint with a tokenizer that has a token for every id: the byte tokenizer plus
-    `<N>` for ids 256..999, so every generated token shows up in the text being compared."""
+    """The tiny checkpoint with a tokenizer that has a token for every id (the byte tokenizer plus
+    `<N>` for ids 256..999), so every generated token shows up in the text being compared, and an
+    eos id that one prompt's greedy answer reaches (a special token, as eos is in real
+    checkpoints: generate's text leaves it out, and so must the server's)."""
     from tokenizers import AddedToken, Tokenizer
 
     out = tmp_path_factory.mktemp("tiny_text") / MODEL
     out.mkdir()
     for f in tiny_ckpt.iterdir():
-        if f.name != "tokenizer.json":
+        if f.name not in ("tokenizer.json", "config.json"):
             (out / f.name).symlink_to(f)
     tok = Tokenizer.from_file(str(tiny_ckpt / "tokenizer.json"))
-    tok.add_tokens([AddedToken(f"<{i}>", normalized=False, special=False) for i in range(256, 1000)])
+    reached, _ = generate_cli(tiny_ckpt, tok.encode(EOS_PROMPT).ids)
+    eos = next(t for t in reached[NEW // 2 :] if t >= 256 and t not in reached[: NEW // 2])
+    tok.add_tokens([AddedToken(f"<{i}>", normalized=False, special=i == eos) for i in range(256, 1000)])
     assert tok.get_vocab_size() == 1000
     tok.save(str(out / "tokenizer.json"))
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
     return out
 
 
@@ -62,6 +70,10 @@ def generate_cli(ckpt, ids: list[int], new: int = NEW) -> tuple[list[int], str]:
     return generated_ids(stdout), text[:-1]
 
 
+def config_eos(ckpt) -> int:
+    return json.loads((ckpt / "config.json").read_text())["eos_token_id"]
+
+
 @pytest.fixture(scope="module")
 def tokenizer(text_ckpt):
     from tokenizers import Tokenizer
@@ -71,8 +83,14 @@ def tokenizer(text_ckpt):
 
 @pytest.fixture(scope="module")
 def expected(text_ckpt, tokenizer):
-    """prompt text -> (generate's ids, generate's text)."""
-    return {p: generate_cli(text_ckpt, tokenizer.encode(p).ids) for p in PROMPTS}
+    """prompt text -> (generate's text, generate's ids, the finish reason they imply)."""
+    eos = config_eos(text_ckpt)
+    out = {}
+    for p in PROMPTS:
+        ids, text = generate_cli(text_ckpt, tokenizer.encode(p).ids)
+        out[p] = (text, ids, "stop" if ids[-1] == eos else "length")
+    assert out[EOS_PROMPT][2] == "stop" and len(out[EOS_PROMPT][1]) < NEW
+    return out
 
 
 class Server:
@@ -148,23 +166,22 @@ def test_models_and_health(server):
 @pytest.mark.timeout(60)
 def test_completions_equal_generate(server, expected, tokenizer):
     for prompt in PROMPTS:
-        ids, text = expected[prompt]
         r = completion(server, prompt)
         choice = r.choices[0]
-        assert (choice.text, choice.model_extra["token_ids"], choice.finish_reason) == (text, ids, "length"), prompt
-        assert r.usage.prompt_tokens == len(tokenizer.encode(prompt).ids) and r.usage.completion_tokens == NEW
+        assert (choice.text, choice.model_extra["token_ids"], choice.finish_reason) == expected[prompt], prompt
+        # An eos id ends the answer and counts, though its text is not shown.
+        assert r.usage.prompt_tokens == len(tokenizer.encode(prompt).ids) and r.usage.completion_tokens == len(expected[prompt][1])
     # A prompt given as token ids is the same prompt.
-    ids, text = expected[PROMPTS[1]]
-    assert completion(server, tokenizer.encode(PROMPTS[1]).ids).choices[0].text == text
+    assert completion(server, tokenizer.encode(PROMPTS[1]).ids).choices[0].text == expected[PROMPTS[1]][0]
 
 
 @pytest.mark.timeout(60)
 def test_streamed_completions_equal_generate(server, expected):
-    for prompt in PROMPTS[:2]:
-        assert streamed(server, prompt) == (expected[prompt][1], expected[prompt][0], "length")
-    chunks = list(server.client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0, stream=True,
+    for prompt in (PROMPTS[0], EOS_PROMPT):
+        assert streamed(server, prompt) == expected[prompt]
+    chunks = list(server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, stream=True,
                                                    stream_options={"include_usage": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 and chunks[-1].usage.prompt_tokens == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 and chunks[-1].usage.prompt_tokens == 5
 
 
 @pytest.mark.timeout(90)
@@ -178,7 +195,8 @@ def test_chat_equals_generate_on_the_template_transformers_renders(server, text_
     ids, text = generate_cli(text_ckpt, prompt_ids)
     r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0)
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens == len(prompt_ids) and r.choices[0].finish_reason == "length"
+    eos = config_eos(text_ckpt)
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.choices[0].finish_reason == ("stop" if ids[-1] == eos else "length")
     pieces = [c.choices[0].delta.content or "" for c in server.client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=NEW, temperature=0, stream=True) if c.choices]
     assert "".join(pieces) == text
@@ -207,13 +225,13 @@ def test_concurrent_requests_each_equal_generate(server, expected):
     long.close()
     assert max(running) >= 3, running
     for (prompt, stream), got in zip(jobs, results):
-        assert got == (expected[prompt][1], expected[prompt][0], "length"), (prompt, stream)
+        assert got == expected[prompt], (prompt, stream)
     assert _wait_idle(server)["pocketllm_requests_running"] == 0
 
 
 @pytest.mark.timeout(60)
 def test_a_stop_string_ends_the_text_before_it(server, expected):
-    ids, text = expected["Hello"]
+    text, _, _ = expected["Hello"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = text[: text.index(stop)]
     c = completion(server, "Hello", stop=[stop, "never seen"]).choices[0]
@@ -250,7 +268,7 @@ def test_bad_requests_answer_4xx_json_and_the_next_succeeds(server, expected):
         assert err.value.status_code == status, name
         body = err.value.response.json()["error"]
         assert body["param"] == param and body["message"] and body["type"], (name, body)
-        assert completion(server, "Hello").choices[0].text == expected["Hello"][1], f"after {name}"
+        assert completion(server, "Hello").choices[0].text == expected["Hello"][0], f"after {name}"
     with pytest.raises(openai.BadRequestError):
         server.client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     raw = {
@@ -263,7 +281,7 @@ def test_bad_requests_answer_4xx_json_and_the_next_succeeds(server, expected):
     for name, (status, text) in raw.items():
         assert 400 <= status < 500 and set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, (name, text)
     assert raw["no API key"][0] == 401 and raw["wrong API key"][0] == 401
-    assert completion(server, "Hello").choices[0].text == expected["Hello"][1]
+    assert completion(server, "Hello").choices[0].text == expected["Hello"][0]
     assert _wait_idle(server)["pocketllm_requests_running"] == 0
 
 
