@@ -57,11 +57,12 @@ def text_ckpt(tiny_ckpt, tmp_path_factory):
     return out
 
 
-def generate_cli(ckpt, ids: list[int], new: int = NEW) -> tuple[list[int], str]:
-    """`pocketllm generate` (TP=1, fp32, greedy), run in this process: its ids and its text line."""
+def generate_cli(ckpt, ids: list[int], new: int = NEW, *flags) -> tuple[list[int], str]:
+    """`pocketllm generate` (TP=1, fp32, greedy unless flags say otherwise), run in this process:
+    its ids and its text."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        rc = main_in_process("generate", "--ckpt", ckpt, "--dtype", "float32", "--token-ids", ",".join(map(str, ids)), "--max-new-tokens", new)
+        rc = main_in_process("generate", "--ckpt", ckpt, "--dtype", "float32", "--token-ids", ",".join(map(str, ids)), "--max-new-tokens", new, *flags)
     assert rc == 0
     stdout = out.getvalue()
     # The text follows the ids line and may hold any character, line breaks too; print ends it with one.
@@ -143,7 +144,8 @@ def server(request, text_ckpt, tmp_path_factory):
 
 
 def completion(server, prompt, **kw):
-    return server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, extra_body={"return_token_ids": True}, **kw)
+    args = dict(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, extra_body={"return_token_ids": True}) | kw
+    return server.client.completions.create(**args)
 
 
 def streamed(server, prompt, **kw) -> tuple[str, list[int], str | None]:
@@ -173,6 +175,15 @@ def test_completions_equal_generate(server, expected, tokenizer):
         assert r.usage.prompt_tokens == len(tokenizer.encode(prompt).ids) and r.usage.completion_tokens == len(expected[prompt][1])
     # A prompt given as token ids is the same prompt.
     assert completion(server, tokenizer.encode(PROMPTS[1]).ids).choices[0].text == expected[PROMPTS[1]][0]
+
+
+@pytest.mark.timeout(60)
+def test_a_sampled_completion_equals_generate_with_the_same_seed(server, text_ckpt, tokenizer):
+    prompt = PROMPTS[1]
+    ids, text = generate_cli(text_ckpt, tokenizer.encode(prompt).ids, NEW, "--temperature", 1.5, "--top-p", 0.9, "--seed", 7)
+    greedy = completion(server, prompt).choices[0].model_extra["token_ids"]
+    c = completion(server, prompt, temperature=1.5, top_p=0.9, seed=7).choices[0]
+    assert (c.text, c.model_extra["token_ids"]) == (text, ids) and ids != greedy
 
 
 @pytest.mark.timeout(60)
