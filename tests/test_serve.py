@@ -219,6 +219,7 @@ def test_concurrent_requests_each_equal_generate(server, expected):
         futures = [pool.submit(one, job) for job in jobs]
         while not all(f.done() for f in futures):
             running.append(server.metrics()["pocketllm_requests_running"])
+            time.sleep(0.01)
         results = [f.result() for f in futures]
     long.close()
     assert max(running) >= 3, running
@@ -342,13 +343,10 @@ def test_sigint_ends_every_rank_with_exit_0_and_the_open_stream_with_an_error(se
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fault,line", [
-    ("rank=1,at=decode,kind=kill", r"rank 1 failed \(killed by signal SIGKILL\)"),
-    ("rank=0,at=decode,kind=raise", r"rank 0 failed .*RuntimeError: injected fault"),
-], ids=["rank1-killed", "rank0-raises"])
-def test_a_failed_rank_ends_the_server_with_the_launchers_line(text_ckpt, tmp_path, fault, line):
+def test_a_dead_rank_ends_the_server_with_the_launchers_line(text_ckpt, tmp_path):
+    # (An engine failure on rank 0 itself: tests/test_serve_engine.py.)
     run = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", 2, "--port", 0, "--max-len", 64,
-                tmp_path=tmp_path, env={"POCKETLLM_FAULT": fault})
+                tmp_path=tmp_path, env={"POCKETLLM_FAULT": "rank=1,at=decode,kind=kill"})
     run.line_time("serving ", timeout=START_TIMEOUT_S)
     url = re.search(r"on (http://\S+)", run.stderr).group(1)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=20, max_retries=0)
@@ -357,5 +355,5 @@ def test_a_failed_rank_ends_the_server_with_the_launchers_line(text_ckpt, tmp_pa
     with pytest.raises((openai.InternalServerError, openai.APIConnectionError)):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
     assert run.wait(timeout=20) == 1
-    assert re.search(line, run.last_line), run.stderr
+    assert re.search(r"rank 1 failed \(killed by signal SIGKILL\)", run.last_line), run.stderr
     assert_nothing_left(run, within=2)

@@ -1,6 +1,7 @@
 """serve's engine loop in process, on the real Scheduler over a tiny fp32 engine at TP=1: an eos id
-ends an answer (counted, not shown), a stop string cancels its request and frees the slot, and a
-shutdown ends every request with an error, closes the scheduler and stops the thread."""
+ends an answer (counted, not shown), a stop string cancels its request and frees the slot, a
+shutdown ends every request with an error, closes the scheduler and stops the thread, and an
+engine that fails ends every request with a 500 and tells the server to stop."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pocketllm.distributed.state import set_tp
 from pocketllm.engine.generate import SamplingParams, generate
 from pocketllm.engine.runner import Engine
 from pocketllm.engine.scheduler import Scheduler
+from pocketllm.faults import Fault, FaultHook
 from pocketllm.inputs import load_tokenizer
 from pocketllm.loader.random_weights import RandomWeights
 from pocketllm.presets import get_preset
@@ -105,3 +107,31 @@ def test_a_shutdown_ends_every_request_with_an_error_and_closes_the_scheduler(lo
     assert all(isinstance(r, ApiError) and r.status == 503 for r in results), results
     assert refused.status == 503
     assert loop.join(10) and loop.scheduler.closed and not loop.scheduler.has_work
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_failure_ends_every_request_with_a_500_and_stops_the_server(engine, tokenizer):
+    stopped = []
+    lp = EngineLoop(Scheduler(engine, max_running=2, max_len=512), Metrics(), on_failure=lambda: stopped.append(True))
+    # The test-only fault injection (POCKETLLM_FAULT's hook): the first decode pass raises.
+    hook = FaultHook(Fault(0, "decode", "raise"), 0)
+    engine.hooks.append(hook)
+    try:
+        lp.start()
+
+        async def run():
+            return await asyncio.gather(*(answer(lp, tokenizer, PROMPT, 50) for _ in range(3)), return_exceptions=True)
+
+        results = asyncio.run(run())
+        assert lp.join(10)
+    finally:
+        engine.hooks.remove(hook)
+    assert all(isinstance(r, ApiError) and r.status == 500 and "injected fault" in r.message for r in results), results
+    assert stopped == [True] and isinstance(lp.failure, RuntimeError)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(_submit(lp))
+    assert refused.value.status == 500
+
+
+async def _submit(lp):
+    return lp.submit(PROMPT, 4, SamplingParams(), ())
