@@ -4,6 +4,7 @@ to first token. The engine thread records; any thread renders."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -94,7 +95,7 @@ def _counter(name: str, help_text: str, value) -> str:
 
 def _quantile(values: list[float], q: float) -> float:
     """Nearest-rank quantile of sorted values."""
-    return values[min(len(values) - 1, max(0, int(round(q * len(values) + 0.5)) - 1))]
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
 def parse(text: str) -> dict[str, float]:
