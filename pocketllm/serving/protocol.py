@@ -87,7 +87,7 @@ def _fields(body, known: set[str]) -> dict:
     # An explicit null means the default, as in OpenAI's API.
     fields = {k: v for k, v in body.items() if v is not None}
     for name, neutral in _NEUTRAL.items():
-        if name in fields and (_bool_or_number(fields[name]) is None or fields[name] != neutral):
+        if name in fields and not _same(fields[name], neutral):
             raise bad(f"{name} must be {neutral!r} here: this server does not support other values, got {fields[name]!r}", name)
     for name in _ABSENT_ONLY:
         if name in fields:
@@ -97,8 +97,11 @@ def _fields(body, known: set[str]) -> dict:
     return fields
 
 
-def _bool_or_number(v):
-    return v if isinstance(v, (bool, int, float)) else None
+def _same(v, neutral) -> bool:
+    """v is neutral, and of its kind: JSON's true is not the number 1."""
+    if isinstance(neutral, bool):
+        return v is neutral
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == neutral
 
 
 def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: str, default_max: int | None) -> Generation:
