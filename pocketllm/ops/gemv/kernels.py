@@ -1,5 +1,6 @@
 """The one-row (decode) projection kernels: y = W x for a single row, each with the signature
-`kernel(x [in], w [out, in], out [out]) -> None`, writing into `out`.
+`kernel(x [in], w [out, in], out [out]) -> None`, writing into `out`; and the few-row kernels for a
+decode step of several sequences, `kernel(x [m, in], w [out, in], out [m, out]) -> None`.
 
 Which is fastest depends on the CPU: torch.mv's bf16 path goes through oneDNN, which on some CPUs
 streams the weight at a third of the speed of torch's own kernel and on others is the fastest;
@@ -47,16 +48,19 @@ _SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 
 _c_gemv = None
+_c_gemm_rows = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv
+    global _c_gemv, _c_gemm_rows
     lib, why = compiled.load(_SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
         lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.gemm_rows_bf16.restype = None
+        lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
-        _c_gemv = lib.gemv_bf16
+        _c_gemv, _c_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16
     return lib, why
 
 
@@ -65,6 +69,21 @@ def _c(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     if not x.is_contiguous():
         x = x.contiguous()
     _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
+
+
+def _mm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mm(x, w.t(), out=out)
+
+
+def _c_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+
+
+def rows_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """The plain form every few-row kernel must equal (up to fp32 summation order)."""
+    out.copy_(x.float() @ w.float().t())
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,15 @@ CANDIDATES: dict[str, Candidate] = {
 }
 DEFAULT = "mv"
 
+FEW_ROW_CANDIDATES: dict[str, Candidate] = {
+    c.name: c
+    for c in (
+        Candidate("mm", _mm_rows, "torch.mm (oneDNN's GEMM where torch has it)"),
+        Candidate("c", _c_rows, "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)"),
+    )
+}
+FEW_ROW_DEFAULT = "mm"
+
 
 def compiled_isa() -> str:
     """The instruction set the compiled kernel was built for, or why it was not."""
@@ -103,5 +131,10 @@ def compiled_isa() -> str:
     return lib.gemv_bf16_isa().decode() if lib is not None else f"unavailable: {why}"
 
 
-def kernels_for(dtype: torch.dtype, device: torch.device) -> list[Candidate]:
-    return [c for c in CANDIDATES.values() if not c.unavailable(dtype, device)]
+def candidates_for(rows: int) -> tuple[dict[str, Candidate], str]:
+    """The kernels for passes of `rows` rows and the default among them."""
+    return (CANDIDATES, DEFAULT) if rows == 1 else (FEW_ROW_CANDIDATES, FEW_ROW_DEFAULT)
+
+
+def kernels_for(dtype: torch.dtype, device: torch.device, rows: int = 1) -> list[Candidate]:
+    return [c for c in candidates_for(rows)[0].values() if not c.unavailable(dtype, device)]
