@@ -43,24 +43,25 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
     }
     return _mm512_reduce_add_ps(a);
 }
-/* Two weight rows against up to four x rows: each weight load feeds up to four dot products, so
- * the weight streams once for four sequences. */
+/* Four weight rows against up to four x rows: each weight load feeds up to four dot products, so
+ * the weight streams once for four sequences, and each x load feeds four weight rows. Inlined into
+ * calls with a constant `cols`, so the sixteen accumulators stay in registers. */
 #define HAS_TILE 1
-/* Inlined into calls with a constant `cols`, so the eight accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile2x4(const uint16_t *w, int64_t n, const uint16_t *x, int cols, float o[2][4]) {
-    __m512 a[2][4];
-    for (int r = 0; r < 2; r++)
+#define TILE_ROWS 4
+static inline __attribute__((always_inline)) void tile4x4(const uint16_t *w, int64_t n, const uint16_t *x, int cols, float o[4][4]) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += STEP) {
         __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
-        __m512bh w0 = load_bh(w + i, m), w1 = load_bh(w + n + i, m);
+        __m512bh wv[4];
+        for (int r = 0; r < 4; r++) wv[r] = load_bh(w + r * n + i, m);
         for (int c = 0; c < cols; c++) {
             __m512bh xv = load_bh(x + c * n + i, m);
-            a[0][c] = _mm512_dpbf16_ps(a[0][c], w0, xv);
-            a[1][c] = _mm512_dpbf16_ps(a[1][c], w1, xv);
+            for (int r = 0; r < 4; r++) a[r][c] = _mm512_dpbf16_ps(a[r][c], wv[r], xv);
         }
     }
-    for (int r = 0; r < 2; r++)
+    for (int r = 0; r < 4; r++)
         for (int c = 0; c < cols; c++) o[r][c] = _mm512_reduce_add_ps(a[r][c]);
 }
 const char *gemv_bf16_isa(void) { return "avx512_bf16"; }
@@ -162,30 +163,31 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
 }
 
 /* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where the tile is
- * compiled in (AVX-512 BF16) x rows go four at a time against pairs of weight rows; elsewhere
+ * compiled in (AVX-512 BF16) x rows go four at a time against four weight rows; elsewhere
  * each output is its own dot product, which reads the weight once per x row (the load-time
  * measurement then prefers torch's GEMM there). */
 void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
 #ifdef HAS_TILE
-    int64_t pairs = rows / 2;
-    /* Parallel over pairs of weight rows, the x rows four at a time inside: a pair read for the
+    int64_t blocks = rows / TILE_ROWS;
+    /* Parallel over blocks of weight rows, the x rows four at a time inside: a block read for the
      * first four is still in cache for the next four. */
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < pairs; b++) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *wb = w + b * TILE_ROWS * n;
         for (int64_t c0 = 0; c0 < m; c0 += 4) {
             int cols = m - c0 < 4 ? (int)(m - c0) : 4;
-            float o[2][4];
+            float o[4][4];
             switch (cols) {
-            case 4: tile2x4(w + b * 2 * n, n, x + c0 * n, 4, o); break;
-            case 3: tile2x4(w + b * 2 * n, n, x + c0 * n, 3, o); break;
-            case 2: tile2x4(w + b * 2 * n, n, x + c0 * n, 2, o); break;
-            default: tile2x4(w + b * 2 * n, n, x + c0 * n, 1, o); break;
+            case 4: tile4x4(wb, n, x + c0 * n, 4, o); break;
+            case 3: tile4x4(wb, n, x + c0 * n, 3, o); break;
+            case 2: tile4x4(wb, n, x + c0 * n, 2, o); break;
+            default: tile4x4(wb, n, x + c0 * n, 1, o); break;
             }
-            for (int r = 0; r < 2; r++)
-                for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * 2 + r] = f32_to_bf16(o[r][c]);
+            for (int r = 0; r < TILE_ROWS; r++)
+                for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
         }
     }
-    for (int64_t r = pairs * 2; r < rows; r++)
+    for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
         for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
 #else
     for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n);
