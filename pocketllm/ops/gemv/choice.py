@@ -26,6 +26,7 @@ import torch
 
 from pocketllm import compiled
 from pocketllm.errors import UsageError
+from pocketllm.ops.gemv import kernels
 from pocketllm.ops.gemv.kernels import candidates_for, kernels_for
 
 ENV_GEMV = "POCKETLLM_GEMV"
@@ -151,7 +152,12 @@ def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PA
 
 
 def _cache_key(shape: tuple[int, int], dtype: torch.dtype, rows: int = 1) -> str:
-    parts = [compiled.cpu_model(), f"torch {torch.__version__}", str(dtype).removeprefix("torch."), f"{torch.get_num_threads()} threads", f"{shape[0]}x{shape[1]}"]
+    # The compiled kernels' source is part of the key: a choice measured against another version
+    # of them says nothing about this one.
+    parts = [
+        compiled.cpu_model(), f"torch {torch.__version__}", f"kernels {compiled.source_digest(kernels.SOURCE)}",
+        str(dtype).removeprefix("torch."), f"{torch.get_num_threads()} threads", f"{shape[0]}x{shape[1]}",
+    ]
     return "|".join(parts + ([f"{rows} rows"] if rows > 1 else []))
 
 

@@ -44,7 +44,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     torch.mm(x[None], w.t(), out=out[None])
 
 
-_SOURCE = Path(__file__).with_name("gemv_bf16.c")
+SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 
 _c_gemv = None
@@ -53,7 +53,7 @@ _c_gemm_rows = None
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     global _c_gemv, _c_gemm_rows
-    lib, why = compiled.load(_SOURCE)
+    lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
         lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
