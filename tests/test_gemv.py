@@ -42,10 +42,11 @@ def test_every_kernel_matches_the_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("shape", SHAPES + [(33, 64), (16, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_every_few_row_kernel_matches_the_reference(shape, rows, dtype):
-    # Row counts around the compiled tile's four, weight rows around its pairs.
+    # Row counts around the AVX-512 tile's four and past AMX's sixteen columns, weight rows
+    # around both tiles' blocks, widths that are and are not a multiple of an AMX tile's 32.
     torch.manual_seed(0)
     w = torch.randn(shape, dtype=dtype)
     x = torch.randn(rows, shape[1], dtype=dtype)
@@ -67,7 +68,7 @@ def test_few_rows_run_the_kernel_chosen_for_the_next_row_count_up(monkeypatch, t
     w = torch.randn(12, 32, dtype=torch.bfloat16)
     choice = gemv.choose([w], env={}, rows=4)
     assert choice.how == "measured" and choice.rows == 4 and "4-row kernels" in choice.describe()
-    assert set(choice.seconds[(12, 32)]) == {"mm", "c"}
+    assert set(choice.seconds[(12, 32)]) == {c.name for c in kernels_for(torch.bfloat16, torch.device("cpu"), 4)} >= {"mm", "c"}
     assert gemv.choose([w], env={}, rows=4).how == "cached"
     calls = []
     monkeypatch.setitem(FEW_ROW_CANDIDATES, "c", FEW_ROW_CANDIDATES["c"].__class__("c", lambda x, w, out: calls.append(x.shape[0]) or out.zero_(), ""))

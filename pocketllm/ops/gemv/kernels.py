@@ -49,18 +49,23 @@ SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 _c_gemv = None
 _c_gemm_rows = None
+_amx_gemm_rows = None
+_amx_enabled: bool | None = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv, _c_gemm_rows
+    global _c_gemv, _c_gemm_rows, _amx_gemm_rows
     lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
         lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.gemm_rows_bf16.restype = None
         lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.gemm_rows_amx_bf16.restype = None
+        lib.gemm_rows_amx_bf16.argtypes = lib.gemm_rows_bf16.argtypes
+        lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
-        _c_gemv, _c_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16
+        _c_gemv, _c_gemm_rows, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16, lib.gemm_rows_amx_bf16
     return lib, why
 
 
@@ -81,6 +86,25 @@ def _c_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
 
 
+def _amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    _amx_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+
+
+def amx_unavailable() -> str:
+    """Why the AMX kernel cannot run in this process ("" when it can): the library must build
+    with AMX in it (the compiler's -march=native on a CPU that has it) and the kernel must let
+    this process use the tile registers, which Linux grants on request."""
+    global _amx_enabled
+    lib, why = _compiled_library()
+    if lib is None:
+        return why
+    if _amx_enabled is None:
+        _amx_enabled = bool(lib.amx_bf16_enable())
+    return "" if _amx_enabled else "no AMX tiles here (not on this CPU, not compiled in, or not granted by the kernel)"
+
+
 def rows_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """The plain form every few-row kernel must equal (up to fp32 summation order)."""
     out.copy_(x.float() @ w.float().t())
@@ -94,11 +118,11 @@ class Candidate:
 
     def unavailable(self, dtype: torch.dtype, device: torch.device) -> str:
         """Why this kernel cannot run weights of this dtype on this device ("" when it can)."""
-        if self.name == "c":
+        if self.name in ("c", "amx"):
             if device.type != "cpu" or dtype != torch.bfloat16:
                 return "the compiled kernel takes bfloat16 weights on a CPU"
             _, why = _compiled_library()
-            return why
+            return why or (amx_unavailable() if self.name == "amx" else "")
         if self.name == "mv-native" and device.type != "cpu":
             return "oneDNN is a CPU library"
         return ""
@@ -120,6 +144,7 @@ FEW_ROW_CANDIDATES: dict[str, Candidate] = {
     for c in (
         Candidate("mm", _mm_rows, "torch.mm (oneDNN's GEMM where torch has it)"),
         Candidate("c", _c_rows, "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)"),
+        Candidate("amx", _amx_rows, "the same on AMX tiles, where the CPU has them"),
     )
 }
 FEW_ROW_DEFAULT = "mm"
