@@ -157,6 +157,15 @@ def run_level(addr: str, model: str, clients: int, per_client: int, max_seconds:
         "output_tokens_per_s": round(tokens / wall, 2),
         "ttft_ms": percentiles(ttft),
         "itl_ms": percentiles(itl),
+        # Each request: when it was sent (from the level's start), its first token, its last
+        # token and its end, in ms from when it was sent, and its token count.
+        "requests": [
+            {"sent_ms": round((r.sent - t0) * 1e3, 1), "tokens": len(r.token_times),
+             "first_ms": round((r.token_times[0] - r.sent) * 1e3, 1) if r.token_times else None,
+             "last_ms": round((r.token_times[-1] - r.sent) * 1e3, 1) if r.token_times else None,
+             "end_ms": round((r.ended - r.sent) * 1e3, 1) if r.ended else None, "error": r.error}
+            for r in sorted(records, key=lambda r: r.sent)
+        ],
     }
 
 
