@@ -3,7 +3,7 @@
   rank in the environment), rendezvous through a fresh private directory, and supervises them:
   the first rank to fail stops the others and is named in one line;
 - under torchrun: RANK / WORLD_SIZE / LOCAL_RANK come from the environment (env:// rendezvous);
-- by hand, one process per rank: `--tp-world N --tp-rank i --nccl-id-path FILE` (file rendezvous).
+- by hand, one process per rank: `--tp-world N --tp-rank i --rendezvous-file FILE` (file rendezvous).
 
 Each rank leaves the launcher a one-line report of how it failed (a JSON file in the private
 directory), so the launcher's last line says why, not only that, a rank ended.
@@ -73,7 +73,7 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
         if not 0 <= tp_rank < tp_world:
             raise UsageError(f"--tp-rank must be in 0..{tp_world - 1}, got {tp_rank}")
         if not id_path:
-            raise UsageError("--tp-rank needs --nccl-id-path FILE, the rendezvous file every rank names")
+            raise UsageError("--tp-rank needs --rendezvous-file FILE, the rendezvous file every rank names")
         return RankEnv(tp_rank, tp_world, tp_rank, tp_world, id_path=os.path.abspath(id_path))
     if tp_world == 1:
         return RankEnv(0, 1, 0, 1)

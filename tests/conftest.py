@@ -29,12 +29,14 @@ REPO = Path(__file__).resolve().parents[1]
 # Settings a developer may have exported that would change what a command does; every CLI call a
 # test makes, in a subprocess or in this process, runs without them.
 UNSET_FOR_CLI = (
+    "POCKETLLM_COMM_OVERLAP_SLICES",
+    "POCKETLLM_PIN_SLICES",
+    "POCKETLLM_CALIBRATION",
+    "POCKETLLM_GDN_KERNEL",
+    "POCKETLLM_PHASE_PROFILE",
+    "POCKETLLM_HOST_PROFILE",
     "QWEN_COMM_OVERLAP_SLICES",
-    "QWEN_COMM_OVERLAP_PIN",
-    "QWEN_COMM_OVERLAP_CALIBRATION",
     "QWEN_GDN_KERNEL",
-    "QWEN_PHASE_PROFILE",
-    "QWEN_HOST_PROFILE",
     "POCKETLLM_PIN_CPUS",
     "POCKETLLM_POLL_COLLECTIVES",
     "POCKETLLM_GEMV",

@@ -121,7 +121,7 @@ import argparse, os, sys
 from pocketllm.commands.ranked import run_on_ranks
 
 rank, id_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-args = argparse.Namespace(tp_world=2, tp_rank=rank, nccl_id_path=id_path, device="cpu", dist_timeout=60.0)
+args = argparse.Namespace(tp_world=2, tp_rank=rank, rendezvous_file=id_path, device="cpu", dist_timeout=60.0)
 
 def prepare(args):
     open(os.path.join(out, f"prepared.{rank}"), "w").close()

@@ -71,7 +71,7 @@ def test_resolution_flags_and_env(tmp_path):
     path.write_text(json.dumps(_cal().to_json()))
     assert isinstance(resolve_policy(env={}).policy, RulePolicy)
     assert isinstance(resolve_policy(calibration=str(path), env={}).policy, CalibratedPolicy)
-    assert isinstance(resolve_policy(env={"QWEN_COMM_OVERLAP_CALIBRATION": str(path)}).policy, CalibratedPolicy)
+    assert isinstance(resolve_policy(env={"POCKETLLM_CALIBRATION": str(path)}).policy, CalibratedPolicy)
     assert isinstance(resolve_policy(overlap_policy="rule", calibration=str(path), env={}).policy, RulePolicy)
     assert resolve_policy(ceiling="8", calibration=str(path), env={}).policy.slices_for_rows(8192) == 8
     with pytest.raises(UsageError, match="needs --calibration"):
@@ -138,7 +138,7 @@ def test_policy_command_inspects_a_foreign_calibration(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["rows=256", "slices=1", "rows=1024", "slices=1", "rows=3000", "slices=2", "rows=8192", "slices=8"]
     assert "nccl, TP=8, hidden 5120" in r.stderr
-    r = run_cli("policy", "--rows", "3000", env=cli_env(QWEN_COMM_OVERLAP_CALIBRATION=path), timeout=60)
+    r = run_cli("policy", "--rows", "3000", env=cli_env(POCKETLLM_CALIBRATION=path), timeout=60)
     assert r.stdout.strip() == "rows=3000 slices=2"
 
 

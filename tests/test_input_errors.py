@@ -67,7 +67,7 @@ def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_pat
     # itself, not wait for a group that rank 0 will never form.
     extra = ["--preset", "tiny", "--token-ids", "1,2"] if command == "generate" else []
     usage_error_in_process(
-        capsys, command, *extra, "--tp-world", "2", "--tp-rank", "1", "--nccl-id-path", tmp_path / "run.id", "--dist-timeout", "-1",
+        capsys, command, *extra, "--tp-world", "2", "--tp-rank", "1", "--rendezvous-file", tmp_path / "run.id", "--dist-timeout", "-1",
         "--device", "cpu",  # were the check gone, this process would become the rank: never on a GPU
         expect="--dist-timeout must be positive, got -1",
     )

@@ -33,9 +33,11 @@ def test_torchrun_matches_launcher(launcher_ids):
 
 def test_hand_started_ranks_match_launcher(launcher_ids, tmp_path):
     rdzv = tmp_path / "run.id"
-    cmd = [sys.executable, "-m", "pocketllm", *ARGS, "--tp-world", "2", "--nccl-id-path", str(rdzv)]
+    cmd = [sys.executable, "-m", "pocketllm", *ARGS, "--tp-world", "2"]
+    # Rank 1 names the file by the seed's flag, --nccl-id-path, an alias of --rendezvous-file.
+    flags = [["--rendezvous-file", str(rdzv)], ["--nccl-id-path", str(rdzv)]]
     procs = [
-        subprocess.Popen([*cmd, "--tp-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+        subprocess.Popen([*cmd, *flags[r], "--tp-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
         for r in range(2)
     ]
     outs = [p.communicate(timeout=120) for p in procs]

@@ -97,8 +97,8 @@ def test_pin_overrides_ceiling_with_a_note():
     choice = resolve_policy(pin="2", ceiling="8", env={})
     assert isinstance(choice.policy, PinnedPolicy) and choice.policy.slices == 2
     assert "overrides" in choice.note
-    assert resolve_policy(env={"QWEN_COMM_OVERLAP_PIN": "3"}).policy.slices == 3
-    assert resolve_policy(env={"QWEN_COMM_OVERLAP_SLICES": "8"}).policy.ceiling == 8
+    assert resolve_policy(env={"POCKETLLM_PIN_SLICES": "3"}).policy.slices == 3
+    assert resolve_policy(env={"POCKETLLM_COMM_OVERLAP_SLICES": "8"}).policy.ceiling == 8
     with pytest.raises(UsageError, match="non-negative integer"):
         resolve_policy(pin="-1", env={})
 
@@ -108,8 +108,8 @@ def test_pin_overrides_ceiling_with_a_note():
     [
         (["--pin-slices", "-1"], {}, "--pin-slices must be a non-negative integer, got -1"),
         (["--comm-overlap-slices", "four"], {}, "--comm-overlap-slices must be a non-negative integer, got 'four'"),
-        ([], {"QWEN_COMM_OVERLAP_SLICES": "abc"}, "QWEN_COMM_OVERLAP_SLICES must be a non-negative integer, got 'abc'"),
-        ([], {"QWEN_COMM_OVERLAP_PIN": "1.5"}, "QWEN_COMM_OVERLAP_PIN must be a non-negative integer, got '1.5'"),
+        ([], {"POCKETLLM_COMM_OVERLAP_SLICES": "abc"}, "POCKETLLM_COMM_OVERLAP_SLICES must be a non-negative integer, got 'abc'"),
+        ([], {"POCKETLLM_PIN_SLICES": "1.5"}, "POCKETLLM_PIN_SLICES must be a non-negative integer, got '1.5'"),
         (["--rows", "0"], {}, "--rows: 0 must be a positive integer"),
     ],
 )

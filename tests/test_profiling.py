@@ -318,7 +318,7 @@ def test_profile_command_prints_both_tables_from_timed_prefill_blocks(tmp_path):
 
 def test_profile_prints_phase_blocks_when_asked():
     # Quiet by default is test_profile_command_prints_both_tables_from_timed_prefill_blocks's check.
-    r = run_cli("profile", "--preset", "tiny", "--prompt-tokens", "32", env=cli_env(QWEN_PHASE_PROFILE="1"))
+    r = run_cli("profile", "--preset", "tiny", "--prompt-tokens", "32", env=cli_env(POCKETLLM_PHASE_PROFILE="1"))
     assert r.returncode == 0, r.stderr
     assert "prefill TPS" in r.stdout
     assert "qwen_phase" in r.stderr
@@ -329,7 +329,7 @@ def test_profile_prints_phase_blocks_when_asked():
     [
         (("profile", "--preset", "tiny", "--prompt-tokens", "64,abc"), {}, "'abc' is not an integer"),
         (("profile", "--preset", "tiny", "--prompt-tokens", "0"), {}, "--prompt-tokens: 0 must be a positive integer"),
-        (("bench", "--preset", "tiny"), {"QWEN_PHASE_PROFILE": "maybe"}, "QWEN_PHASE_PROFILE='maybe' is not a switch"),
+        (("bench", "--preset", "tiny"), {"POCKETLLM_PHASE_PROFILE": "maybe"}, "POCKETLLM_PHASE_PROFILE='maybe' is not a switch"),
         (("bench", "--preset", "tiny", "--profile-out", "somewhere"), {}, "--profile-out needs a profile"),
         (("bench", "--preset", "tiny", "--split-skew"), {}, "--split-skew splits the phase profile"),
     ],

@@ -1,6 +1,6 @@
-"""Rendezvous is checked and bounded: a --nccl-id-path file left by an earlier run is refused with
+"""Rendezvous is checked and bounded: a --rendezvous-file file left by an earlier run is refused with
 the command that clears it (and the run works once it is cleared), a missing rank 0 is waited for
-only POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS x 10 ms, and an unwritable directory or a busy port is
+only POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS x 10 ms, and an unwritable directory or a busy port is
 one line naming it. The launcher's own private directory is checked in test_faults.py."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ ARGS = ["generate", "--preset", "tiny", "--token-ids", "1,2,3,4", "--max-new-tok
 
 
 def hand_started(rank: int, id_path, tmp_path, attempts: int = 3000, world: int = 2):
-    env = {"POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS": str(attempts)}
-    return start(*ARGS, "--tp-world", world, "--tp-rank", rank, "--nccl-id-path", id_path, tmp_path=tmp_path, env=env)
+    env = {"POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": str(attempts)}
+    return start(*ARGS, "--tp-world", world, "--tp-rank", rank, "--rendezvous-file", id_path, tmp_path=tmp_path, env=env)
 
 
 def one_line_error(run, rc: int = 2) -> str:
@@ -69,7 +69,7 @@ def test_stale_file_is_refused_then_cleared(tmp_path):
 def test_missing_rank0_is_waited_for_a_bounded_time(tmp_path):
     rank1 = hand_started(1, tmp_path / "run.id", tmp_path, attempts=100)
     message = one_line_error(rank1)
-    assert "no rank 0 created --nccl-id-path" in message and "within 1 s" in message, message
+    assert "no rank 0 created --rendezvous-file" in message and "within 1 s" in message, message
     assert rank1.ended - rank1.started < 15
     assert_nothing_left(rank1)
 

@@ -52,7 +52,7 @@ def place_in_run(args, default_world: int):
         raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     resolve_kind(args.device)
     collective.resolve_choice(getattr(args, "collective", None))
-    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=default_world)
+    renv = rank_env(args.tp_world, args.tp_rank, args.rendezvous_file, default_world=default_world)
     if renv is not None:
         args.tp_world = renv.world
     elif args.tp_world is None:
