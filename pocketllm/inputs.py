@@ -79,17 +79,48 @@ def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int
 
 def prompt_ids(args, cfg: ModelConfig) -> list[int]:
     """The prompt from --token-ids, --token-ids-file or --prompt (exactly one)."""
-    given = [n for n in ("token_ids", "token_ids_file", "prompt") if getattr(args, n, None) is not None]
+    prompts = prompt_list(args, cfg)
+    if len(prompts) > 1:
+        raise UsageError("this command takes one prompt; give --prompt once")
+    return prompts[0] if prompts else []
+
+
+def prompt_list(args, cfg: ModelConfig) -> list[list[int]]:
+    """Every prompt given: --token-ids or --prompt (either repeatable), --token-ids-file or
+    --prompts-file (one text prompt per line), one kind of them; [] when none is given."""
+    texts = getattr(args, "prompt", None)
+    if isinstance(texts, str):
+        texts = [texts]
+    given = [n for n in ("token_ids", "token_ids_file", "prompt", "prompts_file") if getattr(args, n, None) is not None]
     if len(given) > 1:
-        raise UsageError("give only one of --prompt, --token-ids, --token-ids-file")
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise UsageError(f"give only one of --prompt, --prompts-file, --token-ids, --token-ids-file (got {flags})")
     if args.token_ids is not None:
-        ids = parse_token_ids(args.token_ids, "--token-ids")
+        lists = [args.token_ids] if isinstance(args.token_ids, str) else args.token_ids
+        prompts = [parse_token_ids(text, "--token-ids") for text in lists]
     elif args.token_ids_file is not None:
-        ids = read_token_ids_file(args.token_ids_file)
-    elif getattr(args, "prompt", None) is not None:
-        if not args.prompt:
+        prompts = [read_token_ids_file(args.token_ids_file)]
+    elif texts is not None:
+        if not all(texts):
             raise UsageError("the prompt is empty: give at least one token")
-        ids = load_tokenizer(args.ckpt).encode(args.prompt).ids
+        tok = load_tokenizer(args.ckpt)
+        prompts = [tok.encode(t).ids for t in texts]
+    elif getattr(args, "prompts_file", None) is not None:
+        prompts = _read_prompts_file(args.prompts_file, args.ckpt)
     else:
         return []
-    return check_ids(ids, cfg, args.max_new_tokens)
+    return [check_ids(ids, cfg, args.max_new_tokens) for ids in prompts]
+
+
+def _read_prompts_file(path: str, ckpt: str | None) -> list[list[int]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prompts-file {path}: cannot read ({exc.strerror if isinstance(exc, OSError) else exc})") from None
+    if not lines:
+        raise UsageError(f"--prompts-file {path} is empty: give one prompt per line")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            raise UsageError(f"--prompts-file {path}: line {n} is empty (one prompt per line)")
+    tok = load_tokenizer(ckpt, "--prompts-file", "pass --token-ids instead")
+    return [tok.encode(line).ids for line in lines]

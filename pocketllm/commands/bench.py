@@ -1,5 +1,7 @@
 """`pocketllm bench`: the seed's resident bench. Load once, warm up, then one timed prefill of the
-prompt and one timed decode of --max-new-tokens; rank 0 prints the result line."""
+prompt and one timed decode of --max-new-tokens; rank 0 prints the result line. With --batch B,
+B sequences of the prompt's length: their prompts packed into one prefill pass, then decode steps
+of one row per sequence."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 
 from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_ranked, run_settings
 from pocketllm.distributed.state import tp
-from pocketllm.engine.timing import timed_prefill_decode, warm_up
+from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, warm_up_batch
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens
 from pocketllm.inputs import bench_ids, check_ids, prompt_ids
@@ -20,6 +22,9 @@ def add_arguments(p) -> None:
     p.add_argument("--token-ids", help="use these ids as the prompt instead")
     p.add_argument("--token-ids-file", help="read the prompt ids from this file instead")
     p.add_argument("--max-new-tokens", type=int, default=32, help="timed decode steps (default 32)")
+    p.add_argument(
+        "--batch", type=int, default=1, help="sequences run together (default 1); from 2, the prompt's ids are rotated by one per sequence"
+    )
     add_warmup_arg(p)
     p.add_argument("--json", help="also write the result and the run's settings to this file")
 
@@ -30,17 +35,21 @@ def _prepare(args, plan):
         raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {args.max_new_tokens}")
     check_warmup_tokens(args.warmup_tokens)
     check_out_path(args.json, "--json")
+    if args.batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {args.batch}")
     return ids
 
 
 def format_result(r: dict) -> str:
-    parts = [
+    parts = [f"batch={r['batch']}"] if "batch" in r else []
+    parts += [
         f"prefill_seconds={r['prefill_seconds']:.4f}",
         f"prefill_tokens={r['prefill_tokens']}",
         f"prefill_tokens_per_s={r['prefill_tokens_per_s']:.1f}",
         f"decode_seconds={r['decode_seconds']:.4f}",
         f"decode_tokens={r['decode_tokens']}",
         f"decode_tokens_per_s={r['decode_tokens_per_s']:.2f}",
+        *([f"decode_tokens_per_s_per_sequence={r['decode_tokens_per_s_per_sequence']:.2f}"] if "batch" in r else []),
         f"slices={r['slices']}",
         f"collectives={r['collectives']}",
     ]
@@ -48,9 +57,15 @@ def format_result(r: dict) -> str:
 
 
 def _work(args, plan, ids, engine, device) -> int:
-    warm_up(engine, ids, [len(ids)], device.synchronize, args.warmup_tokens)
-    with engine.tagged(timed=True):
-        result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
+    if args.batch == 1:
+        warm_up(engine, ids, [len(ids)], device.synchronize, args.warmup_tokens)
+        with engine.tagged(timed=True):
+            result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
+    else:
+        prompts = [ids[i % len(ids) :] + ids[: i % len(ids)] for i in range(args.batch)]
+        warm_up_batch(engine, prompts, device.synchronize, args.warmup_tokens)
+        with engine.tagged(timed=True):
+            result = timed_batch(engine, prompts, args.max_new_tokens, device.synchronize)
     rss = peak_rss_mib_per_rank()
     load_peak = per_rank(engine.load_peak_mib)
     weights = per_rank(engine.loaded_bytes / 2**20)

@@ -1,4 +1,5 @@
-"""`pocketllm generate`: greedy or sampled continuation of a prompt."""
+"""`pocketllm generate`: greedy or sampled continuation of a prompt, or of several prompts run as
+one batch."""
 
 from __future__ import annotations
 
@@ -10,18 +11,23 @@ from safetensors.torch import save_file
 from pocketllm.commands.ranked import run_ranked
 from pocketllm.distributed.state import tp
 from pocketllm.engine.generate import SamplingParams, generate
+from pocketllm.engine.scheduler import generate_batch
 from pocketllm.errors import UsageError
-from pocketllm.inputs import load_tokenizer, prompt_ids
+from pocketllm.inputs import load_tokenizer, prompt_list
 from pocketllm.model_args import add_model_args
 
 
 def add_arguments(p) -> None:
     add_model_args(p)
     src = p.add_argument_group("prompt (one of)")
-    src.add_argument("--prompt", help="text, tokenized with the checkpoint's tokenizer.json")
-    src.add_argument("--token-ids", help="comma- or space-separated token ids, e.g. 1,2,3")
+    src.add_argument(
+        "--prompt", action="append", help="text, tokenized with the checkpoint's tokenizer.json; repeat it for several prompts, run as one batch"
+    )
+    src.add_argument("--prompts-file", help="text prompts, one per line, run as one batch")
+    src.add_argument("--token-ids", action="append", help="comma- or space-separated token ids, e.g. 1,2,3; repeat it for several prompts")
     src.add_argument("--token-ids-file", help="file of token ids separated by commas or whitespace")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32), per prompt")
+    p.add_argument("--max-running", type=int, help="with several prompts: at most this many run at once (default: all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (rank 0 draws, every rank takes its token)")
@@ -39,12 +45,18 @@ def _prepare(args, plan):
         raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    ids = prompt_ids(args, plan.cfg)
-    if not ids:
-        raise UsageError("give a prompt: --prompt TEXT, --token-ids 1,2,3 or --token-ids-file FILE")
+    if args.max_running is not None and args.max_running < 1:
+        raise UsageError(f"--max-running must be >= 1, got {args.max_running}")
+    prompts = prompt_list(args, plan.cfg)
+    if not prompts:
+        raise UsageError("give a prompt: --prompt TEXT, --prompts-file FILE, --token-ids 1,2,3 or --token-ids-file FILE")
+    if len(prompts) > 1:
+        for flag, given in (("--stream", args.stream), ("--logits-out", args.logits_out)):
+            if given:
+                raise UsageError(f"{flag} takes one prompt, got {len(prompts)}")
     if args.stream:
         load_tokenizer(args.ckpt, "--stream", "leave --stream off to print the generated ids at the end")
-    return ids
+    return prompts
 
 
 class TextStream:
@@ -81,25 +93,40 @@ class TextStream:
             print(full[len(self.shown) :], flush=True)
 
 
-def _work(args, plan, ids, engine, device) -> int:
+def _work(args, plan, prompts, engine, device) -> int:
     eos = () if args.ignore_eos else plan.cfg.eos_token_ids
+    sampling = SamplingParams(args.temperature, args.top_p, args.seed)
+    if len(prompts) > 1:
+        outputs = generate_batch(engine, prompts, args.max_new_tokens, sampling, eos, args.max_running)
+        if tp().rank == 0:
+            _print_outputs(args, outputs)
+        return 0
 
     def save_prompt_logits(logits: torch.Tensor) -> None:
         if tp().rank == 0:
             save_file({"logits": logits.cpu().contiguous()}, args.logits_out)
 
     stream = TextStream(load_tokenizer(args.ckpt)) if args.stream and tp().rank == 0 else None
-    sampling = SamplingParams(args.temperature, args.top_p, args.seed)
-    out = generate(engine, ids, args.max_new_tokens, sampling, eos, save_prompt_logits if args.logits_out else None, stream)
+    out = generate(engine, prompts[0], args.max_new_tokens, sampling, eos, save_prompt_logits if args.logits_out else None, stream)
     if tp().rank != 0:
         return 0
     # Streamed, the text came first and the ids close it; otherwise the ids come first.
     if stream is not None:
         stream.finish(out)
-    print("generated_ids=" + ",".join(map(str, out)), flush=True)
-    if stream is None and args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():
-        print(load_tokenizer(args.ckpt).decode(out), flush=True)
+        print("generated_ids=" + ",".join(map(str, out)), flush=True)
+    else:
+        _print_outputs(args, [out])
     return 0
+
+
+def _print_outputs(args, outputs: list[list[int]]) -> None:
+    """One generated_ids= line per prompt in the order given, then, with a tokenizer, the texts."""
+    for out in outputs:
+        print("generated_ids=" + ",".join(map(str, out)), flush=True)
+    if args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():
+        tok = load_tokenizer(args.ckpt)
+        for out in outputs:
+            print(tok.decode(out), flush=True)
 
 
 def run(args, argv) -> int:

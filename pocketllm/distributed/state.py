@@ -82,6 +82,9 @@ def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def broadcast_(t: torch.Tensor, src: int = 0) -> None:
+def broadcast_(t: torch.Tensor, src: int = 0, idle: bool = False) -> None:
+    """t from rank src to every rank; `idle` for a broadcast that may be long in coming
+    (waiting.wait_idle)."""
     if _TP.world > 1:
-        waiting.wait(dist.broadcast(t, src, async_op=True))
+        work = dist.broadcast(t, src, async_op=True)
+        (waiting.wait_idle if idle else waiting.wait)(work)

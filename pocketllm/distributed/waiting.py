@@ -44,3 +44,16 @@ def wait(work) -> None:
         while not work.is_completed():
             os.sched_yield()
     work.wait()
+
+
+def wait_idle(work, spin_seconds: float = 0.05) -> None:
+    """Wait for `work` that may be long in coming (the next request of an idle server): poll as
+    wait() does for `spin_seconds`, so a pass that follows at once is met awake, then block, so
+    an idle rank does not hold its core."""
+    if _poll:
+        import time
+
+        end = time.monotonic() + spin_seconds
+        while not work.is_completed() and time.monotonic() < end:
+            os.sched_yield()
+    work.wait()

@@ -19,6 +19,19 @@ class SamplingParams:
     seed: int = 0
 
 
+def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """A token drawn from one row of logits [V] by temperature and top-p (greedy at temperature
+    0), with `gen` as the only source of randomness."""
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -35,18 +48,9 @@ class Sampler:
                 # Greedy stays on the device: only the chosen id crosses to the host, not the vocab row.
                 self._token.copy_(torch.argmax(logits).reshape(1))
             else:
-                self._token.fill_(self._sample(logits.float().cpu()))
+                self._token.fill_(sample_token(logits, self.params, self.gen))
         broadcast_(self._token)
         return int(self._token.item())
-
-    def _sample(self, logits: torch.Tensor) -> int:
-        p = self.params
-        probs = torch.softmax(logits / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self.gen))
 
 
 def generate(

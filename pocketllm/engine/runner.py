@@ -48,6 +48,9 @@ class Engine:
         gemv.install(self.gemv, dtype)
         self.states: list = []
         self.capacity = 0
+        # The sequences run together (reserve_slots): one state list per slot.
+        self.slots: list = []
+        self.slot_capacity = 0
         self.pos = 0
         # Objects with before_pass(info) / after_pass(info), called around every pass.
         self.hooks: list = []
@@ -90,6 +93,37 @@ class Engine:
         self.model.rotary.reserve(max_len)
         self.pos = 0
 
+    def reserve_slots(self, count: int, max_len: int) -> None:
+        """Room for `count` sequences of up to `max_len` positions each, run together by
+        run_packed: their states and KV caches are allocated here, once (a later call asking for
+        no more keeps them)."""
+        if count <= len(self.slots) and max_len <= self.slot_capacity:
+            return
+        self.slots = []  # the old ones go before the new ones are allocated
+        self.slots = [allocate_states(self.model, max_len) for _ in range(count)]
+        self.slot_capacity = max_len
+        self.model.rotary.reserve(max_len)
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget the sequence in `slot`, so the next one there starts from position 0."""
+        reset_states(self.slots[slot])
+
+    @torch.inference_mode()
+    def run_packed(self, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+        """One pass over several sequences: spans are (slot, start position, ids [rows]), the
+        rows of each going on from `start` in that slot's state. Returns the fp32 logits of each
+        span's last row [len(spans), V]."""
+        total = 0
+        for slot, start, ids in spans:
+            if start + ids.shape[0] > self.slot_capacity:
+                raise RuntimeError(f"sequence of {start + ids.shape[0]} positions exceeds the {self.slot_capacity} reserved per slot")
+            total += ids.shape[0]
+        slices = self.policy.slices_for_rows(total)
+        decode = all(ids.shape[0] == 1 for _, _, ids in spans)
+        ctx = self.model.packed_context([(start, ids.shape[0]) for _, start, ids in spans], slices)
+        ids = torch.cat([ids for _, _, ids in spans]).to(self.device)
+        return self._pass(ids, ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, False)
+
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of
     # small ops of a decode step.
     @torch.inference_mode()
@@ -98,19 +132,23 @@ class Engine:
         if self.pos + rows > self.capacity:
             raise RuntimeError(f"sequence of {self.pos + rows} positions exceeds the {self.capacity} allocated")
         slices = self.policy.slices_for_rows(rows)
+        ctx = self.model.context(self.pos, rows, slices, decode)
+        logits = self._pass(ids.to(self.device), ctx, self.states, decode, slices, all_logits)
+        self.pos += rows
+        return logits
+
+    def _pass(self, ids: torch.Tensor, ctx, states: list, decode: bool, slices: int, all_logits: bool) -> torch.Tensor:
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
-        info = PassInfo(self._passes, kind, rows, slices, self._timed)
+        info = PassInfo(self._passes, kind, ids.shape[0], slices, self._timed)
         self._passes += 1
         for hook in self.hooks:
             hook.before_pass(info)
-        ctx = self.model.context(self.pos, rows, slices, decode)
         COUNTER.reset()
-        logits = self.model(ids.to(self.device), ctx, self.states, all_logits=all_logits)
+        logits = self.model(ids, ctx, states, all_logits=all_logits)
         info.collectives = COUNTER.snapshot()
         for hook in self.hooks:
             hook.after_pass(info)
         self.last_pass = info
-        self.pos += rows
         return logits
 
     def prefill(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:

@@ -62,3 +62,48 @@ def warm_up(engine, ids: list[int], rows: list[int], sync, warmup_tokens: int | 
     with engine.tagged(warmup=True):
         for n in lengths:
             timed_prefill_decode(engine, ids[:n], 2, sync)
+
+
+def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict:
+    """One timed prefill of every prompt packed into one pass, from fresh sequences, then
+    `new_tokens` timed greedy decode steps of them all, one row per sequence per pass."""
+    batch, length = len(prompts), len(prompts[0])
+    engine.reserve_slots(batch, length + new_tokens)
+    for slot in range(batch):
+        engine.reset_slot(slot)
+    spans = [(slot, 0, torch.tensor(ids, dtype=torch.long)) for slot, ids in enumerate(prompts)]
+    sync()
+    t0 = time.perf_counter()
+    logits = engine.run_packed(spans)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    collectives = sum(engine.last_collectives.values())
+    slices = engine.last_slices
+    tokens = torch.argmax(logits, dim=-1)
+    sync()
+    t0 = time.perf_counter()
+    for step in range(new_tokens):
+        logits = engine.run_packed([(slot, length + step, tokens[slot : slot + 1]) for slot in range(batch)])
+        tokens = torch.argmax(logits, dim=-1)
+    sync()
+    decode_s = time.perf_counter() - t0
+    return {
+        "batch": batch,
+        "prefill_seconds": prefill_s,
+        "prefill_tokens": batch * length,
+        "prefill_tokens_per_s": batch * length / prefill_s,
+        "decode_seconds": decode_s,
+        "decode_tokens": batch * new_tokens,
+        "decode_tokens_per_s": batch * new_tokens / decode_s,
+        "decode_tokens_per_s_per_sequence": new_tokens / decode_s,
+        "slices": slices,
+        "collectives": collectives,
+    }
+
+
+def warm_up_batch(engine, prompts: list[list[int]], sync, warmup_tokens: int | None = None) -> None:
+    """timed_batch's warm-up: one untimed batch at the timed shape (each prompt cut to
+    `warmup_tokens` when given) with two decode steps."""
+    n = min(len(prompts[0]), warmup_tokens or len(prompts[0]))
+    with engine.tagged(warmup=True):
+        timed_batch(engine, [p[:n] for p in prompts], 2, sync)

@@ -61,19 +61,29 @@ class GatedAttention(nn.Module):
         shape = (self.kv_heads, max_len, self.head_dim)
         return KVCache(torch.zeros(shape, dtype=self._dtype, device=self._device), torch.zeros(shape, dtype=self._dtype, device=self._device))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: KVCache) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. `cache` is this layer's KVCache, or one per sequence
+        when ctx packs several (ctx.segments)."""
         with scope("projections", "full.in"):
             qkv = self.qkv_proj(x)
+        if ctx.segments is None:
+            out = self._attend(qkv, ctx, cache)
+        else:
+            out = torch.cat([self._attend(qkv[s.row0 : s.row0 + s.rows], s.ctx, c) for s, c in zip(ctx.segments, cache)])
+        return self.o_proj(out, ctx.slices)
+
+    def _attend(self, qkv: torch.Tensor, ctx: ForwardContext, cache: KVCache) -> torch.Tensor:
+        """One sequence's projected rows [T, q+k+v local] -> the gated output [T, heads*D],
+        writing its keys and values into its cache."""
+        t, d = qkv.shape[0], self.head_dim
         if t == 1 and self.compiled_decode is not None:
             # One call from the q/k norms to the output gate: the same as the path below (the
             # tests compare them) up to fp32 summation order.
             with scope("attention_decode"):
-                out = self.compiled_decode(
+                return self.compiled_decode(
                     qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, ctx.cos[0], ctx.sin[0], cache.k, cache.v,
                     ctx.start, self.heads, self.kv_heads, d, self.scale,
                 )
-            return self.o_proj(out, ctx.slices)
         q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
         q_gate = q_gate.view(t, self.heads, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
@@ -90,8 +100,7 @@ class GatedAttention(nn.Module):
         with scope("full_attention"):
             out = attention_core(q.transpose(0, 1), cache.k[:, :end], cache.v[:, :end], ctx.start, self.scale)
         with scope("gates", "full"):
-            out = out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
-        return self.o_proj(out, ctx.slices)
+            return out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -77,19 +77,29 @@ class GatedDeltaNet(nn.Module):
             recurrent=torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=self._device),
         )
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: GDNState) -> torch.Tensor:
-        t = x.shape[0]
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. `state` is this layer's GDNState, or one per sequence
+        when ctx packs several (ctx.segments)."""
         with scope("projections", "lin.in"):
             proj = self.in_proj(x)
+        if ctx.segments is None:
+            out = self._mix(proj, ctx, state)
+        else:
+            out = torch.cat([self._mix(proj[s.row0 : s.row0 + s.rows], s.ctx, st) for s, st in zip(ctx.segments, state)])
+        return self.out_proj(out, ctx.slices)
+
+    def _mix(self, proj: torch.Tensor, ctx: ForwardContext, state: GDNState) -> torch.Tensor:
+        """One sequence's projected rows [T, in_local] -> the gated norm's output [T, hv*dv],
+        advancing its conv and recurrent state."""
+        t = proj.shape[0]
         if ctx.decode and self.compiled_decode is not None:
             # One call from the conv to the gated norm; the same as the path below (the tests
             # compare them) up to fp32 summation order.
             with scope("gdn_decode"):
-                out = self.compiled_decode(
+                return self.compiled_decode(
                     proj, self.conv_taps, state.conv, self.neg_a, self.dt_bias, self.norm.weight, self.norm.eps,
                     state.recurrent, self.hk, self.hv, self.dk, self.dv,
                 )
-            return self.out_proj(out, ctx.slices)
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
             if ctx.decode:
@@ -114,5 +124,5 @@ class GatedDeltaNet(nn.Module):
                 out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)
                 state.recurrent.copy_(final)
         with scope("norms", "gated"):
-            out = self.norm(out.to(x.dtype), z.view(t, self.hv, self.dv))
-        return self.out_proj(out.reshape(t, self.hv * self.dv), ctx.slices)
+            out = self.norm(out.to(proj.dtype), z.view(t, self.hv, self.dv))
+        return out.reshape(t, self.hv * self.dv)

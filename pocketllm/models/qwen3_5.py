@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pocketllm.config import FULL, ModelConfig
-from pocketllm.layers.context import ForwardContext
+from pocketllm.layers.context import ForwardContext, Segment
 from pocketllm.layers.attention import GatedAttention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.gdn import GatedDeltaNet
@@ -70,8 +70,22 @@ class Qwen35ForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(start, rows)
         return ForwardContext(start, slices, decode, cos, sin)
 
+    def packed_context(self, spans: list[tuple[int, int]], slices: int) -> ForwardContext:
+        """The context of a pass packing several sequences' rows, one after another: spans are
+        (start position, rows) per sequence. A one-row span past position 0 is a decode step."""
+        segments, row0 = [], 0
+        for start, rows in spans:
+            cos, sin = self.rotary.cos_sin(start, rows)
+            segments.append(Segment(row0, ForwardContext(start, slices, rows == 1 and start > 0, cos, sin)))
+            row0 += rows
+        return ForwardContext(0, slices, False, segments[0].ctx.cos, segments[0].ctx.sin, tuple(segments))
+
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
-        """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked)."""
+        """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked).
+        Packed (ctx.segments), states holds one state list per sequence and the result is the
+        logits of each sequence's last row [S, V]."""
+        if ctx.segments is not None:
+            return self._forward_packed(ids, ctx, states)
         # STACK is the whole pass, embedding to logits: the profile's shares are fractions of it.
         with scope("STACK"):
             with scope("embed"):
@@ -90,3 +104,16 @@ class Qwen35ForCausalLM(nn.Module):
                     # the one a last-row-only pass would draw.
                     logits[-1] = self.lm_head(h[-1:])[0]
         return logits if all_logits else logits[0]
+
+    def _forward_packed(self, ids: torch.Tensor, ctx: ForwardContext, states: list) -> torch.Tensor:
+        with scope("STACK"):
+            with scope("embed"):
+                h = self.embed(ids)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, ctx, [seq[i] for seq in states])
+            last = [s.row0 + s.rows - 1 for s in ctx.segments]
+            h = h[last]
+            with scope("norms", "final"):
+                h = self.norm(h)
+            with scope("lm_head"):
+                return self.lm_head(h)

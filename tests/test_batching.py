@@ -1,0 +1,160 @@
+"""Many sequences at once: a packed pass equals each sequence's own passes, and the scheduler's
+batches give every sequence the tokens it gets alone, whatever else runs beside it (fp32, tiny
+preset, in process at TP=1; one CLI run at TP=2 against transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import generated_ids, run_cli, usage_error_in_process
+from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
+
+from pocketllm.distributed.policy import RulePolicy
+from pocketllm.distributed.state import set_tp
+from pocketllm.engine.generate import SamplingParams, generate
+from pocketllm.engine.runner import Engine
+from pocketllm.engine.scheduler import Scheduler, generate_batch
+from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.presets import get_preset
+
+torch.set_num_threads(2)
+
+# Lengths chosen to cover a one-token prompt, one shorter than the conv window, and several
+# crossing the chunked rule's 64-row chunks.
+LENGTHS = (5, 1, 70, 3, 130, 2)
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def engine():
+    set_tp(0, 1)
+    cfg = get_preset("tiny")
+    return Engine(cfg, RandomWeights(cfg), torch.float32, torch.device("cpu"), RulePolicy())
+
+
+def prompt(n: int, offset: int) -> list[int]:
+    return [(31 * i + 7 * offset + 3) % 1000 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [prompt(n, i) for i, n in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def alone(engine, prompts):
+    return [generate(engine, p, NEW) for p in prompts]
+
+
+def test_a_packed_pass_equals_each_sequence_alone(engine, prompts):
+    spans = [(slot, 0, torch.tensor(p)) for slot, p in enumerate(prompts[:4])]
+    engine.reserve_slots(4, 200)
+    for slot in range(4):
+        engine.reset_slot(slot)
+    packed = engine.run_packed(spans)
+    # Then a decode row each, at each sequence's own position, in a shuffled slot order.
+    order = [2, 0, 3, 1]
+    step = engine.run_packed([(s, len(prompts[s]), torch.tensor([s + 10])) for s in order])
+    for slot, p in enumerate(prompts[:4]):
+        engine.start_sequence(len(p) + 1)
+        torch.testing.assert_close(packed[slot], engine.prefill(torch.tensor(p)), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(step[order.index(slot)], engine.decode(slot + 10), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_running,budget", [(6, 2048), (2, 2048), (3, 16)], ids=["all-at-once", "admitted-mid-way", "chunked-prompts"])
+def test_batched_greedy_tokens_equal_each_sequence_alone(engine, prompts, alone, max_running, budget):
+    sched = Scheduler(engine, max_running, max(LENGTHS) + NEW, prefill_budget=budget)
+    requests = [sched.submit(p, NEW) for p in prompts]
+    widest = 0
+    while sched.has_work:
+        sched.step()
+        widest = max(widest, sched.num_running)
+    assert widest == max_running
+    assert [r.output for r in requests] == alone
+    assert all(r.finish_reason == "length" for r in requests)
+    assert sorted(sched.free_slots) == list(range(max_running))
+
+
+def test_seeded_sampling_is_per_sequence(engine, prompts):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    alone = [generate(engine, p, NEW, params) for p in prompts[:4]]
+    assert generate_batch(engine, prompts[:4], NEW, params) == alone
+    # Seeded alike, the sequences still drew different tokens (each its own generator).
+    assert len({tuple(a) for a in alone}) == 4
+
+
+def test_a_sequence_that_meets_eos_ends_early_and_frees_its_slot(engine, prompts, alone):
+    eos = alone[0][3]  # the first sequence's fourth token
+    sched = Scheduler(engine, 2, max(LENGTHS) + NEW)
+    requests = [sched.submit(p, NEW, eos_ids=(eos,)) for p in prompts]
+    while sched.has_work:
+        sched.step()
+    for req, ref in zip(requests, alone):
+        expect = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert req.output == expect
+        assert req.finish_reason == ("stop" if eos in ref else "length")
+    assert requests[0].finish_reason == "stop" and len(requests[0].output) == 4
+
+
+def test_cancel_ends_one_request_and_leaves_the_others_alone(engine, prompts, alone):
+    sched = Scheduler(engine, 2, max(LENGTHS) + NEW)
+    requests = [sched.submit(p, NEW) for p in prompts[:4]]
+    for _ in range(3):
+        sched.step()
+    victim, queued = requests[1], requests[3]
+    sched.cancel(victim)
+    sched.cancel(queued)  # still waiting: it never runs
+    events = sched.step()
+    assert (victim, None) in events and (queued, None) in events
+    assert victim.finish_reason == queued.finish_reason == "cancelled"
+    assert queued.output == [] and victim.output == alone[1][: len(victim.output)]
+    while sched.has_work:
+        sched.step()
+    assert requests[0].output == alone[0] and requests[2].output == alone[2]
+
+
+def test_submit_refuses_what_cannot_run(engine):
+    sched = Scheduler(engine, 1, 16)
+    for bad, fragment in (([], "empty"), ([5, 1000], "outside the vocab"), ([1] * 10, "over the 16 positions")):
+        with pytest.raises(ValueError, match=fragment):
+            sched.submit(bad, 7)
+    sched.close()
+    with pytest.raises(ValueError, match="closed"):
+        sched.submit([1], 1)
+
+
+def test_bench_batch_counts_every_sequence(engine):
+    from pocketllm.engine.timing import timed_batch
+
+    r = timed_batch(engine, [prompt(20, i) for i in range(3)], 4, lambda: None)
+    assert (r["batch"], r["prefill_tokens"], r["decode_tokens"]) == (3, 60, 12)
+    assert r["decode_tokens_per_s"] == pytest.approx(3 * r["decode_tokens_per_s_per_sequence"])
+
+
+def test_bad_batch_flags_are_usage_errors(capsys):
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--batch", "0", expect="--batch must be >= 1")
+    usage_error_in_process(
+        capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--token-ids", "3", "--stream", expect="--stream takes one prompt, got 2"
+    )
+    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1", "--max-running", "0", expect="--max-running must be >= 1")
+
+
+def test_prompts_file_lines_are_checked(capsys, tiny_ckpt, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("one\n\nthree\n")
+    usage_error_in_process(capsys, "generate", "--ckpt", tiny_ckpt, "--prompts-file", path, expect="line 2 is empty")
+
+
+def test_a_batch_at_tp2_matches_transformers(tmp_path):
+    model = build_hf_model(vocab=251, kv_heads=1, tie=False)
+    ckpt = save_hf_checkpoint(model, tmp_path / "ckpt")
+    # No id 0: transformers would take it for padding (pad_token_id=0 in hf_greedy) and mask it.
+    batch = [[(11 * i + 3 * j) % 250 + 1 for i in range(n)] for j, n in enumerate((9, 1, 70, 4))]
+    args = [a for p in batch for a in ("--token-ids", ",".join(map(str, p)))]
+    r = run_cli(
+        "generate", "--ckpt", ckpt, "--tp-world", 2, "--dtype", "float32", *args, "--max-new-tokens", 6,
+        "--max-running", 3, "--dist-timeout", 30,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("generated_ids=")]
+    assert [generated_ids(line) for line in lines] == [hf_greedy(model, p, 6) for p in batch]
