@@ -114,11 +114,11 @@ def test_under_torchrun_the_default_world_is_world_size():
     assert_usage_error(r, "--tp-world must be >= 2 to time an all-reduce, got 1")
 
 
-# One hand-started rank of run_on_ranks: prepare leaves a file naming the rank that ran it and
+# One hand-started rank of run_without_model: prepare leaves a file naming the rank that ran it and
 # returns that process's id; work writes down the id it was given.
 _RANK_SCRIPT = """
 import argparse, os, sys
-from pocketllm.commands.ranked import run_on_ranks
+from pocketllm.commands.ranked import run_without_model
 
 rank, id_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 args = argparse.Namespace(tp_world=2, tp_rank=rank, rendezvous_file=id_path, device="cpu", dist_timeout=60.0)
@@ -132,7 +132,7 @@ def work(args, device, inputs):
         f.write(str(inputs))
     return 0
 
-sys.exit(run_on_ranks(args, [], prepare, work))
+sys.exit(run_without_model(args, [], prepare, work))
 """
 
 

@@ -169,13 +169,13 @@ def test_bad_fault_spec_is_a_usage_error(spec, message):
     ids=["network-error-type", "gloo-timeout", "gloo-peer", "not-a-collective", "not-a-collective-type"],
 )
 def test_collective_failures_are_classified(exc, kind):
-    from pocketllm.launch import collective_failure
+    from pocketllm.failures import collective_failure
 
     assert collective_failure(exc) == kind
 
 
 def test_an_aborted_rank_is_described_as_the_watchdog_would_have_it():
-    from pocketllm.launch import _describe_exit
+    from pocketllm.failures import describe_exit
 
-    assert "watchdog" in _describe_exit(-signal.SIGABRT) and "NCCL" in _describe_exit(-signal.SIGABRT)
-    assert _describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
+    assert "watchdog" in describe_exit(-signal.SIGABRT) and "NCCL" in describe_exit(-signal.SIGABRT)
+    assert describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"

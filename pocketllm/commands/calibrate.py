@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pocketllm.commands.progress import row_progress
-from pocketllm.commands.ranked import DEFAULT_WORLD, run_on_ranks
+from pocketllm.commands.ranked import DEFAULT_WORLD, run_without_model
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
@@ -192,4 +192,4 @@ def _work(args, device, inputs) -> int:
 
 
 def run(args, argv) -> int:
-    return run_on_ranks(args, argv, _prepare, _work)
+    return run_without_model(args, argv, _prepare, _work)

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from pocketllm.commands.ranked import run_ranked, run_settings
+from pocketllm.commands.ranked import run_with_model, run_settings
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.engine.timing import timed_prefill, warm_up
@@ -163,4 +163,4 @@ def run(args, argv) -> int:
     args.phase_profile = True
     if not _slices_given(args, os.environ):
         args.pin_slices = "1"
-    return run_ranked(args, argv, _prepare, _work)
+    return run_with_model(args, argv, _prepare, _work)

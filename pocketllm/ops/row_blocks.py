@@ -19,7 +19,7 @@ def block_rows(x: torch.Tensor) -> int:
     return max(1, BLOCK_BYTES // (4 * (x.numel() // max(1, x.shape[0]))))
 
 
-def blocks_pay_off(x: torch.Tensor) -> bool:
+def uses_row_blocks(x: torch.Tensor) -> bool:
     """Row blocks are a CPU cache measure. On CUDA or Ascend one kernel over all rows beats many
     small launches, so there the ops run whole."""
     return x.device.type == "cpu"
@@ -29,7 +29,7 @@ def by_row_blocks(fn, x: torch.Tensor, *rows_like: torch.Tensor, out_dtype: torc
     """fn(x, *rows_like) computed on row blocks of x (and of the tensors that share its rows)
     into one output of x's shape: the same values, since fn treats every row alone."""
     # A decode row (the per-token path) returns before any block arithmetic.
-    if x.shape[0] == 1 or not blocks_pay_off(x):
+    if x.shape[0] == 1 or not uses_row_blocks(x):
         return fn(x, *rows_like)
     step = block_rows(x)
     if x.shape[0] <= step:
