@@ -71,3 +71,14 @@ def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_pat
         "--device", "cpu",  # were the check gone, this process would become the rank: never on a GPU
         expect="--dist-timeout must be positive, got -1",
     )
+
+
+def test_torchrun_env_without_tp_world_plans_for_its_world_size(capsys, no_ranks, monkeypatch):
+    # torchrun gives WORLD_SIZE; --tp-world may be left out, so the split is checked for 3 ranks
+    # (the tiny preset's 4 heads do not split 3 ways), not for the flag's default of 1.
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    usage_error_in_process(
+        capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--dist-timeout", 3,
+        expect=("over 3 ranks", "valid world sizes: 1, 2, 4"),
+    )
