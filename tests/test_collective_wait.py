@@ -5,7 +5,6 @@ test_cpu_pinning."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from pocketllm.distributed import waiting
