@@ -27,7 +27,8 @@ from conftest import main_in_process, usage_error_in_process
 from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_
 from pocketllm.ops.gated_delta.backends import CHOICES, KernelChoice, choose_gdn_kernel, probe, select_gdn_kernel
 from pocketllm.ops.gated_delta.fla_adapter import fla_decode_step_, fla_prefill
-from test_gated_delta import assert_close_rel, make_inputs, reference_f64
+from numerics import assert_close_rel
+from test_gated_delta import make_inputs, reference_f64
 
 CPU = torch.device("cpu")
 HEADS = [pytest.param(1, 3, id="Hk1-Hv3"), pytest.param(2, 2, id="Hk2-Hv2"), pytest.param(2, 6, id="Hk2-Hv6")]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import free_port, main_in_process, usage_error_in_process
+from numerics import rel_err
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
 from pocketllm.distributed.policy import PinnedPolicy, RulePolicy, comm_overlap_slices_for_rows, resolve_policy
@@ -25,10 +26,6 @@ ROWS = (3, 13, 37)
 # measured at most 1.9e-7 (fp32, ~1.6 eps) and exactly one bf16 ulp at the top magnitude
 # (2^-7 relative, TP=4). The bounds are 1e-6 (~8 fp32 eps) and 2^-6 (two bf16 ulps).
 TOL = {torch.float32: 1e-6, torch.bfloat16: 2**-6}
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    return float((a.double() - b.double()).abs().max()) <= tol * float(b.double().abs().max())
 
 
 def _compare_worker(rank: int, world: int, port: int) -> None:
@@ -50,12 +47,12 @@ def _compare_worker(rank: int, world: int, port: int) -> None:
                     wr = torch.randn(40, 24, generator=g).to(dtype)
                     exact += xr.double() @ wr.double().t()
                 # The serial path rounds each rank's product and each partial sum once more.
-                assert _close(serial, exact, 4 * tol)
+                assert rel_err(serial, exact) <= 4 * tol
                 for slices in SLICES:
                     COUNTER.reset()
                     out = projection_all_reduce_overlapped(x, w, slices, "mlp.down")
                     assert out.dtype == dtype and out.shape == (rows, 40)
-                    assert _close(out, serial, tol), f"TP={world} {dtype} rows={rows} slices={slices}"
+                    assert rel_err(out, serial) <= tol, f"TP={world} {dtype} rows={rows} slices={slices}"
                     # One collective per slice, or one when the path falls back to serial.
                     assert COUNTER.total == (1 if is_serial(rows, slices) else slices)
     finally:

@@ -1,7 +1,8 @@
 """Rendezvous is checked and bounded: a --rendezvous-file file left by an earlier run is refused with
 the command that clears it (and the run works once it is cleared), a missing rank 0 is waited for
 only POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS x 10 ms, and an unwritable directory or a busy port is
-one line naming it. The launcher's own private directory is checked in test_faults.py."""
+one line naming it; a device backend's group also carries CPU tensors (through gloo). The
+launcher's own private directory is checked in test_faults.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import subprocess
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import assert_nothing_left, start
+from pocketllm.distributed.rendezvous import backend_spec
 
 ARGS = ["generate", "--preset", "tiny", "--token-ids", "1,2,3,4", "--max-new-tokens", 2, "--dist-timeout", 20]
 
@@ -119,3 +123,19 @@ def test_private_dirs_of_dead_launchers_are_removed(tmp_path):
     assert not stale.exists() and live.exists() and other.exists()
     assert os.path.basename(made).startswith(f"pocketllm-rdzv-{os.getpid()}-")
     assert os.stat(made).st_mode & 0o777 == 0o700
+
+
+def test_a_device_backends_group_reduces_the_commands_cpu_tensors(tmp_path):
+    # The commands reduce host numbers (timing maxima, every rank's RSS) over the device group.
+    # Stand-in for NCCL on a CPU-only machine: the spec pocketllm builds, with gloo in NCCL's
+    # place; a group bound to cuda alone would refuse a CPU tensor. (HCCL's spec names the npu
+    # device, which torch knows only with torch_npu installed.)
+    spec = backend_spec("nccl").replace(":nccl", ":gloo")
+    assert spec != "gloo"
+    dist.init_process_group(spec, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        t = torch.ones(2, dtype=torch.float64)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
