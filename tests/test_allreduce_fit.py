@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import assert_usage_error, cli_env, run_cli, usage_error_in_process
+from conftest import cli_env, run_cli, usage_error_in_process
 from pocketllm.distributed.allreduce_bench import bus_factor, fit_latency_bandwidth, parse_size, size_ladder
 from pocketllm.errors import UsageError
 
@@ -106,12 +106,12 @@ def test_allreduce_errors(args, message, capsys, no_ranks):
     usage_error_in_process(capsys, "allreduce", *args, expect=message)
 
 
-def test_under_torchrun_the_default_world_is_world_size():
-    # A subprocess: torchrun's variables set in this process could make pytest itself join a group.
-    # With --tp-world left out the world is torchrun's WORLD_SIZE (here 1: refused as too few),
-    # not the local default of 2 disagreeing with it.
-    r = run_cli("allreduce", env=cli_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"))
-    assert_usage_error(r, "--tp-world must be >= 2 to time an all-reduce, got 1")
+def test_under_torchrun_the_default_world_is_world_size(capsys, no_ranks, monkeypatch):
+    # With --tp-world left out the world is torchrun's WORLD_SIZE (here 1: refused as too few, so
+    # this process never joins a group), not the local default of 2 disagreeing with it.
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    usage_error_in_process(capsys, "allreduce", expect="--tp-world must be >= 2 to time an all-reduce, got 1")
 
 
 # One hand-started rank of run_without_model: prepare leaves a file naming the rank that ran it and
