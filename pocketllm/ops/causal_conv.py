@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from pocketllm.ops.row_blocks import block_rows, uses_row_blocks
 
 # From this many tokens the prefill conv runs as K shifted multiply-adds over row blocks instead of
-# one F.conv1d: at 4096 tokens of 2048 channels that measured 26 ms against 60 ms in bf16 (41
-# against 112 in fp32), while at 512 tokens conv1d was as fast or faster in bf16. CPU only.
+# one F.conv1d: on CPU that measured over twice as fast at 4096 tokens, while at 512 conv1d was as
+# fast or faster (docs/measuring.md, figures behind the code's choices). CPU only.
 BLOCKED_FROM_TOKENS = 1024
 
 
