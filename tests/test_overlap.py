@@ -1,16 +1,15 @@
 """The overlapped projection and its slice policy (seed sections 1 and 4): the sliced path gives
 the serial path's result, the rule picks the seed's counts, a pin that cannot be served falls
 back to serial, bad knobs are one line and exit 2, and slice i's all-reduce is issued before
-GEMM i+1 runs. (The collectives a whole pass issues: test_cpu_pinning's TP=2 bench runs.)"""
+GEMM i+1 runs. On real gloo groups of 2 and 4 (check_overlapped_equals_serial, run inside
+test_shm_allreduce's groups) the sliced path equals the serial one. (The collectives a whole pass issues: test_cpu_pinning's TP=2 bench runs.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port, main_in_process, usage_error_in_process
+from conftest import main_in_process, usage_error_in_process
 from numerics import rel_err
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
@@ -28,41 +27,33 @@ ROWS = (3, 13, 37)
 TOL = {torch.float32: 1e-6, torch.bfloat16: 2**-6}
 
 
-def _compare_worker(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    set_tp(rank, world)
-    try:
-        for dtype, tol in TOL.items():
-            for rows in ROWS:
-                gen = torch.Generator().manual_seed(100 * rows + rank)
-                x = torch.randn(rows, 24, generator=gen).to(dtype)
-                w = torch.randn(40, 24, generator=gen).to(dtype)
-                serial = projection_all_reduce_overlapped(x, w, 1, "mlp.down")
-                # The exact sum of every rank's partial product, as the reference both must match.
-                exact = torch.zeros(rows, 40, dtype=torch.float64)
-                for r in range(world):
-                    g = torch.Generator().manual_seed(100 * rows + r)
-                    xr = torch.randn(rows, 24, generator=g).to(dtype)
-                    wr = torch.randn(40, 24, generator=g).to(dtype)
-                    exact += xr.double() @ wr.double().t()
-                # The serial path rounds each rank's product and each partial sum once more.
-                assert rel_err(serial, exact) <= 4 * tol
-                for slices in SLICES:
-                    COUNTER.reset()
-                    out = projection_all_reduce_overlapped(x, w, slices, "mlp.down")
-                    assert out.dtype == dtype and out.shape == (rows, 40)
-                    assert rel_err(out, serial) <= tol, f"TP={world} {dtype} rows={rows} slices={slices}"
-                    # One collective per slice, or one when the path falls back to serial.
-                    assert COUNTER.total == (1 if is_serial(rows, slices) else slices)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("world", [2, 4])
-def test_overlapped_equals_serial(world):
-    mp.start_processes(_compare_worker, args=(world, free_port()), nprocs=world, join=True, start_method="spawn")
+def check_overlapped_equals_serial(rank: int, world: int) -> None:
+    """On one rank of a real gloo group of `world` (the all-reduces gloo's own async ones): the
+    sliced path gives the serial path's result, with one collective per slice. Run inside
+    test_shm_allreduce's groups of 2 and 4, before they set up the shared-memory all-reduce, so
+    that each world size is started once."""
+    for dtype, tol in TOL.items():
+        for rows in ROWS:
+            gen = torch.Generator().manual_seed(100 * rows + rank)
+            x = torch.randn(rows, 24, generator=gen).to(dtype)
+            w = torch.randn(40, 24, generator=gen).to(dtype)
+            serial = projection_all_reduce_overlapped(x, w, 1, "mlp.down")
+            # The exact sum of every rank's partial product, as the reference both must match.
+            exact = torch.zeros(rows, 40, dtype=torch.float64)
+            for r in range(world):
+                g = torch.Generator().manual_seed(100 * rows + r)
+                xr = torch.randn(rows, 24, generator=g).to(dtype)
+                wr = torch.randn(40, 24, generator=g).to(dtype)
+                exact += xr.double() @ wr.double().t()
+            # The serial path rounds each rank's product and each partial sum once more.
+            assert rel_err(serial, exact) <= 4 * tol
+            for slices in SLICES:
+                COUNTER.reset()
+                out = projection_all_reduce_overlapped(x, w, slices, "mlp.down")
+                assert out.dtype == dtype and out.shape == (rows, 40)
+                assert rel_err(out, serial) <= tol, f"TP={world} {dtype} rows={rows} slices={slices}"
+                # One collective per slice, or one when the path falls back to serial.
+                assert COUNTER.total == (1 if is_serial(rows, slices) else slices)
 
 
 def test_slice_bounds_cover_uneven_rows():
