@@ -271,10 +271,9 @@ def assert_nothing_left(run: Run, within: float = 0.0) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
-    """The tiny preset written as an HF checkpoint by `pocketllm make-checkpoint`."""
+    """The tiny preset written as an HF checkpoint by `pocketllm make-checkpoint`, in this process."""
     out = tmp_path_factory.mktemp("tiny_ckpt")
-    r = run_cli("make-checkpoint", "--preset", "tiny", "--out", out)
-    assert r.returncode == 0, r.stderr
+    assert main_in_process("make-checkpoint", "--preset", "tiny", "--out", out) == 0
     return out
 
 
