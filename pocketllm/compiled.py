@@ -97,6 +97,12 @@ def load(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | No
     return _loaded[key]
 
 
+def source_digest(source: Path) -> str:
+    """A short digest of a source and the headers it includes: what a measured choice of its
+    kernels is only valid for."""
+    return hashlib.sha256(_source_text(source)).hexdigest()[:12]
+
+
 def _source_text(source: Path) -> bytes:
     """The source and every header it includes by a quoted relative path, so editing a header
     rebuilds each kernel that uses it."""

@@ -1,4 +1,5 @@
-"""Host memory for the weights: zeroed CPU tensors placed on transparent huge pages.
+"""Host memory: zeroed CPU tensors for the weights placed on transparent huge pages, and glibc's
+heap kept for the activations of large passes.
 
 A decode step streams every weight once. On 4 KiB pages that stream walks a new page table entry
 every 4 KiB and evicts the rest of the step's TLB entries; on 2 MiB pages it does neither, which
@@ -11,8 +12,13 @@ pages, exactly what torch.zeros would have given.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
+import os
 from collections.abc import Sequence
+
+from pocketllm.switches import env_switch
 
 import torch
 
@@ -42,3 +48,28 @@ def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str =
         # A kernel built without THP refuses the advice; plain pages still work.
         pass
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+ENV_KEEP_FREED = "POCKETLLM_KEEP_FREED"
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# Blocks up to this size come from the heap and stay there when freed.
+KEEP_UP_TO = 2**30
+
+
+def keep_freed_blocks(env=os.environ) -> bool:
+    """Make glibc serve allocations up to KEEP_UP_TO from its heap and keep freed memory there.
+    By default it maps every block over 32 MiB afresh and unmaps it when freed, so a pass whose
+    activations exceed that (a prompt of thousands of rows, or several prompts packed into one
+    pass) pays a page fault for every 4 KiB of every such block, every pass; kept, the next pass
+    reuses the same memory. The peak is what the largest pass needs either way; the heap just
+    does not shrink after it. Call after the weights are loaded (they have their own mappings
+    anyway). POCKETLLM_KEEP_FREED=0 leaves glibc's defaults. Returns whether it applied."""
+    if not env_switch(env, ENV_KEEP_FREED, default=True):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False  # not glibc (musl, macOS): its allocator behaves its own way
+    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_UP_TO)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_UP_TO))

@@ -13,7 +13,7 @@ from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops import gemv
 from pocketllm.ops.gemv import choice as gemv_choice
-from pocketllm.ops.gemv.kernels import CANDIDATES, gemv_reference, kernels_for
+from pocketllm.ops.gemv.kernels import CANDIDATES, FEW_ROW_CANDIDATES, gemv_reference, kernels_for, rows_reference
 
 # (out, in): a multiple of every vector width, then rows that leave a remainder after the
 # four-row blocks and widths that end mid-vector.
@@ -39,6 +39,47 @@ def test_every_kernel_matches_the_reference(shape, dtype):
         scale = (w.float().abs() @ x.float().abs()).max().item()
         tol = 2 * torch.finfo(dtype).eps * max(scale, 1.0)
         assert (got.float() - want.float()).abs().max().item() <= tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("shape", SHAPES + [(33, 64), (16, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_few_row_kernel_matches_the_reference(shape, rows, dtype):
+    # Row counts around the AVX-512 tile's four and past AMX's sixteen columns, weight rows
+    # around both tiles' blocks, widths that are and are not a multiple of an AMX tile's 32.
+    torch.manual_seed(0)
+    w = torch.randn(shape, dtype=dtype)
+    x = torch.randn(rows, shape[1], dtype=dtype)
+    want = torch.empty(rows, shape[0], dtype=dtype)
+    rows_reference(x, w, want)
+    names = [c.name for c in kernels_for(dtype, torch.device("cpu"), rows)]
+    assert ("c" in names) == (dtype == torch.bfloat16)
+    scale = max((x.float().abs() @ w.float().abs().t()).max().item(), 1.0)
+    for name in names:
+        got = torch.full((rows, shape[0]), float("nan"), dtype=dtype)
+        FEW_ROW_CANDIDATES[name].run(x, w, got)
+        assert (got.float() - want.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps * scale, name
+
+
+def test_few_rows_run_the_kernel_chosen_for_the_next_row_count_up(monkeypatch, tmp_path):
+    from pocketllm.ops.gemm import linear_rows
+
+    monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path))
+    w = torch.randn(12, 32, dtype=torch.bfloat16)
+    choice = gemv.choose([w], env={}, rows=4)
+    assert choice.how == "measured" and choice.rows == 4 and "4-row kernels" in choice.describe()
+    assert set(choice.seconds[(12, 32)]) == {c.name for c in kernels_for(torch.bfloat16, torch.device("cpu"), 4)} >= {"mm", "c"}
+    assert gemv.choose([w], env={}, rows=4).how == "cached"
+    calls = []
+    monkeypatch.setitem(FEW_ROW_CANDIDATES, "c", FEW_ROW_CANDIDATES["c"].__class__("c", lambda x, w, out: calls.append(x.shape[0]) or out.zero_(), ""))
+    gemv.install(gemv.GemvChoice("forced", {(12, 32): "c"}, rows=4), torch.bfloat16)
+    for m in (2, 3, 4, 5):
+        linear_rows(torch.randn(m, 32, dtype=torch.bfloat16), w)
+    # 5 rows is past every row count chosen for: torch's GEMM ran it.
+    assert calls == [2, 3, 4]
+    gemv.install(gemv.GemvChoice("forced", {(12, 32): "mm"}, rows=4), torch.bfloat16)
+    with pytest.raises(UsageError, match="POCKETLLM_FEW_ROWS='mv' is not a few-row kernel"):
+        gemv.forced_kernel({gemv.ENV_FEW_ROWS: "mv"}, rows=2)
 
 
 def test_a_shape_runs_the_kernel_chosen_for_it(monkeypatch):

@@ -111,3 +111,22 @@ def test_engine_on_huge_pages_matches_transformers(tmp_path):
     engine.start_sequence(len(prompt))
     logits = engine.prefill(torch.tensor(prompt), all_logits=True)
     torch.testing.assert_close(logits.float(), hf_prefill_logits(model, prompt), atol=2e-4, rtol=1e-3)
+
+
+def test_kept_heap_serves_a_large_block_again_without_faulting():
+    import resource
+
+    from pocketllm.errors import UsageError
+    from pocketllm.host_memory import keep_freed_blocks
+
+    assert keep_freed_blocks({"POCKETLLM_KEEP_FREED": "0"}) is False
+    with pytest.raises(UsageError, match="POCKETLLM_KEEP_FREED"):
+        keep_freed_blocks({"POCKETLLM_KEEP_FREED": "maybe"})
+    assert keep_freed_blocks({}) is True
+    n = 64 * 2**20  # over glibc's default 32 MiB mapping threshold
+    torch.ones(n, dtype=torch.uint8)  # first use: faults in, then goes back to the heap
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(n, dtype=torch.uint8)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    # Mapped afresh it would fault once per 4 KiB page: 16384 times.
+    assert faults < 1000

@@ -103,6 +103,7 @@ def _load_then_work(args, renv, device, checked, work, profiling, fault) -> int:
         # What loading cost this rank at its peak, above what the process held before it.
         engine.load_peak_mib = peak_rss_mib() - rss_before
         engine.hooks.append(PassTracker())
+        engine.say = say
         if faults.fault is not None:
             engine.hooks.append(faults)
         say(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pocketllm import host_memory
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
@@ -43,6 +44,8 @@ class Engine:
         self.model = Qwen35ForCausalLM(cfg, dtype, device)
         # load_weights closes the source after every parameter.
         self.loaded_bytes = load_weights(self.model, source)
+        if device.type == "cpu":
+            host_memory.keep_freed_blocks()
         # The one-row kernel per weight shape, measured here (or read from this machine's cache).
         self.gemv = gemv.choose(self.model.one_row_weights())
         gemv.install(self.gemv, dtype)
@@ -51,6 +54,8 @@ class Engine:
         # The sequences run together (reserve_slots): one state list per slot.
         self.slots: list = []
         self.slot_capacity = 0
+        self.few_rows: dict = {}  # rows -> the GemvChoice for decode steps of that many sequences
+        self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
         self.pos = 0
         # Objects with before_pass(info) / after_pass(info), called around every pass.
         self.hooks: list = []
@@ -103,6 +108,16 @@ class Engine:
         self.slots = [allocate_states(self.model, max_len) for _ in range(count)]
         self.slot_capacity = max_len
         self.model.rotary.reserve(max_len)
+        # A decode step of `count` sequences has `count` rows: the few-row kernels for every
+        # power of two up to it, measured (or read from this machine's cache) once.
+        rows = 2
+        while rows // 2 < count:
+            if rows not in self.few_rows:
+                self.few_rows[rows] = gemv.choose(self.model.one_row_weights(), rows=rows)
+                gemv.install(self.few_rows[rows], self.dtype)
+                if self.say is not None:
+                    self.say(self.few_rows[rows].describe())
+            rows *= 2
 
     def reset_slot(self, slot: int) -> None:
         """Forget the sequence in `slot`, so the next one there starts from position 0."""

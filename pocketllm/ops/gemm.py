@@ -1,13 +1,14 @@
 """x @ w^T for the engine's projections. A single row (decode) goes through the one-row kernel
-measured fastest for the weight's shape on this machine (pocketllm.ops.gemv); more rows go
-through torch's GEMM."""
+measured fastest for the weight's shape on this machine (pocketllm.ops.gemv), a few rows (a
+decode step of several sequences) through the few-row kernel measured for that many rows, and
+more rows through torch's GEMM."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from pocketllm.ops.gemv import gemv_row
+from pocketllm.ops.gemv import few_rows_kernel, gemv_row
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -16,6 +17,12 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         if out is None:
             out = torch.empty(1, w.shape[0], dtype=x.dtype, device=x.device)
         gemv_row(x[0], w, out[0])
+        return out
+    kernel = few_rows_kernel(x.shape[0], w)
+    if kernel is not None:
+        if out is None:
+            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        kernel(x, w, out)
         return out
     if out is None:
         return F.linear(x, w)

@@ -9,6 +9,10 @@ do, where a median taken in a busy spell could crown the kernel that happened to
 one. The
 result is cached per machine in a file keyed by CPU, torch version, dtype, threads and shape, so
 the next load on the same machine only reads it. `POCKETLLM_GEMV=NAME` forces one kernel.
+
+A decode step of several sequences has a few rows; its kernels are chosen the same way, for each
+row count the engine asks for (the slots it reserves, rounded up to a power of two), among the
+few-row candidates; `POCKETLLM_FEW_ROWS=NAME` forces one of those.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import torch
 
 from pocketllm import compiled
 from pocketllm.errors import UsageError
-from pocketllm.ops.gemv.kernels import CANDIDATES, DEFAULT, kernels_for
+from pocketllm.ops.gemv import kernels
+from pocketllm.ops.gemv.kernels import candidates_for, kernels_for
 
 ENV_GEMV = "POCKETLLM_GEMV"
+ENV_FEW_ROWS = "POCKETLLM_FEW_ROWS"
 # Passes per candidate; even, so each candidate runs first as often as last.
 PASSES = 6
 # Enough weights per pass that the pass streams from memory, yet a 64-layer model is not read
@@ -32,24 +38,29 @@ PASSES = 6
 PASS_BYTES = 1 << 30
 
 
-def forced_kernel(env=os.environ) -> str | None:
-    """POCKETLLM_GEMV, checked: None for auto (unset, empty or "auto")."""
-    value = env.get(ENV_GEMV, "").strip()
+def forced_kernel(env=os.environ, rows: int = 1) -> str | None:
+    """POCKETLLM_GEMV (POCKETLLM_FEW_ROWS for rows > 1), checked: None for auto (unset, empty or
+    "auto")."""
+    name = ENV_GEMV if rows == 1 else ENV_FEW_ROWS
+    candidates = candidates_for(rows)[0]
+    value = env.get(name, "").strip()
     if value in ("", "auto"):
         return None
-    if value not in CANDIDATES:
-        raise UsageError(f"{ENV_GEMV}={value!r} is not a one-row kernel: use auto, {', '.join(CANDIDATES)}")
+    if value not in candidates:
+        what = "one-row" if rows == 1 else "few-row"
+        raise UsageError(f"{name}={value!r} is not a {what} kernel: use auto, {', '.join(candidates)}")
     return value
 
 
 def check_forced(dtype: torch.dtype, device_kind: str, env=os.environ) -> None:
     """A forced kernel this run cannot use is a usage error, before any rank starts."""
-    name = forced_kernel(env)
-    if name is None:
-        return
-    why = CANDIDATES[name].unavailable(dtype, torch.device(device_kind))
-    if why:
-        raise UsageError(f"{ENV_GEMV}={name}: {why}")
+    for rows, var in ((1, ENV_GEMV), (2, ENV_FEW_ROWS)):
+        name = forced_kernel(env, rows)
+        if name is None:
+            continue
+        why = candidates_for(rows)[0][name].unavailable(dtype, torch.device(device_kind))
+        if why:
+            raise UsageError(f"{var}={name}: {why}")
 
 
 @dataclass
@@ -61,43 +72,46 @@ class GemvChoice:
     # Seconds per call of each candidate on each shape (its fastest pass), from the measurement
     # that made this choice.
     seconds: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
+    rows: int = 1  # the pass's rows the choice is for
 
     def describe(self) -> str:
         shapes = sorted(self.by_shape.items(), key=lambda kv: (-kv[0][0] * kv[0][1]))
         parts = ", ".join(f"{o}x{i} {name}" for (o, i), name in shapes)
-        return f"one-row kernels ({self.how}): {parts}"
+        return f"{'one-row' if self.rows == 1 else f'{self.rows}-row'} kernels ({self.how}): {parts}"
 
     def to_json(self) -> dict:
         return {
             "how": self.how,
+            "rows": self.rows,
             "by_shape": {f"{o}x{i}": name for (o, i), name in self.by_shape.items()},
             "seconds": {f"{o}x{i}": s for (o, i), s in self.seconds.items()},
         }
 
 
-def choose(weights: list[torch.Tensor], env=os.environ) -> GemvChoice:
-    """The kernel for each shape among `weights` (the step's one-row weights, in step order)."""
+def choose(weights: list[torch.Tensor], env=os.environ, rows: int = 1) -> GemvChoice:
+    """The kernel for each shape among `weights` (the step's projection weights, in step order)
+    for passes of `rows` rows."""
     shapes = sorted({tuple(w.shape) for w in weights})
-    forced = forced_kernel(env)
+    forced = forced_kernel(env, rows)
     if forced is not None:
-        return GemvChoice("forced", dict.fromkeys(shapes, forced))
+        return GemvChoice("forced", dict.fromkeys(shapes, forced), rows=rows)
     if not weights:
-        return GemvChoice("default")
+        return GemvChoice("default", rows=rows)
     dtype, device = weights[0].dtype, weights[0].device
-    candidates = [c.name for c in kernels_for(dtype, device)]
+    candidates = [c.name for c in kernels_for(dtype, device, rows)]
     if len(candidates) == 1 or device.type != "cpu":
-        return GemvChoice("default", dict.fromkeys(shapes, DEFAULT))
-    keys = {s: _cache_key(s, dtype) for s in shapes}
+        return GemvChoice("default", dict.fromkeys(shapes, candidates_for(rows)[1]), rows=rows)
+    keys = {s: _cache_key(s, dtype, rows) for s in shapes}
     cached = _read_cache()
     if all(k in cached and cached[k]["kernel"] in candidates for k in keys.values()):
-        return GemvChoice("cached", {s: cached[k]["kernel"] for s, k in keys.items()}, {s: cached[k]["seconds"] for s, k in keys.items()})
-    seconds = measure(weights, candidates)
+        return GemvChoice("cached", {s: cached[k]["kernel"] for s, k in keys.items()}, {s: cached[k]["seconds"] for s, k in keys.items()}, rows)
+    seconds = measure(weights, candidates, rows=rows)
     by_shape = {s: min(seconds[s], key=seconds[s].get) for s in shapes}
     _write_cache({keys[s]: {"kernel": by_shape[s], "seconds": seconds[s]} for s in shapes})
-    return GemvChoice("measured", by_shape, seconds)
+    return GemvChoice("measured", by_shape, seconds, rows)
 
 
-def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PASSES) -> dict[tuple[int, int], dict[str, float]]:
+def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PASSES, rows: int = 1) -> dict[tuple[int, int], dict[str, float]]:
     """Seconds per call of each candidate on each shape, its fastest of `passes` passes through
     `weights` (cut to PASS_BYTES) per candidate, the candidates' order reversed every other pass."""
     shapes = {tuple(w.shape) for w in weights}
@@ -109,10 +123,13 @@ def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PA
         if taken[s] == 0 or taken[s] < PASS_BYTES // len(shapes):
             chosen.append(w)
             taken[s] += w.numel() * w.element_size()
-    inputs = {tuple(w.shape): torch.randn(w.shape[1], dtype=w.dtype, device=w.device) for w in chosen}
-    outs = {s: torch.empty(s[0], dtype=chosen[0].dtype, device=chosen[0].device) for s in inputs}
+    lead = () if rows == 1 else (rows,)
+    dtype, device = chosen[0].dtype, chosen[0].device
+    inputs = {tuple(w.shape): torch.randn(*lead, w.shape[1], dtype=w.dtype, device=w.device) for w in chosen}
+    outs = {s: torch.empty(*lead, s[0], dtype=dtype, device=device) for s in inputs}
     per_pass: dict[tuple[int, int], dict[str, list[float]]] = {s: {c: [] for c in candidates} for s in inputs}
-    kernels = {c: CANDIDATES[c].run for c in candidates}
+    table = candidates_for(rows)[0]
+    kernels = {c: table[c].run for c in candidates}
     # One untimed pass per candidate first: the first call of a kernel pays for its setup.
     for c in candidates:
         for w in chosen:
@@ -134,8 +151,14 @@ def measure(weights: list[torch.Tensor], candidates: list[str], passes: int = PA
     return {s: {c: min(v) for c, v in by_c.items()} for s, by_c in per_pass.items()}
 
 
-def _cache_key(shape: tuple[int, int], dtype: torch.dtype) -> str:
-    return "|".join([compiled.cpu_model(), f"torch {torch.__version__}", str(dtype).removeprefix("torch."), f"{torch.get_num_threads()} threads", f"{shape[0]}x{shape[1]}"])
+def _cache_key(shape: tuple[int, int], dtype: torch.dtype, rows: int = 1) -> str:
+    # The compiled kernels' source is part of the key: a choice measured against another version
+    # of them says nothing about this one.
+    parts = [
+        compiled.cpu_model(), f"torch {torch.__version__}", f"kernels {compiled.source_digest(kernels.SOURCE)}",
+        str(dtype).removeprefix("torch."), f"{torch.get_num_threads()} threads", f"{shape[0]}x{shape[1]}",
+    ]
+    return "|".join(parts + ([f"{rows} rows"] if rows > 1 else []))
 
 
 def cache_path() -> str:

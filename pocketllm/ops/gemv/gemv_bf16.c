@@ -1,4 +1,5 @@
-/* y = W x for one bf16 row x: W [rows, n] row-major bf16, x [n] bf16, y [rows] bf16.
+/* y = W x for one bf16 row x: W [rows, n] row-major bf16, x [n] bf16, y [rows] bf16; and
+ * Y = X W^T for a few rows X [m, n] (a decode step of m sequences), Y [m, rows].
  *
  * Decode reads every weight once per token, so this is a streaming loop: four weight rows at a
  * time share each load of x, products are summed in fp32 and rounded to bf16 once per output
@@ -41,6 +42,27 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
         a = _mm512_dpbf16_ps(a, load_bh(w + i, m), load_bh(x + i, m));
     }
     return _mm512_reduce_add_ps(a);
+}
+/* Four weight rows against up to four x rows: each weight load feeds up to four dot products, so
+ * the weight streams once for four sequences, and each x load feeds four weight rows. Inlined into
+ * calls with a constant `cols`, so the sixteen accumulators stay in registers. */
+#define HAS_TILE 1
+#define TILE_ROWS 4
+static inline __attribute__((always_inline)) void tile4x4(const uint16_t *w, int64_t n, const uint16_t *x, int cols, float o[4][4]) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += STEP) {
+        __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
+        __m512bh wv[4];
+        for (int r = 0; r < 4; r++) wv[r] = load_bh(w + r * n + i, m);
+        for (int c = 0; c < cols; c++) {
+            __m512bh xv = load_bh(x + c * n + i, m);
+            for (int r = 0; r < 4; r++) a[r][c] = _mm512_dpbf16_ps(a[r][c], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < cols; c++) o[r][c] = _mm512_reduce_add_ps(a[r][c]);
 }
 const char *gemv_bf16_isa(void) { return "avx512_bf16"; }
 
@@ -139,3 +161,110 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
     }
     for (int64_t r = blocks * 4; r < rows; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x));
 }
+
+/* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where the tile is
+ * compiled in (AVX-512 BF16) x rows go four at a time against four weight rows; elsewhere
+ * each output is its own dot product, which reads the weight once per x row (the load-time
+ * measurement then prefers torch's GEMM there). */
+void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
+#ifdef HAS_TILE
+    int64_t blocks = rows / TILE_ROWS;
+    /* Parallel over blocks of weight rows, the x rows four at a time inside: a block read for the
+     * first four is still in cache for the next four. */
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *wb = w + b * TILE_ROWS * n;
+        for (int64_t c0 = 0; c0 < m; c0 += 4) {
+            int cols = m - c0 < 4 ? (int)(m - c0) : 4;
+            float o[4][4];
+            switch (cols) {
+            case 4: tile4x4(wb, n, x + c0 * n, 4, o); break;
+            case 3: tile4x4(wb, n, x + c0 * n, 3, o); break;
+            case 2: tile4x4(wb, n, x + c0 * n, 2, o); break;
+            default: tile4x4(wb, n, x + c0 * n, 1, o); break;
+            }
+            for (int r = 0; r < TILE_ROWS; r++)
+                for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
+        }
+    }
+    for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
+        for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
+#else
+    for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n);
+#endif
+}
+
+/* The same few-row product on AMX tiles, where the CPU has them and the kernel lets this process
+ * use them (amx_bf16_enable). The weight is the A operand as it lies in memory, sixteen rows of
+ * 32 bf16 per tile load; only X, which is small, is rearranged, into the pair-interleaved layout
+ * the B operand takes. So no copy of the weight is made, and each tile product does 16 x m x 32
+ * multiply-adds where an AVX-512 BF16 dot product does 32: at eight rows the AVX-512 tile above is
+ * limited by its arithmetic, the AMX one by memory. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int amx_bf16_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+struct tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Y [m, rows] = X [m, n] W^T for m <= 16 and n a multiple of 32; xb is X in the B layout. */
+static void amx_block(const uint16_t *w, const uint16_t *x, const uint16_t *xb, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
+    int64_t blocks = rows / 16;
+#pragma omp parallel
+    {
+        struct tile_config cfg = {0};
+        cfg.palette_id = 1;
+        cfg.rows[0] = 16, cfg.colsb[0] = (uint16_t)(m * 4); /* C: 16 weight rows x m fp32 */
+        cfg.rows[1] = 16, cfg.colsb[1] = 64;                /* A: 16 weight rows x 32 bf16 */
+        cfg.rows[2] = 16, cfg.colsb[2] = (uint16_t)(m * 4); /* B: 16 pairs of n x m columns */
+        _tile_loadconfig(&cfg);
+        float c[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            _tile_zero(0);
+            for (int64_t k = 0; k < n; k += 32) {
+                _tile_loadd(1, w + b * 16 * n + k, n * 2);
+                _tile_loadd(2, xb + k * m, m * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, c, m * 4);
+            for (int r = 0; r < 16; r++)
+                for (int64_t j = 0; j < m; j++) y[j * rows + b * 16 + r] = f32_to_bf16(c[r * m + j]);
+        }
+        _tile_release();
+    }
+    for (int64_t r = blocks * 16; r < rows; r++)
+        for (int64_t j = 0; j < m; j++) y[j * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + j * n));
+}
+
+void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
+    uint16_t *xb = n % 32 ? NULL : malloc((size_t)(n * (m < 16 ? m : 16)) * sizeof(uint16_t));
+    if (xb == NULL) { /* a width the tiles do not cover (or no memory): the AVX-512 path */
+        gemm_rows_bf16(w, x, y, rows, n, m);
+        return;
+    }
+    for (int64_t j0 = 0; j0 < m; j0 += 16) {
+        int64_t mm = m - j0 < 16 ? m - j0 : 16;
+        for (int64_t k2 = 0; k2 < n / 2; k2++)
+            for (int64_t j = 0; j < mm; j++) {
+                xb[(k2 * mm + j) * 2] = x[(j0 + j) * n + 2 * k2];
+                xb[(k2 * mm + j) * 2 + 1] = x[(j0 + j) * n + 2 * k2 + 1];
+            }
+        amx_block(w, x + j0 * n, xb, y + j0 * rows, rows, n, mm);
+    }
+    free(xb);
+}
+#else
+int amx_bf16_enable(void) { return 0; }
+void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
+    gemm_rows_bf16(w, x, y, rows, n, m);
+}
+#endif

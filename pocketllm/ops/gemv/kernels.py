@@ -1,5 +1,6 @@
 """The one-row (decode) projection kernels: y = W x for a single row, each with the signature
-`kernel(x [in], w [out, in], out [out]) -> None`, writing into `out`.
+`kernel(x [in], w [out, in], out [out]) -> None`, writing into `out`; and the few-row kernels for a
+decode step of several sequences, `kernel(x [m, in], w [out, in], out [m, out]) -> None`.
 
 Which is fastest depends on the CPU: torch.mv's bf16 path goes through oneDNN, which on some CPUs
 streams the weight at a third of the speed of torch's own kernel and on others is the fastest;
@@ -43,20 +44,28 @@ def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     torch.mm(x[None], w.t(), out=out[None])
 
 
-_SOURCE = Path(__file__).with_name("gemv_bf16.c")
+SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 
 _c_gemv = None
+_c_gemm_rows = None
+_amx_gemm_rows = None
+_amx_enabled: bool | None = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv
-    lib, why = compiled.load(_SOURCE)
+    global _c_gemv, _c_gemm_rows, _amx_gemm_rows
+    lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
         lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.gemm_rows_bf16.restype = None
+        lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.gemm_rows_amx_bf16.restype = None
+        lib.gemm_rows_amx_bf16.argtypes = lib.gemm_rows_bf16.argtypes
+        lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
-        _c_gemv = lib.gemv_bf16
+        _c_gemv, _c_gemm_rows, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16, lib.gemm_rows_amx_bf16
     return lib, why
 
 
@@ -67,6 +76,40 @@ def _c(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
 
 
+def _mm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mm(x, w.t(), out=out)
+
+
+def _c_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+
+
+def _amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    _amx_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+
+
+def amx_unavailable() -> str:
+    """Why the AMX kernel cannot run in this process ("" when it can): the library must build
+    with AMX in it (the compiler's -march=native on a CPU that has it) and the kernel must let
+    this process use the tile registers, which Linux grants on request."""
+    global _amx_enabled
+    lib, why = _compiled_library()
+    if lib is None:
+        return why
+    if _amx_enabled is None:
+        _amx_enabled = bool(lib.amx_bf16_enable())
+    return "" if _amx_enabled else "no AMX tiles here (not on this CPU, not compiled in, or not granted by the kernel)"
+
+
+def rows_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """The plain form every few-row kernel must equal (up to fp32 summation order)."""
+    out.copy_(x.float() @ w.float().t())
+
+
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -75,11 +118,11 @@ class Candidate:
 
     def unavailable(self, dtype: torch.dtype, device: torch.device) -> str:
         """Why this kernel cannot run weights of this dtype on this device ("" when it can)."""
-        if self.name == "c":
+        if self.name in ("c", "amx"):
             if device.type != "cpu" or dtype != torch.bfloat16:
                 return "the compiled kernel takes bfloat16 weights on a CPU"
             _, why = _compiled_library()
-            return why
+            return why or (amx_unavailable() if self.name == "amx" else "")
         if self.name == "mv-native" and device.type != "cpu":
             return "oneDNN is a CPU library"
         return ""
@@ -96,6 +139,16 @@ CANDIDATES: dict[str, Candidate] = {
 }
 DEFAULT = "mv"
 
+FEW_ROW_CANDIDATES: dict[str, Candidate] = {
+    c.name: c
+    for c in (
+        Candidate("mm", _mm_rows, "torch.mm (oneDNN's GEMM where torch has it)"),
+        Candidate("c", _c_rows, "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)"),
+        Candidate("amx", _amx_rows, "the same on AMX tiles, where the CPU has them"),
+    )
+}
+FEW_ROW_DEFAULT = "mm"
+
 
 def compiled_isa() -> str:
     """The instruction set the compiled kernel was built for, or why it was not."""
@@ -103,5 +156,10 @@ def compiled_isa() -> str:
     return lib.gemv_bf16_isa().decode() if lib is not None else f"unavailable: {why}"
 
 
-def kernels_for(dtype: torch.dtype, device: torch.device) -> list[Candidate]:
-    return [c for c in CANDIDATES.values() if not c.unavailable(dtype, device)]
+def candidates_for(rows: int) -> tuple[dict[str, Candidate], str]:
+    """The kernels for passes of `rows` rows and the default among them."""
+    return (CANDIDATES, DEFAULT) if rows == 1 else (FEW_ROW_CANDIDATES, FEW_ROW_DEFAULT)
+
+
+def kernels_for(dtype: torch.dtype, device: torch.device, rows: int = 1) -> list[Candidate]:
+    return [c for c in candidates_for(rows)[0].values() if not c.unavailable(dtype, device)]
