@@ -6,8 +6,8 @@ one fails or the launcher gets SIGINT/SIGTERM. Its last line names the failure t
 started by hand, no launcher runs: each process is one rank.
 
 torch.distributed.elastic's process starting (multiprocessing.start_processes) and error files
-(errors.record) were weighed against this and not used, because they would lose what
-tests/test_faults.py and benchmarks/fault_timing.py measure (torch 2.13):
+(errors.record) were weighed against this, as torch 2.13's source has them, and not used:
+they would lose what tests/test_faults.py and benchmarks/fault_timing.py measure:
 - no orphans when the launcher is killed outright: elastic starts each worker in a new session
   with no parent-death signal, so SIGKILL to the launcher leaves its ranks running; here each
   rank gets PR_SET_PDEATHSIG before exec;
