@@ -83,8 +83,7 @@ def cpu_shares(world: int, cpus: list[int]) -> list[list[int]]:
     """The cores each of `world` ranks on this host is pinned to: equal contiguous blocks of
     `cpus`. A remainder stays idle, since a TP group waits for its slowest rank; with fewer cores
     than ranks, rank r shares core r mod n. Unpinned, ranks migrate between cores and each finds
-    its caches cold: on the 2-core CI machine pinning made small-preset decode 1.32x faster at
-    TP=2 and 2.23x at TP=4 (benchmarks/switch_ab.py)."""
+    its caches cold (pinned against unpinned: docs/measuring.md, ranks pinned to cores)."""
     if len(cpus) < world:
         return [[cpus[r % len(cpus)]] for r in range(world)]
     per = len(cpus) // world

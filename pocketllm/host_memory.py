@@ -2,9 +2,9 @@
 heap kept for the activations of large passes.
 
 A decode step streams every weight once. On 4 KiB pages that stream walks a new page table entry
-every 4 KiB and evicts the rest of the step's TLB entries; on 2 MiB pages it does neither. Measured
-side by side on the 2-core CI machine (benchmarks/decode_anatomy.py), a 1 GiB sum reads 10-16%
-faster on huge pages, and a small-preset decode step is 0-8% faster. torch's allocator gives
+every 4 KiB and evicts the rest of the step's TLB entries; on 2 MiB pages it does neither, which
+measured a little faster for a whole-memory sum and a decode step (docs/measuring.md, figures
+behind the code's choices). torch's allocator gives
 4 KiB pages unless a region is advised otherwise, so large weights get their own anonymous
 mapping, advised with MADV_HUGEPAGE. The kernel still decides: with THP off the mapping is plain
 pages, exactly what torch.zeros would have given.

@@ -1,18 +1,29 @@
-"""Starting ranks and ending them. Three ways, one entry point:
-- `--tp-world N` alone: this process starts N local ranks (re-running the same command with a
-  rank in the environment), rendezvous through a fresh private directory, and supervises them:
-  the first rank to fail stops the others and is named in one line;
-- under torchrun: RANK / WORLD_SIZE / LOCAL_RANK come from the environment (env:// rendezvous);
-- by hand, one process per rank: `--tp-world N --tp-rank i --nccl-id-path FILE` (file rendezvous).
+"""Starting local ranks and ending them: the launcher. `--tp-world N` alone makes this process
+start N ranks of the same command (re-run with the rank in the environment, each pinned to its own
+block of cores), rendezvous through a fresh private directory, watch them, and stop them all when
+one fails or the launcher gets SIGINT/SIGTERM. Its last line names the failure that ended the run
+(pocketllm/failures.py); what each rank runs is pocketllm/rank.py. Under torchrun, or with ranks
+started by hand, no launcher runs: each process is one rank.
 
-Each rank leaves the launcher a one-line report of how it failed (a JSON file in the private
-directory), so the launcher's last line says why, not only that, a rank ended.
+torch.distributed.elastic's process starting (multiprocessing.start_processes) and error files
+(errors.record) were weighed against this, as torch 2.13's source has them, and not used:
+they would lose what tests/test_faults.py and benchmarks/fault_timing.py measure:
+- no orphans when the launcher is killed outright: elastic starts each worker in a new session
+  with no parent-death signal, so SIGKILL to the launcher leaves its ranks running; here each
+  rank gets PR_SET_PDEATHSIG before exec;
+- a dead rank ends the run in about half a second: PContext.wait polls every `period` seconds
+  (1 s by default); here the launcher sleeps on each rank's pidfd and wakes when one ends;
+- cores: start_processes takes no pre-exec hook, so a rank could only pin itself after Python
+  and torch have started their threads; here the affinity is set between fork and exec;
+- the right rank named: elastic reports the failure with the smallest error-file timestamp, in
+  whole seconds, and a rank killed by a signal gets the time its end was noticed; a rank that lost
+  its peer often fails first, so here the failure least likely to follow from another's is named
+  (failures.first_failure) from one-line reports, where an error file holds a traceback.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import select
 import shutil
@@ -20,227 +31,21 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
-from dataclasses import dataclass
 
-import torch.distributed as dist
-
+from pocketllm import failures
 from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus, cpu_shares
-from pocketllm.distributed import collective, rendezvous, waiting
-from pocketllm.distributed.state import set_tp
-from pocketllm.errors import UsageError
+from pocketllm.distributed import rendezvous, waiting
 from pocketllm.switches import env_switch
 
 ENV_RANK = "POCKETLLM_LAUNCH_RANK"
 ENV_WORLD = "POCKETLLM_LAUNCH_WORLD"
 ENV_RDZV = "POCKETLLM_LAUNCH_RDZV"
-ENV_REPORT = "POCKETLLM_LAUNCH_REPORT"
 # The most a rank gets to end after SIGTERM before it is killed.
 TERMINATE_GRACE_SECONDS = 3.0
 # With signals forwarded (serve), the most the ranks get to end themselves after rank 0 got one.
 FORWARDED_SIGNAL_GRACE_SECONDS = 8.0
 # The most the launcher waits for the rank it names to finish exiting on its own.
 ROOT_CAUSE_WAIT_SECONDS = 1.0
-# When two failures are seen at once, the one least likely to follow from another comes first:
-# a death by signal or an exit without a report (nothing a peer does causes those), then an
-# exception or a user error (any other kind: 1), then a timed-out collective, then a lost peer.
-_CONSEQUENCE = {"timeout": 2, "peer": 3}
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-    file_store: str | None = None  # the launcher's private FileStore
-    id_path: str | None = None  # the hand-started rendezvous file
-
-
-def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env=os.environ, default_world: int = 1) -> RankEnv | None:
-    """This process's place in the run, or None when it must start the ranks itself. tp_world None
-    means --tp-world was not given: torchrun's WORLD_SIZE, else `default_world`."""
-    if ENV_RANK in env:
-        world = int(env[ENV_WORLD])
-        return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        if tp_world not in (None, world):
-            raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
-    if tp_world is None:
-        tp_world = default_world
-    if tp_rank is not None:
-        if not 0 <= tp_rank < tp_world:
-            raise UsageError(f"--tp-rank must be in 0..{tp_world - 1}, got {tp_rank}")
-        if not id_path:
-            raise UsageError("--tp-rank needs --nccl-id-path FILE, the rendezvous file every rank names")
-        return RankEnv(tp_rank, tp_world, tp_rank, tp_world, id_path=os.path.abspath(id_path))
-    if tp_world == 1:
-        return RankEnv(0, 1, 0, 1)
-    return None
-
-
-# Where this rank is, for the line a failed collective leaves.
-_where = {"place": "starting", "timeout_s": None}
-
-
-def init_distributed(renv: RankEnv, backend: str, timeout_s: float) -> None:
-    set_tp(renv.rank, renv.world)
-    _where["timeout_s"] = timeout_s
-    if renv.world == 1:
-        return
-    waiting.configure(backend)
-    _where["place"] = "the rendezvous"
-    rendezvous.join_group(backend, renv.rank, renv.world, timeout_s, renv.file_store, renv.id_path)
-    _where["place"] = "loading"
-
-
-def setup_collective(renv: RankEnv, choice: str, backend: str) -> None:
-    """Choose the engine's all-reduce (pocketllm.distributed.collective) once the group runs on
-    checked inputs; its waits honour the same --dist-timeout as the group's."""
-    if renv.world == 1:
-        return
-    _where["place"] = "setting up the all-reduce"
-    collective.setup(choice, backend, renv.rank, renv.world, _where["timeout_s"])
-    _where["place"] = "loading"
-
-
-def shutdown_distributed() -> None:
-    collective.close()
-    rendezvous.leave_group()
-
-
-class _PassPlace:
-    """A pass as a place, put into words only if a collective fails in it."""
-
-    __slots__ = ("info", "after")
-
-    def __init__(self, info, after: bool):
-        self.info, self.after = info, after
-
-    def __str__(self) -> str:
-        return f"{'after ' if self.after else ''}{self.info.kind} pass {self.info.index}"
-
-
-class PassTracker:
-    """A pass hook that remembers where this rank is, so a failed collective can say where. It
-    runs around every decode step, so it only keeps the pass; the words are made on failure."""
-
-    def before_pass(self, info) -> None:
-        _where["place"] = _PassPlace(info, after=False)
-
-    def after_pass(self, info) -> None:
-        _where["place"] = _PassPlace(info, after=True)
-
-
-class RefusedByRank0(UsageError):
-    """Rank 0 found the inputs bad and said so; this rank stops quietly with it."""
-
-
-def checked_on_rank0(renv: RankEnv, check, join):
-    """Rank 0 runs check(), once, and every rank gets its result (or its one-line error) over the
-    process group that join() sets up, so all ranks run on the same checked inputs or all stop."""
-    verdict = None
-    if renv.rank == 0:
-        try:
-            verdict = (True, check())
-        except UsageError as exc:
-            verdict = (False, str(exc))
-    try:
-        join()
-    except Exception:
-        if verdict is not None and not verdict[0]:
-            raise UsageError(verdict[1]) from None
-        raise
-    if renv.world > 1:
-        _where["place"] = "sharing rank 0's checked inputs"
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-        _where["place"] = "loading"
-    ok, value = verdict
-    if not ok:
-        raise (UsageError if renv.rank == 0 else RefusedByRank0)(value)
-    return value
-
-
-def collective_failure(exc: BaseException) -> str | None:
-    """"timeout" or "peer" when exc is a collective that timed out or lost a peer, else None. By
-    type where torch says it (a network error is a lost peer); gloo raises a plain RuntimeError
-    for both (torch 2.13: "Timed out waiting 2000ms for recv operation", "Connection closed by
-    peer"), so there only the message tells them apart. On NCCL/HCCL a timed-out collective
-    raises nothing: the backend's watchdog aborts the process (_describe_exit says so)."""
-    # The shared-memory all-reduce says which it was.
-    kind = getattr(exc, "collective_kind", None)
-    if kind is not None:
-        return kind
-    if isinstance(exc, dist.DistNetworkError):
-        return "peer"
-    text = str(exc).lower()
-    if not (isinstance(exc, dist.DistError) or any(b in text for b in ("gloo", "nccl", "hccl", "store"))):
-        return None
-    if "timed out" in text or "timeout" in text:
-        return "timeout"
-    if any(m in text for m in ("closed by peer", "reset by peer", "broken pipe", "connection refused", "econnreset")):
-        return "peer"
-    return None
-
-
-def run_rank(renv: RankEnv, body) -> int:
-    """Run this rank's part, then leave the process group. A failure becomes one line: written for
-    the launcher when there is one, else printed. Collective failures end the rank with exit 1 and
-    no traceback; other exceptions keep theirs (the launcher still names them). The line is
-    written before the group is left: peers notice a rank leave at once, and the launcher must
-    already know which rank failed first."""
-    launched = ENV_REPORT in os.environ
-    try:
-        return body()
-    except RefusedByRank0 as exc:
-        _leave_report("usage", str(exc))
-        return 2
-    except UsageError as exc:
-        if not launched:
-            raise
-        _leave_report("usage", str(exc))
-        return 2
-    except Exception as exc:
-        kind = collective_failure(exc)
-        if kind is None:
-            _leave_report("exception", traceback.format_exception_only(exc)[-1].strip())
-            raise
-        line = _collective_line(kind)
-        _leave_report(kind, line)
-        if not launched:
-            print(f"pocketllm: error: rank {renv.rank}: {line}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        shutdown_distributed()
-
-
-def _collective_line(kind: str) -> str:
-    place, timeout_s = _where["place"], _where["timeout_s"]
-    if kind == "timeout" and str(place) == "the rendezvous":
-        return f"the rendezvous timed out after {timeout_s:g} s (--dist-timeout): not every rank joined"
-    if kind == "timeout":
-        return (
-            f"a collective it waited for in {place} timed out after {timeout_s:g} s (--dist-timeout): "
-            f"another rank never joined it; it hung, died, or is slower than the timeout"
-        )
-    return f"lost its connection to another rank in {place}: that rank died or exited"
-
-
-def _leave_report(kind: str, line: str) -> None:
-    path = os.environ.get(ENV_REPORT)
-    if not path:
-        return
-    try:
-        with open(path + ".tmp", "w") as f:
-            json.dump({"kind": kind, "line": line, "time": time.time()}, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
 
 
 def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False) -> int:
@@ -273,7 +78,7 @@ def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False
         for rank, cpus in enumerate(shares):
             env = dict(
                 os.environ,
-                **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), ENV_REPORT: _report_path(rdzv_dir, rank)},
+                **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), failures.ENV_REPORT: failures.report_path(rdzv_dir, rank)},
             )
             if cpus is not None:
                 env[ENV_RANK_CPUS] = ",".join(map(str, cpus))
@@ -288,15 +93,9 @@ def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False
             print(f"pocketllm: error: got {outcome}; stopped every rank", file=sys.stderr, flush=True)
             return 128 + getattr(signal, outcome)
         rank, stopped = outcome
-        report = _read_report(rdzv_dir, rank)
-        if report and report["kind"] == "usage":
-            print(f"pocketllm: error: {report['line']}", file=sys.stderr, flush=True)
-            return 2
-        # A rank stopped by the launcher still exiting: its report says why, the signal would not.
-        how = "" if stopped and report else f" ({_describe_exit(procs[rank].returncode)})"
-        detail = f": {report['line']}" if report else ""
-        print(f"pocketllm: error: rank {rank} failed{how}{detail}", file=sys.stderr, flush=True)
-        return 1
+        line, status = failures.failed_rank_line(rank, procs[rank].returncode, failures.read_report(rdzv_dir, rank), stopped)
+        print(line, file=sys.stderr, flush=True)
+        return status
     finally:
         _stop(procs)
         for s, handler in old.items():
@@ -351,47 +150,15 @@ def _pidfds(procs: list[subprocess.Popen]) -> dict[int, int]:
 
 
 def _first_failure(procs: list[subprocess.Popen], failed: list[int], rdzv_dir: str) -> tuple[int, bool]:
-    """The rank whose failure caused the others'. A rank that lost a peer or timed out may exit
-    before the rank that raised and broke the group; the raiser has left its report by then, so
-    it is named, and given a moment to finish exiting so its own exit status is reported.
-    Returns the rank and whether it was still running after that moment."""
-    reports = {r: _read_report(rdzv_dir, r) for r in range(len(procs))}
-    suspects = set(failed) | {r for r, rep in reports.items() if rep and _consequence(None, rep) <= 1}
-    # Ties go to the earlier report: the ranks share one clock.
-    rank = min(suspects, key=lambda r: (_consequence(procs[r].returncode, reports[r]), (reports[r] or {}).get("time", 0.0), r))
+    """The rank to name (failures.first_failure), given a moment to finish exiting so its own exit
+    status is reported. Returns the rank and whether it was still running after that moment."""
+    reports = {r: failures.read_report(rdzv_dir, r) for r in range(len(procs))}
+    rank = failures.first_failure([p.returncode for p in procs], failed, reports)
     try:
         procs[rank].wait(timeout=ROOT_CAUSE_WAIT_SECONDS)
     except subprocess.TimeoutExpired:
         return rank, True
     return rank, False
-
-
-def _consequence(code: int | None, report: dict | None) -> int:
-    """0 for a failure surely of its own, higher the likelier it follows from another rank's."""
-    if (code is not None and code < 0) or report is None:
-        return 0
-    return _CONSEQUENCE.get(report["kind"], 1)
-
-
-def _report_path(rdzv_dir: str, rank: int) -> str:
-    return os.path.join(rdzv_dir, f"rank{rank}.report")
-
-
-def _read_report(rdzv_dir: str, rank: int) -> dict | None:
-    try:
-        with open(_report_path(rdzv_dir, rank)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _describe_exit(code: int) -> str:
-    if code == -signal.SIGABRT:
-        # NCCL's (and HCCL's) watchdog aborts a rank whose collective timed out or failed.
-        return "killed by signal SIGABRT: on NCCL/HCCL, the watchdog's abort after a collective timed out or failed"
-    if code < 0:
-        return f"killed by signal {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 def _rank_preexec(launcher_pid: int, cpus: list[int] | None):

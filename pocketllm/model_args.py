@@ -41,7 +41,13 @@ def add_rank_args(p: argparse.ArgumentParser, default_world: int = 1) -> None:
         "--tp-world", type=int, help=f"tensor-parallel ranks (default {default_world}, or torchrun's WORLD_SIZE); alone, starts them locally"
     )
     g.add_argument("--tp-rank", type=int, help="this process's rank when starting one process per rank by hand")
-    g.add_argument("--nccl-id-path", help="rendezvous file shared by hand-started ranks; rank 0 creates it, one left by an earlier run is refused")
+    # --nccl-id-path is the seed's name for the same file (every backend meets through it, not NCCL alone).
+    g.add_argument(
+        "--rendezvous-file",
+        "--nccl-id-path",
+        dest="rendezvous_file",
+        help="rendezvous file shared by hand-started ranks; rank 0 creates it, one left by an earlier run is refused (alias --nccl-id-path)",
+    )
     g.add_argument(
         "--collective", help="the TP all-reduce: auto (default: shm when every rank is a CPU rank on this host), shm or gloo (env POCKETLLM_COLLECTIVE)"
     )
@@ -60,19 +66,19 @@ def add_overlap_args(p: argparse.ArgumentParser, pin: bool = True, policy: bool 
     """The slice policy's flags. A command that times slice counts itself leaves out the pin, and
     one that names its policies itself leaves out --overlap-policy."""
     o = p.add_argument_group("collective overlap")
-    o.add_argument("--comm-overlap-slices", help="the slice rule's ceiling (env QWEN_COMM_OVERLAP_SLICES, default 4; 0 or 1 disables slicing)")
+    o.add_argument("--comm-overlap-slices", help="the slice rule's ceiling (env POCKETLLM_COMM_OVERLAP_SLICES, alias QWEN_COMM_OVERLAP_SLICES, default 4; 0 or 1 disables slicing)")
     if pin:
-        o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says (env QWEN_COMM_OVERLAP_PIN)")
+        o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says (env POCKETLLM_PIN_SLICES)")
     if policy:
         o.add_argument("--overlap-policy", choices=OVERLAP_POLICIES, help="rule (the default) or calibrated (the default when a calibration is given)")
-    o.add_argument("--calibration", help="a `pocketllm calibrate` file for the calibrated policy (env QWEN_COMM_OVERLAP_CALIBRATION)")
+    o.add_argument("--calibration", help="a `pocketllm calibrate` file for the calibrated policy (env POCKETLLM_CALIBRATION)")
     o.add_argument("--force-calibration", "--force", action="store_true", help="use a calibration made for another backend, world, hidden size or dtype")
 
 
 def add_profiling_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("profiling (docs/profile.md)")
-    f.add_argument("--phase-profile", action="store_true", help="device-synced phase profile, one report block per pass (env QWEN_PHASE_PROFILE=1)")
-    f.add_argument("--host-profile", action="store_true", help="host wall-clock spans, no synchronisation (env QWEN_HOST_PROFILE=1)")
+    f.add_argument("--phase-profile", action="store_true", help="device-synced phase profile, one report block per pass (env POCKETLLM_PHASE_PROFILE=1)")
+    f.add_argument("--host-profile", action="store_true", help="host wall-clock spans, no synchronisation (env POCKETLLM_HOST_PROFILE=1)")
     f.add_argument("--profile-out", metavar="DIR", help="also write every block as JSON lines, one file per rank, to DIR")
     f.add_argument("--trace-out", metavar="DIR", help="write a Chrome/Perfetto trace per rank to DIR (turns the host profile on)")
     f.add_argument("--split-skew", action="store_true", help="with the phase profile: wait for every rank before each all-reduce and charge that wait to tp_skew")

@@ -29,12 +29,14 @@ REPO = Path(__file__).resolve().parents[1]
 # Settings a developer may have exported that would change what a command does; every CLI call a
 # test makes, in a subprocess or in this process, runs without them.
 UNSET_FOR_CLI = (
+    "POCKETLLM_COMM_OVERLAP_SLICES",
+    "POCKETLLM_PIN_SLICES",
+    "POCKETLLM_CALIBRATION",
+    "POCKETLLM_GDN_KERNEL",
+    "POCKETLLM_PHASE_PROFILE",
+    "POCKETLLM_HOST_PROFILE",
     "QWEN_COMM_OVERLAP_SLICES",
-    "QWEN_COMM_OVERLAP_PIN",
-    "QWEN_COMM_OVERLAP_CALIBRATION",
     "QWEN_GDN_KERNEL",
-    "QWEN_PHASE_PROFILE",
-    "QWEN_HOST_PROFILE",
     "POCKETLLM_PIN_CPUS",
     "POCKETLLM_POLL_COLLECTIVES",
     "POCKETLLM_GEMV",
@@ -269,10 +271,9 @@ def assert_nothing_left(run: Run, within: float = 0.0) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
-    """The tiny preset written as an HF checkpoint by `pocketllm make-checkpoint`."""
+    """The tiny preset written as an HF checkpoint by `pocketllm make-checkpoint`, in this process."""
     out = tmp_path_factory.mktemp("tiny_ckpt")
-    r = run_cli("make-checkpoint", "--preset", "tiny", "--out", out)
-    assert r.returncode == 0, r.stderr
+    assert main_in_process("make-checkpoint", "--preset", "tiny", "--out", out) == 0
     return out
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import assert_usage_error, cli_env, run_cli, usage_error_in_process
+from conftest import cli_env, run_cli, usage_error_in_process
 from pocketllm.distributed.allreduce_bench import bus_factor, fit_latency_bandwidth, parse_size, size_ladder
 from pocketllm.errors import UsageError
 
@@ -106,22 +106,22 @@ def test_allreduce_errors(args, message, capsys, no_ranks):
     usage_error_in_process(capsys, "allreduce", *args, expect=message)
 
 
-def test_under_torchrun_the_default_world_is_world_size():
-    # A subprocess: torchrun's variables set in this process could make pytest itself join a group.
-    # With --tp-world left out the world is torchrun's WORLD_SIZE (here 1: refused as too few),
-    # not the local default of 2 disagreeing with it.
-    r = run_cli("allreduce", env=cli_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"))
-    assert_usage_error(r, "--tp-world must be >= 2 to time an all-reduce, got 1")
+def test_under_torchrun_the_default_world_is_world_size(capsys, no_ranks, monkeypatch):
+    # With --tp-world left out the world is torchrun's WORLD_SIZE (here 1: refused as too few, so
+    # this process never joins a group), not the local default of 2 disagreeing with it.
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    usage_error_in_process(capsys, "allreduce", expect="--tp-world must be >= 2 to time an all-reduce, got 1")
 
 
-# One hand-started rank of run_on_ranks: prepare leaves a file naming the rank that ran it and
+# One hand-started rank of run_without_model: prepare leaves a file naming the rank that ran it and
 # returns that process's id; work writes down the id it was given.
 _RANK_SCRIPT = """
 import argparse, os, sys
-from pocketllm.commands.ranked import run_on_ranks
+from pocketllm.commands.ranked import run_without_model
 
 rank, id_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-args = argparse.Namespace(tp_world=2, tp_rank=rank, nccl_id_path=id_path, device="cpu", dist_timeout=60.0)
+args = argparse.Namespace(tp_world=2, tp_rank=rank, rendezvous_file=id_path, device="cpu", dist_timeout=60.0)
 
 def prepare(args):
     open(os.path.join(out, f"prepared.{rank}"), "w").close()
@@ -132,7 +132,7 @@ def work(args, device, inputs):
         f.write(str(inputs))
     return 0
 
-sys.exit(run_on_ranks(args, [], prepare, work))
+sys.exit(run_without_model(args, [], prepare, work))
 """
 
 

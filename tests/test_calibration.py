@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from conftest import cli_env, run_cli, usage_error_in_process
+from conftest import main_in_process, run_cli, usage_error_in_process
+from pocketllm.commands import ranked
 from pocketllm.distributed.calibration import Calibration, Point, check_calibration, load_calibration, parse_calibration
 from pocketllm.distributed.policy import CalibratedPolicy, RulePolicy, choose_slices, resolve_policy
 from pocketllm.errors import UsageError
@@ -71,7 +72,7 @@ def test_resolution_flags_and_env(tmp_path):
     path.write_text(json.dumps(_cal().to_json()))
     assert isinstance(resolve_policy(env={}).policy, RulePolicy)
     assert isinstance(resolve_policy(calibration=str(path), env={}).policy, CalibratedPolicy)
-    assert isinstance(resolve_policy(env={"QWEN_COMM_OVERLAP_CALIBRATION": str(path)}).policy, CalibratedPolicy)
+    assert isinstance(resolve_policy(env={"POCKETLLM_CALIBRATION": str(path)}).policy, CalibratedPolicy)
     assert isinstance(resolve_policy(overlap_policy="rule", calibration=str(path), env={}).policy, RulePolicy)
     assert resolve_policy(ceiling="8", calibration=str(path), env={}).policy.slices_for_rows(8192) == 8
     with pytest.raises(UsageError, match="needs --calibration"):
@@ -130,16 +131,17 @@ def test_bad_files_exit_2(tmp_path, content, message, capsys, no_ranks):
     usage_error_in_process(capsys, "policy", "--calibration", path, expect=message)
 
 
-def test_policy_command_inspects_a_foreign_calibration(tmp_path):
+def test_policy_command_inspects_a_foreign_calibration(tmp_path, capsys, monkeypatch):
     """No ranks, no mismatch check: an NCCL, TP=8, 27B-shaped calibration prints its choices here."""
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(_cal(backend="nccl", world=8, hidden=5120, device="8 x H100").to_json()))
-    r = run_cli("policy", "--calibration", path, "--rows", "256,1024,3000,8192", "--comm-overlap-slices", "8", timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["rows=256", "slices=1", "rows=1024", "slices=1", "rows=3000", "slices=2", "rows=8192", "slices=8"]
-    assert "nccl, TP=8, hidden 5120" in r.stderr
-    r = run_cli("policy", "--rows", "3000", env=cli_env(QWEN_COMM_OVERLAP_CALIBRATION=path), timeout=60)
-    assert r.stdout.strip() == "rows=3000 slices=2"
+    assert main_in_process("policy", "--calibration", path, "--rows", "256,1024,3000,8192", "--comm-overlap-slices", "8") == 0
+    out = capsys.readouterr()
+    assert out.out.split() == ["rows=256", "slices=1", "rows=1024", "slices=1", "rows=3000", "slices=2", "rows=8192", "slices=8"]
+    assert "nccl, TP=8, hidden 5120" in out.err
+    monkeypatch.setenv("POCKETLLM_CALIBRATION", str(path))
+    assert main_in_process("policy", "--rows", "3000") == 0
+    assert capsys.readouterr().out.strip() == "rows=3000 slices=2"
 
 
 def test_a_run_refuses_a_calibration_for_another_run(tmp_path, capsys, no_ranks):
@@ -149,7 +151,7 @@ def test_a_run_refuses_a_calibration_for_another_run(tmp_path, capsys, no_ranks)
     usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", "--dtype", "float32", "--calibration", path, expect="dtype bfloat16 (this run float32)")
 
 
-def test_calibrate_at_tp2_writes_a_usable_file(tmp_path):
+def test_calibrate_at_tp2_writes_a_usable_file(tmp_path, monkeypatch):
     out = tmp_path / "cal.json"
     # No --tp-world: like allreduce, calibrate starts two ranks (the model flags' default of one
     # rank has nothing to calibrate).
@@ -162,9 +164,12 @@ def test_calibrate_at_tp2_writes_a_usable_file(tmp_path):
     assert set(cal.allreduce_fit) >= {"fixed_us", "bandwidth_GBps", "max_rel_err"}
     raw = json.loads(out.read_text())
     assert raw["unit"].startswith("4 x mlp.down")
-    # The same run's bench accepts it.
-    r = run_cli("bench", "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", "64", "--max-new-tokens", "1", "--calibration", out, timeout=120)
-    assert r.returncode == 0, r.stderr
+    # The same run's bench accepts it: the launcher, which checks the file against the run before
+    # it starts a rank, goes on to start two.
+    started = []
+    monkeypatch.setattr(ranked, "spawn_local_ranks", lambda world, argv: started.append(world) or 0)
+    assert main_in_process("bench", "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", "64", "--max-new-tokens", "1", "--calibration", out) == 0
+    assert started == [2]
 
 
 @pytest.mark.parametrize(

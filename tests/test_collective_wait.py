@@ -1,14 +1,12 @@
 """gloo ranks wait for a collective by polling its work handle; NCCL/HCCL ranks, and gloo ranks
 with POCKETLLM_POLL_COLLECTIVES=0, block in work.wait(). The multi-rank tests elsewhere run with
-polling on (the default) and check results against one rank."""
+polling on (the default) and check results against one rank; a TP=2 bench with polling off:
+test_cpu_pinning."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import cli_env, run_cli
 from pocketllm.distributed import waiting
 from pocketllm.errors import UsageError
 
@@ -103,15 +101,3 @@ def test_every_engine_collective_is_waited_for_by_polling(restore_waiting, monke
     state.broadcast_(torch.zeros(1, dtype=torch.long))
     assert issued == ["all_reduce", "all_reduce", "all_reduce", "all_gather", "broadcast"]
     assert len(waited) == len(issued)
-
-
-@pytest.mark.timeout(120)
-def test_gloo_ranks_block_when_polling_is_turned_off(tmp_path):
-    # Polling by default is checked by test_cpu_pinning's TP=2 bench runs. The all-reduce is
-    # gloo's here too (POCKETLLM_COLLECTIVE), so that a gloo all-reduce is waited for blocking.
-    out = tmp_path / "r.json"
-    r = run_cli("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out,
-                env=cli_env(POCKETLLM_POLL_COLLECTIVES="0", POCKETLLM_COLLECTIVE="gloo"))
-    assert r.returncode == 0, r.stderr
-    settings = json.loads(out.read_text())["settings"]
-    assert settings["polls_collectives"] is False and settings["collective"] == "gloo"

@@ -81,7 +81,7 @@ def test_hand_started_ranks_agree_on_rank0_verdict(ckpt_copy, tmp_path):
     corrupt(ckpt_copy, CONFIG_CASES["layer-types-unknown"][0])
     id_path = tmp_path / "run.id"
     # A rank 1 left waiting would end only at its 45 s timeout, well past the bound below.
-    args = ["generate", "--ckpt", ckpt_copy, "--token-ids", PROMPT, "--tp-world", 2, "--nccl-id-path", id_path, "--dist-timeout", 45]
+    args = ["generate", "--ckpt", ckpt_copy, "--token-ids", PROMPT, "--tp-world", 2, "--rendezvous-file", id_path, "--dist-timeout", 45]
     runs = [start(*args, "--tp-rank", r, tmp_path=tmp_path) for r in (0, 1)]
     assert [r.wait() for r in runs] == [2, 2], runs[0].stderr + runs[1].stderr
     lines0 = runs[0].stderr.strip().splitlines()

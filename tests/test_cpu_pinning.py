@@ -1,5 +1,6 @@
 """The launcher pins each rank it starts to its own share of the cores it may run on, and a rank
-gives torch as many threads as it has cores; a single-rank run stays unpinned."""
+gives torch as many threads as it has cores; a single-rank run stays unpinned. The TP=2 bench runs
+here also check the all-reduce chosen, how ranks wait for it, and the collectives a pass issues."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import cli_env, run_cli, usage_error_in_process
+from conftest import cli_env, main_in_process, result_fields, run_cli, shm_segments, usage_error_in_process
 from pocketllm.device import allowed_cpus, cpu_shares
 
 
@@ -47,20 +48,39 @@ def test_a_pinned_rank_takes_a_thread_per_core_it_owns(pinned, threads, monkeypa
         torch.set_num_threads(saved)
 
 
+# Each TP=2 run also carries the checks of other modules that only need a TP=2 bench: the
+# all-reduce it chose (shm or gloo), how its ranks wait (polling or blocking), the collectives a
+# pass issues at a pinned slice count, and /dev/shm left as it was found.
+BENCH_RUNS = {
+    # One rank is this command's own process, run here.
+    "tp1": (1, {}, []),
+    "tp2-pinned-shm-3-slices": (2, {}, ["--collective", "shm", "--layers", 64, "--pin-slices", 3]),
+    "tp2-unpinned-gloo-blocking-serial": (
+        2, {"POCKETLLM_PIN_CPUS": "0", "POCKETLLM_POLL_COLLECTIVES": "0", "POCKETLLM_COLLECTIVE": "gloo"}, ["--layers", 64, "--pin-slices", 1],
+    ),
+}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,pin", [(1, "1"), (2, "1"), (2, "0")], ids=["tp1", "tp2", "tp2-unpinned"])
-def test_bench_ranks_run_on_their_share_of_the_cores(world, pin, tmp_path):
+@pytest.mark.parametrize("run", list(BENCH_RUNS))
+def test_bench_ranks_run_on_their_share_of_the_cores(run, tmp_path, capsys):
+    world, env, extra = BENCH_RUNS[run]
     out = tmp_path / "r.json"
-    r = run_cli("bench", "--preset", "tiny", "--tp-world", world, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out,
-                env=cli_env(POCKETLLM_PIN_CPUS=pin))
-    assert r.returncode == 0, r.stderr
+    args = ["bench", "--preset", "tiny", "--tp-world", world, "--prompt-tokens", 16, "--max-new-tokens", 2, "--warmup-tokens", 4, "--json", out, *extra]
+    segments = shm_segments()
+    if world == 1:
+        rc = main_in_process(*args)
+        stdout, stderr = capsys.readouterr()
+    else:
+        r = run_cli(*args, env=cli_env(**env))
+        rc, stdout, stderr = r.returncode, r.stdout, r.stderr
+    assert rc == 0, stderr
     settings = json.loads(out.read_text())["settings"]
     mine = allowed_cpus()
     if world == 1:
-        # One rank is this command's own process: it keeps every core it was given.
         assert settings["cpus_per_rank"] == [mine]
         assert settings["threads_per_rank"] == len(mine)
-    elif pin == "0":
+    elif env.get("POCKETLLM_PIN_CPUS") == "0":
         # Unpinned ranks may run anywhere and split the cores' count between them.
         assert settings["cpus_per_rank"] == [mine] * world
         assert settings["threads_per_rank"] == max(1, len(mine) // world)
@@ -69,8 +89,24 @@ def test_bench_ranks_run_on_their_share_of_the_cores(world, pin, tmp_path):
         assert settings["cpus_per_rank"] == shares
         assert settings["threads_per_rank"] == len(shares[0])
     assert len(settings["peak_rss_mib_per_rank"]) == world and min(settings["peak_rss_mib_per_rank"]) > 0
-    # gloo ranks poll for their collectives by default; one rank has none to wait for.
-    assert settings["polls_collectives"] is (world > 1)
+    # gloo ranks poll for their collectives unless told not to; one rank has none to wait for.
+    assert settings["polls_collectives"] is (world > 1 and env.get("POCKETLLM_POLL_COLLECTIVES") != "0")
+    notes = [line for line in stderr.splitlines() if line.startswith("all-reduce:")]
+    if world == 1:
+        assert settings["collective"] is None and notes == []
+    elif "--collective" in extra:
+        assert settings["collective"] == "shm"
+        assert notes == ["all-reduce: shm (shared memory, 2 CPU ranks on this host; gloo for the other collectives)"]
+    else:
+        assert settings["collective"] == "gloo"
+    if world > 1:
+        # A pass issues one all-reduce per slice at each of the 64 layers' mlp.down, the 48
+        # linear-attention and 16 full-attention output projections, plus the embedding's.
+        fields = result_fields(stdout)
+        slices = int(extra[extra.index("--pin-slices") + 1])
+        assert int(fields["slices"]) == slices
+        assert int(fields["collectives"]) == 64 * slices + 48 * slices + 16 * slices + 1
+    assert shm_segments() == segments
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")

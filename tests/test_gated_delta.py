@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import pocketllm.ops.gated_delta.chunked as chunked_module
+from numerics import assert_close_rel
+from pocketllm.bench import gdn_bench
 from pocketllm.ops.gated_delta import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -33,26 +35,17 @@ def reference_f64(q, k, v, g, beta, initial_state=None):
     return out, S
 
 
-def make_inputs(T, Hk, Hv, Dk, Dv, gates="mild", seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1) * Dk**-0.5
-    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1)
-    v = torch.randn(T, Hv, Dv, generator=gen)
+def make_inputs(T, Hk, Hv, Dk, Dv, gates="model", seed=0, dtype=torch.float32):
+    """gdn-bench's seeded inputs (the model's own gate formula), or with the gates at an extreme:
+    "strong" decay (down to exp(-5) a token) or "none"; and a random initial state."""
+    q, k, v, g, beta = gdn_bench.make_inputs(T, Hk, Hv, Dk, torch.float32, seed=seed, Dv=Dv)
+    gen = torch.Generator().manual_seed(seed + 1)
     if gates == "strong":
         g = -5.0 * torch.rand(T, Hv, generator=gen)
     elif gates == "none":
         g = torch.zeros(T, Hv)
-    else:
-        g = -F.softplus(torch.randn(T, Hv, generator=gen) - 1.0)
-    beta = torch.rand(T, Hv, generator=gen)
     state = torch.randn(Hv, Dk, Dv, generator=gen) * 0.5
     return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), state
-
-
-def assert_close_rel(actual, expected, tol=1e-4):
-    err = (actual.double() - expected.double()).abs().max().item()
-    scale = expected.double().abs().max().item()
-    assert err <= tol * max(scale, 1e-6), f"max abs err {err:.3e} vs max |ref| {scale:.3e}"
 
 
 CASES = [

@@ -18,19 +18,43 @@ def parse(*argv):
     return parser.parse_args(list(argv))
 
 
-def test_tiny_run_prints_json_summary_last(capsys):
-    args = parse("--tokens", "130", "--reps", "2", "--key-heads", "2", "--value-heads", "4",
-                 "--head-dim", "32", "--threads", "1", "--device", "cpu")
+TINY = ("--tokens", "130", "--reps", "2", "--key-heads", "2", "--value-heads", "4", "--head-dim", "32", "--threads", "1", "--device", "cpu")
+
+
+def run_bench(capsys) -> tuple[int, list[str], str]:
     threads = torch.get_num_threads()
     try:
-        assert gdn_bench.main(args) == 0
+        rc = gdn_bench.main(parse(*TINY))
     finally:
         torch.set_num_threads(threads)
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    summary = json.loads(last)
-    assert set(summary) == {"device", "device_kernel", "device_kernel_vs_chunked", "vs_transformers_chunk", "vs_recurrent", "matmul_rate_fraction"}
+    captured = capsys.readouterr()
+    return rc, captured.out.strip().splitlines(), captured.err
+
+
+def test_tiny_run_agrees_and_its_json_says_what_its_table_does(capsys):
+    rc, lines, _ = run_bench(capsys)
+    assert rc == 0
+    summary = json.loads(lines[-1])
+    # Every kernel is checked against pocketllm's recurrent one; transformers is installed here.
+    verdicts = [line.split()[-3] for line in lines if line.startswith("  ") and " out " in line]
+    assert verdicts == ["ok"] * 3
+    # The JSON ratio is the table's "x chunked" column for the recurrent kernel.
+    (row,) = [line for line in lines if line.startswith("pocketllm recurrent")]
+    assert float(row.split()[-1]) == pytest.approx(summary["vs_recurrent"], abs=0.006)
     assert summary["device"] == "cpu" and summary["device_kernel"] is None
-    assert summary["vs_recurrent"] > 0 and summary["matmul_rate_fraction"] > 0
+
+
+def test_a_kernel_that_disagrees_fails_the_run(capsys, monkeypatch):
+    real = gdn_bench.gated_delta_rule_chunked
+
+    def off_by_a_bit(*args, **kwargs):
+        out, state = real(*args, **kwargs)
+        return out * 1.01, state
+
+    monkeypatch.setattr(gdn_bench, "gated_delta_rule_chunked", off_by_a_bit)
+    rc, lines, err = run_bench(capsys)
+    assert rc == 1 and "kernels disagree beyond tolerance" in err
+    assert [line.split()[0] for line in lines if line.rstrip().endswith("(tol 2e-03)") and "FAIL" in line] == ["pocketllm"]
 
 
 @pytest.mark.parametrize(

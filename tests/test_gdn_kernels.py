@@ -27,7 +27,8 @@ from conftest import main_in_process, usage_error_in_process
 from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_
 from pocketllm.ops.gated_delta.backends import CHOICES, KernelChoice, choose_gdn_kernel, probe, select_gdn_kernel
 from pocketllm.ops.gated_delta.fla_adapter import fla_decode_step_, fla_prefill
-from test_gated_delta import assert_close_rel, make_inputs, reference_f64
+from numerics import assert_close_rel
+from test_gated_delta import make_inputs, reference_f64
 
 CPU = torch.device("cpu")
 HEADS = [pytest.param(1, 3, id="Hk1-Hv3"), pytest.param(2, 2, id="Hk2-Hv2"), pytest.param(2, 6, id="Hk2-Hv6")]
@@ -145,8 +146,8 @@ def test_a_forced_device_kernel_failing_its_probe_is_a_usage_error(monkeypatch):
 
     install_fla(monkeypatch, OutOfResources(RECORDED_FLA))
     _planned(monkeypatch, "fla")
-    with pytest.raises(GdnKernelError, match=r"^QWEN_GDN_KERNEL=fla failed its probe on cpu: RuntimeError: out of resource: shared memory$"):
-        select_gdn_kernel(CPU, torch.bfloat16, env={"QWEN_GDN_KERNEL": "fla"})
+    with pytest.raises(GdnKernelError, match=r"^POCKETLLM_GDN_KERNEL=fla failed its probe on cpu: RuntimeError: out of resource: shared memory$"):
+        select_gdn_kernel(CPU, torch.bfloat16, env={"POCKETLLM_GDN_KERNEL": "fla"})
 
 
 def test_a_passing_device_kernel_is_probed_once_and_kept(monkeypatch, fla):
@@ -193,19 +194,19 @@ def test_forced_choice_for_every_device_dtype_and_library(forced):
     for device, dtype, have_fla, have_npu in itertools.product(DEVICES, DTYPES, (False, True), (False, True)):
         case = (forced, device, dtype, have_fla, have_npu)
         if forced != "bogus" and _forced_ok(*case):
-            assert choose_gdn_kernel(device, dtype, f" {forced.upper()} ", have_fla, have_npu) == KernelChoice(forced, "forced by QWEN_GDN_KERNEL"), case
+            assert choose_gdn_kernel(device, dtype, f" {forced.upper()} ", have_fla, have_npu) == KernelChoice(forced, "forced by POCKETLLM_GDN_KERNEL"), case
             continue
         with pytest.raises(GdnKernelError) as info:
             choose_gdn_kernel(device, dtype, forced, have_fla, have_npu)
         line = str(info.value)
-        assert "\n" not in line and f"QWEN_GDN_KERNEL={forced}" in line.replace("'", ""), case
+        assert "\n" not in line and f"POCKETLLM_GDN_KERNEL={forced}" in line.replace("'", ""), case
         assert "chunk" in line, case
 
 
 def test_torch_kernels_run_on_cpu_as_named(monkeypatch):
     monkeypatch.setattr(backends, "_selected", {})
     assert select_gdn_kernel(CPU, torch.float32, env={}).prefill is gated_delta_rule_chunked
-    kernel = select_gdn_kernel(CPU, torch.float32, env={"QWEN_GDN_KERNEL": "recurrent"})
+    kernel = select_gdn_kernel(CPU, torch.float32, env={"POCKETLLM_GDN_KERNEL": "recurrent"})
     assert kernel.name == "recurrent" and kernel.prefill is gated_delta_rule_recurrent
     q, k, v, g, beta, _ = make_inputs(10, 1, 2, 8, 8)
     out, state = kernel.prefill(q[:9], k[:9], v[:9], g[:9], beta[:9], None)
@@ -218,9 +219,9 @@ def test_torch_kernels_run_on_cpu_as_named(monkeypatch):
 @pytest.mark.parametrize(
     "env, flags, expect",
     [
-        ({"QWEN_GDN_KERNEL": "fla"}, ("--device", "cpu"), "QWEN_GDN_KERNEL=fla needs --device cuda"),
-        ({"QWEN_GDN_KERNEL": "npu"}, ("--device", "cpu", "--dtype", "float32"), "QWEN_GDN_KERNEL=npu needs --device npu"),
-        ({"QWEN_GDN_KERNEL": "bogus"}, (), "valid: chunk, recurrent, fla, npu"),
+        ({"POCKETLLM_GDN_KERNEL": "fla"}, ("--device", "cpu"), "POCKETLLM_GDN_KERNEL=fla needs --device cuda"),
+        ({"POCKETLLM_GDN_KERNEL": "npu"}, ("--device", "cpu", "--dtype", "float32"), "POCKETLLM_GDN_KERNEL=npu needs --device npu"),
+        ({"POCKETLLM_GDN_KERNEL": "bogus"}, (), "valid: chunk, recurrent, fla, npu"),
         ({}, ("--device", "foo"), "--device 'foo' is not one of auto, cpu, cuda, npu"),
     ],
     ids=["fla-on-cpu", "npu-on-cpu", "unknown-kernel", "unknown-device"],
@@ -233,11 +234,11 @@ def test_an_impossible_kernel_or_device_starts_no_rank(no_ranks, monkeypatch, ca
 
 @pytest.mark.parametrize("forced", ["", "recurrent"], ids=["default", "forced-recurrent"])
 def test_bench_prints_the_kernel_once_and_writes_it_to_json(monkeypatch, capsys, tmp_path, forced):
-    monkeypatch.setenv("QWEN_GDN_KERNEL", forced)
+    monkeypatch.setenv("POCKETLLM_GDN_KERNEL", forced)
     out = tmp_path / "bench.json"
     rc = main_in_process("bench", "--preset", "tiny", "--device", "cpu", "--prompt-tokens", 8, "--max-new-tokens", 1, "--warmup-tokens", 4, "--json", out)
     assert rc == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdn kernel: ")]
     name = forced or "chunk"
-    assert lines == [f"gdn kernel: {name} ({'forced by QWEN_GDN_KERNEL' if forced else 'torch chunked kernel on cpu'})"]
+    assert lines == [f"gdn kernel: {name} ({'forced by POCKETLLM_GDN_KERNEL' if forced else 'torch chunked kernel on cpu'})"]
     assert json.loads(out.read_text())["settings"]["gdn_kernel"] == name

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_usage_error, run_cli, usage_error_in_process
+from conftest import assert_usage_error, main_in_process, run_cli, usage_error_in_process
 
 CASES = {
     "negative-id": (["--token-ids", "1,-2,3"], "token id -2 at position 1 is outside the vocab [0, 1000)"),
@@ -45,14 +45,20 @@ def test_bad_flag_value_is_one_line():
     assert_usage_error(run_cli("bench", "--prompt-tokens", "many"), "--prompt-tokens", "'many'")
 
 
-def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path):
+def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path, capsys):
     f = tmp_path / "ids.txt"
     f.write_text("104 101\n108,108 111")
-    by_file = run_cli("generate", "--ckpt", tiny_ckpt, "--token-ids-file", f, "--max-new-tokens", 3)
-    by_text = run_cli("generate", "--ckpt", tiny_ckpt, "--prompt", "hello", "--max-new-tokens", 3)
-    assert by_file.returncode == 0 and by_text.returncode == 0, by_file.stderr + by_text.stderr
-    assert by_file.stdout.splitlines()[0] == by_text.stdout.splitlines()[0]
-    assert len(by_text.stdout.splitlines()) == 2
+
+    def stdout(*source):
+        capsys.readouterr()
+        rc = main_in_process("generate", "--ckpt", tiny_ckpt, *source, "--max-new-tokens", 3)
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        return out.out.splitlines()
+
+    by_file, by_text = stdout("--token-ids-file", f), stdout("--prompt", "hello")
+    # "hello" is 104 101 108 108 111 in the byte-level tokenizer: the same ids, then the text.
+    assert by_file[0] == by_text[0] and len(by_text) == 2
 
 
 def test_stream_needs_the_checkpoints_tokenizer(ckpt_copy, capsys, no_ranks):
@@ -67,7 +73,18 @@ def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_pat
     # itself, not wait for a group that rank 0 will never form.
     extra = ["--preset", "tiny", "--token-ids", "1,2"] if command == "generate" else []
     usage_error_in_process(
-        capsys, command, *extra, "--tp-world", "2", "--tp-rank", "1", "--nccl-id-path", tmp_path / "run.id", "--dist-timeout", "-1",
+        capsys, command, *extra, "--tp-world", "2", "--tp-rank", "1", "--rendezvous-file", tmp_path / "run.id", "--dist-timeout", "-1",
         "--device", "cpu",  # were the check gone, this process would become the rank: never on a GPU
         expect="--dist-timeout must be positive, got -1",
+    )
+
+
+def test_torchrun_env_without_tp_world_plans_for_its_world_size(capsys, no_ranks, monkeypatch):
+    # torchrun gives WORLD_SIZE; --tp-world may be left out, so the split is checked for 3 ranks
+    # (the tiny preset's 4 heads do not split 3 ways), not for the flag's default of 1.
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    usage_error_in_process(
+        capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--dist-timeout", 3,
+        expect=("over 3 ranks", "valid world sizes: 1, 2, 4"),
     )

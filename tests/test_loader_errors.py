@@ -1,11 +1,11 @@
 """A broken checkpoint is reported by name, in one line, with exit code 2, before any rank starts;
 the layouts real releases use (nested text weights, sharded files, mtp/vision extras) load.
 
-The broken-checkpoint cases call the CLI in this process at two ranks or more, where the launcher
-checks the checkpoint before it would start a rank (no_ranks fails the test if one is started). At
-one rank this process would be the rank and bind a device, so the absent shard, checked at the
-default single rank by `python -m pocketllm` for real, keeps the exit status and the clean stderr
-of an actual process covered."""
+The cases call the CLI in this process: the broken checkpoints at two ranks or more, where the
+launcher checks the checkpoint before it would start a rank (no_ranks fails the test if one is
+started), the layouts that load at one rank. The absent shard is checked at the default single
+rank by `python -m pocketllm` for real, so the exit status and the clean stderr of an actual
+process stay covered."""
 
 from __future__ import annotations
 
@@ -16,13 +16,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_usage_error, generated_ids, run_cli, usage_error_in_process
+from conftest import assert_usage_error, generated_ids, main_in_process, run_cli, usage_error_in_process
 
 PROMPT = "1,2,3,4,5,6,7,8"
 
 
-def generate(ckpt, *extra, world=1):
-    return run_cli("generate", "--ckpt", ckpt, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32", "--tp-world", world, *extra)
+def generated_in_process(capsys, *source) -> list[int]:
+    """generate's ids for a model source (`--ckpt DIR` or `--preset ...`), run in this process."""
+    capsys.readouterr()
+    rc = main_in_process("generate", *source, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32")
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return generated_ids(out.out)
 
 
 def generate_error(capsys, ckpt, *extra, world=2, expect=()) -> str:
@@ -39,8 +44,7 @@ def sharded_ckpt(tmp_path_factory):
     """The tiny preset at 24 layers in 1 MiB shards. Module scope: made before any no_ranks test
     stops this process from starting one, and once for the tests that copy it."""
     out = tmp_path_factory.mktemp("sharded")
-    r = run_cli("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", out, "--max-shard-mib", 1)
-    assert r.returncode == 0, r.stderr
+    assert main_in_process("make-checkpoint", "--preset", "tiny", "--layers", "24", "--out", out, "--max-shard-mib", 1) == 0
     return out
 
 
@@ -59,10 +63,6 @@ def rewrite(ckpt, change):
     save_file(tensors, str(path))
 
 
-def reference_ids(ckpt) -> list[int]:
-    r = generate(ckpt)
-    assert r.returncode == 0, r.stderr
-    return generated_ids(r.stdout)
 
 
 def test_missing_directory(tmp_path, capsys, no_ranks):
@@ -95,18 +95,18 @@ def test_truncated_file_named(ckpt_copy, capsys, no_ranks):
     generate_error(capsys, ckpt_copy, expect="model.safetensors is truncated or corrupt")
 
 
-def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(sharded):
+def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(sharded, capsys):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1
-    direct = run_cli("generate", "--preset", "tiny", "--layers", "24", "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32")
-    assert direct.returncode == 0, direct.stderr
-    assert reference_ids(sharded) == generated_ids(direct.stdout)
+    direct = generated_in_process(capsys, "--preset", "tiny", "--layers", "24")
+    assert generated_in_process(capsys, "--ckpt", sharded) == direct
     (sharded / shards[-1]).unlink()
-    assert_usage_error(generate(sharded), "absent", shards[-1])
+    r = run_cli("generate", "--ckpt", sharded, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32")
+    assert_usage_error(r, "absent", shards[-1])
 
 
-def test_nested_multimodal_layout_loads_and_skips_extras(tiny_ckpt, tmp_path):
+def test_nested_multimodal_layout_loads_and_skips_extras(tiny_ckpt, tmp_path, capsys):
     """text_config nesting, `model.language_model.` names, and mtp/vision weights that are skipped."""
     nested = tmp_path / "nested"
     nested.mkdir()
@@ -117,7 +117,7 @@ def test_nested_multimodal_layout_loads_and_skips_extras(tiny_ckpt, tmp_path):
     save_file(renamed, str(nested / "model.safetensors"))
     flat = json.loads((tiny_ckpt / "config.json").read_text())
     (nested / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": flat, "tie_word_embeddings": False}))
-    assert reference_ids(nested) == reference_ids(tiny_ckpt)
+    assert generated_in_process(capsys, "--ckpt", nested) == generated_in_process(capsys, "--ckpt", tiny_ckpt)
 
 
 def test_layers_cut_beyond_checkpoint(tiny_ckpt, capsys, no_ranks):

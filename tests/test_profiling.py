@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import cli_env, result_fields, run_cli, usage_error_in_process
+from conftest import main_in_process, result_fields, run_cli, usage_error_in_process
 from pocketllm.distributed.policy import PinnedPolicy
 from pocketllm.engine.runner import Engine
 from pocketllm.loader.random_weights import RandomWeights
@@ -300,8 +300,9 @@ def test_profile_command_prints_both_tables_from_timed_prefill_blocks(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "qwen_phase" not in r.stderr
     assert "qwen_host " in r.stderr
-    needles = ("prompt tokens", "wall (prefill_seconds)", "STACK", "prefill TPS", "gated_delta (3)", "tp_all_reduce (9)", "tp_skew (9)", "us/call")
-    for needle in needles + ("two-point fit on rows 64 and 256",):
+    # The tables count each scope's calls per pass: 3 linear-attention layers, 9 all-reduces (each
+    # with its skew wait), and fit the collective's price on the smallest and largest prompts.
+    for needle in ("gated_delta (3)", "tp_all_reduce (9)", "tp_skew (9)", "two-point fit on rows 64 and 256"):
         assert needle in r.stdout, needle
     doc = json.loads(out.read_text())
     assert [run["prompt_tokens"] for run in doc["runs"]] == [64, 128, 256]
@@ -316,12 +317,13 @@ def test_profile_command_prints_both_tables_from_timed_prefill_blocks(tmp_path):
     assert len(doc["collective"]["fit"]["checks"]) == 1
 
 
-def test_profile_prints_phase_blocks_when_asked():
+def test_profile_prints_phase_blocks_when_asked(capsys, monkeypatch):
     # Quiet by default is test_profile_command_prints_both_tables_from_timed_prefill_blocks's check.
-    r = run_cli("profile", "--preset", "tiny", "--prompt-tokens", "32", env=cli_env(QWEN_PHASE_PROFILE="1"))
-    assert r.returncode == 0, r.stderr
-    assert "prefill TPS" in r.stdout
-    assert "qwen_phase" in r.stderr
+    monkeypatch.setenv("POCKETLLM_PHASE_PROFILE", "1")
+    assert main_in_process("profile", "--preset", "tiny", "--prompt-tokens", "32") == 0
+    headers = [line for line in capsys.readouterr().err.splitlines() if line.startswith("qwen_phase ")]
+    # The warm-up's prefill and decodes, then the one timed prefill the tables were made from.
+    assert headers and " kind=prefill rows=32 timed=1" in headers[-1], headers
 
 
 @pytest.mark.parametrize(
@@ -329,7 +331,7 @@ def test_profile_prints_phase_blocks_when_asked():
     [
         (("profile", "--preset", "tiny", "--prompt-tokens", "64,abc"), {}, "'abc' is not an integer"),
         (("profile", "--preset", "tiny", "--prompt-tokens", "0"), {}, "--prompt-tokens: 0 must be a positive integer"),
-        (("bench", "--preset", "tiny"), {"QWEN_PHASE_PROFILE": "maybe"}, "QWEN_PHASE_PROFILE='maybe' is not a switch"),
+        (("bench", "--preset", "tiny"), {"POCKETLLM_PHASE_PROFILE": "maybe"}, "POCKETLLM_PHASE_PROFILE='maybe' is not a switch"),
         (("bench", "--preset", "tiny", "--profile-out", "somewhere"), {}, "--profile-out needs a profile"),
         (("bench", "--preset", "tiny", "--split-skew"), {}, "--split-skew splits the phase profile"),
     ],

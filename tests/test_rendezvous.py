@@ -1,7 +1,8 @@
-"""Rendezvous is checked and bounded: a --nccl-id-path file left by an earlier run is refused with
+"""Rendezvous is checked and bounded: a --rendezvous-file file left by an earlier run is refused with
 the command that clears it (and the run works once it is cleared), a missing rank 0 is waited for
-only POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS x 10 ms, and an unwritable directory or a busy port is
-one line naming it. The launcher's own private directory is checked in test_faults.py."""
+only POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS x 10 ms, and an unwritable directory or a busy port is
+one line naming it; a device backend's group also carries CPU tensors (through gloo). The
+launcher's own private directory is checked in test_faults.py."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ import subprocess
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import assert_nothing_left, start
+from pocketllm.distributed.rendezvous import backend_spec
 
 ARGS = ["generate", "--preset", "tiny", "--token-ids", "1,2,3,4", "--max-new-tokens", 2, "--dist-timeout", 20]
 
 
 def hand_started(rank: int, id_path, tmp_path, attempts: int = 3000, world: int = 2):
-    env = {"POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS": str(attempts)}
-    return start(*ARGS, "--tp-world", world, "--tp-rank", rank, "--nccl-id-path", id_path, tmp_path=tmp_path, env=env)
+    env = {"POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": str(attempts)}
+    return start(*ARGS, "--tp-world", world, "--tp-rank", rank, "--rendezvous-file", id_path, tmp_path=tmp_path, env=env)
 
 
 def one_line_error(run, rc: int = 2) -> str:
@@ -69,7 +73,7 @@ def test_stale_file_is_refused_then_cleared(tmp_path):
 def test_missing_rank0_is_waited_for_a_bounded_time(tmp_path):
     rank1 = hand_started(1, tmp_path / "run.id", tmp_path, attempts=100)
     message = one_line_error(rank1)
-    assert "no rank 0 created --nccl-id-path" in message and "within 1 s" in message, message
+    assert "no rank 0 created --rendezvous-file" in message and "within 1 s" in message, message
     assert rank1.ended - rank1.started < 15
     assert_nothing_left(rank1)
 
@@ -119,3 +123,19 @@ def test_private_dirs_of_dead_launchers_are_removed(tmp_path):
     assert not stale.exists() and live.exists() and other.exists()
     assert os.path.basename(made).startswith(f"pocketllm-rdzv-{os.getpid()}-")
     assert os.stat(made).st_mode & 0o777 == 0o700
+
+
+def test_a_device_backends_group_reduces_the_commands_cpu_tensors(tmp_path):
+    # The commands reduce host numbers (timing maxima, every rank's RSS) over the device group.
+    # Stand-in for NCCL on a CPU-only machine: the spec pocketllm builds, with gloo in NCCL's
+    # place; a group bound to cuda alone would refuse a CPU tensor. (HCCL's spec names the npu
+    # device, which torch knows only with torch_npu installed.)
+    spec = backend_spec("nccl").replace(":nccl", ":gloo")
+    assert spec != "gloo"
+    dist.init_process_group(spec, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        t = torch.ones(2, dtype=torch.float64)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

@@ -1,9 +1,10 @@
 """The shared-memory all-reduce (pocketllm/distributed/shm): the C reduce against its torch
 reference; on real groups of 2 and 4 ranks, every dtype and size (odd ones, ones beyond the shared
 buffer, back-to-back calls) against the fp32 sum rounded once, fp32 bit for bit against gloo at
-TP=2, the overlapped path's async slices, a peer that never arrives and one that dies; and from the
-command line, the flag, the choice in --json, the fallback without a compiler, and /dev/shm left
-as it was found."""
+TP=2, the overlapped path's async slices (and first, on gloo's own async all-reduce, test_overlap's
+check), a peer that never arrives and one that dies; and from the command line, the fallback
+without a compiler (the flag, the choice in --json and /dev/shm left as it was found:
+test_cpu_pinning's TP=2 bench runs)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import assert_usage_error, cli_env, free_port, run_cli, shm_segments, usage_error_in_process
+from test_overlap import check_overlapped_equals_serial
 from pocketllm.distributed import collective
 from pocketllm.distributed.shm import segment
 from pocketllm.distributed.shm.collective import CHUNK_BYTES, ONE_STEP_BYTES, ShmCollectiveError
@@ -167,6 +169,9 @@ def _worker(rank: int, world: int, port: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     set_tp(rank, world)
+    # Before the shared-memory all-reduce is set up, the overlapped projection's slices go through
+    # gloo's own async all-reduce: test_overlap's check, in the same group.
+    check_overlapped_equals_serial(rank, world)
     collective.setup("shm", "gloo", rank, world, timeout_s=60.0)
     assert collective.name() == "shm"
     _check_sums(rank, world)
@@ -205,19 +210,6 @@ def test_a_segment_left_by_a_dead_rank_0_is_removed_by_the_next_run():
     finally:
         segment.unlink(mine.path)
         mine.close()
-
-
-@pytest.mark.timeout(120)
-def test_bench_reports_its_collective_and_leaves_no_segment(tmp_path):
-    before = shm_segments()
-    out = tmp_path / "r.json"
-    r = run_cli("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 16, "--max-new-tokens", 2, "--json", out, "--collective", "shm")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(out.read_text())["settings"]["collective"] == "shm"
-    assert [line for line in r.stderr.splitlines() if line.startswith("all-reduce:")] == [
-        "all-reduce: shm (shared memory, 2 CPU ranks on this host; gloo for the other collectives)"
-    ]
-    assert shm_segments() == before
 
 
 @pytest.mark.timeout(120)

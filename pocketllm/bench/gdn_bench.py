@@ -70,14 +70,15 @@ def _validate(args) -> torch.dtype:
     return dtype
 
 
-def make_inputs(T: int, Hk: int, Hv: int, D: int, dtype: torch.dtype, seed: int = 0):
+def make_inputs(T: int, Hk: int, Hv: int, D: int, dtype: torch.dtype, seed: int = 0, Dv: int | None = None):
     """Seeded inputs shaped like one GDN layer's kernel call: q, k l2-normalised, q scaled by
-    D**-0.5; g from the model's own gate formula -exp(A_log) * softplus(a + dt_bias) at its
-    initialisation ranges (A in [1, 16], dt in [1e-3, 1e-1]), clamped to [-5, 0]; beta in (0, 1)."""
+    D**-0.5; v of head size Dv (default D); g from the model's own gate formula
+    -exp(A_log) * softplus(a + dt_bias) at its initialisation ranges (A in [1, 16], dt in
+    [1e-3, 1e-1]), clamped to [-5, 0]; beta in (0, 1). The kernel tests draw theirs here too."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(T, Hk, D, generator=gen), dim=-1) * D**-0.5
     k = torch.nn.functional.normalize(torch.randn(T, Hk, D, generator=gen), dim=-1)
-    v = torch.randn(T, Hv, D, generator=gen)
+    v = torch.randn(T, Hv, D if Dv is None else Dv, generator=gen)
     A = torch.empty(Hv).uniform_(1.0, 16.0, generator=gen)
     dt = torch.empty(Hv).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
     # softplus(dt_bias) == dt

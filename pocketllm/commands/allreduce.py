@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from pocketllm.commands.ranked import DEFAULT_WORLD, run_on_ranks
+from pocketllm.commands.ranked import DEFAULT_WORLD, run_without_model
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
 from pocketllm.distributed.state import tp
@@ -65,4 +65,4 @@ def _check(args) -> None:
 
 
 def run(args, argv) -> int:
-    return run_on_ranks(args, argv, _check, _work)
+    return run_without_model(args, argv, _check, _work)

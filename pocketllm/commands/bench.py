@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_ranked, run_settings
+from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_with_model, run_settings
 from pocketllm.distributed.state import tp
 from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, warm_up_batch
 from pocketllm.errors import UsageError
@@ -90,4 +90,4 @@ def _work(args, plan, ids, engine, device) -> int:
 
 
 def run(args, argv) -> int:
-    return run_ranked(args, argv, _prepare, _work)
+    return run_with_model(args, argv, _prepare, _work)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pocketllm.commands.progress import row_progress
-from pocketllm.commands.ranked import DEFAULT_WORLD, run_on_ranks
+from pocketllm.commands.ranked import DEFAULT_WORLD, run_without_model
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
     # rule's ceiling of the overlap flags (it shapes the choices printed).
     add_rank_args(p, default_world=DEFAULT_WORLD)
     add_source_args(p)
-    p.add_argument("--comm-overlap-slices", help="the slice rule's ceiling for the choices printed (env QWEN_COMM_OVERLAP_SLICES, default 4)")
+    p.add_argument("--comm-overlap-slices", help="the slice rule's ceiling for the choices printed (env POCKETLLM_COMM_OVERLAP_SLICES, alias QWEN_COMM_OVERLAP_SLICES, default 4)")
     p.add_argument("--rows", default="256,512,1024,2048,4096,8192", help="row counts to calibrate (default 256,512,1024,2048,4096,8192)")
     p.add_argument("--pin", default="1,2,4,8", help="slice counts to time at each row count (default 1,2,4,8)")
     p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved over every point (default 3)")
@@ -192,4 +192,4 @@ def _work(args, device, inputs) -> int:
 
 
 def run(args, argv) -> int:
-    return run_on_ranks(args, argv, _prepare, _work)
+    return run_without_model(args, argv, _prepare, _work)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pocketllm.commands.ranked import run_ranked
+from pocketllm.commands.ranked import run_with_model
 from pocketllm.distributed.state import tp
 from pocketllm.engine.generate import SamplingParams, generate
 from pocketllm.engine.scheduler import generate_batch
@@ -130,4 +130,4 @@ def _print_outputs(args, outputs: list[list[int]]) -> None:
 
 
 def run(args, argv) -> int:
-    return run_ranked(args, argv, _prepare, _work)
+    return run_with_model(args, argv, _prepare, _work)

@@ -10,12 +10,12 @@ from pocketllm.flags import parse_positive_list
 
 def add_arguments(p) -> None:
     p.add_argument("--rows", default="512,1024,2048,4096", help="comma-separated row counts (default 512,1024,2048,4096)")
-    p.add_argument("--comm-overlap-slices", help="the rule's ceiling (env QWEN_COMM_OVERLAP_SLICES, default 4)")
-    p.add_argument("--pin-slices", help="a pinned count (env QWEN_COMM_OVERLAP_PIN)")
+    p.add_argument("--comm-overlap-slices", help="the rule's ceiling (env POCKETLLM_COMM_OVERLAP_SLICES, alias QWEN_COMM_OVERLAP_SLICES, default 4)")
+    p.add_argument("--pin-slices", help="a pinned count (env POCKETLLM_PIN_SLICES)")
     p.add_argument("--overlap-policy", choices=OVERLAP_POLICIES, help="rule (the default) or calibrated (the default when a calibration is given)")
     p.add_argument(
         "--calibration",
-        help="show the calibrated policy from this `pocketllm calibrate` file (env QWEN_COMM_OVERLAP_CALIBRATION); "
+        help="show the calibrated policy from this `pocketllm calibrate` file (env POCKETLLM_CALIBRATION); "
         "nothing is checked against this machine, so another machine's calibration can be inspected",
     )
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from pocketllm.commands.ranked import run_ranked, run_settings
+from pocketllm.commands.ranked import run_with_model, run_settings
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.engine.timing import timed_prefill, warm_up
@@ -20,6 +20,7 @@ from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.profiling.profiler import phase_requested, profiler_of
+from pocketllm.switches import env_setting
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,
@@ -151,7 +152,7 @@ def _work(args, plan, lengths, engine, device) -> int:
 def _slices_given(args, env) -> bool:
     """Whether the run names a slice count or policy itself; if not, it is pinned to 1."""
     given = (args.pin_slices, args.comm_overlap_slices, getattr(args, "overlap_policy", None), getattr(args, "calibration", None))
-    from_env = (env.get(ENV_PIN), env.get(ENV_CEILING), env.get(ENV_CALIBRATION))
+    from_env = (env.get(ENV_PIN), env_setting(env, ENV_CEILING)[1], env.get(ENV_CALIBRATION))
     return any(v not in (None, "") for v in given + from_env)
 
 
@@ -162,4 +163,4 @@ def run(args, argv) -> int:
     args.phase_profile = True
     if not _slices_given(args, os.environ):
         args.pin_slices = "1"
-    return run_ranked(args, argv, _prepare, _work)
+    return run_with_model(args, argv, _prepare, _work)

@@ -1,8 +1,8 @@
-"""Running a command on every rank: the launcher checks, then starts the ranks; a rank joins the
-process group, takes rank 0's checked inputs, does the work, and any failure ends it with one line
-(pocketllm.launch.run_rank). run_checked is that sequence for any command (the model-free
-`allreduce` and `calibrate` use it too); run_ranked adds the plan and the engine for a model
-command."""
+"""Running a command on every rank: the launcher checks, then starts the ranks
+(pocketllm/launch.py); a rank joins the process group, takes rank 0's checked inputs, does the
+work, and any failure ends it with one line (pocketllm/rank.py). run_on_every_rank is that
+sequence for any command; run_with_model adds the plan and the loaded engine for a model command,
+run_without_model the group of two or more that the model-free `allreduce` and `calibrate` time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
 from pocketllm.faults import FaultHook, fault_from_env
-from pocketllm.launch import PassTracker, checked_on_rank0, init_distributed, rank_env, run_rank, setup_collective, spawn_local_ranks
+from pocketllm.failures import PassTracker
+from pocketllm.launch import spawn_local_ranks
+from pocketllm.rank import checked_on_rank0, join_group, rank_env, run_rank, setup_collective
 from pocketllm.model_args import dist_timeout, plan_model, say
 from pocketllm.profiling.profiler import attach_profiler, profile_options
 
@@ -27,26 +29,26 @@ from pocketllm.profiling.profiler import attach_profiler, profile_options
 DEFAULT_WORLD = 2
 
 
-def run_ranked(args, argv: list[str], prepare, work, forward_signals: bool = False) -> int:
+def run_with_model(args, argv: list[str], prepare, work, forward_signals: bool = False) -> int:
     """prepare(args, plan) checks the command's own inputs and returns them; work(args, plan,
     inputs, engine, device) runs on every rank with the engine loaded. forward_signals: a
     launcher passes SIGINT/SIGTERM to rank 0 and lets the ranks end themselves (serve), instead
     of stopping them."""
-    renv = place_in_run(args, default_world=1)
+    renv = rank_of_this_process(args, default_world=1)
     profiling = profile_options(args)
     fault = fault_from_env(args.tp_world)
-    return run_checked(
+    return run_on_every_rank(
         args,
         argv,
         renv,
         lambda: _checked(args, prepare),
-        lambda device, checked: _on_rank(args, renv, device, checked, work, profiling, fault),
+        lambda device, checked: _load_then_work(args, renv, device, checked, work, profiling, fault),
         forward_signals,
     )
 
 
-def place_in_run(args, default_world: int):
-    """This process's place in the run (pocketllm.launch.rank_env; None in a launcher that starts
+def rank_of_this_process(args, default_world: int):
+    """This process's place in the run (pocketllm.rank.rank_env; None in a launcher that starts
     the ranks), with args.tp_world set to the world the run has: torchrun's WORLD_SIZE, or
     default_world when --tp-world is not given, so that every later check sees it. Also checks
     the flags every process needs before it starts or joins a group; rank 0 cannot check them for
@@ -55,7 +57,7 @@ def place_in_run(args, default_world: int):
         raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     resolve_kind(args.device)
     collective.resolve_choice(getattr(args, "collective", None))
-    renv = rank_env(args.tp_world, args.tp_rank, args.nccl_id_path, default_world=default_world)
+    renv = rank_env(args.tp_world, args.tp_rank, args.rendezvous_file, default_world=default_world)
     if renv is not None:
         args.tp_world = renv.world
     elif args.tp_world is None:
@@ -63,7 +65,7 @@ def place_in_run(args, default_world: int):
     return renv
 
 
-def run_checked(args, argv: list[str], renv, check, on_rank, forward_signals: bool = False) -> int:
+def run_on_every_rank(args, argv: list[str], renv, check, on_rank, forward_signals: bool = False) -> int:
     """The sequence every command that runs on ranks shares. With no renv (this process starts the
     ranks): check(), then start args.tp_world ranks. On a rank: set up the device (args.device);
     rank 0 runs check() once and shares its result, which must pickle, over the group every rank
@@ -76,7 +78,7 @@ def run_checked(args, argv: list[str], renv, check, on_rank, forward_signals: bo
     def body() -> int:
         device = setup_device(args.device, renv.local_rank, renv.local_world)
         # Rank 0 checks the inputs once and shares them, so every rank runs on the same ones.
-        checked = checked_on_rank0(renv, check, lambda: init_distributed(renv, device.backend, dist_timeout(args, device.backend)))
+        checked = checked_on_rank0(renv, check, lambda: join_group(renv, device.backend, dist_timeout(args, device.backend)))
         setup_collective(renv, collective.resolve_choice(getattr(args, "collective", None)), device.backend)
         return on_rank(device, checked)
 
@@ -90,7 +92,7 @@ def _checked(args, prepare):
     return plan, prepare(args, plan)
 
 
-def _on_rank(args, renv, device, checked, work, profiling, fault) -> int:
+def _load_then_work(args, renv, device, checked, work, profiling, fault) -> int:
     plan, inputs = checked
     if plan.policy.note:
         say(f"note: {plan.policy.note}")
@@ -164,14 +166,14 @@ def peak_rss_mib_per_rank() -> list[float]:
     return per_rank(peak_rss_mib())
 
 
-def run_on_ranks(args, argv: list[str], prepare, work) -> int:
+def run_without_model(args, argv: list[str], prepare, work) -> int:
     """prepare(args) checks the command's own inputs and returns them: in the launcher before any
     rank starts, and on rank 0 alone once the ranks run, which shares the result (so it must
     pickle) with the others; work(args, device, inputs) runs on every rank of a --tp-world >= 2
     group, started here if need be. The model-free commands (allreduce, calibrate) run this way:
     neither needs weights, only the process group and the device."""
-    renv = place_in_run(args, default_world=DEFAULT_WORLD)
+    renv = rank_of_this_process(args, default_world=DEFAULT_WORLD)
     # Every process checks the world it is part of, before it starts or joins a group.
     if args.tp_world < 2:
         raise UsageError(f"--tp-world must be >= 2 to time an all-reduce, got {args.tp_world}")
-    return run_checked(args, argv, renv, lambda: prepare(args), lambda device, inputs: work(args, device, inputs))
+    return run_on_every_rank(args, argv, renv, lambda: prepare(args), lambda device, inputs: work(args, device, inputs))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from pocketllm.commands.ranked import run_ranked
+from pocketllm.commands.ranked import run_with_model
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
@@ -99,4 +99,4 @@ def _work(args, plan, settings: dict, engine, device) -> int:
 
 
 def run(args, argv) -> int:
-    return run_ranked(args, argv, _prepare, _work, forward_signals=True)
+    return run_with_model(args, argv, _prepare, _work, forward_signals=True)

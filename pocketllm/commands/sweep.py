@@ -11,7 +11,7 @@ import os
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
 from pocketllm.commands.progress import row_progress
-from pocketllm.commands.ranked import run_ranked, run_settings
+from pocketllm.commands.ranked import run_with_model, run_settings
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
 from pocketllm.distributed.state import tp
@@ -135,4 +135,4 @@ def _work(args, plan, inputs, engine, device) -> int:
 
 
 def run(args, argv) -> int:
-    return run_ranked(args, argv, _prepare, _work)
+    return run_with_model(args, argv, _prepare, _work)

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 from pocketllm.distributed.calibration import Calibration, Point, load_calibration
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_setting
 
 K_MIN_ROWS_PER_OVERLAP_SLICE = 1024
 DEFAULT_COMM_OVERLAP_SLICES = 4
-ENV_CEILING = "QWEN_COMM_OVERLAP_SLICES"
-ENV_PIN = "QWEN_COMM_OVERLAP_PIN"
-ENV_CALIBRATION = "QWEN_COMM_OVERLAP_CALIBRATION"
+# The ceiling is also read as the seed's QWEN_COMM_OVERLAP_SLICES (pocketllm.switches.ALIASES).
+ENV_CEILING = "POCKETLLM_COMM_OVERLAP_SLICES"
+ENV_PIN = "POCKETLLM_PIN_SLICES"
+ENV_CALIBRATION = "POCKETLLM_CALIBRATION"
 OVERLAP_POLICIES = ("rule", "calibrated")
 # A point within this fraction of the fastest is a wash, and a wash keeps fewer slices (the seed
 # chose 1 slice at 1024 rows, where 1 and 2 were 0.1% apart).
@@ -92,7 +94,10 @@ class PolicyChoice:
 
 def _given_ceiling(ceiling: str | int | None, env) -> int | None:
     value = parse_knob(ceiling, "--comm-overlap-slices")
-    return value if value is not None else parse_knob(env.get(ENV_CEILING), ENV_CEILING)
+    if value is not None:
+        return value
+    used, raw = env_setting(env, ENV_CEILING)
+    return parse_knob(raw, used)
 
 
 def resolve_ceiling(ceiling: str | int | None = None, env=os.environ) -> int:

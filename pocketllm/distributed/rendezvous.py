@@ -2,9 +2,9 @@
 
 - Started by the local launcher: a FileStore in a fresh private directory (mode 0700) that the
   launcher made for this run and removes afterwards.
-- Started by hand with `--nccl-id-path FILE`: rank 0 creates FILE exclusively and writes a run
+- Started by hand with `--rendezvous-file FILE`: rank 0 creates FILE exclusively and writes a run
   nonce into it; the FileStore lives next to it in FILE.store. The other ranks wait (bounded by
-  POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS) for FILE, register their rank in the store once, and wait
+  POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS) for FILE, register their rank in the store once, and wait
   for rank 0 to answer. A FILE left by an earlier run is refused with the command that clears it.
 - Under torchrun (env://): torch's TCPStore on MASTER_ADDR:MASTER_PORT; a port already in use is
   a one-line error.
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from pocketllm.errors import UsageError
 
-ENV_WAIT_ATTEMPTS = "POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS"
-# One wait attempt of the hand-started rendezvous, as the C++ engine counts them.
+ENV_WAIT_ATTEMPTS = "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS"
+# One wait attempt of the hand-started rendezvous (the seed's C++ engine counted waits so).
 WAIT_ATTEMPT_SECONDS = 0.01
 DEFAULT_WAIT_ATTEMPTS = 12_000
 MAGIC = "pocketllm-rendezvous 1"
@@ -174,11 +174,11 @@ def _read(path: str) -> dict | None:
 def _stale_message(path: str, fields: dict | None) -> str:
     clear = f"clear it with `{_clear_command(path)}` and start every rank again"
     if not fields or "nonce" not in fields:
-        return f"--nccl-id-path {path} exists and is not a pocketllm rendezvous file; pick another path or {clear}"
+        return f"--rendezvous-file {path} exists and is not a pocketllm rendezvous file; pick another path or {clear}"
     origin = f"run {fields['nonce']} (rank 0 pid {fields.get('pid', '?')} on {fields.get('host', '?')}, started {fields.get('started', '?')})"
     if fields.get("host") == socket.gethostname() and _alive(fields.get("pid", "")):
-        return f"--nccl-id-path {path} is in use by {origin}, which is still running; give this run another path"
-    return f"--nccl-id-path {path} is left from an earlier {origin}; {clear}"
+        return f"--rendezvous-file {path} is in use by {origin}, which is still running; give this run another path"
+    return f"--rendezvous-file {path} is left from an earlier {origin}; {clear}"
 
 
 def _alive(pid: str) -> bool:
@@ -194,9 +194,9 @@ def _alive(pid: str) -> bool:
 def _check_dir(path: str) -> None:
     parent = os.path.dirname(path) or "."
     if not os.path.isdir(parent):
-        raise RendezvousError(f"--nccl-id-path {path}: directory {parent} does not exist")
+        raise RendezvousError(f"--rendezvous-file {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise RendezvousError(f"--nccl-id-path {path}: directory {parent} is not writable by this user")
+        raise RendezvousError(f"--rendezvous-file {path}: directory {parent} is not writable by this user")
 
 
 def _file_rendezvous(path: str, rank: int, world: int, wait_s: float):
@@ -214,7 +214,7 @@ def _create(path: str, world: int, wait_s: float):
         _mark_refused(path)
         raise RendezvousError(_stale_message(path, fields)) from None
     except OSError as exc:
-        raise RendezvousError(f"--nccl-id-path {path}: cannot create it, directory {os.path.dirname(path) or '.'} is not writable ({exc.strerror})") from None
+        raise RendezvousError(f"--rendezvous-file {path}: cannot create it, directory {os.path.dirname(path) or '.'} is not writable ({exc.strerror})") from None
     _owned.extend([path + ".store", path])
     try:
         # Holding FILE exclusively means no live run uses FILE.store: a leftover one is garbage.
@@ -240,7 +240,7 @@ def _create(path: str, world: int, wait_s: float):
         if time.monotonic() > deadline:
             missing = [str(r) for r in range(1, world) if not store.check([f"join/{r}"])]
             raise RendezvousError(
-                f"rank(s) {', '.join(missing)} never joined at --nccl-id-path {path} within {wait_s:g} s "
+                f"rank(s) {', '.join(missing)} never joined at --rendezvous-file {path} within {wait_s:g} s "
                 f"({ENV_WAIT_ATTEMPTS} x {WAIT_ATTEMPT_SECONDS} s); start every rank with the same path and --tp-world {world}"
             )
         time.sleep(WAIT_ATTEMPT_SECONDS)
@@ -263,7 +263,7 @@ def _join(path: str, rank: int, world: int, wait_s: float):
     while fields is None:
         if time.monotonic() > deadline:
             raise RendezvousError(
-                f"no rank 0 created --nccl-id-path {path} within {wait_s:g} s ({ENV_WAIT_ATTEMPTS} x {WAIT_ATTEMPT_SECONDS} s); "
+                f"no rank 0 created --rendezvous-file {path} within {wait_s:g} s ({ENV_WAIT_ATTEMPTS} x {WAIT_ATTEMPT_SECONDS} s); "
                 f"start rank 0 with the same path"
             )
         time.sleep(WAIT_ATTEMPT_SECONDS)
@@ -271,7 +271,7 @@ def _join(path: str, rank: int, world: int, wait_s: float):
     if "foreign" in fields or REFUSED in fields:
         raise RendezvousError(_stale_message(path, fields))
     if fields.get("world") != str(world):
-        raise RendezvousError(f"--nccl-id-path {path} belongs to a run of --tp-world {fields.get('world')}, this rank has --tp-world {world}")
+        raise RendezvousError(f"--rendezvous-file {path} belongs to a run of --tp-world {fields.get('world')}, this rank has --tp-world {world}")
     store = dist.FileStore(path + ".store", world)
     # Each rank registers once per run: a second registration means FILE is from a finished or
     # crashed run whose rank already came (or two processes claim the same rank).
@@ -280,12 +280,12 @@ def _join(path: str, rank: int, world: int, wait_s: float):
     while not store.check(["go"]):
         if time.monotonic() > deadline:
             raise RendezvousError(
-                f"rank 0 of run {fields['nonce']} never answered at --nccl-id-path {path} within {wait_s:g} s: "
+                f"rank 0 of run {fields['nonce']} never answered at --rendezvous-file {path} within {wait_s:g} s: "
                 f"it died, or the file is left from an earlier run; clear it with `{_clear_command(path)}` and start every rank again"
             )
         now = _read(path)
         if now is None:
-            raise RendezvousError(f"rank 0 of run {fields['nonce']} gave up and removed --nccl-id-path {path}; start every rank again")
+            raise RendezvousError(f"rank 0 of run {fields['nonce']} gave up and removed --rendezvous-file {path}; start every rank again")
         if REFUSED in now:
             raise RendezvousError(_stale_message(path, fields))
         time.sleep(WAIT_ATTEMPT_SECONDS)

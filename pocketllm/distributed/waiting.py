@@ -2,9 +2,9 @@
 
 On gloo (CPU ranks) the rank polls the work handle, yielding its core between polls, instead of
 blocking in `work.wait()`. A blocked rank lets its core go idle, and waking an idle core costs
-far more than the collective itself on a virtual machine: measured on the 2-core VM of
-docs/measuring.md, a 2 KiB gloo all-reduce between two pinned ranks with work between calls had a median of
-about 0.25 ms but a tenth of the calls took 3.4-3.7 ms, a mean of 0.8-1.0 ms. Polling keeps the
+far more than the collective itself on a virtual machine: blocked, a tenth of the small gloo
+all-reduces between two pinned ranks took over ten times the median (docs/measuring.md, figures
+behind the code's choices, and the end-to-end effect). Polling keeps the
 core awake, while sched_yield still lets gloo's own threads, pinned to the same core, run.
 NCCL and HCCL keep the plain wait: their work handles order device streams and return at once.
 POCKETLLM_POLL_COLLECTIVES=0 turns polling off (benchmarks/switch_ab.py measures both).

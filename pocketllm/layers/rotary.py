@@ -9,8 +9,8 @@ import torch
 class RotaryEmbedding:
     """cos/sin per position, computed once for a table of positions that the engine sizes to the
     sequence when it starts one (reserve). A decode step then slices one row instead of running
-    arange, outer, cos and sin (measured on the 2-core CPU right after the head's GEMV: 81 us
-    against 26 us per step)."""
+    arange, outer, cos and sin, about three times cheaper per step (docs/measuring.md, figures
+    behind the code's choices)."""
 
     def __init__(self, rotary_dim: int, theta: float, device):
         self.rotary_dim = rotary_dim

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pocketllm.ops.row_blocks import block_rows, blocks_pay_off
+from pocketllm.ops.row_blocks import block_rows, uses_row_blocks
 
 # From this many tokens the prefill conv runs as K shifted multiply-adds over row blocks instead of
-# one F.conv1d: at 4096 tokens of 2048 channels that measured 26 ms against 60 ms in bf16 (41
-# against 112 in fp32), while at 512 tokens conv1d was as fast or faster in bf16. CPU only.
+# one F.conv1d: on CPU that measured over twice as fast at 4096 tokens, while at 512 conv1d was as
+# fast or faster (docs/measuring.md, figures behind the code's choices). CPU only.
 BLOCKED_FROM_TOKENS = 1024
 
 
@@ -20,7 +20,7 @@ def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Ten
     k = taps.shape[0]
     window = torch.cat((state.to(x.dtype), x), dim=0)  # [T+K-1, C]
     state.copy_(window[window.shape[0] - (k - 1) :])
-    if x.shape[0] >= BLOCKED_FROM_TOKENS and blocks_pay_off(x):
+    if x.shape[0] >= BLOCKED_FROM_TOKENS and uses_row_blocks(x):
         return _conv_silu_blocked(window, taps, x.shape[0])
     weight = taps.t().to(x.dtype).unsqueeze(1)  # [C, 1, K], exact: the taps came from x's dtype
     out = F.conv1d(window.t().unsqueeze(0), weight, groups=weight.shape[0])[0]  # [C, T]

@@ -2,9 +2,9 @@
 
 A prefill's norms, conv and activation are a few passes each over [rows, width] tensors, several
 of them fp32 temporaries: at 4096 rows those stream through memory pass after pass. Done in row
-blocks whose fp32 temporaries fit in cache, the same passes read memory once. Measured at 4096 rows
-on a 2-core CPU: the zero-centred RMSNorm 3.6x, the l2 norm 3.8x, the gated norm 2x and SiLU-and-
-multiply 1.7x faster. One decode row is a single block, called directly."""
+blocks whose fp32 temporaries fit in cache, the same passes read memory once: at 4096 rows each
+of these ops measured 1.7-3.8x faster that way (docs/measuring.md, figures behind the code's
+choices). One decode row is a single block, called directly."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def block_rows(x: torch.Tensor) -> int:
     return max(1, BLOCK_BYTES // (4 * (x.numel() // max(1, x.shape[0]))))
 
 
-def blocks_pay_off(x: torch.Tensor) -> bool:
+def uses_row_blocks(x: torch.Tensor) -> bool:
     """Row blocks are a CPU cache measure. On CUDA or Ascend one kernel over all rows beats many
     small launches, so there the ops run whole."""
     return x.device.type == "cpu"
@@ -29,7 +29,7 @@ def by_row_blocks(fn, x: torch.Tensor, *rows_like: torch.Tensor, out_dtype: torc
     """fn(x, *rows_like) computed on row blocks of x (and of the tensors that share its rows)
     into one output of x's shape: the same values, since fn treats every row alone."""
     # A decode row (the per-token path) returns before any block arithmetic.
-    if x.shape[0] == 1 or not blocks_pay_off(x):
+    if x.shape[0] == 1 or not uses_row_blocks(x):
         return fn(x, *rows_like)
     step = block_rows(x)
     if x.shape[0] <= step:

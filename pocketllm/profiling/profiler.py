@@ -1,8 +1,8 @@
 """The profiler as an Engine hook: which profiles are on, and one report block per pass.
 
-Phase profile (QWEN_PHASE_PROFILE=1 or --phase-profile): every scope synchronises the device on
+Phase profile (POCKETLLM_PHASE_PROFILE=1 or --phase-profile): every scope synchronises the device on
 entry and exit, so its seconds are device time; attribution is exclusive. Host profile
-(QWEN_HOST_PROFILE=1 or --host-profile): wall clock, no synchronisation, nested spans with
+(POCKETLLM_HOST_PROFILE=1 or --host-profile): wall clock, no synchronisation, nested spans with
 inclusive and self time, and a Chrome/Perfetto trace with --trace-out. On CUDA and Ascend the host
 clock would time kernel launches, so there each scope records device events on the compute stream
 instead, read after one synchronisation at the pass's end: the spans are device time, and a
@@ -34,8 +34,8 @@ from pocketllm.profiling.scopes import ScopeRecorder, install
 from pocketllm.profiling.trace import TraceWriter
 from pocketllm.switches import env_switch
 
-ENV_PHASE = "QWEN_PHASE_PROFILE"
-ENV_HOST = "QWEN_HOST_PROFILE"
+ENV_PHASE = "POCKETLLM_PHASE_PROFILE"
+ENV_HOST = "POCKETLLM_HOST_PROFILE"
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,9 @@ def profile_options(args, env=os.environ) -> ProfileOptions:
     host = host or trace_out is not None
     split_skew = bool(getattr(args, "split_skew", False))
     if split_skew and not phase:
-        raise UsageError("--split-skew splits the phase profile's all-reduce time: add --phase-profile (or QWEN_PHASE_PROFILE=1)")
+        raise UsageError("--split-skew splits the phase profile's all-reduce time: add --phase-profile (or POCKETLLM_PHASE_PROFILE=1)")
     if profile_out is not None and not (phase or host):
-        raise UsageError("--profile-out needs a profile: add --phase-profile or --host-profile (or QWEN_PHASE_PROFILE=1)")
+        raise UsageError("--profile-out needs a profile: add --phase-profile or --host-profile (or POCKETLLM_PHASE_PROFILE=1)")
     if profile_out is not None:
         _check_out_dir("--profile-out", profile_out)
     if trace_out is not None:

@@ -1,12 +1,12 @@
 """Which gated-delta-rule kernel runs: the one seam where device kernels plug in.
 
-The choice is made from (device, dtype, QWEN_GDN_KERNEL) and what is installed, before any rank
+The choice is made from (device, dtype, POCKETLLM_GDN_KERNEL) and what is installed, before any rank
 starts (choose_gdn_kernel, pure, so every combination is tested on CPU); each rank then probes a
 device kernel once with a tiny call against the per-token reference before trusting it
 (select_gdn_kernel). Unforced: fla on cuda for bf16/fp16, the CANN op on npu for bf16, else the
-torch chunked kernel, which works everywhere. QWEN_GDN_KERNEL=chunk|recurrent|fla|npu forces one
-('recurrent' runs the per-token loop for prefill too: the seed's ablation); a forced kernel this
-machine cannot run is a usage error. Decode never takes a chunked path.
+torch chunked kernel, which works everywhere. POCKETLLM_GDN_KERNEL=chunk|recurrent|fla|npu (or
+the seed's QWEN_GDN_KERNEL) forces one ('recurrent' runs the per-token loop for prefill too: the
+seed's ablation); a forced kernel this machine cannot run is a usage error. Decode never takes a chunked path.
 
 The fla and npu adapters are contract-tested on CPU against stand-ins bound to those libraries'
 signatures (tests/test_gdn_kernels.py); they have not yet run on a device.
@@ -23,11 +23,13 @@ from typing import Callable
 import torch
 
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_setting
 from pocketllm.ops.gated_delta import fla_adapter, npu_adapter
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent, gated_delta_step_
 
-ENV = "QWEN_GDN_KERNEL"
+# Also read as the seed's QWEN_GDN_KERNEL (pocketllm.switches.ALIASES).
+ENV = "POCKETLLM_GDN_KERNEL"
 CHOICES = ("chunk", "recurrent", "fla", "npu")
 # The probe's shape: 8 tokens, the model's head dim and its 3 value heads per key head (48 / 16).
 PROBE_SHAPE = (8, 2, 6, 128)
@@ -36,7 +38,7 @@ PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-
 
 
 class GdnKernelError(UsageError):
-    """QWEN_GDN_KERNEL names an unknown kernel, or one this machine cannot run."""
+    """POCKETLLM_GDN_KERNEL (or QWEN_GDN_KERNEL) names an unknown kernel, or one this machine cannot run."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def choose_gdn_kernel(device_type: str, dtype: torch.dtype, forced: str, have_fla: bool, have_npu_op: bool) -> KernelChoice:
-    """The kernel for a run, from what it asks and what is installed; no device is touched."""
+def choose_gdn_kernel(device_type: str, dtype: torch.dtype, forced: str, have_fla: bool, have_npu_op: bool, source: str = ENV) -> KernelChoice:
+    """The kernel for a run, from what it asks (`forced`, read from the variable `source`) and
+    what is installed; no device is touched."""
     forced = forced.strip().lower()
     dname = _dtype_name(dtype)
     if not forced:
@@ -91,31 +94,31 @@ def choose_gdn_kernel(device_type: str, dtype: torch.dtype, forced: str, have_fl
             return KernelChoice("chunk", f"torch chunked kernel: the CANN op is bfloat16-only, not {dname}")
         return KernelChoice("chunk", f"torch chunked kernel on {device_type}")
     if forced not in CHOICES:
-        raise GdnKernelError(f"{ENV}={forced!r} is not a GDN kernel; valid: {', '.join(CHOICES)}")
+        raise GdnKernelError(f"{source}={forced!r} is not a GDN kernel; valid: {', '.join(CHOICES)}")
     if forced in ("chunk", "recurrent"):
-        return KernelChoice(forced, f"forced by {ENV}")
+        return KernelChoice(forced, f"forced by {source}")
     if forced == "fla":
         if device_type not in ("cuda", "npu"):
-            raise GdnKernelError(f"{ENV}=fla needs --device cuda (or npu); this run is on {device_type}: use chunk or recurrent")
+            raise GdnKernelError(f"{source}=fla needs --device cuda (or npu); this run is on {device_type}: use chunk or recurrent")
         if not have_fla:
-            raise GdnKernelError(f"{ENV}=fla: fla is not importable (pip install -e '.[cuda]'); use chunk or recurrent")
+            raise GdnKernelError(f"{source}=fla: fla is not importable (pip install -e '.[cuda]'); use chunk or recurrent")
         if dtype not in fla_adapter.DTYPES:
-            raise GdnKernelError(f"{ENV}=fla runs bfloat16 or float16, not --dtype {dname} (fla would multiply it as TF32): use chunk")
-        return KernelChoice("fla", f"forced by {ENV}")
+            raise GdnKernelError(f"{source}=fla runs bfloat16 or float16, not --dtype {dname} (fla would multiply it as TF32): use chunk")
+        return KernelChoice("fla", f"forced by {source}")
     if device_type != "npu" or not have_npu_op:
         where = f"this run is on {device_type}" if device_type != "npu" else "this torch_npu lacks it"
-        raise GdnKernelError(f"{ENV}=npu needs --device npu with torch_npu.npu_chunk_gated_delta_rule ({where}): use chunk or recurrent")
+        raise GdnKernelError(f"{source}=npu needs --device npu with torch_npu.npu_chunk_gated_delta_rule ({where}): use chunk or recurrent")
     if dtype not in npu_adapter.DTYPES:
-        raise GdnKernelError(f"{ENV}=npu runs bfloat16 only (the CANN op), not --dtype {dname}: use chunk")
-    return KernelChoice("npu", f"forced by {ENV}")
+        raise GdnKernelError(f"{source}=npu runs bfloat16 only (the CANN op), not --dtype {dname}: use chunk")
+    return KernelChoice("npu", f"forced by {source}")
 
 
 def plan_gdn_kernel(device_type: str, dtype: torch.dtype, env=os.environ) -> KernelChoice:
     """choose_gdn_kernel with this machine's environment and libraries."""
-    forced = env.get(ENV, "")
+    source, forced = env_setting(env, ENV)
     have_fla = fla_importable()
     have_npu = device_type == "npu" and npu_op_present()
-    return choose_gdn_kernel(device_type, dtype, forced, have_fla, have_npu)
+    return choose_gdn_kernel(device_type, dtype, forced, have_fla, have_npu, source)
 
 
 def probe_inputs(device, dtype, shape=PROBE_SHAPE, seed: int = 0):
@@ -191,7 +194,8 @@ def select_gdn_kernel(device, dtype: torch.dtype, env=os.environ) -> GdnKernel:
     probed once (per device and dtype). A forced kernel that fails its probe is a usage error; an
     unforced one gives way to the torch chunked kernel, saying why."""
     device = torch.device(device)
-    key = (device, dtype, env.get(ENV, ""))
+    source, forced = env_setting(env, ENV)
+    key = (device, dtype, forced)
     if key in _selected:
         return _selected[key]
     choice = plan_gdn_kernel(device.type, dtype, env)
@@ -199,8 +203,8 @@ def select_gdn_kernel(device, dtype: torch.dtype, env=os.environ) -> GdnKernel:
         build = _fla_kernel if choice.name == "fla" else _npu_kernel
         kernel, why = build(choice, device, dtype)
         if kernel is None:
-            if env.get(ENV, "").strip():
-                raise GdnKernelError(f"{ENV}={choice.name} failed its probe on {device}: {why}")
+            if forced.strip():
+                raise GdnKernelError(f"{source}={choice.name} failed its probe on {device}: {why}")
             kernel = torch_kernel("chunk", f"torch chunked kernel: {choice.name} failed its probe ({why})")
     else:
         kernel = torch_kernel(choice.name, choice.reason)

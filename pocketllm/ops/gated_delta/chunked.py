@@ -13,13 +13,13 @@ copy of V is made), and A U, whose sum with gamma Q S is copied straight into th
 
 (I + L) is inverted through its decay-free twin I + L0 (see _precompute) by one batched
 unit-lower-triangular solve against the identity, and W_v, W_k come from matmuls with the
-inverse: on CPU a triangular solve with Dv + Dk right-hand sides is ~10x slower than solving for
-the C x C inverse and multiplying. Q K^T, K K^T and the product with
+inverse: on CPU a triangular solve with Dv + Dk right-hand sides is far slower than solving for
+the C x C inverse and multiplying (docs/measuring.md, figures behind the code's choices). Q K^T, K K^T and the product with
 K are done once per key head, the value heads of a group broadcast or stacked as matmul rows.
 
-The default chunk is 32, not the usual 64: on a 2-core AVX-512 CPU chunk 64 took 1.14x / 1.21x /
-1.40x as long at 4096 / 512 / 128 tokens (the C^2 terms halve and the per-chunk matmuls are still
-efficient).
+The default chunk is 32, not the usual 64: on the 2-core CPU this was tuned on, chunk 64 was
+slower at every prompt length measured (the C^2 terms halve and the per-chunk matmuls are still
+efficient; `python benchmarks/chunk_size.py`, figures in docs/measuring.md).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pocketllm.ops.gated_delta.naive import check_shapes
 
 DEFAULT_CHUNK_SIZE = 32
 # Decays below exp(EXP_FLOOR) (about 1e-13, far under fp32 resolution) are not computed as such:
-# left in, they and their products become subnormal floats, which made the CPU matmuls up to 6x
-# slower on realistic gates. Per-token decays are set to zero there, pairwise ones held at it.
+# left in, they and their products become subnormal floats, which made the CPU matmuls several
+# times slower on realistic gates (docs/measuring.md). Per-token decays are set to zero there, pairwise ones held at it.
 EXP_FLOOR = -30.0
 # Token x value-head rows per precompute block: bounds the intermediates (a few floats per row
 # per head dim) to a few MB that the allocator reuses. Larger blocks allocate past glibc's mmap

@@ -12,7 +12,7 @@ Stance on devices: the op is documented for Atlas A2/A3 (910B/910C) and bf16 onl
 seed's machine) it is absent or fails its probe, and the torch chunked kernel runs instead. fla's
 own Ascend path (fla-core 0.6.0's `npu` extra, triton-ascend) runs fla's chunk_gated_delta_rule
 on an NPU, but pins torch 2.10.0 and torch_npu 2.10.0.post7 exactly, so it is used only when forced
-(QWEN_GDN_KERNEL=fla) where that stack is installed.
+(POCKETLLM_GDN_KERNEL=fla) where that stack is installed.
 """
 
 from __future__ import annotations

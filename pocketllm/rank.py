@@ -1,0 +1,143 @@
+"""What one rank does around a command's work: find its place in the run, join the process group,
+take rank 0's checked inputs, and end with one line if anything fails (pocketllm/failures.py words
+it). The ranks are started by pocketllm's launcher (pocketllm/launch.py), by torchrun, or by hand,
+one process per rank, meeting at `--rendezvous-file FILE`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from pocketllm import failures
+from pocketllm.distributed import collective, rendezvous, waiting
+from pocketllm.distributed.state import set_tp
+from pocketllm.errors import UsageError
+from pocketllm.launch import ENV_RANK, ENV_RDZV, ENV_WORLD
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    file_store: str | None = None  # the launcher's private FileStore
+    id_path: str | None = None  # the hand-started rendezvous file
+
+
+def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env=os.environ, default_world: int = 1) -> RankEnv | None:
+    """This process's place in the run, or None when it must start the ranks itself. tp_world None
+    means --tp-world was not given: torchrun's WORLD_SIZE, else `default_world`."""
+    if ENV_RANK in env:
+        world = int(env[ENV_WORLD])
+        return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        if tp_world not in (None, world):
+            raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
+    if tp_world is None:
+        tp_world = default_world
+    if tp_rank is not None:
+        if not 0 <= tp_rank < tp_world:
+            raise UsageError(f"--tp-rank must be in 0..{tp_world - 1}, got {tp_rank}")
+        if not id_path:
+            raise UsageError("--tp-rank needs --rendezvous-file FILE, the rendezvous file every rank names")
+        return RankEnv(tp_rank, tp_world, tp_rank, tp_world, id_path=os.path.abspath(id_path))
+    if tp_world == 1:
+        return RankEnv(0, 1, 0, 1)
+    return None
+
+
+def join_group(renv: RankEnv, backend: str, timeout_s: float) -> None:
+    set_tp(renv.rank, renv.world)
+    failures.set_timeout(timeout_s)
+    if renv.world == 1:
+        return
+    waiting.configure(backend)
+    failures.set_place("the rendezvous")
+    rendezvous.join_group(backend, renv.rank, renv.world, timeout_s, renv.file_store, renv.id_path)
+    failures.set_place("loading")
+
+
+def setup_collective(renv: RankEnv, choice: str, backend: str) -> None:
+    """Choose the engine's all-reduce (pocketllm.distributed.collective) once the group runs on
+    checked inputs; its waits honour the same --dist-timeout as the group's."""
+    if renv.world == 1:
+        return
+    failures.set_place("setting up the all-reduce")
+    collective.setup(choice, backend, renv.rank, renv.world, failures.timeout())
+    failures.set_place("loading")
+
+
+def leave_group() -> None:
+    collective.close()
+    rendezvous.leave_group()
+
+
+class RefusedByRank0(UsageError):
+    """Rank 0 found the inputs bad and said so; this rank stops quietly with it."""
+
+
+def checked_on_rank0(renv: RankEnv, check, join):
+    """Rank 0 runs check(), once, and every rank gets its result (or its one-line error) over the
+    process group that join() sets up, so all ranks run on the same checked inputs or all stop."""
+    verdict = None
+    if renv.rank == 0:
+        try:
+            verdict = (True, check())
+        except UsageError as exc:
+            verdict = (False, str(exc))
+    try:
+        join()
+    except Exception:
+        if verdict is not None and not verdict[0]:
+            raise UsageError(verdict[1]) from None
+        raise
+    if renv.world > 1:
+        failures.set_place("sharing rank 0's checked inputs")
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+        failures.set_place("loading")
+    ok, value = verdict
+    if not ok:
+        raise (UsageError if renv.rank == 0 else RefusedByRank0)(value)
+    return value
+
+
+def run_rank(renv: RankEnv, body) -> int:
+    """Run this rank's part, then leave the process group. A failure becomes one line: written for
+    the launcher when there is one, else printed. Collective failures end the rank with exit 1 and
+    no traceback; other exceptions keep theirs (the launcher still names them). The line is
+    written before the group is left: peers notice a rank leave at once, and the launcher must
+    already know which rank failed first."""
+    launched = failures.ENV_REPORT in os.environ
+    try:
+        return body()
+    except RefusedByRank0 as exc:
+        failures.leave_report("usage", str(exc))
+        return 2
+    except UsageError as exc:
+        if not launched:
+            raise
+        failures.leave_report("usage", str(exc))
+        return 2
+    except Exception as exc:
+        kind = failures.collective_failure(exc)
+        if kind is None:
+            failures.leave_report("exception", traceback.format_exception_only(exc)[-1].strip())
+            raise
+        line = failures.collective_line(kind)
+        failures.leave_report(kind, line)
+        if not launched:
+            print(f"pocketllm: error: rank {renv.rank}: {line}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        leave_group()
