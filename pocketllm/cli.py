@@ -22,6 +22,7 @@ COMMANDS = {
     "calibrate": ("commands.calibrate", "time the overlapped projection per rows x slices and write a calibration"),
     "sweep": ("commands.sweep", "prefill/decode TPS per row count for pinned slice counts and policies"),
     "gdn-bench": ("bench.gdn_bench", "time the gated delta rule kernels side by side"),
+    "serve": ("commands.serve", "an OpenAI-compatible HTTP server (needs the serve extra)"),
 }
 
 

@@ -42,13 +42,18 @@ ENV_WORLD = "POCKETLLM_LAUNCH_WORLD"
 ENV_RDZV = "POCKETLLM_LAUNCH_RDZV"
 # The most a rank gets to end after SIGTERM before it is killed.
 TERMINATE_GRACE_SECONDS = 3.0
+# With signals forwarded (serve), the most the ranks get to end themselves after rank 0 got one.
+FORWARDED_SIGNAL_GRACE_SECONDS = 8.0
 # The most the launcher waits for the rank it names to finish exiting on its own.
 ROOT_CAUSE_WAIT_SECONDS = 1.0
 
 
-def spawn_local_ranks(world: int, argv: list[str]) -> int:
+def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False) -> int:
     """Start `world` ranks of this same command and supervise them. When one fails, stop the rest
-    and name the first failure; on SIGINT/SIGTERM stop every rank. Returns the exit status."""
+    and name the first failure; on SIGINT/SIGTERM stop every rank. With forward_signals the first
+    SIGINT/SIGTERM goes to rank 0 instead, which ends the run itself (every rank exiting 0 is a
+    clean exit, 0); a second signal, or the ranks still running FORWARDED_SIGNAL_GRACE_SECONDS
+    later, stops them all. Returns the exit status."""
     # The launcher splits the cores it may run on among its ranks; to run two launches side by
     # side, give each its own cores (taskset -c).
     pin = hasattr(os, "sched_setaffinity") and env_switch(os.environ, ENV_PIN_CPUS, default=True)
@@ -80,7 +85,7 @@ def spawn_local_ranks(world: int, argv: list[str]) -> int:
             preexec = _rank_preexec(os.getpid(), cpus)
             # stdin closed: a rank in its own process group must never stop on a terminal read.
             procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm", *argv], env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec))
-        outcome = _supervise(procs, wake_r, signals, rdzv_dir)
+        outcome = _supervise(procs, wake_r, signals, rdzv_dir, forward_signals)
         _stop(procs)
         if outcome is None:
             return 0
@@ -100,14 +105,19 @@ def spawn_local_ranks(world: int, argv: list[str]) -> int:
         shutil.rmtree(rdzv_dir, ignore_errors=True)
 
 
-def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], rdzv_dir: str):
+def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], rdzv_dir: str, forward: bool = False):
     """Wait on every rank's pidfd (a sentinel that becomes readable when the rank ends) and on the
     signal pipe. Returns None when all ranks succeed, the first failure as _first_failure gives
-    it, or the name of the signal that stopped the launcher."""
+    it, or the name of the signal that stopped the launcher (see spawn_local_ranks for forward)."""
     sentinels = _pidfds(procs)
+    forwarded_at = None
     try:
         while True:
-            if signals:
+            if signals and forward and forwarded_at is None:
+                forwarded_at = time.monotonic()
+                if procs[0].poll() is None:
+                    procs[0].send_signal(signals[0])
+            elif signals and (not forward or len(signals) > 1 or time.monotonic() - forwarded_at > FORWARDED_SIGNAL_GRACE_SECONDS):
                 return signal.Signals(signals[0]).name
             failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
             if failed:

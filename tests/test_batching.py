@@ -158,3 +158,31 @@ def test_a_batch_at_tp2_matches_transformers(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("generated_ids=")]
     assert [generated_ids(line) for line in lines] == [hf_greedy(model, p, 6) for p in batch]
+
+
+def test_a_bf16_decode_step_of_several_rows_runs_the_few_row_kernels(monkeypatch, tmp_path):
+    # bf16 on a CPU: reserving slots measures the few-row kernels (the compiled ones among them),
+    # and a decode step of four sequences through them gives each sequence's logits within bf16
+    # rounding of its own one-row step.
+    from pocketllm import compiled
+    from pocketllm.ops import gemv
+
+    monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path))
+    set_tp(0, 1)
+    cfg = get_preset("tiny")
+    eng = Engine(cfg, RandomWeights(cfg, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu"), RulePolicy())
+    eng.reserve_slots(4, 40)
+    assert sorted(eng.few_rows) == [2, 4] and all(c.how == "measured" for c in eng.few_rows.values())
+    assert {"c", "mm"} <= set(next(iter(eng.few_rows[4].seconds.values())))
+    prompts = [prompt(6 + 3 * i, i) for i in range(4)]
+    for slot in range(4):
+        eng.reset_slot(slot)
+    eng.run_packed([(s, 0, torch.tensor(p)) for s, p in enumerate(prompts)])
+    step = eng.run_packed([(s, len(p), torch.tensor([s + 1])) for s, p in enumerate(prompts)])
+    w = eng.model.layers[0].mlp.down.weight
+    assert gemv.few_rows_kernel(4, w) is not None
+    for s, p in enumerate(prompts):
+        eng.start_sequence(len(p) + 1)
+        eng.prefill(torch.tensor(p))
+        alone = eng.decode(s + 1)
+        assert (step[s] - alone).abs().max().item() <= 0.05 * alone.abs().max().item()

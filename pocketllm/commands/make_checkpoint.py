@@ -1,5 +1,6 @@
 """`pocketllm make-checkpoint`: write a preset as a real HF-layout checkpoint (config.json,
-safetensors, sharded with an index past --max-shard-mib, and a byte-level tokenizer.json)."""
+safetensors, sharded with an index past --max-shard-mib, a byte-level tokenizer.json, and a
+tokenizer_config.json with a ChatML chat template, the format Qwen's chat models use)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,24 @@ def write_byte_tokenizer(path: Path) -> None:
     tok.save(str(path))
 
 
+# ChatML as Qwen's chat templates write it, without their tool-calling and reasoning branches: what
+# `pocketllm serve` renders for /v1/chat/completions. The byte-level tokenizer has no special
+# tokens, so the markers are plain text to it, which changes nothing for a model of random weights.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_tokenizer_config(path: Path) -> None:
+    path.write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": None, "bos_token": None}, indent=2))
+
+
 def run(args, argv) -> int:
     import dataclasses
 
@@ -83,5 +102,6 @@ def run(args, argv) -> int:
         (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     write_byte_tokenizer(out / "tokenizer.json")
+    write_tokenizer_config(out / "tokenizer_config.json")
     print(f"wrote {args.preset} ({cfg.num_layers} layers, {len(shards)} shard(s)) to {out}")
     return 0

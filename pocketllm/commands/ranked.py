@@ -29,9 +29,11 @@ from pocketllm.rank import checked_on_rank0, join_group, rank_env, run_rank, set
 DEFAULT_WORLD = 2
 
 
-def run_with_model(args, argv: list[str], prepare, work) -> int:
+def run_with_model(args, argv: list[str], prepare, work, forward_signals: bool = False) -> int:
     """prepare(args, plan) checks the command's own inputs and returns them; work(args, plan,
-    inputs, engine, device) runs on every rank with the engine loaded."""
+    inputs, engine, device) runs on every rank with the engine loaded. forward_signals: a
+    launcher passes SIGINT/SIGTERM to rank 0 and lets the ranks end themselves (serve), instead
+    of stopping them."""
     renv = rank_of_this_process(args, default_world=1)
     profiling = profile_options(args)
     fault = fault_from_env(args.tp_world)
@@ -41,6 +43,7 @@ def run_with_model(args, argv: list[str], prepare, work) -> int:
         renv,
         lambda: _checked(args, prepare),
         lambda device, checked: _load_then_work(args, renv, device, checked, work, profiling, fault),
+        forward_signals,
     )
 
 
@@ -62,7 +65,7 @@ def rank_of_this_process(args, default_world: int):
     return renv
 
 
-def run_on_every_rank(args, argv: list[str], renv, check, on_rank) -> int:
+def run_on_every_rank(args, argv: list[str], renv, check, on_rank, forward_signals: bool = False) -> int:
     """The sequence every command that runs on ranks shares. With no renv (this process starts the
     ranks): check(), then start args.tp_world ranks. On a rank: set up the device (args.device);
     rank 0 runs check() once and shares its result, which must pickle, over the group every rank
@@ -70,7 +73,7 @@ def run_on_every_rank(args, argv: list[str], renv, check, on_rank) -> int:
     if renv is None:
         # The launcher checks everything before it starts a rank: a bad input starts nothing.
         check()
-        return spawn_local_ranks(args.tp_world, argv)
+        return spawn_local_ranks(args.tp_world, argv, forward_signals)
 
     def body() -> int:
         device = setup_device(args.device, renv.local_rank, renv.local_world)

@@ -1,0 +1,102 @@
+"""`pocketllm serve`: an OpenAI-compatible HTTP server (pocketllm.serving). Rank 0 serves HTTP and
+steps the scheduler; every other rank follows the passes rank 0 runs."""
+
+from __future__ import annotations
+
+import socket
+
+from pocketllm.commands.ranked import run_with_model
+from pocketllm.distributed.state import tp
+from pocketllm.errors import UsageError
+from pocketllm.inputs import load_tokenizer
+from pocketllm.model_args import add_model_args
+
+# The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
+# the scheduler keeps room for --max-running sequences of this length.
+DEFAULT_MAX_LEN = 8192
+SERVE_EXTRA = "pip install -e '.[serve]'"
+
+
+def add_arguments(p) -> None:
+    add_model_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 exposes it)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 lets the system pick, printed at start)")
+    s.add_argument("--max-running", type=int, default=8, help="requests generated at once (default 8); more wait their turn")
+    s.add_argument("--max-len", type=int, help=f"longest prompt plus completion, in tokens (default {DEFAULT_MAX_LEN}, or the model's limit if lower)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: no authentication)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
+
+
+def _prepare(args, plan) -> dict:
+    for module in ("fastapi", "uvicorn", "jinja2"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise UsageError(f"serve needs {module}, which is not installed: {SERVE_EXTRA}") from None
+    if args.ckpt is None:
+        raise UsageError("serve needs a checkpoint with tokenizer.json (--ckpt DIR), and presets have none; "
+                         "write one with `pocketllm make-checkpoint --preset small --out DIR`")
+    load_tokenizer(args.ckpt, "serve", "write a checkpoint with `pocketllm make-checkpoint`, which adds one")
+    from pocketllm.serving.chat_template import load_chat_template
+
+    load_chat_template(args.ckpt)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_running < 1:
+        raise UsageError(f"--max-running must be >= 1, got {args.max_running}")
+    limit = plan.cfg.max_position_embeddings
+    max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, limit)
+    if not 2 <= max_len <= limit:
+        raise UsageError(f"--max-len must be in 2..{limit} (the model's max_position_embeddings), got {max_len}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key must not be empty")
+    _check_listen(args.host, args.port)
+    from pathlib import Path
+
+    name = args.served_model_name or Path(args.ckpt).resolve().name
+    return {"max_len": max_len, "model": name}
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail before loading the model when the address cannot be listened on."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: cannot resolve ({exc.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _work(args, plan, settings: dict, engine, device) -> int:
+    from pocketllm.engine.scheduler import Scheduler, follow
+
+    if tp().rank != 0:
+        follow(engine, args.max_running, settings["max_len"])
+        return 0
+    from pocketllm.serving.app import Served
+    from pocketllm.serving.chat_template import load_chat_template
+    from pocketllm.serving.engine_loop import EngineLoop
+    from pocketllm.serving.metrics import Metrics
+    from pocketllm.serving.protocol import Limits
+    from pocketllm.serving.server import serve
+
+    scheduler = Scheduler(engine, args.max_running, settings["max_len"])
+    served = Served(
+        limits=Limits(settings["model"], settings["max_len"], plan.cfg.vocab_size),
+        tokenizer=load_tokenizer(args.ckpt),
+        chat_template=load_chat_template(args.ckpt),
+        eos_ids=tuple(plan.cfg.eos_token_ids),
+        engine=EngineLoop(scheduler, Metrics()),
+        api_key=args.api_key,
+    )
+    return serve(served, args.host, args.port)
+
+
+def run(args, argv) -> int:
+    return run_with_model(args, argv, _prepare, _work, forward_signals=True)

@@ -1,0 +1,98 @@
+"""A checkpoint's chat template rendered the way transformers' apply_chat_template renders it: the
+same sandboxed jinja2 environment (trim_blocks, lstrip_blocks, loop controls, its tojson,
+raise_exception and strftime_now), the special tokens as variables, keys whose value is null
+dropped from each message, and the rendered text encoded without adding special tokens. The
+template is tokenizer_config.json's `chat_template` (a string, or a list of named templates of
+which `default` is used), or chat_template.jinja beside it, as newer transformers saves it."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from pocketllm.errors import UsageError
+from pocketllm.serving.errors import bad
+
+# The special-token names transformers passes to a template as variables.
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            # jinja2's own tojson escapes HTML characters, which a prompt must keep as they are.
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._jinja = jinja2
+        self.template = env.from_string(source)
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text; a template that refuses the messages (raise_exception, or any error
+        rendering them) is the request's fault: a 400 naming what the template said."""
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return self.template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except self._jinja.exceptions.TemplateError as exc:
+            raise bad(f"the chat template refused these messages: {exc}", "messages") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise bad(f"the chat template could not render these messages: {type(exc).__name__}: {exc}", "messages") from None
+
+
+def load_chat_template(ckpt: str) -> ChatTemplate | None:
+    """The checkpoint's template, None when it has none; a malformed one is a usage error."""
+    directory = Path(ckpt)
+    config_path = directory / "tokenizer_config.json"
+    config: dict = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{config_path} is not readable JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise UsageError(f"{config_path} must hold a JSON object")
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    jinja_file = directory / "chat_template.jinja"
+    if source is None and jinja_file.is_file():
+        source = jinja_file.read_text()
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise UsageError(f"{config_path}: chat_template must be a string or a list of {{name, template}}")
+    import jinja2
+
+    try:
+        return ChatTemplate(source, special_tokens(config))
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise UsageError(f"{config_path}: the chat template does not parse: {exc} (line {exc.lineno})") from None
+
+
+def special_tokens(config: dict) -> dict[str, str]:
+    """The special tokens tokenizer_config.json names, as strings: each may be written as the
+    token itself or as an added-token object holding it under `content`."""
+    out = {}
+    for name in _SPECIAL:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[name] = value
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        out["additional_special_tokens"] = [t.get("content") if isinstance(t, dict) else t for t in extra]
+    return out

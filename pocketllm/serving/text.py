@@ -1,0 +1,82 @@
+"""A request's output text as its tokens arrive, with stop strings. Tokens are detokenized
+incrementally (tokenizers' DecodeStream, which holds back a token ending inside a multi-byte
+character until the character completes); the text is searched for each stop string as it grows,
+and text that could be the start of a stop string is held back until it is known not to be, so a
+stream never shows a stop string, not even part of one. Without a stop string the text ends equal
+to the tokenizer's decode of every token, as `pocketllm generate` prints it."""
+
+from __future__ import annotations
+
+
+class OutputText:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.stop = tokenizer, stop
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self.tokens: list[int] = []
+        self.text = ""  # everything decoded so far, cut before a stop string once one appears
+        self.shown = 0  # characters of text handed out
+        self.stopped = False  # a stop string appeared: the text ends before it
+        self._searched = 0  # text before this offset holds no stop string
+        self._failed = False
+
+    def add(self, token: int) -> str:
+        """Take one token; returns the text that may be shown now (possibly empty)."""
+        if self.stopped:
+            return ""
+        self.tokens.append(token)
+        if not self._failed:
+            try:
+                self.text += self._stream.step(self.tokenizer, token) or ""
+            except Exception:  # tokenizers raises its own exception types; fall back to whole decodes
+                self._failed = True
+        if self._failed:
+            self.text = self.tokenizer.decode(self.tokens)
+        self._find_stop()
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The text still to show once generation ended: what was held back, and any tail the
+        incremental decode still held (a character cut short by the last token)."""
+        if not self.stopped:
+            full = self.tokenizer.decode(self.tokens)
+            # A full decode that does not extend what was shown cannot be shown without taking
+            # text back; the stream keeps what it sent.
+            if full.startswith(self.text[: self.shown]):
+                self.text = full
+                self._find_stop()
+        return self._release(final=True)
+
+    def _find_stop(self) -> None:
+        if not self.stop:
+            return
+        hits = []
+        for s in self.stop:
+            at = self.text.find(s, max(0, self._searched - len(s) + 1))
+            if at >= 0:
+                hits.append(at)
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        self._searched = len(self.text)
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and not self.stopped:
+            end -= self._held_back()
+        end = max(end, self.shown)
+        chunk = self.text[self.shown : end]
+        self.shown = end
+        return chunk
+
+    def _held_back(self) -> int:
+        """Characters at the end of the text that begin some stop string."""
+        tail = self.text[self.shown :]
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(tail)), longest, -1):
+                if tail.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

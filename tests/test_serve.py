@@ -1,0 +1,359 @@
+"""`pocketllm serve` against the real OpenAI client, on loopback, at TP=1 and TP=2 (fp32): greedy
+answers equal `pocketllm generate`'s for the same prompt, alone and under concurrent load,
+completions and chat, streamed and not; every bad request is a 4xx with an OpenAI error body and
+the next request succeeds; a client leaving mid-stream frees its sequence; SIGINT ends every rank
+with exit 0. One server per world size serves the whole module."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import http.client
+import io
+import json
+import re
+import signal
+import time
+import urllib.parse
+
+import openai
+import pytest
+from conftest import assert_nothing_left, generated_ids, main_in_process, start
+
+from pocketllm.serving.metrics import parse as parse_metrics
+
+KEY = "test-key-123"
+MODEL = "tiny-text"
+# Long enough for a stream that is still running when a test leaves it.
+MAX_LEN = 2048
+NEW = 12
+PROMPTS = ["Hello", "The capital of France is", "<300><301> a b c", "x"]
+START_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with a tokenizer that has a token for every id: the byte tokenizer plus
+    `<N>` for ids 256..999, so every generated token shows up in the text being compared. It has
+    no eos id, so the long requests the disconnect and shutdown tests leave run until they are
+    left (tests/test_serve_engine.py covers eos)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_text") / MODEL
+    out.mkdir()
+    for f in tiny_ckpt.iterdir():
+        if f.name != "tokenizer.json":
+            (out / f.name).symlink_to(f)
+    assert json.loads((tiny_ckpt / "config.json").read_text()).get("eos_token_id") is None
+    tok = Tokenizer.from_file(str(tiny_ckpt / "tokenizer.json"))
+    tok.add_tokens([AddedToken(f"<{i}>", normalized=False, special=False) for i in range(256, 1000)])
+    assert tok.get_vocab_size() == 1000
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def generate_cli(ckpt, ids: list[int], new: int = NEW, *flags) -> tuple[list[int], str]:
+    """`pocketllm generate` (TP=1, fp32, greedy unless flags say otherwise), run in this process:
+    its ids and its text."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = main_in_process("generate", "--ckpt", ckpt, "--dtype", "float32", "--token-ids", ",".join(map(str, ids)), "--max-new-tokens", new, *flags)
+    assert rc == 0
+    stdout = out.getvalue()
+    # The text follows the ids line and may hold any character, line breaks too; print ends it with one.
+    text = stdout.split("\n", 1)[1]
+    assert stdout.startswith("generated_ids=") and text.endswith("\n")
+    return generated_ids(stdout), text[:-1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_ckpt):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(text_ckpt / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def expected(text_ckpt, tokenizer):
+    """prompt text -> (generate's text, generate's ids, "length"): what the server must answer."""
+    out = {}
+    for p in PROMPTS:
+        ids, text = generate_cli(text_ckpt, tokenizer.encode(p).ids)
+        out[p] = (text, ids, "length")
+    return out
+
+
+class Server:
+    def __init__(self, run, url: str, world: int):
+        self.run, self.url, self.world = run, url, world
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=30, max_retries=0)
+
+    def connect(self) -> http.client.HTTPConnection:
+        where = urllib.parse.urlsplit(self.url)
+        return http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+
+    def open(self, method: str, path: str, key: str | None = KEY, body: bytes | None = None, data=None):
+        """A raw request (plain http.client, no client library in between); the open response."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if data is not None:
+            body = json.dumps(data).encode()
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        conn = self.connect()
+        conn.request(method, path, body=body, headers=headers)
+        return conn, conn.getresponse()
+
+    def http(self, method: str, path: str, key: str | None = KEY, body: bytes | None = None, data=None) -> tuple[int, str]:
+        conn, r = self.open(method, path, key, body, data)
+        with contextlib.closing(conn):
+            return r.status, r.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        status, text = self.http("GET", "/metrics")
+        assert status == 200
+        return parse_metrics(text)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, text_ckpt, tmp_path_factory):
+    world = request.param
+    run = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", world, "--port", 0, "--max-len", MAX_LEN,
+                "--max-running", 4, "--api-key", KEY, tmp_path=tmp_path_factory.mktemp(f"serve{world}"))
+    try:
+        run.line_time("serving ", timeout=START_TIMEOUT_S)
+    except AssertionError:
+        run.proc.kill()
+        raise
+    url = re.search(r"on (http://\S+)", run.stderr).group(1)
+    yield Server(run, url, world)
+    if run.proc.poll() is None:
+        run.proc.kill()
+    run.wait(timeout=15)
+    assert_nothing_left(run, within=5)
+
+
+def completion(server, prompt, **kw):
+    args = dict(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, extra_body={"return_token_ids": True}) | kw
+    return server.client.completions.create(**args)
+
+
+def streamed(server, prompt, **kw) -> tuple[str, list[int], str | None]:
+    text, ids, reason = "", [], None
+    for chunk in server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, stream=True,
+                                                  extra_body={"return_token_ids": True}, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            ids += chunk.choices[0].model_extra["token_ids"]
+            reason = chunk.choices[0].finish_reason or reason
+    return text, ids, reason
+
+
+@pytest.mark.timeout(90)
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert server.http("GET", "/health") == (200, '{"status":"ok"}')
+
+
+@pytest.mark.timeout(60)
+def test_completions_equal_generate(server, expected, tokenizer):
+    for prompt in PROMPTS:
+        r = completion(server, prompt)
+        choice = r.choices[0]
+        assert (choice.text, choice.model_extra["token_ids"], choice.finish_reason) == expected[prompt], prompt
+        assert r.usage.prompt_tokens == len(tokenizer.encode(prompt).ids) and r.usage.completion_tokens == len(expected[prompt][1])
+    # A prompt given as token ids is the same prompt.
+    assert completion(server, tokenizer.encode(PROMPTS[1]).ids).choices[0].text == expected[PROMPTS[1]][0]
+
+
+@pytest.mark.timeout(60)
+def test_a_sampled_completion_equals_generate_with_the_same_seed(server, text_ckpt, tokenizer):
+    prompt = PROMPTS[1]
+    ids, text = generate_cli(text_ckpt, tokenizer.encode(prompt).ids, NEW, "--temperature", 1.5, "--top-p", 0.9, "--seed", 7)
+    greedy = completion(server, prompt).choices[0].model_extra["token_ids"]
+    c = completion(server, prompt, temperature=1.5, top_p=0.9, seed=7).choices[0]
+    assert (c.text, c.model_extra["token_ids"]) == (text, ids) and ids != greedy
+
+
+@pytest.mark.timeout(60)
+def test_streamed_completions_equal_generate(server, expected):
+    for prompt in PROMPTS[:2]:
+        assert streamed(server, prompt) == expected[prompt]
+    chunks = list(server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 and chunks[-1].usage.prompt_tokens == 5
+
+
+@pytest.mark.timeout(90)
+def test_chat_equals_generate_on_the_template_transformers_renders(server, text_ckpt):
+    from transformers import PreTrainedTokenizerFast
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <300>"}]
+    config = json.loads((text_ckpt / "tokenizer_config.json").read_text())
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(text_ckpt / "tokenizer.json"))
+    prompt_ids = hf.apply_chat_template(messages, chat_template=config["chat_template"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids, text = generate_cli(text_ckpt, prompt_ids)
+    r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0)
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.choices[0].finish_reason == "length"
+    pieces = [c.choices[0].delta.content or "" for c in server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=NEW, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == text
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_requests_each_equal_generate(server, expected):
+    jobs = [(p, s) for p in PROMPTS for s in (False, True)]
+
+    def one(job):
+        prompt, stream = job
+        if stream:
+            return streamed(server, prompt)
+        c = completion(server, prompt).choices[0]
+        return c.text, c.model_extra["token_ids"], c.finish_reason
+
+    # A long request running all along: every job shares its passes with it, and with the others.
+    long = server.client.completions.create(model=MODEL, prompt="long", max_tokens=MAX_LEN - 8, temperature=0, stream=True)
+    next(iter(long))
+    running = []
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(one, job) for job in jobs]
+        while not all(f.done() for f in futures):
+            running.append(server.metrics()["pocketllm_requests_running"])
+            time.sleep(0.01)
+        results = [f.result() for f in futures]
+    long.close()
+    assert max(running) >= 3, running
+    for (prompt, stream), got in zip(jobs, results):
+        assert got == expected[prompt], (prompt, stream)
+    assert _wait_idle(server)["pocketllm_requests_running"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_string_ends_the_text_before_it(server, expected):
+    text, _, _ = expected["Hello"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text[: text.index(stop)]
+    c = completion(server, "Hello", stop=[stop, "never seen"]).choices[0]
+    assert (c.text, c.finish_reason) == (cut, "stop")
+    got, _, reason = streamed(server, "Hello", stop=stop)
+    assert (got, reason) == (cut, "stop")
+
+
+def _wait_idle(server, timeout: float = 10) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["pocketllm_requests_running"] == 0 and m["pocketllm_requests_waiting"] == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_bad_requests_answer_4xx_json_and_the_next_succeeds(server, expected):
+    long_prompt = [5] * MAX_LEN
+    bad = {
+        "unknown field": (dict(extra_body={"frobnicate": 1}), 400, "frobnicate"),
+        "bad value": (dict(temperature=-1), 400, "temperature"),
+        "n=2": (dict(n=2), 400, "n"),
+        "prompt too long": (dict(prompt=long_prompt), 400, "prompt"),
+        "max_tokens too big": (dict(max_tokens=MAX_LEN), 400, "max_tokens"),
+        "token id outside the vocab": (dict(prompt=[1, 5000]), 400, "prompt"),
+        "unknown model": (dict(model="gpt-4"), 404, "model"),
+    }
+    for name, (kw, status, param) in bad.items():
+        args = dict(model=MODEL, prompt="Hello", max_tokens=NEW, temperature=0) | kw
+        with pytest.raises(openai.APIStatusError) as err:
+            server.client.completions.create(**args)
+        assert err.value.status_code == status, name
+        body = err.value.response.json()["error"]
+        assert body["param"] == param and body["message"] and body["type"], (name, body)
+        assert completion(server, "Hello").choices[0].text == expected["Hello"][0], f"after {name}"
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    raw = {
+        "malformed JSON": server.http("POST", "/v1/completions", body=b'{"model": '),
+        "not an object": server.http("POST", "/v1/completions", data=[1, 2]),
+        "no API key": server.http("GET", "/v1/models", key=None),
+        "wrong API key": server.http("POST", "/v1/completions", key="nope", data={"model": MODEL, "prompt": "x"}),
+        "no such path": server.http("GET", "/v2/nothing"),
+    }
+    for name, (status, text) in raw.items():
+        assert 400 <= status < 500 and set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, (name, text)
+    assert raw["no API key"][0] == 401 and raw["wrong API key"][0] == 401
+    assert completion(server, "Hello").choices[0].text == expected["Hello"][0]
+    assert _wait_idle(server)["pocketllm_requests_running"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_client_leaving_mid_stream_frees_its_sequence(server):
+    before = server.metrics()
+    new = MAX_LEN - 8
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": new, "temperature": 0, "stream": True}
+    conn, r = server.open("POST", "/v1/completions", data=body)
+    with contextlib.closing(conn):
+        assert r.status == 200
+        events = 0
+        while events < 3:
+            events += r.readline().startswith(b"data: ")
+        assert server.metrics()["pocketllm_requests_running"] == 1
+    m = _wait_idle(server)
+    assert m["pocketllm_requests_running"] == 0
+    cancelled = 'pocketllm_requests_ended_total{how="cancelled"}'
+    assert m[cancelled] == before.get(cancelled, 0) + 1
+    # Freed early, not run to its end.
+    assert m["pocketllm_generation_tokens_total"] - before["pocketllm_generation_tokens_total"] < new
+
+
+@pytest.mark.timeout(60)
+def test_a_client_leaving_before_a_whole_answer_frees_its_sequence(server):
+    before = server.metrics()
+    new = MAX_LEN - 8
+    conn = server.connect()
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": new, "temperature": 0}),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while server.metrics()["pocketllm_requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    conn.close()
+    m = _wait_idle(server)
+    cancelled = 'pocketllm_requests_ended_total{how="cancelled"}'
+    assert m["pocketllm_requests_running"] == 0 and m[cancelled] == before.get(cancelled, 0) + 1
+    assert m["pocketllm_generation_tokens_total"] - before["pocketllm_generation_tokens_total"] < new
+
+
+@pytest.mark.timeout(60)
+def test_sigint_ends_every_rank_with_exit_0_and_the_open_stream_with_an_error(server):
+    stream = server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=MAX_LEN - 8, temperature=0, stream=True)
+    next(iter(stream))
+    sent = time.monotonic()
+    server.run.proc.send_signal(signal.SIGINT)
+    error = None
+    try:
+        for _ in stream:
+            pass
+    except openai.APIError as exc:
+        error = exc
+    rc = server.run.wait(timeout=10)
+    took = time.monotonic() - sent
+    assert rc == 0 and took < 10, (rc, took, server.run.stderr)
+    # Cancelled by the shutdown, the stream ends with an error event, not silently.
+    assert error is not None and "shut down" in str(error), (error, took, server.run.stderr)
+    assert_nothing_left(server.run, within=1)
+    assert "server stopped" in server.run.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_rank_ends_the_server_with_the_launchers_line(text_ckpt, tmp_path):
+    # (An engine failure on rank 0 itself: tests/test_serve_engine.py.)
+    run = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", 2, "--port", 0, "--max-len", 64,
+                tmp_path=tmp_path, env={"POCKETLLM_FAULT": "rank=1,at=decode,kind=kill"})
+    run.line_time("serving ", timeout=START_TIMEOUT_S)
+    url = re.search(r"on (http://\S+)", run.stderr).group(1)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=20, max_retries=0)
+    # The request in flight ends with an error, never with silence: a 500 when rank 0 could still
+    # answer, the connection closed when the launcher stopped it first.
+    with pytest.raises((openai.InternalServerError, openai.APIConnectionError)):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
+    assert run.wait(timeout=20) == 1
+    assert re.search(r"rank 1 failed \(killed by signal SIGKILL\)", run.last_line), run.stderr
+    assert_nothing_left(run, within=2)

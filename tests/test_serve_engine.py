@@ -1,0 +1,137 @@
+"""serve's engine loop in process, on the real Scheduler over a tiny fp32 engine at TP=1: an eos id
+ends an answer (counted, not shown), a stop string cancels its request and frees the slot, a
+shutdown ends every request with an error, closes the scheduler and stops the thread, and an
+engine that fails ends every request with a 500 and tells the server to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from pocketllm.commands.make_checkpoint import write_byte_tokenizer
+from pocketllm.distributed.policy import RulePolicy
+from pocketllm.distributed.state import set_tp
+from pocketllm.engine.generate import SamplingParams, generate
+from pocketllm.engine.runner import Engine
+from pocketllm.engine.scheduler import Scheduler
+from pocketllm.faults import Fault, FaultHook
+from pocketllm.inputs import load_tokenizer
+from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.presets import get_preset
+from pocketllm.serving.engine_loop import EngineLoop
+from pocketllm.serving.errors import ApiError
+from pocketllm.serving.generation import Usage, pieces
+from pocketllm.serving.metrics import Metrics
+from pocketllm.serving.text import OutputText
+
+PROMPT = [72, 101, 108, 108, 111]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def engine():
+    set_tp(0, 1)
+    cfg = get_preset("tiny")
+    return Engine(cfg, RandomWeights(cfg), torch.float32, torch.device("cpu"), RulePolicy())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bytes")
+    write_byte_tokenizer(d / "tokenizer.json")
+    return load_tokenizer(str(d))
+
+
+@pytest.fixture
+def loop(engine):
+    # Room for a long request beside the short ones.
+    lp = EngineLoop(Scheduler(engine, max_running=4, max_len=512), Metrics())
+    lp.start()
+    yield lp
+    lp.begin_shutdown()
+    assert lp.join(10)
+
+
+async def answer(loop: EngineLoop, tokenizer, prompt, new, eos=(), stop=()):
+    seq = loop.submit(prompt, new, SamplingParams(), eos)
+    usage = Usage(len(prompt))
+    got = [p async for p in pieces(seq, OutputText(tokenizer, stop), eos, usage)]
+    return "".join(p.text for p in got), [t for p in got for t in p.token_ids], got[-1].finish_reason, usage
+
+
+@pytest.mark.timeout(60)
+def test_an_eos_id_ends_the_answer_counted_but_not_shown(engine, loop, tokenizer):
+    alone = generate(engine, PROMPT, NEW)
+    # A byte token, so that it would show were it not left out.
+    at = next(i for i, t in enumerate(alone) if t < 256 and i > 2 and t not in alone[:i])
+    eos = alone[at]
+    text, ids, reason, usage = asyncio.run(answer(loop, tokenizer, PROMPT, NEW, eos=(eos,)))
+    assert ids == alone[: at + 1] and reason == "stop" and usage.completion_tokens == at + 1
+    assert text == tokenizer.decode(alone[:at])
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_string_cancels_the_request_and_frees_its_slot(engine, loop, tokenizer):
+    alone = generate(engine, PROMPT, NEW)
+    full = tokenizer.decode(alone)
+    stop = full[len(full) // 2 :][:2]
+    # Room for far more tokens than the stop string needs: the request must end long before.
+    text, _, reason, _ = asyncio.run(answer(loop, tokenizer, PROMPT, 480, stop=(stop,)))
+    assert (text, reason) == (full[: full.index(stop)], "stop")
+    # The cancel takes effect at the next step.
+    deadline = time.monotonic() + 5
+    while loop.scheduler.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.scheduler.num_running == 0 and not loop.scheduler.has_work
+    assert loop.metrics.ended == {"cancelled": 1} and loop.metrics.generated_tokens < 480
+
+
+@pytest.mark.timeout(60)
+def test_a_shutdown_ends_every_request_with_an_error_and_closes_the_scheduler(loop, tokenizer):
+    async def run():
+        long = asyncio.ensure_future(answer(loop, tokenizer, PROMPT, 500))
+        waiting = [asyncio.ensure_future(answer(loop, tokenizer, PROMPT, 400)) for _ in range(5)]
+        while loop.metrics.generated_tokens < 10:
+            await asyncio.sleep(0.01)
+        loop.begin_shutdown()
+        results = await asyncio.gather(long, *waiting, return_exceptions=True)
+        with pytest.raises(ApiError) as refused:
+            loop.submit(PROMPT, 4, SamplingParams(), ())
+        return results, refused.value
+
+    results, refused = asyncio.run(run())
+    # Running or still waiting for a slot (five of the six fit), each ends with the 503.
+    assert all(isinstance(r, ApiError) and r.status == 503 for r in results), results
+    assert refused.status == 503
+    assert loop.join(10) and loop.scheduler.closed and not loop.scheduler.has_work
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_failure_ends_every_request_with_a_500_and_stops_the_server(engine, tokenizer):
+    stopped = []
+    lp = EngineLoop(Scheduler(engine, max_running=2, max_len=512), Metrics(), on_failure=lambda: stopped.append(True))
+    # The test-only fault injection (POCKETLLM_FAULT's hook): the first decode pass raises.
+    hook = FaultHook(Fault(0, "decode", "raise"), 0)
+    engine.hooks.append(hook)
+    try:
+        lp.start()
+
+        async def run():
+            return await asyncio.gather(*(answer(lp, tokenizer, PROMPT, 50) for _ in range(3)), return_exceptions=True)
+
+        results = asyncio.run(run())
+        assert lp.join(10)
+    finally:
+        engine.hooks.remove(hook)
+    assert all(isinstance(r, ApiError) and r.status == 500 and "injected fault" in r.message for r in results), results
+    assert stopped == [True] and isinstance(lp.failure, RuntimeError)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(_submit(lp))
+    assert refused.value.status == 500
+
+
+async def _submit(lp):
+    return lp.submit(PROMPT, 4, SamplingParams(), ())

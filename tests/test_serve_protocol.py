@@ -1,0 +1,119 @@
+"""serve's request parsing: each field checked by name (booleans are not numbers, null means the
+default), limits against the context, and what the server cannot honour refused rather than
+ignored; and /metrics' figures from a controlled clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from pocketllm.serving.errors import ApiError
+from pocketllm.serving.metrics import Metrics, parse
+from pocketllm.serving.protocol import Limits, parse_chat, parse_completion
+
+LIMITS = Limits("m", max_len=100, vocab_size=1000)
+
+
+def encode(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def completion(**fields):
+    return parse_completion({"model": "m", "prompt": "hello", **fields}, LIMITS, encode)
+
+
+def chat(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse_chat(body, LIMITS, lambda messages: encode("".join(m["content"] for m in messages)))
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 96}, "max_tokens"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stream": 1}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+    ({"n": 2}, "n"),
+    ({"n": True}, "n"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, 1000]}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": "x" * 100}, "prompt"),
+    ({"tools": []}, "tools"),
+])
+def test_bad_fields_are_400_naming_the_field(fields, param):
+    with pytest.raises(ApiError) as err:
+        completion(**fields)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_defaults_and_nulls():
+    g = completion(temperature=None, stop=None, max_tokens=None)
+    assert (g.prompt, g.max_tokens, g.sampling.temperature, g.sampling.top_p, g.stop, g.stream) == (encode("hello"), 16, 1.0, 1.0, (), False)
+    # Without a seed each request draws its own.
+    assert completion().sampling.seed != completion().sampling.seed
+    # A completion's default max_tokens shrinks to what the context leaves; a chat's is all of it.
+    assert completion(prompt="x" * 90).max_tokens == 10
+    assert chat().max_tokens == 98
+    assert chat(max_completion_tokens=7).max_tokens == 7
+    g = completion(prompt=[[5, 6, 7]], stop="\n", stream=True, stream_options={"include_usage": True}, seed=3, n=1, user="u")
+    assert (g.prompt, g.stop, g.include_usage, g.sampling.seed) == ([5, 6, 7], ("\n",), True, 3)
+
+
+def test_the_model_must_be_the_served_one():
+    with pytest.raises(ApiError) as err:
+        completion(model="other")
+    assert (err.value.status, err.value.code) == (404, "model_not_found")
+    with pytest.raises(ApiError) as err:
+        parse_completion({"prompt": "x"}, LIMITS, encode)
+    assert (err.value.status, err.value.param) == (400, "model")
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([], "messages"),
+    ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "messages[0].content"),
+    (["hi"], "messages[0]"),
+])
+def test_bad_messages(messages, param):
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": "m", "messages": messages}, LIMITS, lambda m: [1])
+    assert err.value.param == param
+
+
+def test_metrics_rates_and_time_to_first_token():
+    now = [100.0]
+    m = Metrics(clock=lambda: now[0])
+    now[0] = 130.0
+    for _ in range(50):
+        m.tokens(1)
+    now[0] = 135.0
+    # 50 tokens in the last 10 s window.
+    assert m.tokens_per_second() == pytest.approx(5.0)
+    now[0] = 141.0
+    assert m.tokens_per_second() == 0
+    for s in (0.1, 0.2, 0.3, 0.4):
+        m.first_token(s)
+    m.admitted(7)
+    m.ended_with("length")
+    got = parse(m.render(running=2, waiting=3))
+    assert got["pocketllm_requests_running"] == 2 and got["pocketllm_requests_waiting"] == 3
+    assert got['pocketllm_time_to_first_token_seconds{quantile="0.5"}'] == pytest.approx(0.2)
+    assert got["pocketllm_time_to_first_token_seconds_count"] == 4 and got["pocketllm_time_to_first_token_seconds_sum"] == pytest.approx(1.0)
+    assert got['pocketllm_requests_ended_total{how="length"}'] == 1 and got["pocketllm_prompt_tokens_total"] == 7
+    assert got["pocketllm_generation_tokens_total"] == 50

@@ -1,0 +1,69 @@
+"""serve's output text: stop strings cut the text before them, never show even part of one in a
+stream, and without one the streamed pieces add up to the tokenizer's decode of every token."""
+
+from __future__ import annotations
+
+import pytest
+
+from pocketllm.commands.make_checkpoint import write_byte_tokenizer
+from pocketllm.inputs import load_tokenizer
+from pocketllm.serving.text import OutputText
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bytes")
+    write_byte_tokenizer(d / "tokenizer.json")
+    return load_tokenizer(str(d))
+
+
+def feed(tokenizer, text: str, stop=()):
+    """Every byte of text as a token; the pieces shown after each, and finish()'s."""
+    out = OutputText(tokenizer, tuple(stop))
+    pieces = []
+    for b in text.encode():
+        pieces.append(out.add(b))
+        if out.stopped:
+            break
+    pieces.append(out.finish())
+    return out, pieces
+
+
+def test_without_stop_strings_the_pieces_are_the_whole_decode(tokenizer):
+    text = "héllo wörld €"
+    out, pieces = feed(tokenizer, text)
+    assert "".join(pieces) == text and not out.stopped
+    # A character split over tokens appears once it is whole.
+    assert pieces[:3] == ["h", "", "é"]
+
+
+def test_a_stop_string_cuts_the_text_and_no_part_of_it_is_shown(tokenizer):
+    out, pieces = feed(tokenizer, "one two STOP three", stop=["STOP"])
+    assert "".join(pieces) == "one two " and out.stopped
+    # "S", "ST", "STO" were held back, not shown and then taken back.
+    assert all("S" not in p for p in pieces)
+
+
+def test_held_back_text_that_is_no_stop_string_is_shown_after_all(tokenizer):
+    out, pieces = feed(tokenizer, "a STOx b", stop=["STOP"])
+    assert "".join(pieces) == "a STOx b" and not out.stopped
+    assert pieces[2:6] == ["", "", "", "STOx"]
+
+
+def test_the_earliest_of_several_stop_strings_wins(tokenizer):
+    out, pieces = feed(tokenizer, "abc END xyz. more", stop=[".", "END"])
+    assert "".join(pieces) == "abc " and out.stopped
+
+
+def test_a_stop_string_across_a_split_character(tokenizer):
+    out, pieces = feed(tokenizer, "naïve café", stop=["é"])
+    assert "".join(pieces) == "naïve caf" and out.stopped
+
+
+def test_a_stop_string_in_the_tail_finish_decodes_is_cut_too(tokenizer):
+    # The last token cuts a character short: only the final decode shows the replacement
+    # character, which is itself the stop string here.
+    out = OutputText(tokenizer, ("\ufffd",))
+    shown = "".join(out.add(t) for t in (104, 105, 195))
+    shown += out.finish()
+    assert shown == "hi" and out.stopped
