@@ -60,12 +60,20 @@ def bench_ids(n: int, vocab: int) -> list[int]:
     return [BENCH_PATTERN[i % len(BENCH_PATTERN)] % vocab for i in range(n)]
 
 
-def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int]:
+def prompt_problem(ids: list[int], vocab: int) -> str:
+    """What makes `ids` no prompt for a model of `vocab` tokens ("" when nothing does)."""
     if not ids:
-        raise UsageError("the prompt is empty: give at least one token")
+        return "the prompt is empty: give at least one token"
     for i, t in enumerate(ids):
-        if not 0 <= t < cfg.vocab_size:
-            raise UsageError(f"token id {t} at position {i} is outside the vocab [0, {cfg.vocab_size})")
+        if not 0 <= t < vocab:
+            return f"token id {t} at position {i} is outside the vocab [0, {vocab})"
+    return ""
+
+
+def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int]:
+    problem = prompt_problem(ids, cfg.vocab_size)
+    if problem:
+        raise UsageError(problem)
     if max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     total = len(ids) + max_new_tokens

@@ -23,6 +23,7 @@ import torch
 
 from pocketllm.distributed.state import broadcast_, tp
 from pocketllm.engine.generate import SamplingParams, sample_token
+from pocketllm.inputs import prompt_problem
 
 _CLOSE = -1
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never
@@ -116,11 +117,9 @@ class Scheduler:
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=()) -> Request:
         """Queue a request; it runs from the next step on. ValueError (one line) for what cannot
         run: an empty prompt, a token id outside the vocab, more positions than a slot holds."""
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        for i, t in enumerate(prompt):
-            if not 0 <= t < self.vocab:
-                raise ValueError(f"token id {t} at position {i} is outside the vocab [0, {self.vocab})")
+        problem = prompt_problem(prompt, self.vocab)
+        if problem:
+            raise ValueError(problem)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if len(prompt) + max_new_tokens > self.max_len:

@@ -10,7 +10,7 @@ from torch import nn
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import KVCache
-from pocketllm.layers.context import ForwardContext
+from pocketllm.layers.context import ForwardContext, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import apply_rotary
@@ -66,11 +66,7 @@ class GatedAttention(nn.Module):
         when ctx packs several (ctx.segments)."""
         with scope("projections", "full.in"):
             qkv = self.qkv_proj(x)
-        if ctx.segments is None:
-            out = self._attend(qkv, ctx, cache)
-        else:
-            out = torch.cat([self._attend(qkv[s.row0 : s.row0 + s.rows], s.ctx, c) for s, c in zip(ctx.segments, cache)])
-        return self.o_proj(out, ctx.slices)
+        return self.o_proj(per_sequence(self._attend, qkv, ctx, cache), ctx.slices)
 
     def _attend(self, qkv: torch.Tensor, ctx: ForwardContext, cache: KVCache) -> torch.Tensor:
         """One sequence's projected rows [T, q+k+v local] -> the gated output [T, heads*D],

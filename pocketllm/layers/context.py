@@ -31,3 +31,12 @@ class Segment:
     @property
     def rows(self) -> int:
         return self.ctx.cos.shape[0]
+
+
+def per_sequence(mix, rows: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
+    """mix(rows, ctx, state) once for the one sequence of a pass, or once per sequence of a packed
+    pass on its own rows, context and state (state then holds one per sequence), the outputs
+    stacked back in row order: how a token mixer runs on several sequences."""
+    if ctx.segments is None:
+        return mix(rows, ctx, state)
+    return torch.cat([mix(rows[s.row0 : s.row0 + s.rows], s.ctx, st) for s, st in zip(ctx.segments, state)])

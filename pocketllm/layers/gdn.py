@@ -11,7 +11,7 @@ from torch import nn
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import GDNState
-from pocketllm.layers.context import ForwardContext
+from pocketllm.layers.context import ForwardContext, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
@@ -82,11 +82,7 @@ class GatedDeltaNet(nn.Module):
         when ctx packs several (ctx.segments)."""
         with scope("projections", "lin.in"):
             proj = self.in_proj(x)
-        if ctx.segments is None:
-            out = self._mix(proj, ctx, state)
-        else:
-            out = torch.cat([self._mix(proj[s.row0 : s.row0 + s.rows], s.ctx, st) for s, st in zip(ctx.segments, state)])
-        return self.out_proj(out, ctx.slices)
+        return self.out_proj(per_sequence(self._mix, proj, ctx, state), ctx.slices)
 
     def _mix(self, proj: torch.Tensor, ctx: ForwardContext, state: GDNState) -> torch.Tensor:
         """One sequence's projected rows [T, in_local] -> the gated norm's output [T, hv*dv],

@@ -44,9 +44,10 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def few_rows_kernel(rows: int, w: torch.Tensor):
-    """The kernel chosen for `rows` rows of w's shape: the choice made for the smallest row count
-    at or above `rows`; None when no choice covers it (torch's GEMM then runs)."""
-    at = bisect.bisect_left(_few_rows, rows)
-    if at == len(_few_rows):
-        return None
-    return _few.get((_few_rows[at], w.shape[0], w.shape[1], w.dtype))
+    """The kernel chosen for `rows` rows of w's shape: the choice made for it at the smallest row
+    count at or above `rows`; None when no choice covers it (torch's GEMM then runs)."""
+    for chosen in _few_rows[bisect.bisect_left(_few_rows, rows) :]:
+        kernel = _few.get((chosen, w.shape[0], w.shape[1], w.dtype))
+        if kernel is not None:
+            return kernel
+    return None
