@@ -16,12 +16,12 @@ from pocketllm.distributed import collective, waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
-from pocketllm.faults import FaultHook, fault_from_env
 from pocketllm.failures import PassTracker
+from pocketllm.faults import FaultHook, fault_from_env
 from pocketllm.launch import spawn_local_ranks
-from pocketllm.rank import checked_on_rank0, join_group, rank_env, run_rank, setup_collective
 from pocketllm.model_args import dist_timeout, plan_model, say
 from pocketllm.profiling.profiler import attach_profiler, profile_options
+from pocketllm.rank import checked_on_rank0, join_group, rank_env, run_rank, setup_collective
 
 
 # The model-free commands (allreduce, calibrate) time collectives, so they need two ranks at
