@@ -104,7 +104,7 @@ def test_measured_then_cached_then_forced(monkeypatch, tmp_path):
     # Every candidate that can run bf16 here was timed on every shape, and the fastest won.
     for shape, seconds in first.seconds.items():
         assert set(seconds) == {c.name for c in kernels_for(torch.bfloat16, torch.device("cpu"))}
-        assert first.by_shape[shape] == min(seconds, key=seconds.get)
+        assert first.by_shape[shape] == gemv_choice.pick(seconds)
     cache = json.loads((tmp_path / "gemv.json").read_text())
     assert len(cache) == 2 and all(f"{torch.get_num_threads()} threads" in key for key in cache)
     again = gemv.choose(weights, env={})
@@ -118,6 +118,14 @@ def test_measured_then_cached_then_forced(monkeypatch, tmp_path):
         torch.set_num_threads(threads)
     forced = gemv.choose(weights, env={gemv.ENV_GEMV: "mv-native"})
     assert forced.how == "forced" and set(forced.by_shape.values()) == {"mv-native"}
+
+
+def test_a_wash_goes_to_the_compiled_kernel_and_a_real_gap_to_the_fastest():
+    assert gemv_choice.pick({"mv": 1.0, "c": 1.01, "mm": 2.0}) == "c"
+    assert gemv_choice.pick({"mv": 1.0, "c": 1.05, "mm": 2.0}) == "mv"
+    assert gemv_choice.pick({"mv": 1.0, "mm": 1.001}) == "mv"
+    assert gemv_choice.pick({"mm": 1.0, "c": 1.01, "amx": 1.015}, rows=4) == "amx"
+    assert gemv_choice.pick({"mm": 1.0, "c": 1.01, "amx": 1.5}, rows=4) == "c"
 
 
 def test_a_bad_or_impossible_forced_kernel_is_refused():
