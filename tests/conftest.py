@@ -283,3 +283,16 @@ def ckpt_copy(tiny_ckpt, tmp_path) -> Path:
     dst = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, dst)
     return dst
+
+
+def tiny_engine(dtype: torch.dtype = torch.float32):
+    """The tiny preset's engine at TP=1 in this process, with its seeded random weights."""
+    from pocketllm.distributed.policy import RulePolicy
+    from pocketllm.distributed.state import set_tp
+    from pocketllm.engine.runner import Engine
+    from pocketllm.loader.random_weights import RandomWeights
+    from pocketllm.presets import get_preset
+
+    set_tp(0, 1)
+    cfg = get_preset("tiny")
+    return Engine(cfg, RandomWeights(cfg, dtype=dtype), dtype, torch.device("cpu"), RulePolicy())

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import generated_ids, run_cli, usage_error_in_process
+from conftest import tiny_engine, generated_ids, run_cli, usage_error_in_process
 from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
 
-from pocketllm.distributed.policy import RulePolicy
-from pocketllm.distributed.state import set_tp
 from pocketllm.engine.generate import SamplingParams, generate
-from pocketllm.engine.runner import Engine
 from pocketllm.engine.scheduler import Scheduler, generate_batch
-from pocketllm.loader.random_weights import RandomWeights
-from pocketllm.presets import get_preset
 
 torch.set_num_threads(2)
 
@@ -27,9 +22,7 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def engine():
-    set_tp(0, 1)
-    cfg = get_preset("tiny")
-    return Engine(cfg, RandomWeights(cfg), torch.float32, torch.device("cpu"), RulePolicy())
+    return tiny_engine()
 
 
 def prompt(n: int, offset: int) -> list[int]:
@@ -168,9 +161,7 @@ def test_a_bf16_decode_step_of_several_rows_runs_the_few_row_kernels(monkeypatch
     from pocketllm.ops import gemv
 
     monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path))
-    set_tp(0, 1)
-    cfg = get_preset("tiny")
-    eng = Engine(cfg, RandomWeights(cfg, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu"), RulePolicy())
+    eng = tiny_engine(torch.bfloat16)
     eng.reserve_slots(4, 40)
     assert sorted(eng.few_rows) == [2, 4] and all(c.how == "measured" for c in eng.few_rows.values())
     assert {"c", "mm"} <= set(next(iter(eng.few_rows[4].seconds.values())))

@@ -9,18 +9,13 @@ import asyncio
 import time
 
 import pytest
-import torch
+from conftest import tiny_engine
 
 from pocketllm.commands.make_checkpoint import write_byte_tokenizer
-from pocketllm.distributed.policy import RulePolicy
-from pocketllm.distributed.state import set_tp
 from pocketllm.engine.generate import SamplingParams, generate
-from pocketllm.engine.runner import Engine
 from pocketllm.engine.scheduler import Scheduler
 from pocketllm.faults import Fault, FaultHook
 from pocketllm.inputs import load_tokenizer
-from pocketllm.loader.random_weights import RandomWeights
-from pocketllm.presets import get_preset
 from pocketllm.serving.engine_loop import EngineLoop
 from pocketllm.serving.errors import ApiError
 from pocketllm.serving.generation import Usage, pieces
@@ -33,9 +28,7 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def engine():
-    set_tp(0, 1)
-    cfg = get_preset("tiny")
-    return Engine(cfg, RandomWeights(cfg), torch.float32, torch.device("cpu"), RulePolicy())
+    return tiny_engine()
 
 
 @pytest.fixture(scope="module")
