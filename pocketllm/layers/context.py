@@ -13,8 +13,9 @@ class ForwardContext:
     start: int  # position of the first row
     slices: int  # the slice count the policy chose for these rows
     decode: bool
-    cos: torch.Tensor  # [rows, rotary_dim/2]
-    sin: torch.Tensor
+    # [rows, rotary_dim/2]; None for a packed pass, whose segments each carry their own.
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     # A pass over several sequences packs their rows one sequence after another; then each
     # token mixer runs once per sequence on its rows with that sequence's own state, and
     # everything else (projections, norms, MLP) runs on all rows at once. None: one sequence.

@@ -78,21 +78,22 @@ class Qwen35ForCausalLM(nn.Module):
             cos, sin = self.rotary.cos_sin(start, rows)
             segments.append(Segment(row0, ForwardContext(start, slices, rows == 1 and start > 0, cos, sin)))
             row0 += rows
-        return ForwardContext(0, slices, False, segments[0].ctx.cos, segments[0].ctx.sin, tuple(segments))
+        return ForwardContext(0, slices, False, None, None, tuple(segments))
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
         """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked).
         Packed (ctx.segments), states holds one state list per sequence and the result is the
         logits of each sequence's last row [S, V]."""
-        if ctx.segments is not None:
-            return self._forward_packed(ids, ctx, states)
+        packed = ctx.segments is not None
         # STACK is the whole pass, embedding to logits: the profile's shares are fractions of it.
         with scope("STACK"):
             with scope("embed"):
                 h = self.embed(ids)
-            for layer, state in zip(self.layers, states):
-                h = layer(h, ctx, state)
-            if not all_logits:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, ctx, [seq[i] for seq in states] if packed else states[i])
+            if packed:
+                h = h[[s.row0 + s.rows - 1 for s in ctx.segments]]
+            elif not all_logits:
                 h = h[-1:]
             with scope("norms", "final"):
                 h = self.norm(h)
@@ -103,17 +104,4 @@ class Qwen35ForCausalLM(nn.Module):
                     # went through a GEMM that rounds differently), so a token drawn from it is
                     # the one a last-row-only pass would draw.
                     logits[-1] = self.lm_head(h[-1:])[0]
-        return logits if all_logits else logits[0]
-
-    def _forward_packed(self, ids: torch.Tensor, ctx: ForwardContext, states: list) -> torch.Tensor:
-        with scope("STACK"):
-            with scope("embed"):
-                h = self.embed(ids)
-            for i, layer in enumerate(self.layers):
-                h = layer(h, ctx, [seq[i] for seq in states])
-            last = [s.row0 + s.rows - 1 for s in ctx.segments]
-            h = h[last]
-            with scope("norms", "final"):
-                h = self.norm(h)
-            with scope("lm_head"):
-                return self.lm_head(h)
+        return logits if packed or all_logits else logits[0]

@@ -80,7 +80,8 @@ class GemvChoice:
     def describe(self) -> str:
         shapes = sorted(self.by_shape.items(), key=lambda kv: (-kv[0][0] * kv[0][1]))
         parts = ", ".join(f"{o}x{i} {name}" for (o, i), name in shapes)
-        return f"{'one-row' if self.rows == 1 else f'{self.rows}-row'} kernels ({self.how}): {parts}"
+        built = f"; c built for {kernels.compiled_isa()}" if "c" in self.by_shape.values() else ""
+        return f"{'one-row' if self.rows == 1 else f'{self.rows}-row'} kernels ({self.how}): {parts}{built}"
 
     def to_json(self) -> dict:
         return {
