@@ -13,6 +13,7 @@ POCKETLLM_POLL_COLLECTIVES=0 turns polling off (benchmarks/switch_ab.py measures
 from __future__ import annotations
 
 import os
+import time
 
 from pocketllm.switches import env_switch
 
@@ -51,8 +52,6 @@ def wait_idle(work, spin_seconds: float = 0.05) -> None:
     wait() does for `spin_seconds`, so a pass that follows at once is met awake, then block, so
     an idle rank does not hold its core."""
     if _poll:
-        import time
-
         end = time.monotonic() + spin_seconds
         while not work.is_completed() and time.monotonic() < end:
             os.sched_yield()
