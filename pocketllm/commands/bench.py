@@ -82,6 +82,7 @@ def _work(args, plan, ids, engine, device) -> int:
                 "load_peak_rss_over_baseline_mib_per_rank": load_peak,
                 "cpus_per_rank": cpus,
                 "gemv": engine.gemv.to_json(),
+                "gemm": engine.gemm.to_json(),
                 "decode_ops": engine.model.decode_ops.describe(),
             }
             with open(args.json, "w") as f:

@@ -16,7 +16,7 @@ from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.layers.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
-from pocketllm.ops import gemv
+from pocketllm.ops import gemv, many_rows
 from pocketllm.ops.gated_delta import GdnKernel
 
 
@@ -49,6 +49,9 @@ class Engine:
         # The one-row kernel per weight shape, measured here (or read from this machine's cache).
         self.gemv = gemv.choose(self.model.one_row_weights())
         gemv.install(self.gemv, dtype)
+        # The GEMM of many rows (prefill): torch's in this dtype, or widened to fp32, measured.
+        self.gemm = many_rows.choose(self.model.one_row_weights())
+        many_rows.install(self.gemm, dtype)
         self.states: list = []
         self.capacity = 0
         # The sequences run together (reserve_slots): one state list per slot.

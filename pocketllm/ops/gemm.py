@@ -1,14 +1,14 @@
 """x @ w^T for the engine's projections. A single row (decode) goes through the one-row kernel
 measured fastest for the weight's shape on this machine (pocketllm.ops.gemv), a few rows (a
 decode step of several sequences) through the few-row kernel measured for that many rows, and
-more rows through torch's GEMM."""
+more rows through the many-row kernel measured for the weight's dtype (pocketllm.ops.many_rows)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pocketllm.ops.gemv import few_rows_kernel, gemv_row
+from pocketllm.ops.many_rows import gemm_rows
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,8 +25,8 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         kernel(x, w, out)
         return out
     if out is None:
-        return F.linear(x, w)
-    torch.mm(x, w.t(), out=out)
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    gemm_rows(x, w, out)
     return out
 
 

@@ -17,7 +17,6 @@ few-row candidates; `POCKETLLM_FEW_ROWS=NAME` forces one of those.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 
 from pocketllm import compiled
 from pocketllm.errors import UsageError
+from pocketllm.ops import choice_cache
 from pocketllm.ops.gemv import kernels
 from pocketllm.ops.gemv.kernels import candidates_for, kernels_for
 
@@ -38,7 +38,8 @@ PASSES = 6
 PASS_BYTES = 1 << 30
 # Candidates this close to the fastest are a wash (pick).
 WASH = 0.02
-PREFERRED = {1: ("c",), 2: ("amx", "c")}
+PREFERRED = {1: ("c", "c-prefetch"), 2: ("amx", "c")}
+CACHE_FILE = "gemv.json"
 
 
 def forced_kernel(env=os.environ, rows: int = 1) -> str | None:
@@ -80,7 +81,7 @@ class GemvChoice:
     def describe(self) -> str:
         shapes = sorted(self.by_shape.items(), key=lambda kv: (-kv[0][0] * kv[0][1]))
         parts = ", ".join(f"{o}x{i} {name}" for (o, i), name in shapes)
-        built = f"; c built for {kernels.compiled_isa()}" if "c" in self.by_shape.values() else ""
+        built = f"; c built for {kernels.compiled_isa()}" if {"c", "c-prefetch"} & set(self.by_shape.values()) else ""
         return f"{'one-row' if self.rows == 1 else f'{self.rows}-row'} kernels ({self.how}): {parts}{built}"
 
     def to_json(self) -> dict:
@@ -180,28 +181,12 @@ def _cache_key(shape: tuple[int, int], dtype: torch.dtype, rows: int = 1) -> str
 
 
 def cache_path() -> str:
-    return str(compiled.cache_dir() / "gemv.json")
+    return choice_cache.path(CACHE_FILE)
 
 
 def _read_cache() -> dict:
-    try:
-        with open(cache_path()) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return choice_cache.read(CACHE_FILE)
 
 
 def _write_cache(entries: dict) -> None:
-    path = cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = {**_read_cache(), **entries}
-        # Written beside and renamed over: ranks writing at once never leave a torn file.
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        # A read-only home only means measuring again next time.
-        pass
+    choice_cache.write(CACHE_FILE, entries)
