@@ -20,9 +20,11 @@
 static inline __m512bh load_bh(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < n; i += STEP) {
+        if (pf)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
         __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
         __m512bh xv = load_bh(x + i, m);
         a0 = _mm512_dpbf16_ps(a0, load_bh(w + i, m), xv);
@@ -72,9 +74,12 @@ static inline __m512 load_f(const uint16_t *p, __mmask16 m) {
     __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < n; i += STEP) {
+        /* One line of each row per two steps. */
+        if (pf && (i & 31) == 0)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
         __mmask16 m = n - i >= STEP ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
         __m512 xv = load_f(x + i, m);
         a0 = _mm512_fmadd_ps(load_f(w + i, m), xv, a0);
@@ -98,44 +103,58 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
 const char *gemv_bf16_isa(void) { return "avx512f"; }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-#define STEP 8
-static inline __m256 load_f(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+/* Sixteen bf16 per 256-bit load, widened as two halves without a shuffle: shifting each 32-bit
+ * lane left by 16 gives its even element as fp32, masking off its low half gives its odd one.
+ * x is split the same way, so even elements meet even ones; a widening load (vpmovzxwd) per eight
+ * elements cost so many more instructions that the loop ran short of memory bandwidth. */
+#define STEP 16
+static inline __m256 even_f(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline __m256 odd_f(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+static inline __m256i load_w(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
-        __m256 xv = load_f(x + i);
-        a0 = _mm256_fmadd_ps(load_f(w + i), xv, a0);
-        a1 = _mm256_fmadd_ps(load_f(w + n + i), xv, a1);
-        a2 = _mm256_fmadd_ps(load_f(w + 2 * n + i), xv, a2);
-        a3 = _mm256_fmadd_ps(load_f(w + 3 * n + i), xv, a3);
+        /* One line of each row per two steps. */
+        if (pf && (i & 31) == 0)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
+        __m256i xv = load_w(x + i), w0 = load_w(w + i), w1 = load_w(w + n + i), w2 = load_w(w + 2 * n + i), w3 = load_w(w + 3 * n + i);
+        __m256 xe = even_f(xv), xo = odd_f(xv);
+        a0 = _mm256_fmadd_ps(even_f(w0), xe, a0);
+        b0 = _mm256_fmadd_ps(odd_f(w0), xo, b0);
+        a1 = _mm256_fmadd_ps(even_f(w1), xe, a1);
+        b1 = _mm256_fmadd_ps(odd_f(w1), xo, b1);
+        a2 = _mm256_fmadd_ps(even_f(w2), xe, a2);
+        b2 = _mm256_fmadd_ps(odd_f(w2), xo, b2);
+        a3 = _mm256_fmadd_ps(even_f(w3), xe, a3);
+        b3 = _mm256_fmadd_ps(odd_f(w3), xo, b3);
     }
-    o[0] = hsum(a0);
-    o[1] = hsum(a1);
-    o[2] = hsum(a2);
-    o[3] = hsum(a3);
+    o[0] = hsum(_mm256_add_ps(a0, b0));
+    o[1] = hsum(_mm256_add_ps(a1, b1));
+    o[2] = hsum(_mm256_add_ps(a2, b2));
+    o[3] = hsum(_mm256_add_ps(a3, b3));
     for (; i < n; i++) {
         float xi = bf16_to_f32(x[i]);
         for (int r = 0; r < 4; r++) o[r] += bf16_to_f32(w[r * n + i]) * xi;
     }
 }
 static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
-    float o[4];
-    __m256 a = _mm256_setzero_ps();
+    __m256 a = _mm256_setzero_ps(), b = a;
     int64_t i = 0;
-    for (; i + STEP <= n; i += STEP) a = _mm256_fmadd_ps(load_f(w + i), load_f(x + i), a);
-    o[0] = hsum(a);
-    for (; i < n; i++) o[0] += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
-    return o[0];
+    for (; i + STEP <= n; i += STEP) {
+        __m256i xv = load_w(x + i), wv = load_w(w + i);
+        a = _mm256_fmadd_ps(even_f(wv), even_f(xv), a);
+        b = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), b);
+    }
+    float s = hsum(_mm256_add_ps(a, b));
+    for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
+    return s;
 }
 const char *gemv_bf16_isa(void) { return "avx2"; }
 
@@ -145,18 +164,24 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
     for (int64_t i = 0; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
     return s;
 }
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o) {
+static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
+    (void)pf;
     for (int r = 0; r < 4; r++) o[r] = dot1(w + r * n, n, x);
 }
 const char *gemv_bf16_isa(void) { return "scalar"; }
 #endif
 
-void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n) {
+/* prefetch: how many bytes ahead of the loads each weight row is prefetched, 0 for none (the
+ * hardware's prefetchers alone). The prefetch is non-temporal: the weight, read once per step,
+ * then passes by the outer caches instead of evicting what the work after the GEMV runs on
+ * (the interpreter, the next small op's data). Which runs faster depends on the CPU; both are
+ * candidates. */
+void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch) {
     int64_t blocks = rows / 4;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         float o[4];
-        dot4(w + b * 4 * n, n, x, o);
+        dot4(w + b * 4 * n, n, x, o, prefetch);
         for (int r = 0; r < 4; r++) y[b * 4 + r] = f32_to_bf16(o[r]);
     }
     for (int64_t r = blocks * 4; r < rows; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x));
@@ -190,7 +215,7 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
     for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
         for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
 #else
-    for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n);
+    for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0);
 #endif
 }
 

@@ -58,7 +58,7 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
-        lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lib.gemm_rows_bf16.restype = None
         lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lib.gemm_rows_amx_bf16.restype = None
@@ -69,11 +69,22 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     return lib, why
 
 
+# How far ahead c-prefetch asks for each weight row (non-temporally, gemv_bf16.c says why): four
+# cache lines, enough to cover the memory's latency at one core's streaming rate.
+PREFETCH_BYTES = 256
+
+
 def _c(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     # Only ever installed after unavailable() built the library, which set _c_gemv.
     if not x.is_contiguous():
         x = x.contiguous()
-    _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
+    _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], 0)
+
+
+def _c_prefetch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], PREFETCH_BYTES)
 
 
 def _mm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -118,7 +129,7 @@ class Candidate:
 
     def unavailable(self, dtype: torch.dtype, device: torch.device) -> str:
         """Why this kernel cannot run weights of this dtype on this device ("" when it can)."""
-        if self.name in ("c", "amx"):
+        if self.name in ("c", "c-prefetch", "amx"):
             if device.type != "cpu" or dtype != torch.bfloat16:
                 return "the compiled kernel takes bfloat16 weights on a CPU"
             _, why = _compiled_library()
@@ -135,6 +146,7 @@ CANDIDATES: dict[str, Candidate] = {
         Candidate("mv-native", _mv_native, "torch.mv with oneDNN off (torch's own kernel)"),
         Candidate("mm", _mm, "torch.mm of one row (F.linear's path)"),
         Candidate("c", _c, "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)"),
+        Candidate("c-prefetch", _c_prefetch, "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead"),
     )
 }
 DEFAULT = "mv"
