@@ -3,7 +3,7 @@ allowed core's threads (TP=1), one thread on one core alone, and one single-thre
 core at once (TP=N, every rank streaming its own weights). TP on one host pays for decode only
 where the last beats the first.
 
-    python benchmarks/core_bandwidth.py [--mib 288] [--reps 10]
+    python benchmarks/core_bandwidth.py [--mib 288] [--reps 10] [--kernel c-prefetch]
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ import time
 import torch
 
 
-def stream_gbps(mib: int, reps: int, start_at: float | None = None) -> float:
-    """GB/s of the engine's one-row GEMV (the compiled kernel where it builds, else torch.mv) over
-    `mib` MiB of 3072x1024 bf16 weights, the best of `reps` passes; the passes begin at the wall
-    clock time `start_at` when given, so processes measuring side by side stream at once."""
+def stream_gbps(mib: int, reps: int, kernel: str, start_at: float | None = None) -> float:
+    """GB/s of the one-row kernel `kernel` over `mib` MiB of 3072x1024 bf16 weights, the best of
+    `reps` passes; the passes begin at the wall clock time `start_at` when given, so processes
+    measuring side by side stream at once."""
     from pocketllm.ops.gemv.kernels import CANDIDATES
 
-    run = CANDIDATES["c"].run if not CANDIDATES["c"].unavailable(torch.bfloat16, torch.device("cpu")) else CANDIDATES["mv"].run
+    why = CANDIDATES[kernel].unavailable(torch.bfloat16, torch.device("cpu"))
+    if why:
+        raise SystemExit(f"--kernel {kernel}: {why}")
+    run = CANDIDATES[kernel].run
     count = max(1, mib * 2**20 // (3072 * 1024 * 2))
     weights = [torch.randn(3072, 1024, dtype=torch.bfloat16) for _ in range(count)]
     x, out = torch.randn(1024, dtype=torch.bfloat16), torch.empty(3072, dtype=torch.bfloat16)
@@ -43,18 +46,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=288, help="weight MiB streamed per pass (default 288, the small preset's)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--kernel", default="c-prefetch", help="the one-row kernel that streams (default c-prefetch)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one measurement on this core
     p.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
         os.sched_setaffinity(0, {args.worker})
         torch.set_num_threads(1)
-        print(f"{stream_gbps(args.mib, args.reps, args.start_at):.2f}", flush=True)
+        print(f"{stream_gbps(args.mib, args.reps, args.kernel, args.start_at):.2f}", flush=True)
         return 0
     cores = sorted(os.sched_getaffinity(0))
-    worker = [sys.executable, __file__, "--mib", str(args.mib), "--reps", str(args.reps), "--worker"]
+    worker = [sys.executable, __file__, "--mib", str(args.mib), "--reps", str(args.reps), "--kernel", args.kernel, "--worker"]
     torch.set_num_threads(len(cores))
-    print(f"{len(cores)} cores, one process, {len(cores)} threads: {stream_gbps(args.mib, args.reps):.1f} GB/s")
+    print(f"kernel {args.kernel}; {len(cores)} cores, one process, {len(cores)} threads: {stream_gbps(args.mib, args.reps, args.kernel):.1f} GB/s")
     for c in cores:
         alone = float(subprocess.run([*worker, str(c)], capture_output=True, text=True, check=True).stdout)
         print(f"core {c} alone, one thread: {alone:.1f} GB/s")
