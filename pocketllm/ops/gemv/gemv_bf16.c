@@ -9,6 +9,7 @@
  * plain C.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "../bf16.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -156,6 +157,42 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
     for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
     return s;
 }
+/* Two weight rows against up to four x rows, x widened to fp32 beforehand in the same even/odd
+ * halves (widen_x): each weight load feeds up to eight products, so the weight streams once for
+ * four sequences. Eight accumulators, four widened weight halves and two x halves fill fourteen
+ * of the sixteen registers. Inlined into calls with a constant `cols`. */
+#define HAS_WIDE_TILE 1
+#define TILE_ROWS 2
+static void widen_x(const uint16_t *x, int64_t n, float *xw) {
+    for (int64_t i = 0; i + STEP <= n; i += STEP)
+        for (int j = 0; j < STEP / 2; j++) {
+            xw[i + j] = bf16_to_f32(x[i + 2 * j]);
+            xw[i + STEP / 2 + j] = bf16_to_f32(x[i + 2 * j + 1]);
+        }
+}
+static inline __attribute__((always_inline)) void tile2x4(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4]) {
+    __m256 a[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + STEP <= n; i += STEP) {
+        if ((i & 31) == 0)
+            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + 256, _MM_HINT_NTA);
+        __m256i w0 = load_w(w + i), w1 = load_w(w + n + i);
+        __m256 w0e = even_f(w0), w0o = odd_f(w0), w1e = even_f(w1), w1o = odd_f(w1);
+        for (int c = 0; c < cols; c++) {
+            __m256 xe = _mm256_loadu_ps(xw + c * n + i), xo = _mm256_loadu_ps(xw + c * n + i + STEP / 2);
+            a[0][c] = _mm256_fmadd_ps(w0o, xo, _mm256_fmadd_ps(w0e, xe, a[0][c]));
+            a[1][c] = _mm256_fmadd_ps(w1o, xo, _mm256_fmadd_ps(w1e, xe, a[1][c]));
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < cols; c++) {
+            float s = hsum(a[r][c]);
+            for (int64_t k = i; k < n; k++) s += bf16_to_f32(w[r * n + k]) * bf16_to_f32(x[c * n + k]);
+            o[r][c] = s;
+        }
+}
 const char *gemv_bf16_isa(void) { return "avx2"; }
 
 #else
@@ -187,10 +224,10 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
     for (int64_t r = blocks * 4; r < rows; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x));
 }
 
-/* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where the tile is
- * compiled in (AVX-512 BF16) x rows go four at a time against four weight rows; elsewhere
- * each output is its own dot product, which reads the weight once per x row (the load-time
- * measurement then prefers torch's GEMM there). */
+/* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where a tile is
+ * compiled in (AVX-512 BF16, AVX2) x rows go four at a time against a block of weight rows;
+ * elsewhere each output is its own dot product, which reads the weight once per x row (the
+ * load-time measurement then prefers torch's GEMM there). */
 void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
 #ifdef HAS_TILE
     int64_t blocks = rows / TILE_ROWS;
@@ -214,6 +251,34 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
     }
     for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
         for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
+#elif defined(HAS_WIDE_TILE)
+    float *xw = malloc((size_t)(m * n) * sizeof(float));
+    if (xw == NULL) {
+        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0);
+        return;
+    }
+    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * n);
+    int64_t blocks = rows / TILE_ROWS;
+    /* As above: a block of weight rows read for the first four x rows is in L1 for the next. */
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *wb = w + b * TILE_ROWS * n;
+        for (int64_t c0 = 0; c0 < m; c0 += 4) {
+            int cols = m - c0 < 4 ? (int)(m - c0) : 4;
+            float o[2][4];
+            switch (cols) {
+            case 4: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 4, o); break;
+            case 3: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 3, o); break;
+            case 2: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 2, o); break;
+            default: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 1, o); break;
+            }
+            for (int r = 0; r < TILE_ROWS; r++)
+                for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
+        }
+    }
+    free(xw);
+    for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
+        for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
 #else
     for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0);
 #endif
@@ -226,7 +291,6 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
  * multiply-adds where an AVX-512 BF16 dot product does 32: at eight rows the AVX-512 tile above is
  * limited by its arithmetic, the AMX one by memory. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
