@@ -49,12 +49,13 @@ def test_causal_conv_prefill_matches_the_definition(rows, with_state):
 @pytest.mark.parametrize("path", ["conv1d", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_causal_conv_prefill_paths_match_the_definition(monkeypatch, path, dtype):
-    # Long prompts take the blocked multiply-add path; a low threshold and a small block make a
-    # short prompt span several blocks of it, including a ragged last one.
+    # A CPU takes the blocked multiply-add path, a device conv1d (here: told it is not a CPU); a
+    # small block makes a short prompt span several blocks, including a ragged last one.
     import pocketllm.ops.causal_conv as conv
     import pocketllm.ops.row_blocks as row_blocks
 
-    monkeypatch.setattr(conv, "BLOCKED_FROM_TOKENS", 1 if path == "blocked" else 10**9)
+    if path == "conv1d":
+        monkeypatch.setattr(conv, "uses_row_blocks", lambda x: False)
     monkeypatch.setattr(row_blocks, "BLOCK_BYTES", 4 * 12 * 7)
     x, taps, state = _conv_case(40, dtype, 5)
     want = causal_conv1d_reference(x, taps, state.clone())
@@ -66,14 +67,12 @@ def test_causal_conv_prefill_paths_match_the_definition(monkeypatch, path, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_causal_conv_steps_match_the_blocked_prefill(monkeypatch, dtype):
+def test_causal_conv_steps_match_the_blocked_prefill(dtype):
     # Decode must give a token what prefill gives it: the same fp32 sum, in the same order, rounded
     # once (a bf16 sum rounded per tap differed from prefill in a third of the outputs). Not bit
     # for bit: a fused and an unfused multiply-add may differ in the last fp32 bit.
     from pocketllm.ops.causal_conv import causal_conv1d_step_
-    import pocketllm.ops.causal_conv as conv
 
-    monkeypatch.setattr(conv, "BLOCKED_FROM_TOKENS", 1)
     x, taps, state = _conv_case(20, dtype, 7)
     stepped_state = state.clone()
     prefill = causal_conv1d_prefill_(x, taps, state)

@@ -7,11 +7,6 @@ import torch.nn.functional as F
 
 from pocketllm.ops.row_blocks import block_rows, uses_row_blocks
 
-# From this many tokens the prefill conv runs as K shifted multiply-adds over row blocks instead of
-# one F.conv1d: on CPU that measured over twice as fast at 4096 tokens, while at 512 conv1d was as
-# fast or faster (docs/measuring.md, figures behind the code's choices). CPU only.
-BLOCKED_FROM_TOKENS = 1024
-
 
 def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """x [T, C]; taps [K, C] fp32 (the conv weight, one row per tap, oldest input first); state
@@ -20,7 +15,11 @@ def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Ten
     k = taps.shape[0]
     window = torch.cat((state.to(x.dtype), x), dim=0)  # [T+K-1, C]
     state.copy_(window[window.shape[0] - (k - 1) :])
-    if x.shape[0] >= BLOCKED_FROM_TOKENS and uses_row_blocks(x):
+    # On a CPU the conv is K shifted multiply-adds over row blocks at every length: F.conv1d was
+    # over twice as slow at 4096 tokens on one machine and 5-70x slower at 16-2048 tokens in bf16 on
+    # another (docs/measuring.md, figures behind the code's choices), and only tied it at 512 on the
+    # first. A device runs conv1d as one kernel.
+    if uses_row_blocks(x):
         return _conv_silu_blocked(window, taps, x.shape[0])
     weight = taps.t().to(x.dtype).unsqueeze(1)  # [C, 1, K], exact: the taps came from x's dtype
     out = F.conv1d(window.t().unsqueeze(0), weight, groups=weight.shape[0])[0]  # [C, T]
