@@ -48,10 +48,13 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
 }
 /* Four weight rows against up to four x rows: each weight load feeds up to four dot products, so
  * the weight streams once for four sequences, and each x load feeds four weight rows. Inlined into
- * calls with a constant `cols`, so the sixteen accumulators stay in registers. */
+ * calls with a constant `cols`, so the sixteen accumulators stay in registers. x is read as it is
+ * (xw unused). */
 #define HAS_TILE 1
 #define TILE_ROWS 4
-static inline __attribute__((always_inline)) void tile4x4(const uint16_t *w, int64_t n, const uint16_t *x, int cols, float o[4][4]) {
+#define WIDENS_X 0
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[4][4]) {
+    (void)xw;
     __m512 a[4][4];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
@@ -161,8 +164,9 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
  * halves (widen_x): each weight load feeds up to eight products, so the weight streams once for
  * four sequences. Eight accumulators, four widened weight halves and two x halves fill fourteen
  * of the sixteen registers. Inlined into calls with a constant `cols`. */
-#define HAS_WIDE_TILE 1
+#define HAS_TILE 1
 #define TILE_ROWS 2
+#define WIDENS_X 1
 static void widen_x(const uint16_t *x, int64_t n, float *xw) {
     for (int64_t i = 0; i + STEP <= n; i += STEP)
         for (int j = 0; j < STEP / 2; j++) {
@@ -170,7 +174,7 @@ static void widen_x(const uint16_t *x, int64_t n, float *xw) {
             xw[i + STEP / 2 + j] = bf16_to_f32(x[i + 2 * j + 1]);
         }
 }
-static inline __attribute__((always_inline)) void tile2x4(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4]) {
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4]) {
     __m256 a[2][4];
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
@@ -230,6 +234,15 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
  * load-time measurement then prefers torch's GEMM there). */
 void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
 #ifdef HAS_TILE
+    float *xw = NULL;
+#if WIDENS_X
+    xw = malloc((size_t)(m * n) * sizeof(float));
+    if (xw == NULL) {
+        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0);
+        return;
+    }
+    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * n);
+#endif
     int64_t blocks = rows / TILE_ROWS;
     /* Parallel over blocks of weight rows, the x rows four at a time inside: a block read for the
      * first four is still in cache for the next four. */
@@ -238,39 +251,13 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
         const uint16_t *wb = w + b * TILE_ROWS * n;
         for (int64_t c0 = 0; c0 < m; c0 += 4) {
             int cols = m - c0 < 4 ? (int)(m - c0) : 4;
-            float o[4][4];
+            const float *xwc = xw == NULL ? NULL : xw + c0 * n;
+            float o[TILE_ROWS][4];
             switch (cols) {
-            case 4: tile4x4(wb, n, x + c0 * n, 4, o); break;
-            case 3: tile4x4(wb, n, x + c0 * n, 3, o); break;
-            case 2: tile4x4(wb, n, x + c0 * n, 2, o); break;
-            default: tile4x4(wb, n, x + c0 * n, 1, o); break;
-            }
-            for (int r = 0; r < TILE_ROWS; r++)
-                for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
-        }
-    }
-    for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
-        for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
-#elif defined(HAS_WIDE_TILE)
-    float *xw = malloc((size_t)(m * n) * sizeof(float));
-    if (xw == NULL) {
-        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0);
-        return;
-    }
-    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * n);
-    int64_t blocks = rows / TILE_ROWS;
-    /* As above: a block of weight rows read for the first four x rows is in L1 for the next. */
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint16_t *wb = w + b * TILE_ROWS * n;
-        for (int64_t c0 = 0; c0 < m; c0 += 4) {
-            int cols = m - c0 < 4 ? (int)(m - c0) : 4;
-            float o[2][4];
-            switch (cols) {
-            case 4: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 4, o); break;
-            case 3: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 3, o); break;
-            case 2: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 2, o); break;
-            default: tile2x4(wb, n, x + c0 * n, xw + c0 * n, 1, o); break;
+            case 4: tile(wb, n, x + c0 * n, xwc, 4, o); break;
+            case 3: tile(wb, n, x + c0 * n, xwc, 3, o); break;
+            case 2: tile(wb, n, x + c0 * n, xwc, 2, o); break;
+            default: tile(wb, n, x + c0 * n, xwc, 1, o); break;
             }
             for (int r = 0; r < TILE_ROWS; r++)
                 for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
