@@ -1,5 +1,6 @@
-"""Token generation: greedy or temperature/top-p sampling. The token is chosen on rank 0 and
-broadcast, so every rank always feeds the same token to the next step."""
+"""Token generation: greedy or temperature/top-p sampling. Every rank feeds the same token to the
+next step: a sampled token is drawn on rank 0 and broadcast, a greedy one is the argmax of logits
+every rank holds alike."""
 
 from __future__ import annotations
 
@@ -43,12 +44,15 @@ class Sampler:
         # and the token is read back from that same buffer.
         if self._token is None or self._token.device != logits.device:
             self._token = torch.zeros(1, dtype=torch.long, device=logits.device)
+        if self.params.temperature <= 0:
+            # Every rank holds the same logits, bit for bit (the head's parts are gathered, not
+            # computed per rank), so every rank's argmax is the same token: no broadcast, which
+            # on gloo costs a loopback round trip per token. Greedy stays on the device: only the
+            # chosen id crosses to the host, not the vocab row.
+            self._token.copy_(torch.argmax(logits).reshape(1))
+            return int(self._token.item())
         if tp().rank == 0:
-            if self.params.temperature <= 0:
-                # Greedy stays on the device: only the chosen id crosses to the host, not the vocab row.
-                self._token.copy_(torch.argmax(logits).reshape(1))
-            else:
-                self._token.fill_(sample_token(logits, self.params, self.gen))
+            self._token.fill_(sample_token(logits, self.params, self.gen))
         broadcast_(self._token)
         return int(self._token.item())
 
