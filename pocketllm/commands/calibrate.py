@@ -34,6 +34,7 @@ from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.flags import parse_positive_list
 from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say
+from pocketllm.ops import gemv, many_rows
 
 # Short passes are repeated inside one timing so that each timing covers at least this many rows;
 # a 256-row unit is a few milliseconds, which a scheduler tick can double.
@@ -106,6 +107,23 @@ class Unit:
                 projection_all_reduce_overlapped(x, w, slices, s.name)
 
 
+def install_engine_kernels(unit: Unit, rows_list: list[int], dtype) -> str:
+    """Choose (measured, or read from this machine's cache) and install the kernels the engine
+    runs these projections with, one-row, few-row and many-row, so the points time the engine's
+    GEMMs and not torch's defaults (which on some CPUs are several times slower). Returns what was
+    chosen, for rank 0 to print."""
+    weights = list(unit.weights.values())
+    chosen = [gemv.choose(weights)]
+    # A decode step of r sequences runs the few-row choice made for the next power of two up.
+    for rows in sorted({1 << (r - 1).bit_length() for r in rows_list if 1 < r <= 16}):
+        chosen.append(gemv.choose(weights, rows=rows))
+    for choice in chosen:
+        gemv.install(choice, dtype)
+    gemm = many_rows.choose(weights)
+    many_rows.install(gemm, dtype)
+    return "; ".join(c.describe() for c in chosen + [gemm])
+
+
 def _timed_rows(rows: int) -> int:
     return rows * max(1, math.ceil(MIN_ROWS_PER_TIMING / rows))
 
@@ -171,6 +189,7 @@ def _work(args, device, inputs) -> int:
         f"unit {' + '.join(f'{s.count} {s.name}' for s in sites)}, {len(rows_list)} row counts x {len(pins)} slice counts x {args.reps} reps"
     )
     unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device)
+    say(install_engine_kernels(unit, rows_list, plan.dtype))
     points = measure(unit, rows_list, pins, args.reps, device)
     sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, plan.dtype.itemsize), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
     if tp().rank == 0:
