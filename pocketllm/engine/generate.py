@@ -40,17 +40,16 @@ class Sampler:
         self._token: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor) -> int:
-        # The broadcast buffer lives on the logits' device (NCCL/HCCL broadcast device tensors),
-        # and the token is read back from that same buffer.
-        if self._token is None or self._token.device != logits.device:
-            self._token = torch.zeros(1, dtype=torch.long, device=logits.device)
         if self.params.temperature <= 0:
             # Every rank holds the same logits, bit for bit (the head's parts are gathered, not
             # computed per rank), so every rank's argmax is the same token: no broadcast, which
             # on gloo costs a loopback round trip per token. Greedy stays on the device: only the
             # chosen id crosses to the host, not the vocab row.
-            self._token.copy_(torch.argmax(logits).reshape(1))
-            return int(self._token.item())
+            return int(torch.argmax(logits))
+        # The broadcast buffer lives on the logits' device (NCCL/HCCL broadcast device tensors),
+        # and the token is read back from that same buffer.
+        if self._token is None or self._token.device != logits.device:
+            self._token = torch.zeros(1, dtype=torch.long, device=logits.device)
         if tp().rank == 0:
             self._token.fill_(sample_token(logits, self.params, self.gen))
         broadcast_(self._token)

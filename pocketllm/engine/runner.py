@@ -47,10 +47,11 @@ class Engine:
         if device.type == "cpu":
             host_memory.keep_freed_blocks()
         # The one-row kernel per weight shape, measured here (or read from this machine's cache).
-        self.gemv = gemv.choose(self.model.one_row_weights())
+        projections = self.model.one_row_weights()
+        self.gemv = gemv.choose(projections)
         gemv.install(self.gemv, dtype)
         # The GEMM of many rows (prefill): torch's in this dtype, or widened to fp32, measured.
-        self.gemm = many_rows.choose(self.model.one_row_weights())
+        self.gemm = many_rows.choose(projections)
         many_rows.install(self.gemm, dtype)
         self.states: list = []
         self.capacity = 0

@@ -74,17 +74,16 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
 PREFETCH_BYTES = 256
 
 
-def _c(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    # Only ever installed after unavailable() built the library, which set _c_gemv.
-    if not x.is_contiguous():
-        x = x.contiguous()
-    _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], 0)
+def _compiled_gemv(prefetch: int) -> Kernel:
+    """The compiled GEMV, prefetching each weight row `prefetch` bytes ahead (0: no prefetch)."""
 
+    def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        # Only ever installed after unavailable() built the library, which set _c_gemv.
+        if not x.is_contiguous():
+            x = x.contiguous()
+        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], prefetch)
 
-def _c_prefetch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    if not x.is_contiguous():
-        x = x.contiguous()
-    _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], PREFETCH_BYTES)
+    return run
 
 
 def _mm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -145,8 +144,8 @@ CANDIDATES: dict[str, Candidate] = {
         Candidate("mv", _mv, "torch.mv (oneDNN for bf16/fp16 where torch has it)"),
         Candidate("mv-native", _mv_native, "torch.mv with oneDNN off (torch's own kernel)"),
         Candidate("mm", _mm, "torch.mm of one row (F.linear's path)"),
-        Candidate("c", _c, "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)"),
-        Candidate("c-prefetch", _c_prefetch, "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead"),
+        Candidate("c", _compiled_gemv(0), "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)"),
+        Candidate("c-prefetch", _compiled_gemv(PREFETCH_BYTES), "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead"),
     )
 }
 DEFAULT = "mv"
