@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops import choice_cache
+from pocketllm.ops.gemv.kernels import Candidate, Kernel
 
 ENV_GEMM = "POCKETLLM_GEMM"
 CACHE_FILE = "gemm.json"
@@ -32,9 +32,6 @@ PASSES = 4
 BLOCK_ROWS = 256
 # The widened GEMM allocates a block of fp32 per call: it must win by more than this to be chosen.
 WASH = 0.05
-
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
 
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """The plain form every kernel must equal (up to fp32 summation order): fp32 products and
@@ -51,13 +48,6 @@ def _mm_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     for o0 in range(0, w.shape[0], BLOCK_ROWS):
         o1 = min(o0 + BLOCK_ROWS, w.shape[0])
         out[:, o0:o1] = xf @ w[o0:o1].float().t()
-
-
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    run: Kernel
-    what: str
 
 
 CANDIDATES: dict[str, Candidate] = {

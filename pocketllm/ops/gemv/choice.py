@@ -38,7 +38,7 @@ PASSES = 6
 PASS_BYTES = 1 << 30
 # Candidates this close to the fastest are a wash (pick).
 WASH = 0.02
-PREFERRED = {1: ("c", "c-prefetch"), 2: ("amx", "c")}
+PREFERRED = {1: ("c", "c-prefetch"), 2: ("amx", "c", "c-prefetch")}
 CACHE_FILE = "gemv.json"
 
 

@@ -53,12 +53,14 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
 #define HAS_TILE 1
 #define TILE_ROWS 4
 #define WIDENS_X 0
-static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[4][4]) {
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[4][4], int64_t pf) {
     (void)xw;
     __m512 a[4][4];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += STEP) {
+        if (pf)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
         __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
         __m512bh wv[4];
         for (int r = 0; r < 4; r++) wv[r] = load_bh(w + r * n + i, m);
@@ -174,14 +176,14 @@ static void widen_x(const uint16_t *x, int64_t n, float *xw) {
             xw[i + STEP / 2 + j] = bf16_to_f32(x[i + 2 * j + 1]);
         }
 }
-static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4]) {
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4], int64_t pf) {
     __m256 a[2][4];
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
-        if ((i & 31) == 0)
-            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + 256, _MM_HINT_NTA);
+        if (pf && (i & 31) == 0)
+            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
         __m256i w0 = load_w(w + i), w1 = load_w(w + n + i);
         __m256 w0e = even_f(w0), w0o = odd_f(w0), w1e = even_f(w1), w1o = odd_f(w1);
         for (int c = 0; c < cols; c++) {
@@ -231,14 +233,14 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
 /* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where a tile is
  * compiled in (AVX-512 BF16, AVX2) x rows go four at a time against a block of weight rows;
  * elsewhere each output is its own dot product, which reads the weight once per x row (the
- * load-time measurement then prefers torch's GEMM there). */
-void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
+ * load-time measurement then prefers torch's GEMM there). prefetch as for gemv_bf16. */
+void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t prefetch) {
 #ifdef HAS_TILE
     float *xw = NULL;
 #if WIDENS_X
     xw = malloc((size_t)(m * n) * sizeof(float));
     if (xw == NULL) {
-        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0);
+        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch);
         return;
     }
     for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * n);
@@ -254,10 +256,10 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
             const float *xwc = xw == NULL ? NULL : xw + c0 * n;
             float o[TILE_ROWS][4];
             switch (cols) {
-            case 4: tile(wb, n, x + c0 * n, xwc, 4, o); break;
-            case 3: tile(wb, n, x + c0 * n, xwc, 3, o); break;
-            case 2: tile(wb, n, x + c0 * n, xwc, 2, o); break;
-            default: tile(wb, n, x + c0 * n, xwc, 1, o); break;
+            case 4: tile(wb, n, x + c0 * n, xwc, 4, o, prefetch); break;
+            case 3: tile(wb, n, x + c0 * n, xwc, 3, o, prefetch); break;
+            case 2: tile(wb, n, x + c0 * n, xwc, 2, o, prefetch); break;
+            default: tile(wb, n, x + c0 * n, xwc, 1, o, prefetch); break;
             }
             for (int r = 0; r < TILE_ROWS; r++)
                 for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
@@ -267,7 +269,7 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
     for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
         for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
 #else
-    for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0);
+    for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch);
 #endif
 }
 
@@ -324,7 +326,7 @@ static void amx_block(const uint16_t *w, const uint16_t *x, const uint16_t *xb, 
 void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
     uint16_t *xb = n % 32 ? NULL : malloc((size_t)(n * (m < 16 ? m : 16)) * sizeof(uint16_t));
     if (xb == NULL) { /* a width the tiles do not cover (or no memory): the AVX-512 path */
-        gemm_rows_bf16(w, x, y, rows, n, m);
+        gemm_rows_bf16(w, x, y, rows, n, m, 0);
         return;
     }
     for (int64_t j0 = 0; j0 < m; j0 += 16) {
@@ -341,6 +343,6 @@ void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64
 #else
 int amx_bf16_enable(void) { return 0; }
 void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
-    gemm_rows_bf16(w, x, y, rows, n, m);
+    gemm_rows_bf16(w, x, y, rows, n, m, 0);
 }
 #endif

@@ -60,9 +60,9 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         lib.gemv_bf16.restype = None
         lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lib.gemm_rows_bf16.restype = None
-        lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lib.gemm_rows_amx_bf16.restype = None
-        lib.gemm_rows_amx_bf16.argtypes = lib.gemm_rows_bf16.argtypes
+        lib.gemm_rows_amx_bf16.argtypes = lib.gemm_rows_bf16.argtypes[:-1]
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
         _c_gemv, _c_gemm_rows, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16, lib.gemm_rows_amx_bf16
@@ -90,10 +90,15 @@ def _mm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     torch.mm(x, w.t(), out=out)
 
 
-def _c_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    if not x.is_contiguous():
-        x = x.contiguous()
-    _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+def _compiled_rows(prefetch: int) -> Kernel:
+    """The compiled few-row GEMM, prefetching each weight row `prefetch` bytes ahead."""
+
+    def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], prefetch)
+
+    return run
 
 
 def _amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -154,7 +159,8 @@ FEW_ROW_CANDIDATES: dict[str, Candidate] = {
     c.name: c
     for c in (
         Candidate("mm", _mm_rows, "torch.mm (oneDNN's GEMM where torch has it)"),
-        Candidate("c", _c_rows, "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)"),
+        Candidate("c", _compiled_rows(0), "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)"),
+        Candidate("c-prefetch", _compiled_rows(PREFETCH_BYTES), "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead"),
         Candidate("amx", _amx_rows, "the same on AMX tiles, where the CPU has them"),
     )
 }
