@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pocketllm.device import allowed_cpus, resolve_kind, setup_device
+from pocketllm.device import allowed_cpus, device_index, resolve_kind, setup_device
 from pocketllm.distributed import collective, waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
@@ -62,7 +62,16 @@ def rank_of_this_process(args, default_world: int):
         args.tp_world = renv.world
     elif args.tp_world is None:
         args.tp_world = default_world
+    _check_rank_placement(args, renv)
     return renv
+
+
+def _check_rank_placement(args, renv) -> None:
+    """--device N where it cannot do what it says: one device index cannot hold every rank a
+    launcher starts on a GPU/NPU."""
+    index = device_index(args.device)
+    if renv is None and args.tp_world > 1 and index is not None and resolve_kind(args.device) != "cpu":
+        raise UsageError(f"--device {index} names one device, and --tp-world {args.tp_world} starts a rank per device: give --device {resolve_kind(args.device)}")
 
 
 def run_on_every_rank(args, argv: list[str], renv, check, on_rank, forward_signals: bool = False) -> int:
