@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_value
+from pocketllm.topology import physical_cores
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 DEVICE_HELP = "auto (default), cpu, cuda, npu, or N: device N of the one auto finds (the seed's --device 0; on CPU only 0)"
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # Set by the launcher for each rank it pinned: that its cores are its own (the rank reads them from
-# its affinity; the value lists them, comma-separated, for anyone inspecting the process).
+# its affinity; the value lists them as a cpulist, for anyone inspecting the process).
 ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
 # 0 leaves the ranks the launcher starts unpinned (default 1, pinned).
 ENV_PIN_CPUS = "POCKETLLM_PIN_CPUS"
@@ -80,17 +82,6 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def cpu_shares(world: int, cpus: list[int]) -> list[list[int]]:
-    """The cores each of `world` ranks on this host is pinned to: equal contiguous blocks of
-    `cpus`. A remainder stays idle, since a TP group waits for its slowest rank; with fewer cores
-    than ranks, rank r shares core r mod n. Unpinned, ranks migrate between cores and each finds
-    its caches cold (pinned against unpinned: docs/measuring.md, ranks pinned to cores)."""
-    if len(cpus) < world:
-        return [[cpus[r % len(cpus)]] for r in range(world)]
-    per = len(cpus) // world
-    return [cpus[r * per : (r + 1) * per] for r in range(world)]
-
-
 def cpu_count() -> int:
     return len(allowed_cpus())
 
@@ -137,7 +128,8 @@ def device_index(requested: str) -> int | None:
 
 def setup_device(requested: str, local_rank: int, world: int) -> DeviceInfo:
     """Bind this rank to its device (the index --device names, else its local rank's); on CPU give
-    it its share of the cores."""
+    it one torch thread per physical core it may run on: all of them when the launcher pinned it,
+    else its share of them."""
     kind = resolve_kind(requested)
     index = device_index(requested)
     info = DeviceInfo(kind, (local_rank if index is None else index) if kind != "cpu" else 0)
@@ -145,9 +137,9 @@ def setup_device(requested: str, local_rank: int, world: int) -> DeviceInfo:
         torch.cuda.set_device(info.index)
     elif kind == "npu":
         torch.npu.set_device(info.index)
-    elif os.environ.get(ENV_RANK_CPUS):
+    elif env_value(os.environ, ENV_RANK_CPUS):
         # Pinned by the launcher: every core this rank may run on is its own.
-        torch.set_num_threads(cpu_count())
+        torch.set_num_threads(physical_cores(allowed_cpus()))
     else:
-        torch.set_num_threads(max(1, cpu_count() // world))
+        torch.set_num_threads(max(1, physical_cores(allowed_cpus()) // world))
     return info

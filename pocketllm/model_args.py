@@ -51,6 +51,12 @@ def add_rank_args(p: argparse.ArgumentParser, default_world: int = 1) -> None:
     g.add_argument(
         "--collective", help="the TP all-reduce: auto (default: shm when every rank is a CPU rank on this host), shm or gloo (env POCKETLLM_COLLECTIVE)"
     )
+    g.add_argument(
+        "--cpus",
+        metavar="LIST",
+        help="the cores of the ranks --tp-world starts here: one cpulist per rank separated by '/' (0-3/4-7), or one list to share out "
+        "(default: the cores this process may use, whole cores per rank on one NUMA node; env POCKETLLM_CPUS)",
+    )
     g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait before the run ends with an error (default 120 on gloo, 600 on NCCL/HCCL)")
 
 

@@ -28,6 +28,7 @@ SETTINGS = {
     "POCKETLLM_COLLECTIVE": "the TP all-reduce: auto, shm or gloo (--collective)",
     "POCKETLLM_POLL_COLLECTIVES": "0: gloo ranks block in a collective instead of polling",
     "POCKETLLM_PIN_CPUS": "0: leave the ranks the launcher starts unpinned",
+    "POCKETLLM_CPUS": "the cores of the ranks the launcher starts (--cpus)",
     "POCKETLLM_GEMV": "force a one-row GEMV kernel",
     "POCKETLLM_FEW_ROWS": "force a few-row GEMV kernel",
     "POCKETLLM_GEMM": "force a many-row GEMM kernel",
@@ -44,6 +45,7 @@ INTERNAL = {
     "POCKETLLM_LAUNCH_RDZV": "the launcher's private FileStore",
     "POCKETLLM_LAUNCH_REPORT": "where this rank leaves its one-line failure report",
     "POCKETLLM_RANK_CPUS": "the cores the launcher pinned this rank to",
+    "POCKETLLM_LAUNCH_PIN_MAP": "the pinning map, for rank 0 to print",
 }
 
 # The seed's names, read only when the POCKETLLM_* name is unset or empty: the new name wins.

@@ -117,8 +117,9 @@ def test_the_seeds_profile_variables_print_their_profiles(variable, block, layer
         (("bench", "--preset", "tiny", "--device", "gpu"), "--device 'gpu' is not one of auto, cpu, cuda, npu or a device index N"),
         (("engine", "--preset", "tiny", "--smoke-layers", "-1"), "--smoke-layers must be >= 0 (0 runs every layer), got -1"),
         (("engine", "--preset", "tiny", "--smoke-layers", "0", "--layers", "2"), "--smoke-layers 0 and --layers 2 disagree"),
+        (("bench", "--preset", "tiny", "--tp-world", "1", "--cpus", "0"), "--cpus pins the ranks that --tp-world N starts here"),
     ],
-    ids=["device-1-on-cpu", "device-3-on-cpu-tp2", "device-kind", "smoke-layers-negative", "smoke-layers-and-layers"],
+    ids=["device-1-on-cpu", "device-3-on-cpu-tp2", "device-kind", "smoke-layers-negative", "smoke-layers-and-layers", "cpus-without-launcher"],
 )
 def test_seed_flag_errors_are_one_line_exit_2(argv, needle, capsys, no_ranks):
     if "no CUDA or NPU" in needle and (torch.cuda.is_available() or npu_available()):
