@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from pocketllm.errors import UsageError
+from pocketllm.switches import environment_notes
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
 # it uses (pocketllm.model_args) and its own. Only the module of the command that runs is
@@ -15,6 +17,8 @@ from pocketllm.errors import UsageError
 COMMANDS = {
     "generate": ("commands.generate", "generate tokens from a prompt"),
     "bench": ("commands.bench", "resident bench: timed prefill and decode"),
+    # The seed's rank binary and its section 8 command line, as the bench runs it (docs/seed.md).
+    "engine": ("commands.bench", "the seed's pocketllm_engine rank command: the resident bench (docs/seed.md)"),
     "make-checkpoint": ("commands.make_checkpoint", "write a preset as an HF safetensors checkpoint"),
     "policy": ("commands.policy", "print the slice count per row count, starting no rank"),
     "profile": ("commands.profile", "where the prefill wall goes: phase-profile tables per prompt length"),
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = build_parser(argv).parse_args(argv)
+    if _starts_the_run(args, os.environ):
+        for line in environment_notes(os.environ):
+            print(line, file=sys.stderr, flush=True)
     try:
         mod = args._module
         runner = getattr(mod, "run", None) or (lambda a, _argv: mod.main(a))
@@ -61,3 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pocketllm: interrupted", file=sys.stderr)
         return 130
+
+
+def engine_main(argv: list[str] | None = None) -> int:
+    """The `pocketllm_engine` console script: the seed's rank binary, `pocketllm engine ARGS`."""
+    return main(["engine", *(sys.argv[1:] if argv is None else argv)])
+
+
+def _starts_the_run(args, env) -> bool:
+    """Whether this process starts the run, and so says once what it makes of the environment:
+    not a rank the launcher started (the launcher spoke), nor a torchrun or hand-started rank
+    other than rank 0."""
+    if "POCKETLLM_LAUNCH_RANK" in env:
+        return False
+    if "WORLD_SIZE" in env and env.get("RANK", "0") != "0":
+        return False
+    return getattr(args, "tp_rank", None) in (None, 0)

@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pocketllm.switches import env_value
+
 # Where built kernels (and measured choices, pocketllm.ops.gemv) are cached.
 ENV_CACHE_DIR = "POCKETLLM_CACHE_DIR"
 # The kernels' flags: OpenMP for the ones that split work over torch's threads.
@@ -38,8 +40,8 @@ class BuildError(Exception):
 
 def cache_dir() -> Path:
     """POCKETLLM_CACHE_DIR, else pocketllm/ under $XDG_CACHE_HOME or ~/.cache."""
-    if os.environ.get(ENV_CACHE_DIR):
-        return Path(os.environ[ENV_CACHE_DIR])
+    if env_value(os.environ, ENV_CACHE_DIR):
+        return Path(env_value(os.environ, ENV_CACHE_DIR))
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "pocketllm"
 

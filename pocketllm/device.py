@@ -10,11 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_value
+from pocketllm.topology import physical_cores
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+DEVICE_HELP = "auto (default), cpu, cuda, npu, or N: device N of the one auto finds (the seed's --device 0; on CPU only 0)"
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # Set by the launcher for each rank it pinned: that its cores are its own (the rank reads them from
-# its affinity; the value lists them, comma-separated, for anyone inspecting the process).
+# its affinity; the value lists them as a cpulist, for anyone inspecting the process).
 ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
 # 0 leaves the ranks the launcher starts unpinned (default 1, pinned).
 ENV_PIN_CPUS = "POCKETLLM_PIN_CPUS"
@@ -79,46 +82,64 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def cpu_shares(world: int, cpus: list[int]) -> list[list[int]]:
-    """The cores each of `world` ranks on this host is pinned to: equal contiguous blocks of
-    `cpus`. A remainder stays idle, since a TP group waits for its slowest rank; with fewer cores
-    than ranks, rank r shares core r mod n. Unpinned, ranks migrate between cores and each finds
-    its caches cold (pinned against unpinned: docs/measuring.md, ranks pinned to cores)."""
-    if len(cpus) < world:
-        return [[cpus[r % len(cpus)]] for r in range(world)]
-    per = len(cpus) // world
-    return [cpus[r * per : (r + 1) * per] for r in range(world)]
-
-
 def cpu_count() -> int:
     return len(allowed_cpus())
 
 
+def parse_device(requested: str) -> tuple[str, int | None]:
+    """--device as (the kind asked for, the device index or None). A bare N is the seed's form:
+    device N of whichever kind auto finds."""
+    text = str(requested).strip()
+    if text.isdigit():
+        return "auto", int(text)
+    if text not in DEVICE_CHOICES:
+        raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)} or a device index N")
+    return text, None
+
+
+def _device_count(kind: str) -> int:
+    if kind == "cuda":
+        return torch.cuda.device_count()
+    return torch.npu.device_count() if kind == "npu" else 1
+
+
 def resolve_kind(requested: str) -> str:
-    if requested not in DEVICE_CHOICES:
-        raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)}")
-    if requested == "auto":
+    kind, index = parse_device(requested)
+    if kind == "auto":
         if torch.cuda.is_available():
-            return "cuda"
-        return "npu" if npu_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
+            kind = "cuda"
+        else:
+            kind = "npu" if npu_available() else "cpu"
+    elif kind == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is visible to torch")
-    if requested == "npu" and not npu_available():
+    elif kind == "npu" and not npu_available():
         raise UsageError("--device npu: torch_npu is not installed or sees no NPU")
-    return requested
+    if index is not None and index >= _device_count(kind):
+        if kind == "cpu":
+            raise UsageError(f"--device {index}: no CUDA or NPU device is visible, and the CPU is device 0 (give --device 0, cpu or auto)")
+        raise UsageError(f"--device {index}: torch sees {_device_count(kind)} {kind} device(s), 0..{_device_count(kind) - 1}")
+    return kind
+
+
+def device_index(requested: str) -> int | None:
+    """The index --device names, or None when it names a kind only."""
+    return parse_device(requested)[1]
 
 
 def setup_device(requested: str, local_rank: int, world: int) -> DeviceInfo:
-    """Bind this rank to its device; on CPU give it its share of the cores."""
+    """Bind this rank to its device (the index --device names, else its local rank's); on CPU give
+    it one torch thread per physical core it may run on: all of them when the launcher pinned it,
+    else its share of them."""
     kind = resolve_kind(requested)
-    info = DeviceInfo(kind, local_rank if kind != "cpu" else 0)
+    index = device_index(requested)
+    info = DeviceInfo(kind, (local_rank if index is None else index) if kind != "cpu" else 0)
     if kind == "cuda":
         torch.cuda.set_device(info.index)
     elif kind == "npu":
         torch.npu.set_device(info.index)
-    elif os.environ.get(ENV_RANK_CPUS):
+    elif env_value(os.environ, ENV_RANK_CPUS):
         # Pinned by the launcher: every core this rank may run on is its own.
-        torch.set_num_threads(cpu_count())
+        torch.set_num_threads(physical_cores(allowed_cpus()))
     else:
-        torch.set_num_threads(max(1, cpu_count() // world))
+        torch.set_num_threads(max(1, physical_cores(allowed_cpus()) // world))
     return info

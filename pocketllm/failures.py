@@ -17,6 +17,8 @@ import time
 
 import torch.distributed as dist
 
+from pocketllm.switches import env_value
+
 ENV_REPORT = "POCKETLLM_LAUNCH_REPORT"
 # When two failures are seen at once, the one least likely to follow from another comes first:
 # a death by signal or an exit without a report (nothing a peer does causes those), then an
@@ -100,7 +102,7 @@ def collective_line(kind: str) -> str:
 
 def leave_report(kind: str, line: str) -> None:
     """Leave the launcher this rank's failure (nothing when no launcher started the rank)."""
-    path = os.environ.get(ENV_REPORT)
+    path = env_value(os.environ, ENV_REPORT)
     if not path:
         return
     try:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_value
 
 ENV_FAULT = "POCKETLLM_FAULT"
 POINTS = ("load", "prefill", "decode")
@@ -88,5 +89,5 @@ class FaultHook:
 
 def fault_from_env(world: int, env=os.environ) -> Fault | None:
     """The injected fault, checked against the world size; None when none is asked for."""
-    spec = env.get(ENV_FAULT)
+    spec = env_value(env, ENV_FAULT)
     return parse_fault(spec, world) if spec else None

@@ -1,7 +1,8 @@
 """Starting local ranks and ending them: the launcher. `--tp-world N` alone makes this process
 start N ranks of the same command (re-run with the rank in the environment, each pinned to its own
-block of cores), rendezvous through a fresh private directory, watch them, and stop them all when
-one fails or the launcher gets SIGINT/SIGTERM. Its last line names the failure that ended the run
+whole cores, on one NUMA node where the ranks fit per node: pocketllm/topology.py), rendezvous
+through a fresh private directory, watch them, and stop them all when one fails or the launcher
+gets SIGINT/SIGTERM. Its last line names the failure that ended the run
 (pocketllm/failures.py); what each rank runs is pocketllm/rank.py. Under torchrun, or with ranks
 started by hand, no launcher runs: each process is one rank.
 
@@ -32,14 +33,20 @@ import subprocess
 import sys
 import time
 
-from pocketllm import failures
-from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus, cpu_shares
+from pocketllm import failures, topology
+from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus
 from pocketllm.distributed import rendezvous, waiting
-from pocketllm.switches import env_switch
+from pocketllm.errors import UsageError
+from pocketllm.switches import env_switch, env_value
 
 ENV_RANK = "POCKETLLM_LAUNCH_RANK"
 ENV_WORLD = "POCKETLLM_LAUNCH_WORLD"
 ENV_RDZV = "POCKETLLM_LAUNCH_RDZV"
+# The cores of the ranks the launcher starts, as --cpus takes them.
+ENV_CPUS = "POCKETLLM_CPUS"
+# The pinning map, given to rank 0 to print once it runs: after a rank's own checks, so that a
+# usage error a rank finds stays the one line of its output.
+ENV_PIN_MAP = "POCKETLLM_LAUNCH_PIN_MAP"
 # The most a rank gets to end after SIGTERM before it is killed.
 TERMINATE_GRACE_SECONDS = 3.0
 # With signals forwarded (serve), the most the ranks get to end themselves after rank 0 got one.
@@ -48,18 +55,18 @@ FORWARDED_SIGNAL_GRACE_SECONDS = 8.0
 ROOT_CAUSE_WAIT_SECONDS = 1.0
 
 
-def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False) -> int:
+def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False, cpus: str | None = None) -> int:
     """Start `world` ranks of this same command and supervise them. When one fails, stop the rest
     and name the first failure; on SIGINT/SIGTERM stop every rank. With forward_signals the first
     SIGINT/SIGTERM goes to rank 0 instead, which ends the run itself (every rank exiting 0 is a
     clean exit, 0); a second signal, or the ranks still running FORWARDED_SIGNAL_GRACE_SECONDS
-    later, stops them all. Returns the exit status."""
-    # The launcher splits the cores it may run on among its ranks; to run two launches side by
-    # side, give each its own cores (taskset -c).
-    pin = hasattr(os, "sched_setaffinity") and env_switch(os.environ, ENV_PIN_CPUS, default=True)
+    later, stops them all. `cpus` is --cpus (else POCKETLLM_CPUS; else the launcher plans the
+    map from its own cores). Returns the exit status."""
     # Read here only so that a bad value starts no rank; each rank reads it for its own backend.
     env_switch(os.environ, waiting.ENV_POLL, default=True)
-    shares = cpu_shares(world, allowed_cpus()) if pin else [None] * world
+    ranks, line = pin_map(world, cpus)
+    shares = [None] * world if ranks is None else [list(r.cpus) for r in ranks]
+    bind, memory = _memory_binding(ranks)
     rdzv_dir = rendezvous.private_dir()
     procs: list[subprocess.Popen] = []
     wake_r, wake_w = os.pipe()
@@ -81,8 +88,11 @@ def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False
                 **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), failures.ENV_REPORT: failures.report_path(rdzv_dir, rank)},
             )
             if cpus is not None:
-                env[ENV_RANK_CPUS] = ",".join(map(str, cpus))
-            preexec = _rank_preexec(os.getpid(), cpus)
+                env[ENV_RANK_CPUS] = topology.format_cpulist(cpus)
+            if rank == 0 and line is not None:
+                env[ENV_PIN_MAP] = line + memory
+            nodes = ranks[rank].nodes if bind is not None else None
+            preexec = _rank_preexec(os.getpid(), cpus, bind, nodes)
             # stdin closed: a rank in its own process group must never stop on a terminal read.
             procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm", *argv], env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec))
         outcome = _supervise(procs, wake_r, signals, rdzv_dir, forward_signals)
@@ -161,10 +171,45 @@ def _first_failure(procs: list[subprocess.Popen], failed: list[int], rdzv_dir: s
     return rank, False
 
 
-def _rank_preexec(launcher_pid: int, cpus: list[int] | None):
+def pin_map(
+    world: int, cpus: str | None = None, env=os.environ, sysfs: str | None = None, allowed: list[int] | None = None
+) -> tuple[list[topology.RankCpus] | None, str | None]:
+    """The cores each rank the launcher starts is pinned to (pocketllm/topology.py) and the map as
+    one line, which rank 0 prints; (None, None) when the ranks run unpinned (POCKETLLM_PIN_CPUS=0,
+    or no CPU affinity on this OS). The launcher shares out the cores it may run on: to run two
+    launches side by side, give each its own (taskset -c, or --cpus). `allowed` is this process's
+    CPUs (its affinity unless given)."""
+    pin = env_switch(env, ENV_PIN_CPUS, default=True)
+    flag, given = ("--cpus", cpus) if cpus is not None else (ENV_CPUS, env_value(env, ENV_CPUS).strip() or None)
+    if given is not None and not pin:
+        raise UsageError(f"{flag} pins the ranks and {ENV_PIN_CPUS}=0 says not to: drop one")
+    if not pin or not hasattr(os, "sched_setaffinity"):
+        return None, None
+    mine = allowed_cpus() if allowed is None else allowed
+    if given is not None:
+        ranks = topology.given_ranks(given, world, mine, flag, sysfs)
+    else:
+        ranks = topology.plan_ranks(world, topology.read_cores(mine, sysfs))
+    return ranks, f"pocketllm: {topology.describe(ranks, topology.read_cores(mine, sysfs))}"
+
+
+def _memory_binding(ranks: list[topology.RankCpus] | None):
+    """On a host of several NUMA nodes, the function that binds a rank's memory to its nodes, or
+    None; and what the map line adds about memory ("" on one node, where a pinned rank's pages
+    are local anyway)."""
+    if ranks is None or len({n for r in ranks for n in r.nodes}) < 2:
+        return None, ""
+    bind, why_not = topology.memory_binder()
+    if bind is None:
+        return None, f"; each rank's memory left to first touch on its node(s): {why_not}"
+    return bind, "; each rank's memory bound to its node(s) (MPOL_BIND)"
+
+
+def _rank_preexec(launcher_pid: int, cpus: list[int] | None, bind=None, nodes=None):
     """Runs in each rank between fork and exec: its own process group (a Ctrl-C reaches only the
-    launcher, which then stops the ranks), death with the launcher if that is killed outright, and
-    its cores, set before exec so that every thread the rank starts inherits them."""
+    launcher, which then stops the ranks), death with the launcher if that is killed outright, its
+    cores, set before exec so that every thread the rank starts inherits them, and on a host of
+    several NUMA nodes its memory policy, inherited the same way."""
     try:
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
@@ -175,6 +220,10 @@ def _rank_preexec(launcher_pid: int, cpus: list[int] | None):
         os.setpgid(0, 0)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
+        if bind is not None and nodes:
+            err = bind(nodes)
+            if err:
+                os.write(2, f"pocketllm: warning: a rank's memory could not be bound to node(s) {nodes}: {os.strerror(err)}\n".encode())
         if prctl is not None:
             prctl(pr_set_pdeathsig, signal.SIGKILL)
         # The launcher may have died before prctl took effect.

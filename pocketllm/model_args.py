@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.config import ModelConfig, check_tp_split, load_config
-from pocketllm.device import BACKENDS, DEVICE_CHOICES, resolve_kind
+from pocketllm.device import BACKENDS, DEVICE_HELP, resolve_kind
 from pocketllm.distributed.calibration import check_calibration
 from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
@@ -36,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_rank_args(p: argparse.ArgumentParser, default_world: int = 1) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
+    g.add_argument("--device", default="auto", help=DEVICE_HELP)
     g.add_argument(
         "--tp-world", type=int, help=f"tensor-parallel ranks (default {default_world}, or torchrun's WORLD_SIZE); alone, starts them locally"
     )
@@ -50,6 +50,12 @@ def add_rank_args(p: argparse.ArgumentParser, default_world: int = 1) -> None:
     )
     g.add_argument(
         "--collective", help="the TP all-reduce: auto (default: shm when every rank is a CPU rank on this host), shm or gloo (env POCKETLLM_COLLECTIVE)"
+    )
+    g.add_argument(
+        "--cpus",
+        metavar="LIST",
+        help="the cores of the ranks --tp-world starts here: one cpulist per rank separated by '/' (0-3/4-7), or one list to share out "
+        "(default: the cores this process may use, whole cores per rank on one NUMA node; env POCKETLLM_CPUS)",
     )
     g.add_argument("--dist-timeout", type=float, help="seconds a collective may wait before the run ends with an error (default 120 on gloo, 600 on NCCL/HCCL)")
 
@@ -77,8 +83,8 @@ def add_overlap_args(p: argparse.ArgumentParser, pin: bool = True, policy: bool 
 
 def add_profiling_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("profiling (docs/profile.md)")
-    f.add_argument("--phase-profile", action="store_true", help="device-synced phase profile, one report block per pass (env POCKETLLM_PHASE_PROFILE=1)")
-    f.add_argument("--host-profile", action="store_true", help="host wall-clock spans, no synchronisation (env POCKETLLM_HOST_PROFILE=1)")
+    f.add_argument("--phase-profile", action="store_true", help="device-synced phase profile, one report block per pass (env POCKETLLM_PHASE_PROFILE=1, or the seed's QWEN_PHASE_PROFILE=1)")
+    f.add_argument("--host-profile", action="store_true", help="host wall-clock spans, no synchronisation (env POCKETLLM_HOST_PROFILE=1, or the seed's QWEN_HOST_PROFILE=1)")
     f.add_argument("--profile-out", metavar="DIR", help="also write every block as JSON lines, one file per rank, to DIR")
     f.add_argument("--trace-out", metavar="DIR", help="write a Chrome/Perfetto trace per rank to DIR (turns the host profile on)")
     f.add_argument("--split-skew", action="store_true", help="with the phase profile: wait for every rank before each all-reduce and charge that wait to tp_skew")

@@ -1,30 +1,80 @@
-"""Settings read from the environment. Every variable is named POCKETLLM_*; two of the seed's
-QWEN_* names are still read, as aliases, so scripts written for the seed keep working. On/off
-settings take 1/true/yes/on or 0/false/no/off, anything else a usage error that names the
-variable."""
+"""Settings read from the environment: the one list of every variable pocketllm reads, how they
+are read, and the check at start that no set POCKETLLM_* or QWEN_* variable goes unread.
+
+Every variable is named POCKETLLM_*; the seed's names are read as aliases (ALIASES), so commands
+written for the seed keep working. On/off settings take 1/true/yes/on or 0/false/no/off, anything
+else a usage error that names the variable. A reader names its variable through env_setting,
+env_value or env_switch, which refuse a name missing from the list, and tests/test_env_names.py
+checks every POCKETLLM_* name in the package is listed, so the list and the readers cannot drift."""
 
 from __future__ import annotations
+
+import difflib
 
 from pocketllm.errors import UsageError
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
+# Every variable a user may set: name -> what it sets (docs/seed.md and each reader's docs say more).
+SETTINGS = {
+    "POCKETLLM_COMM_OVERLAP_SLICES": "the slice rule's ceiling (--comm-overlap-slices)",
+    "POCKETLLM_PIN_SLICES": "a slice count pinned at every site (--pin-slices)",
+    "POCKETLLM_CALIBRATION": "a calibration file for the calibrated slice policy (--calibration)",
+    "POCKETLLM_GDN_KERNEL": "force a gated delta rule kernel: chunk, recurrent, fla or npu",
+    "POCKETLLM_PHASE_PROFILE": "1: the device-synced phase profile (--phase-profile)",
+    "POCKETLLM_HOST_PROFILE": "1: the host wall-clock profile (--host-profile)",
+    "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": "10 ms waits a hand-started rank makes for its peers",
+    "POCKETLLM_COLLECTIVE": "the TP all-reduce: auto, shm or gloo (--collective)",
+    "POCKETLLM_POLL_COLLECTIVES": "0: gloo ranks block in a collective instead of polling",
+    "POCKETLLM_PIN_CPUS": "0: leave the ranks the launcher starts unpinned",
+    "POCKETLLM_CPUS": "the cores of the ranks the launcher starts (--cpus)",
+    "POCKETLLM_GEMV": "force a one-row GEMV kernel",
+    "POCKETLLM_FEW_ROWS": "force a few-row GEMV kernel",
+    "POCKETLLM_GEMM": "force a many-row GEMM kernel",
+    "POCKETLLM_FUSED_DECODE": "0: decode with the torch forms of the fused ops",
+    "POCKETLLM_KEEP_FREED": "0: leave glibc's malloc settings as they are",
+    "POCKETLLM_CACHE_DIR": "where compiled kernels and measured choices are kept",
+    "POCKETLLM_FAULT": "inject a fault into one rank (tests and benchmarks/fault_timing.py)",
+}
+
+# Set by the launcher for the ranks it starts, never by a user; read by the ranks.
+INTERNAL = {
+    "POCKETLLM_LAUNCH_RANK": "this rank's number",
+    "POCKETLLM_LAUNCH_WORLD": "the number of ranks",
+    "POCKETLLM_LAUNCH_RDZV": "the launcher's private FileStore",
+    "POCKETLLM_LAUNCH_REPORT": "where this rank leaves its one-line failure report",
+    "POCKETLLM_RANK_CPUS": "the cores the launcher pinned this rank to",
+    "POCKETLLM_LAUNCH_PIN_MAP": "the pinning map, for rank 0 to print",
+}
+
 # The seed's names, read only when the POCKETLLM_* name is unset or empty: the new name wins.
 ALIASES = {
     "POCKETLLM_COMM_OVERLAP_SLICES": "QWEN_COMM_OVERLAP_SLICES",
     "POCKETLLM_GDN_KERNEL": "QWEN_GDN_KERNEL",
+    "POCKETLLM_PHASE_PROFILE": "QWEN_PHASE_PROFILE",
+    "POCKETLLM_HOST_PROFILE": "QWEN_HOST_PROFILE",
+    "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": "POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS",
 }
+
+PREFIXES = ("POCKETLLM_", "QWEN_")
 
 
 def env_setting(env, name: str) -> tuple[str, str]:
     """(the variable the setting was read from, its value, "" when unset), so that an error can
     name the variable the user actually set."""
+    if name not in SETTINGS and name not in INTERNAL:
+        raise KeyError(f"{name} is not in pocketllm.switches.SETTINGS")
     value = env.get(name, "")
     alias = ALIASES.get(name)
     if not value.strip() and alias is not None and env.get(alias, "").strip():
         return alias, env[alias]
     return name, value
+
+
+def env_value(env, name: str) -> str:
+    """The setting's value ("" when unset), from its alias when only that is set."""
+    return env_setting(env, name)[1]
 
 
 def env_switch(env, name: str, default: bool = False) -> bool:
@@ -37,3 +87,20 @@ def env_switch(env, name: str, default: bool = False) -> bool:
     if value in _OFF:
         return False
     raise UsageError(f"{used}={raw!r} is not a switch: use 1 (on) or 0 (off)")
+
+
+def environment_notes(env) -> list[str]:
+    """One line per set POCKETLLM_* or QWEN_* variable that pocketllm does not read, naming the
+    nearest name it does, and one per alias set beside its new name to another value, saying which
+    is used. Printed once, at start, by the process that starts the run (pocketllm.cli)."""
+    offered = [*SETTINGS, *ALIASES.values()]
+    known = {*offered, *INTERNAL}
+    lines = []
+    for name in sorted(n for n in env if n.startswith(PREFIXES) and n not in known):
+        nearest = difflib.get_close_matches(name, offered, n=1, cutoff=0.0)[0]
+        lines.append(f"pocketllm: warning: {name} is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is {nearest}")
+    for new, old in ALIASES.items():
+        mine, seeds = env.get(new, "").strip(), env.get(old, "").strip()
+        if mine and seeds and mine != seeds:
+            lines.append(f"pocketllm: note: {new}={mine} and {old}={seeds} are both set; using {new}={mine}")
+    return lines

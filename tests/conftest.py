@@ -23,27 +23,14 @@ import pytest
 import torch
 
 from pocketllm import cli, launch
+from pocketllm.switches import ALIASES, SETTINGS
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Settings a developer may have exported that would change what a command does; every CLI call a
+# Settings a developer may have exported that would change what a command does (every variable
+# pocketllm reads, under either name, but the kernel cache private_cache sets); every CLI call a
 # test makes, in a subprocess or in this process, runs without them.
-UNSET_FOR_CLI = (
-    "POCKETLLM_COMM_OVERLAP_SLICES",
-    "POCKETLLM_PIN_SLICES",
-    "POCKETLLM_CALIBRATION",
-    "POCKETLLM_GDN_KERNEL",
-    "POCKETLLM_PHASE_PROFILE",
-    "POCKETLLM_HOST_PROFILE",
-    "QWEN_COMM_OVERLAP_SLICES",
-    "QWEN_GDN_KERNEL",
-    "POCKETLLM_PIN_CPUS",
-    "POCKETLLM_POLL_COLLECTIVES",
-    "POCKETLLM_GEMV",
-    "POCKETLLM_GEMM",
-    "POCKETLLM_FUSED_DECODE",
-    "POCKETLLM_COLLECTIVE",
-)
+UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values()) if name != "POCKETLLM_CACHE_DIR")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -167,7 +154,7 @@ def free_port() -> int:
 
 # Every run started with start() is tagged through its environment, so a test finds all of its
 # processes (even ones the launcher lost) by scanning /proc.
-TAG = "POCKETLLM_TEST_TAG"
+TAG = "PYTEST_RUN_TAG"
 
 
 @dataclass

@@ -1,18 +1,27 @@
-"""One environment prefix, POCKETLLM_*: the seed's QWEN_COMM_OVERLAP_SLICES and QWEN_GDN_KERNEL are
-still read when the new name is unset, the new name wins when both are set, and an error names the
-variable the user set; the seed's --nccl-id-path still names the rendezvous file."""
+"""One environment prefix, POCKETLLM_*, and one list of every variable pocketllm reads
+(pocketllm/switches.py): the seed's names (QWEN_COMM_OVERLAP_SLICES, QWEN_GDN_KERNEL,
+QWEN_PHASE_PROFILE, QWEN_HOST_PROFILE, POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS) are read when the new
+name is unset, the new name wins when both are set (and the run says so once), and an error names
+the variable the user set; a set POCKETLLM_* or QWEN_* variable nothing reads is one warning naming
+the nearest that is; the seed's --nccl-id-path still names the rendezvous file."""
 
 from __future__ import annotations
+
+import argparse
+import re
 
 import pytest
 import torch
 
 import pocketllm.ops.gated_delta.backends as backends
-from conftest import main_in_process, usage_error_in_process
+from conftest import REPO, main_in_process, usage_error_in_process
+from pocketllm import cli, switches
+from pocketllm.distributed.rendezvous import wait_seconds
 from pocketllm.distributed.policy import resolve_ceiling, resolve_policy
 from pocketllm.model_args import add_rank_args
 from pocketllm.ops.gated_delta import plan_gdn_kernel
 from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
+from pocketllm.profiling.profiler import profile_options
 
 
 @pytest.mark.parametrize(
@@ -66,8 +75,101 @@ def test_an_impossible_alias_kernel_names_the_alias():
 
 @pytest.mark.parametrize("flag", ["--rendezvous-file", "--nccl-id-path"])
 def test_the_rendezvous_file_flag_and_its_alias(flag):
-    import argparse
-
     p = argparse.ArgumentParser()
     add_rank_args(p)
     assert p.parse_args([flag, "/tmp/run.id"]).rendezvous_file == "/tmp/run.id"
+
+
+@pytest.mark.parametrize(
+    "env, seconds",
+    [
+        ({"POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS": "500"}, 5.0),
+        ({"POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": "200", "POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS": "500"}, 2.0),
+        ({}, 120.0),
+    ],
+    ids=["alias-alone", "new-name-wins", "default"],
+)
+def test_the_seeds_rendezvous_wait_is_an_alias(env, seconds):
+    assert wait_seconds(env) == seconds
+
+
+def test_a_bad_rendezvous_wait_names_the_alias():
+    with pytest.raises(switches.UsageError, match="^POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS must be a positive integer, got 'soon'$"):
+        wait_seconds({"POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS": "soon"})
+
+
+@pytest.mark.parametrize(
+    "env, phase, host",
+    [
+        ({"QWEN_PHASE_PROFILE": "1"}, True, False),
+        ({"QWEN_HOST_PROFILE": "1"}, False, True),
+        ({"POCKETLLM_PHASE_PROFILE": "0", "QWEN_PHASE_PROFILE": "1"}, False, False),
+    ],
+    ids=["phase-alias", "host-alias", "new-name-wins"],
+)
+def test_the_seeds_profile_switches_are_aliases(env, phase, host):
+    options = profile_options(argparse.Namespace(), env)
+    assert (options.phase, options.host) == (phase, host)
+
+
+def _names_in(path) -> set[str]:
+    return set(re.findall(r"\b(?:POCKETLLM|QWEN)_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+
+
+def test_every_variable_the_package_names_is_in_the_one_list():
+    # A reader added without its name in switches.SETTINGS fails here, and a listed name that
+    # nothing outside the list reads any more fails too: the list is what the warning trusts.
+    listed = {*switches.SETTINGS, *switches.INTERNAL}
+    named: dict[str, set[str]] = {}
+    for path in (REPO / "pocketllm").rglob("*"):
+        if path.suffix == ".py" and path.name != "switches.py":
+            for name in _names_in(path):
+                named.setdefault(name, set()).add(str(path.relative_to(REPO)))
+    unlisted = {n: sorted(p) for n, p in named.items() if n not in listed and n not in switches.ALIASES.values()}
+    assert unlisted == {}, "add these to pocketllm/switches.py SETTINGS"
+    assert sorted(listed - set(named)) == [], "listed in pocketllm/switches.py but named nowhere else in the package"
+
+
+def test_a_reader_must_name_a_listed_variable():
+    with pytest.raises(KeyError, match="POCKETLLM_GEMV_KERNEL"):
+        switches.env_switch({}, "POCKETLLM_GEMV_KERNEL")
+
+
+def test_an_unread_variable_is_one_warning_naming_the_nearest(capsys, no_ranks, monkeypatch):
+    monkeypatch.setenv("POCKETLLM_PIN_SLICE", "2")
+    monkeypatch.setenv("QWEN_PHASE_PROFILES", "1")
+    assert main_in_process("policy", "--rows", "512") == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["rows=512", "slices=1"]
+    assert err.splitlines() == [
+        "pocketllm: warning: POCKETLLM_PIN_SLICE is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is POCKETLLM_PIN_SLICES",
+        "pocketllm: warning: QWEN_PHASE_PROFILES is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is QWEN_PHASE_PROFILE",
+    ]
+
+
+@pytest.mark.parametrize("seeds, note", [("8", True), ("2", False)], ids=["different", "same"])
+def test_both_names_set_say_which_is_used(seeds, note, capsys, no_ranks, monkeypatch):
+    monkeypatch.setenv("POCKETLLM_COMM_OVERLAP_SLICES", "2")
+    monkeypatch.setenv("QWEN_COMM_OVERLAP_SLICES", seeds)
+    assert main_in_process("policy", "--rows", "8192") == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["rows=8192", "slices=2"]
+    expected = ["pocketllm: note: POCKETLLM_COMM_OVERLAP_SLICES=2 and QWEN_COMM_OVERLAP_SLICES=8 are both set; using POCKETLLM_COMM_OVERLAP_SLICES=2"]
+    assert err.splitlines() == (expected if note else [])
+
+
+@pytest.mark.parametrize(
+    "env, tp_rank, speaks",
+    [
+        ({}, None, True),
+        ({}, 0, True),
+        ({}, 1, False),
+        ({"POCKETLLM_LAUNCH_RANK": "0"}, None, False),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, None, True),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, None, False),
+    ],
+    ids=["one-process", "hand-started-rank-0", "hand-started-rank-1", "launched-rank", "torchrun-rank-0", "torchrun-rank-1"],
+)
+def test_the_environment_is_read_out_once_per_run(env, tp_rank, speaks):
+    # The launcher (or rank 0 where there is none) warns; the ranks it starts do not repeat it.
+    assert cli._starts_the_run(argparse.Namespace(tp_rank=tp_rank), env) is speaks

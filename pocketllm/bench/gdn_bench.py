@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pocketllm.device import DEVICE_CHOICES, DeviceInfo, resolve_kind
+from pocketllm.device import DEVICE_HELP, DeviceInfo, device_index, resolve_kind
 from pocketllm.model_args import DTYPES, parse_dtype
 from pocketllm.ops.gated_delta.backends import select_gdn_kernel
 from pocketllm.ops.gated_delta.chunked import DEFAULT_CHUNK_SIZE, gated_delta_rule_chunked, matmul_flops
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="sequence length (default 4096)")
     add_head_arguments(parser)
     parser.add_argument("--dtype", default="float32", help="input dtype: " + ", ".join(DTYPES))
-    parser.add_argument("--device", default="auto", help=f"{', '.join(DEVICE_CHOICES)} (default auto)")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--reps", type=int, default=5, help="timed reps per kernel (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: unchanged)")
     parser.add_argument(
@@ -191,11 +191,12 @@ def _check_agreement(results, tolerance: float) -> bool:
 
 def main(args) -> int:
     dtype = _validate(args)
-    device = DeviceInfo(resolve_kind(args.device), 0)
+    kind = resolve_kind(args.device)
+    device = DeviceInfo(kind, (device_index(args.device) or 0) if kind != "cpu" else 0)
     if device.kind == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(device.index)
     elif device.kind == "npu":
-        torch.npu.set_device(0)
+        torch.npu.set_device(device.index)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     T, Hk, Hv, D = args.tokens, args.key_heads, args.value_heads, args.head_dim

@@ -1,7 +1,8 @@
 """`pocketllm bench`: the seed's resident bench. Load once, warm up, then one timed prefill of the
 prompt and one timed decode of --max-new-tokens; rank 0 prints the result line. With --batch B,
 B sequences of the prompt's length: their prompts packed into one prefill pass, then decode steps
-of one row per sequence."""
+of one row per sequence. `pocketllm engine` (the `pocketllm_engine` script) is this command under
+the seed's name, taking the seed's section 8 rank command as written (docs/seed.md)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ def add_arguments(p) -> None:
     )
     add_warmup_arg(p)
     p.add_argument("--json", help="also write the result and the run's settings to this file")
+    seed = p.add_argument_group("the seed's rank command (docs/seed.md)")
+    seed.add_argument("--resident-bench", action="store_true", help="the seed's mode flag for what this command always runs")
+    seed.add_argument("--smoke-forward", action="store_true", help="the seed's flag for the forward passes this command always runs")
+    seed.add_argument("--smoke-layers", type=int, metavar="N", help="run the first N layers, 0 for all (the seed's --layers)")
+
+
+def seed_layers(args) -> None:
+    """--smoke-layers N as --layers (0: every layer), before anything reads --layers."""
+    n = args.smoke_layers
+    if n is None:
+        return
+    if n < 0:
+        raise UsageError(f"--smoke-layers must be >= 0 (0 runs every layer), got {n}")
+    layers = n or None
+    if args.layers is not None and args.layers != layers:
+        raise UsageError(f"--smoke-layers {n} and --layers {args.layers} disagree: give one")
+    args.layers = layers
 
 
 def _prepare(args, plan):
@@ -91,4 +109,5 @@ def _work(args, plan, ids, engine, device) -> int:
 
 
 def run(args, argv) -> int:
+    seed_layers(args)
     return run_with_model(args, argv, _prepare, _work)

@@ -20,7 +20,6 @@ from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.profiling.profiler import phase_requested, profiler_of
-from pocketllm.switches import env_setting
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,
@@ -28,6 +27,7 @@ from pocketllm.profiling.tables import (
     collective_table,
     two_point_fit,
 )
+from pocketllm.switches import env_value
 
 DEFAULT_LENGTHS = "1105,2223,4433"
 PICKS = ("median", "min")
@@ -152,7 +152,7 @@ def _work(args, plan, lengths, engine, device) -> int:
 def _slices_given(args, env) -> bool:
     """Whether the run names a slice count or policy itself; if not, it is pinned to 1."""
     given = (args.pin_slices, args.comm_overlap_slices, getattr(args, "overlap_policy", None), getattr(args, "calibration", None))
-    from_env = (env.get(ENV_PIN), env_setting(env, ENV_CEILING)[1], env.get(ENV_CALIBRATION))
+    from_env = (env_value(env, ENV_PIN), env_value(env, ENV_CEILING), env_value(env, ENV_CALIBRATION))
     return any(v not in (None, "") for v in given + from_env)
 
 

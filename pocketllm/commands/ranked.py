@@ -6,22 +6,24 @@ run_without_model the group of two or more that the model-free `allreduce` and `
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
 import torch
 
-from pocketllm.device import allowed_cpus, resolve_kind, setup_device
+from pocketllm.device import allowed_cpus, device_index, resolve_kind, setup_device
 from pocketllm.distributed import collective, waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
 from pocketllm.failures import PassTracker
 from pocketllm.faults import FaultHook, fault_from_env
-from pocketllm.launch import spawn_local_ranks
+from pocketllm.launch import ENV_CPUS, ENV_PIN_MAP, spawn_local_ranks
 from pocketllm.model_args import dist_timeout, plan_model, say
 from pocketllm.profiling.profiler import attach_profiler, profile_options
 from pocketllm.rank import checked_on_rank0, join_group, rank_env, run_rank, setup_collective
+from pocketllm.switches import env_value
 
 
 # The model-free commands (allreduce, calibrate) time collectives, so they need two ranks at
@@ -62,7 +64,20 @@ def rank_of_this_process(args, default_world: int):
         args.tp_world = renv.world
     elif args.tp_world is None:
         args.tp_world = default_world
+    _check_rank_placement(args, renv)
     return renv
+
+
+def _check_rank_placement(args, renv) -> None:
+    """--cpus and --device N where they cannot do what they say: --cpus pins only the ranks a
+    launcher starts, and one device index cannot hold every rank a launcher starts on a GPU/NPU."""
+    if renv is not None and renv.file_store is None:
+        given = "--cpus" if getattr(args, "cpus", None) else ENV_CPUS if env_value(os.environ, ENV_CPUS).strip() else None
+        if given:
+            raise UsageError(f"{given} pins the ranks that --tp-world N starts here; pin a single-rank, hand-started or torchrun process with taskset -c")
+    index = device_index(args.device)
+    if renv is None and args.tp_world > 1 and index is not None and resolve_kind(args.device) != "cpu":
+        raise UsageError(f"--device {index} names one device, and --tp-world {args.tp_world} starts a rank per device: give --device {resolve_kind(args.device)}")
 
 
 def run_on_every_rank(args, argv: list[str], renv, check, on_rank, forward_signals: bool = False) -> int:
@@ -73,13 +88,17 @@ def run_on_every_rank(args, argv: list[str], renv, check, on_rank, forward_signa
     if renv is None:
         # The launcher checks everything before it starts a rank: a bad input starts nothing.
         check()
-        return spawn_local_ranks(args.tp_world, argv, forward_signals)
+        return spawn_local_ranks(args.tp_world, argv, forward_signals, cpus=getattr(args, "cpus", None))
 
     def body() -> int:
         device = setup_device(args.device, renv.local_rank, renv.local_world)
         # Rank 0 checks the inputs once and shares them, so every rank runs on the same ones.
         checked = checked_on_rank0(renv, check, lambda: join_group(renv, device.backend, dist_timeout(args, device.backend)))
         setup_collective(renv, collective.resolve_choice(getattr(args, "collective", None)), device.backend)
+        # The launcher's pinning map, which it gives rank 0 alone to print.
+        pinned = env_value(os.environ, ENV_PIN_MAP)
+        if pinned:
+            say(pinned)
         return on_rank(device, checked)
 
     # run_rank leaves the process group after noting any failure, so the launcher hears the cause

@@ -20,6 +20,7 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path, checked_for_run
+from pocketllm.switches import env_value
 
 
 def add_arguments(p) -> None:
@@ -47,7 +48,7 @@ def sweep_order(rows_list: list[int], settings: list[str], reps: int) -> list[tu
 
 def _policy_names(args) -> list[str]:
     if args.policy is None:
-        given = args.calibration or os.environ.get(ENV_CALIBRATION)
+        given = args.calibration or env_value(os.environ, ENV_CALIBRATION)
         return ["rule", "calibrated"] if given else ["rule"]
     names = [n.strip() for n in args.policy.split(",")]
     if not any(names):
@@ -122,7 +123,7 @@ def _work(args, plan, inputs, engine, device) -> int:
         "settings": {s.name: policy.describe() for s, policy in settings},
         "reps": args.reps,
         "max_new_tokens": args.max_new_tokens,
-        "calibration": args.calibration or os.environ.get(ENV_CALIBRATION),
+        "calibration": args.calibration or env_value(os.environ, ENV_CALIBRATION),
     }
     if args.json:
         with open(args.json, "w") as f:

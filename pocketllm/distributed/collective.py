@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_value
 
 ENV_COLLECTIVE = "POCKETLLM_COLLECTIVE"
 CHOICES = ("auto", "shm", "gloo")
@@ -34,7 +35,7 @@ def resolve_choice(flag: str | None, env=os.environ) -> str:
         if flag not in CHOICES:
             raise UsageError(f"--collective {flag!r} is not one of {', '.join(CHOICES)}")
         return flag
-    value = env.get(ENV_COLLECTIVE, "").strip()
+    value = env_value(env, ENV_COLLECTIVE).strip()
     if not value:
         return "auto"
     if value not in CHOICES:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pocketllm.distributed.calibration import Calibration, Point, load_calibration
 from pocketllm.errors import UsageError
-from pocketllm.switches import env_setting
+from pocketllm.switches import env_setting, env_value
 
 K_MIN_ROWS_PER_OVERLAP_SLICE = 1024
 DEFAULT_COMM_OVERLAP_SLICES = 4
@@ -119,9 +119,9 @@ def resolve_policy(
     rule asks for the rule; without one the rule is the default."""
     pin_value = parse_knob(pin, "--pin-slices")
     if pin_value is None:
-        pin_value = parse_knob(env.get(ENV_PIN), ENV_PIN)
+        pin_value = parse_knob(env_value(env, ENV_PIN), ENV_PIN)
     ceiling_value = _given_ceiling(ceiling, env)
-    calibration_path = calibration or env.get(ENV_CALIBRATION) or None
+    calibration_path = calibration or env_value(env, ENV_CALIBRATION) or None
     if overlap_policy not in (None, *OVERLAP_POLICIES):
         raise UsageError(f"--overlap-policy {overlap_policy!r} is not one of {', '.join(OVERLAP_POLICIES)}")
     if overlap_policy == "calibrated" and calibration_path is None:

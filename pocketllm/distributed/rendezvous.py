@@ -4,7 +4,7 @@
   launcher made for this run and removes afterwards.
 - Started by hand with `--rendezvous-file FILE`: rank 0 creates FILE exclusively and writes a run
   nonce into it; the FileStore lives next to it in FILE.store. The other ranks wait (bounded by
-  POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS) for FILE, register their rank in the store once, and wait
+  POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS, or the seed's POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS) for FILE, register their rank in the store once, and wait
   for rank 0 to answer. A FILE left by an earlier run is refused with the command that clears it.
 - Under torchrun (env://): torch's TCPStore on MASTER_ADDR:MASTER_PORT; a port already in use is
   a one-line error.
@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pocketllm.errors import UsageError
+from pocketllm.switches import env_setting
 
 ENV_WAIT_ATTEMPTS = "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS"
 # One wait attempt of the hand-started rendezvous (the seed's C++ engine counted waits so).
@@ -82,13 +83,13 @@ def _launcher_alive(pid: int) -> bool:
 
 
 def wait_seconds(env=os.environ) -> float:
-    raw = env.get(ENV_WAIT_ATTEMPTS, "")
+    used, raw = env_setting(env, ENV_WAIT_ATTEMPTS)
     try:
-        attempts = int(raw) if raw else DEFAULT_WAIT_ATTEMPTS
+        attempts = int(raw) if raw.strip() else DEFAULT_WAIT_ATTEMPTS
     except ValueError:
-        raise UsageError(f"{ENV_WAIT_ATTEMPTS} must be a positive integer, got {raw!r}") from None
+        raise UsageError(f"{used} must be a positive integer, got {raw!r}") from None
     if attempts < 1:
-        raise UsageError(f"{ENV_WAIT_ATTEMPTS} must be a positive integer, got {attempts}")
+        raise UsageError(f"{used} must be a positive integer, got {attempts}")
     return attempts * WAIT_ATTEMPT_SECONDS
 
 
