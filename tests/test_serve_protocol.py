@@ -60,6 +60,7 @@ def chat(**fields):
     ({"skip_special_tokens": 0}, "skip_special_tokens"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"add_special_tokens": "no"}, "add_special_tokens"),
+    ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"priority": 1}, "priority"),
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),

@@ -187,6 +187,9 @@ def test_logprobs_are_the_log_softmax_of_the_engines_logits(server, engine, eos,
         names = {tokenizer.decode([i], skip_special_tokens=False) for i in torch.topk(w, 3).indices.tolist() + [t]}
         assert set(top) == names
     assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(ids))]
+    by_id = complete(server, max_tokens=8, logprobs=0, return_tokens_as_token_ids=True).logprobs
+    assert by_id.tokens == [f"token_id:{t}" for t in ids] and by_id.token_logprobs == lp.token_logprobs
+    assert by_id.top_logprobs == [{f"token_id:{t}": v} for t, v in zip(ids, lp.token_logprobs)]
     # Streamed, the chunks' logprobs add up to the same.
     chunks = list(server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True))
     assert [v for ch in chunks for v in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs

@@ -21,7 +21,7 @@ from pocketllm.serving.chat_template import ChatTemplate
 from pocketllm.serving.engine_loop import EngineLoop
 from pocketllm.serving.errors import ApiError, bad, error_body
 from pocketllm.serving.generation import Piece, Usage, pieces
-from pocketllm.serving.logprobs import chat_logprobs, completion_logprobs
+from pocketllm.serving.logprobs import Names, chat_logprobs, completion_logprobs
 from pocketllm.serving.protocol import Generation, Limits, parse_chat, parse_completion
 from pocketllm.serving.streaming import EventStream
 from pocketllm.serving.text import OutputText
@@ -216,7 +216,7 @@ class CompletionShape:
     def _choice(self, text: str, piece: Piece) -> dict:
         logprobs = None
         if self.gen.sampling.logprobs is not None:
-            logprobs, self.offset = completion_logprobs(self.tokenizer, piece.logprobs, self.offset)
+            logprobs, self.offset = completion_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs, self.offset)
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
 
@@ -243,4 +243,6 @@ class ChatShape:
                 "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
     def _logprobs(self, piece: Piece) -> dict | None:
-        return chat_logprobs(self.tokenizer, piece.logprobs) if self.gen.sampling.logprobs is not None else None
+        if self.gen.sampling.logprobs is None:
+            return None
+        return chat_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs)

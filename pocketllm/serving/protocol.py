@@ -22,7 +22,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
            "presence_penalty", "frequency_penalty", "logit_bias",
            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "include_stop_str_in_output", "return_token_ids", "add_special_tokens",
+           "include_stop_str_in_output", "return_token_ids", "return_tokens_as_token_ids", "add_special_tokens",
            "spaces_between_special_tokens", "use_beam_search", "length_penalty", "priority"}
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
@@ -52,6 +52,7 @@ class Generation:
     echo: bool = False
     include_stop: bool = False
     skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # logprobs name tokens `token_id:N`
 
 
 @dataclass
@@ -169,7 +170,8 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
     sampling = _sampling(fields, limits.vocab_size, max_tokens, logprobs)
     return Generation(prompt, max_tokens, sampling, _stop(fields.get("stop")), stream, include_usage,
                       flag(fields, "return_token_ids", False), include_stop=flag(fields, "include_stop_str_in_output", False),
-                      skip_special_tokens=flag(fields, "skip_special_tokens", True))
+                      skip_special_tokens=flag(fields, "skip_special_tokens", True),
+                      tokens_as_ids=flag(fields, "return_tokens_as_token_ids", False))
 
 
 def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
