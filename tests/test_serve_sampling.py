@@ -223,6 +223,10 @@ def test_echo_special_tokens_and_stop_strings_in_the_text(server, tokenizer):
     assert c.text == tokenizer.decode(prompt) + tokenizer.decode(ids) and c.text.startswith("Hi<300>")
     shown = complete(server, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True, skip_special_tokens=False).text
     assert shown.startswith("Hi<256><300>")
+    # A special token forced by logit_bias: shown only with skip_special_tokens false.
+    forced = complete(server, max_tokens=2, ignore_eos=True, logit_bias={"256": 100})
+    assert forced.model_extra["token_ids"] == [256, 256] and forced.text == ""
+    assert complete(server, max_tokens=2, ignore_eos=True, logit_bias={"256": 100}, skip_special_tokens=False).text == "<256><256>"
     text = complete(server, ignore_eos=True).text
     stop = text[3:5]
     cut = text[: text.index(stop)]
