@@ -9,7 +9,8 @@ import torch
 from conftest import tiny_engine, generated_ids, run_cli, usage_error_in_process
 from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
 
-from pocketllm.engine.generate import SamplingParams, generate
+from pocketllm.engine.generate import generate
+from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import Scheduler, generate_batch
 
 torch.set_num_threads(2)

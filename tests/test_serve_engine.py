@@ -12,7 +12,8 @@ import pytest
 from conftest import tiny_engine
 
 from pocketllm.commands.make_checkpoint import write_byte_tokenizer
-from pocketllm.engine.generate import SamplingParams, generate
+from pocketllm.engine.generate import generate
+from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import Scheduler
 from pocketllm.faults import Fault, FaultHook
 from pocketllm.inputs import load_tokenizer
@@ -51,7 +52,7 @@ def loop(engine):
 async def answer(loop: EngineLoop, tokenizer, prompt, new, eos=(), stop=()):
     seq = loop.submit(prompt, new, SamplingParams(), eos)
     usage = Usage(len(prompt))
-    got = [p async for p in pieces(seq, OutputText(tokenizer, stop), eos, usage)]
+    got = [p async for p in pieces(seq, OutputText(tokenizer, stop), usage)]
     return "".join(p.text for p in got), [t for p in got for t in p.token_ids], got[-1].finish_reason, usage
 
 

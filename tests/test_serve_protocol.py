@@ -13,7 +13,7 @@ from pocketllm.serving.protocol import Limits, parse_chat, parse_completion
 LIMITS = Limits("m", max_len=100, vocab_size=1000)
 
 
-def encode(text: str) -> list[int]:
+def encode(text: str, add_special_tokens: bool = False) -> list[int]:
     return [ord(c) for c in text]
 
 
@@ -23,7 +23,7 @@ def completion(**fields):
 
 def chat(**fields):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return parse_chat(body, LIMITS, lambda messages: encode("".join(m["content"] for m in messages)))
+    return parse_chat(body, LIMITS, lambda messages, *options: encode("".join(m["content"] for m in messages)))
 
 
 @pytest.mark.parametrize("fields,param", [
@@ -42,11 +42,33 @@ def chat(**fields):
     ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
     ({"n": 2}, "n"),
     ({"n": True}, "n"),
-    ({"logprobs": 1}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"echo": True}, "echo"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 2, "echo": True}, "echo"),
+    ({"echo": 1}, "echo"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 17}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [1000]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"add_special_tokens": "no"}, "add_special_tokens"),
+    ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"priority": 1}, "priority"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"suffix": "x"}, "suffix"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"logit_bias": {"1000": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": [5]}, "logit_bias"),
+    ({"guided_json": {}}, "guided_json"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
@@ -74,6 +96,27 @@ def test_defaults_and_nulls():
     assert (g.prompt, g.stop, g.include_usage, g.sampling.seed) == ([5, 6, 7], ("\n",), True, 3)
 
 
+def test_vllm_fields_reach_the_sampling_params():
+    g = completion(top_k=-1, min_p=0.1, repetition_penalty=1.2, presence_penalty=-1, frequency_penalty=0.5, logit_bias={"5": -2},
+                   min_tokens=3, stop_token_ids=[7], ignore_eos=True, logprobs=0, include_stop_str_in_output=True,
+                   skip_special_tokens=False, use_beam_search=False, priority=0, length_penalty=1, spaces_between_special_tokens=True)
+    p = g.sampling
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (0, 0.1, 1.2, -1.0, 0.5)
+    assert (p.logit_bias, p.min_tokens, p.stop_token_ids, p.ignore_eos, p.logprobs) == (((5, -2.0),), 3, (7,), True, 0)
+    assert g.include_stop and not g.skip_special_tokens and completion(echo=True).echo
+    # What a load generator sends (a neutral repetition penalty) keeps a greedy request on the batch's argmax.
+    assert completion(temperature=0, repetition_penalty=1.0, ignore_eos=True, stop_token_ids=[7]).sampling.plain_greedy
+    assert not completion(temperature=0, repetition_penalty=1.1).sampling.plain_greedy
+    assert chat(logprobs=True).sampling.logprobs == 0 and chat(logprobs=True, top_logprobs=5).sampling.logprobs == 5
+    assert chat(logprobs=False).sampling.logprobs is None and completion().sampling.logprobs is None
+    for fields, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                          ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"), ({"chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),
+                          ({"add_generation_prompt": 1}, "add_generation_prompt"), ({"continue_final_message": True}, "continue_final_message")]:
+        with pytest.raises(ApiError) as err:
+            chat(**fields)
+        assert err.value.param == param, fields
+
+
 def test_the_model_must_be_the_served_one():
     with pytest.raises(ApiError) as err:
         completion(model="other")
@@ -92,7 +135,7 @@ def test_the_model_must_be_the_served_one():
 ])
 def test_bad_messages(messages, param):
     with pytest.raises(ApiError) as err:
-        parse_chat({"model": "m", "messages": messages}, LIMITS, lambda m: [1])
+        parse_chat({"model": "m", "messages": messages}, LIMITS, lambda m, *options: [1])
     assert err.value.param == param
 
 

@@ -17,9 +17,9 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(str(d))
 
 
-def feed(tokenizer, text: str, stop=()):
+def feed(tokenizer, text: str, stop=(), **options):
     """Every byte of text as a token; the pieces shown after each, and finish()'s."""
-    out = OutputText(tokenizer, tuple(stop))
+    out = OutputText(tokenizer, tuple(stop), **options)
     pieces = []
     for b in text.encode():
         pieces.append(out.add(b))
@@ -67,3 +67,11 @@ def test_a_stop_string_in_the_tail_finish_decodes_is_cut_too(tokenizer):
     shown = "".join(out.add(t) for t in (104, 105, 195))
     shown += out.finish()
     assert shown == "hi" and out.stopped
+
+
+def test_include_stop_keeps_the_stop_string_and_min_tokens_lets_an_early_one_pass(tokenizer):
+    out, pieces = feed(tokenizer, "one XY two XY three", stop=["XY"], include_stop=True)
+    assert "".join(pieces) == "one XY" and out.stop_reason == "XY"
+    # The first "XY" ends within the first 7 tokens, so it does not count; the second does.
+    out, pieces = feed(tokenizer, "one XY two XY three", stop=["XY"], min_tokens=7)
+    assert "".join(pieces) == "one XY two " and out.stopped

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.distributed.state import tp
-from pocketllm.engine.generate import SamplingParams, generate
+from pocketllm.engine.generate import generate
+from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import generate_batch
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer, prompt_list

@@ -5,32 +5,12 @@ every rank holds alike."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from pocketllm.distributed.state import broadcast_, tp
 from pocketllm.engine.runner import Engine
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0 is greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """A token drawn from one row of logits [V] by temperature and top-p (greedy at temperature
-    0), with `gen` as the only source of randomness."""
-    if params.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+from pocketllm.engine.sampling import SamplingParams, sample_token
 
 
 class Sampler:

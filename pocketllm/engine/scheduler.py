@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pocketllm.distributed.state import broadcast_, tp
-from pocketllm.engine.generate import SamplingParams, sample_token
+from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.inputs import prompt_problem
 
 _CLOSE = -1
@@ -39,11 +39,13 @@ class Request:
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
     output: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per output token, when sampling.logprobs asks
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (an eos id), "length" (max_new_tokens), "cancelled"
+    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), "cancelled"
     slot: int | None = None
     fed: int = 0  # positions of this sequence the engine has run
     generator: torch.Generator | None = None
+    stop_ids: frozenset[int] = frozenset()  # eos ids unless ignore_eos, and stop_token_ids
 
     def _next_rows(self, budget: int) -> list[int]:
         """The ids this sequence feeds to its next pass: a prompt chunk within `budget`, or its
@@ -132,6 +134,7 @@ class Scheduler:
                 raise ValueError("the scheduler is closed")
             req = Request(next(self._ids), list(prompt), max_new_tokens, sampling, tuple(eos_ids))
             req.generator = torch.Generator().manual_seed(sampling.seed)
+            req.stop_ids = sampling.stop_ids(req.eos_ids)
             self._incoming.append(req)
         return req
 
@@ -192,11 +195,15 @@ class Scheduler:
             req.fed += len(rows)
             if req.fed < len(req.prompt):
                 continue  # a prompt chunk before the last: its logits choose nothing
-            p = req.sampling
-            token = greedy[i] if p.temperature <= 0 else sample_token(logits[i], p, req.generator)
+            if req.sampling.plain_greedy:
+                token = greedy[i]
+            else:
+                token, logprob = choose(logits[i], req.sampling, req.prompt, req.output, req.eos_ids, req.generator)
+                if logprob is not None:
+                    req.logprobs.append(logprob)
             req.output.append(token)
             events.append((req, token))
-            if token in req.eos_ids:
+            if token in req.stop_ids:
                 self._finish(req, "stop")
             elif len(req.output) >= req.max_new_tokens:
                 self._finish(req, "length")

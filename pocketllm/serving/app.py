@@ -1,7 +1,7 @@
 """The HTTP routes: /v1/completions, /v1/chat/completions (where the checkpoint has a chat
-template), /v1/models, /health and /metrics, with --api-key checked on every request and every
-error, the framework's own included (a bad path, a bad method, a body that is not JSON), answered
-with an OpenAI-style JSON body."""
+template), /v1/models, /tokenize and /detokenize, /health and /metrics, with --api-key checked on
+every request and every error, the framework's own included (a bad path, a bad method, a body
+that is not JSON), answered with an OpenAI-style JSON body."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from pocketllm.serving.chat_template import ChatTemplate
 from pocketllm.serving.engine_loop import EngineLoop
 from pocketllm.serving.errors import ApiError, bad, error_body
 from pocketllm.serving.generation import Piece, Usage, pieces
+from pocketllm.serving.logprobs import Names, chat_logprobs, completion_logprobs
 from pocketllm.serving.protocol import Generation, Limits, parse_chat, parse_completion
 from pocketllm.serving.streaming import EventStream
 from pocketllm.serving.text import OutputText
+from pocketllm.serving.tokenize import detokenize, tokenize
 
 # How often a non-streamed request checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -64,8 +66,9 @@ def build_app(served: Served) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        # root and parent as vLLM lists them: load generators read root.
         card = {"id": served.limits.model, "object": "model", "created": served.created, "owned_by": "pocketllm",
-                "max_model_len": served.limits.max_len}
+                "root": served.limits.model, "parent": None, "max_model_len": served.limits.max_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -78,20 +81,24 @@ def build_app(served: Served) -> FastAPI:
     async def completions(request: Request):
         body = await _json(request)
         gen = parse_completion(body, served.limits, _encoder(served.tokenizer))
-        return await _answer(served, request, gen, "cmpl", _completion_chunk, _completion_body)
+        return await _answer(served, request, gen, "cmpl", CompletionShape(served.tokenizer, gen))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        template = served.chat_template
-        if template is None:
+        if served.chat_template is None:
             raise ApiError(404, "this model has no chat template (tokenizer_config.json's chat_template): use /v1/completions", code="no_chat_template")
         body = await _json(request)
+        gen = parse_chat(body, served.limits, _renderer(served))
+        return await _answer(served, request, gen, "chatcmpl", ChatShape(served.tokenizer, gen))
 
-        def render(messages):
-            return _encoder(served.tokenizer)(template.render(messages), empty_ok=True)
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        render = _renderer(served) if served.chat_template is not None else None
+        return tokenize(await _json(request), served.limits, served.tokenizer, render)
 
-        gen = parse_chat(body, served.limits, render)
-        return await _answer(served, request, gen, "chatcmpl", _chat_chunk, _chat_body)
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return detokenize(await _json(request), served.limits, served.tokenizer)
 
     return app
 
@@ -123,8 +130,8 @@ async def _json(request: Request):
 
 
 def _encoder(tokenizer):
-    def encode(text: str, empty_ok: bool = False) -> list[int]:
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(text: str, add_special_tokens: bool, empty_ok: bool = False) -> list[int]:
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if not ids and not empty_ok:
             raise bad("the prompt encodes to no tokens", "prompt")
         return ids
@@ -132,14 +139,22 @@ def _encoder(tokenizer):
     return encode
 
 
-async def _answer(served: Served, request: Request, gen: Generation, kind: str, chunk_of, body_of):
+def _renderer(served: Served):
+    def render(messages, add_generation_prompt: bool, template_kwargs: dict, add_special_tokens: bool) -> list[int]:
+        text = served.chat_template.render(messages, add_generation_prompt, template_kwargs)
+        return _encoder(served.tokenizer)(text, add_special_tokens, empty_ok=True)
+
+    return render
+
+
+async def _answer(served: Served, request: Request, gen: Generation, kind: str, shape):
     seq = served.engine.submit(gen.prompt, gen.max_tokens, gen.sampling, served.eos_ids)
     usage = Usage(len(gen.prompt))
-    text = OutputText(served.tokenizer, gen.stop)
+    text = OutputText(served.tokenizer, gen.stop, gen.skip_special_tokens, gen.include_stop, gen.sampling.min_tokens)
     head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.limits.model}
-    parts = pieces(seq, text, served.eos_ids, usage)
+    parts = pieces(seq, text, usage, gen.include_stop)
     if gen.stream:
-        return EventStream(_chunks(parts, head, chunk_of, gen, usage), seq.cancel)
+        return EventStream(_chunks(parts, head, shape, gen, usage), seq.cancel)
     collected: list[Piece] = []
 
     async def collect():
@@ -159,43 +174,75 @@ async def _answer(served: Served, request: Request, gen: Generation, kind: str, 
     finally:
         seq.cancel()
         await parts.aclose()
-    text_out = "".join(p.text for p in collected)
-    ids = [t for p in collected for t in p.token_ids]
-    choice = body_of(text_out, collected[-1].finish_reason)
+    whole = Piece("".join(p.text for p in collected), [t for p in collected for t in p.token_ids], collected[-1].finish_reason,
+                  [lp for p in collected for lp in p.logprobs], collected[-1].stop_reason)
+    choice = shape.body(whole)
     if gen.return_token_ids:
-        choice["token_ids"] = ids
+        choice["token_ids"] = whole.token_ids
     extra = {"prompt_token_ids": gen.prompt} if gen.return_token_ids else {}
-    return {**head, "object": "chat.completion" if kind == "chatcmpl" else "text_completion", "choices": [choice],
-            "usage": usage.body(), **extra}
+    return {**head, "object": shape.object, "choices": [choice], "usage": usage.body(), **extra}
 
 
-async def _chunks(parts, head: dict, chunk_of, gen: Generation, usage: Usage):
-    obj = "chat.completion.chunk" if chunk_of is _chat_chunk else "text_completion"
-    first = True
+async def _chunks(parts, head: dict, shape, gen: Generation, usage: Usage):
     async for piece in parts:
-        choice = chunk_of(piece, first)
-        first = False
+        choice = shape.chunk(piece)
         if gen.return_token_ids:
             choice["token_ids"] = piece.token_ids
         # With include_usage, every chunk carries usage: null and one last chunk carries it, as OpenAI streams it.
         extra = {"usage": None} if gen.include_usage else {}
-        yield {**head, "object": obj, "choices": [choice], **extra}
+        yield {**head, "object": shape.chunk_object, "choices": [choice], **extra}
     if gen.include_usage:
-        yield {**head, "object": obj, "choices": [], "usage": usage.body()}
+        yield {**head, "object": shape.chunk_object, "choices": [], "usage": usage.body()}
 
 
-def _completion_chunk(piece: Piece, _first: bool) -> dict:
-    return {"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason}
+class CompletionShape:
+    """A /v1/completions choice, whole or as chunks: the text (after the prompt's, with echo), its
+    logprobs with their offsets into that text, and how it finished."""
+
+    object = chunk_object = "text_completion"
+
+    def __init__(self, tokenizer, gen: Generation):
+        self.tokenizer, self.gen = tokenizer, gen
+        self.prefix = tokenizer.decode(gen.prompt, skip_special_tokens=gen.skip_special_tokens) if gen.echo else ""
+        self.offset = len(self.prefix)
+
+    def chunk(self, piece: Piece) -> dict:
+        text, self.prefix = self.prefix + piece.text, ""
+        return self._choice(text, piece)
+
+    def body(self, piece: Piece) -> dict:
+        return self._choice(self.prefix + piece.text, piece)
+
+    def _choice(self, text: str, piece: Piece) -> dict:
+        logprobs = None
+        if self.gen.sampling.logprobs is not None:
+            logprobs, self.offset = completion_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs, self.offset)
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
 
-def _completion_body(text: str, finish_reason: str) -> dict:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+class ChatShape:
+    """A /v1/chat/completions choice, whole (a message) or as chunks (deltas, the role on the first)."""
 
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-def _chat_chunk(piece: Piece, first: bool) -> dict:
-    delta = {"role": "assistant", "content": piece.text} if first else ({"content": piece.text} if piece.text or not piece.finish_reason else {})
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
+    def __init__(self, tokenizer, gen: Generation):
+        self.tokenizer, self.gen = tokenizer, gen
+        self.first = True
 
+    def chunk(self, piece: Piece) -> dict:
+        if self.first:
+            delta = {"role": "assistant", "content": piece.text}
+        else:
+            delta = {"content": piece.text} if piece.text or not piece.finish_reason else {}
+        self.first = False
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(piece), "finish_reason": piece.finish_reason,
+                "stop_reason": piece.stop_reason}
 
-def _chat_body(text: str, finish_reason: str) -> dict:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+    def body(self, piece: Piece) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": piece.text}, "logprobs": self._logprobs(piece),
+                "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
+
+    def _logprobs(self, piece: Piece) -> dict | None:
+        if self.gen.sampling.logprobs is None:
+            return None
+        return chat_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs)

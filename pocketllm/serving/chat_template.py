@@ -39,12 +39,14 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None) -> str:
         """The prompt text; a template that refuses the messages (raise_exception, or any error
-        rendering them) is the request's fault: a 400 naming what the template said."""
+        rendering them) is the request's fault: a 400 naming what the template said. `extra`
+        holds more template variables (a request's chat_template_kwargs), over the special tokens."""
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {**self.special_tokens, **(extra or {})}
         try:
-            return self.template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            return self.template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables)
         except self._jinja.exceptions.TemplateError as exc:
             raise bad(f"the chat template refused these messages: {exc}", "messages") from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:

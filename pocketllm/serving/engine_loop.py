@@ -26,6 +26,7 @@ class Event:
     token: int | None  # None when the request ended without a token
     finish_reason: str | None  # set on the request's last event: stop, length or cancelled
     error: ApiError | None = None
+    logprob: object = None  # the token's TokenLogprob, when the request asked for logprobs
 
 
 class Sequence:
@@ -158,7 +159,9 @@ class EngineLoop:
         if token is not None and not sink.seen_token:
             sink.seen_token = True
             self.metrics.first_token(time.monotonic() - sink.arrived)
-        _put(sink, Event(token, request.finish_reason if request.finished else None))
+        # Read here, on the thread that appends it, in the same step as the token.
+        logprob = request.logprobs[-1] if token is not None and request.sampling.logprobs is not None else None
+        _put(sink, Event(token, request.finish_reason if request.finished else None, logprob=logprob))
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

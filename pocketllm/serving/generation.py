@@ -1,6 +1,7 @@
-"""One request's answer as it is made: its tokens from the engine turned into text pieces, a stop
-string ending it early (the request is cancelled, so its slot frees at the next step), and the
-finish reason and usage at the end. Both endpoints, streamed or not, are built on this."""
+"""One request's answer as it is made: its tokens from the engine turned into text pieces (with
+their logprobs, when asked), a stop string ending it early (the request is cancelled, so its slot
+frees at the next step), and the finish reason, vLLM's stop reason and usage at the end. Both
+endpoints, streamed or not, are built on this."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class Piece:
     text: str
     token_ids: list[int] = field(default_factory=list)  # tokens that arrived with this piece
     finish_reason: str | None = None  # on the last piece: "stop" or "length"
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per token, when the request asked
+    stop_reason: int | str | None = None  # on the last piece: the stop token id or string that ended it (None for eos)
 
 
 @dataclass
@@ -29,33 +32,42 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-async def pieces(seq: Sequence, text: OutputText, eos_ids: tuple[int, ...], usage: Usage) -> AsyncIterator[Piece]:
+async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bool = False) -> AsyncIterator[Piece]:
     """The answer's pieces, the last one with its finish reason. Raises ApiError when the request
     ends without finishing (the server shut down, the engine failed). Leaving early (a client gone)
     cancels the request."""
+    stop_token_ids = seq.request.sampling.stop_token_ids
     try:
         while True:
             event = await seq.next()
             if event.error is not None:
                 raise event.error
-            tokens = []
+            tokens, logprobs = [], []
             chunk = ""
             if event.token is not None:
                 usage.completion_tokens += 1
                 tokens.append(event.token)
-                # An eos id ends the answer and is no part of its text.
-                if event.token not in eos_ids:
+                if event.logprob is not None:
+                    logprobs.append(event.logprob)
+                # A stop token (eos, stop_token_ids) ends the answer and is no part of its text
+                # unless include_stop_str_in_output asks for it.
+                if event.finish_reason != "stop" or include_stop:
                     chunk = text.add(event.token)
             if text.stopped:
                 seq.cancel()
-                yield Piece(chunk, tokens, "stop")
+                yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason)
                 return
             if event.finish_reason == "cancelled":
                 raise ApiError(503, "the server shut down before this request finished")
             if event.finish_reason is not None:
-                yield Piece(chunk + text.finish(), tokens, "stop" if text.stopped else event.finish_reason)
+                chunk += text.finish()
+                if text.stopped:
+                    yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason)
+                else:
+                    by_token = event.finish_reason == "stop" and event.token in stop_token_ids
+                    yield Piece(chunk, tokens, event.finish_reason, logprobs, event.token if by_token else None)
                 return
             if chunk or tokens:
-                yield Piece(chunk, tokens)
+                yield Piece(chunk, tokens, None, logprobs)
     finally:
         seq.cancel()

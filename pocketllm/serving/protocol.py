@@ -1,14 +1,16 @@
 """The two generation requests, /v1/completions and /v1/chat/completions, parsed from their JSON
-bodies and checked field by field into one Generation. A field this server does not know, or a
-value it cannot honour (n=2, logprobs, a penalty), is refused by name rather than ignored: a
-client must never get an answer to a question it did not ask."""
+bodies and checked field by field into one Generation. The fields are OpenAI's and the sampling
+extensions of vLLM's OpenAI-compatible server (top_k, min_p, repetition_penalty, ignore_eos, ...),
+each applied. A field neither defines, or a value this server cannot honour (n=2, beam search),
+is refused by name rather than ignored: a client must never get an answer to a question it did
+not ask."""
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
 
-from pocketllm.engine.generate import SamplingParams
+from pocketllm.engine.sampling import MAX_LOGPROBS, SamplingParams
 from pocketllm.serving.errors import ApiError, bad
 
 # At most this many stop strings, as OpenAI's API allows.
@@ -16,15 +18,24 @@ MAX_STOP = 4
 # OpenAI's default max_tokens for a completion; a chat runs to the end of the context.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
-# Fields either endpoint takes.
+# Fields either endpoint takes: OpenAI's, then vLLM's.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
-           "presence_penalty", "frequency_penalty", "logit_bias", "return_token_ids"}
+           "presence_penalty", "frequency_penalty", "logit_bias",
+           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+           "include_stop_str_in_output", "return_token_ids", "return_tokens_as_token_ids", "add_special_tokens",
+           "spaces_between_special_tokens", "use_beam_search", "length_penalty", "priority"}
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-# Fields accepted only at the value that asks for nothing this server does not do.
-_NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False}
-_ABSENT_ONLY = {"suffix", "top_logprobs"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs", "echo"}
+# Fields accepted only at the value that asks for nothing this server does not do (vLLM's
+# defaults for its own).
+_NEUTRAL = {"n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1, "priority": 0,
+            "spaces_between_special_tokens": True, "continue_final_message": False}
+_CHAT_NEUTRAL = {"echo": False}
+_ABSENT_ONLY = {"suffix"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# Template variables a request's chat_template_kwargs may not replace.
+_TEMPLATE_OWN = {"messages", "tools", "documents", "add_generation_prompt"}
 
 
 @dataclass
@@ -38,6 +49,10 @@ class Generation:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    echo: bool = False
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # logprobs name tokens `token_id:N`
 
 
 @dataclass
@@ -50,35 +65,50 @@ class Limits:
 
 
 def parse_completion(body, limits: Limits, encode) -> Generation:
-    """body: the parsed JSON; encode(text) -> token ids."""
-    fields = _fields(body, _COMPLETION)
-    if fields.get("logprobs") is not None:
-        raise bad("logprobs is not supported by this server", "logprobs")
+    """body: the parsed JSON; encode(text, add_special_tokens) -> token ids."""
+    fields = known_fields(body, _COMPLETION, {})
     if "prompt" not in fields:
         raise bad("prompt is required", "prompt")
-    prompt = _prompt(fields["prompt"], encode, limits.vocab_size)
-    return _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
+    prompt = _prompt(fields["prompt"], lambda text: encode(text, flag(fields, "add_special_tokens", True)), limits.vocab_size)
+    logprobs = fields.get("logprobs")
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
+    gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
+    gen.echo = flag(fields, "echo", False)
+    if gen.echo and logprobs is not None:
+        raise bad("echo with logprobs would need the prompt's logprobs, which this server does not compute", "echo")
+    return gen
 
 
 def parse_chat(body, limits: Limits, render) -> Generation:
-    """render(messages) -> token ids, the chat template applied with the generation prompt."""
-    fields = _fields(body, _CHAT)
-    if fields.get("logprobs"):
-        raise bad("logprobs is not supported by this server", "logprobs")
+    """render(messages, add_generation_prompt, template_kwargs, add_special_tokens) -> token ids,
+    the chat template applied."""
+    fields = known_fields(body, _CHAT, _CHAT_NEUTRAL)
     messages = fields.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty array of {role, content} objects", "messages")
     for i, m in enumerate(messages):
-        _check_message(m, i)
+        check_message(m, i)
     if "max_tokens" in fields and "max_completion_tokens" in fields:
         raise bad("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     if "max_completion_tokens" in fields:
         fields["max_tokens"] = fields.pop("max_completion_tokens")
-    prompt = render(messages)
-    return _generation(fields, limits, prompt, "messages", None)
+    logprobs = None
+    if flag(fields, "logprobs", False):
+        logprobs = fields.get("top_logprobs", 0)
+        if not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "top_logprobs")
+    elif "top_logprobs" in fields:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    kwargs = fields.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k not in _TEMPLATE_OWN for k in kwargs):
+        raise bad(f"chat_template_kwargs must be an object of template variables other than {', '.join(sorted(_TEMPLATE_OWN))}",
+                  "chat_template_kwargs")
+    prompt = render(messages, flag(fields, "add_generation_prompt", True), kwargs, flag(fields, "add_special_tokens", False))
+    return _generation(fields, limits, prompt, "messages", None, logprobs)
 
 
-def _fields(body, known: set[str]) -> dict:
+def known_fields(body, known: set[str], neutral_here: dict) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     for name in body:
@@ -86,15 +116,23 @@ def _fields(body, known: set[str]) -> dict:
             raise bad(f"unrecognized request argument {name!r}: this server takes {', '.join(sorted(known))}", name)
     # An explicit null means the default, as in OpenAI's API.
     fields = {k: v for k, v in body.items() if v is not None}
-    for name, neutral in _NEUTRAL.items():
+    for name, neutral in {**_NEUTRAL, **neutral_here}.items():
         if name in fields and not _same(fields[name], neutral):
             raise bad(f"{name} must be {neutral!r} here: this server does not support other values, got {fields[name]!r}", name)
     for name in _ABSENT_ONLY:
         if name in fields:
             raise bad(f"{name} is not supported by this server", name)
-    if fields.get("logit_bias"):
-        raise bad("logit_bias is not supported by this server", "logit_bias")
     return fields
+
+
+def check_model(fields: dict, limits: Limits, required: bool) -> None:
+    if "model" not in fields and not required:
+        return
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model is required: the name /v1/models lists", "model")
+    if model != limits.model:
+        raise ApiError(404, f"the model {model!r} does not exist: this server serves {limits.model!r}", "model", "model_not_found")
 
 
 def _same(v, neutral) -> bool:
@@ -104,12 +142,9 @@ def _same(v, neutral) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and v == neutral
 
 
-def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: str, default_max: int | None) -> Generation:
-    model = fields.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model is required: the name /v1/models lists", "model")
-    if model != limits.model:
-        raise ApiError(404, f"the model {model!r} does not exist: this server serves {limits.model!r}", "model", "model_not_found")
+def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: str, default_max: int | None,
+                logprobs: int | None) -> Generation:
+    check_model(fields, limits, required=True)
     if len(prompt) >= limits.max_len:
         raise bad(
             f"the prompt is {len(prompt)} tokens, and this server's context is {limits.max_len} (--max-len): "
@@ -117,7 +152,7 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
         )
     room = limits.max_len - len(prompt)
     max_tokens = fields.get("max_tokens", default_max if default_max is not None else room)
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise bad(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
     # A completion's default never fails a prompt that fits: it shrinks to the room left.
     if "max_tokens" not in fields:
@@ -127,28 +162,48 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
             f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens is {max_tokens + len(prompt)}, "
             f"over this server's context of {limits.max_len} (--max-len); at most {room} here", "max_tokens", "context_length_exceeded",
         )
+    stream = flag(fields, "stream", False)
+    include_usage = _stream_options(fields.get("stream_options"), stream)
+    user = fields.get("user", "")
+    if not isinstance(user, str):
+        raise bad(f"user must be a string, got {user!r}", "user")
+    sampling = _sampling(fields, limits.vocab_size, max_tokens, logprobs)
+    return Generation(prompt, max_tokens, sampling, _stop(fields.get("stop")), stream, include_usage,
+                      flag(fields, "return_token_ids", False), include_stop=flag(fields, "include_stop_str_in_output", False),
+                      skip_special_tokens=flag(fields, "skip_special_tokens", True),
+                      tokens_as_ids=flag(fields, "return_tokens_as_token_ids", False))
+
+
+def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
     temperature = _number(fields, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(fields, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise bad(f"top_p must be in (0, 1], got {top_p!r}", "top_p")
     # No seed: a fresh one, so that two sampled answers to one prompt differ, as with OpenAI's API.
     seed = fields.get("seed", secrets.randbits(63))
-    if not _is_int(seed) or not 0 <= seed < 2**63:
+    if not is_int(seed) or not 0 <= seed < 2**63:
         raise bad(f"seed must be an integer in [0, 2**63), got {seed!r}", "seed")
-    stream = fields.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad(f"stream must be true or false, got {stream!r}", "stream")
-    include_usage = _stream_options(fields.get("stream_options"), stream)
-    token_ids = fields.get("return_token_ids", False)
-    if not isinstance(token_ids, bool):
-        raise bad(f"return_token_ids must be true or false, got {token_ids!r}", "return_token_ids")
-    user = fields.get("user", "")
-    if not isinstance(user, str):
-        raise bad(f"user must be a string, got {user!r}", "user")
-    return Generation(prompt, max_tokens, SamplingParams(temperature, top_p, seed), _stop(fields.get("stop")), stream, include_usage, token_ids)
+    top_k = fields.get("top_k", 0)
+    if not is_int(top_k) or top_k < -1:
+        raise bad(f"top_k must be an integer: -1 or 0 for every token, or k >= 1, got {top_k!r}", "top_k")
+    repetition = _number(fields, "repetition_penalty", 1.0, 0.0, float("inf"))
+    if not 0 < repetition < float("inf"):
+        raise bad(f"repetition_penalty must be a number > 0 (1 is none), got {repetition!r}", "repetition_penalty")
+    min_tokens = fields.get("min_tokens", 0)
+    if not is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise bad(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
+    return SamplingParams(
+        temperature, top_p, seed, top_k=max(top_k, 0), min_p=_number(fields, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=repetition,
+        presence_penalty=_number(fields, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(fields, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(fields.get("logit_bias", {}), vocab),
+        min_tokens=min_tokens, stop_token_ids=_token_ids(fields.get("stop_token_ids", []), vocab, "stop_token_ids"),
+        ignore_eos=flag(fields, "ignore_eos", False), logprobs=logprobs,
+    )
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -159,13 +214,42 @@ def _number(fields: dict, name: str, default: float, lo: float, hi: float) -> fl
     return float(v)
 
 
+def flag(fields: dict, name: str, default: bool) -> bool:
+    v = fields.get(name, default)
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be true or false, got {v!r}", name)
+    return v
+
+
+def _token_ids(ids, vocab: int, name: str) -> tuple[int, ...]:
+    if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
+        raise bad(f"{name} must be an array of token ids in [0, {vocab}), got {ids!r}", name)
+    return tuple(ids)
+
+
+def _logit_bias(bias, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]}."""
+    if not isinstance(bias, dict):
+        raise bad(f"logit_bias must be an object mapping token ids to numbers in [-100, 100], got {bias!r}", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab):
+            raise bad(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
 def _stream_options(options, stream: bool) -> bool:
     if options is None:
         return False
     if not stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise bad(f"stream_options takes only {{\"include_usage\": bool}}, got {options!r}", "stream_options")
+    if options.get("continuous_usage_stats", False) is not False:
+        raise bad("stream_options.continuous_usage_stats is not supported by this server", "stream_options")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise bad(f"stream_options.include_usage must be true or false, got {include!r}", "stream_options")
@@ -192,7 +276,7 @@ def _prompt(prompt, encode, vocab: int) -> list[int]:
         if not prompt:
             raise bad("the prompt is empty", "prompt")
         return encode(prompt)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         for i, t in enumerate(prompt):
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} at position {i} of the prompt is outside the vocab [0, {vocab})", "prompt")
@@ -202,7 +286,7 @@ def _prompt(prompt, encode, vocab: int) -> list[int]:
     raise bad("prompt must be a non-empty string or a non-empty array of token ids", "prompt")
 
 
-def _check_message(m, i: int) -> None:
+def check_message(m, i: int) -> None:
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(f"{param} must be an object with role and content", param)

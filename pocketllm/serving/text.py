@@ -2,18 +2,23 @@
 incrementally (tokenizers' DecodeStream, which holds back a token ending inside a multi-byte
 character until the character completes); the text is searched for each stop string as it grows,
 and text that could be the start of a stop string is held back until it is known not to be, so a
-stream never shows a stop string, not even part of one. Without a stop string the text ends equal
-to the tokenizer's decode of every token, as `pocketllm generate` prints it."""
+stream never shows a stop string, not even part of one (unless it is to be included, when the
+text ends after it). As in vLLM, a stop string ending within the first min_tokens tokens' text does
+not count. Without a stop string the text ends equal to the tokenizer's decode of every token, as
+`pocketllm generate` prints it."""
 
 from __future__ import annotations
 
 
 class OutputText:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False,
+                 min_tokens: int = 0):
         from tokenizers.decoders import DecodeStream
 
         self.tokenizer, self.stop = tokenizer, stop
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self.skip_special, self.include_stop, self.min_tokens = skip_special_tokens, include_stop, min_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stop_reason: str | None = None  # the stop string that ended the text
         self.tokens: list[int] = []
         self.text = ""  # everything decoded so far, cut before a stop string once one appears
         self.shown = 0  # characters of text handed out
@@ -32,20 +37,24 @@ class OutputText:
             except Exception:  # tokenizers raises its own exception types; fall back to whole decodes
                 self._failed = True
         if self._failed:
-            self.text = self.tokenizer.decode(self.tokens)
-        self._find_stop()
+            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
+        if len(self.tokens) <= self.min_tokens:
+            self._searched = len(self.text)
+        else:
+            self._find_stop()
         return self._release(final=False)
 
     def finish(self) -> str:
         """The text still to show once generation ended: what was held back, and any tail the
         incremental decode still held (a character cut short by the last token)."""
         if not self.stopped:
-            full = self.tokenizer.decode(self.tokens)
+            full = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
             # A full decode that does not extend what was shown cannot be shown without taking
             # text back; the stream keeps what it sent.
             if full.startswith(self.text[: self.shown]):
                 self.text = full
-                self._find_stop()
+                if len(self.tokens) > self.min_tokens:
+                    self._find_stop()
         return self._release(final=True)
 
     def _find_stop(self) -> None:
@@ -55,10 +64,11 @@ class OutputText:
         for s in self.stop:
             at = self.text.find(s, max(0, self._searched - len(s) + 1))
             if at >= 0:
-                hits.append(at)
+                hits.append((at, s))
         if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
+            at, s = min(hits)
+            self.text = self.text[: at + len(s) if self.include_stop else at]
+            self.stopped, self.stop_reason = True, s
         self._searched = len(self.text)
 
     def _release(self, final: bool) -> str:

@@ -1,0 +1,186 @@
+"""How one sequence's next token is chosen from its row of logits, with the sampling parameters of
+OpenAI's API and vLLM's extensions, in vLLM's order: the raw logits' log-probabilities kept for
+`logprobs`; stop tokens masked until `min_tokens`; `logit_bias` added; the repetition penalty over
+prompt and output tokens, then the frequency and presence penalties over output tokens; then
+greedy (argmax of what the penalties left) or temperature, min-p, top-k, top-p and a draw from
+the request's own generator.
+
+Every processor has a plain reference beside it with the same signature (`*_reference`), which
+the tests compare it with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Logprobs are reported for the chosen token and up to this many alternatives per position.
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    seed: int = 0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # stop tokens (eos, stop_token_ids) are masked until this many were generated
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none reported; N: the chosen token's and the N likeliest
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or reads them: the argmax the scheduler
+        takes for the whole batch at once is the token."""
+        return self.temperature <= 0 and not self.changes_logits and self.logprobs is None
+
+    @property
+    def changes_logits(self) -> bool:
+        return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1.0
+                    or self.presence_penalty or self.frequency_penalty)
+
+    def stop_ids(self, eos_ids) -> frozenset[int]:
+        """The tokens that end the sequence: the model's eos ids unless ignore_eos, and stop_token_ids."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_ids))
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of a chosen token under the model's distribution (log_softmax of the
+    raw logits), and the `n` likeliest tokens' at that position, likeliest first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int], eos_ids,
+           gen: torch.Generator) -> tuple[int, TokenLogprob | None]:
+    """The next token after prompt + output from one row of logits [V], and its logprob when
+    params.logprobs asks for it."""
+    raw = logits.float().cpu()
+    logprobs = torch.log_softmax(raw, dim=-1) if params.logprobs is not None else None
+    if params.changes_logits:
+        raw = raw.clone()
+        if len(output) < params.min_tokens:
+            mask_tokens_(raw, sorted(params.stop_ids(eos_ids)))
+        if params.logit_bias:
+            add_logit_bias_(raw, params.logit_bias)
+        apply_penalties_(raw, prompt, output, params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+    token = sample_token(raw, params, gen)
+    if logprobs is None:
+        return token, None
+    top = []
+    if params.logprobs > 0:
+        values, ids = torch.topk(logprobs, params.logprobs)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return token, TokenLogprob(token, float(logprobs[token]), top)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """A token drawn from one row of logits [V] by temperature, min-p, top-k and top-p (greedy at
+    temperature 0, which ignores the other three), with `gen` as the only source of randomness."""
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    ids = None
+    # Top-k first, which leaves k candidates for the rest to work on: min-p's threshold is relative
+    # to the likeliest token, which is among them, so the order does not change the outcome.
+    if 0 < params.top_k < probs.shape[0]:
+        probs, ids = top_k_filter(probs, params.top_k)
+    if params.min_p > 0:
+        probs = min_p_filter(probs, params.min_p)
+    if ids is not None or params.min_p > 0:
+        probs = probs / probs.sum()
+    if params.top_p < 1.0:
+        probs = top_p_filter(probs, params.top_p)
+    drawn = int(torch.multinomial(probs, 1, generator=gen))
+    return drawn if ids is None else int(ids[drawn])
+
+
+def mask_tokens_(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """logits [V] with the given token ids made impossible, in place."""
+    if ids:
+        logits[torch.tensor(ids, dtype=torch.long)] = float("-inf")
+    return logits
+
+
+def add_logit_bias_(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """logits [V] plus a bias per token id, in place."""
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
+    logits.index_add_(0, ids, torch.tensor([b for _, b in bias], dtype=logits.dtype))
+    return logits
+
+
+def apply_penalties_(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float, frequency: float,
+                     presence: float) -> torch.Tensor:
+    """logits [V], in place: a token seen in the prompt or the output has its logit divided by
+    `repetition` when positive, multiplied when negative; then each output token's logit loses
+    `frequency` per time it was generated and `presence` once if it was."""
+    vocab = logits.shape[0]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab) if output else torch.zeros(vocab, dtype=torch.long)
+    if repetition != 1.0:
+        seen = counts > 0
+        if prompt:
+            seen[torch.tensor(prompt, dtype=torch.long)] = True
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
+    if frequency:
+        logits -= frequency * counts.to(logits.dtype)
+    if presence:
+        logits -= presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_penalties_reference(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float, frequency: float,
+                              presence: float) -> torch.Tensor:
+    for t in set(prompt) | set(output):
+        x = float(logits[t])
+        logits[t] = x / repetition if x > 0 else x * repetition
+    for t in set(output):
+        logits[t] -= frequency * output.count(t) + presence
+    return logits
+
+
+def min_p_filter(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """probs [V] with every token less likely than min_p times the likeliest one zeroed."""
+    return torch.where(probs < min_p * probs.max(), torch.zeros_like(probs), probs)
+
+
+def min_p_filter_reference(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    top = max(probs.tolist())
+    return torch.tensor([p if p >= min_p * top else 0.0 for p in probs.tolist()], dtype=probs.dtype)
+
+
+def top_k_filter(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k likeliest tokens of probs [V]: their probabilities [k], likeliest first, and ids [k]."""
+    return torch.topk(probs, k)
+
+
+def top_k_filter_reference(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = sorted(range(probs.shape[0]), key=lambda i: -float(probs[i]))[:k]
+    return probs[order], torch.tensor(order, dtype=torch.long)
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [V] with only the nucleus kept: the likeliest tokens whose mass before each is under
+    top_p (so at least one)."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+    return torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+
+
+def top_p_filter_reference(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    out = torch.zeros_like(probs)
+    mass = 0.0
+    for i in sorted(range(probs.shape[0]), key=lambda i: -float(probs[i])):
+        if mass >= top_p:
+            break
+        out[i] = probs[i]
+        mass += float(probs[i])
+    return out

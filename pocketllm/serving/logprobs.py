@@ -1,0 +1,55 @@
+"""Logprobs as each endpoint answers them. A token is named by its own decode (special tokens
+included, a byte cut from its character as U+FFFD), or as `token_id:N` with vLLM's
+return_tokens_as_token_ids; -inf, which JSON cannot carry, is written as -9999.0, as OpenAI's API
+and vLLM write it.
+
+/v1/completions (`logprobs: N`): {tokens, token_logprobs, top_logprobs, text_offset}, each
+position's top_logprobs holding the N likeliest tokens and the chosen one.
+/v1/chat/completions (`logprobs: true`, `top_logprobs: N`): {content: [{token, logprob, bytes,
+top_logprobs: the N likeliest, likeliest first}]}."""
+
+from __future__ import annotations
+
+FLOOR = -9999.0
+
+
+class Names:
+    """How tokens are named in logprobs."""
+
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.tokenizer, self.as_ids = tokenizer, as_ids
+
+    def __call__(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, FLOOR)
+
+
+def completion_logprobs(name: Names, logprobs: list, offset: int) -> tuple[dict, int]:
+    """The logprobs object for these tokens, the first starting at character `offset` of the
+    choice's text; and the offset after the last."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in logprobs:
+        top: dict[str, float] = {}
+        # Likeliest first: where two tokens share a name, the name keeps the higher logprob.
+        for t, v in [*lp.top, (lp.token, lp.logprob)]:
+            top.setdefault(name(t), _value(v))
+        name_ = name(lp.token)
+        out["tokens"].append(name_)
+        out["token_logprobs"].append(_value(lp.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(name_)
+    return out, offset
+
+
+def chat_logprobs(name: Names, logprobs: list) -> dict:
+    return {"content": [{**_entry(name, lp.token, lp.logprob), "top_logprobs": [_entry(name, t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def _entry(name: Names, token: int, logprob: float) -> dict:
+    text = name(token)
+    return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}

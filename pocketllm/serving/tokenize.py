@@ -1,0 +1,48 @@
+"""/tokenize and /detokenize in the shapes of vLLM's server: a prompt (or chat messages, rendered
+by the chat template) to its token ids, and token ids back to text. Load generators call them to
+check that their tokenizer counts as the server's does."""
+
+from __future__ import annotations
+
+from pocketllm.serving.errors import bad
+from pocketllm.serving.protocol import Limits, check_message, check_model, flag, is_int, known_fields
+
+_COMMON = {"model", "add_special_tokens", "return_token_strs"}
+_TEXT = _COMMON | {"prompt"}
+_CHAT = _COMMON | {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+
+
+def tokenize(body, limits: Limits, tokenizer, render) -> dict:
+    """body: {prompt} or {messages}; render(messages, add_generation_prompt, template_kwargs,
+    add_special_tokens) -> ids, None when the model has no chat template."""
+    chat = isinstance(body, dict) and "messages" in body
+    fields = known_fields(body, _CHAT if chat else _TEXT, {})
+    check_model(fields, limits, required=False)
+    if chat:
+        if render is None:
+            raise bad("this model has no chat template (tokenizer_config.json's chat_template): tokenize a prompt instead", "messages")
+        messages = fields["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages must be a non-empty array of {role, content} objects", "messages")
+        for i, m in enumerate(messages):
+            check_message(m, i)
+        kwargs = fields.get("chat_template_kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        ids = render(messages, flag(fields, "add_generation_prompt", True), kwargs, flag(fields, "add_special_tokens", False))
+    else:
+        prompt = fields.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt (a string) or messages is required", "prompt")
+        ids = tokenizer.encode(prompt, add_special_tokens=flag(fields, "add_special_tokens", True)).ids
+    strs = [tokenizer.id_to_token(t) for t in ids] if flag(fields, "return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": limits.max_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body, limits: Limits, tokenizer) -> dict:
+    fields = known_fields(body, {"model", "tokens"}, {})
+    check_model(fields, limits, required=False)
+    tokens = fields.get("tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < limits.vocab_size for t in tokens):
+        raise bad(f"tokens must be an array of token ids in [0, {limits.vocab_size})", "tokens")
+    return {"prompt": tokenizer.decode(tokens, skip_special_tokens=False)}

@@ -1,0 +1,94 @@
+"""The logits processors against their plain references, and choose(): which tokens each
+parameter allows, the logprobs it reports, and greedy without parameters staying the argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pocketllm.engine.sampling import (
+    SamplingParams,
+    apply_penalties_,
+    apply_penalties_reference,
+    choose,
+    min_p_filter,
+    min_p_filter_reference,
+    top_k_filter,
+    top_k_filter_reference,
+    top_p_filter,
+    top_p_filter_reference,
+)
+
+V = 64
+
+
+def logits_row(seed: int) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("repetition,frequency,presence", [(1.3, 0, 0), (0.7, 0, 0), (1, 0.5, 0), (1, 0, -0.8), (1.6, 0.4, 0.9)],
+                         ids=["rep>1", "rep<1", "frequency", "presence<0", "all"])
+def test_penalties_match_the_reference(repetition, frequency, presence):
+    prompt, output = [1, 5, 5, 9, 30], [9, 12, 12, 12, 40, 1]
+    x = logits_row(0)
+    got = apply_penalties_(x.clone(), prompt, output, repetition, frequency, presence)
+    want = apply_penalties_reference(x.clone(), prompt, output, repetition, frequency, presence)
+    torch.testing.assert_close(got, want)
+    untouched = [t for t in range(V) if t not in prompt + output]
+    assert torch.equal(got[untouched], x[untouched])
+    if repetition != 1:
+        # Prompt-only tokens are penalized by the repetition penalty alone.
+        assert got[5] != x[5] and got[30] != x[30]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filters_match_their_references(seed):
+    probs = torch.softmax(logits_row(seed), dim=-1)
+    for p in (0.1, 0.5, 0.93):
+        kept = top_p_filter(probs, p)
+        assert torch.equal(kept, top_p_filter_reference(probs, p)) and kept.sum() >= p
+    for p in (0.05, 0.3):
+        assert torch.equal(min_p_filter(probs, p), min_p_filter_reference(probs, p))
+    for k in (1, 5, V - 1):
+        (kept, ids), (want, want_ids) = top_k_filter(probs, k), top_k_filter_reference(probs, k)
+        assert torch.equal(kept, want) and torch.equal(ids, want_ids)
+
+
+def test_greedy_without_parameters_is_the_argmax_and_logprobs_are_the_raw_log_softmax():
+    x = logits_row(3)
+    gen = torch.Generator()
+    assert SamplingParams().plain_greedy and choose(x, SamplingParams(), [1], [], (), gen) == (int(x.argmax()), None)
+    token, lp = choose(x, SamplingParams(logprobs=4, repetition_penalty=1.5), [1], [int(x.argmax())], (), gen)
+    logprobs = torch.log_softmax(x, dim=-1)
+    # The logprobs are the model's, before the penalty that changed the choice.
+    assert token != int(x.argmax()) and lp.logprob == pytest.approx(float(logprobs[token]))
+    assert [t for t, _ in lp.top] == torch.topk(logprobs, 4).indices.tolist()
+    assert [v for _, v in lp.top] == pytest.approx(torch.topk(logprobs, 4).values.tolist())
+
+
+def test_min_tokens_masks_every_stop_token_until_reached_and_ignore_eos_drops_eos():
+    x = logits_row(4)
+    order = torch.argsort(x, descending=True).tolist()
+    eos, stop = order[0], order[1]
+    params = SamplingParams(min_tokens=3, stop_token_ids=(stop,))
+    gen = torch.Generator()
+    assert choose(x, params, [1], [7, 8], (eos,), gen)[0] == order[2]
+    assert choose(x, params, [1], [7, 8, 9], (eos,), gen)[0] == eos
+    assert params.stop_ids((eos,)) == {eos, stop}
+    assert SamplingParams(ignore_eos=True, stop_token_ids=(stop,)).stop_ids((eos,)) == {stop}
+
+
+def test_logit_bias_moves_the_argmax():
+    x = logits_row(5)
+    low = int(x.argmin())
+    assert choose(x, SamplingParams(logit_bias=((low, 100.0),)), [1], [], (), torch.Generator())[0] == low
+
+
+def test_top_k_and_min_p_keep_sampling_within_their_sets():
+    x = logits_row(6)
+    top3 = set(torch.topk(x, 3).indices.tolist())
+    gen = torch.Generator().manual_seed(0)
+    hot = SamplingParams(temperature=2.0, top_k=3, seed=0)
+    assert {choose(x, hot, [1], [], (), gen)[0] for _ in range(200)} == top3
+    # min_p 1: only the likeliest token is as likely as the likeliest.
+    assert {choose(x, SamplingParams(temperature=2.0, min_p=1.0), [1], [], (), gen)[0] for _ in range(20)} == {int(x.argmax())}

@@ -1,0 +1,269 @@
+"""The request surface of vLLM's OpenAI-compatible server, applied for real: the real `openai`
+client (the extensions in extra_body) against the app served by uvicorn in this process, on the
+real Scheduler over a tiny fp32 engine. Each parameter's effect is checked against a plain
+one-sequence loop over the same engine with the reference processors: penalties, min_tokens,
+ignore_eos, stop_token_ids, logprobs (the log_softmax of the engine's logits), top_k and min_p,
+echo, skip_special_tokens, include_stop_str_in_output; /tokenize and /detokenize round-trip; bad
+values and unknown fields are 400s naming the field."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import threading
+import time
+
+import openai
+import pytest
+import torch
+from conftest import tiny_engine
+
+from pocketllm.commands.make_checkpoint import CHAT_TEMPLATE, write_byte_tokenizer
+from pocketllm.engine.sampling import apply_penalties_reference
+from pocketllm.engine.scheduler import Scheduler
+from pocketllm.serving.app import Served, build_app
+from pocketllm.serving.chat_template import ChatTemplate
+from pocketllm.serving.engine_loop import EngineLoop
+from pocketllm.serving.metrics import Metrics
+from pocketllm.serving.protocol import Limits
+
+MODEL = "tiny-surface"
+MAX_LEN = 256
+# A prompt whose greedy continuation repeats a token (at its 7th), so every penalty changes it.
+PROMPT = "abc abc abc"
+NEW = 24
+# Added tokens <256>..<259> are special: skip_special_tokens leaves them out of the text.
+SPECIAL = range(256, 260)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("surface") / "tokenizer.json"
+    write_byte_tokenizer(path)
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(f"<{i}>", normalized=False, special=True) for i in SPECIAL])
+    tok.add_tokens([AddedToken(f"<{i}>", normalized=False, special=False) for i in range(260, 1000)])
+    assert tok.get_vocab_size() == 1000 and tok.token_to_id("<256>") == 256
+    return tok
+
+
+def reference(engine, prompt: list[int], new: int, stop=(), min_tokens: int = 0, rep=1.0, freq=0.0, presence=0.0, bias=None):
+    """Greedy tokens by a plain loop over one sequence, with the reference penalty and the stop
+    tokens masked until min_tokens; and the logits each token was chosen from."""
+    engine.start_sequence(len(prompt) + new)
+    logits = engine.prefill(torch.tensor(prompt))
+    out, rows = [], []
+    while len(out) < new:
+        rows.append(logits.float().clone())
+        x = logits.float().clone()
+        if len(out) < min_tokens:
+            x[list(stop)] = float("-inf")
+        if bias:
+            for t, b in bias.items():
+                x[t] += b
+        x = apply_penalties_reference(x, prompt, out, rep, freq, presence)
+        out.append(int(x.argmax()))
+        if out[-1] in stop:
+            break
+        logits = engine.decode(out[-1])
+    return out, rows
+
+
+@pytest.fixture(scope="module")
+def eos(engine):
+    """The served eos id: a token the prompt's greedy continuation reaches at its 4th step, first."""
+    ids, _ = reference(engine, list(PROMPT.encode()), NEW)
+    return next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+
+
+class Server:
+    def __init__(self, engine, tokenizer, eos: int):
+        import uvicorn
+
+        self.loop = EngineLoop(Scheduler(engine, max_running=4, max_len=MAX_LEN), Metrics())
+        served = Served(Limits(MODEL, MAX_LEN, 1000), tokenizer, ChatTemplate(CHAT_TEMPLATE), (eos,), self.loop)
+        config = uvicorn.Config(build_app(served), host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="off")
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.loop.start()
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.uvicorn.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.port = self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=30, max_retries=0)
+
+    def post(self, path: str, body) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        with contextlib.closing(conn):
+            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+        self.loop.begin_shutdown()
+        assert self.loop.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tokenizer, eos):
+    s = Server(engine, tokenizer, eos)
+    yield s
+    s.close()
+
+
+def complete(server, prompt=PROMPT, max_tokens=NEW, **extra):
+    """A greedy completion; fields OpenAI's client does not name travel in extra_body."""
+    named = {k: extra.pop(k) for k in ("logprobs", "echo", "stop", "temperature", "seed", "logit_bias") if k in extra}
+    args = {"temperature": 0} | named
+    c = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                         extra_body={"return_token_ids": True, **extra}, **args).choices[0]
+    return c
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fields,kw", [
+    ({"repetition_penalty": 1.8}, dict(rep=1.8)),
+    ({"repetition_penalty": 0.5}, dict(rep=0.5)),
+    ({"frequency_penalty": 1.5}, dict(freq=1.5)),
+    ({"presence_penalty": 2.0}, dict(presence=2.0)),
+    ({"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5}, dict(rep=1.3, freq=0.5, presence=0.5)),
+    ({"logit_bias": {"65": 3.0}}, dict(bias={65: 3.0})),
+], ids=["repetition", "repetition<1", "frequency", "presence", "all", "logit_bias"])
+def test_penalties_change_a_greedy_continuation_as_the_reference_computes(server, engine, eos, fields, kw):
+    prompt = list(PROMPT.encode())
+    plain, _ = reference(engine, prompt, NEW)
+    want, _ = reference(engine, prompt, NEW, **kw)
+    got = complete(server, ignore_eos=True, **fields)
+    assert got.model_extra["token_ids"] == want and want != plain
+
+
+@pytest.mark.timeout(60)
+def test_eos_min_tokens_ignore_eos_and_stop_token_ids(server, engine, eos, tokenizer):
+    prompt = list(PROMPT.encode())
+    plain, _ = reference(engine, prompt, NEW, (eos,))
+    alone = complete(server)
+    assert alone.model_extra["token_ids"] == plain and plain[-1] == eos and alone.finish_reason == "stop"
+    assert alone.model_extra["stop_reason"] is None
+    # min_tokens holds eos off: the continuation goes on past it, as the masked reference does.
+    held, _ = reference(engine, prompt, NEW, (eos,), min_tokens=len(plain) + 2)
+    c = complete(server, min_tokens=len(plain) + 2)
+    assert c.model_extra["token_ids"] == held and eos not in held[: len(plain) + 2]
+    # ignore_eos runs to max_tokens through eos, which then shows in the text like any token.
+    through, _ = reference(engine, prompt, NEW, ())
+    c = complete(server, ignore_eos=True)
+    assert (c.model_extra["token_ids"], c.finish_reason) == (through, "length") and eos in through
+    assert c.text == tokenizer.decode(through)
+    # A stop token id ends the request with finish_reason stop, its text left out unless asked for.
+    at = next(i for i, t in enumerate(through) if i >= 2 and t not in through[:i])
+    stop = through[at]
+    c = complete(server, ignore_eos=True, stop_token_ids=[stop])
+    assert (c.model_extra["token_ids"], c.finish_reason, c.model_extra["stop_reason"]) == (through[: at + 1], "stop", stop)
+    assert c.text == tokenizer.decode(through[:at])
+    c = complete(server, ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert c.text == tokenizer.decode(through[: at + 1])
+
+
+@pytest.mark.timeout(60)
+def test_logprobs_are_the_log_softmax_of_the_engines_logits(server, engine, eos, tokenizer):
+    prompt = list(PROMPT.encode())
+    ids, rows = reference(engine, prompt, 8, (eos,))
+    want = [torch.log_softmax(r, dim=-1) for r in rows]
+    c = complete(server, max_tokens=8, logprobs=3)
+    lp = c.logprobs
+    assert c.model_extra["token_ids"] == ids and lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs == pytest.approx([float(w[t]) for w, t in zip(want, ids)], abs=1e-4)
+    for top, w, t in zip(lp.top_logprobs, want, ids):
+        names = {tokenizer.decode([i], skip_special_tokens=False) for i in torch.topk(w, 3).indices.tolist() + [t]}
+        assert set(top) == names
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(ids))]
+    by_id = complete(server, max_tokens=8, logprobs=0, return_tokens_as_token_ids=True).logprobs
+    assert by_id.tokens == [f"token_id:{t}" for t in ids] and by_id.token_logprobs == lp.token_logprobs
+    assert by_id.top_logprobs == [{f"token_id:{t}": v} for t, v in zip(ids, lp.token_logprobs)]
+    # Streamed, the chunks' logprobs add up to the same.
+    chunks = list(server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True))
+    assert [v for ch in chunks for v in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # Chat: logprobs true with top_logprobs N, each position's N likeliest, likeliest first.
+    messages = [{"role": "user", "content": "hi"}]
+    r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                              top_logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+    chat_prompt = r.model_extra["prompt_token_ids"]
+    chat_ids, chat_rows = reference(engine, chat_prompt, 4)
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [tokenizer.decode([t], skip_special_tokens=False) for t in chat_ids]
+    for e, row, t in zip(content, chat_rows, chat_ids):
+        w = torch.log_softmax(row, dim=-1)
+        assert e.logprob == pytest.approx(float(w[t]), abs=1e-4) and e.bytes == list(e.token.encode())
+        assert [x.logprob for x in e.top_logprobs] == pytest.approx(torch.topk(w, 2).values.tolist(), abs=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_top_k_1_and_min_p_1_sample_the_greedy_token(server, engine):
+    greedy = complete(server, ignore_eos=True).model_extra["token_ids"]
+    assert complete(server, ignore_eos=True, temperature=1.5, seed=3, top_k=1).model_extra["token_ids"] == greedy
+    assert complete(server, ignore_eos=True, temperature=1.5, seed=3, min_p=1.0).model_extra["token_ids"] == greedy
+    assert complete(server, ignore_eos=True, temperature=1.5, seed=3, top_k=40).model_extra["token_ids"] != greedy
+
+
+@pytest.mark.timeout(60)
+def test_echo_special_tokens_and_stop_strings_in_the_text(server, tokenizer):
+    prompt = [72, 105, 256, 300]
+    c = complete(server, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True)
+    ids = c.model_extra["token_ids"]
+    assert c.text == tokenizer.decode(prompt) + tokenizer.decode(ids) and c.text.startswith("Hi<300>")
+    shown = complete(server, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True, skip_special_tokens=False).text
+    assert shown.startswith("Hi<256><300>")
+    # A special token forced by logit_bias: shown only with skip_special_tokens false.
+    forced = complete(server, max_tokens=2, ignore_eos=True, logit_bias={"256": 100})
+    assert forced.model_extra["token_ids"] == [256, 256] and forced.text == ""
+    assert complete(server, max_tokens=2, ignore_eos=True, logit_bias={"256": 100}, skip_special_tokens=False).text == "<256><256>"
+    text = complete(server, ignore_eos=True).text
+    stop = text[3:5]
+    cut = text[: text.index(stop)]
+    assert complete(server, ignore_eos=True, stop=[stop]).text == cut
+    c = complete(server, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == (cut + stop, "stop", stop)
+
+
+@pytest.mark.timeout(60)
+def test_tokenize_and_detokenize_round_trip(server, tokenizer):
+    status, r = server.post("/tokenize", {"model": MODEL, "prompt": "Hi <300> there", "return_token_strs": True})
+    assert status == 200 and r["tokens"] == tokenizer.encode("Hi <300> there").ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_LEN and r["token_strs"][3] == "<300>"
+    assert server.post("/detokenize", {"model": MODEL, "tokens": r["tokens"]}) == (200, {"prompt": "Hi <300> there"})
+    # Chat messages tokenize to the prompt a chat completion runs.
+    messages = [{"role": "user", "content": "hi"}]
+    status, r = server.post("/tokenize", {"model": MODEL, "messages": messages})
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"return_token_ids": True})
+    assert status == 200 and r["tokens"] == chat.model_extra["prompt_token_ids"]
+    for path, body, param in [("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": [1, 1000]}, "tokens"), ("/tokenize", {"model": "other", "prompt": "x"}, "model")]:
+        status, r = server.post(path, body)
+        assert 400 <= status < 500 and r["error"]["param"] == param, (path, body, r)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra,param", [
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"top_k": -5}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"min_tokens": NEW + 1}, "min_tokens"),
+    ({"stop_token_ids": [5000]}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"use_beam_search": True}, "use_beam_search"),
+])
+def test_bad_or_unknown_fields_are_400_naming_the_field(server, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        complete(server, **extra)
+    assert err.value.response.json()["error"]["param"] == param
