@@ -230,3 +230,47 @@ def test_each_engine_binds_its_own_kernels(monkeypatch, cache_dir):
         eng.prefill(torch.tensor([3, 1, 4, 1, 5]))
         logits[name] = eng.decode(9)
     assert (logits["mv"] - logits["c"]).abs().max().item() <= 0.05 * logits["mv"].abs().max().item()
+
+
+def test_a_new_kind_is_only_its_candidates(monkeypatch, cache_dir):
+    # An int8 family declared as the quantization work would: a one-row and a many-row kind, one
+    # candidate running the reference on the weight as loaded, one running a prepared (widened)
+    # layout that both kinds' candidates share.
+    from pocketllm.ops.quant.layout import dequantize, quant_linear_reference, quantize
+    from pocketllm.ops.registry import Candidate, Kind, kind_for
+    from pocketllm.ops.registry import kinds as registry_kinds
+
+    prepared = []
+
+    def widen(qw):
+        prepared.append(qw)
+        return dequantize(qw).to(torch.bfloat16)
+
+    def on_widened(x, w, out):
+        out.copy_(x.float() @ w.float().t())
+
+    def declare(name, rows, env):
+        return Kind(
+            name, "int8", rows, env,
+            (Candidate("ref", quant_linear_reference, "the reference"),
+             Candidate("widened", on_widened, "a bf16 copy", prepare=widen, layout="widened")),
+            default="ref", probe="stream" if rows == ONE else "widest",
+        )
+
+    monkeypatch.setitem(registry_kinds._KINDS, ("int8", ONE), declare("one-row", ONE, "TEST_INT8_GEMV"))
+    monkeypatch.setitem(registry_kinds._KINDS, ("int8", MANY), declare("many-row", MANY, "TEST_INT8_GEMM"))
+    assert kind_for("int8", ONE).name == "one-row" and kind_for("int8", FEW) is None
+    weights = [quantize(torch.randn(48, 64), "int8", scale_dtype=torch.bfloat16) for _ in range(2)]
+    chosen = KernelSet.choose(weights, env={"TEST_INT8_GEMV": "widened"})
+    assert chosen.describe()[0].startswith("int8 one-row kernels (forced): 48x64 widened")
+    prepared.clear()
+    bound = chosen.bind(weights[0])
+    # One prepared copy, shared by every row class that runs the widened layout.
+    assert bound.names["one-row"] == "widened" and len(prepared) == 1
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        want = torch.empty(rows, 48, dtype=torch.bfloat16)
+        quant_linear_reference(x, weights[0], want)
+        torch.testing.assert_close(bound(x).float(), want.float(), atol=0.05, rtol=0.02)
+    with pytest.raises(UsageError, match="TEST_INT8_GEMV='c' is not a one-row kernel: use auto, ref, widened"):
+        KernelSet.choose(weights, env={"TEST_INT8_GEMV": "c"})

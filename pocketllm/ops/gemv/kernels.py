@@ -96,15 +96,16 @@ def compiled_gemv(prefetch: int) -> Kernel:
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         # One expression of attribute reads on the hot path; refuse() says which argument broke it.
+        s = w.shape
         if not (
-            x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and w.dim() == 2 and x.numel() == w.shape[1]
-            and out.numel() == w.shape[0] and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
+            len(s) == 2 and x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and x.numel() == s[1] and out.numel() == s[0]
+            and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
         ):
             refuse("gemv_bf16", _gemv_specs(x, w, out))
         if not x.is_contiguous():
             x = x.contiguous()
         # Only ever chosen after unavailable() built the library, which set _c_gemv.
-        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], prefetch)
+        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], prefetch)
 
     return run
 

@@ -64,12 +64,12 @@ from pocketllm.ops.registry.kinds import (
     ONE,
     Candidate,
     Kind,
+    all_kinds,
     check_forced,
     dtype_format,
     few_rows_for,
     format_family,
     kind_for,
-    kinds,
     one_row,
     register,
     row_class,
@@ -81,7 +81,7 @@ ONE_ROW, FEW_ROW, MANY_ROW = float_kinds.ONE_ROW, float_kinds.FEW_ROW, float_kin
 
 __all__ = [
     "FEW", "FEW_MAX", "FEW_ROW", "MANY", "MANY_ROW", "NOT_CACHED_BUSY", "NOT_CACHED_IMPLAUSIBLE", "ONE", "ONE_ROW", "WASH",
-    "BoundKernels", "Candidate", "Choice", "Kind", "KernelSet", "Monitor",
-    "check_forced", "choose", "dtype_format", "default_kernels", "few_rows_for", "format_family", "kind_for", "kinds", "one_row", "pick",
+    "BoundKernels", "Candidate", "all_kinds", "Choice", "Kind", "KernelSet", "Monitor",
+    "check_forced", "choose", "dtype_format", "default_kernels", "few_rows_for", "format_family", "kind_for", "one_row", "pick",
     "projection_reference", "register", "row_class", "weight_format",
 ]

@@ -21,16 +21,18 @@ from pocketllm.ops.registry.trust import Monitor, Verdict, implausible, read_rat
 WASH = 0.03
 # A measurement: at least PASSES passes, more (up to MAX_PASSES) until it has lasted MIN_SECONDS,
 # long enough for the machine's counters to tell a disturbed window; up to ATTEMPTS of them while
-# the machine is busy or the result implausible.
+# the machine is busy or the result implausible (the last only while they have taken less than
+# RETRY_BUDGET_S: on a busy machine a big model's attempts are slow, and a user waits for each).
 PASSES = 6
 MAX_PASSES = 24
 MIN_SECONDS = 0.3
 ATTEMPTS = 3
 RETRY_WAIT_S = 0.1
+RETRY_BUDGET_S = 2.0
 # The check of cached entries at load: every key's cached kernel against its runner-up in
 # CHECK_PASSES alternated passes (no warm-up; more, up to CHECK_MAX_PASSES, until it has lasted
-# CHECK_MIN_SECONDS, so that a busy machine shows), judged on keys whose cached kernel takes at
-# least CHECK_MIN_CALL_S a call (shorter ones are timer and dispatch noise in a few passes); it
+# CHECK_MIN_SECONDS, so that a busy machine shows), judged on keys where one of the two now takes
+# at least CHECK_MIN_CALL_S a call (shorter calls are timer and dispatch noise in a few passes); it
 # disagrees when the runner-up now wins by more than the wash plus CHECK_NOISE, or the cached
 # kernel now runs more than CHECK_RATIO faster or slower than the cache says.
 CHECK_PASSES = 4
@@ -229,7 +231,10 @@ def measure_trusted(kind: Kind, weights: list, rows: int, names: list[str], nbyt
     slots = {c.key: names for c in calls}
     read_rate = _read_rate_for(kind, monitor)
     merged: dict = {}
+    begun = time.perf_counter()
     for attempt in range(ATTEMPTS):
+        if attempt > 1 and time.perf_counter() - begun > RETRY_BUDGET_S:
+            break
         if attempt:
             time.sleep(RETRY_WAIT_S * attempt)
         started = monitor.start()
@@ -255,7 +260,7 @@ def recheck(kind: Kind, weights: list, rows: int, cached: dict, by_key: dict, mo
         others = {n: s for n, s in seconds.items() if n != chosen}
         runner = min(others, key=others.get) if others else chosen
         slots[k] = [chosen, runner]
-        if runner != chosen and seconds[chosen] >= CHECK_MIN_CALL_S:
+        if runner != chosen:
             judged.append(k)
     if not judged:
         return None, {}
@@ -270,6 +275,8 @@ def recheck(kind: Kind, weights: list, rows: int, cached: dict, by_key: dict, mo
     for k in judged:
         chosen, runner = slots[k]
         c, r = now[k][chosen], now[k][runner]
+        if max(c, r) < CHECK_MIN_CALL_S:
+            continue
         if r * (1 + WASH + CHECK_NOISE) < c:
             disagree[k] = f"{runner} ran {c / r:.2f}x faster than {chosen}"
         elif max(c, cached[k][chosen]) > CHECK_RATIO * min(c, cached[k][chosen]):

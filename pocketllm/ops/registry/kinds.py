@@ -157,7 +157,7 @@ def kind_for(fmt: str, rows: str) -> Kind | None:
     return _KINDS.get((format_family(fmt), rows))
 
 
-def kinds() -> list[Kind]:
+def all_kinds() -> list[Kind]:
     return list(_KINDS.values())
 
 
@@ -165,7 +165,7 @@ def check_forced(formats, device_kind: str, env=os.environ) -> None:
     """Every forced kernel names a candidate, and one that cannot run weights of these formats on
     this device is a usage error, before any rank starts."""
     device = torch.device(device_kind)
-    for kind in kinds():
+    for kind in all_kinds():
         name = kind.forced(env)
         if name is None:
             continue
