@@ -168,14 +168,15 @@ def test_a_spoiled_cache_entry_is_measured_again(cache_dir):
 def test_a_cached_choice_the_check_refutes_is_measured_again(cache_dir):
     # The cache claims the slowest kernel is four times faster than the fastest: plausible (fast),
     # but the check at load times it against its runner-up and finds otherwise.
-    weights = [bf16(2048, 1024) for _ in range(2)]
-    quiet = choose(ONE_ROW, weights, env={}, monitor=TOLERANT).seconds[(2048, 1024)]
+    # Weights whose calls are long enough to be judged (32 MiB of 8 MiB weights).
+    weights = [bf16(4096, 1024) for _ in range(4)]
+    quiet = choose(ONE_ROW, weights, env={}, monitor=TOLERANT).seconds[(4096, 1024)]
     slowest = max(quiet, key=quiet.get)
     claimed = {**quiet, slowest: min(quiet.values()) / 4}
-    write_entries(ONE_ROW, weights, {(2048, 1024): claimed})
+    write_entries(ONE_ROW, weights, {(4096, 1024): claimed})
     again = choose(ONE_ROW, weights, env={}, monitor=TOLERANT)
-    assert "re-measured: cached 2048x1024 disagreed" in again.how + again.note
-    assert again.seconds[(2048, 1024)][slowest] > claimed[slowest]
+    assert "re-measured: cached 4096x1024 disagreed" in again.how + again.note
+    assert again.seconds[(4096, 1024)][slowest] > claimed[slowest]
 
 
 def test_an_unreadable_cache_is_measured_again(cache_dir):

@@ -18,7 +18,7 @@ from pocketllm.layers.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops.gated_delta import GdnKernel
-from pocketllm.ops.registry import KernelSet
+from pocketllm.ops.registry import KernelSet, one_row
 
 
 @dataclass
@@ -135,7 +135,7 @@ class Engine:
                 raise RuntimeError(f"sequence of {start + ids.shape[0]} positions exceeds the {self.slot_capacity} reserved per slot")
             total += ids.shape[0]
         slices = self.policy.slices_for_rows(total)
-        decode = all(ids.shape[0] == 1 for _, _, ids in spans)
+        decode = all(one_row(ids.shape[0]) for _, _, ids in spans)
         ctx = self.model.packed_context([(start, ids.shape[0]) for _, start, ids in spans], slices)
         ids = torch.cat([ids for _, _, ids in spans]).to(self.device)
         return self._pass(ids, ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pocketllm.ops.registry.kinds import Kind, weight_bytes, weight_rows
+from pocketllm.ops.registry.kinds import Kind, one_row, weight_bytes, weight_rows
 
 # Enough weights per pass that the pass streams from memory, yet a 64-layer model is not read
 # dozens of times over at load: each shape's weights are taken in step order up to its share.
@@ -60,7 +60,7 @@ def calls_for(kind: Kind, weights: list, rows: int, budget: int = PASS_BYTES) ->
         if taken[s] == 0 or taken[s] < budget // len(shapes):
             chosen.append(w)
             taken[s] += weight_bytes(w)
-    lead = () if rows == 1 else (rows,)
+    lead = () if one_row(rows) else (rows,)
     xs = {s: torch.randn(*lead, s[1], dtype=dtype) for s in shapes}
     outs = {s: torch.empty(*lead, s[0], dtype=dtype) for s in shapes}
     return [Call(tuple(w.shape), w, xs[tuple(w.shape)], outs[tuple(w.shape)]) for w in chosen]
