@@ -5,6 +5,7 @@ run on, `pocketllm bench --json` in a fresh process, and median (min..max) forma
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -51,25 +52,26 @@ def decode_weight_bytes(model) -> int:
 
 def projection_weights(model) -> list[torch.Tensor]:
     """Every weight a decode step reads through a GEMV: the projections, then the head."""
-    return model.one_row_weights()
+    return model.projection_weights()
 
 
 def gemv_only_step_seconds(model, reps: int = 5, op=None) -> float:
     """A decode step cut down to its GEMVs: op(x, w) for a single row x over the model's own
     projection and head weights, in module order, and nothing else; best of `reps` passes after
-    one warm-up pass. `op` defaults to the engine's single-row GEMV (pocketllm.ops.gemm), which
-    makes this the fastest a step can be with that GEMV on this machine, whatever else is fused;
-    any other op (decode_anatomy passes F.linear) is timed the same way, so the figures compare."""
-    if op is None:
-        from pocketllm.ops.gemm import linear_rows as op
-
-    weights = projection_weights(model)
-    rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+    one warm-up pass. Without `op`, each projection's own bound kernels run (the engine's
+    choice), which makes this the fastest a step can be with those kernels on this machine,
+    whatever else is fused; any other op (decode_anatomy passes each candidate) is timed the same
+    way, so the figures compare."""
+    layers = model.projections()
+    calls = [(m.kernels, m.weight) for m in layers]
+    if op is not None:
+        calls = [(functools.partial(op, w=w), w) for _, w in calls]
+    rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for _, w in calls]
     best = float("inf")
     for i in range(reps + 1):
         t0 = time.perf_counter()
-        for x, w in zip(rows, weights):
-            op(x, w)
+        for x, (run, _) in zip(rows, calls):
+            run(x)
         if i:  # pass 0 is the warm-up
             best = min(best, time.perf_counter() - t0)
     return best

@@ -21,12 +21,12 @@ def stream_gbps(mib: int, reps: int, kernel: str, start_at: float | None = None)
     """GB/s of the one-row kernel `kernel` over `mib` MiB of 3072x1024 bf16 weights, the best of
     `reps` passes; the passes begin at the wall clock time `start_at` when given, so processes
     measuring side by side stream at once."""
-    from pocketllm.ops.gemv.kernels import CANDIDATES
+    from pocketllm.ops.registry import ONE_ROW
 
-    why = CANDIDATES[kernel].unavailable(torch.bfloat16, torch.device("cpu"))
+    why = ONE_ROW.by_name[kernel].unavailable("bfloat16", torch.device("cpu"))
     if why:
         raise SystemExit(f"--kernel {kernel}: {why}")
-    run = CANDIDATES[kernel].run
+    run = ONE_ROW.by_name[kernel].run
     count = max(1, mib * 2**20 // (3072 * 1024 * 2))
     weights = [torch.randn(3072, 1024, dtype=torch.bfloat16) for _ in range(count)]
     x, out = torch.randn(1024, dtype=torch.bfloat16), torch.empty(3072, dtype=torch.bfloat16)

@@ -6,9 +6,9 @@ One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, 
   avoids it; with THP `always` torch's memory may get huge pages too);
 - the same step with every single-row GEMV replaced by a ready output (the rest of the step);
 - a step cut down to its GEMVs alone (the engine's one-row kernels, as measured and chosen per
-  weight shape at load, over the model's own weights), and the same with every weight run by one
-  candidate kernel (pocketllm.ops.gemv: mv, mv-native, mm, c where it runs), all timed alike
-  (common.gemv_only_step_seconds);
+  weight shape at load and bound to each projection, over the model's own weights), and the same
+  with every weight run by one candidate kernel (pocketllm.ops.registry's one-row kind: mv,
+  mv-native, mm, c, c-prefetch where they run), all timed alike (common.gemv_only_step_seconds);
 - the same matrices in fp32, on huge pages, summed one op at a time.
 After the reps, once: one 1 GiB fp32 sum (the read bandwidth the streaming limit uses); and, for
 context, one-row ops alone and right after a GEMV has streamed a weight (in turn, up to 8 of the
@@ -35,7 +35,7 @@ import torch
 
 from pocketllm import host_memory
 from pocketllm.model_args import parse_dtype
-from pocketllm.ops.gemv.kernels import kernels_for
+from pocketllm.ops.registry import ONE_ROW, weight_format
 from common import PocketRunner, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread, tensor_bytes
 
 
@@ -50,36 +50,37 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+class ReadyKernels:
+    """A projection's kernels that return a ready output for one row instead of reading the
+    weight, and run the real ones for more rows."""
+
+    def __init__(self, real):
+        self.real, self.out_features = real, real.out_features
+        # Made once: the stand-in must cost nothing per call.
+        self.ready = 0.1 * torch.randn(1, real.out_features, dtype=real.weight.dtype)
+
+    def __call__(self, x, out=None):
+        if x.shape[0] != 1:
+            return self.real(x, out)
+        return self.ready if out is None else out.copy_(self.ready)
+
+
 class ReadyGemvs:
-    """While active, every single-row GEMV in the engine returns a ready output of the right shape
+    """While active, every projection's one-row GEMV returns a ready output of the right shape
     instead of reading its weight: what is left of a step is everything but the weight streaming."""
 
-    MODULES = ("pocketllm.layers.linear", "pocketllm.layers.embedding", "pocketllm.distributed.overlap")
-
-    def __init__(self):
-        self.modules = [sys.modules[name] for name in self.MODULES]
-        self.real = self.modules[0].linear_rows
-        self.outputs = {}
-
-    def _fake(self, x, w, out=None):
-        if x.shape[0] != 1:
-            return self.real(x, w, out)
-        # Made once per shape: the stand-in must cost nothing per call (setdefault would build a
-        # random tensor on every call only to drop it).
-        ready = self.outputs.get(w.shape[0])
-        if ready is None:
-            ready = self.outputs[w.shape[0]] = 0.1 * torch.randn(1, w.shape[0], dtype=w.dtype)
-        if out is None:
-            return ready
-        return out.copy_(ready)
+    def __init__(self, model):
+        self.layers = model.projections()
+        self.real = [m.kernels for m in self.layers]
+        self.ready = [ReadyKernels(k) for k in self.real]
 
     def __enter__(self):
-        for m in self.modules:
-            m.linear_rows = self._fake
+        for m, k in zip(self.layers, self.ready):
+            m.kernels = k
 
     def __exit__(self, *exc):
-        for m in self.modules:
-            m.linear_rows = self.real
+        for m, k in zip(self.layers, self.real):
+            m.kernels = k
 
 
 class PlainPages:
@@ -153,11 +154,11 @@ def main(argv=None) -> int:
     huge_mib = huge_page_mib()
     weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w) for w in weights]
     prompt = list(range(1, 33))
-    ready = ReadyGemvs()
+    ready = ReadyGemvs(model)
     plain = PlainPages(model)
     runner.decode(prompt, 2)
 
-    kernels = [c for c in kernels_for(weights[0].dtype, weights[0].device)]
+    kernels = [ONE_ROW.by_name[n] for n in ONE_ROW.available(weight_format(weights[0]), weights[0].device)]
     ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
     ms.update({f"GEMVs alone, all {c.name}": [] for c in kernels})
     ms["fp32 sums alone"] = []

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
 
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama.version}")
     print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} (median, min..max)")
-    print(pocket.engine.gemv.describe())
+    print("\n".join(pocket.engine.kernels.describe()))
     print(pocket.engine.model.decode_ops.describe())
     print(f"{'measure':<22}{'pocketllm':>26}{'llama.cpp':>26}{'ratio':>8}")
     summary = {"machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps}

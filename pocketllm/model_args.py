@@ -18,7 +18,7 @@ from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
 from pocketllm.loader.random_weights import RandomWeights
-from pocketllm.ops import gemv, many_rows
+from pocketllm.ops import registry
 from pocketllm.ops.gated_delta import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 
@@ -137,8 +137,7 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
         raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
     dtype = parse_dtype(args.dtype)
     kind = resolve_kind(args.device)
-    gemv.check_forced(dtype, kind)
-    many_rows.forced_kernel()
+    registry.check_forced([registry.dtype_format(dtype)], kind)
     gdn_kernel = plan_gdn_kernel(kind, dtype)
     policy = None
     if with_policy:

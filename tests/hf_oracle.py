@@ -8,22 +8,27 @@ from pathlib import Path
 import torch
 
 
-def build_hf_model(vocab: int = 251, kv_heads: int = 1, tie: bool = False, layers: int = 4, seed: int = 0, max_positions: int = 512):
+def build_hf_model(
+    vocab: int = 251, kv_heads: int = 1, tie: bool = False, layers: int = 4, seed: int = 0, max_positions: int = 512,
+    hidden: int = 64, head_dim: int = 16,
+):
+    """head_dim sizes the attention heads and the GDN's key and value heads alike; the MLP is
+    twice `hidden` wide."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
     cfg = Qwen3_5TextConfig(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=kv_heads,
-        head_dim=16,
+        head_dim=head_dim,
         linear_num_key_heads=4,
         linear_num_value_heads=8,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
         linear_conv_kernel_dim=4,
         max_position_embeddings=max_positions,
         tie_word_embeddings=tie,

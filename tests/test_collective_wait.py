@@ -79,6 +79,7 @@ def test_every_engine_collective_is_waited_for_by_polling(restore_waiting, monke
 
     from pocketllm.distributed import state
     from pocketllm.distributed.overlap import projection_all_reduce_overlapped
+    from pocketllm.ops.registry import default_kernels
 
     issued, waited = [], []
 
@@ -95,8 +96,8 @@ def test_every_engine_collective_is_waited_for_by_polling(restore_waiting, monke
     monkeypatch.setattr(waiting, "wait", lambda work: waited.append(work))
     monkeypatch.setattr(state, "_TP", state.TPState(0, 2))
     x, w = torch.ones(4, 8), torch.ones(3, 8)
-    projection_all_reduce_overlapped(x, w, 1, "mlp.down")  # serial
-    projection_all_reduce_overlapped(x, w, 2, "mlp.down")  # two slices
+    projection_all_reduce_overlapped(x, default_kernels(w), 1, "mlp.down")  # serial
+    projection_all_reduce_overlapped(x, default_kernels(w), 2, "mlp.down")  # two slices
     state.all_gather_cat(torch.ones(1, 3))
     state.broadcast_(torch.zeros(1, dtype=torch.long))
     assert issued == ["all_reduce", "all_reduce", "all_reduce", "all_gather", "broadcast"]

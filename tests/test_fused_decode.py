@@ -75,3 +75,48 @@ def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
         if hasattr(sa, "recurrent"):
             torch.testing.assert_close(sa.recurrent, sb.recurrent, atol=2e-2, rtol=2e-2)
             assert_within_ulps(sa.conv, sb.conv, 1)
+
+
+def test_the_compiled_ops_refuse_bad_arguments():
+    kernels.library()
+    bf, f32 = torch.bfloat16, torch.float32
+    h, scale = torch.randn(1, 64, dtype=bf), torch.ones(64)
+    with pytest.raises(ValueError, match=r"add_rms_norm_bf16: scale must be float32, got bfloat16"):
+        kernels.add_rms_norm(h, None, scale.to(bf), 1e-6)
+    with pytest.raises(ValueError, match=r"add_rms_norm_bf16: x has shape \(1, 32\)"):
+        kernels.add_rms_norm(h, torch.randn(1, 32, dtype=bf), scale, 1e-6)
+    with pytest.raises(ValueError, match=r"add_rms_norm_bf16: h has shape \(2, 64\) \(128 elements\) where 64 are needed"):
+        kernels.add_rms_norm(torch.randn(2, 64, dtype=bf), None, scale, 1e-6)
+    with pytest.raises(ValueError, match=r"silu_mul_bf16: up has shape \(1, 63\)"):
+        kernels.silu_mul(h, h[:, :63])
+    # The GDN block: hk=1, hv=2, dk=dv=16, a 4-tap conv over 64 channels.
+    hk, hv, dk, dv, k = 1, 2, 16, 16, 4
+    conv = 2 * hk * dk + hv * dv
+    args = dict(
+        proj=torch.randn(1, conv + hv * dv + 2 * hv, dtype=bf), taps=torch.randn(k, conv), conv_state=torch.zeros(k - 1, conv, dtype=bf),
+        neg_a=-torch.rand(hv), dt_bias=torch.zeros(hv, dtype=bf), norm_w=torch.ones(dv, dtype=bf), eps=1e-6,
+        state=torch.zeros(hv, dk, dv), hk=hk, hv=hv, dk=dk, dv=dv,
+    )
+    assert kernels.gdn_decode(**args).shape == (1, hv * dv)
+    with pytest.raises(ValueError, match=r"gdn_decode_bf16: state has shape \(2, 16, 8\)"):
+        kernels.gdn_decode(**{**args, "state": torch.zeros(hv, dk, dv // 2)})
+    with pytest.raises(ValueError, match=r"gdn_decode_bf16: conv_state must be contiguous"):
+        kernels.gdn_decode(**{**args, "conv_state": torch.zeros(conv, k - 1, dtype=bf).t()})
+    with pytest.raises(ValueError, match=r"gdn_decode_bf16: neg_a must be float32, got bfloat16"):
+        kernels.gdn_decode(**{**args, "neg_a": args["neg_a"].to(bf)})
+    # Gated attention: 2 heads over 1 KV head of 16, a cache of 8 positions, rotary over 8 dims.
+    heads, kvh, d = 2, 1, 16
+    att = dict(
+        qkv=torch.randn(1, heads * 2 * d + 2 * kvh * d, dtype=bf), q_scale=torch.ones(d), k_scale=torch.ones(d), eps=1e-6,
+        cos=torch.ones(4), sin=torch.zeros(4), k_cache=torch.zeros(kvh, 8, d, dtype=bf), v_cache=torch.zeros(kvh, 8, d, dtype=bf),
+        pos=3, heads=heads, kv_heads=kvh, head_dim=d, scale=d**-0.5,
+    )
+    assert kernels.attention_decode(**att).shape == (1, heads * d)
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: pos 8 is outside the cache's 8 positions"):
+        kernels.attention_decode(**{**att, "pos": 8})
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: v_cache has shape \(1, 4, 16\)"):
+        kernels.attention_decode(**{**att, "v_cache": torch.zeros(kvh, 4, d, dtype=bf)})
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: qkv has shape"):
+        kernels.attention_decode(**{**att, "qkv": att["qkv"][:, :-1]})
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: k_cache must be bfloat16, got float32"):
+        kernels.attention_decode(**{**att, "k_cache": torch.zeros(kvh, 8, d, dtype=f32)})

@@ -1,23 +1,25 @@
-"""The one-row kernels against their plain reference, and how one is chosen per weight shape:
-measured and cached per machine, forced by POCKETLLM_GEMV, refused in one line when it cannot run."""
+"""The one-row and few-row kernels against their plain references, which kernel a bound projection
+runs at each row count, the compiled wrappers refusing bad arguments, and what happens without a
+compiler. (How a kernel is chosen: test_registry.py.)"""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
-from conftest import usage_error_in_process
 from pocketllm import compiled
 from pocketllm.errors import UsageError
-from pocketllm.ops import gemv
-from pocketllm.ops.gemv import choice as gemv_choice
-from pocketllm.ops.gemv.kernels import CANDIDATES, FEW_ROW_CANDIDATES, gemv_reference, kernels_for, rows_reference
+from pocketllm.ops.gemv.kernels import gemv_reference, rows_reference
+from pocketllm.ops.registry import FEW_ROW, ONE_ROW, Choice, KernelSet, check_forced
 
 # (out, in): a multiple of every vector width, then rows that leave a remainder after the
 # four-row blocks and widths that end mid-vector.
 SHAPES = [(64, 256), (7, 1000), (130, 33), (1, 5)]
+CPU = torch.device("cpu")
+
+
+def _fmt(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
@@ -28,13 +30,13 @@ def test_every_kernel_matches_the_reference(shape, dtype):
     x = torch.randn(shape[1], dtype=dtype)
     want = torch.empty(shape[0], dtype=dtype)
     gemv_reference(x, w, want)
-    names = [c.name for c in kernels_for(dtype, torch.device("cpu"))]
+    names = ONE_ROW.available(_fmt(dtype), CPU)
     if dtype == torch.bfloat16:
         # The compiled kernel must be among them here: the machines this suite runs on have a compiler.
         assert "c" in names
     for name in names:
         got = torch.full((shape[0],), float("nan"), dtype=dtype)
-        CANDIDATES[name].run(x, w, got)
+        ONE_ROW.by_name[name].run(x, w, got)
         # Sums in another order: within one rounding of the output dtype, relative to the terms.
         scale = (w.float().abs() @ x.float().abs()).max().item()
         tol = 2 * torch.finfo(dtype).eps * max(scale, 1.0)
@@ -52,93 +54,70 @@ def test_every_few_row_kernel_matches_the_reference(shape, rows, dtype):
     x = torch.randn(rows, shape[1], dtype=dtype)
     want = torch.empty(rows, shape[0], dtype=dtype)
     rows_reference(x, w, want)
-    names = [c.name for c in kernels_for(dtype, torch.device("cpu"), rows)]
+    names = FEW_ROW.available(_fmt(dtype), CPU)
     assert ("c" in names) == (dtype == torch.bfloat16)
     scale = max((x.float().abs() @ w.float().abs().t()).max().item(), 1.0)
     for name in names:
         got = torch.full((rows, shape[0]), float("nan"), dtype=dtype)
-        FEW_ROW_CANDIDATES[name].run(x, w, got)
+        FEW_ROW.by_name[name].run(x, w, got)
         assert (got.float() - want.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps * scale, name
 
 
-def test_few_rows_run_the_kernel_chosen_for_the_next_row_count_up(monkeypatch, tmp_path):
-    from pocketllm.ops.gemm import linear_rows
-
-    monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path))
-    w = torch.randn(12, 32, dtype=torch.bfloat16)
-    choice = gemv.choose([w], env={}, rows=4)
-    assert choice.how == "measured" and choice.rows == 4 and "4-row kernels" in choice.describe()
-    assert set(choice.seconds[(12, 32)]) == {c.name for c in kernels_for(torch.bfloat16, torch.device("cpu"), 4)} >= {"mm", "c"}
-    assert gemv.choose([w], env={}, rows=4).how == "cached"
-    calls = []
-    monkeypatch.setitem(FEW_ROW_CANDIDATES, "c", FEW_ROW_CANDIDATES["c"].__class__("c", lambda x, w, out: calls.append(x.shape[0]) or out.zero_(), ""))
-    gemv.install(gemv.GemvChoice("forced", {(12, 32): "c"}, rows=4), torch.bfloat16)
-    for m in (2, 3, 4, 5):
-        linear_rows(torch.randn(m, 32, dtype=torch.bfloat16), w)
-    # 5 rows is past every row count chosen for: torch's GEMM ran it.
-    assert calls == [2, 3, 4]
-    gemv.install(gemv.GemvChoice("forced", {(12, 32): "mm"}, rows=4), torch.bfloat16)
-    with pytest.raises(UsageError, match="POCKETLLM_FEW_ROWS='mv' is not a few-row kernel"):
-        gemv.forced_kernel({gemv.ENV_FEW_ROWS: "mv"}, rows=2)
-
-
-def test_a_shape_runs_the_kernel_chosen_for_it(monkeypatch):
-    calls = []
+def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count():
+    # One-row c; few-row choices made for 2 and 8 rows (c for 2, mm for 8, and the 8-row one not
+    # covering the other shape); the many-row GEMM past them.
     w, other = torch.randn(12, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
-    try:
-        monkeypatch.setitem(CANDIDATES, "mm", CANDIDATES["mm"].__class__("mm", lambda x, w, out: calls.append(tuple(w.shape)) or out.zero_(), ""))
-        gemv.install(gemv.GemvChoice("forced", {(12, 32): "mm"}), torch.bfloat16)
-        out = torch.empty(12, dtype=torch.bfloat16)
-        gemv.gemv_row(torch.randn(32, dtype=torch.bfloat16), w, out)
-        gemv.gemv_row(torch.randn(32, dtype=torch.bfloat16), other, torch.empty(16, dtype=torch.bfloat16))
-        assert calls == [(12, 32)]
-    finally:
-        gemv.install(gemv.GemvChoice("default", {(12, 32): "mv"}), torch.bfloat16)
+    kernels = KernelSet([
+        Choice(ONE_ROW, "bfloat16", "forced", {(12, 32): "c"}),
+        Choice(FEW_ROW, "bfloat16", "forced", {(12, 32): "c", (16, 32): "c"}, rows=2),
+        Choice(FEW_ROW, "bfloat16", "forced", {(12, 32): "mm"}, rows=8),
+    ])
+    bound = kernels.bind(w)
+    assert bound.names == {"one-row": "c", "2-row": "c", "3-row": "mm", "4-row": "mm", "5-row": "mm", "6-row": "mm", "7-row": "mm", "8-row": "mm", "many-row": "mm"}
+    # A shape no one-row choice covers runs the kind's default; 3..8 rows of it are past the
+    # only few-row choice that covers it, so they take the many-row GEMM.
+    assert kernels.bind(other).names["one-row"] == "mv" and kernels.bind(other).names["3-row"] == "mm"
+    for rows in (1, 2, 3, 8, 9, 40):
+        x = torch.randn(rows, 32, dtype=torch.bfloat16)
+        got = bound(x)
+        want = x.float() @ w.float().t()
+        assert got.shape == (rows, 12) and (got.float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
 
 
-def test_measured_then_cached_then_forced(monkeypatch, tmp_path):
-    monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path))
-    weights = [torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(64, 48, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)]
-    first = gemv.choose(weights, env={})
-    assert first.how == "measured" and set(first.by_shape) == {(48, 64), (64, 48)}
-    # Every candidate that can run bf16 here was timed on every shape, and the fastest won.
-    for shape, seconds in first.seconds.items():
-        assert set(seconds) == {c.name for c in kernels_for(torch.bfloat16, torch.device("cpu"))}
-        assert first.by_shape[shape] == gemv_choice.pick(seconds)
-    cache = json.loads((tmp_path / "gemv.json").read_text())
-    assert len(cache) == 2 and all(f"{torch.get_num_threads()} threads" in key for key in cache)
-    again = gemv.choose(weights, env={})
-    assert again.how == "cached" and again.by_shape == first.by_shape
-    # Another thread count is another machine setting: measured anew.
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads + 1)
-        assert gemv.choose(weights, env={}).how == "measured"
-    finally:
-        torch.set_num_threads(threads)
-    forced = gemv.choose(weights, env={gemv.ENV_GEMV: "mv-native"})
-    assert forced.how == "forced" and set(forced.by_shape.values()) == {"mv-native"}
+@pytest.mark.parametrize("name", ["c", "c-prefetch"])
+def test_the_compiled_gemv_refuses_bad_arguments(name):
+    run = ONE_ROW.by_name[name].run
+    w, x, out = torch.randn(12, 32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16), torch.empty(12, dtype=torch.bfloat16)
+    run(x, w, out)
+    with pytest.raises(ValueError, match=r"gemv_bf16: x must be bfloat16, got float32"):
+        run(x.float(), w, out)
+    with pytest.raises(ValueError, match=r"gemv_bf16: x has shape \(31,\) \(31 elements\) where 32 are needed"):
+        run(x[:31], w, out)
+    with pytest.raises(ValueError, match=r"gemv_bf16: out has shape \(11,\)"):
+        run(x, w, out[:11])
+    with pytest.raises(ValueError, match=r"gemv_bf16: w must be contiguous"):
+        run(x, torch.randn(32, 12, dtype=torch.bfloat16).t(), out)
+    with pytest.raises(ValueError, match=r"gemv_bf16: w must have 2 dimensions"):
+        run(x, w.reshape(-1), out)
+    # A strided x is copied, not refused: it is only read.
+    strided = torch.randn(64, dtype=torch.bfloat16)[::2]
+    run(strided, w, out)
+    torch.testing.assert_close(out.float(), w.float() @ strided.float(), atol=0.05, rtol=0.02)
 
 
-def test_a_wash_goes_to_the_compiled_kernel_and_a_real_gap_to_the_fastest():
-    assert gemv_choice.pick({"mv": 1.0, "c": 1.01, "mm": 2.0}) == "c"
-    assert gemv_choice.pick({"mv": 1.0, "c": 1.05, "mm": 2.0}) == "mv"
-    assert gemv_choice.pick({"mv": 1.0, "mm": 1.001}) == "mv"
-    assert gemv_choice.pick({"mm": 1.0, "c": 1.01, "amx": 1.015}, rows=4) == "amx"
-    assert gemv_choice.pick({"mm": 1.0, "c": 1.01, "amx": 1.5}, rows=4) == "c"
-
-
-def test_a_bad_or_impossible_forced_kernel_is_refused():
-    with pytest.raises(UsageError, match="POCKETLLM_GEMV='fast' is not a one-row kernel"):
-        gemv.forced_kernel({gemv.ENV_GEMV: "fast"})
-    with pytest.raises(UsageError, match="POCKETLLM_GEMV=c: the compiled kernel takes bfloat16"):
-        gemv.check_forced(torch.float32, "cpu", {gemv.ENV_GEMV: "c"})
-    gemv.check_forced(torch.bfloat16, "cpu", {gemv.ENV_GEMV: "c"})
-
-
-def test_the_cli_refuses_a_bad_kernel_before_any_rank(no_ranks, capsys, monkeypatch):
-    monkeypatch.setenv(gemv.ENV_GEMV, "fastest")
-    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", expect=("POCKETLLM_GEMV='fastest'", "auto, mv"))
+@pytest.mark.parametrize("name", ["c", "c-prefetch", "amx"])
+def test_the_compiled_few_row_kernels_refuse_bad_arguments(name):
+    if FEW_ROW.by_name[name].unavailable("bfloat16", CPU):
+        pytest.skip(FEW_ROW.by_name[name].unavailable("bfloat16", CPU))
+    run = FEW_ROW.by_name[name].run
+    w, x, out = torch.randn(12, 32, dtype=torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16), torch.empty(3, 12, dtype=torch.bfloat16)
+    run(x, w, out)
+    with pytest.raises(ValueError, match=r": out has shape \(2, 12\) \(24 elements\) where 36 are needed"):
+        run(x, w, out[:2])
+    with pytest.raises(ValueError, match=r": w must be bfloat16, got float16"):
+        run(x, w.half(), out)
+    with pytest.raises(ValueError, match=r": x has shape \(3, 31\)"):
+        run(x[:, :31], w, out)
 
 
 def test_without_a_compiler_the_compiled_kernel_is_left_out(monkeypatch, tmp_path):
@@ -149,12 +128,13 @@ def test_without_a_compiler_the_compiled_kernel_is_left_out(monkeypatch, tmp_pat
     from pocketllm.ops.gemv import kernels
 
     monkeypatch.setattr(kernels, "_c_gemv", None)
-    assert "c" not in [c.name for c in kernels_for(torch.bfloat16, torch.device("cpu"))]
-    assert "no C compiler" in CANDIDATES["c"].unavailable(torch.bfloat16, torch.device("cpu"))
+    assert "c" not in ONE_ROW.available("bfloat16", CPU)
+    assert "no C compiler" in ONE_ROW.by_name["c"].unavailable("bfloat16", CPU)
     with pytest.raises(UsageError, match="POCKETLLM_GEMV=c: no C compiler"):
-        gemv.check_forced(torch.bfloat16, "cpu", {gemv.ENV_GEMV: "c"})
+        check_forced(["bfloat16"], "cpu", {"POCKETLLM_GEMV": "c"})
     from pocketllm.ops.fused import decode_ops
 
     ops = decode_ops(torch.bfloat16, torch.device("cpu"))
     assert not ops.compiled and "no C compiler" in ops.describe()
-    assert gemv_choice.choose([torch.randn(8, 8, dtype=torch.bfloat16)], env={}).how in ("measured", "cached")
+    chosen = KernelSet.choose([torch.randn(8, 8, dtype=torch.bfloat16)], env={})
+    assert chosen.choices[0].how.split(",")[0] in ("measured", "cached") and "c" not in chosen.choices[0].seconds[(8, 8)]

@@ -16,6 +16,7 @@ from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overl
 from pocketllm.distributed.policy import PinnedPolicy, RulePolicy, comm_overlap_slices_for_rows, resolve_policy
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
+from pocketllm.ops.registry import default_kernels
 
 SLICES = (1, 2, 3, 4, 8)
 # Uneven on purpose: not divisible by 2, 3, 4 or 8, and 3 is fewer rows than 4 or 8 slices.
@@ -37,7 +38,7 @@ def check_overlapped_equals_serial(rank: int, world: int) -> None:
             gen = torch.Generator().manual_seed(100 * rows + rank)
             x = torch.randn(rows, 24, generator=gen).to(dtype)
             w = torch.randn(40, 24, generator=gen).to(dtype)
-            serial = projection_all_reduce_overlapped(x, w, 1, "mlp.down")
+            serial = projection_all_reduce_overlapped(x, default_kernels(w), 1, "mlp.down")
             # The exact sum of every rank's partial product, as the reference both must match.
             exact = torch.zeros(rows, 40, dtype=torch.float64)
             for r in range(world):
@@ -49,7 +50,7 @@ def check_overlapped_equals_serial(rank: int, world: int) -> None:
             assert rel_err(serial, exact) <= 4 * tol
             for slices in SLICES:
                 COUNTER.reset()
-                out = projection_all_reduce_overlapped(x, w, slices, "mlp.down")
+                out = projection_all_reduce_overlapped(x, default_kernels(w), slices, "mlp.down")
                 assert out.dtype == dtype and out.shape == (rows, 40)
                 assert rel_err(out, serial) <= tol, f"TP={world} {dtype} rows={rows} slices={slices}"
                 # One collective per slice, or one when the path falls back to serial.
@@ -138,14 +139,19 @@ def test_slice_i_all_reduce_is_issued_before_gemm_i_plus_1(rows, slices, monkeyp
     """The overlap's point: slice i's all-reduce starts right after its GEMM, on the rows that GEMM
     wrote (in place, in the one output buffer), before GEMM i+1 runs; the waits come only after
     the last GEMM. Recorded at the real call sites with a stand-in collective on a TP=2 state."""
-    from pocketllm.distributed import collective, overlap
+    from pocketllm.distributed import collective
 
     log, issued = [], []
-    real_linear = overlap.linear_rows
 
-    def gemm(x, weight, out):
-        log.append(("gemm", len(issued)))
-        return real_linear(x, weight, out=out)
+    class Logged:
+        """The projection's kernels, each call logged."""
+
+        def __init__(self, real):
+            self.real, self.out_features = real, real.out_features
+
+        def __call__(self, x, out=None):
+            log.append(("gemm", len(issued)))
+            return self.real(x, out)
 
     def start_all_reduce(t):
         i = len(issued)
@@ -156,14 +162,13 @@ def test_slice_i_all_reduce_is_issued_before_gemm_i_plus_1(rows, slices, monkeyp
         assert torch.equal(t, x[lo:hi] @ w.t())
         return _RecordedWork(t, log, i)
 
-    monkeypatch.setattr(overlap, "linear_rows", gemm)
     monkeypatch.setattr(collective, "start_all_reduce", start_all_reduce)
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 24, generator=gen), torch.randn(40, 24, generator=gen)
     bounds = slice_bounds(rows, slices)
     set_tp(0, 2)
     try:
-        out = projection_all_reduce_overlapped(x, w, slices, "mlp.down")
+        out = projection_all_reduce_overlapped(x, Logged(default_kernels(w)), slices, "mlp.down")
     finally:
         set_tp(0, 1)
     expected = [event for i in range(slices) for event in (("gemm", i), ("reduce", i))] + [("wait", i) for i in range(slices)]

@@ -102,7 +102,7 @@ def _check_overlapped(rank: int, world: int) -> None:
     from pocketllm.distributed.accounting import COUNTER
     from pocketllm.distributed.overlap import projection_all_reduce_overlapped, slice_bounds
     from pocketllm.distributed.state import all_reduce_async_
-    from pocketllm.ops.gemm import linear_rows
+    from pocketllm.ops.registry import default_kernels
 
     assert all_reduce_async_(torch.ones(3), "mlp.down").is_completed()
     for dtype in (torch.float32, torch.bfloat16):
@@ -110,12 +110,12 @@ def _check_overlapped(rank: int, world: int) -> None:
         x, w = torch.randn(37, 24, generator=g).to(dtype), torch.randn(40, 24, generator=g).to(dtype)
         for slices in (1, 2, 3, 4):
             COUNTER.reset()
-            out = projection_all_reduce_overlapped(x, w, slices, "mlp.down")
+            out = projection_all_reduce_overlapped(x, default_kernels(w), slices, "mlp.down")
             assert COUNTER.total == slices
             want = torch.empty_like(out)
             for start, end in slice_bounds(37, slices):
                 partial = torch.empty(end - start, 40, dtype=dtype)
-                linear_rows(x[start:end], w, out=partial)
+                default_kernels(w)(x[start:end], out=partial)
                 parts = [torch.empty_like(partial) for _ in range(world)]
                 dist.all_gather(parts, partial)
                 reduce_sum_reference_(want[start:end], parts)

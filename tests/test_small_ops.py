@@ -1,4 +1,4 @@
-"""The small fast ops against their naive references: the projection GEMM, the causal conv and the
+"""The small fast ops against their naive references: a bound projection, the causal conv and the
 two RMSNorms (HF's formulas), and the row blocking the norms run by, against one whole block."""
 
 from __future__ import annotations
@@ -7,22 +7,22 @@ import pytest
 import torch
 
 from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_reference
-from pocketllm.ops.gemm import linear_rows, linear_rows_reference
+from pocketllm.ops.registry import default_kernels, projection_reference
 
 
 @pytest.mark.parametrize("rows", [1, 2, 17], ids=lambda r: f"T{r}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_out", [False, True], ids=["alloc", "out"])
-def test_linear_rows_matches_reference(rows, dtype, with_out):
+def test_bound_projection_matches_reference(rows, dtype, with_out):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 48, generator=g).to(dtype)
     w = torch.randn(40, 48, generator=g).to(dtype)
     out = torch.empty(rows, 40, dtype=dtype) if with_out else None
-    got = linear_rows(x, w, out=out)
+    got = default_kernels(w)(x, out=out)
     if with_out:
         assert got.data_ptr() == out.data_ptr()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), linear_rows_reference(x, w).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), projection_reference(x, w).float(), atol=tol, rtol=tol)
 
 
 def _conv_case(rows, dtype, seed):

@@ -99,8 +99,7 @@ def _work(args, plan, ids, engine, device) -> int:
                 "weights_mib_per_rank": weights,
                 "load_peak_rss_over_baseline_mib_per_rank": load_peak,
                 "cpus_per_rank": cpus,
-                "gemv": engine.gemv.to_json(),
-                "gemm": engine.gemm.to_json(),
+                "kernels": engine.kernels.to_json(),
                 "decode_ops": engine.model.decode_ops.describe(),
             }
             with open(args.json, "w") as f:

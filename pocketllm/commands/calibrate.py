@@ -30,11 +30,11 @@ from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
 from pocketllm.distributed.calibration import Calibration, Point
 from pocketllm.distributed.overlap import is_serial, projection_all_reduce_overlapped, slice_bounds
 from pocketllm.distributed.policy import CalibratedPolicy, resolve_ceiling
-from pocketllm.distributed.state import tp
+from pocketllm.distributed.state import group_pids, tp
 from pocketllm.errors import UsageError
 from pocketllm.flags import parse_positive_list
 from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say
-from pocketllm.ops import gemv, many_rows
+from pocketllm.ops.registry import FEW_MAX, KernelSet
 
 # Short passes are repeated inside one timing so that each timing covers at least this many rows;
 # a 256-row unit is a few milliseconds, which a scheduler tick can double.
@@ -99,29 +99,28 @@ class Unit:
         self.sites = sites
         self.weights = {s.name: (torch.randn(hidden, s.in_local, generator=gen) * s.in_local**-0.5).to(device, dtype) for s in sites}
         self.inputs = {s.name: torch.randn(max_rows, s.in_local, generator=gen).to(device, dtype) for s in sites}
+        self.kernels = KernelSet()
+        self.projections = {name: self.kernels.bind(w) for name, w in self.weights.items()}
+
+    def choose_kernels(self, rows_list: list[int]) -> str:
+        """Choose (measured, or read from this machine's cache and checked) the kernels the engine
+        runs these projections with, one-row, few-row and many-row, as the engine chooses them, and
+        bind the projections to them, so the points time the engine's GEMMs and not torch's
+        defaults (which on some CPUs are several times slower). Returns what was chosen, for rank
+        0 to print."""
+        weights = list(self.weights.values())
+        self.kernels = KernelSet.choose(weights, peers=group_pids())
+        few = [r for r in rows_list if 1 < r <= FEW_MAX]
+        if few:
+            self.kernels.choose_few(weights, max(few))
+        self.projections = {name: self.kernels.bind(w) for name, w in self.weights.items()}
+        return "; ".join(self.kernels.describe())
 
     def run(self, rows: int, slices: int) -> None:
         for s in self.sites:
-            x, w = self.inputs[s.name][:rows], self.weights[s.name]
+            x, project = self.inputs[s.name][:rows], self.projections[s.name]
             for _ in range(s.count):
-                projection_all_reduce_overlapped(x, w, slices, s.name)
-
-
-def install_engine_kernels(unit: Unit, rows_list: list[int], dtype) -> str:
-    """Choose (measured, or read from this machine's cache) and install the kernels the engine
-    runs these projections with, one-row, few-row and many-row, so the points time the engine's
-    GEMMs and not torch's defaults (which on some CPUs are several times slower). Returns what was
-    chosen, for rank 0 to print."""
-    weights = list(unit.weights.values())
-    chosen = [gemv.choose(weights)]
-    # A decode step of r sequences runs the few-row choice made for the next power of two up.
-    for rows in sorted({1 << (r - 1).bit_length() for r in rows_list if 1 < r <= 16}):
-        chosen.append(gemv.choose(weights, rows=rows))
-    for choice in chosen:
-        gemv.install(choice, dtype)
-    gemm = many_rows.choose(weights)
-    many_rows.install(gemm, dtype)
-    return "; ".join(c.describe() for c in chosen + [gemm])
+                projection_all_reduce_overlapped(x, project, slices, s.name)
 
 
 def _timed_rows(rows: int) -> int:
@@ -189,7 +188,7 @@ def _work(args, device, inputs) -> int:
         f"unit {' + '.join(f'{s.count} {s.name}' for s in sites)}, {len(rows_list)} row counts x {len(pins)} slice counts x {args.reps} reps"
     )
     unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device)
-    say(install_engine_kernels(unit, rows_list, plan.dtype))
+    say(unit.choose_kernels(rows_list))
     points = measure(unit, rows_list, pins, args.reps, device)
     sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, plan.dtype.itemsize), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
     if tp().rank == 0:

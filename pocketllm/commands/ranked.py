@@ -132,8 +132,9 @@ def _load_then_work(args, renv, device, checked, work, profiling, fault) -> int:
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"
         )
-        say(f"{engine.gemv.describe()}; {engine.model.decode_ops.describe()}")
-        say(engine.gemm.describe())
+        for line in engine.kernels.describe():
+            say(line)
+        say(engine.model.decode_ops.describe())
         kernel = engine.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
         profiler = attach_profiler(engine, profiling, tp().rank, device.synchronize, device.timing_event)

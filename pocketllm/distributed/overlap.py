@@ -12,7 +12,6 @@ import torch
 
 from pocketllm.distributed import waiting
 from pocketllm.distributed.state import all_reduce_, all_reduce_async_, tp
-from pocketllm.ops.gemm import linear_rows
 from pocketllm.profiling.scopes import scope
 
 
@@ -32,22 +31,21 @@ def is_serial(rows: int, slices: int) -> bool:
     return slices <= 1 or tp().world == 1 or rows < slices
 
 
-def projection_all_reduce_overlapped(
-    x: torch.Tensor, weight: torch.Tensor, slices: int, site: str
-) -> torch.Tensor:
-    """x [rows, in_local] @ weight[out, in_local]^T, summed over ranks; the same result as the
-    serial GEMM-then-all-reduce for every slice count."""
+def projection_all_reduce_overlapped(x: torch.Tensor, project, slices: int, site: str) -> torch.Tensor:
+    """x [rows, in_local] through `project` (a projection's bound kernels: project(x, out) writes
+    x @ weight^T into out [rows, out_features]), summed over ranks; the same result as the serial
+    GEMM-then-all-reduce for every slice count."""
     rows = x.shape[0]
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, project.out_features, dtype=x.dtype, device=x.device)
     if is_serial(rows, slices):
         with scope("projections", site):
-            linear_rows(x, weight, out=out)
+            project(x, out)
         all_reduce_(out, site)
         return out
     works = []
     for start, end in slice_bounds(rows, slices):
         with scope("projections", site):
-            linear_rows(x[start:end], weight, out=out[start:end])
+            project(x[start:end], out[start:end])
         works.append(all_reduce_async_(out[start:end], site))
     # The collective time the overlap left exposed (near zero under a phase profile, which
     # already waited for each slice inside its tp_all_reduce scope).

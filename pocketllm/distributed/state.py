@@ -3,6 +3,7 @@ world size 1, so the single-rank path never touches torch.distributed."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,11 @@ def all_gather_objects(obj) -> list:
     gathered: list = [None] * _TP.world
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def group_pids() -> list[int]:
+    """The process id of every rank, in rank order."""
+    return all_gather_objects(os.getpid())
 
 
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,12 @@ from pocketllm.config import ModelConfig
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
+from pocketllm.distributed.state import group_pids
 from pocketllm.layers.cache import allocate_states, reset_states
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
-from pocketllm.ops import gemv, many_rows
 from pocketllm.ops.gated_delta import GdnKernel
+from pocketllm.ops.registry import KernelSet, one_row
 
 
 @dataclass
@@ -46,19 +47,17 @@ class Engine:
         self.loaded_bytes = load_weights(self.model, source)
         if device.type == "cpu":
             host_memory.keep_freed_blocks()
-        # The one-row kernel per weight shape, measured here (or read from this machine's cache).
-        projections = self.model.one_row_weights()
-        self.gemv = gemv.choose(projections)
-        gemv.install(self.gemv, dtype)
-        # The GEMM of many rows (prefill): torch's in this dtype, or widened to fp32, measured.
-        self.gemm = many_rows.choose(projections)
-        many_rows.install(self.gemm, dtype)
+        # The kernels the projections run: the one-row kernel per weight shape and the GEMM of
+        # many rows, measured here (or read from this machine's cache and checked). The engine
+        # owns the set; each projection layer is bound to its own kernels from it.
+        # The other ranks measure at the same time: their CPU time is no sign of a busy machine.
+        self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
+        self.model.bind_kernels(self.kernels)
         self.states: list = []
         self.capacity = 0
         # The sequences run together (reserve_slots): one state list per slot.
         self.slots: list = []
         self.slot_capacity = 0
-        self.few_rows: dict = {}  # rows -> the GemvChoice for decode steps of that many sequences
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
         self.pos = 0
         # Objects with before_pass(info) / after_pass(info), called around every pass.
@@ -114,14 +113,12 @@ class Engine:
         self.model.rotary.reserve(max_len)
         # A decode step of `count` sequences has `count` rows: the few-row kernels for every
         # power of two up to it, measured (or read from this machine's cache) once.
-        rows = 2
-        while rows // 2 < count:
-            if rows not in self.few_rows:
-                self.few_rows[rows] = gemv.choose(self.model.one_row_weights(), rows=rows)
-                gemv.install(self.few_rows[rows], self.dtype)
+        new = self.kernels.choose_few(self.model.projection_weights(), count)
+        if new:
+            self.model.bind_kernels(self.kernels)
+            for choice in new:
                 if self.say is not None:
-                    self.say(self.few_rows[rows].describe())
-            rows *= 2
+                    self.say(choice.describe())
 
     def reset_slot(self, slot: int) -> None:
         """Forget the sequence in `slot`, so the next one there starts from position 0."""
@@ -138,7 +135,7 @@ class Engine:
                 raise RuntimeError(f"sequence of {start + ids.shape[0]} positions exceeds the {self.slot_capacity} reserved per slot")
             total += ids.shape[0]
         slices = self.policy.slices_for_rows(total)
-        decode = all(ids.shape[0] == 1 for _, _, ids in spans)
+        decode = all(one_row(ids.shape[0]) for _, _, ids in spans)
         ctx = self.model.packed_context([(start, ids.shape[0]) for _, start, ids in spans], slices)
         ids = torch.cat([ids for _, _, ids in spans]).to(self.device)
         return self._pass(ids, ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, False)
@@ -151,7 +148,7 @@ class Engine:
         if self.pos + rows > self.capacity:
             raise RuntimeError(f"sequence of {self.pos + rows} positions exceeds the {self.capacity} allocated")
         slices = self.policy.slices_for_rows(rows)
-        ctx = self.model.context(self.pos, rows, slices, decode)
+        ctx = self.model.context(self.pos, rows, slices)
         logits = self._pass(ids.to(self.device), ctx, self.states, decode, slices, all_logits)
         self.pos += rows
         return logits

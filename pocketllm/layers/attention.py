@@ -72,7 +72,7 @@ class GatedAttention(nn.Module):
         """One sequence's projected rows [T, q+k+v local] -> the gated output [T, heads*D],
         writing its keys and values into its cache."""
         t, d = qkv.shape[0], self.head_dim
-        if t == 1 and self.compiled_decode is not None:
+        if ctx.one_row and self.compiled_decode is not None:
             # One call from the q/k norms to the output gate: the same as the path below (the
             # tests compare them) up to fp32 summation order.
             with scope("attention_decode"):

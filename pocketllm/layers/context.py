@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pocketllm.ops.registry import one_row
+
 
 @dataclass
 class ForwardContext:
     start: int  # position of the first row
     slices: int  # the slice count the policy chose for these rows
-    decode: bool
+    rows: int  # rows of the pass (of a packed pass: all its sequences' rows)
     # [rows, rotary_dim/2]; None for a packed pass, whose segments each carry their own.
     cos: torch.Tensor | None
     sin: torch.Tensor | None
@@ -21,17 +23,23 @@ class ForwardContext:
     # everything else (projections, norms, MLP) runs on all rows at once. None: one sequence.
     segments: tuple[Segment, ...] | None = None
 
+    @property
+    def one_row(self) -> bool:
+        """A pass of one decode row: its norms and mixers take their one-row (compiled) forms.
+        Decided by the kernel registry's row classes, like the projections' kernels."""
+        return one_row(self.rows)
+
 
 @dataclass
 class Segment:
     """One sequence's rows in a packed pass."""
 
     row0: int  # its first row in the pass
-    ctx: ForwardContext  # its own positions: start, decode (one row past position 0), cos/sin
+    ctx: ForwardContext  # its own positions, rows, cos/sin
 
     @property
     def rows(self) -> int:
-        return self.ctx.cos.shape[0]
+        return self.ctx.rows
 
 
 def per_sequence(mix, rows: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 
 from pocketllm.distributed.state import all_gather_cat, all_reduce_, tp
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param
-from pocketllm.ops.gemm import linear_rows
+from pocketllm.ops.registry import default_kernels
 
 
 def vocab_block(vocab: int, rank: int, world: int) -> tuple[int, int, int]:
@@ -54,7 +54,8 @@ class ParallelLMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight, _, _ = _vocab_param(key, vocab, hidden, dtype, device)
+        self.kernels = default_kernels(self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = linear_rows(h, self.weight).float()
+        logits = self.kernels(h).float()
         return all_gather_cat(logits)[..., : self.vocab]

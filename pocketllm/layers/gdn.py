@@ -88,7 +88,7 @@ class GatedDeltaNet(nn.Module):
         """One sequence's projected rows [T, in_local] -> the gated norm's output [T, hv*dv],
         advancing its conv and recurrent state."""
         t = proj.shape[0]
-        if ctx.decode and self.compiled_decode is not None:
+        if ctx.one_row and self.compiled_decode is not None:
             # One call from the conv to the gated norm; the same as the path below (the tests
             # compare them) up to fp32 summation order.
             with scope("gdn_decode"):
@@ -98,7 +98,7 @@ class GatedDeltaNet(nn.Module):
                 )
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
-            if ctx.decode:
+            if ctx.one_row:
                 mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
             else:
                 mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
             g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
-            if ctx.decode:
+            if ctx.one_row:
                 out = self.kernel.decode_step_(q, k, v, g, beta, state.recurrent)
             else:
                 out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)

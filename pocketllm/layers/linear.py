@@ -1,4 +1,6 @@
-"""Column-parallel (fused, split by heads) and row-parallel linear layers."""
+"""Column-parallel (fused, split by heads) and row-parallel linear layers. Each runs its weight
+through `self.kernels`, the kernels the engine bound it to (pocketllm.ops.registry; each kind's
+default until then)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pocketllm.layers.sharding import (
     row_sources,
     sharded_param,
 )
-from pocketllm.ops.gemm import linear_rows
+from pocketllm.ops.registry import default_kernels
 
 
 class ColumnParallelLinear(nn.Module):
@@ -28,9 +30,10 @@ class ColumnParallelLinear(nn.Module):
         rows, sources = row_sources(parts)
         self.weight = sharded_param((rows, in_features), sources, dtype, device)
         self.part_sizes = [s.dest[1] - s.dest[0] for s in sources]
+        self.kernels = default_kernels(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(x, self.weight)
+        return self.kernels(x)
 
 
 class RowParallelLinear(nn.Module):
@@ -43,6 +46,7 @@ class RowParallelLinear(nn.Module):
         self.site = site
         source = ShardSource(key, (out_features, in_features), read_cols(rank * local, (rank + 1) * local))
         self.weight = sharded_param((out_features, local), [source], dtype, device)
+        self.kernels = default_kernels(self.weight)
 
     def forward(self, x: torch.Tensor, slices: int) -> torch.Tensor:
-        return projection_all_reduce_overlapped(x, self.weight, slices, self.site)
+        return projection_all_reduce_overlapped(x, self.kernels, slices, self.site)

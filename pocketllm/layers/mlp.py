@@ -7,6 +7,7 @@ from torch import nn
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
+from pocketllm.layers.context import ForwardContext
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.sharding import split_range
 from pocketllm.ops.fused import decode_ops
@@ -29,10 +30,10 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(f"{prefix}.down_proj.weight", inter, hidden, "mlp.down", dtype, device)
         self.decode_silu_mul = decode_ops(dtype, torch.device(device)).silu_mul
 
-    def forward(self, x: torch.Tensor, slices: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         with scope("projections", "mlp.gate_up"):
             gate_up = self.gate_up(x)
         gate, up = gate_up.chunk(2, dim=-1)
         with scope("mlp_act"):
-            act = self.decode_silu_mul(gate, up) if x.shape[0] == 1 else by_row_blocks(silu_mul_reference, gate, up)
-        return self.down(act, slices)
+            act = self.decode_silu_mul(gate, up) if ctx.one_row else by_row_blocks(silu_mul_reference, gate, up)
+        return self.down(act, ctx.slices)

@@ -36,13 +36,13 @@ class DecoderLayer(nn.Module):
         self.decode_ops = decode_ops(dtype, torch.device(device))
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
-        ops = self.decode_ops if h.shape[0] == 1 else TORCH_OPS
+        ops = self.decode_ops if ctx.one_row else TORCH_OPS
         with scope("norms", "input"):
             x = ops.add_rms_norm(h, None, self.input_norm.scale, self.input_norm.eps)[1]
         x = self.mixer(x, ctx, state)
         with scope("norms", "resid_add"):
             h, x = ops.add_rms_norm(h, x, self.post_norm.scale, self.post_norm.eps)
-        x = self.mlp(x, ctx.slices)
+        x = self.mlp(x, ctx)
         with scope("norms", "resid_add"):
             return h + x
 
@@ -60,25 +60,32 @@ class Qwen35ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
         self.decode_ops = decode_ops(dtype, torch.device(device))
 
-    def one_row_weights(self) -> list[torch.Tensor]:
-        """Every weight a decode step reads through a one-row GEMV, in the order it reads them:
-        the projections layer by layer, then the head."""
-        weights = [m.weight for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-        return weights + [self.lm_head.weight]
+    def projections(self) -> list[nn.Module]:
+        """Every layer that runs its weight through bound kernels (`.weight`, `.kernels`), in the
+        order a step reads them: the projections layer by layer, then the head."""
+        return [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] + [self.lm_head]
 
-    def context(self, start: int, rows: int, slices: int, decode: bool) -> ForwardContext:
+    def projection_weights(self) -> list:
+        return [m.weight for m in self.projections()]
+
+    def bind_kernels(self, kernels) -> None:
+        """Bind every projection to its kernels in `kernels` (a registry KernelSet)."""
+        for m in self.projections():
+            m.kernels = kernels.bind(m.weight)
+
+    def context(self, start: int, rows: int, slices: int) -> ForwardContext:
         cos, sin = self.rotary.cos_sin(start, rows)
-        return ForwardContext(start, slices, decode, cos, sin)
+        return ForwardContext(start, slices, rows, cos, sin)
 
     def packed_context(self, spans: list[tuple[int, int]], slices: int) -> ForwardContext:
         """The context of a pass packing several sequences' rows, one after another: spans are
-        (start position, rows) per sequence. A one-row span past position 0 is a decode step."""
+        (start position, rows) per sequence."""
         segments, row0 = [], 0
         for start, rows in spans:
             cos, sin = self.rotary.cos_sin(start, rows)
-            segments.append(Segment(row0, ForwardContext(start, slices, rows == 1 and start > 0, cos, sin)))
+            segments.append(Segment(row0, ForwardContext(start, slices, rows, cos, sin)))
             row0 += rows
-        return ForwardContext(0, slices, False, None, None, tuple(segments))
+        return ForwardContext(0, slices, row0, None, None, tuple(segments))
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
         """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked).

@@ -1,5 +1,7 @@
 """The compiled forms of the decode step's work between GEMVs (decode_bf16.c), for one bf16 row on
-a CPU; each has the signature of its torch form in reference.py."""
+a CPU; each has the signature of its torch form in reference.py. Each checks its arguments'
+dtypes, sizes and strides before passing pointers (pocketllm.ops.native_args): a wrong one raises
+a ValueError naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pocketllm import compiled
+from pocketllm.ops.native_args import refuse
 
 _SOURCE = Path(__file__).with_name("decode_bf16.c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -36,7 +39,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+_BF16, _F32 = torch.bfloat16, torch.float32
+
+
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n = h.shape[-1]
+    if not (
+        h.dtype is _BF16 and h.numel() == n and h.is_contiguous() and h.is_cpu and scale.dtype is _F32 and scale.numel() == n
+        and scale.is_contiguous() and (x is None or (x.dtype is _BF16 and x.numel() == n and x.is_contiguous() and x.is_cpu))
+    ):
+        refuse("add_rms_norm_bf16", [("h", h, _BF16, n, True, None), ("x", x, _BF16, n, True, None), ("scale", scale, _F32, n, True, None)])
     h_out = torch.empty_like(h) if x is not None else h
     y = torch.empty_like(h)
     _lib.add_rms_norm_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, h.shape[-1], _ptr(h_out if x is not None else None), y.data_ptr())
@@ -45,6 +57,8 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, e
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
+    if not (gate.dtype is _BF16 and up.dtype is _BF16 and up.numel() == gate.numel() and gate.is_cpu and up.is_cpu):
+        refuse("silu_mul_bf16", [("gate", gate, _BF16, None, True, None), ("up", up, _BF16, gate.numel(), True, None)])
     out = torch.empty_like(gate)
     _lib.silu_mul_bf16(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
@@ -52,11 +66,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state, hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
     conv = 2 * hk * dk + hv * dv
-    out = torch.empty(1, hv * dv, dtype=proj.dtype)
-    work = torch.empty(conv + 2 * hv + hv * dv, dtype=torch.float32)
     k = taps.shape[0]
     # Held in a name for the call: a temporary's memory could go back to the allocator before it.
     proj = proj.contiguous()
+    specs = [
+        ("proj", proj, _BF16, conv + hv * dv + 2 * hv, True, None), ("taps", taps, _F32, k * conv, True, 2),
+        ("conv_state", conv_state, _BF16, (k - 1) * conv, True, None), ("neg_a", neg_a, _F32, hv, True, None),
+        ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None), ("state", state, _F32, hv * dk * dv, True, None),
+    ]
+    if not all(t.dtype is dtype and t.numel() == numel and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs):
+        refuse("gdn_decode_bf16", specs)
+    out = torch.empty(1, hv * dv, dtype=proj.dtype)
+    work = torch.empty(conv + 2 * hv + hv * dv, dtype=torch.float32)
     _lib.gdn_decode_bf16(
         proj.data_ptr(), taps.data_ptr(), conv_state.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
         norm_w.data_ptr(), eps, state.data_ptr(), out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),
@@ -66,11 +87,34 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
 
 def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_cache, v_cache, pos: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
     half = cos.shape[-1]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    cache_shape = (kv_heads, k_cache.shape[1] if k_cache.dim() == 3 else -1, head_dim)
+    specs = [
+        ("qkv", qkv, _BF16, (heads * 2 + kv_heads * 2) * head_dim, True, None), ("q_scale", q_scale, _F32, head_dim, True, None),
+        ("k_scale", k_scale, _F32, head_dim, True, None), ("cos", cos, _F32, half, True, None), ("sin", sin, _F32, half, True, None),
+        ("k_cache", k_cache, _BF16, None, True, 3), ("v_cache", v_cache, _BF16, None, True, 3),
+    ]
+    if not (
+        all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs)
+        and tuple(k_cache.shape) == cache_shape and tuple(v_cache.shape) == cache_shape and 0 <= pos < cache_shape[1] and 2 * half <= head_dim
+    ):
+        _refuse_attention(specs, k_cache, v_cache, cache_shape, pos, half, head_dim)
     out = torch.empty(1, heads * head_dim, dtype=qkv.dtype)
     work = torch.empty(heads * head_dim + kv_heads * head_dim + heads * (pos + 1), dtype=torch.float32)
-    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     _lib.attention_decode_bf16(
         qkv.data_ptr(), q_scale.data_ptr(), k_scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), k_cache.shape[1], pos, heads, kv_heads, head_dim, half, scale, out.data_ptr(), work.data_ptr(),
     )
     return out
+
+
+def _refuse_attention(specs, k_cache, v_cache, cache_shape, pos: int, half: int, head_dim: int) -> None:
+    name = "attention_decode_bf16"
+    if not all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs):
+        refuse(name, specs)
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if tuple(t.shape) != cache_shape:
+            raise ValueError(f"{name}: {arg} has shape {tuple(t.shape)} where [kv_heads, max_len, head_dim] = {list(cache_shape)} is needed")
+    if not 0 <= pos < cache_shape[1]:
+        raise ValueError(f"{name}: pos {pos} is outside the cache's {cache_shape[1]} positions")
+    raise ValueError(f"{name}: cos and sin hold {half} values, more than half of head_dim {head_dim}")

@@ -4,19 +4,21 @@ decode step of several sequences, `kernel(x [m, in], w [out, in], out [m, out]) 
 
 Which is fastest depends on the CPU: torch.mv's bf16 path goes through oneDNN, which on some CPUs
 streams the weight at a third of the speed of torch's own kernel and on others is the fastest;
-pocketllm.ops.gemv.choice times them on the machine that runs and picks per weight shape.
+the kernel registry (pocketllm.ops.registry) times them on the machine that runs and picks per
+weight shape. The compiled kernels check their arguments before passing pointers
+(pocketllm.ops.native_args).
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pocketllm import compiled
+from pocketllm.ops.native_args import refuse
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -27,11 +29,11 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(w.float() @ x.float())
 
 
-def _mv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def mv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     torch.mv(w, x, out=out)
 
 
-def _mv_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def mv_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     # oneDNN off for this call only: prefill's GEMMs keep it.
     torch._C._set_mkldnn_enabled(False)
     try:
@@ -40,7 +42,7 @@ def _mv_native(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         torch._C._set_mkldnn_enabled(True)
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def mm_one_row(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     torch.mm(x[None], w.t(), out=out[None])
 
 
@@ -74,26 +76,54 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
 PREFETCH_BYTES = 256
 
 
-def _compiled_gemv(prefetch: int) -> Kernel:
+_BF16 = torch.bfloat16
+
+
+def _gemv_specs(x, w, out):
+    n, o = (w.shape[1], w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else (None, None)
+    return [("w", w, _BF16, None, True, 2), ("x", x, _BF16, n, False, None), ("out", out, _BF16, o, True, None)]
+
+
+def _rows_specs(x, w, out):
+    n, o = (w.shape[1], w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else (None, None)
+    m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+    specs = [("w", w, _BF16, None, True, 2), ("x", x, _BF16, None if m is None else m * n, False, 2)]
+    return specs + [("out", out, _BF16, None if m is None else m * o, True, 2)]
+
+
+def compiled_gemv(prefetch: int) -> Kernel:
     """The compiled GEMV, prefetching each weight row `prefetch` bytes ahead (0: no prefetch)."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        # Only ever installed after unavailable() built the library, which set _c_gemv.
+        # One expression of attribute reads on the hot path; refuse() says which argument broke it.
+        s = w.shape
+        if not (
+            len(s) == 2 and x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and x.numel() == s[1] and out.numel() == s[0]
+            and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
+        ):
+            refuse("gemv_bf16", _gemv_specs(x, w, out))
         if not x.is_contiguous():
             x = x.contiguous()
-        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], prefetch)
+        # Only ever chosen after unavailable() built the library, which set _c_gemv.
+        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], prefetch)
 
     return run
 
 
-def _mm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    torch.mm(x, w.t(), out=out)
+def _rows_ok(x, w, out) -> bool:
+    return (
+        x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and w.dim() == 2 and x.dim() == 2 and out.dim() == 2
+        and x.shape[1] == w.shape[1] and out.shape[0] == x.shape[0] and out.shape[1] == w.shape[0]
+        and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
+    )
 
 
-def _compiled_rows(prefetch: int) -> Kernel:
+def compiled_rows(prefetch: int) -> Kernel:
     """The compiled few-row GEMM, prefetching each weight row `prefetch` bytes ahead."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        if not _rows_ok(x, w, out):
+            refuse("gemm_rows_bf16", _rows_specs(x, w, out))
         if not x.is_contiguous():
             x = x.contiguous()
         _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], prefetch)
@@ -101,23 +131,12 @@ def _compiled_rows(prefetch: int) -> Kernel:
     return run
 
 
-def _amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    if not _rows_ok(x, w, out):
+        refuse("gemm_rows_amx_bf16", _rows_specs(x, w, out))
     if not x.is_contiguous():
         x = x.contiguous()
     _amx_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
-
-
-def amx_unavailable() -> str:
-    """Why the AMX kernel cannot run in this process ("" when it can): the library must build
-    with AMX in it (the compiler's -march=native on a CPU that has it) and the kernel must let
-    this process use the tile registers, which Linux grants on request."""
-    global _amx_enabled
-    lib, why = _compiled_library()
-    if lib is None:
-        return why
-    if _amx_enabled is None:
-        _amx_enabled = bool(lib.amx_bf16_enable())
-    return "" if _amx_enabled else "no AMX tiles here (not on this CPU, not compiled in, or not granted by the kernel)"
 
 
 def rows_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -125,58 +144,31 @@ def rows_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(x.float() @ w.float().t())
 
 
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    run: Kernel
-    what: str
-
-    def unavailable(self, dtype: torch.dtype, device: torch.device) -> str:
-        """Why this kernel cannot run weights of this dtype on this device ("" when it can)."""
-        if self.name in ("c", "c-prefetch", "amx"):
-            if device.type != "cpu" or dtype != torch.bfloat16:
-                return "the compiled kernel takes bfloat16 weights on a CPU"
-            _, why = _compiled_library()
-            return why or (amx_unavailable() if self.name == "amx" else "")
-        if self.name == "mv-native" and device.type != "cpu":
-            return "oneDNN is a CPU library"
-        return ""
+def compiled_unavailable(fmt: str, device: torch.device) -> str:
+    """Why the compiled kernels cannot run weights of `fmt` on `device` ("" when they can)."""
+    if device.type != "cpu" or fmt != "bfloat16":
+        return "the compiled kernel takes bfloat16 weights on a CPU"
+    return _compiled_library()[1]
 
 
-CANDIDATES: dict[str, Candidate] = {
-    c.name: c
-    for c in (
-        Candidate("mv", _mv, "torch.mv (oneDNN for bf16/fp16 where torch has it)"),
-        Candidate("mv-native", _mv_native, "torch.mv with oneDNN off (torch's own kernel)"),
-        Candidate("mm", _mm, "torch.mm of one row (F.linear's path)"),
-        Candidate("c", _compiled_gemv(0), "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)"),
-        Candidate("c-prefetch", _compiled_gemv(PREFETCH_BYTES), "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead"),
-    )
-}
-DEFAULT = "mv"
+def amx_unavailable(fmt: str, device: torch.device) -> str:
+    """Why the AMX kernel cannot run in this process ("" when it can): the library must build
+    with AMX in it (the compiler's -march=native on a CPU that has it) and the kernel must let
+    this process use the tile registers, which Linux grants on request."""
+    global _amx_enabled
+    why = compiled_unavailable(fmt, device)
+    if why:
+        return why
+    if _amx_enabled is None:
+        _amx_enabled = bool(_compiled_library()[0].amx_bf16_enable())
+    return "" if _amx_enabled else "no AMX tiles here (not on this CPU, not compiled in, or not granted by the kernel)"
 
-FEW_ROW_CANDIDATES: dict[str, Candidate] = {
-    c.name: c
-    for c in (
-        Candidate("mm", _mm_rows, "torch.mm (oneDNN's GEMM where torch has it)"),
-        Candidate("c", _compiled_rows(0), "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)"),
-        Candidate("c-prefetch", _compiled_rows(PREFETCH_BYTES), "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead"),
-        Candidate("amx", _amx_rows, "the same on AMX tiles, where the CPU has them"),
-    )
-}
-FEW_ROW_DEFAULT = "mm"
+
+def onednn_unavailable(fmt: str, device: torch.device) -> str:
+    return "" if device.type == "cpu" else "oneDNN is a CPU library"
 
 
 def compiled_isa() -> str:
     """The instruction set the compiled kernel was built for, or why it was not."""
     lib, why = _compiled_library()
     return lib.gemv_bf16_isa().decode() if lib is not None else f"unavailable: {why}"
-
-
-def candidates_for(rows: int) -> tuple[dict[str, Candidate], str]:
-    """The kernels for passes of `rows` rows and the default among them."""
-    return (CANDIDATES, DEFAULT) if rows == 1 else (FEW_ROW_CANDIDATES, FEW_ROW_DEFAULT)
-
-
-def kernels_for(dtype: torch.dtype, device: torch.device, rows: int = 1) -> list[Candidate]:
-    return [c for c in candidates_for(rows)[0].values() if not c.unavailable(dtype, device)]

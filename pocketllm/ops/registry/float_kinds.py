@@ -1,0 +1,67 @@
+"""The kinds for plain bf16/fp16/fp32 weights: one row (a decode step), a few rows (a decode step of
+several sequences) and many rows (a prefill). Each is a list of candidates; the registry does the
+rest."""
+
+from __future__ import annotations
+
+from pocketllm.ops import many_rows
+from pocketllm.ops.gemv import kernels as gemv
+from pocketllm.ops.registry.kinds import FEW, MANY, ONE, Candidate, Kind, register
+
+_C = (gemv.SOURCE,)
+
+ONE_ROW = register(
+    Kind(
+        ONE, "float", ONE, "POCKETLLM_GEMV",
+        (
+            Candidate("mv", gemv.mv, "torch.mv (oneDNN for bf16/fp16 where torch has it)"),
+            Candidate("mv-native", gemv.mv_native, "torch.mv with oneDNN off (torch's own kernel)", gemv.onednn_unavailable),
+            Candidate("mm", gemv.mm_one_row, "torch.mm of one row (F.linear's path)"),
+            Candidate("c", gemv.compiled_gemv(0), "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable, sources=_C),
+            Candidate(
+                "c-prefetch", gemv.compiled_gemv(gemv.PREFETCH_BYTES),
+                "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead", gemv.compiled_unavailable, sources=_C,
+            ),
+        ),
+        default="mv",
+        # Timed alone, torch's oneDNN calls and the compiled kernels can come out a fraction of a
+        # percent apart while a real step, with other work between them, runs the compiled ones
+        # faster (docs/decode.md, near ties).
+        prefer=("c", "c-prefetch"),
+        streams=True,
+    )
+)
+
+FEW_ROW = register(
+    Kind(
+        FEW, "float", FEW, "POCKETLLM_FEW_ROWS",
+        (
+            Candidate("mm", many_rows.mm, "torch.mm (oneDNN's GEMM where torch has it)"),
+            Candidate("c", gemv.compiled_rows(0), "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable, sources=_C),
+            Candidate(
+                "c-prefetch", gemv.compiled_rows(gemv.PREFETCH_BYTES),
+                "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead", gemv.compiled_unavailable, sources=_C,
+            ),
+            Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C),
+        ),
+        default="mm",
+        prefer=("amx", "c", "c-prefetch"),
+    )
+)
+
+MANY_ROW = register(
+    Kind(
+        MANY, "float", MANY, "POCKETLLM_GEMM",
+        (
+            Candidate("mm", many_rows.mm, "torch.mm in the weight's dtype"),
+            Candidate(
+                "mm-f32", many_rows.mm_f32, "the weight widened to fp32 a block of rows at a time, torch's fp32 GEMM",
+                lambda fmt, device: "" if device.type == "cpu" and fmt in ("bfloat16", "float16") else "widening to fp32 is for bf16/fp16 weights on a CPU",
+            ),
+        ),
+        default="mm",
+        # The widened GEMM allocates a block of fp32 per call: a wash keeps torch's own.
+        prefer=("mm",),
+        probe="widest",
+    )
+)

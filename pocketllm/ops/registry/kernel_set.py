@@ -1,0 +1,162 @@
+"""The chosen set an engine owns, and what each projection layer is bound to.
+
+KernelSet holds one Choice per (kind, weight format): one row, many rows, and each few-row count
+asked for. `bind(weight)` resolves, once, which kernel (and which prepared form of the weight)
+every row count of a call on that weight runs: the layer keeps the result and calls it, so where a
+projection runs, the kernel it runs is in the layer (`layer.kernels`), not in a table elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pocketllm.ops.registry.choose import Choice, choose
+from pocketllm.ops.registry.kinds import FEW, MANY, ONE, few_rows_for, kind_for, row_class, weight_format
+from pocketllm.ops.registry.measure import key_of
+from pocketllm.ops.registry.trust import Monitor
+
+
+class BoundKernels:
+    """x [T, in] -> [T, out] on one weight, by the kernel resolved for T rows. `names` says which
+    kernel each row count runs."""
+
+    def __init__(self, weight, small: dict[int, tuple], many: tuple):
+        # Entries are (name, kernel, prepared weight, one-row form: x [in] -> out [out]); `small`
+        # holds one for every row count from 1 up to the largest with a kernel of its own, and any
+        # count past them runs `many`.
+        self.weight = weight
+        self.out_features = weight.shape[0]
+        self.names = {(ONE if r == 1 else f"{r}-row"): e[0] for r, e in small.items()} | {MANY: many[0]}
+        self._small = [many[1:]] + [small[r][1:] for r in range(1, len(small) + 1)]
+        self._many = many[1:3]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty(rows, self.out_features, dtype=x.dtype, device=x.device)
+        if rows < len(self._small):
+            run, w, one = self._small[rows]
+            if one:
+                run(x[0], w, out[0])
+            else:
+                run(x, w, out)
+        else:
+            self._many[0](x, self._many[1], out)
+        return out
+
+    def __repr__(self) -> str:
+        return "BoundKernels(" + ", ".join(f"{k} {v}" for k, v in self.names.items()) + ")"
+
+
+def projection_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain form of a bound projection on a plain weight: what BoundKernels must equal."""
+    result = x @ w.t()
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+class KernelSet:
+    """The kernels chosen for an engine's projection weights. An empty set binds every weight to
+    its kinds' defaults (torch's own calls)."""
+
+    def __init__(self, choices: list[Choice] | None = None, env=os.environ, monitor: Monitor | None = None):
+        self.env = env
+        self.monitor = monitor or Monitor()
+        self.choices: list[Choice] = []
+        for c in choices or []:
+            self.add(c)
+
+    @classmethod
+    def choose(cls, weights: list, env=os.environ, peers=()) -> KernelSet:
+        """One-row and many-row choices for every format among `weights` (the model's projection
+        weights in step order). `peers`: the pids of the other ranks, which measure at the same
+        time (their CPU time is not another process's)."""
+        chosen = cls(env=env, monitor=Monitor(peers))
+        for fmt, ws in _by_format(weights).items():
+            for rows in (ONE, MANY):
+                kind = kind_for(fmt, rows)
+                if kind is None:
+                    raise ValueError(f"no {rows} kernel kind is declared for {fmt} weights")
+                chosen.add(choose(kind, ws, env=env, monitor=chosen.monitor))
+        return chosen
+
+    def add(self, choice: Choice) -> None:
+        self.choices = [c for c in self.choices if (c.kind, c.fmt, c.rows) != (choice.kind, choice.fmt, choice.rows)] + [choice]
+
+    def choose_few(self, weights: list, count: int) -> list[Choice]:
+        """Few-row choices for steps of up to `count` rows that this set does not hold yet: the
+        new ones (a format without a few-row kind runs few rows with its many-row kernel)."""
+        new = []
+        for fmt, ws in _by_format(weights).items():
+            kind = kind_for(fmt, FEW)
+            if kind is None:
+                continue
+            have = {c.rows for c in self.choices if c.kind is kind and c.fmt == fmt}
+            for rows in few_rows_for(count):
+                if rows not in have:
+                    new.append(choose(kind, ws, rows=rows, env=self.env, monitor=self.monitor))
+                    self.add(new[-1])
+        return new
+
+    def _find(self, fmt: str, rows: str, count: int = 1) -> Choice | None:
+        return next((c for c in self.choices if c.fmt == fmt and c.kind.rows == rows and c.rows == count), None)
+
+    def bind(self, weight) -> BoundKernels:
+        """The kernels `weight` runs at every row count, resolved now, with the prepared forms
+        they run on (one per layout)."""
+        fmt = weight_format(weight)
+        forms: dict[str, object] = {}
+
+        def entry(rows: str, choice: Choice | None, name: str | None = None) -> tuple:
+            kind = choice.kind if choice is not None else kind_for(fmt, rows)
+            if kind is None:
+                raise ValueError(f"no {rows} kernel kind is declared for {fmt} weights")
+            name = name or (choice.kernel_for(weight) if choice is not None else kind.default)
+            cand = kind.by_name[name]
+            one = rows == ONE
+            if cand.prepare is None:
+                return name, cand.run, weight, one
+            layout = f"{kind.family}:{cand.layout or name}"
+            if layout not in forms:
+                forms[layout] = cand.prepare(weight)
+            return name, cand.run, forms[layout], one
+
+        many = entry(MANY, self._find(fmt, MANY))
+        counts = sorted(c.rows for c in self.choices if c.fmt == fmt and c.kind.rows == FEW)
+        small = {}
+        for rows in range(1, max(counts, default=1) + 1):
+            cls = row_class(rows)
+            if cls == ONE:
+                small[rows] = entry(ONE, self._find(fmt, ONE))
+                continue
+            # A pass of r rows runs the few-row choice made for the smallest count at or above r
+            # that covers this weight's shape; none: the many-row kernel.
+            covering = [c for c in (self._find(fmt, FEW, n) for n in counts if n >= rows) if key_of(c.kind, weight) in c.by_key]
+            small[rows] = entry(FEW, covering[0]) if cls == FEW and covering else many
+        return BoundKernels(weight, small, many)
+
+    def describe(self) -> list[str]:
+        """One line per choice, for rank 0 to print."""
+        return [c.describe() for c in self.choices]
+
+    def to_json(self) -> list[dict]:
+        return [c.to_json() for c in self.choices]
+
+
+def _by_format(weights: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for w in weights:
+        out.setdefault(weight_format(w), []).append(w)
+    return out
+
+
+DEFAULTS = KernelSet()
+
+
+def default_kernels(weight) -> BoundKernels:
+    """The kernels a projection runs before an engine binds its own: each kind's default."""
+    return DEFAULTS.bind(weight)

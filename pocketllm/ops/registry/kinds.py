@@ -1,0 +1,177 @@
+"""What the registry knows about a kernel: a candidate (a function and what it can run), a kind (the
+candidates for one weight format family and one row class, with its env var and preference order),
+the row classes a projection's call falls in, and a weight's format."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pocketllm.errors import UsageError
+from pocketllm.ops.quant.layout import QuantizedWeight
+
+# kernel(x, prepared weight, out) -> None, writing into out: one row x [in] -> out [out], several
+# rows x [m, in] -> out [m, out].
+Kernel = Callable[[object, object, torch.Tensor], None]
+
+ONE, FEW, MANY = "one-row", "few-row", "many-row"
+# A pass of more rows than this never takes a few-row kernel (the engine reserves at most this many
+# slots' worth of few-row choices; calibrate asks for no more).
+FEW_MAX = 16
+
+
+def row_class(rows: int) -> str:
+    """Which class of kernel a projection call of `rows` rows runs: the one place that decides
+    what a decode row is (a pass of one row, whatever its position) for every layer."""
+    if rows == 1:
+        return ONE
+    return FEW if rows <= FEW_MAX else MANY
+
+
+def one_row(rows: int) -> bool:
+    """Whether a pass of `rows` rows is one decode row: its mixers and norms take their one-row
+    (compiled) forms."""
+    return row_class(rows) == ONE
+
+
+def few_rows_for(count: int) -> list[int]:
+    """The row counts a few-row choice is made for, to run steps of up to `count` rows: every
+    power of two from 2 up to the first at or above count (a pass of r rows runs the choice made
+    for the next power of two up)."""
+    out, rows = [], 2
+    while rows // 2 < min(count, FEW_MAX):
+        out.append(rows)
+        rows *= 2
+    return out
+
+
+def weight_format(w) -> str:
+    """A weight's format, as kinds, candidates and cache keys name it: the dtype of a plain tensor
+    ("bfloat16", "float16", "float32"), "int8", or "int4-g<group>" (with "-asym" for zero points)."""
+    if isinstance(w, QuantizedWeight):
+        if w.scheme == "int8":
+            return "int8"
+        return f"int4-g{w.group}" + ("" if w.symmetric else "-asym")
+    return dtype_format(w.dtype)
+
+
+def dtype_format(dtype: torch.dtype) -> str:
+    """The format of a plain weight of `dtype`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def format_family(fmt: str) -> str:
+    """The family a kind is declared for: "float" for every plain tensor, else the scheme."""
+    if fmt.startswith("int4"):
+        return "int4"
+    return "int8" if fmt == "int8" else "float"
+
+
+def weight_bytes(w) -> int:
+    """Bytes one product streams from the weight."""
+    if isinstance(w, QuantizedWeight):
+        return w.nbytes
+    return w.numel() * w.element_size()
+
+
+def weight_rows(w, r0: int, r1: int):
+    """Output rows r0:r1 of a weight (a probe cut from it)."""
+    return w.rows(r0, r1) if isinstance(w, QuantizedWeight) else w[r0:r1]
+
+
+def weight_device(w) -> torch.device:
+    return w.qweight.device if isinstance(w, QuantizedWeight) else w.device
+
+
+def always(fmt: str, device: torch.device) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel a kind may choose. `prepare(weight) -> prepared` gives the layout the kernel
+    runs on (None: the weight as loaded); candidates with the same `layout` share one prepared
+    form. `unavailable(weight_format, device)` says why it cannot run there ("" when it can)."""
+
+    name: str
+    run: Kernel
+    what: str
+    unavailable: Callable[[str, torch.device], str] = always
+    prepare: Callable[[object], object] | None = None
+    layout: str = ""
+    # Sources whose text a measured choice depends on (compiled kernels): part of the cache key.
+    sources: tuple = ()
+
+
+@dataclass(frozen=True)
+class Kind:
+    """The candidates for weights of one format family at one row class.
+
+    probe "stream": each weight shape is timed on the model's own weights of that shape, in the
+    order a step reads them (a choice per shape); "widest": one probe cut from the widest weight
+    (a choice per format). `streams`: its best kernel reads a big weight at close to the
+    machine's read rate, so a measurement far below that is implausible."""
+
+    name: str  # what rank 0's line calls it: "one-row", "few-row", "many-row" (or a quantized kind's)
+    family: str
+    rows: str  # ONE, FEW or MANY
+    env: str
+    candidates: tuple[Candidate, ...]
+    default: str
+    prefer: tuple[str, ...] = ()  # a wash goes to the first of these within WASH of the fastest
+    probe: str = "stream"
+    streams: bool = False
+    by_name: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "by_name", {c.name: c for c in self.candidates})
+
+    def available(self, fmt: str, device: torch.device) -> list[str]:
+        return [c.name for c in self.candidates if not c.unavailable(fmt, device)]
+
+    def forced(self, env=os.environ) -> str | None:
+        """The kernel the env var forces, checked: None for auto (unset, empty or "auto")."""
+        value = env.get(self.env, "").strip()
+        if value in ("", "auto"):
+            return None
+        if value not in self.by_name:
+            raise UsageError(f"{self.env}={value!r} is not a {self.name} kernel: use auto, {', '.join(self.by_name)}")
+        return value
+
+
+_KINDS: dict[tuple[str, str], Kind] = {}
+
+
+def register(kind: Kind) -> Kind:
+    """Make `kind` the one for its (family, row class)."""
+    _KINDS[(kind.family, kind.rows)] = kind
+    return kind
+
+
+def kind_for(fmt: str, rows: str) -> Kind | None:
+    """The kind that runs weights of `fmt` at a row class (None: none declared; a family without a
+    few-row kind runs few rows with its many-row kind)."""
+    return _KINDS.get((format_family(fmt), rows))
+
+
+def all_kinds() -> list[Kind]:
+    return list(_KINDS.values())
+
+
+def check_forced(formats, device_kind: str, env=os.environ) -> None:
+    """Every forced kernel names a candidate, and one that cannot run weights of these formats on
+    this device is a usage error, before any rank starts."""
+    device = torch.device(device_kind)
+    for kind in all_kinds():
+        name = kind.forced(env)
+        if name is None:
+            continue
+        for fmt in formats:
+            if format_family(fmt) != kind.family:
+                continue
+            why = kind.by_name[name].unavailable(fmt, device)
+            if why:
+                raise UsageError(f"{kind.env}={name}: {why}")
