@@ -284,3 +284,11 @@ def tiny_engine(dtype: torch.dtype = torch.float32):
     set_tp(0, 1)
     cfg = get_preset("tiny")
     return Engine(cfg, RandomWeights(cfg, dtype=dtype), dtype, torch.device("cpu"), RulePolicy())
+
+
+def feed(engine, ids, start: int = 0, slot: int = 0, all_logits: bool = False) -> torch.Tensor:
+    """One sequence's rows through the engine's pass, in `slot` from position `start` (0 begins
+    a new sequence there): the fp32 logits of the last row [V], or of every row [T, V]."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    out = engine.run_packed([(slot, start, ids)], all_logits=all_logits)
+    return out if all_logits else out[0]

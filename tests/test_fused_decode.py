@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import feed
+
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
 from pocketllm.engine.runner import Engine
@@ -65,13 +67,13 @@ def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
     prompt = torch.tensor([(7 * i + 3) % 1000 for i in range(12)])
     steps = [(11 * i + 1) % 1000 for i in range(10)]
     for e in (fast, plain):
-        e.start_sequence(len(prompt) + len(steps))
-        e.prefill(prompt)
-    for token in steps:
-        a, b = fast.decode(token), plain.decode(token)
+        e.reserve_slots(1, len(prompt) + len(steps))
+        feed(e, prompt)
+    for pos, token in enumerate(steps, start=len(prompt)):
+        a, b = feed(fast, [token], pos), feed(plain, [token], pos)
         # Logits of a random tiny model are O(1): allow a few bf16 roundings of their range.
         assert (a - b).abs().max().item() <= 8 * BF16_ULP * b.abs().max().item()
-    for sa, sb in zip(fast.states, plain.states):
+    for sa, sb in zip(fast.slots[0], plain.slots[0]):
         if hasattr(sa, "recurrent"):
             torch.testing.assert_close(sa.recurrent, sb.recurrent, atol=2e-2, rtol=2e-2)
             assert_within_ulps(sa.conv, sb.conv, 1)

@@ -1,5 +1,7 @@
-"""The resident engine on one rank: the model with its weights loaded, its decode state, the slice
-policy, and the two passes every command is made of, prefill and decode."""
+"""The resident engine on one rank: the model with its weights loaded, the slice policy, the slots
+that hold its sequences' decode state, and the one pass every command is made of: rows of one or
+more sequences, each going on from its own position in its own slot (a prefill is a sequence's
+prompt rows from position 0, a decode step its one next row)."""
 
 from __future__ import annotations
 
@@ -53,14 +55,11 @@ class Engine:
         # The GEMM of many rows (prefill): torch's in this dtype, or widened to fp32, measured.
         self.gemm = many_rows.choose(projections)
         many_rows.install(self.gemm, dtype)
-        self.states: list = []
-        self.capacity = 0
-        # The sequences run together (reserve_slots): one state list per slot.
+        # The sequences run (reserve_slots): one state list per slot.
         self.slots: list = []
         self.slot_capacity = 0
         self.few_rows: dict = {}  # rows -> the GemvChoice for decode steps of that many sequences
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
-        self.pos = 0
         # Objects with before_pass(info) / after_pass(info), called around every pass.
         self.hooks: list = []
         self.last_pass: PassInfo | None = None
@@ -91,21 +90,10 @@ class Engine:
         finally:
             self._warmup, self._timed = saved
 
-    def start_sequence(self, max_len: int) -> None:
-        """Make room for max_len positions and forget any previous sequence."""
-        if max_len > self.capacity:
-            self.states = allocate_states(self.model, max_len)
-            self.capacity = max_len
-        else:
-            reset_states(self.states)
-        # Every pass of the sequence then slices the rotary table; none rebuilds it.
-        self.model.rotary.reserve(max_len)
-        self.pos = 0
-
     def reserve_slots(self, count: int, max_len: int) -> None:
-        """Room for `count` sequences of up to `max_len` positions each, run together by
-        run_packed: their states and KV caches are allocated here, once (a later call asking for
-        no more keeps them)."""
+        """Room for `count` sequences of up to `max_len` positions each, run by run_packed (one
+        sequence is one slot): their states and KV caches are allocated here, once (a later call
+        asking for no more keeps them)."""
         if count <= len(self.slots) and max_len <= self.slot_capacity:
             return
         self.slots = []  # the old ones go before the new ones are allocated
@@ -123,38 +111,27 @@ class Engine:
                     self.say(self.few_rows[rows].describe())
             rows *= 2
 
-    def reset_slot(self, slot: int) -> None:
-        """Forget the sequence in `slot`, so the next one there starts from position 0."""
-        reset_states(self.slots[slot])
-
+    # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
+    # ops of a decode step.
     @torch.inference_mode()
-    def run_packed(self, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
-        """One pass over several sequences: spans are (slot, start position, ids [rows]), the
-        rows of each going on from `start` in that slot's state. Returns the fp32 logits of each
-        span's last row [len(spans), V]."""
+    def run_packed(self, spans: list[tuple[int, int, torch.Tensor]], all_logits: bool = False) -> torch.Tensor:
+        """One pass over one or more sequences: spans are (slot, start position, ids [rows]), the
+        rows of each going on from `start` in that slot's state; a span starting at position 0
+        begins a new sequence in its slot, whose previous state is cleared first. Returns the
+        fp32 logits of each span's last row [len(spans), V], or of every row [rows, V] with
+        all_logits."""
         total = 0
         for slot, start, ids in spans:
             if start + ids.shape[0] > self.slot_capacity:
                 raise RuntimeError(f"sequence of {start + ids.shape[0]} positions exceeds the {self.slot_capacity} reserved per slot")
+            if start == 0:
+                reset_states(self.slots[slot])
             total += ids.shape[0]
         slices = self.policy.slices_for_rows(total)
-        decode = all(ids.shape[0] == 1 for _, _, ids in spans)
-        ctx = self.model.packed_context([(start, ids.shape[0]) for _, start, ids in spans], slices)
-        ids = torch.cat([ids for _, _, ids in spans]).to(self.device)
-        return self._pass(ids, ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, False)
-
-    # inference_mode, not no_grad: no version counters or view tracking on the hundreds of
-    # small ops of a decode step.
-    @torch.inference_mode()
-    def _run(self, ids: torch.Tensor, decode: bool, all_logits: bool = False) -> torch.Tensor:
-        rows = ids.shape[0]
-        if self.pos + rows > self.capacity:
-            raise RuntimeError(f"sequence of {self.pos + rows} positions exceeds the {self.capacity} allocated")
-        slices = self.policy.slices_for_rows(rows)
-        ctx = self.model.context(self.pos, rows, slices, decode)
-        logits = self._pass(ids.to(self.device), ctx, self.states, decode, slices, all_logits)
-        self.pos += rows
-        return logits
+        decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
+        ctx = self.model.context([(start, ids.shape[0]) for _, start, ids in spans], slices)
+        ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
+        return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, all_logits)
 
     def _pass(self, ids: torch.Tensor, ctx, states: list, decode: bool, slices: int, all_logits: bool) -> torch.Tensor:
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
@@ -169,10 +146,3 @@ class Engine:
             hook.after_pass(info)
         self.last_pass = info
         return logits
-
-    def prefill(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """ids [T] -> fp32 logits of the last position [V] (every position [T, V] with all_logits)."""
-        return self._run(ids, decode=False, all_logits=all_logits)
-
-    def decode(self, token: int) -> torch.Tensor:
-        return self._run(torch.tensor([token], dtype=torch.long), decode=True)

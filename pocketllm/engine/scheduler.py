@@ -88,11 +88,8 @@ class PassPlan:
 
 
 def run_plan(engine, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
-    """The pass every rank runs for a plan: a span starting at position 0 begins a new sequence
-    in its slot, whose previous states are cleared first."""
-    for slot, start, _ in spans:
-        if start == 0:
-            engine.reset_slot(slot)
+    """The pass every rank runs for a plan (a span starting at position 0 begins a new sequence
+    in its slot)."""
     return engine.run_packed(spans)
 
 

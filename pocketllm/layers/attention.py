@@ -10,7 +10,7 @@ from torch import nn
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import KVCache
-from pocketllm.layers.context import ForwardContext, per_sequence
+from pocketllm.layers.context import ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import apply_rotary
@@ -62,13 +62,13 @@ class GatedAttention(nn.Module):
         return KVCache(torch.zeros(shape, dtype=self._dtype, device=self._device), torch.zeros(shape, dtype=self._dtype, device=self._device))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]. `cache` is this layer's KVCache, or one per sequence
-        when ctx packs several (ctx.segments)."""
+        """x [T, hidden] -> [T, hidden]. `cache` holds this layer's KVCache of each sequence of
+        the pass (ctx.segments)."""
         with scope("projections", "full.in"):
             qkv = self.qkv_proj(x)
         return self.o_proj(per_sequence(self._attend, qkv, ctx, cache), ctx.slices)
 
-    def _attend(self, qkv: torch.Tensor, ctx: ForwardContext, cache: KVCache) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, seq: Segment, cache: KVCache) -> torch.Tensor:
         """One sequence's projected rows [T, q+k+v local] -> the gated output [T, heads*D],
         writing its keys and values into its cache."""
         t, d = qkv.shape[0], self.head_dim
@@ -77,8 +77,8 @@ class GatedAttention(nn.Module):
             # tests compare them) up to fp32 summation order.
             with scope("attention_decode"):
                 return self.compiled_decode(
-                    qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, ctx.cos[0], ctx.sin[0], cache.k, cache.v,
-                    ctx.start, self.heads, self.kv_heads, d, self.scale,
+                    qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, seq.cos[0], seq.sin[0], cache.k, cache.v,
+                    seq.start, self.heads, self.kv_heads, d, self.scale,
                 )
         q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
         q_gate = q_gate.view(t, self.heads, 2 * d)
@@ -87,14 +87,14 @@ class GatedAttention(nn.Module):
             q = self.q_norm(q)  # [T, H, D]
             k = self.k_norm(k.view(t, self.kv_heads, d))
         with scope("rope"):
-            q = apply_rotary(q, ctx.cos, ctx.sin)
-            k = apply_rotary(k, ctx.cos, ctx.sin)
-        end = ctx.start + t
+            q = apply_rotary(q, seq.cos, seq.sin)
+            k = apply_rotary(k, seq.cos, seq.sin)
+        end = seq.start + t
         with scope("kv_write"):
-            cache.k[:, ctx.start : end] = k.transpose(0, 1)
-            cache.v[:, ctx.start : end] = v.view(t, self.kv_heads, d).transpose(0, 1)
+            cache.k[:, seq.start : end] = k.transpose(0, 1)
+            cache.v[:, seq.start : end] = v.view(t, self.kv_heads, d).transpose(0, 1)
         with scope("full_attention"):
-            out = attention_core(q.transpose(0, 1), cache.k[:, :end], cache.v[:, :end], ctx.start, self.scale)
+            out = attention_core(q.transpose(0, 1), cache.k[:, :end], cache.v[:, :end], seq.start, self.scale)
         with scope("gates", "full"):
             return out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
 

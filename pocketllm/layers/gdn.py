@@ -11,7 +11,7 @@ from torch import nn
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import GDNState
-from pocketllm.layers.context import ForwardContext, per_sequence
+from pocketllm.layers.context import ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
@@ -78,17 +78,17 @@ class GatedDeltaNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]. `state` is this layer's GDNState, or one per sequence
-        when ctx packs several (ctx.segments)."""
+        """x [T, hidden] -> [T, hidden]. `state` holds this layer's GDNState of each sequence of
+        the pass (ctx.segments)."""
         with scope("projections", "lin.in"):
             proj = self.in_proj(x)
         return self.out_proj(per_sequence(self._mix, proj, ctx, state), ctx.slices)
 
-    def _mix(self, proj: torch.Tensor, ctx: ForwardContext, state: GDNState) -> torch.Tensor:
+    def _mix(self, proj: torch.Tensor, seq: Segment, state: GDNState) -> torch.Tensor:
         """One sequence's projected rows [T, in_local] -> the gated norm's output [T, hv*dv],
         advancing its conv and recurrent state."""
         t = proj.shape[0]
-        if ctx.decode and self.compiled_decode is not None:
+        if seq.decode and self.compiled_decode is not None:
             # One call from the conv to the gated norm; the same as the path below (the tests
             # compare them) up to fp32 summation order.
             with scope("gdn_decode"):
@@ -98,7 +98,7 @@ class GatedDeltaNet(nn.Module):
                 )
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
-            if ctx.decode:
+            if seq.decode:
                 mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
             else:
                 mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
             g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
-            if ctx.decode:
+            if seq.decode:
                 out = self.kernel.decode_step_(q, k, v, g, beta, state.recurrent)
             else:
                 out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)
