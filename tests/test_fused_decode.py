@@ -56,24 +56,31 @@ def engine(monkeypatch, fused: bool, cfg):
 
 @pytest.mark.parametrize("head_dim", [16, 128], ids=lambda d: f"head{d}")
 def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
-    """Teacher-forced decode from the same prompt: every step's logits, and the GDN states they
-    leave, agree within bf16 rounding (the two differ in fp32 summation order only)."""
+    """Teacher-forced decode of two sequences from their prompts, one row each per pass: every
+    step's logits, and the GDN states they leave, agree within bf16 rounding (the two differ in
+    fp32 summation order only). The steps cross a KV block boundary, and the two sequences' blocks
+    interleave in the pool, so the compiled attention reads through a table that is not the
+    identity."""
     base = get_preset("tiny")
     cfg = base if head_dim == 16 else base.__class__(**{**base.__dict__, "linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim})
     fast, plain = engine(monkeypatch, True, cfg), engine(monkeypatch, False, cfg)
     assert fast.model.layers[0].mixer.compiled_decode is not None
     assert plain.model.layers[0].mixer.compiled_decode is None
     assert fast.model.layers[3].mixer.compiled_decode is not None and plain.model.layers[3].mixer.compiled_decode is None
-    prompt = torch.tensor([(7 * i + 3) % 1000 for i in range(12)])
+    prompts = [[(7 * i + 3 + s) % 1000 for i in range(60)] for s in (0, 1)]
     steps = [(11 * i + 1) % 1000 for i in range(10)]
     for e in (fast, plain):
-        e.reserve_slots(1, len(prompt) + len(steps))
-        feed(e, prompt)
-    for pos, token in enumerate(steps, start=len(prompt)):
-        a, b = feed(fast, [token], pos), feed(plain, [token], pos)
+        e.reserve_slots(2, 70)
+        for slot, p in enumerate(prompts):
+            feed(e, p, slot=slot)
+    for pos, token in enumerate(steps, start=60):
+        spans = [(slot, pos, torch.tensor([token + slot])) for slot in (0, 1)]
+        a, b = fast.run_packed(spans), plain.run_packed(spans)
         # Logits of a random tiny model are O(1): allow a few bf16 roundings of their range.
         assert (a - b).abs().max().item() <= 8 * BF16_ULP * b.abs().max().item()
-    for sa, sb in zip(fast.slots[0], plain.slots[0]):
-        if hasattr(sa, "recurrent"):
-            torch.testing.assert_close(sa.recurrent, sb.recurrent, atol=2e-2, rtol=2e-2)
-            assert_within_ulps(sa.conv, sb.conv, 1)
+    assert [t.held for t in fast.blocks.tables] == [[0, 2], [1, 3]]
+    for slot in (0, 1):
+        for sa, sb in zip(fast.slots[slot], plain.slots[slot]):
+            if hasattr(sa, "recurrent"):
+                torch.testing.assert_close(sa.recurrent, sb.recurrent, atol=2e-2, rtol=2e-2)
+                assert_within_ulps(sa.conv, sb.conv, 1)

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm import host_memory
-from pocketllm.config import ModelConfig
+from pocketllm.config import FULL, ModelConfig
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
-from pocketllm.layers.cache import allocate_states, reset_states
+from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
+from pocketllm.layers.cache import GDNState, PagedKV
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops import gemv, many_rows
@@ -55,9 +56,11 @@ class Engine:
         # The GEMM of many rows (prefill): torch's in this dtype, or widened to fp32, measured.
         self.gemm = many_rows.choose(projections)
         many_rows.install(self.gemm, dtype)
-        # The sequences run (reserve_slots): one state list per slot.
+        # The sequences run (reserve_slots): one state list per slot (per layer its GDNState, or
+        # its PagedKV: the layer's KV pool with the slot's block table), and the pool's blocks.
         self.slots: list = []
         self.slot_capacity = 0
+        self.blocks: BlockAllocator | None = None
         self.few_rows: dict = {}  # rows -> the GemvChoice for decode steps of that many sequences
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
         # Objects with before_pass(info) / after_pass(info), called around every pass.
@@ -90,14 +93,25 @@ class Engine:
         finally:
             self._warmup, self._timed = saved
 
-    def reserve_slots(self, count: int, max_len: int) -> None:
+    def reserve_slots(self, count: int, max_len: int, kv_blocks: int | None = None) -> None:
         """Room for `count` sequences of up to `max_len` positions each, run by run_packed (one
-        sequence is one slot): their states and KV caches are allocated here, once (a later call
-        asking for no more keeps them)."""
-        if count <= len(self.slots) and max_len <= self.slot_capacity:
+        sequence is one slot): per slot its Gated DeltaNet state, and one KV pool of `kv_blocks`
+        blocks for them all (default, and at most, what `count` sequences of `max_len` fill; at
+        least what one fills). Allocated here, once: a later call asking for no more keeps them."""
+        one, every = blocks_for(max_len), count * blocks_for(max_len)
+        blocks = every if kv_blocks is None else min(kv_blocks, every)
+        if blocks < one:
+            raise ValueError(f"a KV pool of {blocks} blocks cannot hold one sequence of {max_len} positions ({one} blocks)")
+        if self.blocks is not None and count <= len(self.slots) and max_len <= self.slot_capacity and blocks <= self.blocks.num_blocks:
             return
-        self.slots = []  # the old ones go before the new ones are allocated
-        self.slots = [allocate_states(self.model, max_len) for _ in range(count)]
+        # The old state goes before the new is allocated.
+        self.slots, self.blocks = [], None
+        pools = {i: layer.mixer.allocate_pool(blocks) for i, layer in enumerate(self.model.layers) if layer.kind == FULL}
+        self.blocks = BlockAllocator(blocks, count, max_len, self.device)
+        self.slots = [
+            [PagedKV(pools[i], table) if i in pools else layer.mixer.allocate_state() for i, layer in enumerate(self.model.layers)]
+            for table in self.blocks.tables
+        ]
         self.slot_capacity = max_len
         self.model.rotary.reserve(max_len)
         # A decode step of `count` sequences has `count` rows: the few-row kernels for every
@@ -111,13 +125,19 @@ class Engine:
                     self.say(self.few_rows[rows].describe())
             rows *= 2
 
+    def release(self, slot: int) -> None:
+        """Free the KV blocks of the sequence in `slot` (it ended, or waits to be run again)."""
+        self.blocks.release(slot)
+
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
     # ops of a decode step.
     @torch.inference_mode()
     def run_packed(self, spans: list[tuple[int, int, torch.Tensor]], all_logits: bool = False) -> torch.Tensor:
         """One pass over one or more sequences: spans are (slot, start position, ids [rows]), the
         rows of each going on from `start` in that slot's state; a span starting at position 0
-        begins a new sequence in its slot, whose previous state is cleared first. Returns the
+        begins a new sequence in its slot, whose previous state is cleared (and KV blocks freed)
+        first. The slot's sequence gets the KV blocks its new positions need from the pool
+        (RuntimeError if the pool lacks them: the caller makes room first). Returns the
         fp32 logits of each span's last row [len(spans), V], or of every row [rows, V] with
         all_logits."""
         total = 0
@@ -125,7 +145,11 @@ class Engine:
             if start + ids.shape[0] > self.slot_capacity:
                 raise RuntimeError(f"sequence of {start + ids.shape[0]} positions exceeds the {self.slot_capacity} reserved per slot")
             if start == 0:
-                reset_states(self.slots[slot])
+                for state in self.slots[slot]:
+                    if isinstance(state, GDNState):
+                        state.reset()
+                self.blocks.release(slot)
+            self.blocks.grow(slot, start + ids.shape[0])
             total += ids.shape[0]
         slices = self.policy.slices_for_rows(total)
         decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)

@@ -70,7 +70,7 @@ class GatedDeltaNet(nn.Module):
         self.neg_a = -torch.exp(self.A_log.float())
         self.conv_taps = self.conv_weight[:, 0, :].t().float().contiguous()
 
-    def allocate_state(self, max_len: int) -> GDNState:
+    def allocate_state(self) -> GDNState:
         k = self.conv_weight.shape[-1]
         return GDNState(
             conv=torch.zeros(k - 1, self.conv_channels, dtype=self._dtype, device=self._device),

@@ -1,6 +1,7 @@
 """What /metrics reports, in Prometheus' text format: running and waiting requests, requests ended
-(by how), prompt and generated tokens, generated tokens per second over the last window, and time
-to first token. The engine thread records; any thread renders."""
+(by how), prompt and generated tokens, generated tokens per second over the last window, time
+to first token, and the KV cache pool's use and preemptions. The engine thread records; any
+thread renders."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
 
-    def render(self, running: int, waiting: int) -> str:
+    def render(self, running: int, waiting: int, kv=None) -> str:
+        """kv: the scheduler's KVUsage (blocks_total, blocks_used, block_size, preemptions)."""
         rate = self.tokens_per_second()
         with self._lock:
             ttft = sorted(self._ttft)
@@ -81,6 +83,13 @@ class Metrics:
                 *(f'{PREFIX}_time_to_first_token_seconds{{quantile="{q}"}} {_quantile(ttft, q):.6f}' for q in QUANTILES if ttft),
                 f"{PREFIX}_time_to_first_token_seconds_sum {self._ttft_sum:.6f}",
                 f"{PREFIX}_time_to_first_token_seconds_count {self._ttft_count}",
+            ]
+        if kv is not None:
+            lines += [
+                _gauge("kv_cache_blocks_total", f"KV cache blocks in the pool, {kv.block_size} positions each", kv.blocks_total),
+                _gauge("kv_cache_blocks_used", "KV cache blocks held by running requests", kv.blocks_used),
+                _gauge("kv_cache_usage_ratio", "fraction of the KV cache blocks in use", round(kv.blocks_used / max(1, kv.blocks_total), 6)),
+                _counter("preemptions_total", "requests whose KV blocks were taken back to be recomputed later", kv.preemptions),
             ]
         return "\n".join(lines) + "\n"
 

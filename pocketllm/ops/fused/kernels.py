@@ -16,7 +16,7 @@ _SIGNATURES = {
     "add_rms_norm_bf16": [_P, _P, _P, _F, _I, _P, _P],
     "silu_mul_bf16": [_P, _P, _P, _I],
     "gdn_decode_bf16": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P],
-    "attention_decode_bf16": [_P, _P, _P, _F, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+    "attention_decode_bf16": [_P, _P, _P, _F, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
 }
 _lib = None
 
@@ -64,13 +64,15 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
     return out
 
 
-def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_cache, v_cache, pos: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool, table, pos: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """k_pool, v_pool [blocks, kv_heads, block_size, head_dim] (layers/cache.py); table: the
+    sequence's block ids, int32, covering position pos."""
     half = cos.shape[-1]
     out = torch.empty(1, heads * head_dim, dtype=qkv.dtype)
     work = torch.empty(heads * head_dim + kv_heads * head_dim + heads * (pos + 1), dtype=torch.float32)
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     _lib.attention_decode_bf16(
-        qkv.data_ptr(), q_scale.data_ptr(), k_scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), k_cache.shape[1], pos, heads, kv_heads, head_dim, half, scale, out.data_ptr(), work.data_ptr(),
+        qkv.data_ptr(), q_scale.data_ptr(), k_scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
+        v_pool.data_ptr(), table.data_ptr(), k_pool.shape[2], pos, heads, kv_heads, head_dim, half, scale, out.data_ptr(), work.data_ptr(),
     )
     return out
