@@ -238,6 +238,23 @@ def test_concurrent_requests_each_equal_generate(server, expected):
     assert idle["pocketllm_requests_running"] == 0 and idle["pocketllm_kv_cache_blocks_used"] == 0
 
 
+@pytest.mark.timeout(90)
+def test_a_follow_up_starts_from_the_cached_prefix_and_equals_generate(server, text_ckpt):
+    # A chat's next turn resends the whole history: it starts where the first request stopped
+    # (the prefix cache is on by default), at TP=2 on every rank alike, with generate's tokens.
+    first = [(17 * i + 5) % 1000 for i in range(80)]
+    before = server.metrics()
+    reply = completion(server, first).choices[0].model_extra["token_ids"]
+    follow_up = first + reply + [7, 8, 9]
+    ids, text = generate_cli(text_ckpt, follow_up)
+    c = completion(server, follow_up).choices[0]
+    assert (c.model_extra["token_ids"], c.text) == (ids, text)
+    m = server.metrics()
+    assert m["pocketllm_prefix_cache_hits_total"] == before["pocketllm_prefix_cache_hits_total"] + 1
+    # It stopped after its prompt and all but its last token.
+    assert m["pocketllm_prefix_cache_hit_tokens_total"] - before["pocketllm_prefix_cache_hit_tokens_total"] == len(first) + NEW - 1
+
+
 @pytest.mark.timeout(60)
 def test_a_stop_string_ends_the_text_before_it(server, expected):
     text, _, _ = expected["Hello"]

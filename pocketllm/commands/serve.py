@@ -3,11 +3,13 @@ steps the scheduler; every other rank follows the passes rank 0 runs."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.distributed.state import tp
 from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, pool_blocks
+from pocketllm.engine.prefix_cache import PREFIX_CACHE_FRACTION
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
 from pocketllm.layers.attention import kv_block_bytes
@@ -32,6 +34,14 @@ def add_arguments(p) -> None:
         type=float,
         help=f"KV cache pool per rank, in GiB, taken by requests as they grow (default {DEFAULT_KV_FRACTION:g} of the memory free "
         "after loading, shared by the host's ranks on a CPU; never more than --max-running sequences of --max-len fill)",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a request from the longest cached prefix of its tokens (where an earlier request stopped, or a long prompt's "
+        f"chunk ended): KV blocks shared, Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's bytes "
+        "in copies (default on)",
     )
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: no authentication)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
@@ -100,6 +110,17 @@ def _pool(engine, args, max_len: int) -> int:
     return blocks
 
 
+def _prefix_cache_bytes(engine, args, kv_blocks: int) -> int:
+    """The prefix cache's budget for GDN state copies (0 when off), and rank 0 says what it holds."""
+    if not args.enable_prefix_caching:
+        say("prefix cache: off")
+        return 0
+    budget = int(PREFIX_CACHE_FRACTION * kv_blocks * kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize))
+    entry = engine.gdn_state_bytes()
+    say(f"prefix cache: up to {budget // max(1, entry)} prefixes ({entry / 2**20:.2f} MiB of Gated DeltaNet state each, {budget / 2**20:.0f} MiB)")
+    return budget
+
+
 def _check_listen(host: str, port: int) -> None:
     """Fail before loading the model when the address cannot be listened on."""
     try:
@@ -116,7 +137,8 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _work(args, plan, settings: dict, engine, device) -> int:
-    from pocketllm.engine.scheduler import Scheduler, follow
+    from pocketllm.engine.plan import follow
+    from pocketllm.engine.scheduler import Scheduler
 
     kv_blocks = _pool(engine, args, settings["max_len"])
     if tp().rank != 0:
@@ -129,7 +151,8 @@ def _work(args, plan, settings: dict, engine, device) -> int:
     from pocketllm.serving.protocol import Limits
     from pocketllm.serving.server import serve
 
-    scheduler = Scheduler(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks)
+    cache_bytes = _prefix_cache_bytes(engine, args, kv_blocks)
+    scheduler = Scheduler(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes)
     served = Served(
         limits=Limits(settings["model"], settings["max_len"], plan.cfg.vocab_size),
         tokenizer=load_tokenizer(args.ckpt),

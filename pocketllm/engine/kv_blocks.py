@@ -1,7 +1,8 @@
 """The KV block pool's bookkeeping: which blocks are free, which each slot's sequence holds, and how
-big the pool is. Every rank keeps its own allocator over its own pool; the ranks run the same
-grow and release calls in the same order (rank 0's plan says which slots to release), so their
-tables list the same block ids."""
+big the pool is. A block may be held more than once (by sequences, and by the prefix cache's
+entries, which share the blocks of a cached prefix): it is free when nothing holds it. Every rank
+keeps its own allocator over its own pool; the ranks run the same calls in the same order (rank
+0's plan says what to release, cache and restore), so their tables list the same block ids."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class BlockAllocator:
         self.num_blocks, self.block_size = num_blocks, block_size
         # A stack, lowest ids on top: the same calls in the same order give the same ids.
         self.free = list(range(num_blocks - 1, -1, -1))
+        self.holders = [0] * num_blocks  # how many tables and cache entries hold each block
         self.tables = [BlockTable(blocks_for(max_len, block_size), device) for _ in range(slots)]
 
     @property
@@ -51,15 +53,38 @@ class BlockAllocator:
         if n > table.ids.shape[0] - table.count:
             raise RuntimeError(f"sequence of {positions} positions exceeds the {table.ids.shape[0] * self.block_size} a slot holds")
         new = [self.free.pop() for _ in range(n)]
-        if new:
-            table.ids[table.count : table.count + n] = torch.tensor(new, dtype=torch.int32)
-            table.held.extend(new)
+        self.hold(new)
+        self._append(table, new)
+
+    def adopt(self, slot: int, blocks: list[int]) -> None:
+        """Give the slot's (empty) sequence these blocks, shared with whatever else holds them."""
+        self.hold(blocks)
+        self._append(self.tables[slot], blocks)
 
     def release(self, slot: int) -> None:
-        """Free every block of the slot's sequence."""
+        """Let go of every block of the slot's sequence."""
         table = self.tables[slot]
-        self.free.extend(reversed(table.held))
-        table.held.clear()
+        self.drop(table.held)
+        table.held = []
+
+    def hold(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.holders[b] += 1
+
+    def drop(self, blocks: list[int]) -> None:
+        """Let go of these blocks once each; those nothing holds any more are free."""
+        freed = []
+        for b in blocks:
+            self.holders[b] -= 1
+            if self.holders[b] == 0:
+                freed.append(b)
+        self.free.extend(reversed(freed))
+
+    @staticmethod
+    def _append(table: BlockTable, blocks: list[int]) -> None:
+        if blocks:
+            table.ids[table.count : table.count + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table.held.extend(blocks)
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -16,7 +16,7 @@ from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
-from pocketllm.layers.cache import GDNState, PagedKV
+from pocketllm.layers.cache import CachedPrefix, GDNState, PagedKV
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops import gemv, many_rows
@@ -61,6 +61,10 @@ class Engine:
         self.slots: list = []
         self.slot_capacity = 0
         self.blocks: BlockAllocator | None = None
+        self.pools: list = []  # the full-attention layers' KVPools
+        self._pool_blocks = 0  # blocks the pools have room for
+        self._gdn_states: list[dict] = []  # per slot allocated, its GDNState by layer index
+        self.cached: dict[int, CachedPrefix] = {}  # prefix cache entries by id (rank 0 chooses them)
         self.few_rows: dict = {}  # rows -> the GemvChoice for decode steps of that many sequences
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
         # Objects with before_pass(info) / after_pass(info), called around every pass.
@@ -97,20 +101,26 @@ class Engine:
         """Room for `count` sequences of up to `max_len` positions each, run by run_packed (one
         sequence is one slot): per slot its Gated DeltaNet state, and one KV pool of `kv_blocks`
         blocks for them all (default, and at most, what `count` sequences of `max_len` fill; at
-        least what one fills). Allocated here, once: a later call asking for no more keeps them."""
+        least what one fills), every block free. The memory is allocated once: a later call
+        asking for no more reuses it, with fresh bookkeeping of exactly the blocks asked for."""
         one, every = blocks_for(max_len), count * blocks_for(max_len)
         blocks = every if kv_blocks is None else min(kv_blocks, every)
         if blocks < one:
             raise ValueError(f"a KV pool of {blocks} blocks cannot hold one sequence of {max_len} positions ({one} blocks)")
-        if self.blocks is not None and count <= len(self.slots) and max_len <= self.slot_capacity and blocks <= self.blocks.num_blocks:
-            return
-        # The old state goes before the new is allocated.
-        self.slots, self.blocks = [], None
-        pools = {i: layer.mixer.allocate_pool(blocks) for i, layer in enumerate(self.model.layers) if layer.kind == FULL}
+        full = [i for i, layer in enumerate(self.model.layers) if layer.kind == FULL]
+        # The old state goes before new is allocated.
+        self.slots, self.cached = [], {}
+        if blocks > self._pool_blocks:
+            self.pools = []
+            self.pools = [self.model.layers[i].mixer.allocate_pool(blocks) for i in full]
+            self._pool_blocks = blocks
+        while len(self._gdn_states) < count:
+            self._gdn_states.append({i: layer.mixer.allocate_state() for i, layer in enumerate(self.model.layers) if i not in full})
         self.blocks = BlockAllocator(blocks, count, max_len, self.device)
+        pools = dict(zip(full, self.pools))
         self.slots = [
-            [PagedKV(pools[i], table) if i in pools else layer.mixer.allocate_state() for i, layer in enumerate(self.model.layers)]
-            for table in self.blocks.tables
+            [PagedKV(pools[i], table) if i in pools else gdn[i] for i in range(len(self.model.layers))]
+            for table, gdn in zip(self.blocks.tables, self._gdn_states)
         ]
         self.slot_capacity = max_len
         self.model.rotary.reserve(max_len)
@@ -128,6 +138,45 @@ class Engine:
     def release(self, slot: int) -> None:
         """Free the KV blocks of the sequence in `slot` (it ended, or waits to be run again)."""
         self.blocks.release(slot)
+
+    def gdn_state_bytes(self) -> int:
+        """What one sequence's Gated DeltaNet state takes: a prefix cache entry's copy of it."""
+        return sum(layer.mixer.state_bytes() for layer in self.model.layers if layer.kind != FULL)
+
+    def snapshot(self, slot: int, entry: int, length: int) -> None:
+        """Keep the first `length` positions of the sequence in `slot`, which has run exactly that
+        many, as prefix cache entry `entry`: its KV blocks, held (not copied), and a copy of its
+        GDN state. The positions in those blocks never change: the sequence only appends."""
+        blocks = self.blocks.tables[slot].held[: blocks_for(length, self.blocks.block_size)]
+        self.blocks.hold(blocks)
+        gdn = [(s.conv.clone(), s.recurrent.clone()) for s in self.slots[slot] if isinstance(s, GDNState)]
+        self.cached[entry] = CachedPrefix(length, list(blocks), gdn)
+
+    def restore(self, slot: int, entry: int) -> None:
+        """Start the sequence in `slot` (released) from prefix cache entry `entry`, as if it had
+        run the entry's positions: their whole blocks shared, a last partial block copied into one
+        of its own (it will write its next positions there), the GDN state copied."""
+        cached, bs = self.cached[entry], self.blocks.block_size
+        whole = cached.length // bs
+        self.blocks.adopt(slot, cached.blocks[:whole])
+        if cached.length % bs:
+            self.blocks.grow(slot, cached.length)
+            own, source = self.blocks.tables[slot].held[-1], cached.blocks[whole]
+            for pool in self.pools:
+                pool.k[own] = pool.k[source]
+                pool.v[own] = pool.v[source]
+        for state, (conv, recurrent) in zip([s for s in self.slots[slot] if isinstance(s, GDNState)], cached.gdn):
+            state.conv.copy_(conv)
+            state.recurrent.copy_(recurrent)
+
+    def evict(self, entry: int) -> None:
+        """Forget prefix cache entry `entry`; blocks nothing else holds become free."""
+        self.blocks.drop(self.cached.pop(entry).blocks)
+
+    def forget_cached(self) -> None:
+        """Forget every prefix cache entry (a new scheduler starts with an empty cache)."""
+        for entry in list(self.cached):
+            self.evict(entry)
 
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
     # ops of a decode step.

@@ -13,9 +13,16 @@ give the running sequences the blocks their next pass needs, the last admitted i
 blocks are freed and it waits again, first in line, to be recomputed from its prompt and the
 tokens it has so far (then it goes on as if never stopped). No request fails for want of blocks.
 
-Under TP, rank 0 schedules and samples; each pass's plan (slots to release, then slots, positions
-and ids) goes to the other ranks in one broadcast of a fixed-size tensor, and they run the same
-releases and the same pass (follow), so every rank's blocks are taken and freed alike."""
+Prefix caching (prefix_cache.py, when given a budget): where a request finished, and at the end
+of each prompt chunk before the last, its positions so far are cached (KV blocks held, GDN state
+copied); a request whose tokens start with a cached prefix starts from it and runs only the rest.
+Cached blocks no running sequence holds are given back, least recently used first, before any
+running request is preempted.
+
+Under TP, rank 0 schedules and samples; each pass's plan (the block and cache operations since the
+last, then slots, positions and ids: plan.py) goes to the other ranks in one broadcast of a
+fixed-size tensor, and they run the same operations and the same pass (follow), so every rank's
+blocks and cache entries are taken and freed alike."""
 
 from __future__ import annotations
 
@@ -29,10 +36,11 @@ import torch
 
 from pocketllm.distributed.state import broadcast_, tp
 from pocketllm.engine.kv_blocks import blocks_for, pool_blocks
+from pocketllm.engine.plan import EVICT, RELEASE, RESTORE, SNAPSHOT, PassPlan, apply, follow, run_plan
+from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.inputs import prompt_problem
 
-_CLOSE = -1
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never
 # reaches the collective timeout however long no request comes.
 KEEP_ALIVE_SECONDS = 1.0
@@ -55,6 +63,11 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # eos ids unless ignore_eos, and stop_token_ids
     preempted: int = 0  # times its blocks were taken back and it was recomputed
 
+    def tokens(self, end: int) -> list[int]:
+        """Its first `end` positions' ids: the prompt, then the tokens chosen."""
+        n = len(self.prompt)
+        return self.prompt[:end] + self.output[: max(end - n, 0)]
+
     @property
     def length(self) -> int:
         """Positions the sequence has: its prompt and the tokens chosen so far."""
@@ -74,69 +87,31 @@ class Request:
         return self.prompt[self.fed : min(end, n)] + self.output[max(self.fed - n, 0) : max(end - n, 0)]
 
 
-class PassPlan:
-    """What every rank does for one pass: the slots whose KV blocks to free first, then the spans
-    (slot, start, ids), in the fixed-size int64 form rank 0 broadcasts: [spans, releases, then
-    (slot, start, rows) per span, then the released slots, then every span's ids]."""
-
-    def __init__(self, max_spans: int, max_rows: int, device):
-        self.buf = torch.zeros(2 + 4 * max_spans + max_rows, dtype=torch.long, device=device)
-        self.max_spans = max_spans
-        # A slot is released at most once between two passes (a second release, with no pass
-        # between to give it blocks, frees nothing): at most max_spans of them.
-        self._ids_at = 2 + 4 * max_spans
-
-    def encode(self, releases: list[int], spans: list[tuple[int, int, list[int]]]) -> None:
-        head = [len(spans), len(releases)] + [v for slot, start, ids in spans for v in (slot, start, len(ids))]
-        ids = [t for _, _, chunk in spans for t in chunk]
-        self.buf[: len(head)] = torch.tensor(head, dtype=torch.long)
-        at = 2 + 3 * self.max_spans
-        self.buf[at : at + len(releases)] = torch.tensor(releases, dtype=torch.long)
-        self.buf[self._ids_at : self._ids_at + len(ids)] = torch.tensor(ids, dtype=torch.long)
-
-    def close(self) -> None:
-        self.buf[0] = _CLOSE
-
-    def decode(self) -> tuple[list[int], list[tuple[int, int, torch.Tensor]]] | None:
-        """(releases, spans), or None for the plan that ends the run."""
-        values = self.buf.cpu()
-        n, r = int(values[0]), int(values[1])
-        if n == _CLOSE:
-            return None
-        at = 2 + 3 * self.max_spans
-        releases = values[at : at + r].tolist()
-        spans, pos = [], self._ids_at
-        for i in range(n):
-            slot, start, rows = (int(v) for v in values[2 + 3 * i : 5 + 3 * i])
-            spans.append((slot, start, values[pos : pos + rows].clone()))
-            pos += rows
-        return releases, spans
-
-
-def run_plan(engine, releases: list[int], spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
-    """What every rank runs for a plan: free the released slots' KV blocks, in order, then the pass
-    (a span starting at position 0 begins a new sequence in its slot), if it has spans."""
-    for slot in releases:
-        engine.release(slot)
-    return engine.run_packed(spans) if spans else None
-
-
 @dataclass
 class KVUsage:
-    """The KV pool as /metrics reports it."""
+    """The KV pool and the prefix cache as /metrics reports them."""
 
     blocks_total: int
-    blocks_used: int
+    blocks_used: int  # held by running requests
     block_size: int
     preemptions: int
+    prefix_caching: bool = False
+    prefix_hits: int = 0  # requests started from a cached prefix
+    prefix_misses: int = 0
+    prefix_hit_tokens: int = 0  # positions they did not run
+    prefix_entries: int = 0
+    prefix_blocks: int = 0  # held by cached prefixes alone: given back when requests need them
 
 
 class Scheduler:
     """Rank 0's side: submit and cancel from any thread, step from one."""
 
-    def __init__(self, engine, max_running: int, max_len: int, prefill_budget: int = 2048, kv_blocks: int | None = None):
+    def __init__(
+        self, engine, max_running: int, max_len: int, prefill_budget: int = 2048, kv_blocks: int | None = None, prefix_cache_bytes: int = 0
+    ):
         """kv_blocks: the KV pool's size in blocks (Engine.reserve_slots: default, and at most,
-        what max_running sequences of max_len fill)."""
+        what max_running sequences of max_len fill). prefix_cache_bytes: what the prefix cache's
+        copies of GDN state may take (0: no prefix caching); its KV blocks are the pool's."""
         if max_running < 1 or max_len < 1 or prefill_budget < 1:
             raise ValueError(f"max_running, max_len and prefill_budget must be >= 1, got {max_running}, {max_len}, {prefill_budget}")
         self.engine, self.max_running, self.max_len, self.prefill_budget = engine, max_running, max_len, prefill_budget
@@ -144,8 +119,10 @@ class Scheduler:
         engine.reserve_slots(max_running, max_len, kv_blocks)
         self.blocks = engine.blocks
         self.plan = PassPlan(max_running, prefill_budget + max_running, engine.device)
-        self._released: list[int] = []  # slots freed since the last plan went out, in order
+        self._ops: list[tuple[int, int, int, int]] = []  # run here, not yet sent to the other ranks
         self.preemptions = 0
+        entries = prefix_cache_bytes // max(1, engine.gdn_state_bytes())
+        self.prefix = PrefixCache(entries, self.blocks.block_size) if entries > 0 else None
         self.free_slots = list(range(max_running))
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -219,6 +196,7 @@ class Scheduler:
         for i, (req, (_, _, rows)) in enumerate(zip(fed, spans)):
             req.fed += len(rows)
             if req.fed < req.length:
+                self._cache(req)
                 continue  # a chunk before the last: its logits choose nothing
             if req.sampling.plain_greedy:
                 token = greedy[i]
@@ -244,12 +222,14 @@ class Scheduler:
         while True:
             spans, fed, budget = self._spans(self.running, self.prefill_budget)
             need = sum(self.blocks.needed(req.slot, req.fed + len(rows)) for req, (_, _, rows) in zip(fed, spans))
+            self._reclaim(need - self.blocks.num_free)
             if need <= self.blocks.num_free:
                 break
             self._preempt(self.running[-1])
             preempted = True
         if preempted:
             return spans, fed
+        bs = self.blocks.block_size
         room = self.blocks.num_free - sum(self.blocks.needed(req.slot, req.length) for req in self.running)
         admitted = []
         while self.waiting and self.free_slots:
@@ -258,12 +238,20 @@ class Scheduler:
                 self.waiting.popleft()
                 events.append((self._finish(req, "length"), None))
                 continue
-            cost = blocks_for(req.length, self.blocks.block_size)
+            hit = self.prefix.lookup(req.tokens(req.length)) if self.prefix is not None else None
+            # A hit shares the cached prefix's whole blocks; its partial last block is copied.
+            cost = blocks_for(req.length, bs) - (hit.length // bs if hit else 0)
+            room += self._reclaim(cost - room, keep=hit)
             if cost > room:
                 break
             room -= cost
             self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
+            if self.prefix is not None:
+                self.prefix.count(hit)
+            if hit is not None:
+                self._do(RESTORE, req.slot, hit.id)
+                req.fed = hit.length
             self.running.append(req)
             admitted.append(req)
         more, more_fed, _ = self._spans(admitted, budget)
@@ -295,13 +283,62 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, slot: int) -> None:
-        self.engine.release(slot)
+        self._do(RELEASE, slot)
         self.free_slots.append(slot)
-        if slot not in self._released:
-            self._released.append(slot)
+
+    def _do(self, code: int, a: int, b: int = 0, c: int = 0) -> None:
+        """Run a block or cache operation here now, and send it to the other ranks with the next
+        plan."""
+        op = (code, a, b, c)
+        apply(self.engine, [op])
+        self._ops.append(op)
+
+    def _cache(self, req: Request) -> None:
+        """Cache the positions `req` has run so far (it has at least a block of them), making
+        room under the cache's budget by forgetting the least recently used."""
+        if self.prefix is None or req.fed < self.blocks.block_size or self.closed:
+            return
+        tokens = req.tokens(req.fed)
+        known = self.prefix.find(tokens)
+        if known is not None:
+            self.prefix.touch(known)
+            return
+        while self.prefix.full:
+            self._evict(next(iter(self.prefix.entries)))
+        self._do(SNAPSHOT, req.slot, self.prefix.add(tokens).id, req.fed)
+
+    def _evict(self, entry_id: int) -> None:
+        self.prefix.remove(entry_id)
+        self._do(EVICT, entry_id)
+
+    def _reclaim(self, short: int, keep=None) -> int:
+        """Forget cached prefixes, least recently used first, whose blocks nothing else holds,
+        until `short` blocks are freed (or none is left to forget); the blocks freed."""
+        if self.prefix is None or short <= 0:
+            return 0
+        before, holders = self.blocks.num_free, self.blocks.holders
+        progress = True
+        # Again while it frees something: a prefix's blocks may be held by a longer one too.
+        while progress and self.blocks.num_free - before < short:
+            progress = False
+            for entry_id in list(self.prefix.entries):
+                if self.blocks.num_free - before >= short:
+                    break
+                if (keep is None or entry_id != keep.id) and any(holders[b] == 1 for b in self.engine.cached[entry_id].blocks):
+                    self._evict(entry_id)
+                    progress = True
+        return self.blocks.num_free - before
 
     def kv_usage(self) -> KVUsage:
-        return KVUsage(self.blocks.num_blocks, self.blocks.num_used, self.blocks.block_size, self.preemptions)
+        """The pool's use (read from any thread: a moment's view, not a locked one)."""
+        running = len({b for table in self.blocks.tables for b in list(table.held)})
+        usage = KVUsage(self.blocks.num_blocks, running, self.blocks.block_size, self.preemptions)
+        if self.prefix is not None:
+            usage.prefix_caching = True
+            usage.prefix_hits, usage.prefix_misses, usage.prefix_hit_tokens = self.prefix.hits, self.prefix.misses, self.prefix.hit_tokens
+            usage.prefix_entries = len(self.prefix.entries)
+            usage.prefix_blocks = max(0, self.blocks.num_used - running)
+        return usage
 
     def keep_alive(self) -> None:
         """Call while idle (no step to run): tells the other ranks rank 0 is still there."""
@@ -309,17 +346,18 @@ class Scheduler:
             self._broadcast([])
 
     def _broadcast(self, spans: list) -> None:
-        """Send the other ranks the plan: the slots released since the last one, and the spans."""
-        released, self._released = self._released, []
+        """Send the other ranks the plan: the operations since the last one, and the spans."""
+        ops, self._ops = self._ops, []
         if tp().world > 1:
-            self.plan.encode(released, spans)
-            broadcast_(self.plan.buf)
+            self.plan.send(ops, spans)
             self._last_broadcast = time.monotonic()
 
     def _finish(self, req: Request, reason: str) -> Request:
         req.finished, req.finish_reason = True, reason
         if req.slot is not None:
             self.running.remove(req)
+            # Where it stopped is where a follow-up (a chat's next turn) starts.
+            self._cache(req)
             self._release(req.slot)
             req.slot = None
         return req
@@ -338,19 +376,6 @@ class Scheduler:
         if tp().world > 1:
             self.plan.close()
             broadcast_(self.plan.buf)
-
-
-def follow(engine, max_running: int, max_len: int, prefill_budget: int = 2048, kv_blocks: int | None = None) -> None:
-    """The other ranks' side of a Scheduler made with the same sizes: run each plan rank 0
-    broadcasts until it closes the run."""
-    engine.reserve_slots(max_running, max_len, kv_blocks)
-    plan = PassPlan(max_running, prefill_budget + max_running, engine.device)
-    while True:
-        broadcast_(plan.buf, idle=True)
-        got = plan.decode()
-        if got is None:
-            return
-        run_plan(engine, *got)
 
 
 def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=(), max_running: int | None = None) -> list[list[int]]:

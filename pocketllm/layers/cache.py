@@ -62,3 +62,14 @@ class PagedKV:
 
     pool: KVPool
     table: BlockTable
+
+
+@dataclass
+class CachedPrefix:
+    """A prefix of some sequence kept for later ones that start with the same tokens: the KV
+    blocks of its positions (held, shared with whoever else holds them) and every Gated DeltaNet
+    layer's conv and recurrent state after its last position."""
+
+    length: int
+    blocks: list[int]
+    gdn: list[tuple[torch.Tensor, torch.Tensor]]

@@ -77,6 +77,11 @@ class GatedDeltaNet(nn.Module):
             recurrent=torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=self._device),
         )
 
+    def state_bytes(self) -> int:
+        """What allocate_state's state takes."""
+        conv = (self.conv_weight.shape[-1] - 1) * self.conv_channels * self.conv_weight.element_size()
+        return conv + self.hv * self.dk * self.dv * 4
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. `state` holds this layer's GDNState of each sequence of
         the pass (ctx.segments)."""
