@@ -117,6 +117,21 @@ def test_cached_blocks_go_back_before_a_running_request_is_preempted(engine):
     assert sched.preemptions == 0 and len(engine.cached) == 1 and next(iter(engine.cached.values())).length == 190 + NEW - 1
 
 
+@pytest.mark.timeout(30)
+def test_a_chat_in_a_pool_of_one_sequence_takes_over_the_cached_partial_block(engine):
+    # Each turn's cached prefix holds most of the pool; the next turn cannot get a block to copy
+    # the prefix's partial last block into, so it takes that block over (and the entry with it)
+    # instead of waiting for ever.
+    history, prompts, outs = ids(300, 13), [], []
+    sched = Scheduler(engine, 1, 480, kv_blocks=blocks_for(480), prefix_cache_bytes=entries(engine, 8))
+    for turn in range(3):
+        prompts.append(history + ids(50, 14 + turn))
+        outs.append(drain(sched, prompts[-1]).output)
+        history = prompts[-1] + outs[-1]
+    assert sched.kv_usage().prefix_hits == 2
+    assert outs == [generate(engine, p, NEW) for p in prompts]
+
+
 def test_the_other_ranks_replay_every_cache_operation(engine, monkeypatch):
     follower = tiny_engine()
     follower.reserve_slots(3, 300, 9)

@@ -17,7 +17,7 @@ MAX_OPS = 64
 # The operations, each four int64s: (code, a, b, c).
 RELEASE = 1  # (slot): free the KV blocks of the sequence in slot
 SNAPSHOT = 2  # (slot, entry, length): cache the first `length` positions of slot's sequence as entry
-RESTORE = 3  # (slot, entry): start slot's sequence from cached entry
+RESTORE = 3  # (slot, entry, take): start slot's sequence from cached entry (take: and forget it)
 EVICT = 4  # (entry): forget cached entry
 
 
@@ -28,7 +28,7 @@ def apply(engine, ops: list[tuple[int, int, int, int]]) -> None:
         elif code == SNAPSHOT:
             engine.snapshot(a, b, c)
         elif code == RESTORE:
-            engine.restore(a, b)
+            engine.restore(a, b, bool(c))
         elif code == EVICT:
             engine.evict(a)
         else:

@@ -152,19 +152,25 @@ class Engine:
         gdn = [(s.conv.clone(), s.recurrent.clone()) for s in self.slots[slot] if isinstance(s, GDNState)]
         self.cached[entry] = CachedPrefix(length, list(blocks), gdn)
 
-    def restore(self, slot: int, entry: int) -> None:
+    def restore(self, slot: int, entry: int, take: bool = False) -> None:
         """Start the sequence in `slot` (released) from prefix cache entry `entry`, as if it had
         run the entry's positions: their whole blocks shared, a last partial block copied into one
-        of its own (it will write its next positions there), the GDN state copied."""
+        of its own (it will write its next positions there), the GDN state copied. take: the
+        entry is forgotten here, and its partial block, which nothing else holds, becomes the
+        sequence's own without a copy (for when the pool has no block to copy it into)."""
         cached, bs = self.cached[entry], self.blocks.block_size
         whole = cached.length // bs
-        self.blocks.adopt(slot, cached.blocks[:whole])
-        if cached.length % bs:
-            self.blocks.grow(slot, cached.length)
-            own, source = self.blocks.tables[slot].held[-1], cached.blocks[whole]
-            for pool in self.pools:
-                pool.k[own] = pool.k[source]
-                pool.v[own] = pool.v[source]
+        if take:
+            self.blocks.adopt(slot, cached.blocks)
+            self.evict(entry)
+        else:
+            self.blocks.adopt(slot, cached.blocks[:whole])
+            if cached.length % bs:
+                self.blocks.grow(slot, cached.length)
+                own, source = self.blocks.tables[slot].held[-1], cached.blocks[whole]
+                for pool in self.pools:
+                    pool.k[own] = pool.k[source]
+                    pool.v[own] = pool.v[source]
         for state, (conv, recurrent) in zip([s for s in self.slots[slot] if isinstance(s, GDNState)], cached.gdn):
             state.conv.copy_(conv)
             state.recurrent.copy_(recurrent)

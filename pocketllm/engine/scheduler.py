@@ -239,9 +239,13 @@ class Scheduler:
                 events.append((self._finish(req, "length"), None))
                 continue
             hit = self.prefix.lookup(req.tokens(req.length)) if self.prefix is not None else None
-            # A hit shares the cached prefix's whole blocks; its partial last block is copied.
+            # A hit shares the cached prefix's whole blocks; its partial last block is copied, or,
+            # when the pool has no block for the copy and nothing else holds it, taken over.
             cost = blocks_for(req.length, bs) - (hit.length // bs if hit else 0)
             room += self._reclaim(cost - room, keep=hit)
+            take = hit is not None and cost > room and self._takeable(hit)
+            if take:
+                cost -= 1
             if cost > room:
                 break
             room -= cost
@@ -250,7 +254,9 @@ class Scheduler:
             if self.prefix is not None:
                 self.prefix.count(hit)
             if hit is not None:
-                self._do(RESTORE, req.slot, hit.id)
+                if take:
+                    self.prefix.remove(hit.id)
+                self._do(RESTORE, req.slot, hit.id, int(take))
                 req.fed = hit.length
             self.running.append(req)
             admitted.append(req)
@@ -306,6 +312,11 @@ class Scheduler:
         while self.prefix.full:
             self._evict(next(iter(self.prefix.entries)))
         self._do(SNAPSHOT, req.slot, self.prefix.add(tokens).id, req.fed)
+
+    def _takeable(self, hit) -> bool:
+        """Whether `hit` ends inside a block that only it holds."""
+        blocks = self.engine.cached[hit.id].blocks
+        return hit.length % self.blocks.block_size != 0 and self.blocks.holders[blocks[-1]] == 1
 
     def _evict(self, entry_id: int) -> None:
         self.prefix.remove(entry_id)
