@@ -1,15 +1,16 @@
 """`pocketllm bench --batch B` at every B, interleaved rep-major in fresh processes (the order
 reversed on odd reps); prints aggregate prefill and decode tokens/s per B and each against the
 first B. --baseline DIR adds `bench` (no --batch) run from another checkout, e.g. the commit before
-batching, to show what batch 1 costs against it.
+batching, to show what batch 1 costs against it; repeat it for several checkouts.
 
-    python benchmarks/batch_ab.py [--batches 1,8] [--reps 4] [--baseline DIR]
+    python benchmarks/batch_ab.py [--batches 1,8] [--reps 4] [--baseline DIR ...]
         [bench flags, e.g. --dtype bfloat16 --max-new-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -20,11 +21,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench`.")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--reps", type=int, default=4, help="reps per setting, even so each order runs equally often (default 4)")
-    p.add_argument("--baseline", help="a checkout whose `pocketllm bench` runs as one more setting")
+    p.add_argument("--baseline", action="append", default=[], help="a checkout whose `pocketllm bench` runs as one more setting (repeatable)")
     args, bench_args = p.parse_known_args(argv)
     settings = [(int(b), None) for b in args.batches.split(",")]
-    if args.baseline:
-        settings.append((1, args.baseline))
+    settings += [(1, tree) for tree in args.baseline]
     tps = {(s, kind): [] for s in settings for kind in ("prefill", "decode", "per_seq")}
     for rep in range(args.reps):
         for batch, tree in alternate(settings, rep):
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         pre, dec, per = tps[(s, "prefill")], tps[(s, "decode")], tps[(s, "per_seq")]
         r_pre = statistics.median(pre) / statistics.median(tps[(base, "prefill")])
         r_dec = statistics.median(dec) / statistics.median(tps[(base, "decode")])
-        name = f"batch {s[0]}" if s[1] is None else "bench @ baseline"
+        name = f"batch {s[0]}" if s[1] is None else f"bench @ {os.path.basename(os.path.normpath(s[1]))}"
         print(f"{name:<22}{spread(pre):>24}{r_pre:>7.2f}{spread(dec, 2):>24}{r_dec:>7.2f}{spread(per, 2):>22}")
     return 0
 

@@ -131,7 +131,7 @@ class PocketRunner:
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
         _, logits = timed_prefill(self.engine, ids, _no_sync, room=n + 1)
         first = int(torch.argmax(logits))
-        seconds, rest = timed_greedy_decode(self.engine, first, n, _no_sync)
+        seconds, rest = timed_greedy_decode(self.engine, first, len(ids), n, _no_sync)
         return seconds, [first] + rest
 
 

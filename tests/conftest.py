@@ -284,3 +284,41 @@ def tiny_engine(dtype: torch.dtype = torch.float32):
     set_tp(0, 1)
     cfg = get_preset("tiny")
     return Engine(cfg, RandomWeights(cfg, dtype=dtype), dtype, torch.device("cpu"), RulePolicy())
+
+
+def feed(engine, ids, start: int = 0, slot: int = 0, all_logits: bool = False) -> torch.Tensor:
+    """One sequence's rows through the engine's pass, in `slot` from position `start` (0 begins
+    a new sequence there): the fp32 logits of the last row [V], or of every row [T, V]."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    out = engine.run_packed([(slot, start, ids)], all_logits=all_logits)
+    return out if all_logits else out[0]
+
+
+def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: int = 64, prefill_budget: int = 2048) -> list:
+    """Rank 0's scheduler plans (for a Scheduler of these sizes made after this call), as the
+    other ranks get them, run on `follower` (an engine of this process, reserved as `leader`,
+    rank 0's, is): after a step's operations and before its pass, its blocks (free, held per
+    slot, holders) and prefix cache entries must be rank 0's. Plans carry `max_ops` operations.
+    Returns the list the operations seen are added to."""
+    from pocketllm.distributed.state import TPState
+    from pocketllm.engine import plan, scheduler
+
+    monkeypatch.setattr(plan, "MAX_OPS", max_ops)
+    received = plan.PassPlan(max_running, prefill_budget + max_running, torch.device("cpu"))
+    seen = []
+
+    def broadcast(buf, src=0, idle=False):
+        received.buf.copy_(buf)
+        ops, spans = received.decode()
+        plan.apply(follower, ops)
+        seen.extend(ops)
+        if not spans:
+            return  # more of this step's operations follow in the next plan
+        assert follower.blocks.free == leader.blocks.free and follower.blocks.holders == leader.blocks.holders
+        assert [t.held for t in follower.blocks.tables] == [t.held for t in leader.blocks.tables]
+        assert {k: (c.length, c.blocks) for k, c in follower.cached.items()} == {k: (c.length, c.blocks) for k, c in leader.cached.items()}
+        plan.run_plan(follower, [], spans)
+
+    monkeypatch.setattr(scheduler, "tp", lambda: TPState(0, 2))
+    monkeypatch.setattr(plan, "broadcast_", broadcast)
+    return seen

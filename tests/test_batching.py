@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_engine, generated_ids, run_cli, usage_error_in_process
+from conftest import feed, tiny_engine, generated_ids, run_cli, usage_error_in_process
 from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
 
 from pocketllm.engine.generate import generate
@@ -43,16 +43,13 @@ def alone(engine, prompts):
 def test_a_packed_pass_equals_each_sequence_alone(engine, prompts):
     spans = [(slot, 0, torch.tensor(p)) for slot, p in enumerate(prompts[:4])]
     engine.reserve_slots(4, 200)
-    for slot in range(4):
-        engine.reset_slot(slot)
     packed = engine.run_packed(spans)
     # Then a decode row each, at each sequence's own position, in a shuffled slot order.
     order = [2, 0, 3, 1]
     step = engine.run_packed([(s, len(prompts[s]), torch.tensor([s + 10])) for s in order])
     for slot, p in enumerate(prompts[:4]):
-        engine.start_sequence(len(p) + 1)
-        torch.testing.assert_close(packed[slot], engine.prefill(torch.tensor(p)), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(step[order.index(slot)], engine.decode(slot + 10), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(packed[slot], feed(engine, p), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(step[order.index(slot)], feed(engine, [slot + 10], len(p)), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("max_running,budget", [(6, 2048), (2, 2048), (3, 16)], ids=["all-at-once", "admitted-mid-way", "chunked-prompts"])
@@ -168,14 +165,11 @@ def test_a_bf16_decode_step_of_several_rows_runs_the_few_row_kernels(monkeypatch
     assert sorted(few) == [2, 4] and all(c.how.startswith("measured") for c in few.values())
     assert {"c", "mm"} <= set(next(iter(few[4].seconds.values())))
     prompts = [prompt(6 + 3 * i, i) for i in range(4)]
-    for slot in range(4):
-        eng.reset_slot(slot)
     eng.run_packed([(s, 0, torch.tensor(p)) for s, p in enumerate(prompts)])
     step = eng.run_packed([(s, len(p), torch.tensor([s + 1])) for s, p in enumerate(prompts)])
     # The layer was bound to the few-row choices when the slots were reserved.
     assert eng.model.layers[0].mlp.down.kernels.names["4-row"] == few[4].kernel_for(eng.model.layers[0].mlp.down.weight)
     for s, p in enumerate(prompts):
-        eng.start_sequence(len(p) + 1)
-        eng.prefill(torch.tensor(p))
-        alone = eng.decode(s + 1)
+        feed(eng, p)
+        alone = feed(eng, [s + 1], len(p))
         assert (step[s] - alone).abs().max().item() <= 0.05 * alone.abs().max().item()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import feed
+
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
 from pocketllm.engine.generate import generate
@@ -31,32 +33,30 @@ def ids(n: int, offset: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("prompt_len,decode_steps", [(1, 5), (70, 6), (130, 3)], ids=lambda v: str(v))
 def test_prefill_then_decode_equals_longer_prefill(engine, prompt_len, decode_steps):
     seq = ids(prompt_len + decode_steps)
-    engine.start_sequence(len(seq))
-    full = engine.prefill(seq, all_logits=True)
-    engine.start_sequence(len(seq))
-    step_logits = [engine.prefill(seq[:prompt_len])]
-    for t in seq[prompt_len:].tolist():
-        step_logits.append(engine.decode(t))
+    engine.reserve_slots(1, len(seq))
+    full = feed(engine, seq, all_logits=True)
+    step_logits = [feed(engine, seq[:prompt_len])]
+    for pos, t in enumerate(seq[prompt_len:].tolist(), start=prompt_len):
+        step_logits.append(feed(engine, [t], pos))
     torch.testing.assert_close(torch.stack(step_logits), full[prompt_len - 1 :], atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_in_two_parts_equals_one(engine):
     """A second prefill continues from the first's conv, recurrent and KV state."""
     seq = ids(150, offset=7)
-    engine.start_sequence(150)
-    whole = engine.prefill(seq)
-    engine.start_sequence(150)
-    engine.prefill(seq[:90])
-    torch.testing.assert_close(engine.prefill(seq[90:]), whole, atol=1e-4, rtol=1e-4)
+    engine.reserve_slots(1, 150)
+    whole = feed(engine, seq)
+    feed(engine, seq[:90])
+    torch.testing.assert_close(feed(engine, seq[90:], 90), whole, atol=1e-4, rtol=1e-4)
 
 
 def test_new_sequence_forgets_the_previous_one(engine):
-    engine.start_sequence(40)
-    first = engine.prefill(ids(40, offset=3))
-    engine.start_sequence(40)
-    engine.prefill(ids(40, offset=11))
-    engine.start_sequence(40)
-    torch.testing.assert_close(engine.prefill(ids(40, offset=3)), first, atol=0, rtol=0)
+    # A span from position 0 clears its slot's conv and recurrent state (the KV rows it reads
+    # are its own): the same prompt after another gives the same logits, bit for bit.
+    engine.reserve_slots(1, 40)
+    first = feed(engine, ids(40, offset=3))
+    feed(engine, ids(40, offset=11))
+    torch.testing.assert_close(feed(engine, ids(40, offset=3)), first, atol=0, rtol=0)
 
 
 def test_prompt_logits_come_from_the_one_prefill(engine, monkeypatch):
@@ -65,13 +65,17 @@ def test_prompt_logits_come_from_the_one_prefill(engine, monkeypatch):
     prompt = ids(20, offset=5).tolist()
     plain = generate(engine, prompt, 4)
     prefills, seen = [], []
-    real_prefill = engine.prefill
-    monkeypatch.setattr(engine, "prefill", lambda x, **kw: prefills.append(len(x)) or real_prefill(x, **kw))
+    real_run = engine.run_packed
+
+    def run(spans, **kw):
+        prefills.extend(len(ids) for _, _, ids in spans if len(ids) > 1)
+        return real_run(spans, **kw)
+
+    monkeypatch.setattr(engine, "run_packed", run)
     tokens = generate(engine, prompt, 4, prompt_logits=seen.append)
     assert prefills == [20] and tokens == plain
     assert seen[0].shape == (20, engine.cfg.vocab_size)
-    engine.start_sequence(20)
-    torch.testing.assert_close(seen[0], real_prefill(torch.tensor(prompt), all_logits=True), atol=0, rtol=0)
+    torch.testing.assert_close(seen[0], real_run([(0, 0, torch.tensor(prompt))], all_logits=True), atol=0, rtol=0)
 
 
 def test_every_row_logits_end_with_the_one_row_heads_logits():
@@ -82,10 +86,9 @@ def test_every_row_logits_end_with_the_one_row_heads_logits():
     cfg = get_preset("small").with_layers(2)
     bf16 = Engine(cfg, RandomWeights(cfg, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu"), RulePolicy())
     prompt = ids(64).tolist()
-    bf16.start_sequence(64)
-    last = bf16.prefill(torch.tensor(prompt))
-    bf16.start_sequence(64)
-    every = bf16.prefill(torch.tensor(prompt), all_logits=True)
+    bf16.reserve_slots(1, 64)
+    last = feed(bf16, prompt)
+    every = feed(bf16, prompt, all_logits=True)
     torch.testing.assert_close(every[-1], last, atol=0, rtol=0)
     assert every.shape == (64, cfg.vocab_size)
 
@@ -93,23 +96,23 @@ def test_every_row_logits_end_with_the_one_row_heads_logits():
 def test_each_token_is_handed_over_before_the_step_it_feeds(engine, monkeypatch):
     # What `generate --stream` prints by: token k arrives after k decode steps, not at the end.
     decodes, seen = [], []
-    real_decode = engine.decode
-    monkeypatch.setattr(engine, "decode", lambda token: decodes.append(token) or real_decode(token))
+    real_run = engine.run_packed
+    monkeypatch.setattr(engine, "run_packed", lambda spans, **kw: decodes.extend(s for _, s, ids in spans if s > 0) or real_run(spans, **kw))
     tokens = generate(engine, ids(12, offset=2).tolist(), 5, on_token=lambda t: seen.append((t, len(decodes))))
     assert seen == [(t, k) for k, t in enumerate(tokens)] and len(tokens) == 5
 
 
 def test_a_sequence_reserves_its_rotary_rows(engine):
     # Bench times decode steps: none of them may be the one that rebuilds the rotary table.
-    engine.start_sequence(5000)
+    engine.reserve_slots(1, 5000)
     rope = engine.model.rotary
     first, last = rope.cos_sin(0, 1)[0], rope.cos_sin(4999, 1)[0]
     assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
 
 
 def test_pass_accounting_at_world_one(engine):
-    engine.start_sequence(8)
-    engine.prefill(ids(8))
+    engine.reserve_slots(1, 8)
+    feed(engine, ids(8))
     assert engine.last_pass.kind == "prefill" and engine.last_pass.rows == 8
     assert engine.last_collectives == {}
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import feed
+
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
 from pocketllm.engine.runner import Engine
@@ -54,27 +56,34 @@ def engine(monkeypatch, fused: bool, cfg):
 
 @pytest.mark.parametrize("head_dim", [16, 128], ids=lambda d: f"head{d}")
 def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
-    """Teacher-forced decode from the same prompt: every step's logits, and the GDN states they
-    leave, agree within bf16 rounding (the two differ in fp32 summation order only)."""
+    """Teacher-forced decode of two sequences from their prompts, one row each per pass: every
+    step's logits, and the GDN states they leave, agree within bf16 rounding (the two differ in
+    fp32 summation order only). The steps cross a KV block boundary, and the two sequences' blocks
+    interleave in the pool, so the compiled attention reads through a table that is not the
+    identity."""
     base = get_preset("tiny")
     cfg = base if head_dim == 16 else base.__class__(**{**base.__dict__, "linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim})
     fast, plain = engine(monkeypatch, True, cfg), engine(monkeypatch, False, cfg)
     assert fast.model.layers[0].mixer.compiled_decode is not None
     assert plain.model.layers[0].mixer.compiled_decode is None
     assert fast.model.layers[3].mixer.compiled_decode is not None and plain.model.layers[3].mixer.compiled_decode is None
-    prompt = torch.tensor([(7 * i + 3) % 1000 for i in range(12)])
+    prompts = [[(7 * i + 3 + s) % 1000 for i in range(60)] for s in (0, 1)]
     steps = [(11 * i + 1) % 1000 for i in range(10)]
     for e in (fast, plain):
-        e.start_sequence(len(prompt) + len(steps))
-        e.prefill(prompt)
-    for token in steps:
-        a, b = fast.decode(token), plain.decode(token)
+        e.reserve_slots(2, 70)
+        for slot, p in enumerate(prompts):
+            feed(e, p, slot=slot)
+    for pos, token in enumerate(steps, start=60):
+        spans = [(slot, pos, torch.tensor([token + slot])) for slot in (0, 1)]
+        a, b = fast.run_packed(spans), plain.run_packed(spans)
         # Logits of a random tiny model are O(1): allow a few bf16 roundings of their range.
         assert (a - b).abs().max().item() <= 8 * BF16_ULP * b.abs().max().item()
-    for sa, sb in zip(fast.states, plain.states):
-        if hasattr(sa, "recurrent"):
-            torch.testing.assert_close(sa.recurrent, sb.recurrent, atol=2e-2, rtol=2e-2)
-            assert_within_ulps(sa.conv, sb.conv, 1)
+    assert [t.held for t in fast.blocks.tables] == [[0, 2], [1, 3]]
+    for slot in (0, 1):
+        for sa, sb in zip(fast.slots[slot], plain.slots[slot]):
+            if hasattr(sa, "recurrent"):
+                torch.testing.assert_close(sa.recurrent, sb.recurrent, atol=2e-2, rtol=2e-2)
+                assert_within_ulps(sa.conv, sb.conv, 1)
 
 
 def test_the_compiled_ops_refuse_bad_arguments():
@@ -108,15 +117,19 @@ def test_the_compiled_ops_refuse_bad_arguments():
     heads, kvh, d = 2, 1, 16
     att = dict(
         qkv=torch.randn(1, heads * 2 * d + 2 * kvh * d, dtype=bf), q_scale=torch.ones(d), k_scale=torch.ones(d), eps=1e-6,
-        cos=torch.ones(4), sin=torch.zeros(4), k_cache=torch.zeros(kvh, 8, d, dtype=bf), v_cache=torch.zeros(kvh, 8, d, dtype=bf),
-        pos=3, heads=heads, kv_heads=kvh, head_dim=d, scale=d**-0.5,
+        cos=torch.ones(4), sin=torch.zeros(4), k_pool=torch.zeros(3, kvh, 4, d, dtype=bf), v_pool=torch.zeros(3, kvh, 4, d, dtype=bf),
+        table=torch.tensor([2, 0], dtype=torch.int32), pos=3, heads=heads, kv_heads=kvh, head_dim=d, scale=d**-0.5,
     )
     assert kernels.attention_decode(**att).shape == (1, heads * d)
-    with pytest.raises(ValueError, match=r"attention_decode_bf16: pos 8 is outside the cache's 8 positions"):
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: pos 8 is outside the 2 blocks of 4 positions the table covers"):
         kernels.attention_decode(**{**att, "pos": 8})
-    with pytest.raises(ValueError, match=r"attention_decode_bf16: v_cache has shape \(1, 4, 16\)"):
-        kernels.attention_decode(**{**att, "v_cache": torch.zeros(kvh, 4, d, dtype=bf)})
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: v_pool has shape \(3, 1, 2, 16\)"):
+        kernels.attention_decode(**{**att, "v_pool": torch.zeros(3, kvh, 2, d, dtype=bf)})
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: table holds block ids outside the pool's 3 blocks"):
+        kernels.attention_decode(**{**att, "table": torch.tensor([3, 0], dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: table must be int32, got int64"):
+        kernels.attention_decode(**{**att, "table": torch.tensor([2, 0])})
     with pytest.raises(ValueError, match=r"attention_decode_bf16: qkv has shape"):
         kernels.attention_decode(**{**att, "qkv": att["qkv"][:, :-1]})
-    with pytest.raises(ValueError, match=r"attention_decode_bf16: k_cache must be bfloat16, got float32"):
-        kernels.attention_decode(**{**att, "k_cache": torch.zeros(kvh, 8, d, dtype=f32)})
+    with pytest.raises(ValueError, match=r"attention_decode_bf16: k_pool must be bfloat16, got float32"):
+        kernels.attention_decode(**{**att, "k_pool": torch.zeros(3, kvh, 4, d, dtype=f32)})

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import feed
 from hf_oracle import build_hf_model, hf_prefill_logits, save_hf_checkpoint
 from pocketllm import host_memory
 
@@ -108,8 +109,8 @@ def test_engine_on_huge_pages_matches_transformers(tmp_path):
     assert len(big) == 2
     for p in big:
         assert p.data_ptr() % host_memory.HUGE_PAGE == 0
-    engine.start_sequence(len(prompt))
-    logits = engine.prefill(torch.tensor(prompt), all_logits=True)
+    engine.reserve_slots(1, len(prompt))
+    logits = feed(engine, prompt, all_logits=True)
     torch.testing.assert_close(logits.float(), hf_prefill_logits(model, prompt), atol=2e-4, rtol=1e-3)
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import main_in_process, result_fields, run_cli, usage_error_in_process
+from conftest import feed, main_in_process, result_fields, run_cli, usage_error_in_process
 from pocketllm.distributed.policy import PinnedPolicy
 from pocketllm.engine.runner import Engine
 from pocketllm.loader.random_weights import RandomWeights
@@ -170,17 +170,15 @@ def _tiny_engine() -> Engine:
 
 def test_the_phase_profile_syncs_only_when_on_and_covers_a_real_pass():
     engine = _tiny_engine()
-    engine.start_sequence(32)
+    engine.reserve_slots(1, 32)
     syncs = []
-    engine.prefill(torch.arange(16))
+    feed(engine, torch.arange(16))
     profiler = PassProfiler(ProfileOptions(phase=True, phase_text=False, host_text=False), 0, lambda: syncs.append(1))
     engine.hooks.append(profiler)
-    engine.start_sequence(32)
-    engine.prefill(torch.arange(16))
+    feed(engine, torch.arange(16))
     engine.hooks.remove(profiler)
-    engine.start_sequence(32)
     before = len(syncs)
-    engine.prefill(torch.arange(16))
+    feed(engine, torch.arange(16))
     assert len(syncs) == before and scopes.installed() is None
     (block,) = profiler.phase_blocks
     names = set(block["scopes"])

@@ -29,6 +29,10 @@ MAX_LEN = 2048
 NEW = 12
 PROMPTS = ["Hello", "The capital of France is", "<300><301> a b c", "x"]
 START_TIMEOUT_S = 60
+# The KV pool: 65 blocks of the tiny model's 16 KiB at TP=1 (fewer than --max-running 4 sequences
+# of MAX_LEN fill, 128); at TP=2 a block is 8 KiB and the pool those 128.
+KV_GIB = 0.001
+KV_BLOCKS = {1: 65, 2: 128}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +122,7 @@ class Server:
 def server(request, text_ckpt, tmp_path_factory):
     world = request.param
     run = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", world, "--port", 0, "--max-len", MAX_LEN,
-                "--max-running", 4, "--api-key", KEY, tmp_path=tmp_path_factory.mktemp(f"serve{world}"))
+                "--max-running", 4, "--kv-cache-gib", KV_GIB, "--api-key", KEY, tmp_path=tmp_path_factory.mktemp(f"serve{world}"))
     try:
         run.line_time("serving ", timeout=START_TIMEOUT_S)
     except AssertionError:
@@ -214,18 +218,41 @@ def test_concurrent_requests_each_equal_generate(server, expected):
     # A long request running all along: every job shares its passes with it, and with the others.
     long = server.client.completions.create(model=MODEL, prompt="long", max_tokens=MAX_LEN - 8, temperature=0, stream=True)
     next(iter(long))
-    running = []
+    running, blocks = [], []
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(one, job) for job in jobs]
         while not all(f.done() for f in futures):
-            running.append(server.metrics()["pocketllm_requests_running"])
+            m = server.metrics()
+            running.append(m["pocketllm_requests_running"])
+            blocks.append(m["pocketllm_kv_cache_blocks_used"])
+            assert m["pocketllm_kv_cache_blocks_total"] == KV_BLOCKS[server.world]
             time.sleep(0.01)
         results = [f.result() for f in futures]
     long.close()
     assert max(running) >= 3, running
+    # Each running request holds a block at least.
+    assert max(blocks) >= 3, blocks
     for (prompt, stream), got in zip(jobs, results):
         assert got == expected[prompt], (prompt, stream)
-    assert _wait_idle(server)["pocketllm_requests_running"] == 0
+    idle = _wait_idle(server)
+    assert idle["pocketllm_requests_running"] == 0 and idle["pocketllm_kv_cache_blocks_used"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_follow_up_starts_from_the_cached_prefix_and_equals_generate(server, text_ckpt):
+    # A chat's next turn resends the whole history: it starts where the first request stopped
+    # (the prefix cache is on by default), at TP=2 on every rank alike, with generate's tokens.
+    first = [(17 * i + 5) % 1000 for i in range(80)]
+    before = server.metrics()
+    reply = completion(server, first).choices[0].model_extra["token_ids"]
+    follow_up = first + reply + [7, 8, 9]
+    ids, text = generate_cli(text_ckpt, follow_up)
+    c = completion(server, follow_up).choices[0]
+    assert (c.model_extra["token_ids"], c.text) == (ids, text)
+    m = server.metrics()
+    assert m["pocketllm_prefix_cache_hits_total"] == before["pocketllm_prefix_cache_hits_total"] + 1
+    # It stopped after its prompt and all but its last token.
+    assert m["pocketllm_prefix_cache_hit_tokens_total"] - before["pocketllm_prefix_cache_hit_tokens_total"] == len(first) + NEW - 1
 
 
 @pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ import time
 import openai
 import pytest
 import torch
-from conftest import tiny_engine
+from conftest import feed, tiny_engine
 
 from pocketllm.commands.make_checkpoint import CHAT_TEMPLATE, write_byte_tokenizer
 from pocketllm.engine.sampling import apply_penalties_reference
@@ -58,8 +58,8 @@ def tokenizer(tmp_path_factory):
 def reference(engine, prompt: list[int], new: int, stop=(), min_tokens: int = 0, rep=1.0, freq=0.0, presence=0.0, bias=None):
     """Greedy tokens by a plain loop over one sequence, with the reference penalty and the stop
     tokens masked until min_tokens; and the logits each token was chosen from."""
-    engine.start_sequence(len(prompt) + new)
-    logits = engine.prefill(torch.tensor(prompt))
+    engine.reserve_slots(1, len(prompt) + new)
+    logits = feed(engine, prompt)
     out, rows = [], []
     while len(out) < new:
         rows.append(logits.float().clone())
@@ -73,7 +73,7 @@ def reference(engine, prompt: list[int], new: int, stop=(), min_tokens: int = 0,
         out.append(int(x.argmax()))
         if out[-1] in stop:
             break
-        logits = engine.decode(out[-1])
+        logits = feed(engine, out[-1:], len(prompt) + len(out) - 1)
     return out, rows
 
 
@@ -116,8 +116,10 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(engine, tokenizer, eos):
-    s = Server(engine, tokenizer, eos)
+def server(tokenizer, eos):
+    # An engine of its own (the same seeded weights): the reference loop runs on `engine` while
+    # the server's scheduler holds its slots.
+    s = Server(tiny_engine(), tokenizer, eos)
     yield s
     s.close()
 

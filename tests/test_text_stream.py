@@ -33,11 +33,11 @@ def test_generate_streams_every_token_as_it_comes(tiny_ckpt, capsys, monkeypatch
     from pocketllm.engine.runner import Engine
 
     decodes, fed, shown = [], [], []
-    real_decode, real_step, real_finish = Engine.decode, command.TextStream.__call__, command.TextStream.finish
+    real_run, real_step, real_finish = Engine.run_packed, command.TextStream.__call__, command.TextStream.finish
 
-    def decode(self, token):
-        decodes.append(token)
-        return real_decode(self, token)
+    def run(self, spans, **kw):
+        decodes.extend(start for _, start, _ in spans if start > 0)
+        return real_run(self, spans, **kw)
 
     def step(self, token):
         fed.append((token, len(decodes)))
@@ -47,7 +47,7 @@ def test_generate_streams_every_token_as_it_comes(tiny_ckpt, capsys, monkeypatch
         shown.append(self.shown)
         real_finish(self, tokens)
 
-    monkeypatch.setattr(Engine, "decode", decode)
+    monkeypatch.setattr(Engine, "run_packed", run)
     monkeypatch.setattr(command.TextStream, "__call__", step)
     monkeypatch.setattr(command.TextStream, "finish", finish)
     # --device cpu: this process is the rank, and must not bind a GPU it cannot unbind.

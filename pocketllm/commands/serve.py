@@ -3,13 +3,18 @@ steps the scheduler; every other rank follows the passes rank 0 runs."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.distributed.state import tp
+from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, pool_blocks
+from pocketllm.engine.prefix_cache import PREFIX_CACHE_FRACTION
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
-from pocketllm.model_args import add_model_args
+from pocketllm.layers.attention import kv_block_bytes
+from pocketllm.layers.cache import KV_BLOCK_SIZE
+from pocketllm.model_args import add_model_args, say
 
 # The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
 # the scheduler keeps room for --max-running sequences of this length.
@@ -24,6 +29,20 @@ def add_arguments(p) -> None:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 lets the system pick, printed at start)")
     s.add_argument("--max-running", type=int, default=8, help="requests generated at once (default 8); more wait their turn")
     s.add_argument("--max-len", type=int, help=f"longest prompt plus completion, in tokens (default {DEFAULT_MAX_LEN}, or the model's limit if lower)")
+    s.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help=f"KV cache pool per rank, in GiB, taken by requests as they grow (default {DEFAULT_KV_FRACTION:g} of the memory free "
+        "after loading, shared by the host's ranks on a CPU; never more than --max-running sequences of --max-len fill)",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a request from the longest cached prefix of its tokens (where an earlier request stopped, or a long prompt's "
+        f"chunk ended): KV blocks shared, Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's bytes "
+        "in copies (default on)",
+    )
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: no authentication)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
 
@@ -49,6 +68,7 @@ def _prepare(args, plan) -> dict:
     max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, limit)
     if not 2 <= max_len <= limit:
         raise UsageError(f"--max-len must be in 2..{limit} (the model's max_position_embeddings), got {max_len}")
+    _check_kv_budget(args, plan, max_len)
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key must not be empty")
     _check_listen(args.host, args.port)
@@ -56,6 +76,49 @@ def _prepare(args, plan) -> dict:
 
     name = args.served_model_name or Path(args.ckpt).resolve().name
     return {"max_len": max_len, "model": name}
+
+
+def _check_kv_budget(args, plan, max_len: int) -> None:
+    """--kv-cache-gib must hold one sequence of --max-len, or some request could never finish."""
+    if args.kv_cache_gib is None:
+        return
+    if not args.kv_cache_gib > 0:
+        raise UsageError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+    per_block = kv_block_bytes(plan.cfg, args.tp_world, plan.dtype.itemsize)
+    need = blocks_for(max_len)
+    if per_block and int(args.kv_cache_gib * 2**30) // per_block < need:
+        raise UsageError(
+            f"--kv-cache-gib {args.kv_cache_gib:g} holds fewer positions than one sequence of --max-len {max_len} "
+            f"(at least {need * per_block / 2**30:.3f} GiB per rank here); raise it or lower --max-len"
+        )
+
+
+def _pool(engine, args, max_len: int) -> int:
+    """The KV pool's blocks, the same on every rank, and rank 0 says what it holds."""
+    blocks = min(pool_blocks(engine, args.kv_cache_gib), args.max_running * blocks_for(max_len))
+    per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
+    if blocks < blocks_for(max_len):
+        raise RuntimeError(
+            f"the default KV cache budget ({DEFAULT_KV_FRACTION:g} of the free memory) holds {blocks * KV_BLOCK_SIZE} positions, "
+            f"fewer than one sequence of --max-len {max_len}: give --kv-cache-gib or lower --max-len"
+        )
+    say(
+        f"KV cache: {blocks} blocks of {KV_BLOCK_SIZE} positions, {blocks * KV_BLOCK_SIZE} positions in all, "
+        f"{blocks * per_block / 2**30:.2f} GiB per rank ({args.max_running} sequences of {max_len} would fill "
+        f"{args.max_running * blocks_for(max_len) * per_block / 2**30:.2f} GiB)"
+    )
+    return blocks
+
+
+def _prefix_cache_bytes(engine, args, kv_blocks: int) -> int:
+    """The prefix cache's budget for GDN state copies (0 when off), and rank 0 says what it holds."""
+    if not args.enable_prefix_caching:
+        say("prefix cache: off")
+        return 0
+    budget = int(PREFIX_CACHE_FRACTION * kv_blocks * kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize))
+    entry = engine.gdn_state_bytes()
+    say(f"prefix cache: up to {budget // max(1, entry)} prefixes ({entry / 2**20:.2f} MiB of Gated DeltaNet state each, {budget / 2**20:.0f} MiB)")
+    return budget
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -74,10 +137,12 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _work(args, plan, settings: dict, engine, device) -> int:
-    from pocketllm.engine.scheduler import Scheduler, follow
+    from pocketllm.engine.plan import follow
+    from pocketllm.engine.scheduler import Scheduler
 
+    kv_blocks = _pool(engine, args, settings["max_len"])
     if tp().rank != 0:
-        follow(engine, args.max_running, settings["max_len"])
+        follow(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks)
         return 0
     from pocketllm.serving.app import Served
     from pocketllm.serving.chat_template import load_chat_template
@@ -86,7 +151,8 @@ def _work(args, plan, settings: dict, engine, device) -> int:
     from pocketllm.serving.protocol import Limits
     from pocketllm.serving.server import serve
 
-    scheduler = Scheduler(engine, args.max_running, settings["max_len"])
+    cache_bytes = _prefix_cache_bytes(engine, args, kv_blocks)
+    scheduler = Scheduler(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes)
     served = Served(
         limits=Limits(settings["model"], settings["max_len"], plan.cfg.vocab_size),
         tokenizer=load_tokenizer(args.ckpt),

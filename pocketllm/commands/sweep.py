@@ -93,7 +93,7 @@ def _prepare(args, plan):
 def run_sweep(engine, rows_list, settings, args, sync) -> list[dict]:
     policies = {s.name: policy for s, policy in settings}
     ids = bench_ids(max(rows_list), engine.cfg.vocab_size)
-    engine.start_sequence(max(rows_list) + args.max_new_tokens)
+    engine.reserve_slots(1, max(rows_list) + args.max_new_tokens)
     for s, policy in settings:
         engine.policy = policy
         warm_up(engine, ids, rows_list, sync, args.warmup_tokens)

@@ -50,16 +50,18 @@ def generate(
     prefill; their last row is the one-row head's, so the tokens are those of a run without it.
     on_token, when given, receives each token as soon as it is chosen, before the step that feeds
     it (on every rank)."""
-    engine.start_sequence(len(prompt) + max_new_tokens)
+    # One sequence is one slot of the engine's passes.
+    engine.reserve_slots(1, len(prompt) + max_new_tokens)
     sampler = Sampler(sampling)
     ids = torch.tensor(prompt, dtype=torch.long)
     if prompt_logits is None:
-        logits = engine.prefill(ids)
+        logits = engine.run_packed([(0, 0, ids)])[0]
     else:
-        every = engine.prefill(ids, all_logits=True)
+        every = engine.run_packed([(0, 0, ids)], all_logits=True)
         prompt_logits(every)
         logits = every[-1]
     out: list[int] = []
+    pos = len(prompt)
     while len(out) < max_new_tokens:
         token = sampler(logits)
         out.append(token)
@@ -67,5 +69,6 @@ def generate(
             on_token(token)
         if token in eos_ids or len(out) == max_new_tokens:
             break
-        logits = engine.decode(token)
+        logits = engine.run_packed([(0, pos, torch.tensor([token], dtype=torch.long))])[0]
+        pos += 1
     return out

@@ -1,5 +1,7 @@
-"""The resident engine on one rank: the model with its weights loaded, its decode state, the slice
-policy, and the two passes every command is made of, prefill and decode."""
+"""The resident engine on one rank: the model with its weights loaded, the slice policy, the slots
+that hold its sequences' decode state, and the one pass every command is made of: rows of one or
+more sequences, each going on from its own position in its own slot (a prefill is a sequence's
+prompt rows from position 0, a decode step its one next row)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm import host_memory
-from pocketllm.config import ModelConfig
+from pocketllm.config import FULL, ModelConfig
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.distributed.state import group_pids
-from pocketllm.layers.cache import allocate_states, reset_states
+from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
+from pocketllm.layers.cache import CachedPrefix, GDNState, PagedKV
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops.gated_delta import GdnKernel
-from pocketllm.ops.registry import KernelSet, one_row
+from pocketllm.ops.registry import KernelSet
 
 
 @dataclass
@@ -53,13 +56,16 @@ class Engine:
         # The other ranks measure at the same time: their CPU time is no sign of a busy machine.
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
         self.model.bind_kernels(self.kernels)
-        self.states: list = []
-        self.capacity = 0
-        # The sequences run together (reserve_slots): one state list per slot.
+        # The sequences run (reserve_slots): one state list per slot (per layer its GDNState, or
+        # its PagedKV: the layer's KV pool with the slot's block table), and the pool's blocks.
         self.slots: list = []
         self.slot_capacity = 0
+        self.blocks: BlockAllocator | None = None
+        self.pools: list = []  # the full-attention layers' KVPools
+        self._pool_blocks = 0  # blocks the pools have room for
+        self._gdn_states: list[dict] = []  # per slot allocated, its GDNState by layer index
+        self.cached: dict[int, CachedPrefix] = {}  # prefix cache entries by id (rank 0 chooses them)
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
-        self.pos = 0
         # Objects with before_pass(info) / after_pass(info), called around every pass.
         self.hooks: list = []
         self.last_pass: PassInfo | None = None
@@ -90,25 +96,31 @@ class Engine:
         finally:
             self._warmup, self._timed = saved
 
-    def start_sequence(self, max_len: int) -> None:
-        """Make room for max_len positions and forget any previous sequence."""
-        if max_len > self.capacity:
-            self.states = allocate_states(self.model, max_len)
-            self.capacity = max_len
-        else:
-            reset_states(self.states)
-        # Every pass of the sequence then slices the rotary table; none rebuilds it.
-        self.model.rotary.reserve(max_len)
-        self.pos = 0
-
-    def reserve_slots(self, count: int, max_len: int) -> None:
-        """Room for `count` sequences of up to `max_len` positions each, run together by
-        run_packed: their states and KV caches are allocated here, once (a later call asking for
-        no more keeps them)."""
-        if count <= len(self.slots) and max_len <= self.slot_capacity:
-            return
-        self.slots = []  # the old ones go before the new ones are allocated
-        self.slots = [allocate_states(self.model, max_len) for _ in range(count)]
+    def reserve_slots(self, count: int, max_len: int, kv_blocks: int | None = None) -> None:
+        """Room for `count` sequences of up to `max_len` positions each, run by run_packed (one
+        sequence is one slot): per slot its Gated DeltaNet state, and one KV pool of `kv_blocks`
+        blocks for them all (default, and at most, what `count` sequences of `max_len` fill; at
+        least what one fills), every block free. The memory is allocated once: a later call
+        asking for no more reuses it, with fresh bookkeeping of exactly the blocks asked for."""
+        one, every = blocks_for(max_len), count * blocks_for(max_len)
+        blocks = every if kv_blocks is None else min(kv_blocks, every)
+        if blocks < one:
+            raise ValueError(f"a KV pool of {blocks} blocks cannot hold one sequence of {max_len} positions ({one} blocks)")
+        full = [i for i, layer in enumerate(self.model.layers) if layer.kind == FULL]
+        # The old state goes before new is allocated.
+        self.slots, self.cached = [], {}
+        if blocks > self._pool_blocks:
+            self.pools = []
+            self.pools = [self.model.layers[i].mixer.allocate_pool(blocks) for i in full]
+            self._pool_blocks = blocks
+        while len(self._gdn_states) < count:
+            self._gdn_states.append({i: layer.mixer.allocate_state() for i, layer in enumerate(self.model.layers) if i not in full})
+        self.blocks = BlockAllocator(blocks, count, max_len, self.device)
+        pools = dict(zip(full, self.pools))
+        self.slots = [
+            [PagedKV(pools[i], table) if i in pools else gdn[i] for i in range(len(self.model.layers))]
+            for table, gdn in zip(self.blocks.tables, self._gdn_states)
+        ]
         self.slot_capacity = max_len
         self.model.rotary.reserve(max_len)
         # A decode step of `count` sequences has `count` rows: the few-row kernels for every
@@ -120,38 +132,83 @@ class Engine:
                 if self.say is not None:
                     self.say(choice.describe())
 
-    def reset_slot(self, slot: int) -> None:
-        """Forget the sequence in `slot`, so the next one there starts from position 0."""
-        reset_states(self.slots[slot])
+    def release(self, slot: int) -> None:
+        """Free the KV blocks of the sequence in `slot` (it ended, or waits to be run again)."""
+        self.blocks.release(slot)
 
+    def gdn_state_bytes(self) -> int:
+        """What one sequence's Gated DeltaNet state takes: a prefix cache entry's copy of it."""
+        return sum(layer.mixer.state_bytes() for layer in self.model.layers if layer.kind != FULL)
+
+    def snapshot(self, slot: int, entry: int, length: int) -> None:
+        """Keep the first `length` positions of the sequence in `slot`, which has run exactly that
+        many, as prefix cache entry `entry`: its KV blocks, held (not copied), and a copy of its
+        GDN state. The positions in those blocks never change: the sequence only appends."""
+        blocks = self.blocks.tables[slot].held[: blocks_for(length, self.blocks.block_size)]
+        self.blocks.hold(blocks)
+        gdn = [(s.conv.clone(), s.recurrent.clone()) for s in self.slots[slot] if isinstance(s, GDNState)]
+        self.cached[entry] = CachedPrefix(length, list(blocks), gdn)
+
+    def restore(self, slot: int, entry: int, take: bool = False) -> None:
+        """Start the sequence in `slot` (released) from prefix cache entry `entry`, as if it had
+        run the entry's positions: their whole blocks shared, a last partial block copied into one
+        of its own (it will write its next positions there), the GDN state copied. take: the
+        entry is forgotten here, and its partial block, which nothing else holds, becomes the
+        sequence's own without a copy (for when the pool has no block to copy it into)."""
+        cached, bs = self.cached[entry], self.blocks.block_size
+        whole = cached.length // bs
+        if take:
+            self.blocks.adopt(slot, cached.blocks)
+            self.evict(entry)
+        else:
+            self.blocks.adopt(slot, cached.blocks[:whole])
+            if cached.length % bs:
+                self.blocks.grow(slot, cached.length)
+                own, source = self.blocks.tables[slot].held[-1], cached.blocks[whole]
+                for pool in self.pools:
+                    pool.k[own] = pool.k[source]
+                    pool.v[own] = pool.v[source]
+        for state, (conv, recurrent) in zip([s for s in self.slots[slot] if isinstance(s, GDNState)], cached.gdn):
+            state.conv.copy_(conv)
+            state.recurrent.copy_(recurrent)
+
+    def evict(self, entry: int) -> None:
+        """Forget prefix cache entry `entry`; blocks nothing else holds become free."""
+        self.blocks.drop(self.cached.pop(entry).blocks)
+
+    def forget_cached(self) -> None:
+        """Forget every prefix cache entry (a new scheduler starts with an empty cache)."""
+        for entry in list(self.cached):
+            self.evict(entry)
+
+    # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
+    # ops of a decode step.
     @torch.inference_mode()
-    def run_packed(self, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
-        """One pass over several sequences: spans are (slot, start position, ids [rows]), the
-        rows of each going on from `start` in that slot's state. Returns the fp32 logits of each
-        span's last row [len(spans), V]."""
+    def run_packed(self, spans: list[tuple[int, int, torch.Tensor]], all_logits: bool = False) -> torch.Tensor:
+        """One pass over one or more sequences: spans are (slot, start position, ids [rows]), the
+        rows of each going on from `start` in that slot's state; a span starting at position 0
+        begins a new sequence in its slot, whose previous state is cleared (and KV blocks freed)
+        first. The slot's sequence gets the KV blocks its new positions need from the pool
+        (RuntimeError if the pool lacks them: the caller makes room first). Returns the
+        fp32 logits of each span's last row [len(spans), V], or of every row [rows, V] with
+        all_logits."""
         total = 0
         for slot, start, ids in spans:
             if start + ids.shape[0] > self.slot_capacity:
                 raise RuntimeError(f"sequence of {start + ids.shape[0]} positions exceeds the {self.slot_capacity} reserved per slot")
+            if start == 0:
+                for state in self.slots[slot]:
+                    if isinstance(state, GDNState):
+                        state.reset()
+                self.blocks.release(slot)
+            self.blocks.grow(slot, start + ids.shape[0])
             total += ids.shape[0]
         slices = self.policy.slices_for_rows(total)
-        decode = all(one_row(ids.shape[0]) for _, _, ids in spans)
-        ctx = self.model.packed_context([(start, ids.shape[0]) for _, start, ids in spans], slices)
-        ids = torch.cat([ids for _, _, ids in spans]).to(self.device)
-        return self._pass(ids, ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, False)
-
-    # inference_mode, not no_grad: no version counters or view tracking on the hundreds of
-    # small ops of a decode step.
-    @torch.inference_mode()
-    def _run(self, ids: torch.Tensor, decode: bool, all_logits: bool = False) -> torch.Tensor:
-        rows = ids.shape[0]
-        if self.pos + rows > self.capacity:
-            raise RuntimeError(f"sequence of {self.pos + rows} positions exceeds the {self.capacity} allocated")
-        slices = self.policy.slices_for_rows(rows)
-        ctx = self.model.context(self.pos, rows, slices)
-        logits = self._pass(ids.to(self.device), ctx, self.states, decode, slices, all_logits)
-        self.pos += rows
-        return logits
+        # A pass's label (profiles, hooks): decode steps only, whatever kernels its rows take.
+        decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
+        ctx = self.model.context([(start, ids.shape[0]) for _, start, ids in spans], slices)
+        ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
+        return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, all_logits)
 
     def _pass(self, ids: torch.Tensor, ctx, states: list, decode: bool, slices: int, all_logits: bool) -> torch.Tensor:
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
@@ -166,10 +223,3 @@ class Engine:
             hook.after_pass(info)
         self.last_pass = info
         return logits
-
-    def prefill(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """ids [T] -> fp32 logits of the last position [V] (every position [T, V] with all_logits)."""
-        return self._run(ids, decode=False, all_logits=all_logits)
-
-    def decode(self, token: int) -> torch.Tensor:
-        return self._run(torch.tensor([token], dtype=torch.long), decode=True)

@@ -1,6 +1,6 @@
-"""Continuous batching: requests wait, are admitted into a free slot of the engine, run together
-in packed passes, and leave their slot the moment they finish, so the next waiting request can
-take it between two passes.
+"""Continuous batching: requests wait, are admitted into a free slot of the engine when the KV
+blocks of their prompt fit in the pool, run together in packed passes, and leave their slot the
+moment they finish, so the next waiting request can take it between two passes.
 
 The rule for what a pass carries: every running sequence in admission order, each with either
 its next decode row (its prompt is all in) or its next prompt chunk, prompt chunks taking no more
@@ -8,8 +8,21 @@ than `prefill_budget` rows of the pass in all. So decode steps and prefill share
 running sequence misses a pass while another's prompt is read, and a prompt longer than the
 budget is read over several passes.
 
-Under TP, rank 0 schedules and samples; each pass's plan (slots, positions, ids) goes to the other
-ranks in one broadcast of a fixed-size tensor, and they run the same pass (follow)."""
+KV memory on demand: a sequence takes KV blocks as its positions are written. When the pool cannot
+give the running sequences the blocks their next pass needs, the last admitted is preempted: its
+blocks are freed and it waits again, first in line, to be recomputed from its prompt and the
+tokens it has so far (then it goes on as if never stopped). No request fails for want of blocks.
+
+Prefix caching (prefix_cache.py, when given a budget): where a request finished, and at the end
+of each prompt chunk before the last, its positions so far are cached (KV blocks held, GDN state
+copied); a request whose tokens start with a cached prefix starts from it and runs only the rest.
+Cached blocks no running sequence holds are given back, least recently used first, before any
+running request is preempted.
+
+Under TP, rank 0 schedules and samples; each pass's plan (the block and cache operations since the
+last, then slots, positions and ids: plan.py) goes to the other ranks in one broadcast of a
+fixed-size tensor, and they run the same operations and the same pass (follow), so every rank's
+blocks and cache entries are taken and freed alike."""
 
 from __future__ import annotations
 
@@ -22,10 +35,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pocketllm.distributed.state import broadcast_, tp
+from pocketllm.engine.kv_blocks import blocks_for, pool_blocks
+from pocketllm.engine.plan import EVICT, RELEASE, RESTORE, SNAPSHOT, PassPlan, apply, follow, run_plan
+from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.inputs import prompt_problem
 
-_CLOSE = -1
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never
 # reaches the collective timeout however long no request comes.
 KEEP_ALIVE_SECONDS = 1.0
@@ -46,66 +61,68 @@ class Request:
     fed: int = 0  # positions of this sequence the engine has run
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()  # eos ids unless ignore_eos, and stop_token_ids
+    preempted: int = 0  # times its blocks were taken back and it was recomputed
+
+    def tokens(self, end: int) -> list[int]:
+        """Its first `end` positions' ids: the prompt, then the tokens chosen."""
+        n = len(self.prompt)
+        return self.prompt[:end] + self.output[: max(end - n, 0)]
+
+    @property
+    def length(self) -> int:
+        """Positions the sequence has: its prompt and the tokens chosen so far."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its next rows are a chunk of what it already has (the prompt, or after a preemption
+        the prompt and tokens so far), not a decode row."""
+        return self.fed < max(len(self.prompt), self.length - 1)
 
     def _next_rows(self, budget: int) -> list[int]:
-        """The ids this sequence feeds to its next pass: a prompt chunk within `budget`, or its
-        last token."""
-        if self.fed < len(self.prompt):
-            return self.prompt[self.fed : self.fed + budget]
-        return [self.output[-1]]
+        """The ids this sequence feeds to its next pass: a chunk of its positions within
+        `budget`, or its last token."""
+        end = min(self.length, self.fed + budget) if self.prefilling else self.fed + 1
+        n = len(self.prompt)
+        return self.prompt[self.fed : min(end, n)] + self.output[max(self.fed - n, 0) : max(end - n, 0)]
 
 
-class PassPlan:
-    """The spans of one pass, (slot, start, ids), in the fixed-size int64 form rank 0 broadcasts:
-    [spans, then (slot, start, rows) per span, then every span's ids]."""
+@dataclass
+class KVUsage:
+    """The KV pool and the prefix cache as /metrics reports them."""
 
-    def __init__(self, max_spans: int, max_rows: int, device):
-        self.buf = torch.zeros(1 + 3 * max_spans + max_rows, dtype=torch.long, device=device)
-        self.max_spans = max_spans
-
-    def encode(self, spans: list[tuple[int, int, list[int]]]) -> None:
-        head = [len(spans)] + [v for slot, start, ids in spans for v in (slot, start, len(ids))]
-        ids = [t for _, _, chunk in spans for t in chunk]
-        self.buf[: len(head)] = torch.tensor(head, dtype=torch.long)
-        base = 1 + 3 * self.max_spans
-        self.buf[base : base + len(ids)] = torch.tensor(ids, dtype=torch.long)
-
-    def close(self) -> None:
-        self.buf[0] = _CLOSE
-
-    def decode(self) -> list[tuple[int, int, torch.Tensor]] | None:
-        """The spans, or None for the plan that ends the run."""
-        values = self.buf.cpu()
-        n = int(values[0])
-        if n == _CLOSE:
-            return None
-        spans, pos = [], 1 + 3 * self.max_spans
-        for i in range(n):
-            slot, start, rows = (int(v) for v in values[1 + 3 * i : 4 + 3 * i])
-            spans.append((slot, start, values[pos : pos + rows].clone()))
-            pos += rows
-        return spans
-
-
-def run_plan(engine, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
-    """The pass every rank runs for a plan: a span starting at position 0 begins a new sequence
-    in its slot, whose previous states are cleared first."""
-    for slot, start, _ in spans:
-        if start == 0:
-            engine.reset_slot(slot)
-    return engine.run_packed(spans)
+    blocks_total: int
+    blocks_used: int  # held by running requests
+    block_size: int
+    preemptions: int
+    prefix_caching: bool = False
+    prefix_hits: int = 0  # requests started from a cached prefix
+    prefix_misses: int = 0
+    prefix_hit_tokens: int = 0  # positions they did not run
+    prefix_entries: int = 0
+    prefix_blocks: int = 0  # held by cached prefixes alone: given back when requests need them
 
 
 class Scheduler:
     """Rank 0's side: submit and cancel from any thread, step from one."""
 
-    def __init__(self, engine, max_running: int, max_len: int, prefill_budget: int = 2048):
+    def __init__(
+        self, engine, max_running: int, max_len: int, prefill_budget: int = 2048, kv_blocks: int | None = None, prefix_cache_bytes: int = 0
+    ):
+        """kv_blocks: the KV pool's size in blocks (Engine.reserve_slots: default, and at most,
+        what max_running sequences of max_len fill). prefix_cache_bytes: what the prefix cache's
+        copies of GDN state may take (0: no prefix caching); its KV blocks are the pool's."""
         if max_running < 1 or max_len < 1 or prefill_budget < 1:
             raise ValueError(f"max_running, max_len and prefill_budget must be >= 1, got {max_running}, {max_len}, {prefill_budget}")
         self.engine, self.max_running, self.max_len, self.prefill_budget = engine, max_running, max_len, prefill_budget
         self.vocab = engine.cfg.vocab_size
-        engine.reserve_slots(max_running, max_len)
+        engine.reserve_slots(max_running, max_len, kv_blocks)
+        self.blocks = engine.blocks
         self.plan = PassPlan(max_running, prefill_budget + max_running, engine.device)
+        self._ops: list[tuple[int, int, int, int]] = []  # run here, not yet sent to the other ranks
+        self.preemptions = 0
+        entries = prefix_cache_bytes // max(1, engine.gdn_state_bytes())
+        self.prefix = PrefixCache(entries, self.blocks.block_size) if entries > 0 else None
         self.free_slots = list(range(max_running))
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -170,31 +187,17 @@ class Scheduler:
                 events.append((self._finish(req, "cancelled"), None))
             for req in [r for r in self.running if r.id in cancelled]:
                 events.append((self._finish(req, "cancelled"), None))
-        while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            if req.max_new_tokens == 0:
-                events.append((self._finish(req, "length"), None))
-                continue
-            req.slot = self.free_slots.pop(0)
-            self.running.append(req)
-        if not self.running:
+        spans, fed = self._schedule(events)
+        if not spans:
             return events
-        spans, fed, budget = [], [], self.prefill_budget
-        for req in self.running:
-            if req.fed < len(req.prompt) and budget == 0:
-                continue
-            rows = req._next_rows(budget)
-            if req.fed < len(req.prompt):
-                budget -= len(rows)
-            spans.append((req.slot, req.fed, rows))
-            fed.append(req)
         self._broadcast(spans)
-        logits = run_plan(self.engine, [(slot, start, torch.tensor(ids, dtype=torch.long)) for slot, start, ids in spans])
+        logits = run_plan(self.engine, [], [(slot, start, torch.tensor(ids, dtype=torch.long)) for slot, start, ids in spans])
         greedy = torch.argmax(logits, dim=-1).tolist()
         for i, (req, (_, _, rows)) in enumerate(zip(fed, spans)):
             req.fed += len(rows)
-            if req.fed < len(req.prompt):
-                continue  # a prompt chunk before the last: its logits choose nothing
+            if req.fed < req.length:
+                self._cache(req)
+                continue  # a chunk before the last: its logits choose nothing
             if req.sampling.plain_greedy:
                 token = greedy[i]
             else:
@@ -209,22 +212,164 @@ class Scheduler:
                 self._finish(req, "length")
         return events
 
+    def _schedule(self, events: list) -> tuple[list[tuple[int, int, list[int]]], list[Request]]:
+        """This pass's spans and the requests they feed. The running sequences first, preempting
+        the last admitted while the pool cannot give them the blocks their rows need; then, if
+        none was preempted, waiting requests in order while a slot is free and the blocks of all
+        they have (prompt, and tokens so far after a preemption) fit beside what the running
+        ones still need for theirs."""
+        preempted = False
+        while True:
+            spans, fed, budget = self._spans(self.running, self.prefill_budget)
+            need = sum(self.blocks.needed(req.slot, req.fed + len(rows)) for req, (_, _, rows) in zip(fed, spans))
+            self._reclaim(need - self.blocks.num_free)
+            if need <= self.blocks.num_free:
+                break
+            self._preempt(self.running[-1])
+            preempted = True
+        if preempted:
+            return spans, fed
+        bs = self.blocks.block_size
+        room = self.blocks.num_free - sum(self.blocks.needed(req.slot, req.length) for req in self.running)
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if req.max_new_tokens == 0:
+                self.waiting.popleft()
+                events.append((self._finish(req, "length"), None))
+                continue
+            hit = self.prefix.lookup(req.tokens(req.length)) if self.prefix is not None else None
+            # A hit shares the cached prefix's whole blocks; its partial last block is copied, or,
+            # when the pool has no block for the copy and nothing else holds it, taken over.
+            cost = blocks_for(req.length, bs) - (hit.length // bs if hit else 0)
+            room += self._reclaim(cost - room, keep=hit)
+            take = hit is not None and cost > room and self._takeable(hit)
+            if take:
+                cost -= 1
+            if cost > room:
+                break
+            room -= cost
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            if self.prefix is not None:
+                self.prefix.count(hit)
+            if hit is not None:
+                if take:
+                    self.prefix.remove(hit.id)
+                self._do(RESTORE, req.slot, hit.id, int(take))
+                req.fed = hit.length
+            self.running.append(req)
+            admitted.append(req)
+        more, more_fed, _ = self._spans(admitted, budget)
+        return spans + more, fed + more_fed
+
+    @staticmethod
+    def _spans(requests: list[Request], budget: int) -> tuple[list, list[Request], int]:
+        """(slot, start, ids) for each request that feeds rows to this pass, prefill chunks taking
+        at most `budget` rows in all; the requests; the budget left."""
+        spans, fed = [], []
+        for req in requests:
+            prefilling = req.prefilling
+            if prefilling and budget == 0:
+                continue
+            rows = req._next_rows(budget)
+            if prefilling:
+                budget -= len(rows)
+            spans.append((req.slot, req.fed, rows))
+            fed.append(req)
+        return spans, fed, budget
+
+    def _preempt(self, req: Request) -> None:
+        """Take `req`'s blocks and slot back; it waits first in line, to be recomputed."""
+        self.running.remove(req)
+        self._release(req.slot)
+        req.slot, req.fed = None, 0
+        req.preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, slot: int) -> None:
+        self._do(RELEASE, slot)
+        self.free_slots.append(slot)
+
+    def _do(self, code: int, a: int, b: int = 0, c: int = 0) -> None:
+        """Run a block or cache operation here now, and send it to the other ranks with the next
+        plan."""
+        op = (code, a, b, c)
+        apply(self.engine, [op])
+        self._ops.append(op)
+
+    def _cache(self, req: Request) -> None:
+        """Cache the positions `req` has run so far (it has at least a block of them), making
+        room under the cache's budget by forgetting the least recently used."""
+        if self.prefix is None or req.fed < self.blocks.block_size or self.closed:
+            return
+        tokens = req.tokens(req.fed)
+        known = self.prefix.find(tokens)
+        if known is not None:
+            self.prefix.touch(known)
+            return
+        while self.prefix.full:
+            self._evict(next(iter(self.prefix.entries)))
+        self._do(SNAPSHOT, req.slot, self.prefix.add(tokens).id, req.fed)
+
+    def _takeable(self, hit) -> bool:
+        """Whether `hit` ends inside a block that only it holds."""
+        blocks = self.engine.cached[hit.id].blocks
+        return hit.length % self.blocks.block_size != 0 and self.blocks.holders[blocks[-1]] == 1
+
+    def _evict(self, entry_id: int) -> None:
+        self.prefix.remove(entry_id)
+        self._do(EVICT, entry_id)
+
+    def _reclaim(self, short: int, keep=None) -> int:
+        """Forget cached prefixes, least recently used first, whose blocks nothing else holds,
+        until `short` blocks are freed (or none is left to forget); the blocks freed."""
+        if self.prefix is None or short <= 0:
+            return 0
+        before, holders = self.blocks.num_free, self.blocks.holders
+        progress = True
+        # Again while it frees something: a prefix's blocks may be held by a longer one too.
+        while progress and self.blocks.num_free - before < short:
+            progress = False
+            for entry_id in list(self.prefix.entries):
+                if self.blocks.num_free - before >= short:
+                    break
+                if (keep is None or entry_id != keep.id) and any(holders[b] == 1 for b in self.engine.cached[entry_id].blocks):
+                    self._evict(entry_id)
+                    progress = True
+        return self.blocks.num_free - before
+
+    def kv_usage(self) -> KVUsage:
+        """The pool's use (read from any thread: a moment's view, not a locked one)."""
+        running = len({b for table in self.blocks.tables for b in list(table.held)})
+        usage = KVUsage(self.blocks.num_blocks, running, self.blocks.block_size, self.preemptions)
+        if self.prefix is not None:
+            usage.prefix_caching = True
+            usage.prefix_hits, usage.prefix_misses, usage.prefix_hit_tokens = self.prefix.hits, self.prefix.misses, self.prefix.hit_tokens
+            usage.prefix_entries = len(self.prefix.entries)
+            usage.prefix_blocks = max(0, self.blocks.num_used - running)
+        return usage
+
     def keep_alive(self) -> None:
         """Call while idle (no step to run): tells the other ranks rank 0 is still there."""
         if time.monotonic() - self._last_broadcast >= KEEP_ALIVE_SECONDS:
             self._broadcast([])
 
     def _broadcast(self, spans: list) -> None:
+        """Send the other ranks the plan: the operations since the last one, and the spans."""
+        ops, self._ops = self._ops, []
         if tp().world > 1:
-            self.plan.encode(spans)
-            broadcast_(self.plan.buf)
+            self.plan.send(ops, spans)
             self._last_broadcast = time.monotonic()
 
     def _finish(self, req: Request, reason: str) -> Request:
         req.finished, req.finish_reason = True, reason
         if req.slot is not None:
             self.running.remove(req)
-            self.free_slots.append(req.slot)
+            # Where it stopped is where a follow-up (a chat's next turn) starts.
+            self._cache(req)
+            self._release(req.slot)
             req.slot = None
         return req
 
@@ -244,29 +389,17 @@ class Scheduler:
             broadcast_(self.plan.buf)
 
 
-def follow(engine, max_running: int, max_len: int, prefill_budget: int = 2048) -> None:
-    """The other ranks' side of a Scheduler made with the same sizes: run each pass rank 0
-    broadcasts until it closes the run."""
-    engine.reserve_slots(max_running, max_len)
-    plan = PassPlan(max_running, prefill_budget + max_running, engine.device)
-    while True:
-        broadcast_(plan.buf, idle=True)
-        spans = plan.decode()
-        if spans is None:
-            return
-        if spans:
-            run_plan(engine, spans)
-
-
 def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=(), max_running: int | None = None) -> list[list[int]]:
     """Every prompt's continuation, run as one batch (at most max_running at once); on ranks
     other than 0 it follows rank 0's passes and returns []."""
     max_running = min(max_running or len(prompts), len(prompts))
     max_len = max(len(p) for p in prompts) + max_new_tokens
+    # The pool: what max_running sequences of max_len fill, or the default budget if smaller.
+    kv_blocks = pool_blocks(engine)
     if tp().rank != 0:
-        follow(engine, max_running, max_len)
+        follow(engine, max_running, max_len, kv_blocks=kv_blocks)
         return []
-    sched = Scheduler(engine, max_running, max_len)
+    sched = Scheduler(engine, max_running, max_len, kv_blocks=kv_blocks)
     try:
         requests = [sched.submit(p, max_new_tokens, sampling, eos_ids) for p in prompts]
         while sched.has_work:

@@ -10,25 +10,26 @@ import torch
 
 
 def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, torch.Tensor]:
-    """Seconds of one prefill of `ids` from a fresh sequence with `room` positions left after it,
-    device-synchronised at both ends, and its logits."""
-    engine.start_sequence(len(ids) + room)
+    """Seconds of one prefill of `ids` from a fresh sequence (the engine's slot 0) with `room`
+    positions left after it, device-synchronised at both ends, and its last row's logits [V]."""
+    engine.reserve_slots(1, len(ids) + room)
     prompt = torch.tensor(ids, dtype=torch.long)
     sync()
     t0 = time.perf_counter()
-    logits = engine.prefill(prompt)
+    logits = engine.run_packed([(0, 0, prompt)])[0]
     sync()
     return time.perf_counter() - t0, logits
 
 
-def timed_greedy_decode(engine, token: int, steps: int, sync) -> tuple[float, list[int]]:
-    """Seconds of `steps` greedy decode steps fed from `token`, device-synchronised at both ends,
-    and the tokens they chose."""
+def timed_greedy_decode(engine, token: int, pos: int, steps: int, sync) -> tuple[float, list[int]]:
+    """Seconds of `steps` greedy decode steps of slot 0's sequence fed from `token` at position
+    `pos`, device-synchronised at both ends, and the tokens they chose."""
     chosen = []
     sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        token = int(torch.argmax(engine.decode(token)))
+    for step in range(steps):
+        logits = engine.run_packed([(0, pos + step, torch.tensor([token], dtype=torch.long))])[0]
+        token = int(torch.argmax(logits))
         chosen.append(token)
     sync()
     return time.perf_counter() - t0, chosen
@@ -39,7 +40,7 @@ def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
     prefill_s, logits = timed_prefill(engine, ids, sync, room=new_tokens)
     collectives = sum(engine.last_collectives.values())
     slices = engine.last_slices
-    decode_s, _ = timed_greedy_decode(engine, int(torch.argmax(logits)), new_tokens, sync)
+    decode_s, _ = timed_greedy_decode(engine, int(torch.argmax(logits)), len(ids), new_tokens, sync)
     return {
         "prefill_seconds": prefill_s,
         "prefill_tokens": len(ids),
@@ -69,8 +70,6 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict
     `new_tokens` timed greedy decode steps of them all, one row per sequence per pass."""
     batch, length = len(prompts), len(prompts[0])
     engine.reserve_slots(batch, length + new_tokens)
-    for slot in range(batch):
-        engine.reset_slot(slot)
     spans = [(slot, 0, torch.tensor(ids, dtype=torch.long)) for slot, ids in enumerate(prompts)]
     sync()
     t0 = time.perf_counter()

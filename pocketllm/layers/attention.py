@@ -1,5 +1,6 @@
 """Gated full attention: query and gate interleaved per head in q_proj, q/k norm, partial RoPE,
-causal GQA over a preallocated KV cache, out * sigmoid(gate), row-parallel o_proj."""
+causal GQA over the sequence's KV blocks (layers/cache.py), out * sigmoid(gate), row-parallel
+o_proj."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pocketllm.config import ModelConfig
+from pocketllm.config import FULL, ModelConfig
 from pocketllm.distributed.state import tp
-from pocketllm.layers.cache import KVCache
-from pocketllm.layers.context import ForwardContext, per_sequence
+from pocketllm.layers.cache import KV_BLOCK_SIZE, KVPool, PagedKV
+from pocketllm.layers.context import ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import apply_rotary
@@ -26,6 +27,13 @@ def kv_head_range(num_kv: int, rank: int, world: int) -> tuple[int, int]:
         return rank * per, (rank + 1) * per
     head = rank // (world // num_kv)
     return head, head + 1
+
+
+def kv_block_bytes(cfg: ModelConfig, world: int, elem_size: int, block_size: int = KV_BLOCK_SIZE) -> int:
+    """Bytes one KV block takes on each rank, K and V of every full-attention layer."""
+    kv0, kv1 = kv_head_range(cfg.num_key_value_heads, 0, world)
+    layers = sum(1 for t in cfg.layer_types if t == FULL)
+    return 2 * layers * (kv1 - kv0) * block_size * cfg.head_dim * elem_size
 
 
 class GatedAttention(nn.Module):
@@ -57,28 +65,28 @@ class GatedAttention(nn.Module):
         self._dtype, self._device = dtype, device
         self.compiled_decode = decode_ops(dtype, torch.device(device)).attention_decode
 
-    def allocate_state(self, max_len: int) -> KVCache:
-        shape = (self.kv_heads, max_len, self.head_dim)
-        return KVCache(torch.zeros(shape, dtype=self._dtype, device=self._device), torch.zeros(shape, dtype=self._dtype, device=self._device))
+    def allocate_pool(self, num_blocks: int, block_size: int = KV_BLOCK_SIZE) -> KVPool:
+        shape = (num_blocks, self.kv_heads, block_size, self.head_dim)
+        return KVPool(torch.zeros(shape, dtype=self._dtype, device=self._device), torch.zeros(shape, dtype=self._dtype, device=self._device))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]. `cache` is this layer's KVCache, or one per sequence
-        when ctx packs several (ctx.segments)."""
+        """x [T, hidden] -> [T, hidden]. `cache` holds this layer's PagedKV of each sequence of
+        the pass (ctx.segments)."""
         with scope("projections", "full.in"):
             qkv = self.qkv_proj(x)
         return self.o_proj(per_sequence(self._attend, qkv, ctx, cache), ctx.slices)
 
-    def _attend(self, qkv: torch.Tensor, ctx: ForwardContext, cache: KVCache) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, seq: Segment, kv: PagedKV) -> torch.Tensor:
         """One sequence's projected rows [T, q+k+v local] -> the gated output [T, heads*D],
-        writing its keys and values into its cache."""
+        writing its keys and values into its blocks."""
         t, d = qkv.shape[0], self.head_dim
-        if ctx.one_row and self.compiled_decode is not None:
+        if seq.one_row and self.compiled_decode is not None:
             # One call from the q/k norms to the output gate: the same as the path below (the
             # tests compare them) up to fp32 summation order.
             with scope("attention_decode"):
                 return self.compiled_decode(
-                    qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, ctx.cos[0], ctx.sin[0], cache.k, cache.v,
-                    ctx.start, self.heads, self.kv_heads, d, self.scale,
+                    qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, seq.cos[0], seq.sin[0], kv.pool.k, kv.pool.v,
+                    kv.table.ids, seq.start, self.heads, self.kv_heads, d, self.scale,
                 )
         q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
         q_gate = q_gate.view(t, self.heads, 2 * d)
@@ -87,16 +95,41 @@ class GatedAttention(nn.Module):
             q = self.q_norm(q)  # [T, H, D]
             k = self.k_norm(k.view(t, self.kv_heads, d))
         with scope("rope"):
-            q = apply_rotary(q, ctx.cos, ctx.sin)
-            k = apply_rotary(k, ctx.cos, ctx.sin)
-        end = ctx.start + t
+            q = apply_rotary(q, seq.cos, seq.sin)
+            k = apply_rotary(k, seq.cos, seq.sin)
+        end = seq.start + t
         with scope("kv_write"):
-            cache.k[:, ctx.start : end] = k.transpose(0, 1)
-            cache.v[:, ctx.start : end] = v.view(t, self.kv_heads, d).transpose(0, 1)
+            write_kv(kv, seq.start, k, v.view(t, self.kv_heads, d))
         with scope("full_attention"):
-            out = attention_core(q.transpose(0, 1), cache.k[:, :end], cache.v[:, :end], ctx.start, self.scale)
+            keys, values = gather_kv(kv, end)
+            out = attention_core(q.transpose(0, 1), keys, values, seq.start, self.scale)
         with scope("gates", "full"):
             return out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
+
+
+def _flat_rows(kv: PagedKV, start: int, end: int) -> torch.Tensor:
+    """The rows of positions start..end-1 of every head in the pool viewed as [blocks * Hkv *
+    block_size, D]: [Hkv, end - start]."""
+    heads, bs = kv.pool.k.shape[1], kv.pool.block_size
+    device = kv.table.ids.device
+    pos = torch.arange(start, end, device=device)
+    head0 = kv.table.ids[pos // bs].long() * (heads * bs) + pos % bs
+    return head0[None, :] + bs * torch.arange(heads, device=device)[:, None]
+
+
+def write_kv(kv: PagedKV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Keys and values [T, Hkv, D] of positions start..start+T-1 into the sequence's blocks."""
+    rows = _flat_rows(kv, start, start + k.shape[0])
+    d = k.shape[-1]
+    kv.pool.k.view(-1, d)[rows] = k.transpose(0, 1)
+    kv.pool.v.view(-1, d)[rows] = v.transpose(0, 1)
+
+
+def gather_kv(kv: PagedKV, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions 0..end-1 from the sequence's blocks, [Hkv, end, D] each."""
+    rows = _flat_rows(kv, 0, end)
+    d = kv.pool.k.shape[-1]
+    return kv.pool.k.view(-1, d)[rows], kv.pool.v.view(-1, d)[rows]
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -1,5 +1,12 @@
-"""Per-layer decode state, allocated once for the run's length: the GDN conv window and fp32
-recurrent state, and a preallocated KV cache for the full-attention layers."""
+"""Per-layer decode state. A Gated DeltaNet layer keeps, per running sequence, its conv window and
+fp32 recurrent state (fixed-size). A full-attention layer keeps its keys and values in a pool of
+fixed-size blocks shared by every sequence: a sequence holds the blocks its block table lists, so
+KV memory is taken as positions are written, not reserved for the longest sequence up front.
+
+The layout (what the compiled decode kernel and the torch path both read): per layer, K and V
+pools each [num_blocks, Hkv_local, KV_BLOCK_SIZE, D], contiguous; position p of a sequence is row
+p % KV_BLOCK_SIZE of block table[p // KV_BLOCK_SIZE] (one table per sequence, the same block ids in
+every layer's pool)."""
 
 from __future__ import annotations
 
@@ -7,26 +14,62 @@ from dataclasses import dataclass
 
 import torch
 
+# Positions per KV block. 64 rows of one head (D=256, bf16) are 32 KiB contiguous, a unit a decode
+# kernel can stream per head and split over; it divides the scheduler's prefill chunks and the
+# gated delta rule's 64-row chunks, so a chunk boundary is a block boundary (where a prefix cache
+# can share whole blocks); a sequence wastes at most 63 rows in its last block.
+KV_BLOCK_SIZE = 64
+
 
 @dataclass
 class GDNState:
     conv: torch.Tensor  # [K-1, C_local], the last K-1 conv inputs, oldest first
     recurrent: torch.Tensor  # [Hv_local, Dk, Dv] fp32
 
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.recurrent.zero_()
+
 
 @dataclass
-class KVCache:
-    k: torch.Tensor  # [Hkv_local, max_len, D]
+class KVPool:
+    """One full-attention layer's keys and values, for every sequence."""
+
+    k: torch.Tensor  # [num_blocks, Hkv_local, block_size, D]
     v: torch.Tensor
 
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
 
-def allocate_states(model, max_len: int) -> list:
-    """One state object per layer, shaped by that layer's own local sizes."""
-    return [layer.mixer.allocate_state(max_len) for layer in model.layers]
+
+class BlockTable:
+    """The KV blocks of one sequence in position order: ids[:count] (int32, on the pool's device,
+    room for the longest sequence a slot holds)."""
+
+    def __init__(self, capacity: int, device):
+        self.ids = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.held: list[int] = []  # the same ids, as the allocator reads them
+
+    @property
+    def count(self) -> int:
+        return len(self.held)
 
 
-def reset_states(states: list) -> None:
-    for s in states:
-        if isinstance(s, GDNState):
-            s.conv.zero_()
-            s.recurrent.zero_()
+@dataclass
+class PagedKV:
+    """A full-attention layer's state for one sequence: the layer's pool and the sequence's table."""
+
+    pool: KVPool
+    table: BlockTable
+
+
+@dataclass
+class CachedPrefix:
+    """A prefix of some sequence kept for later ones that start with the same tokens: the KV
+    blocks of its positions (held, shared with whoever else holds them) and every Gated DeltaNet
+    layer's conv and recurrent state after its last position."""
+
+    length: int
+    blocks: list[int]
+    gdn: list[tuple[torch.Tensor, torch.Tensor]]

@@ -11,41 +11,43 @@ from pocketllm.ops.registry import one_row
 
 
 @dataclass
-class ForwardContext:
-    start: int  # position of the first row
-    slices: int  # the slice count the policy chose for these rows
-    rows: int  # rows of the pass (of a packed pass: all its sequences' rows)
-    # [rows, rotary_dim/2]; None for a packed pass, whose segments each carry their own.
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-    # A pass over several sequences packs their rows one sequence after another; then each
-    # token mixer runs once per sequence on its rows with that sequence's own state, and
-    # everything else (projections, norms, MLP) runs on all rows at once. None: one sequence.
-    segments: tuple[Segment, ...] | None = None
+class Segment:
+    """One sequence's rows in a pass: a pass packs its sequences' rows one after another."""
+
+    row0: int  # its first row in the pass
+    start: int  # the sequence position of that row
+    rows: int
+    cos: torch.Tensor  # [rows, rotary_dim/2] for its own positions
+    sin: torch.Tensor
 
     @property
     def one_row(self) -> bool:
-        """A pass of one decode row: its norms and mixers take their one-row (compiled) forms.
-        Decided by the kernel registry's row classes, like the projections' kernels."""
+        """This sequence feeds one row: its mixer takes its one-row (compiled) form. Decided by
+        the kernel registry's row classes, like the projections' kernels."""
         return one_row(self.rows)
 
 
 @dataclass
-class Segment:
-    """One sequence's rows in a packed pass."""
+class ForwardContext:
+    """A pass over one or more sequences. Each token mixer runs once per sequence on its rows
+    with that sequence's own state; everything else (projections, norms, MLP) runs on all rows at
+    once."""
 
-    row0: int  # its first row in the pass
-    ctx: ForwardContext  # its own positions, rows, cos/sin
+    slices: int  # the slice count the policy chose for all the pass's rows
+    segments: tuple[Segment, ...]
+    rows: int  # all the pass's rows
 
     @property
-    def rows(self) -> int:
-        return self.ctx.rows
+    def one_row(self) -> bool:
+        """A pass of one row: its norms and MLP take their one-row (compiled) forms."""
+        return one_row(self.rows)
 
 
-def per_sequence(mix, rows: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
-    """mix(rows, ctx, state) once for the one sequence of a pass, or once per sequence of a packed
-    pass on its own rows, context and state (state then holds one per sequence), the outputs
-    stacked back in row order: how a token mixer runs on several sequences."""
-    if ctx.segments is None:
-        return mix(rows, ctx, state)
-    return torch.cat([mix(rows[s.row0 : s.row0 + s.rows], s.ctx, st) for s, st in zip(ctx.segments, state)])
+def per_sequence(mix, rows: torch.Tensor, ctx: ForwardContext, state: list) -> torch.Tensor:
+    """mix(rows, segment, state) once per sequence of the pass, on its own rows, segment and state
+    (state holds one per sequence), the outputs stacked back in row order: how a token mixer runs
+    on the sequences of a pass."""
+    if len(ctx.segments) == 1:
+        # One sequence: its rows are the pass's, and no copy joins the outputs.
+        return mix(rows, ctx.segments[0], state[0])
+    return torch.cat([mix(rows[s.row0 : s.row0 + s.rows], s, st) for s, st in zip(ctx.segments, state)])

@@ -11,7 +11,7 @@ from torch import nn
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import GDNState
-from pocketllm.layers.context import ForwardContext, per_sequence
+from pocketllm.layers.context import ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
@@ -70,25 +70,30 @@ class GatedDeltaNet(nn.Module):
         self.neg_a = -torch.exp(self.A_log.float())
         self.conv_taps = self.conv_weight[:, 0, :].t().float().contiguous()
 
-    def allocate_state(self, max_len: int) -> GDNState:
+    def allocate_state(self) -> GDNState:
         k = self.conv_weight.shape[-1]
         return GDNState(
             conv=torch.zeros(k - 1, self.conv_channels, dtype=self._dtype, device=self._device),
             recurrent=torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=self._device),
         )
 
+    def state_bytes(self) -> int:
+        """What allocate_state's state takes."""
+        conv = (self.conv_weight.shape[-1] - 1) * self.conv_channels * self.conv_weight.element_size()
+        return conv + self.hv * self.dk * self.dv * 4
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]. `state` is this layer's GDNState, or one per sequence
-        when ctx packs several (ctx.segments)."""
+        """x [T, hidden] -> [T, hidden]. `state` holds this layer's GDNState of each sequence of
+        the pass (ctx.segments)."""
         with scope("projections", "lin.in"):
             proj = self.in_proj(x)
         return self.out_proj(per_sequence(self._mix, proj, ctx, state), ctx.slices)
 
-    def _mix(self, proj: torch.Tensor, ctx: ForwardContext, state: GDNState) -> torch.Tensor:
+    def _mix(self, proj: torch.Tensor, seq: Segment, state: GDNState) -> torch.Tensor:
         """One sequence's projected rows [T, in_local] -> the gated norm's output [T, hv*dv],
         advancing its conv and recurrent state."""
         t = proj.shape[0]
-        if ctx.one_row and self.compiled_decode is not None:
+        if seq.one_row and self.compiled_decode is not None:
             # One call from the conv to the gated norm; the same as the path below (the tests
             # compare them) up to fp32 summation order.
             with scope("gdn_decode"):
@@ -98,7 +103,7 @@ class GatedDeltaNet(nn.Module):
                 )
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
-            if ctx.one_row:
+            if seq.one_row:
                 mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
             else:
                 mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
@@ -114,7 +119,7 @@ class GatedDeltaNet(nn.Module):
             g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
-            if ctx.one_row:
+            if seq.one_row:
                 out = self.kernel.decode_step_(q, k, v, g, beta, state.recurrent)
             else:
                 out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)

@@ -73,42 +73,36 @@ class Qwen35ForCausalLM(nn.Module):
         for m in self.projections():
             m.kernels = kernels.bind(m.weight)
 
-    def context(self, start: int, rows: int, slices: int) -> ForwardContext:
-        cos, sin = self.rotary.cos_sin(start, rows)
-        return ForwardContext(start, slices, rows, cos, sin)
-
-    def packed_context(self, spans: list[tuple[int, int]], slices: int) -> ForwardContext:
-        """The context of a pass packing several sequences' rows, one after another: spans are
-        (start position, rows) per sequence."""
+    def context(self, spans: list[tuple[int, int]], slices: int) -> ForwardContext:
+        """The context of a pass packing its sequences' rows one after another: spans are (start
+        position, rows) per sequence."""
         segments, row0 = [], 0
         for start, rows in spans:
             cos, sin = self.rotary.cos_sin(start, rows)
-            segments.append(Segment(row0, ForwardContext(start, slices, rows, cos, sin)))
+            segments.append(Segment(row0, start, rows, cos, sin))
             row0 += rows
-        return ForwardContext(0, slices, row0, None, None, tuple(segments))
+        return ForwardContext(slices, tuple(segments), row0)
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
-        """ids [T] -> fp32 logits of the last row [V] (or of every row [T, V] when asked).
-        Packed (ctx.segments), states holds one state list per sequence and the result is the
-        logits of each sequence's last row [S, V]."""
-        packed = ctx.segments is not None
+        """ids [T] -> fp32 logits of each sequence's last row [S, V], or of every row [T, V] when
+        asked. states holds one state list (one state per layer) per sequence of ctx."""
+        last = [s.row0 + s.rows - 1 for s in ctx.segments]
         # STACK is the whole pass, embedding to logits: the profile's shares are fractions of it.
         with scope("STACK"):
             with scope("embed"):
                 h = self.embed(ids)
             for i, layer in enumerate(self.layers):
-                h = layer(h, ctx, [seq[i] for seq in states] if packed else states[i])
-            if packed:
-                h = h[[s.row0 + s.rows - 1 for s in ctx.segments]]
-            elif not all_logits:
-                h = h[-1:]
+                h = layer(h, ctx, [seq[i] for seq in states])
+            if not all_logits:
+                # One sequence's last row as a view; several gathered.
+                h = h[last[0] : last[0] + 1] if len(last) == 1 else h[last]
             with scope("norms", "final"):
                 h = self.norm(h)
             with scope("lm_head"):
                 logits = self.lm_head(h)
-                if all_logits and h.shape[0] > 1:
-                    # The last row again through the one-row head (a GEMV, where the rows above
-                    # went through a GEMM that rounds differently), so a token drawn from it is
-                    # the one a last-row-only pass would draw.
-                    logits[-1] = self.lm_head(h[-1:])[0]
-        return logits if packed or all_logits else logits[0]
+                if all_logits and h.shape[0] > len(last):
+                    # The last rows again through the head of last rows only (a GEMV for one,
+                    # where all rows went through a GEMM that rounds differently), so a token
+                    # drawn from them is the one a last-rows-only pass would draw.
+                    logits[last] = self.lm_head(h[last])
+        return logits

@@ -74,7 +74,7 @@ def build_app(served: Served) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         scheduler = served.engine.scheduler
-        text = served.engine.metrics.render(scheduler.num_running, scheduler.num_waiting)
+        text = served.engine.metrics.render(scheduler.num_running, scheduler.num_waiting, scheduler.kv_usage())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")

@@ -1,6 +1,7 @@
 """What /metrics reports, in Prometheus' text format: running and waiting requests, requests ended
-(by how), prompt and generated tokens, generated tokens per second over the last window, and time
-to first token. The engine thread records; any thread renders."""
+(by how), prompt and generated tokens, generated tokens per second over the last window, time
+to first token, the KV cache pool's use and preemptions, and the prefix cache's hits and misses. The engine thread records; any
+thread renders."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
 
-    def render(self, running: int, waiting: int) -> str:
+    def render(self, running: int, waiting: int, kv=None) -> str:
+        """kv: the scheduler's KVUsage (the pool's blocks, preemptions, the prefix cache's counts)."""
         rate = self.tokens_per_second()
         with self._lock:
             ttft = sorted(self._ttft)
@@ -82,6 +84,21 @@ class Metrics:
                 f"{PREFIX}_time_to_first_token_seconds_sum {self._ttft_sum:.6f}",
                 f"{PREFIX}_time_to_first_token_seconds_count {self._ttft_count}",
             ]
+        if kv is not None:
+            lines += [
+                _gauge("kv_cache_blocks_total", f"KV cache blocks in the pool, {kv.block_size} positions each", kv.blocks_total),
+                _gauge("kv_cache_blocks_used", "KV cache blocks held by running requests (cached prefixes' are counted apart)", kv.blocks_used),
+                _gauge("kv_cache_usage_ratio", "fraction of the KV cache blocks in use", round(kv.blocks_used / max(1, kv.blocks_total), 6)),
+                _counter("preemptions_total", "requests whose KV blocks were taken back to be recomputed later", kv.preemptions),
+            ]
+            if kv.prefix_caching:
+                lines += [
+                    _counter("prefix_cache_hits_total", "requests started from a cached prefix", kv.prefix_hits),
+                    _counter("prefix_cache_misses_total", "requests started with nothing cached", kv.prefix_misses),
+                    _counter("prefix_cache_hit_tokens_total", "prompt positions not run, taken from the cache", kv.prefix_hit_tokens),
+                    _gauge("prefix_cache_entries", "cached prefixes", kv.prefix_entries),
+                    _gauge("prefix_cache_blocks", "KV cache blocks held by cached prefixes alone, given back when requests need them", kv.prefix_blocks),
+                ]
         return "\n".join(lines) + "\n"
 
 

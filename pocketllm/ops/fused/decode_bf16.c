@@ -128,11 +128,12 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
 /* Gated attention of one decode row at position pos, from its fused q|k|v projection to the input
  * of o_proj. qkv: [H*2d (query and gate interleaved per head) | kvh*d | kvh*d] bf16;
  * q_scale, k_scale: [d] fp32 (1 + w of q_norm, k_norm); cos, sin: [half] fp32 for this position;
- * k_cache, v_cache: [kvh, max_len, d] bf16, row pos written here; out: [H*d] bf16;
+ * k_pool, v_pool: [blocks, kvh, bs, d] bf16, the layer's KV blocks; table: the sequence's block ids
+ * (position t is row t % bs of block table[t / bs]), row pos written here; out: [H*d] bf16;
  * work: fp32 scratch of H*d + kvh*d + H*(pos+1) floats. */
 void attention_decode_bf16(const uint16_t *qkv, const float *q_scale, const float *k_scale, float eps, const float *cos,
-                           const float *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t max_len, int64_t pos, int64_t heads,
-                           int64_t kvh, int64_t d, int64_t half, float scale, uint16_t *out, float *work) {
+                           const float *sin, uint16_t *k_pool, uint16_t *v_pool, const int32_t *table, int64_t bs, int64_t pos,
+                           int64_t heads, int64_t kvh, int64_t d, int64_t half, float scale, uint16_t *out, float *work) {
     const uint16_t *kp = qkv + heads * 2 * d, *vp = kp + kvh * d;
     const int64_t s_len = pos + 1, group = heads / kvh;
     float *q = work, *k = q + heads * d, *scores = k + kvh * d;
@@ -151,21 +152,27 @@ void attention_decode_bf16(const uint16_t *qkv, const float *q_scale, const floa
             x[half + i] = rbf(x2 * cos[i] + x1 * sin[i]);
         }
     }
+    const int64_t last = ((int64_t)table[pos / bs] * kvh * bs + pos % bs) * d;
     for (int64_t h = 0; h < kvh; h++)
         for (int64_t i = 0; i < d; i++) {
-            k_cache[(h * max_len + pos) * d + i] = to_bf(k[h * d + i]);
-            v_cache[(h * max_len + pos) * d + i] = vp[h * d + i];
+            k_pool[last + h * bs * d + i] = to_bf(k[h * d + i]);
+            v_pool[last + h * bs * d + i] = vp[h * d + i];
         }
 #pragma omp parallel for schedule(static) if (heads * s_len * d >= (1 << 16))
     for (int64_t h = 0; h < heads; h++) {
-        const uint16_t *kc = k_cache + (h / group) * max_len * d, *vc = v_cache + (h / group) * max_len * d;
+        const int64_t kh = h / group;
         const float *qh = q + h * d;
         float *sc = scores + h * s_len, m = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < s_len; t++) {
-            float dot = 0.0f;
-            for (int64_t i = 0; i < d; i++) dot += qh[i] * bf(kc[t * d + i]);
-            sc[t] = dot * scale;
-            m = sc[t] > m ? sc[t] : m;
+        /* Position order, a block at a time: block b holds positions b*bs .. b*bs+bs-1. */
+        for (int64_t b0 = 0; b0 < s_len; b0 += bs) {
+            const uint16_t *kc = k_pool + ((int64_t)table[b0 / bs] * kvh + kh) * bs * d;
+            const int64_t n = s_len - b0 < bs ? s_len - b0 : bs;
+            for (int64_t o = 0; o < n; o++) {
+                float dot = 0.0f;
+                for (int64_t i = 0; i < d; i++) dot += qh[i] * bf(kc[o * d + i]);
+                sc[b0 + o] = dot * scale;
+                m = sc[b0 + o] > m ? sc[b0 + o] : m;
+            }
         }
         for (int64_t t = 0; t < s_len; t++) {
             sc[t] = expf(sc[t] - m);
@@ -173,9 +180,13 @@ void attention_decode_bf16(const uint16_t *qkv, const float *q_scale, const floa
         }
         float acc[d > 0 ? d : 1];
         for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-        for (int64_t t = 0; t < s_len; t++) {
-            const float p = sc[t] / total;
-            for (int64_t i = 0; i < d; i++) acc[i] += p * bf(vc[t * d + i]);
+        for (int64_t b0 = 0; b0 < s_len; b0 += bs) {
+            const uint16_t *vc = v_pool + ((int64_t)table[b0 / bs] * kvh + kh) * bs * d;
+            const int64_t n = s_len - b0 < bs ? s_len - b0 : bs;
+            for (int64_t o = 0; o < n; o++) {
+                const float p = sc[b0 + o] / total;
+                for (int64_t i = 0; i < d; i++) acc[i] += p * bf(vc[o * d + i]);
+            }
         }
         const uint16_t *gate = qkv + h * 2 * d + d;
         for (int64_t i = 0; i < d; i++) out[h * d + i] = to_bf(rbf(acc[i]) * rbf(sigmoid(bf(gate[i]))));

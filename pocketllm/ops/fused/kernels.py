@@ -19,7 +19,7 @@ _SIGNATURES = {
     "add_rms_norm_bf16": [_P, _P, _P, _F, _I, _P, _P],
     "silu_mul_bf16": [_P, _P, _P, _I],
     "gdn_decode_bf16": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P],
-    "attention_decode_bf16": [_P, _P, _P, _F, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+    "attention_decode_bf16": [_P, _P, _P, _F, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
 }
 _lib = None
 
@@ -39,7 +39,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_BF16, _F32 = torch.bfloat16, torch.float32
+_BF16, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,36 +85,44 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
     return out
 
 
-def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_cache, v_cache, pos: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool, table, pos: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """k_pool, v_pool [blocks, kv_heads, block_size, head_dim] (layers/cache.py); table: the
+    sequence's block ids, int32, covering position pos."""
     half = cos.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    cache_shape = (kv_heads, k_cache.shape[1] if k_cache.dim() == 3 else -1, head_dim)
     specs = [
         ("qkv", qkv, _BF16, (heads * 2 + kv_heads * 2) * head_dim, True, None), ("q_scale", q_scale, _F32, head_dim, True, None),
         ("k_scale", k_scale, _F32, head_dim, True, None), ("cos", cos, _F32, half, True, None), ("sin", sin, _F32, half, True, None),
-        ("k_cache", k_cache, _BF16, None, True, 3), ("v_cache", v_cache, _BF16, None, True, 3),
+        ("k_pool", k_pool, _BF16, None, True, 4), ("v_pool", v_pool, _BF16, None, True, 4), ("table", table, _I32, None, True, 1),
     ]
     if not (
         all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs)
-        and tuple(k_cache.shape) == cache_shape and tuple(v_cache.shape) == cache_shape and 0 <= pos < cache_shape[1] and 2 * half <= head_dim
+        and k_pool.dim() == 4 and k_pool.shape[1] == kv_heads and k_pool.shape[3] == head_dim and v_pool.shape == k_pool.shape
+        and 0 <= pos < table.numel() * k_pool.shape[2] and 2 * half <= head_dim
     ):
-        _refuse_attention(specs, k_cache, v_cache, cache_shape, pos, half, head_dim)
+        _refuse_attention(specs, k_pool, v_pool, table, kv_heads, head_dim, pos, half)
+    # The blocks the kernel reads must be the pool's: a bad id would read outside it.
+    used = table[: pos // k_pool.shape[2] + 1]
+    if int(used.min()) < 0 or int(used.max()) >= k_pool.shape[0]:
+        raise ValueError(f"attention_decode_bf16: table holds block ids outside the pool's {k_pool.shape[0]} blocks")
     out = torch.empty(1, heads * head_dim, dtype=qkv.dtype)
     work = torch.empty(heads * head_dim + kv_heads * head_dim + heads * (pos + 1), dtype=torch.float32)
     _lib.attention_decode_bf16(
-        qkv.data_ptr(), q_scale.data_ptr(), k_scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), k_cache.shape[1], pos, heads, kv_heads, head_dim, half, scale, out.data_ptr(), work.data_ptr(),
+        qkv.data_ptr(), q_scale.data_ptr(), k_scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
+        v_pool.data_ptr(), table.data_ptr(), k_pool.shape[2], pos, heads, kv_heads, head_dim, half, scale, out.data_ptr(), work.data_ptr(),
     )
     return out
 
 
-def _refuse_attention(specs, k_cache, v_cache, cache_shape, pos: int, half: int, head_dim: int) -> None:
+def _refuse_attention(specs, k_pool, v_pool, table, kv_heads: int, head_dim: int, pos: int, half: int) -> None:
     name = "attention_decode_bf16"
     if not all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs):
         refuse(name, specs)
-    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if tuple(t.shape) != cache_shape:
-            raise ValueError(f"{name}: {arg} has shape {tuple(t.shape)} where [kv_heads, max_len, head_dim] = {list(cache_shape)} is needed")
-    if not 0 <= pos < cache_shape[1]:
-        raise ValueError(f"{name}: pos {pos} is outside the cache's {cache_shape[1]} positions")
+    if k_pool.dim() != 4 or v_pool.dim() != 4 or table.dim() != 1:
+        refuse(name, [(n, t, d, None, True, nd) for n, t, d, _, _, nd in specs[5:]])
+    for arg, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.shape[1] != kv_heads or t.shape[3] != head_dim or t.shape != k_pool.shape:
+            raise ValueError(f"{name}: {arg} has shape {tuple(t.shape)} where [blocks, {kv_heads}, block_size, {head_dim}] (as k_pool) is needed")
+    if not 0 <= pos < table.numel() * k_pool.shape[2]:
+        raise ValueError(f"{name}: pos {pos} is outside the {table.numel()} blocks of {k_pool.shape[2]} positions the table covers")
     raise ValueError(f"{name}: cos and sin hold {half} values, more than half of head_dim {head_dim}")

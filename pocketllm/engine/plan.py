@@ -1,0 +1,102 @@
+"""What rank 0 tells the other ranks before each pass, and what every rank then runs: the block and
+prefix cache operations since the last pass, in order (free a slot's KV blocks, cache a prefix of
+a slot's sequence, start a slot from a cached prefix, forget one), then the pass's spans (slot,
+start position, ids). Rank 0 runs each operation as it decides it and sends them with the next
+pass; run in the same order on every rank, they leave every rank's blocks, tables and cache
+entries alike."""
+
+from __future__ import annotations
+
+import torch
+
+from pocketllm.distributed.state import broadcast_
+
+CLOSE = -1
+# Operations one plan carries; a step with more sends them over several plans.
+MAX_OPS = 64
+# The operations, each four int64s: (code, a, b, c).
+RELEASE = 1  # (slot): free the KV blocks of the sequence in slot
+SNAPSHOT = 2  # (slot, entry, length): cache the first `length` positions of slot's sequence as entry
+RESTORE = 3  # (slot, entry, take): start slot's sequence from cached entry (take: and forget it)
+EVICT = 4  # (entry): forget cached entry
+
+
+def apply(engine, ops: list[tuple[int, int, int, int]]) -> None:
+    for code, a, b, c in ops:
+        if code == RELEASE:
+            engine.release(a)
+        elif code == SNAPSHOT:
+            engine.snapshot(a, b, c)
+        elif code == RESTORE:
+            engine.restore(a, b, bool(c))
+        elif code == EVICT:
+            engine.evict(a)
+        else:
+            raise RuntimeError(f"unknown plan operation {code}")
+
+
+class PassPlan:
+    """One plan in the fixed-size int64 form rank 0 broadcasts: [spans, operations, then
+    (code, a, b, c) per operation, then (slot, start, rows) per span, then every span's ids]. A
+    step with more operations than MAX_OPS sends them over several plans, all but the last
+    without spans."""
+
+    def __init__(self, max_spans: int, max_rows: int, device):
+        self.max_spans, self.max_ops = max_spans, MAX_OPS
+        self._spans_at = 2 + 4 * MAX_OPS
+        self._ids_at = self._spans_at + 3 * max_spans
+        self.buf = torch.zeros(self._ids_at + max_rows, dtype=torch.long, device=device)
+
+    def encode(self, ops: list, spans: list[tuple[int, int, list[int]]]) -> None:
+        head = [len(spans), len(ops)] + [v for op in ops for v in op]
+        self.buf[: len(head)] = torch.tensor(head, dtype=torch.long)
+        triples = [v for slot, start, ids in spans for v in (slot, start, len(ids))]
+        self.buf[self._spans_at : self._spans_at + len(triples)] = torch.tensor(triples, dtype=torch.long)
+        ids = [t for _, _, chunk in spans for t in chunk]
+        self.buf[self._ids_at : self._ids_at + len(ids)] = torch.tensor(ids, dtype=torch.long)
+
+    def close(self) -> None:
+        self.buf[0] = CLOSE
+
+    def decode(self) -> tuple[list, list[tuple[int, int, torch.Tensor]]] | None:
+        """(operations, spans), or None for the plan that ends the run."""
+        values = self.buf.cpu()
+        n, m = int(values[0]), int(values[1])
+        if n == CLOSE:
+            return None
+        ops = [tuple(values[2 + 4 * i : 6 + 4 * i].tolist()) for i in range(m)]
+        spans, pos = [], self._ids_at
+        for i in range(n):
+            slot, start, rows = (int(v) for v in values[self._spans_at + 3 * i : self._spans_at + 3 * i + 3])
+            spans.append((slot, start, values[pos : pos + rows].clone()))
+            pos += rows
+        return ops, spans
+
+    def send(self, ops: list, spans: list) -> None:
+        """Broadcast ops and spans (rank 0), over as many plans as the ops need."""
+        while len(ops) > self.max_ops:
+            self.encode(ops[: self.max_ops], [])
+            broadcast_(self.buf)
+            ops = ops[self.max_ops :]
+        self.encode(ops, spans)
+        broadcast_(self.buf)
+
+
+def run_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
+    """What every rank runs for a plan: its operations in order, then the pass if it has spans (a
+    span starting at position 0 begins a new sequence in its slot)."""
+    apply(engine, ops)
+    return engine.run_packed(spans) if spans else None
+
+
+def follow(engine, max_running: int, max_len: int, prefill_budget: int = 2048, kv_blocks: int | None = None) -> None:
+    """The other ranks' side of a Scheduler made with the same sizes: run each plan rank 0
+    broadcasts until it closes the run."""
+    engine.reserve_slots(max_running, max_len, kv_blocks)
+    plan = PassPlan(max_running, prefill_budget + max_running, engine.device)
+    while True:
+        broadcast_(plan.buf, idle=True)
+        got = plan.decode()
+        if got is None:
+            return
+        run_plan(engine, *got)

@@ -1,0 +1,167 @@
+"""Prefix caching for the hybrid model (fp32, tiny preset, in process at TP=1): a request whose
+tokens start where an earlier one stopped (a chat's next turn), or with a long prompt up to one of
+its chunk boundaries, starts from the cached KV blocks and Gated DeltaNet state and gets the
+tokens of a cold run; the cache forgets the least recently used prefix under its budget and gives
+cached blocks back before it preempts a running request; the other ranks replay every cache
+operation; the counts reach /metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import feed, follow_in_process, tiny_engine
+
+from pocketllm.engine.generate import generate
+from pocketllm.engine.kv_blocks import blocks_for
+from pocketllm.engine.plan import EVICT, RESTORE, SNAPSHOT
+from pocketllm.engine.prefix_cache import PrefixCache
+from pocketllm.engine.scheduler import KVUsage, Scheduler
+from pocketllm.serving.metrics import Metrics, parse
+
+torch.set_num_threads(2)
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(37 * i + 101 * seed + 13) % 1000 for i in range(n)]
+
+
+def drain(sched: Scheduler, prompt: list[int]):
+    req = sched.submit(prompt, NEW)
+    while sched.has_work:
+        sched.step()
+    return req
+
+
+def entries(engine, n: int) -> int:
+    """A prefix cache budget of n entries."""
+    return n * engine.gdn_state_bytes()
+
+
+@pytest.mark.parametrize("length", [107, 128], ids=["partial-block", "whole-blocks"])
+def test_a_restored_slot_runs_on_exactly_as_the_cached_sequence(engine, length):
+    # What a hit rests on: a slot started from a cached prefix (its whole blocks shared, a partial
+    # last block copied, the conv and recurrent state copied) gives bit for bit the logits the
+    # sequence it was cached from gives, and a slot without that state does not.
+    seq = ids(length + 40, 12)
+    engine.reserve_slots(3, 300)
+    feed(engine, seq[:length], slot=0)
+    engine.snapshot(0, 7, length)
+    want = feed(engine, seq[length:], length, slot=0)
+    engine.restore(1, 7)
+    torch.testing.assert_close(feed(engine, seq[length:], length, slot=1), want, atol=0, rtol=0)
+    engine.blocks.adopt(2, engine.cached[7].blocks)
+    assert not torch.equal(feed(engine, seq[length:], length, slot=2), want)
+
+
+def test_a_chat_turn_starts_where_the_last_one_stopped(engine):
+    turn1 = ids(100, 1)
+    reply = generate(engine, turn1, NEW)
+    turn2 = turn1 + reply + ids(30, 2)
+    cold = generate(engine, turn2, NEW)
+    sched = Scheduler(engine, 2, 400, prefix_cache_bytes=entries(engine, 8))
+    assert drain(sched, turn1).output == reply
+    # It stopped after 100 + 7 positions (its last token was never fed): 107 is 43 rows into its
+    # second block, which a hit copies.
+    assert [c.length for c in engine.cached.values()] == [107]
+    got = drain(sched, turn2)
+    usage = sched.kv_usage()
+    assert (usage.prefix_hits, usage.prefix_misses, usage.prefix_hit_tokens) == (1, 1, 107)
+    assert got.output == cold
+
+
+def test_a_long_prompt_is_cached_at_its_chunk_boundaries(engine):
+    long = ids(200, 3)
+    branch = long[:150] + ids(20, 4)
+    cold = [generate(engine, p, NEW) for p in (long, branch, long)]
+    sched = Scheduler(engine, 2, 400, prefill_budget=64, prefix_cache_bytes=entries(engine, 8))
+    assert drain(sched, long).output == cold[0]
+    assert sorted(c.length for c in engine.cached.values()) == [64, 128, 192, 207]
+    # The branch shares 150 tokens: the longest cached prefix of them ends at the chunk boundary
+    # 128, two whole blocks and nothing to copy.
+    assert drain(sched, branch).output == cold[1] and sched.kv_usage().prefix_hit_tokens == 128
+    # The same prompt again: everything but its last token is cached at 192.
+    assert drain(sched, long).output == cold[2] and sched.kv_usage().prefix_hit_tokens == 128 + 192
+
+
+def test_the_cache_forgets_the_least_recently_used_under_its_budget(engine):
+    first, second, third = ids(90, 5), ids(90, 6), ids(90, 7)
+    sched = Scheduler(engine, 1, 400, prefix_cache_bytes=entries(engine, 2))
+    outs = [drain(sched, p).output for p in (first, second)]
+    # A hit on the first makes the second the least recently used one.
+    drain(sched, first + outs[0] + [1, 2])
+    drain(sched, third)
+    assert sorted(c.length for c in engine.cached.values()) == [97, 97 + NEW + 2]
+    usage = sched.kv_usage()
+    drain(sched, second + outs[1] + [3])
+    assert sched.kv_usage().prefix_misses == usage.prefix_misses + 1
+
+
+def test_cached_blocks_go_back_before_a_running_request_is_preempted(engine):
+    short, long = ids(130, 8), ids(190, 9)
+    cold = generate(engine, long, NEW)
+    # A pool of one 200-position sequence: the short request's cached prefix holds 3 of its 4
+    # blocks when the long one needs all 4.
+    sched = Scheduler(engine, 2, 200, kv_blocks=blocks_for(200), prefix_cache_bytes=entries(engine, 4))
+    drain(sched, short)
+    assert sched.blocks.num_used == 3 and len(engine.cached) == 1
+    usage = sched.kv_usage()
+    assert (usage.blocks_used, usage.prefix_blocks) == (0, 3)
+    assert drain(sched, long).output == cold
+    assert sched.preemptions == 0 and len(engine.cached) == 1 and next(iter(engine.cached.values())).length == 190 + NEW - 1
+
+
+@pytest.mark.timeout(30)
+def test_a_chat_in_a_pool_of_one_sequence_takes_over_the_cached_partial_block(engine):
+    # Each turn's cached prefix holds most of the pool; the next turn cannot get a block to copy
+    # the prefix's partial last block into, so it takes that block over (and the entry with it)
+    # instead of waiting for ever.
+    history, prompts, outs = ids(300, 13), [], []
+    sched = Scheduler(engine, 1, 480, kv_blocks=blocks_for(480), prefix_cache_bytes=entries(engine, 8))
+    for turn in range(3):
+        prompts.append(history + ids(50, 14 + turn))
+        outs.append(drain(sched, prompts[-1]).output)
+        history = prompts[-1] + outs[-1]
+    assert sched.kv_usage().prefix_hits == 2
+    assert outs == [generate(engine, p, NEW) for p in prompts]
+
+
+def test_the_other_ranks_replay_every_cache_operation(engine, monkeypatch):
+    follower = tiny_engine()
+    follower.reserve_slots(3, 300, 9)
+    # Two operations a plan: a step's releases, snapshots, restores and evictions span several.
+    seen = follow_in_process(monkeypatch, engine, follower, 3, max_ops=2, prefill_budget=64)
+    base = ids(120, 10)
+    prompts = [base + ids(10 * k + 5, 11 + k) for k in range(5)]
+    cold = [generate(engine, p, NEW) for p in prompts]
+    sched = Scheduler(engine, 3, 300, kv_blocks=9, prefill_budget=64, prefix_cache_bytes=entries(engine, 3))
+    requests = [sched.submit(p, NEW) for p in prompts]
+    while sched.has_work:
+        sched.step()
+    assert [r.output for r in requests] == cold
+    assert {SNAPSHOT, RESTORE, EVICT} <= {op[0] for op in seen}
+
+
+def test_a_lookup_confirms_every_token_and_leaves_one_to_run():
+    cache = PrefixCache(4, 4)
+    entry = cache.add([1, 2, 3, 4, 5, 6])
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7]) is entry
+    assert cache.lookup([1, 2, 3, 4, 5, 6]) is None  # nothing would be left to run
+    assert cache.lookup([1, 2, 3, 4, 5, 9, 7]) is None
+    shorter = cache.add([1, 2, 3, 4, 5])
+    assert cache.lookup([1, 2, 3, 4, 5, 6]) is shorter and cache.find([1, 2, 3, 4, 5]) is shorter
+
+
+def test_prefix_counts_reach_metrics():
+    usage = KVUsage(40, 10, 64, 0, prefix_caching=True, prefix_hits=3, prefix_misses=5, prefix_hit_tokens=700, prefix_entries=2, prefix_blocks=6)
+    m = parse(Metrics().render(0, 0, usage))
+    assert m["pocketllm_prefix_cache_blocks"] == 6 and m["pocketllm_kv_cache_blocks_used"] == 10
+    assert (m["pocketllm_prefix_cache_hits_total"], m["pocketllm_prefix_cache_misses_total"]) == (3, 5)
+    assert (m["pocketllm_prefix_cache_hit_tokens_total"], m["pocketllm_prefix_cache_entries"]) == (700, 2)
+    assert "pocketllm_prefix_cache_hits_total" not in parse(Metrics().render(0, 0, KVUsage(40, 10, 64, 0)))
