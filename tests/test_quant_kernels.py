@@ -99,6 +99,20 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
             assert torch.equal(batch, singles[:m]), f"{variant} {fmt}: {m} rows differ from one row at a time"
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4-g64-asym"])
+def test_fp32_activations_run_every_candidate(fmt):
+    # An fp32 run's activations: the compiled GEMVs take them through fp32 blocks of the weight.
+    qw = weight(fmt, 21, 320, torch.float32)
+    for row_class, rows in ((qc.ONE, 1), (qc.FEW, 3), (qc.MANY, 17)):
+        for cand in qc.available(row_class, fmt):
+            x = torch.randn(320) if rows == 1 else torch.randn(rows, 320)
+            got = torch.full((*x.shape[:-1], 21), float("nan"))
+            cand.run(x, cand.prepare(qw), got)
+            want = torch.empty_like(got)
+            quant_linear_reference(x, qw, want)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), f"{cand.name} {row_class}"
+
+
 def test_a_prepared_weight_gives_what_the_weight_gives():
     qw = weight("int4-g64-asym", 21, 320)
     x = torch.randn(3, 320, dtype=torch.bfloat16)
@@ -127,7 +141,8 @@ def test_the_wrappers_refuse_what_they_cannot_read():
     qw = weight("int4-g32", 8, 64)
     x, out = torch.randn(64, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
     cases = [
-        ((x.float(), qw, out), "x must be bfloat16"),
+        ((x.float(), qw, out), "out must be float32"),
+        ((x.to(torch.int32), qw, out), "x must be bfloat16, float16 or float32"),
         ((x[:32], qw, out), r"x must have shape \(64,\)"),
         ((x, qw, out[:4]), r"out must have shape \(8,\)"),
         ((torch.randn(2, 128, dtype=torch.bfloat16)[:, ::2], qw, torch.empty(2, 8, dtype=torch.bfloat16)), "x must be contiguous"),

@@ -1,6 +1,7 @@
 """Every quantized projection kernel, by row class, as the kernel registry takes candidates.
 
-Each candidate runs `run(x, w, out)`: x bf16 [in] (one row) or [m, in], out [out] or [m, out], w
+Each candidate runs `run(x, w, out)`: x [in] (one row) or [m, in], out [out] or [m, out], both
+bf16, fp16 or fp32 (the compiled GEMVs take bf16 in C, the others through fp32 blocks), w
 what its `prepare` made of a QuantizedWeight (or the QuantizedWeight itself, prepared on the
 spot). `unavailable(weight_format, device)` says why it cannot run weights of that format there
 ("" when it can); formats are "int8", "int4-g<group>" and "int4-g<group>-asym". Candidates with

@@ -154,13 +154,15 @@ def check_weight(qw, kernel: str = "quantized kernel") -> None:
 
 
 _BF16 = torch.bfloat16
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_io(kernel: str, x, w: CompiledWeight, out) -> int:
-    """The number of x rows, after checking x [in] / out [out] or x [m, in] / out [m, out]."""
+    """The number of x rows, after checking x [in] / out [out] or x [m, in] / out [m, out], both
+    of one activation dtype (bf16, fp16 or fp32), contiguous, on the CPU."""
     if (
         isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)
-        and x.dtype is _BF16 and out.dtype is _BF16 and x.is_cpu and out.is_cpu
+        and x.dtype is out.dtype and x.dtype in ACTIVATION_DTYPES and x.is_cpu and out.is_cpu
         and 1 <= x.ndim <= 2 and x.ndim == out.ndim and x.shape[-1] == w.in_features and out.shape[-1] == w.out_features
         and x.numel() * w.out_features == out.numel() * w.in_features and x.numel() > 0
         and x.is_contiguous() and out.is_contiguous()
@@ -169,9 +171,36 @@ def check_io(kernel: str, x, w: CompiledWeight, out) -> int:
     if not isinstance(x, torch.Tensor) or x.dim() not in (1, 2) or x.numel() == 0:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{kernel}: x must be [{w.in_features}] or [rows, {w.in_features}] with rows >= 1, got {got}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{kernel}: x must be bfloat16, float16 or float32, got {str(x.dtype).removeprefix('torch.')}")
     lead = tuple(x.shape[:-1])
-    problem = _tensor_problem("x", x, torch.bfloat16, (*lead, w.in_features)) or _tensor_problem("out", out, torch.bfloat16, (*lead, w.out_features))
+    problem = _tensor_problem("x", x, x.dtype, (*lead, w.in_features)) or _tensor_problem("out", out, x.dtype, (*lead, w.out_features))
     raise ValueError(f"{kernel}: {problem or 'arguments do not fit together'}")
+
+
+# Weight rows dequantized at a time by blocked_product: beyond a few hundred rows torch's GEMM
+# gains nothing (as for the bf16 weights' widened GEMM, pocketllm/ops/many_rows.py), and the block
+# stays a few MiB.
+BLOCK_ROWS = 256
+
+
+def blocked_product(x: torch.Tensor, w: CompiledWeight, out: torch.Tensor, block_dtype: torch.dtype, variant: str = "native") -> None:
+    """out = x @ W^T with W dequantized BLOCK_ROWS rows at a time into block_dtype (bf16 or fp32)
+    and multiplied by torch's GEMM of that dtype (x converted to it): only one block is ever held
+    unpacked. x and out already checked (check_io)."""
+    x2, out2 = (x, out) if x.dim() == 2 else (x[None], out[None])
+    xc = x2 if x2.dtype == block_dtype else x2.to(block_dtype)
+    rows = min(BLOCK_ROWS, w.out_features)
+    block = torch.empty(rows, w.in_features, dtype=block_dtype)
+    part = torch.empty(x2.shape[0], rows, dtype=block_dtype)
+    for o0 in range(0, w.out_features, BLOCK_ROWS):
+        o1 = min(o0 + BLOCK_ROWS, w.out_features)
+        blk = block[: o1 - o0]
+        dequantize_rows(w, o0, o1, blk, variant)
+        if o1 - o0 == rows:
+            out2[:, o0:o1] = torch.mm(xc, blk.t(), out=part)
+        else:  # the last, shorter block
+            out2[:, o0:o1] = xc @ blk.t()
 
 
 def _function(scheme: str, variant: str):
@@ -182,8 +211,10 @@ def _function(scheme: str, variant: str):
 
 
 def gemv(prefetch: int, variant: str = "native"):
-    """The compiled one-row/few-row kernel for either scheme: run(x, w, out), x [in] or [m, in]
-    bf16, w a QuantizedWeight or its CompiledWeight, out [out] or [m, out] bf16."""
+    """The compiled one-row/few-row kernel for either scheme: run(x, w, out), x [in] or [m, in],
+    w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
+    fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
+    which multiplies the reference's very weights."""
     name = f"quantized GEMV ({variant})"
     fns = {}  # scheme -> its C function, looked up (and built) on the first call
 
@@ -191,6 +222,9 @@ def gemv(prefetch: int, variant: str = "native"):
         if type(w) is not CompiledWeight:
             w = CompiledWeight(w, name)
         m = check_io(name, x, w, out)
+        if x.dtype is not _BF16:
+            blocked_product(x, w, out, torch.float32, variant)
+            return
         fn = fns.get(w.scheme) or fns.setdefault(w.scheme, _function(w.scheme, variant))
         if fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch) != 0:
             raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
