@@ -113,6 +113,18 @@ def test_fp32_activations_run_every_candidate(fmt):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), f"{cand.name} {row_class}"
 
 
+def test_the_blocked_product_covers_every_row(monkeypatch):
+    # Blocks of 16 rows: 37 rows end on a shorter block.
+    monkeypatch.setattr(native, "BLOCK_BYTES", 0)
+    monkeypatch.setattr(native, "MIN_BLOCK_ROWS", 16)
+    qw = weight("int4-g32-asym", 37, 96)
+    x = torch.randn(17, 96, dtype=torch.bfloat16)
+    for cand in qc.MANY_ROW[:2]:
+        got = torch.full((17, 37), float("nan"), dtype=torch.bfloat16)
+        cand.run(x, qw, got)
+        check(got, x, qw, tight=cand.name == "dequant-f32", label=cand.name)
+
+
 def test_a_prepared_weight_gives_what_the_weight_gives():
     qw = weight("int4-g64-asym", 21, 320)
     x = torch.randn(3, 320, dtype=torch.bfloat16)

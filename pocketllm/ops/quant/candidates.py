@@ -123,11 +123,11 @@ FEW_ROW: tuple[QuantCandidate, ...] = (
 )
 MANY_ROW: tuple[QuantCandidate, ...] = (
     QuantCandidate(
-        "dequant-bf16", MANY, many_rows.dequant_mm_bf16, "blocks of 256 rows dequantized to bf16 (dequant.c), torch's bf16 GEMM",
+        "dequant-bf16", MANY, many_rows.dequant_mm_bf16, "blocks of the weight (~4 MiB of bf16) dequantized to bf16 (dequant.c), torch's bf16 GEMM",
         _ALL + "; each weight rounded to bf16", _compiled_unavailable("dequant"), native.prepare, "checked", _DEQUANT_SOURCES,
     ),
     QuantCandidate(
-        "dequant-f32", MANY, many_rows.dequant_mm_f32, "blocks of 256 rows dequantized to fp32 (dequant.c), torch's fp32 GEMM",
+        "dequant-f32", MANY, many_rows.dequant_mm_f32, "the same blocks dequantized to fp32, torch's fp32 GEMM",
         _ALL, _compiled_unavailable("dequant"), native.prepare, "checked", _DEQUANT_SOURCES,
     ),
     _torch("int8pack", MANY),

@@ -178,23 +178,28 @@ def check_io(kernel: str, x, w: CompiledWeight, out) -> int:
     raise ValueError(f"{kernel}: {problem or 'arguments do not fit together'}")
 
 
-# Weight rows dequantized at a time by blocked_product: beyond a few hundred rows torch's GEMM
-# gains nothing (as for the bf16 weights' widened GEMM, pocketllm/ops/many_rows.py), and the block
-# stays a few MiB.
-BLOCK_ROWS = 256
+# What blocked_product dequantizes at a time: about BLOCK_BYTES of bf16, at least MIN_BLOCK_ROWS
+# rows. Blocks of 256 rows of the small preset's 1024 inputs ran its 512-row prefill GEMMs ~15%
+# slower than one GEMM of the whole bf16 weight; 2048 rows (4 MiB) ran them as fast.
+BLOCK_BYTES = 4 << 20
+MIN_BLOCK_ROWS = 256
+
+
+def block_rows(w: CompiledWeight) -> int:
+    return min(w.out_features, max(MIN_BLOCK_ROWS, BLOCK_BYTES // (2 * w.in_features) // 64 * 64))
 
 
 def blocked_product(x: torch.Tensor, w: CompiledWeight, out: torch.Tensor, block_dtype: torch.dtype, variant: str = "native") -> None:
-    """out = x @ W^T with W dequantized BLOCK_ROWS rows at a time into block_dtype (bf16 or fp32)
+    """out = x @ W^T with W dequantized block_rows(w) rows at a time into block_dtype (bf16 or fp32)
     and multiplied by torch's GEMM of that dtype (x converted to it): only one block is ever held
     unpacked. x and out already checked (check_io)."""
     x2, out2 = (x, out) if x.dim() == 2 else (x[None], out[None])
     xc = x2 if x2.dtype == block_dtype else x2.to(block_dtype)
-    rows = min(BLOCK_ROWS, w.out_features)
+    rows = block_rows(w)
     block = torch.empty(rows, w.in_features, dtype=block_dtype)
     part = torch.empty(x2.shape[0], rows, dtype=block_dtype)
-    for o0 in range(0, w.out_features, BLOCK_ROWS):
-        o1 = min(o0 + BLOCK_ROWS, w.out_features)
+    for o0 in range(0, w.out_features, rows):
+        o1 = min(o0 + rows, w.out_features)
         blk = block[: o1 - o0]
         dequantize_rows(w, o0, o1, blk, variant)
         if o1 - o0 == rows:
