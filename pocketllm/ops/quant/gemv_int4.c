@@ -42,6 +42,7 @@ struct q4 {
  * from the result costs some fp32 bits of each group's sum, four orders of magnitude below the
  * output's bf16 rounding. */
 #define TILE_R 4
+#define TILE_R_FEW 4
 #define TILE_C 4
 #define X_ELEM uint16_t
 #define ZERO_TERM_NEEDED(z) ((z) != NULL)
@@ -176,30 +177,20 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* Sixteen inputs at a time: eight bytes widen to eight 32-bit lanes, whose low nibbles are the
- * even inputs and high nibbles the odd ones, converted to fp32 as q (0..15); x is widened to fp32
- * once per call in the same order (per 16 inputs, the 8 even then the 8 odd), and the zero (8, or
- * the group's zero point) comes off through the group's sum of x. One weight row against four x
- * rows fills twelve of the sixteen registers. */
-#define TILE_R 1
+ * even inputs and high nibbles the odd ones; the group's zero (8, or its zero point) comes off in
+ * integers and the difference, exact, is converted to fp32. x is widened to fp32 once per call in
+ * the same order (per 16 inputs, the 8 even then the 8 odd). Four weight rows against one x row,
+ * or one weight row against four x rows (TILE_R_FEW), fill the sixteen registers. */
+#define TILE_R 4
+#define TILE_R_FEW 1
 #define TILE_C 4
 #define X_ELEM float
-#define ZERO_TERM_NEEDED(z) 1
+#define ZERO_TERM_NEEDED(z) 0
 const char *q4_isa(void) { return "avx2"; }
-
-/* What zero points take off a row's sum: sum over groups of s_g (z_g - base) X_g, X_g the
- * group's sum of x; base is the zero the tile's unpacking already subtracted (none here). Not inlined: one
- * copy of its code serves every tile, so the rounding is the same for every call. */
-static __attribute__((noinline)) float zero_term(const struct q4 *q, int64_t r, int64_t c) {
-    const float base = 0.f;
-    const float *xs = q->xsum + c * q->ng;
-    float t = 0.f;
-    for (int64_t g = 0; g < q->ng; g++) {
-        float z = q->z ? (float)q->z[r * q->ng + g] : 8.f;
-        t += scale_at(q->s, q->kind, r * q->ng + g) * ((z - base) * xs[g]);
-    }
-    return t;
+static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is subtracted per value */
+    (void)q, (void)r, (void)c;
+    return 0.f;
 }
-
 
 static int64_t x_stride(int64_t n) { return n; }
 static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
@@ -211,44 +202,59 @@ static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
 }
 
 static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
-    (void)R;
     const float *x = (const float *)q->x + c0 * q->xstride;
-    const uint8_t *w = q->w + r0 * (q->n / 2);
+    const int64_t nb = q->n / 2, sbytes = q->kind == SCALE_F32 ? 4 : 2;
     const __m256i low = _mm256_set1_epi32(0x0f);
-    __m256 acc[TILE_C];
-    UNROLL for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-    /* As the AVX-512 tile: the scales of the row PF_ROWS down prefetched now, its weights step
-     * by step when asked. */
-    const int64_t sbytes = q->kind == SCALE_F32 ? 4 : 2, nb = q->n / 2;
-    if (r0 + PF_ROWS < q->rows)
-        for (int64_t b = 0; b < q->ng * sbytes; b += 64) {
-            _mm_prefetch((const char *)q->s + (r0 + PF_ROWS) * q->ng * sbytes + b, _MM_HINT_T0);
-            if (q->z && b < q->ng) _mm_prefetch((const char *)(q->z + (r0 + PF_ROWS) * q->ng) + b, _MM_HINT_T0);
+    __m256 acc[TILE_R][TILE_C];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    /* As the AVX-512 tile: the next rows' scales prefetched now, their weights step by step when
+     * asked. */
+    if (r0 + R < q->rows)
+        for (int64_t b = 0; b < min64(PF_ROWS, q->rows - r0 - R) * q->ng * sbytes; b += 64) {
+            _mm_prefetch((const char *)q->s + (r0 + R) * q->ng * sbytes + b, _MM_HINT_T0);
+            if (q->z && b < q->ng * R) _mm_prefetch((const char *)(q->z + (r0 + R) * q->ng) + b, _MM_HINT_T0);
         }
     const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * nb : 0;
     for (int64_t g = 0; g < q->ng; g++) {
-        __m256 gacc[TILE_C];
-        UNROLL for (int c = 0; c < C; c++) gacc[c] = _mm256_setzero_ps();
-        for (int64_t e = g * q->group; e < (g + 1) * q->group; e += 16) {
-            if (pf && (e & 127) == 0) _mm_prefetch((const char *)(w + e / 2) + pf, _MM_HINT_NTA);
-            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + e / 2)));
-            __m256 fl = _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), fh = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-            UNROLL for (int c = 0; c < C; c++)
-                gacc[c] = _mm256_fmadd_ps(fh, _mm256_loadu_ps(x + c * q->xstride + e + 8), _mm256_fmadd_ps(fl, _mm256_loadu_ps(x + c * q->xstride + e), gacc[c]));
+        /* Even and odd inputs in two sums per pair: one chain of FMAs per pair ran at their
+         * latency, not their rate. */
+        __m256 ge[TILE_R][TILE_C], go[TILE_R][TILE_C], sv[TILE_R];
+        __m256i zero[TILE_R];
+        UNROLL for (int r = 0; r < R; r++) {
+            zero[r] = _mm256_set1_epi32(q->z ? q->z[(r0 + r) * q->ng + g] : 8);
+            UNROLL for (int c = 0; c < C; c++) ge[r][c] = go[r][c] = _mm256_setzero_ps();
         }
-        __m256 sv = _mm256_set1_ps(scale_at(q->s, q->kind, r0 * q->ng + g));
-        UNROLL for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(gacc[c], sv, acc[c]);
+        for (int64_t e = g * q->group; e < (g + 1) * q->group; e += 16) {
+            UNROLL for (int r = 0; r < R; r++) {
+                const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
+                if (pf && (e & 127) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+                __m256 fl = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), zero[r]));
+                __m256 fh = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), zero[r]));
+                UNROLL for (int c = 0; c < C; c++) {
+                    ge[r][c] = _mm256_fmadd_ps(fl, _mm256_loadu_ps(x + c * q->xstride + e), ge[r][c]);
+                    go[r][c] = _mm256_fmadd_ps(fh, _mm256_loadu_ps(x + c * q->xstride + e + 8), go[r][c]);
+                }
+            }
+        }
+        UNROLL for (int r = 0; r < R; r++) {
+            sv[r] = _mm256_set1_ps(scale_at(q->s, q->kind, (r0 + r) * q->ng + g));
+            UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(_mm256_add_ps(ge[r][c], go[r][c]), sv[r], acc[r][c]);
+        }
     }
-    UNROLL for (int c = 0; c < C; c++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        o[0][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            o[r][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        }
 }
 
 #else
 /* Each group's values (q - zero) once into fp32, then their dot product with each x row. */
 #define TILE_R 1
+#define TILE_R_FEW 1
 #define TILE_C 4
 #define ZERO_TERM_NEEDED(z) 0
 static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is subtracted per value */
@@ -329,11 +335,13 @@ int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t 
         if (xs) group_sums(x + c * n, n, group, xs + c * q.ng);
     }
     q.x = buf, q.xsum = xs;
-    int64_t units = (rows + TILE_R - 1) / TILE_R;
+    /* Weight rows per tile: the tile may take fewer when it also takes several x rows. */
+    const int64_t tr = m == 1 ? TILE_R : TILE_R_FEW;
+    int64_t units = (rows + tr - 1) / tr;
 #pragma omp parallel for schedule(static)
     for (int64_t u = 0; u < units; u++) {
-        int64_t r0 = u * TILE_R;
-        int R = (int)min64(TILE_R, rows - r0);
+        int64_t r0 = u * tr;
+        int R = (int)min64(tr, rows - r0);
         for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
             int C = (int)min64(TILE_C, m - c0);
             float o[TILE_R][TILE_C];
