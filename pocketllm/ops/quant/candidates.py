@@ -1,0 +1,153 @@
+"""Every quantized projection kernel, by row class, as the kernel registry takes candidates.
+
+Each candidate runs `run(x, w, out)`: x [in] (one row) or [m, in], out [out] or [m, out], both
+bf16, fp16 or fp32 (the compiled GEMVs take bf16 in C, the others through fp32 blocks), w
+what its `prepare` made of a QuantizedWeight (or the QuantizedWeight itself, prepared on the
+spot). `unavailable(weight_format, device)` says why it cannot run weights of that format there
+("" when it can); formats are "int8", "int4-g<group>" and "int4-g<group>-asym". Candidates with
+the same `layout` share one prepared form. The reference every one must equal up to summation
+order (and the roundings their notes state) is layout.quant_linear_reference.
+
+| name | rows | what |
+|---|---|---|
+| c, c-prefetch | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
+| int8pack | one, few, many | torch._weight_int8pack_mm |
+| int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
+| dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pocketllm.ops.quant import many_rows, native, torch_ops
+
+ONE, FEW, MANY = "one-row", "few-row", "many-row"
+# How far ahead c-prefetch asks for each weight load: the same place in the next tile of four rows
+# (PF_ROWS in quant.h). A few lines ahead in the same row, as the bf16 c-prefetch does, left each
+# short row's first lines waiting on memory (docs/quantization.md).
+PREFETCH_TILES = 1
+
+
+@dataclass(frozen=True)
+class QuantCandidate:
+    name: str
+    rows: str  # ONE, FEW or MANY
+    run: Callable[[torch.Tensor, object, torch.Tensor], None]
+    what: str
+    formats: str  # the weight formats it takes, in words
+    unavailable: Callable[[str, torch.device], str]
+    prepare: Callable[[object], object] | None = None
+    layout: str = ""
+    sources: tuple = ()  # compiled sources a measured choice depends on
+
+
+def parse_format(fmt: str) -> tuple[str, int | None, bool] | None:
+    """"int8" -> ("int8", None, True); "int4-g64-asym" -> ("int4", 64, False); None otherwise."""
+    if fmt == "int8":
+        return "int8", None, True
+    parts = fmt.split("-")
+    if parts[0] != "int4" or len(parts) not in (2, 3) or not parts[1].startswith("g") or not parts[1][1:].isdigit():
+        return None
+    if len(parts) == 3 and parts[2] != "asym":
+        return None
+    return "int4", int(parts[1][1:]), len(parts) == 2
+
+
+def _compiled_unavailable(part: str):
+    """part "gemv": the scheme's GEMV library; "dequant": dequant.c."""
+
+    def why(fmt: str, device: torch.device) -> str:
+        parsed = parse_format(fmt)
+        if parsed is None:
+            return "the compiled quantized kernels take int8 or int4 weights"
+        if device.type != "cpu":
+            return "the compiled quantized kernels run on a CPU"
+        scheme, group, _ = parsed
+        if scheme == "int4" and not native.int4_group_ok(group):
+            return f"the compiled int4 kernels take groups of 32 or a multiple of 64, not {group}"
+        return native.unavailable(scheme if part == "gemv" else "dequant")
+
+    return why
+
+
+def _torch_unavailable(scheme: str):
+    def why(fmt: str, device: torch.device) -> str:
+        parsed = parse_format(fmt)
+        if parsed is None or parsed[0] != scheme:
+            return f"torch's {scheme} op takes {scheme} weights"
+        return "" if device.type == "cpu" else f"torch's {scheme} op here is its CPU kernel"
+
+    return why
+
+
+_GEMV_SOURCES = (native.SOURCES["int4"], native.SOURCES["int8"])
+_DEQUANT_SOURCES = (native.SOURCES["dequant"],)
+_ALL = "int8; int4 g32 or a multiple of 64, symmetric or asymmetric; scales bf16/fp16/fp32 as stored"
+_INT8PACK = "int8; scales used in x's dtype (fp16/fp32 scales rounded for bf16 x)"
+_INT4PACK = "int4, any group; scales and zero offsets (8 - z) * scale used in x's dtype (rounded for bf16 x)"
+
+
+def _gemv(name: str, rows: str, prefetch: int, what: str) -> QuantCandidate:
+    return QuantCandidate(
+        name, rows, native.gemv(prefetch), what, _ALL, _compiled_unavailable("gemv"), native.prepare, "checked", _GEMV_SOURCES
+    )
+
+
+def _torch(name: str, rows: str) -> QuantCandidate:
+    if name == "int8pack":
+        return QuantCandidate(
+            name, rows, torch_ops.int8pack_mm, "torch._weight_int8pack_mm (the int8 layout as loaded, scales in x's dtype)",
+            _INT8PACK, _torch_unavailable("int8"), torch_ops.prepare_int8pack, "int8pack",
+        )
+    return QuantCandidate(
+        name, rows, torch_ops.int4pack_mm, "aten._weight_int4pack_mm_for_cpu on torch's packed int4 layout",
+        _INT4PACK, _torch_unavailable("int4"), torch_ops.prepare_int4pack, "int4pack",
+    )
+
+
+ONE_ROW: tuple[QuantCandidate, ...] = (
+    _gemv("c", ONE, 0, "compiled int8/int4 GEMV (ops/quant/gemv_int4.c, gemv_int8.c): AVX-512 BF16, AVX2 or plain C"),
+    _gemv("c-prefetch", ONE, PREFETCH_TILES, "the same, each weight load prefetched non-temporally from the next tile of four rows"),
+    _torch("int8pack", ONE),
+    _torch("int4pack", ONE),
+)
+FEW_ROW: tuple[QuantCandidate, ...] = (
+    _gemv("c", FEW, 0, "compiled int8/int4 tile, four weight rows against up to four x rows; each row summed as the one-row kernel sums it"),
+    _gemv("c-prefetch", FEW, PREFETCH_TILES, "the same, each weight load prefetched non-temporally from the next tile of four rows"),
+    _torch("int8pack", FEW),
+    _torch("int4pack", FEW),
+)
+MANY_ROW: tuple[QuantCandidate, ...] = (
+    QuantCandidate(
+        "dequant-bf16", MANY, many_rows.dequant_mm_bf16, "blocks of the weight (~4 MiB of bf16) dequantized to bf16 (dequant.c), torch's bf16 GEMM",
+        _ALL + "; each weight rounded to bf16", _compiled_unavailable("dequant"), native.prepare, "checked", _DEQUANT_SOURCES,
+    ),
+    QuantCandidate(
+        "dequant-f32", MANY, many_rows.dequant_mm_f32, "the same blocks dequantized to fp32, torch's fp32 GEMM",
+        _ALL, _compiled_unavailable("dequant"), native.prepare, "checked", _DEQUANT_SOURCES,
+    ),
+    _torch("int8pack", MANY),
+    _torch("int4pack", MANY),
+)
+BY_ROWS = {ONE: ONE_ROW, FEW: FEW_ROW, MANY: MANY_ROW}
+
+
+def available(rows: str, fmt: str, device: torch.device = torch.device("cpu")) -> list[QuantCandidate]:
+    """The candidates of a row class that can run weights of `fmt` on `device`."""
+    return [c for c in BY_ROWS[rows] if not c.unavailable(fmt, device)]
+
+
+def table() -> str:
+    """Every candidate as a markdown table: name, rows, what, formats, prepare, and why it cannot
+    run here for each format (blank where it can)."""
+    lines = ["| name | rows | what | formats | prepare | unavailable here |", "|---|---|---|---|---|---|"]
+    for c in ONE_ROW + FEW_ROW + MANY_ROW:
+        why = {f: c.unavailable(f, torch.device("cpu")) for f in ("int8", "int4-g32", "int4-g128-asym")}
+        reasons = "; ".join(f"{f}: {r}" for f, r in why.items() if r)
+        prep = c.prepare.__name__ if c.prepare else "-"
+        lines.append(f"| {c.name} | {c.rows} | {c.what} | {c.formats} | {prep} | {reasons} |")
+    return "\n".join(lines)

@@ -1,0 +1,358 @@
+/* Y = X W^T for int4 weights and a few bf16 rows X [m, n] (m = 1: a decode step's GEMV), Y bf16
+ * [m, rows]. W is the layout of pocketllm/ops/quant/layout.py: [rows, n/2] bytes, element 2j in
+ * the low nibble of byte j, value (q - zero) * scale over groups of `group` inputs, scales [rows,
+ * n/group] as stored (bf16, fp16 or fp32), zero 8 (symmetric, z NULL) or z [rows, n/group].
+ *
+ * Decode streams the weight once per step, so the loop is built to stay under memory speed:
+ * weight rows go TILE_R at a time against TILE_C x rows, each nibble is unpacked once per tile,
+ * each group's products are summed in fp32 and only then multiplied by its scale, and each
+ * output is rounded to bf16 once. Every (weight row, x row) pair is summed by the same sequence
+ * of operations whatever the tile around it, so a row of a few-row call equals the one-row call
+ * bit for bit: a sequence's tokens do not depend on what it is batched with. Rows are split over
+ * torch's OpenMP threads (pocketllm/compiled.py). Built with -march=native: AVX-512 BF16 dot
+ * products where the CPU has them, else AVX2 FMAs, else plain C.
+ */
+#include <stdint.h>
+
+#include "quant.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+struct q4 {
+    const uint8_t *w;
+    const void *s;
+    int64_t kind;
+    const uint8_t *z;
+    int64_t rows, n, group, ng;
+    int64_t pf_rows;   /* weight rows ahead each load is prefetched from (0: none) */
+    const void *x;     /* the x rows as the tile reads them (prepare_x) */
+    int64_t xstride;   /* elements between two of them */
+    const float *xsum; /* [m, ng] each group's sum of x, where the zero term needs it */
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 128 inputs at a time, with no shuffle of the weight: 64 bytes load as 32 words, and nibble k of
+ * word j is input 4j + k. Each nibble q becomes the bf16 128 + q by or-ing in the exponent of 128
+ * (exact: bf16's ulp at 128 is 1), and x is laid out to match once per call (per 128 inputs, four
+ * runs of 32: run k holds inputs 4j + k). A dot product lane sums eight inputs 8l..8l+7; it starts
+ * from -(128 + 8) times their sum of x (also made per call), so what it holds is the sum of
+ * (q - 8) x, in fp32, before its group's scale multiplies it. Asymmetric weights take the rest of
+ * their zero, (z - 8) times the group's sum of x, off after (zero_term). Starting 136 |x| away
+ * from the result costs some fp32 bits of each group's sum, four orders of magnitude below the
+ * output's bf16 rounding. */
+#define TILE_R 4
+#define TILE_R_FEW 4
+#define TILE_C 4
+#define X_ELEM uint16_t
+#define ZERO_TERM_NEEDED(z) ((z) != NULL)
+const char *q4_isa(void) { return "avx512_bf16"; }
+
+/* Per x row: the permuted bf16 inputs (rounded up to 128), then 16 fp32 starting values per 128. */
+static int64_t x_stride(int64_t n) {
+    int64_t npad = (n + 127) & ~(int64_t)127;
+    return npad + npad / 8 * 2;
+}
+static void prepare_x(const uint16_t *x, int64_t n, uint16_t *xp) {
+    /* Run k of a 128 takes inputs 4j + k: the first sixteen from the 128's first half, the other
+     * sixteen from its second half, picked from two registers at a time. */
+    const __m512i four_j = _mm512_slli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                                                              13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+    __m512i pick[4];
+    for (int k = 0; k < 4; k++) pick[k] = _mm512_and_si512(_mm512_add_epi16(four_j, _mm512_set1_epi16((short)k)), _mm512_set1_epi16(63));
+    const int64_t npad = (n + 127) & ~(int64_t)127;
+    float *init = (float *)(xp + npad);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    for (int64_t b = 0; b < npad; b += 128) {
+        __m512i in[4];
+        for (int i = 0; i < 4; i++) {
+            int64_t left = n - b - 32 * i;
+            __mmask32 m = left >= 32 ? (__mmask32)~0u : left <= 0 ? 0 : (__mmask32)((1u << left) - 1u);
+            in[i] = _mm512_maskz_loadu_epi16(m, x + b + 32 * i);
+        }
+        /* The lane sums of x start each dot product: computed by the same instruction, on the
+         * runs just made, against ones. */
+        __m512 sum = _mm512_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            __m512i lo = _mm512_permutex2var_epi16(in[0], pick[k], in[1]), hi = _mm512_permutex2var_epi16(in[2], pick[k], in[3]);
+            __m512i run = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+            _mm512_storeu_si512(xp + b + 32 * k, run);
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)run, ones);
+        }
+        _mm512_storeu_ps(init + b / 8, _mm512_mul_ps(sum, _mm512_set1_ps(-136.f)));
+    }
+}
+
+/* Up to sixteen of a row's scales from index i, as fp32 (lanes past `count` zero). */
+static inline __m512 scales16(const void *s, int64_t kind, int64_t i, int64_t count) {
+    __mmask16 m = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+    if (kind == SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float *)s + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)s + i);
+    if (kind == SCALE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* sum over groups of s_g (z_g - 8) X_g, sixteen groups at a time. */
+static float zero_term(const struct q4 *q, int64_t r, int64_t c) {
+    const float *xs = q->xsum + c * q->ng;
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < q->ng; g += 16) {
+        int64_t count = min64(16, q->ng - g);
+        __mmask16 m = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+        __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, q->z + r * q->ng + g)));
+        __m512 sz = _mm512_mul_ps(scales16(q->s, q->kind, r * q->ng + g, count), _mm512_sub_ps(z, _mm512_set1_ps(8.f)));
+        t = _mm512_fmadd_ps(sz, _mm512_maskz_loadu_ps(m, xs + g), t);
+    }
+    return _mm512_reduce_add_ps(t);
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const __m512i low = _mm512_set1_epi16(0x0f), exp128 = _mm512_set1_epi16(0x4300);
+    /* The group of each lane's eight inputs, counted from the 128's first group. */
+    const __m512i lane_group = q->group == 32   ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                               : q->group == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                                : _mm512_setzero_si512();
+    const int64_t npad = (q->n + 127) & ~(int64_t)127, nb = q->n / 2;
+    const uint16_t *x = (const uint16_t *)q->x + c0 * q->xstride;
+    __m512 acc[TILE_R][TILE_C], sv[TILE_R];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    /* One flat loop over 128-input steps (nested loops kept the accumulators in memory). Every
+     * sixteen groups (a whole number of steps) the rows' scales are loaded as fp32; each step
+     * takes its lanes' from them by index. g0: the first of the sixteen groups; gi: the step's
+     * first group among them; ge: the step's inputs into its group. */
+    int64_t g0 = -16, gi = 16, ge = 0;
+    /* The next tile's scales (and zero points) are prefetched during this one, a line per step:
+     * each row's are a few lines, too few for the hardware to see a stream, and a step that
+     * waited on memory for them cost half the streaming rate. */
+    const int64_t sbytes = q->kind == SCALE_F32 ? 4 : 2;
+    const char *snext = (const char *)q->s + (r0 + R) * q->ng * sbytes, *znext = q->z ? (const char *)(q->z + (r0 + R) * q->ng) : NULL;
+    const int64_t sleft = r0 + R < q->rows ? min64(TILE_R, q->rows - r0 - R) * q->ng * sbytes : 0;
+    /* The weight prefetch: the same place pf_rows rows down, a whole tile ahead (rows lie one
+     * after another, so that is the next tile); 0 past the last rows. */
+    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * nb : 0;
+    for (int64_t e = 0; e < q->n; e += 128) {
+        if (e / 2 < sleft) {
+            _mm_prefetch(snext + e / 2, _MM_HINT_T0);
+            if (znext && e / 4 < sleft / sbytes) _mm_prefetch(znext + e / 4, _MM_HINT_T0);
+        }
+        if (gi == 16) {
+            g0 += 16, gi = 0;
+            UNROLL for (int r = 0; r < R; r++) sv[r] = scales16(q->s, q->kind, (r0 + r) * q->ng + g0, min64(16, q->ng - g0));
+        }
+        /* A row that ends inside the step loads zeros past its end, which meet x's zero padding
+         * and zero starting values. */
+        __mmask64 m = q->n - e >= 128 ? ~(__mmask64)0 : (((__mmask64)1 << ((q->n - e) / 2)) - 1);
+        __m512i gidx = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)gi));
+        __m512bh nib[TILE_R][4];
+        __m512 sc[TILE_R];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
+            _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            __m512i v = _mm512_maskz_loadu_epi8(m, p);
+            /* (v >> 4k) & 0x0f | 0x4300: the ternary logic's truth table 0xea is A & B | C. */
+            nib[r][0] = (__m512bh)_mm512_ternarylogic_epi32(v, low, exp128, 0xea);
+            nib[r][1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, exp128, 0xea);
+            nib[r][2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low, exp128, 0xea);
+            nib[r][3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), exp128);
+            sc[r] = _mm512_permutexvar_ps(gidx, sv[r]);
+        }
+        /* The rows' dot products interleaved step by step: each is a chain of four, and the
+         * rows' chains overlap. */
+        UNROLL for (int c = 0; c < C; c++) {
+            const uint16_t *xc = x + c * q->xstride + e;
+            __m512 init = _mm512_loadu_ps((const float *)(x + c * q->xstride + npad) + e / 8), t[TILE_R];
+            UNROLL for (int r = 0; r < R; r++) t[r] = init;
+            UNROLL for (int k = 0; k < 4; k++) {
+                __m512bh xk = (__m512bh)_mm512_loadu_si512(xc + 32 * k);
+                UNROLL for (int r = 0; r < R; r++) t[r] = _mm512_dpbf16_ps(t[r], nib[r][k], xk);
+            }
+            UNROLL for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(t[r], sc[r], acc[r][c]);
+        }
+        for (ge += 128; ge >= q->group; ge -= q->group) gi++;
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) o[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Sixteen inputs at a time: eight bytes widen to eight 32-bit lanes, whose low nibbles are the
+ * even inputs and high nibbles the odd ones; the group's zero (8, or its zero point) comes off in
+ * integers and the difference, exact, is converted to fp32. x is widened to fp32 once per call in
+ * the same order (per 16 inputs, the 8 even then the 8 odd). Four weight rows against one x row,
+ * or one weight row against four x rows (TILE_R_FEW), fill the sixteen registers. */
+#define TILE_R 4
+#define TILE_R_FEW 1
+#define TILE_C 4
+#define X_ELEM float
+#define ZERO_TERM_NEEDED(z) 0
+const char *q4_isa(void) { return "avx2"; }
+static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is subtracted per value */
+    (void)q, (void)r, (void)c;
+    return 0.f;
+}
+
+static int64_t x_stride(int64_t n) { return n; }
+static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
+    for (int64_t i = 0; i < n; i += 16)
+        for (int64_t j = 0; j < 8; j++) {
+            xw[i + j] = bf16_to_f32(x[i + 2 * j]);
+            xw[i + 8 + j] = bf16_to_f32(x[i + 2 * j + 1]);
+        }
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const float *x = (const float *)q->x + c0 * q->xstride;
+    const int64_t nb = q->n / 2, sbytes = q->kind == SCALE_F32 ? 4 : 2;
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    __m256 acc[TILE_R][TILE_C];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    /* As the AVX-512 tile: the next rows' scales prefetched now, their weights step by step when
+     * asked. */
+    if (r0 + R < q->rows)
+        for (int64_t b = 0; b < min64(PF_ROWS, q->rows - r0 - R) * q->ng * sbytes; b += 64) {
+            _mm_prefetch((const char *)q->s + (r0 + R) * q->ng * sbytes + b, _MM_HINT_T0);
+            if (q->z && b < q->ng * R) _mm_prefetch((const char *)(q->z + (r0 + R) * q->ng) + b, _MM_HINT_T0);
+        }
+    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * nb : 0;
+    for (int64_t g = 0; g < q->ng; g++) {
+        /* Even and odd inputs in two sums per pair: one chain of FMAs per pair ran at their
+         * latency, not their rate. */
+        __m256 ge[TILE_R][TILE_C], go[TILE_R][TILE_C], sv[TILE_R];
+        __m256i zero[TILE_R];
+        UNROLL for (int r = 0; r < R; r++) {
+            zero[r] = _mm256_set1_epi32(q->z ? q->z[(r0 + r) * q->ng + g] : 8);
+            UNROLL for (int c = 0; c < C; c++) ge[r][c] = go[r][c] = _mm256_setzero_ps();
+        }
+        for (int64_t e = g * q->group; e < (g + 1) * q->group; e += 16) {
+            UNROLL for (int r = 0; r < R; r++) {
+                const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
+                if (pf && (e & 127) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+                __m256 fl = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), zero[r]));
+                __m256 fh = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), zero[r]));
+                UNROLL for (int c = 0; c < C; c++) {
+                    ge[r][c] = _mm256_fmadd_ps(fl, _mm256_loadu_ps(x + c * q->xstride + e), ge[r][c]);
+                    go[r][c] = _mm256_fmadd_ps(fh, _mm256_loadu_ps(x + c * q->xstride + e + 8), go[r][c]);
+                }
+            }
+        }
+        UNROLL for (int r = 0; r < R; r++) {
+            sv[r] = _mm256_set1_ps(scale_at(q->s, q->kind, (r0 + r) * q->ng + g));
+            UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(_mm256_add_ps(ge[r][c], go[r][c]), sv[r], acc[r][c]);
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            o[r][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        }
+}
+
+#else
+/* Each group's values (q - zero) once into fp32, then their dot product with each x row. */
+#define TILE_R 1
+#define TILE_R_FEW 1
+#define TILE_C 4
+#define ZERO_TERM_NEEDED(z) 0
+static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is subtracted per value */
+    (void)q, (void)r, (void)c;
+    return 0.f;
+}
+#define X_ELEM float
+const char *q4_isa(void) { return "scalar"; }
+
+static int64_t x_stride(int64_t n) { return n; }
+static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
+    for (int64_t i = 0; i < n; i++) xw[i] = bf16_to_f32(x[i]);
+}
+
+static inline void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    (void)R;
+    const float *x = (const float *)q->x + c0 * q->xstride;
+    const uint8_t *w = q->w + r0 * (q->n / 2);
+    float acc[TILE_C] = {0.f, 0.f, 0.f, 0.f}, v[32];
+    for (int64_t g = 0; g < q->ng; g++) {
+        float z = q->z ? (float)q->z[r0 * q->ng + g] : 8.f, s = scale_at(q->s, q->kind, r0 * q->ng + g);
+        float d[TILE_C] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t e = g * q->group; e < (g + 1) * q->group; e += 32) {
+            for (int j = 0; j < 16; j++) {
+                v[2 * j] = (float)(w[e / 2 + j] & 0x0f) - z;
+                v[2 * j + 1] = (float)(w[e / 2 + j] >> 4) - z;
+            }
+            UNROLL for (int c = 0; c < C; c++)
+                for (int j = 0; j < 32; j++) d[c] += v[j] * x[c * q->xstride + e + j];
+        }
+        UNROLL for (int c = 0; c < C; c++) acc[c] += d[c] * s;
+    }
+    UNROLL for (int c = 0; c < C; c++) o[0][c] = acc[c];
+}
+#endif
+
+/* One tile with its row and column counts as constants, so its accumulators stay in registers. */
+static void run_tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+#define TILE_CASE(r, c) \
+    case (r) * 8 + (c): tile(q, r0, c0, r, c, o); break;
+    switch (R * 8 + C) {
+#if TILE_R >= 4
+        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+#endif
+#if TILE_R >= 3
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
+#endif
+#if TILE_R >= 2
+        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
+#endif
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) default: tile(q, r0, c0, 1, 4, o); break;
+    }
+#undef TILE_CASE
+}
+
+/* The weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
+struct q4_weight {
+    const uint8_t *w; /* [rows, n/2] */
+    const void *s;    /* [rows, n/group], dtype `kind` */
+    int64_t kind;
+    const uint8_t *z; /* [rows, n/group], or NULL: zero 8 */
+    int64_t rows, n, group;
+};
+
+/* y [m, rows] = x [m, n] W^T. prefetch: how many tiles of PF_ROWS rows ahead each weight load is
+ * prefetched from (non-temporally, as gemv_bf16.c does), 0 for none. Returns 0, or -1 when the scratch for x
+ * could not be allocated (nothing written). */
+int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch) {
+    const int64_t rows = wt->rows, n = wt->n, group = wt->group;
+    struct q4 q = {wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch * PF_ROWS, NULL, x_stride(n), NULL};
+    size_t xbytes = ((size_t)(m * q.xstride) * sizeof(X_ELEM) + 63) & ~(size_t)63;
+    size_t sbytes = ZERO_TERM_NEEDED(wt->z) ? (size_t)(m * q.ng) * sizeof(float) : 0;
+    char *buf = scratch(xbytes + sbytes);
+    if (buf == NULL) return -1;
+    float *xs = sbytes ? (float *)(buf + xbytes) : NULL;
+    for (int64_t c = 0; c < m; c++) {
+        prepare_x(x + c * n, n, (X_ELEM *)buf + c * q.xstride);
+        if (xs) group_sums(x + c * n, n, group, xs + c * q.ng);
+    }
+    q.x = buf, q.xsum = xs;
+    /* Weight rows per tile: the tile may take fewer when it also takes several x rows. */
+    const int64_t tr = m == 1 ? TILE_R : TILE_R_FEW;
+    int64_t units = (rows + tr - 1) / tr;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        int64_t r0 = u * tr;
+        int R = (int)min64(tr, rows - r0);
+        for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
+            int C = (int)min64(TILE_C, m - c0);
+            float o[TILE_R][TILE_C];
+            run_tile(&q, r0, c0, R, C, o);
+            UNROLL for (int r = 0; r < R; r++)
+                UNROLL for (int c = 0; c < C; c++) {
+                    float v = o[r][c];
+                    if (xs) v -= zero_term(&q, r0 + r, c0 + c);
+                    y[(c0 + c) * rows + r0 + r] = f32_to_bf16(v);
+                }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,176 @@
+/* Y = X W^T for int8 weights and a few bf16 rows X [m, n] (m = 1: a decode step's GEMV), Y bf16
+ * [m, rows]. W is the layout of pocketllm/ops/quant/layout.py: int8 [rows, n], one scale per row
+ * (bf16, fp16 or fp32 as stored).
+ *
+ * As gemv_int4.c: weight rows go TILE_R at a time against TILE_C x rows, each weight is widened
+ * once per tile, a row's products are summed in fp32 and multiplied by its scale once, each output
+ * is rounded to bf16 once, and every (weight row, x row) pair is summed by the same sequence of
+ * operations whatever the tile around it, so a row of a few-row call equals the one-row call bit
+ * for bit. Built with -march=native: AVX-512 BF16 dot products (int8 is exact in bf16), else AVX2
+ * FMAs on weights widened to fp32, else plain C.
+ */
+#include <stdint.h>
+
+#include "quant.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+struct q8 {
+    const int8_t *w;
+    int64_t rows, n;
+    int64_t pf_rows; /* weight rows ahead each load is prefetched from (0: none) */
+    const void *x; /* the x rows as the tile reads them */
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 32 weights at a time: sign-extended to 32 bits, converted to fp32 and packed to bf16, all
+ * exact; x is read as it is. Sixteen accumulators, four widened rows and one x vector. */
+#define TILE_R 4
+#define TILE_C 4
+#define X_AS_GIVEN 1
+const char *q8_isa(void) { return "avx512_bf16"; }
+
+static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const uint16_t *x = (const uint16_t *)q->x + c0 * q->n;
+    __m512 acc[TILE_R][TILE_C];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    /* As gemv_int4.c: the weight prefetch runs a whole tile ahead, 0 past the last rows. */
+    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * q->n : 0;
+    for (int64_t e = 0; e < q->n; e += 32) {
+        __mmask32 m = q->n - e >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (q->n - e)) - 1u);
+        __m512bh wb[TILE_R];
+        UNROLL for (int r = 0; r < R; r++) {
+            const int8_t *p = q->w + (r0 + r) * q->n + e;
+            if ((e & 63) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)m, p)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)(m >> 16), p + 16)));
+            wb[r] = _mm512_cvtne2ps_pbh(hi, lo);
+        }
+        UNROLL for (int c = 0; c < C; c++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + c * q->n + e);
+            UNROLL for (int r = 0; r < R; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wb[r], xv);
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) o[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Eight weights at a time sign-extended and converted to fp32, x widened to fp32 once per call.
+ * Two weight rows against four x rows: eight accumulators. */
+#define TILE_R 2
+#define TILE_C 4
+#define X_ELEM float
+const char *q8_isa(void) { return "avx2"; }
+
+static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
+    for (int64_t i = 0; i < n; i++) xw[i] = bf16_to_f32(x[i]);
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const float *x = (const float *)q->x + c0 * q->n;
+    __m256 acc[TILE_R][TILE_C];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * q->n : 0;
+    int64_t e = 0;
+    for (; e + 8 <= q->n; e += 8) {
+        __m256 f[TILE_R];
+        UNROLL for (int r = 0; r < R; r++) {
+            const int8_t *p = q->w + (r0 + r) * q->n + e;
+            if (pf && (e & 63) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            f[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        }
+        UNROLL for (int c = 0; c < C; c++) {
+            __m256 xv = _mm256_loadu_ps(x + c * q->n + e);
+            UNROLL for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(f[r], xv, acc[r][c]);
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            float t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+            for (int64_t k = e; k < q->n; k++) t += (float)q->w[(r0 + r) * q->n + k] * x[c * q->n + k];
+            o[r][c] = t;
+        }
+}
+
+#else
+#define TILE_R 1
+#define TILE_C 4
+#define X_ELEM float
+const char *q8_isa(void) { return "scalar"; }
+
+static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
+    for (int64_t i = 0; i < n; i++) xw[i] = bf16_to_f32(x[i]);
+}
+
+static inline void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    (void)R;
+    const float *x = (const float *)q->x + c0 * q->n;
+    const int8_t *w = q->w + r0 * q->n;
+    UNROLL for (int c = 0; c < C; c++) {
+        float t = 0.f;
+        for (int64_t k = 0; k < q->n; k++) t += (float)w[k] * x[c * q->n + k];
+        o[0][c] = t;
+    }
+}
+#endif
+
+static void run_tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+#define TILE_CASE(r, c) \
+    case (r) * 8 + (c): tile(q, r0, c0, r, c, o); break;
+    switch (R * 8 + C) {
+#if TILE_R >= 4
+        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+#endif
+#if TILE_R >= 3
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
+#endif
+#if TILE_R >= 2
+        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
+#endif
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) default: tile(q, r0, c0, 1, 4, o); break;
+    }
+#undef TILE_CASE
+}
+
+/* The weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
+struct q8_weight {
+    const int8_t *w; /* [rows, n] */
+    const void *s;   /* [rows], dtype `kind` */
+    int64_t kind, rows, n;
+};
+
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch as for q4_gemm (tiles ahead). Returns 0, or -1
+ * when the scratch for x could not be allocated (nothing written). */
+int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch) {
+    const int64_t rows = wt->rows, n = wt->n;
+#ifdef X_AS_GIVEN
+    struct q8 q = {wt->w, rows, n, prefetch * PF_ROWS, x};
+#else
+    X_ELEM *xw = scratch((size_t)(m * n) * sizeof(X_ELEM));
+    if (xw == NULL) return -1;
+    for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * n);
+    struct q8 q = {wt->w, rows, n, prefetch * PF_ROWS, xw};
+#endif
+    int64_t units = (rows + TILE_R - 1) / TILE_R;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        int64_t r0 = u * TILE_R;
+        int R = (int)min64(TILE_R, rows - r0);
+        for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
+            int C = (int)min64(TILE_C, m - c0);
+            float o[TILE_R][TILE_C];
+            /* The scales read after the tile: their line is asked for first. */
+            if (c0 == 0) prefetch_line((const char *)wt->s + r0 * (wt->kind == SCALE_F32 ? 4 : 2));
+            run_tile(&q, r0, c0, R, C, o);
+            UNROLL for (int r = 0; r < R; r++)
+                UNROLL for (int c = 0; c < C; c++) y[(c0 + c) * rows + r0 + r] = f32_to_bf16(o[r][c] * scale_at(wt->s, wt->kind, r0 + r));
+        }
+    }
+    return 0;
+}

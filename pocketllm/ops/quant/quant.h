@@ -1,0 +1,83 @@
+/* What the quantized kernels under pocketllm/ops/quant share: the scale dtypes they read as
+ * stored (so a weight keeps its two-byte scales in memory), read one at a time in plain C. */
+#ifndef POCKETLLM_QUANT_H
+#define POCKETLLM_QUANT_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../bf16.h"
+
+/* The scale dtype codes the Python side passes (kernels.SCALE_KINDS). */
+enum { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
+
+/* IEEE half -> float, exact for every value, subnormals and infinities included. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float scale_at(const void *s, int64_t kind, int64_t i) {
+    if (kind == SCALE_BF16) return bf16_to_f32(((const uint16_t *)s)[i]);
+    if (kind == SCALE_F16) return f16_to_f32(((const uint16_t *)s)[i]);
+    return ((const float *)s)[i];
+}
+
+/* Rows a weight prefetch runs ahead per unit of the kernels' `prefetch` argument: the AVX-512
+ * tile's four, so one unit is the next tile. Measured on short rows (the 27B's 5120 inputs are
+ * 2.5 KiB of int4), a prefetch a few lines ahead in the same row left a new row's first lines
+ * to wait on memory. */
+#define PF_ROWS 4
+
+/* A prefetch in plain C too (a hint: it never faults). */
+static inline void prefetch_line(const char *p) { __builtin_prefetch(p); }
+
+/* Unrolls a tile's loop over its rows or columns before the compiler decides where the tile's
+ * accumulators live: unrolled later, they were kept in memory. */
+#define UNROLL _Pragma("GCC unroll 4")
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* A buffer of at least `bytes` (64-byte aligned), kept per calling thread from call to call: the
+ * kernels lay x out anew on every call, and a malloc and free per call cost more than a small
+ * GEMV's own work. NULL when it cannot grow. */
+static inline void *scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t size;
+    if (bytes > size) {
+        size_t want = (bytes + 4095) & ~(size_t)4095;
+        void *p = aligned_alloc(64, want);
+        if (p == NULL) return NULL;
+        free(buf);
+        buf = p, size = want;
+    }
+    return buf;
+}
+
+/* Each group's sum of x in fp32, in eight running sums (a loop the compiler vectorizes) added in
+ * a fixed order. */
+static inline void group_sums(const uint16_t *x, int64_t n, int64_t group, float *xs) {
+    for (int64_t g = 0; g < n / group; g++) {
+        float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int64_t i = g * group; i < (g + 1) * group; i += 8)
+            for (int j = 0; j < 8; j++) t[j] += bf16_to_f32(x[i + j]);
+        xs[g] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+    }
+}
+#endif

@@ -1,0 +1,189 @@
+"""The quantized projection kernels against layout.quant_linear_reference: every candidate of every
+row class at odd shapes (outputs not a multiple of any tile, inputs a multiple of the group only),
+every scheme, group, symmetry and scale dtype; the compiled few-row kernels' rows equal the
+one-row kernel's bit for bit, on each instruction-set path this CPU can run (AVX-512, AVX2, plain
+C); the wrappers refuse what they cannot read."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from pocketllm.ops.quant import candidates as qc
+from pocketllm.ops.quant import native
+from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quant_linear_reference, quantize
+
+FORMATS = ["int8", "int4-g32", "int4-g32-asym", "int4-g64", "int4-g64-asym", "int4-g128", "int4-g128-asym"]
+# Inputs per format: a multiple of the group that is not a multiple of the AVX-512 int4 step (128
+# inputs), and one that is; int8 ends mid-vector.
+WIDTHS = {32: (96, 256), 64: (192, 320), 128: (384, 640), None: (101, 96)}
+# Around the compiled tile's four x rows and up to the few-row class's sixteen; the bit-for-bit
+# test below runs every count from 2 to 16 against the one-row kernel.
+ROWS = {qc.ONE: [1], qc.FEW: [5, 16], qc.MANY: [17]}
+VARIANTS = list(native.ISA_FLAGS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    """Every library and instruction-set variant, built side by side (each is a compiler run)."""
+    # dequant.c is plain C the compiler vectorizes: only its native build runs.
+    jobs = [(name, isa) for name in native.SOURCES for isa in (VARIANTS if name != "dequant" else ["native"])]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: native.library(*job), jobs))
+    for (name, isa), (lib, why) in zip(jobs, results):
+        assert lib is not None, f"{name} ({isa}): {why}"
+
+
+def weight(fmt: str, out: int, cols: int, scale_dtype=torch.bfloat16, seed=0) -> QuantizedWeight:
+    scheme, group, symmetric = qc.parse_format(fmt)
+    torch.manual_seed(seed)
+    return quantize(torch.randn(out, cols), scheme, group, symmetric, scale_dtype)
+
+
+def check(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, tight: bool, label: str) -> None:
+    """got against the reference. Summed in fp32 and rounded once (tight): within half a bf16 step
+    of the reference plus fp32's error on the terms; with weights or scales rounded to bf16 on the
+    way: within two bf16 steps of the terms' size."""
+    want = torch.empty(got.shape, dtype=torch.float32)
+    quant_linear_reference(x, qw, want)
+    terms = x.float().abs() @ dequantize(qw).abs().t()
+    err = (got.float() - want).abs()
+    bound = (2**-8 * want.abs() + 2**-16 * terms) if tight else 2 * 2**-7 * terms.clamp_min(1.0)
+    assert bool((err <= bound).all()), f"{label}: worst error {(err - bound).max().item():.3g} over its bound"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("row_class", [qc.ONE, qc.FEW, qc.MANY])
+def test_every_candidate_matches_the_reference(fmt, row_class):
+    names = [c.name for c in qc.available(row_class, fmt)]
+    expected = {qc.ONE: {"c", "c-prefetch"}, qc.FEW: {"c", "c-prefetch"}, qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
+    expected |= {"int8pack"} if fmt == "int8" else {"int4pack"}
+    assert set(names) == expected
+    group = qc.parse_format(fmt)[1]
+    narrow, wide = WIDTHS[group]
+    for cols, scale_dtype in ((narrow, torch.bfloat16), (wide, torch.float16), (narrow, torch.float32)):
+        qw = weight(fmt, 37, cols, scale_dtype)
+        for cand in qc.available(row_class, fmt):
+            if cand.name == "int8pack" and cols % 16:
+                with pytest.raises(ValueError, match="needs a multiple of 16 inputs"):
+                    cand.prepare(qw)
+                continue
+            prepared = cand.prepare(qw) if cand.prepare else qw
+            for rows in ROWS[row_class]:
+                x = torch.randn(cols, dtype=torch.bfloat16) if rows == 1 else torch.randn(rows, cols, dtype=torch.bfloat16)
+                got = torch.full((*x.shape[:-1], 37), float("nan"), dtype=torch.bfloat16)
+                cand.run(x, prepared, got)
+                # Exact products in fp32: the compiled GEMVs and the fp32 dequantization.
+                tight = cand.name in ("c", "c-prefetch", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
+                check(got, x, qw, tight, f"{cand.name} {fmt} {cols} inputs, {scale_dtype} scales, {rows} rows")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
+    group = qc.parse_format(fmt)[1]
+    cols = WIDTHS[group][0]
+    qw = weight(fmt, 13, cols)
+    x = torch.randn(16, cols, dtype=torch.bfloat16)
+    for prefetch in (0, qc.PREFETCH_TILES):
+        run = native.gemv(prefetch, variant)
+        singles = torch.empty(16, 13, dtype=torch.bfloat16)
+        for i in range(16):
+            run(x[i].clone(), qw, singles[i])
+        check(singles, x, qw, tight=True, label=f"{variant} one-row")
+        for m in (2, 3, 4, 5, 8, 16):
+            batch = torch.empty(m, 13, dtype=torch.bfloat16)
+            run(x[:m].contiguous(), qw, batch)
+            assert torch.equal(batch, singles[:m]), f"{variant} {fmt}: {m} rows differ from one row at a time"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g64-asym"])
+def test_fp32_activations_run_every_candidate(fmt):
+    # An fp32 run's activations: the compiled GEMVs take them through fp32 blocks of the weight.
+    qw = weight(fmt, 21, 320, torch.float32)
+    for row_class, rows in ((qc.ONE, 1), (qc.FEW, 3), (qc.MANY, 17)):
+        for cand in qc.available(row_class, fmt):
+            x = torch.randn(320) if rows == 1 else torch.randn(rows, 320)
+            got = torch.full((*x.shape[:-1], 21), float("nan"))
+            cand.run(x, cand.prepare(qw), got)
+            want = torch.empty_like(got)
+            quant_linear_reference(x, qw, want)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), f"{cand.name} {row_class}"
+
+
+def test_the_blocked_product_covers_every_row(monkeypatch):
+    # Blocks of 16 rows: 37 rows end on a shorter block.
+    monkeypatch.setattr(native, "BLOCK_BYTES", 0)
+    monkeypatch.setattr(native, "MIN_BLOCK_ROWS", 16)
+    qw = weight("int4-g32-asym", 37, 96)
+    x = torch.randn(17, 96, dtype=torch.bfloat16)
+    for cand in qc.MANY_ROW[:2]:
+        got = torch.full((17, 37), float("nan"), dtype=torch.bfloat16)
+        cand.run(x, qw, got)
+        check(got, x, qw, tight=cand.name == "dequant-f32", label=cand.name)
+
+
+def test_a_prepared_weight_gives_what_the_weight_gives():
+    qw = weight("int4-g64-asym", 21, 320)
+    x = torch.randn(3, 320, dtype=torch.bfloat16)
+    for cand in qc.FEW_ROW + qc.MANY_ROW:
+        if cand.unavailable("int4-g64-asym", torch.device("cpu")):
+            continue
+        a, b = torch.empty(3, 21, dtype=torch.bfloat16), torch.empty(3, 21, dtype=torch.bfloat16)
+        cand.run(x, qw, a)
+        cand.run(x, cand.prepare(qw), b)
+        assert torch.equal(a, b), cand.name
+
+
+def test_a_dequantized_block_is_the_reference_weight():
+    for fmt in ("int8", "int4-g32-asym", "int4-g128"):
+        qw = weight(fmt, 10, 256, torch.float16)
+        block = torch.empty(4, 256)
+        native.dequantize_rows(qw, 3, 7, block)
+        assert torch.equal(block, dequantize(qw)[3:7])
+        half = torch.empty(4, 256, dtype=torch.bfloat16)
+        native.dequantize_rows(qw, 3, 7, half)
+        assert torch.equal(half, dequantize(qw)[3:7].to(torch.bfloat16))
+
+
+def test_the_wrappers_refuse_what_they_cannot_read():
+    run = qc.ONE_ROW[0].run
+    qw = weight("int4-g32", 8, 64)
+    x, out = torch.randn(64, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
+    cases = [
+        ((x.float(), qw, out), "out must be float32"),
+        ((x.to(torch.int32), qw, out), "x must be bfloat16, float16 or float32"),
+        ((x[:32], qw, out), r"x must have shape \(64,\)"),
+        ((x, qw, out[:4]), r"out must have shape \(8,\)"),
+        ((torch.randn(2, 128, dtype=torch.bfloat16)[:, ::2], qw, torch.empty(2, 8, dtype=torch.bfloat16)), "x must be contiguous"),
+        ((x, qw, torch.empty(2, 8, dtype=torch.bfloat16)), "out must have shape"),
+        ((torch.empty(0, 64, dtype=torch.bfloat16), qw, torch.empty(0, 8, dtype=torch.bfloat16)), "rows >= 1"),
+        ((x, QuantizedWeight("int4", 32, qw.qweight, qw.scales.to(torch.int32)), out), "scales must be bfloat16, float16 or float32"),
+        ((x, QuantizedWeight("int4", 32, qw.qweight.t().contiguous().t(), qw.scales), out), "qweight must be contiguous"),
+        ((x, QuantizedWeight("int4", 32, qw.qweight, qw.scales[:4]), out), r"scales must have shape \(8, 2\)"),
+        ((x, QuantizedWeight("int4", 32, qw.qweight, qw.scales, torch.zeros(8, 2, dtype=torch.int8)), out), "zeros must be uint8"),
+        ((x, QuantizedWeight("int4", 16, qw.qweight, qw.scales), out), "group 16 is not 32 or a multiple of 64"),
+        ((x, QuantizedWeight("int8", 32, qw.qweight, qw.scales[:, :1]), torch.empty(8, dtype=torch.bfloat16)), "qweight must be int8"),
+        ((x, torch.randn(8, 64), out), "must be a QuantizedWeight"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run(*args)
+    with pytest.raises(ValueError, match="rows 6:9 are not within 0:8"):
+        native.dequantize_rows(qw, 6, 9, torch.empty(3, 64))
+    with pytest.raises(ValueError, match="block must be bfloat16 or float32"):
+        native.dequantize_rows(qw, 0, 2, torch.empty(2, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="do not fit a weight of 8x64"):
+        qc.MANY_ROW[-1].run(torch.randn(3, 32), qw, torch.empty(3, 8))
+
+
+def test_formats_and_the_candidates_table():
+    assert qc.parse_format("int4-g64-asym") == ("int4", 64, False)
+    assert qc.parse_format("int8") == ("int8", None, True)
+    assert qc.parse_format("bfloat16") is None and qc.parse_format("int4-gx") is None
+    assert "take int8 or int4 weights" in qc.ONE_ROW[0].unavailable("bfloat16", torch.device("cpu"))
+    assert "groups of 32 or a multiple of 64" in qc.ONE_ROW[0].unavailable("int4-g96", torch.device("cpu"))
+    assert "int8 weights" in next(c for c in qc.ONE_ROW if c.name == "int8pack").unavailable("int4-g32", torch.device("cpu"))
+    assert qc.table().count("\n") == len(qc.ONE_ROW + qc.FEW_ROW + qc.MANY_ROW) + 1
