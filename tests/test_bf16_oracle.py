@@ -41,9 +41,9 @@ def pocketllm_logits(ckpt: str, tokens: list[int]) -> tuple[torch.Tensor, torch.
     engine = Engine(load_config(ckpt), CheckpointReader(ckpt), torch.bfloat16, torch.device("cpu"), RulePolicy())
     ran = engine.kernels.describe() + [engine.model.decode_ops.describe()]
     ran += sorted({m.kernels.names["one-row"] for m in engine.model.projections()})
-    engine.start_sequence(len(tokens))
-    prompt = engine.prefill(torch.tensor(tokens[: len(PROMPT)]), all_logits=True)
-    steps = [engine.decode(t) for t in tokens[len(PROMPT) : -1]]
+    engine.reserve_slots(1, len(tokens))
+    prompt = engine.run_packed([(0, 0, torch.tensor(tokens[: len(PROMPT)]))], all_logits=True)
+    steps = [engine.run_packed([(0, pos, torch.tensor([t]))])[0] for pos, t in enumerate(tokens[len(PROMPT) : -1], start=len(PROMPT))]
     return prompt.float(), torch.stack(steps).float(), ran
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import usage_error_in_process
+from conftest import feed, usage_error_in_process
 from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops.registry import (
@@ -227,9 +227,9 @@ def test_each_engine_binds_its_own_kernels(monkeypatch, cache_dir):
         # second engine's constructor could have overwritten.
         assert {m.kernels.names["one-row"] for m in eng.model.projections()} == {name}
         assert eng.kernels.describe()[0].startswith("one-row kernels (forced)")
-        eng.start_sequence(8)
-        eng.prefill(torch.tensor([3, 1, 4, 1, 5]))
-        logits[name] = eng.decode(9)
+        eng.reserve_slots(1, 8)
+        feed(eng, [3, 1, 4, 1, 5])
+        logits[name] = feed(eng, [9], start=5)
     assert (logits["mv"] - logits["c"]).abs().max().item() <= 0.05 * logits["mv"].abs().max().item()
 
 
