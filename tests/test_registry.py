@@ -133,8 +133,9 @@ def test_a_busy_machine_measures_but_caches_nothing_and_skips_the_check(cache_di
     torch.set_num_threads(1)
     try:
         fresh = [bf16(1024, 1024) for _ in range(2)]
-        # Enough of them that the check at load lasts long enough to see the busy loops.
-        cached_weights = [bf16(2048, 1024) for _ in range(4)]
+        # Enough bytes that the check at load, capped at CHECK_MAX_PASSES passes, lasts the ~0.1 s
+        # the CPU counters need to see the busy loops (16 MiB of them was often too short a window).
+        cached_weights = [bf16(4096, 1024) for _ in range(8)]
         seconds = choose(ONE_ROW, cached_weights, env={}, monitor=TOLERANT).seconds
         write_entries(ONE_ROW, cached_weights, seconds)
         with BusyLoops():
