@@ -63,12 +63,17 @@ class QuantizedWeight:
         return QuantizedWeight(self.scheme, self.group, self.qweight[:, c0 // per_byte : c1 // per_byte], self.scales[:, g0:g1], z)
 
 
-def quantize(w: torch.Tensor, scheme: str, group: int | None = None, symmetric: bool = True, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+def quantize(
+    w: torch.Tensor, scheme: str, group: int | None = None, symmetric: bool = True, scale_dtype: torch.dtype | None = None,
+    row_max: torch.Tensor | None = None,
+) -> QuantizedWeight:
     """w [out, in] (any float dtype) -> its quantized form. int8: symmetric, one scale per row.
     int4: groups of `group` inputs, symmetric (values -8..7 around zero 8) or asymmetric (0..15
     with a zero point per group). Scales are computed in fp32 and stored in `scale_dtype`
     (default: w's dtype); the values are rounded against the stored scale, so dequantizing
-    reproduces what the kernels multiply."""
+    reproduces what the kernels multiply. `row_max` (int8 only, fp32 [out]): each row's largest
+    absolute value over the whole row, when w holds only some of its columns (a row-parallel
+    shard), so the shard is exactly that slice of the whole row's quantization."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     out, cols = w.shape
@@ -76,7 +81,8 @@ def quantize(w: torch.Tensor, scheme: str, group: int | None = None, symmetric: 
     wf = w.float()
     if scheme == "int8":
         group = cols
-        scale = (wf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)
+        amax = wf.abs().amax(dim=1, keepdim=True) if row_max is None else row_max.float().view(out, 1)
+        scale = (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)
         q = torch.round(wf / scale.float()).clamp_(-127, 127).to(torch.int8)
         return QuantizedWeight("int8", group, q, scale)
     group = group or 128
