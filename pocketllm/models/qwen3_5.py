@@ -56,14 +56,16 @@ class Qwen35ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm("model.norm.weight", h, cfg.rms_norm_eps, dtype, device)
         tied = self.embed if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead("lm_head.weight", cfg.vocab_size, h, dtype, device, tied_to=tied)
+        self.lm_head = ParallelLMHead("lm_head.weight", cfg.vocab_size, h, dtype, device, tied_to=tied, plan=cfg.weights)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
         self.decode_ops = decode_ops(dtype, torch.device(device))
 
     def projections(self) -> list[nn.Module]:
-        """Every layer that runs its weight through bound kernels (`.weight`, `.kernels`), in the
-        order a step reads them: the projections layer by layer, then the head."""
-        return [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] + [self.lm_head]
+        """Every layer that runs one weight through bound kernels (`.weight`, `.kernels`), in the
+        order a step reads them: the projections layer by layer (a fused projection held as
+        blocks, each block), then the head."""
+        linear = (ColumnParallelLinear, RowParallelLinear)
+        return [m for m in self.modules() if isinstance(m, linear) and m.blocks is None] + [self.lm_head]
 
     def projection_weights(self) -> list:
         return [m.weight for m in self.projections()]
