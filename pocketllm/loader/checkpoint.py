@@ -92,7 +92,10 @@ class CheckpointReader:
     def get_slice(self, name: str):
         """The tensor `name` as a safetensors slice; an fp8 weight with its block scales reads as
         fp32 (pocketllm.loader.fp8)."""
-        key = self.to_file_key(name)
+        return self.file_slice(self.to_file_key(name))
+
+    def file_slice(self, key: str):
+        """get_slice by the name the checkpoint gives the tensor."""
         sl = self._handle(self.file_of[key]).get_slice(key)
         scale = key + SCALE_SUFFIX
         if scale in self.file_of and sl.get_dtype() == "F8_E4M3":
@@ -101,7 +104,10 @@ class CheckpointReader:
 
     def raw_slice(self, name: str):
         """The tensor `name` as stored."""
-        key = self.to_file_key(name)
+        return self.stored_slice(self.to_file_key(name))
+
+    def stored_slice(self, key: str):
+        """The tensor the checkpoint names `key`, as stored."""
         return self._handle(self.file_of[key]).get_slice(key)
 
     def has(self, name: str) -> bool:

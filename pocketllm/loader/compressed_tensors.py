@@ -81,14 +81,14 @@ def read_packed(source, key: str, scheme: WeightScheme, rows, cols) -> Quantized
         group = scheme.group
     zeros = None
     if not scheme.symmetric:
-        zeros = _read_zero_points(source.get_slice(key + "_zero_point"), scheme, rows, cols)
+        zeros = _read_zero_points(source.get_slice(key + "_zero_point"), scheme, rows, cols, packed.get_shape()[0])
     return QuantizedWeight(scheme.kind, group, q, s.contiguous(), zeros)
 
 
-def _read_zero_points(sl, scheme: WeightScheme, rows, cols) -> torch.Tensor:
+def _read_zero_points(sl, scheme: WeightScheme, rows, cols, out: int) -> torch.Tensor:
     groups = tuple(sl.get_shape())[1]
     g0, g1 = (0, groups) if cols is None else (cols[0] // scheme.group, cols[1] // scheme.group)
-    ranges = rows if rows is not None else [(0, None)]
+    ranges = rows if rows is not None else [(0, out)]
     parts = []
     for a, b in ranges:
         if sl.get_dtype() == "I8":
@@ -96,7 +96,6 @@ def _read_zero_points(sl, scheme: WeightScheme, rows, cols) -> torch.Tensor:
         else:
             # Packed along the rows: word w holds rows 8w..8w+7, row 8w+i at bits 4i.
             per_word = 32 // scheme.bits
-            b = b if b is not None else tuple(sl.get_shape())[0] * per_word
             w0, w1 = a // per_word, -(-b // per_word)
             words = sl[w0:w1, g0:g1].to(torch.int64)
             nibbles = torch.stack([(words >> (scheme.bits * i)) & ((1 << scheme.bits) - 1) for i in range(per_word)], dim=1)
@@ -130,28 +129,21 @@ def to_packed(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def quantization_config(schemes: set[WeightScheme], ignore: list[str]) -> dict:
-    """config.json's `quantization_config` for weights of these schemes (one config group each,
-    told apart by the modules they target when there are several)."""
-    groups = {}
-    for i, scheme in enumerate(sorted(schemes, key=lambda s: s.name)):
-        groups[f"group_{i}"] = {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": scheme.bits,
-                "type": "int",
-                "symmetric": scheme.symmetric,
-                "group_size": scheme.group if scheme.bits == 4 else None,
-                "strategy": "group" if scheme.bits == 4 else "channel",
-                "block_structure": None,
-                "dynamic": False,
-                "actorder": None,
-                "observer": "minmax",
-                "observer_kwargs": {},
-            },
-            "input_activations": None,
-            "output_activations": None,
-        }
+def quantization_config(scheme: WeightScheme, ignore: list[str]) -> dict:
+    """config.json's `quantization_config` for linear weights in `scheme`, but those in `ignore`."""
+    weights = {
+        "num_bits": scheme.bits,
+        "type": "int",
+        "symmetric": scheme.symmetric,
+        "group_size": scheme.group if scheme.bits == 4 else None,
+        "strategy": "group" if scheme.bits == 4 else "channel",
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None}}
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
