@@ -153,3 +153,87 @@ def test_random_weights_in_row_blocks_are_the_whole_tensor():
     for name, shape in (("model.embed_tokens.weight", (1000, 64)), ("model.layers.0.mlp.down_proj.weight", (3000, 40))):
         whole = random_tensor(name, shape, 0)
         assert torch.equal(torch.cat([b for _, b in random_row_blocks(name, shape, 0, 256)]), whole)
+
+
+def _fp8_release(src, out, keep=("lm_head", "in_proj_a", "in_proj_b")):
+    """The checkpoint in Qwen's FP8 release format: projections e4m3 with 128x128 block scales,
+    the modules named in `keep` (and norms, embeddings, conv) left in bf16."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pocketllm.loader.fp8 import to_fp8_blocks
+
+    out.mkdir()
+    tensors, written = load_file(src / "model.safetensors"), {}
+    keys = projection_keys(get_preset("tiny"))
+    for name, t in tensors.items():
+        if name in keys and not any(k in name for k in keep):
+            written[name], written[name + "_scale_inv"] = to_fp8_blocks(t)
+        else:
+            written[name] = t
+    save_file(written, str(out / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": list(keep)}
+    (out / "config.json").write_text(json.dumps(config))
+    shutil.copy(src / "tokenizer.json", out / "tokenizer.json")
+    return written
+
+
+def test_an_fp8_release_checkpoint_loads_converted(tiny_ckpt, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    fp8 = tmp_path / "fp8"
+    written = _fp8_release(tiny_ckpt, fp8)
+    # The same weights as fp32 floats: what `--quantize none` must run exactly.
+    from pocketllm.loader.fp8 import Fp8Slice
+
+    class _Sl:
+        def __init__(self, t):
+            self.t = t
+
+        def get_shape(self):
+            return list(self.t.shape)
+
+        def __getitem__(self, i):
+            return self.t[i]
+
+    floats = tmp_path / "floats"
+    floats.mkdir()
+    plain = {k: (Fp8Slice(_Sl(v), _Sl(written[k + "_scale_inv"]), (128, 128))[:] if k + "_scale_inv" in written else v.float()) for k, v in written.items() if not k.endswith("_scale_inv")}
+    save_file(plain, str(floats / "model.safetensors"))
+    (floats / "config.json").write_text((tiny_ckpt / "config.json").read_text())
+    base = ["generate", "--dtype", "float32", "--token-ids", "1,2,3,4,5,6,7", "--max-new-tokens", "12"]
+    capsys.readouterr()
+    assert main_in_process(*base, "--ckpt", fp8, "--quantize", "none") == 0
+    assert main_in_process(*base, "--ckpt", floats) == 0
+    none, want = [line for line in capsys.readouterr().out.splitlines() if line.startswith("generated_ids")]
+    assert none == want
+    assert main_in_process(*base, "--ckpt", fp8) == 0
+    captured = capsys.readouterr()
+    assert "weights int8 (converted from the fp8 checkpoint at load; 7 kept unquantized)" in captured.err.splitlines(), captured.err
+    assert len(generated_ids(captured.out)) == 12
+
+
+def test_an_fp8_slice_reads_any_rows_or_columns_across_blocks():
+    from pocketllm.loader.fp8 import Fp8Slice, to_fp8_blocks
+
+    class _Sl:
+        def __init__(self, t):
+            self.t = t
+
+        def get_shape(self):
+            return list(self.t.shape)
+
+        def __getitem__(self, i):
+            return self.t[i]
+
+    torch.manual_seed(3)
+    q, scale = to_fp8_blocks(torch.randn(10, 20), (4, 8))
+    assert scale.shape == (3, 3)
+    whole = q.float() * scale.repeat_interleave(4, 0)[:10].repeat_interleave(8, 1)[:, :20]
+    sl = Fp8Slice(_Sl(q), _Sl(scale), (4, 8))
+    for index in (slice(None), slice(3, 9)):
+        assert torch.equal(sl[index], whole[index])
+    assert torch.equal(sl[:, 5:17], whole[:, 5:17]) and torch.equal(sl[2:7, 9:20], whole[2:7, 9:20])

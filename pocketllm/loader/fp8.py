@@ -37,3 +37,18 @@ class Fp8Slice:
         s = s.repeat_interleave(br, dim=0)[r0 - r0 // br * br :][: r1 - r0]
         s = s.repeat_interleave(bc, dim=1)[:, c0 - c0 // bc * bc :][:, : c1 - c0]
         return w * s
+
+
+E4M3_MAX = 448.0
+
+
+def to_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (e4m3 values [out, in], fp32 scales [ceil(out/br), ceil(in/bc)]) as the
+    release quantizes: each block's largest magnitude maps to e4m3's largest, 448."""
+    out, cols = w.shape
+    br, bc = block
+    wf = torch.nn.functional.pad(w.float(), (0, -cols % bc, 0, -out % br))
+    blocks = wf.view(wf.shape[0] // br, br, wf.shape[1] // bc, bc)
+    scale = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(wf.shape)[:out, :cols].contiguous()
+    return q, scale

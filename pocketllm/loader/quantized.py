@@ -63,8 +63,8 @@ def plan_weights(cfg: ModelConfig, source, requested) -> WeightPlan | None:
     if quant.method == "fp8":
         source.fp8_block = quant.block
         target = FP8_DEFAULT if requested == UNSET else requested
-        stored = [k for k in keys if source.has(k + SCALE_SUFFIX)]
-        return WeightPlan(None, "fp8", tuple((k, target) for k in stored)) if target is not None and stored else None
+        stored = {k for k in keys if source.has(k + SCALE_SUFFIX)}
+        return WeightPlan(None, "fp8", tuple((k, target if k in stored else None) for k in keys)) if target is not None and stored else None
     check_host()
     overrides = []
     for key in keys:
