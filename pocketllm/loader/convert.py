@@ -7,6 +7,8 @@ and written to its place in the output; memory holds one block, whatever the mod
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -58,23 +60,44 @@ def write_quantized(
     writer = ShardWriter(out, entries, max_bytes)
     bar = tqdm(total=sum(e.nbytes for e in tensors), unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False, dynamic_ncols=True, mininterval=1.0)
     try:
-        for e in tensors:
+        for e, r0, block in _read_ahead(tensors, blocks):
             scheme = quantized.get(e.name)
-            for r0, block in blocks(e.name):
-                if scheme is None:
-                    writer.write(e.name, block.to(dtype_of(e)), r0)
-                else:
-                    qw = quantize(block, scheme.kind, scheme.group, scheme.symmetric, scale_dtype=scale_dtype(e))
-                    for suffix, t in to_packed(qw).items():
-                        if suffix == "_shape":
-                            writer.write(e.name + suffix, torch.tensor(list(e.shape), dtype=torch.int64))
-                        else:
-                            writer.write(e.name + suffix, t, r0 // 8 if suffix == "_zero_point" else r0)
-                bar.update(block.numel() * e.dtype.itemsize)
+            if scheme is None:
+                writer.write(e.name, block.to(dtype_of(e)), r0)
+            else:
+                qw = quantize(block, scheme.kind, scheme.group, scheme.symmetric, scale_dtype=scale_dtype(e))
+                for suffix, t in to_packed(qw).items():
+                    if suffix == "_shape":
+                        writer.write(e.name + suffix, torch.tensor(list(e.shape), dtype=torch.int64))
+                    else:
+                        writer.write(e.name + suffix, t, r0 // 8 if suffix == "_zero_point" else r0)
+            bar.update(block.numel() * e.dtype.itemsize)
     finally:
         bar.close()
         writer.close()
     return writer.shards
+
+
+def _read_ahead(tensors: list[Entry], blocks: Blocks, depth: int = 2):
+    """(entry, first row, rows) for every block of every tensor, in order, read (or generated) on
+    a thread of its own up to `depth` blocks ahead: torch's ops let go of the GIL, so reading the
+    next block runs beside quantizing and writing this one."""
+    ahead: queue.Queue = queue.Queue(maxsize=depth)
+
+    def produce():
+        try:
+            for e in tensors:
+                for r0, block in blocks(e.name):
+                    ahead.put((e, r0, block))
+            ahead.put(None)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            ahead.put(exc)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := ahead.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def ignored_modules(tensors: list[Entry], quantized: dict[str, WeightScheme]) -> list[str]:
