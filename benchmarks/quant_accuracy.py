@@ -85,13 +85,13 @@ def scored_logits(e: Engine, ids: list[int], ctx: int, chunks: int) -> torch.Ten
 
 
 def weight_error(e: Engine, ref: Engine) -> float:
+    """||W - W_ref|| / ||W_ref|| over every projection and head weight, as the run holds them."""
     num = den = 0.0
     for w, r in zip(e.model.one_row_weights(), ref.model.one_row_weights()):
-        if isinstance(w, QuantizedWeight):
-            wf, rf = dequantize(w), r.float()
-            num += float((wf - rf).pow(2).sum())
-            den += float(rf.pow(2).sum())
-    return (num / den) ** 0.5 if den else 0.0
+        wf, rf = (dequantize(w) if isinstance(w, QuantizedWeight) else w.float()), r.float()
+        num += float((wf - rf).pow(2).sum())
+        den += float(rf.pow(2).sum())
+    return (num / den) ** 0.5
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, ref_logp: torch.Tensor) -> dict:
