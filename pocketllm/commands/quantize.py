@@ -64,7 +64,8 @@ def run(args, argv) -> int:
         sl = reader.stored_slice(key)
         tensors.append(Entry(key, TORCH_DTYPES[sl.get_dtype()], tuple(sl.get_shape())))
     reader.close()
-    quantized = {reader.to_file_key(k): scheme for k in projection_keys(cfg) if reader.has(k)}
+    # An fp8 release's unconverted modules (modules_to_not_convert) stay float, as at load.
+    quantized = {reader.to_file_key(k): scheme for k in projection_keys(cfg) if reader.has(k) and (not fp8 or reader.to_file_key(k) in fp8)}
     run_dtype = {"float16": torch.float16, "float32": torch.float32}.get(cfg.checkpoint_dtype, torch.bfloat16)
 
     def blocks(name: str):
