@@ -38,9 +38,11 @@ class _Dequantized(RandomWeights):
         return dequantize(quantize(sl[:], self.scheme.kind, self.scheme.group, self.scheme.symmetric))
 
 
-def _logits(cfg, source) -> torch.Tensor:
+def _logits(cfg, source, held: list | None = None) -> torch.Tensor:
     set_tp(0, 1)
     engine = Engine(cfg, source, torch.float32, torch.device("cpu"), RulePolicy())
+    if held is not None:
+        held += engine.model.one_row_weights()
     engine.start_sequence(len(IDS))
     return engine.prefill(IDS, all_logits=True)
 
@@ -52,10 +54,9 @@ def _quantized(scheme_name: str):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
 def test_a_quantized_run_multiplies_exactly_the_dequantized_weights(scheme):
-    cfg = _quantized(scheme)
-    held = [w for w in Engine(cfg, RandomWeights(cfg), torch.float32, torch.device("cpu"), RulePolicy()).model.one_row_weights()]
+    cfg, held = _quantized(scheme), []
+    got = _logits(cfg, RandomWeights(cfg), held)
     assert held and all(isinstance(w, QuantizedWeight) for w in held)
-    got = _logits(cfg, RandomWeights(cfg))
     want = _logits(get_preset("tiny"), _Dequantized(get_preset("tiny"), parse_scheme(scheme)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -96,11 +97,26 @@ def _generate(*argv, world: int = 1) -> list[int]:
     return generated_ids(r.stdout)
 
 
-@pytest.mark.parametrize("scheme, worlds", [("int8", (2, 4)), ("int4-g32-asym", (2,))])
-def test_tensor_parallel_runs_give_tp1s_tokens(scheme, worlds):
-    one = _generate("--quantize", scheme)
-    for world in worlds:
-        assert _generate("--quantize", scheme, world=world) == one, (scheme, world)
+def test_tensor_parallel_runs_give_tp1s_tokens():
+    """int8 is the scheme whose row-parallel shards need the ranks to agree (the row maximum)."""
+    one = _generate("--quantize", "int8")
+    for world in (2, 4):
+        assert _generate("--quantize", "int8", world=world) == one, world
+
+
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g32-asym"])
+def test_an_int4_row_parallel_shard_is_the_slice_of_the_whole_matrix(scheme):
+    from pocketllm.loader.quantized import read_quantized
+
+    s = parse_scheme(scheme)
+    source = RandomWeights(get_preset("tiny"))
+    key = "model.layers.0.mlp.down_proj.weight"  # [64, 128]: row-parallel over its 128 inputs
+    whole = dequantize(read_quantized(source, key, (64, 128), [(0, 64)], None, s))
+    for world in (2, 4):
+        local = 128 // world
+        for rank in range(world):
+            part = read_quantized(source, key, (64, 128), None, (rank * local, (rank + 1) * local), s)
+            assert torch.equal(dequantize(part), whole[:, rank * local : (rank + 1) * local]), (world, rank)
 
 
 def test_a_packed_checkpoint_gives_the_tokens_of_quantizing_at_load(tiny_ckpt, tmp_path, capsys):
