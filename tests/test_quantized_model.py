@@ -259,3 +259,40 @@ def test_an_fp8_slice_reads_any_rows_or_columns_across_blocks():
     for index in (slice(None), slice(3, 9)):
         assert torch.equal(sl[index], whole[index])
     assert torch.equal(sl[:, 5:17], whole[:, 5:17]) and torch.equal(sl[2:7, 9:20], whole[2:7, 9:20])
+
+
+def test_a_checkpoint_that_left_some_parts_of_a_fused_projection_float_runs_them_float(tiny_ckpt, tmp_path, capsys):
+    """An ignore list naming in_proj_b/in_proj_a (as recipes for this model's fused GDN
+    projection do): those parts stay float, the rest of the fused weight is quantized."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pocketllm.loader.checkpoint import CheckpointReader
+
+    packed = tmp_path / "q"
+    assert main_in_process("quantize", "--ckpt", tiny_ckpt, "--out", packed, "--scheme", "int8") == 0
+    floats, tensors = load_file(tiny_ckpt / "model.safetensors"), load_file(packed / "model.safetensors")
+    kept = [k for k in floats if k.endswith(("in_proj_a.weight", "in_proj_b.weight"))]
+    for key in kept:
+        for suffix in ("_packed", "_scale", "_shape"):
+            del tensors[key + suffix]
+        tensors[key] = floats[key]
+    save_file(tensors, str(packed / "model.safetensors"))
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["re:.*in_proj_[ab]$"]
+    (packed / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    cfg = get_preset("tiny")
+    plan = WeightPlan(parse_scheme("int8"), overrides=tuple((k, None) for k in kept))
+    want = _logits(dataclasses.replace(cfg, weights=plan), RandomWeights(cfg))
+    from pocketllm.config import load_config
+    from pocketllm.loader.quantized import UNSET, plan_weights
+
+    reader = CheckpointReader(packed)
+    loaded = load_config(packed)
+    loaded = dataclasses.replace(loaded, weights=plan_weights(loaded, reader, UNSET))
+    held = []
+    got = _logits(loaded, reader, held)
+    assert sum(isinstance(w, torch.Tensor) for w in held) == len(kept) // 2  # one float block per GDN layer
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
