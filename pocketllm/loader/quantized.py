@@ -97,9 +97,10 @@ def check_split(cfg: ModelConfig, plan: WeightPlan | None, world: int) -> None:
         local = cols // world
         if row_parallel and world > 1:
             if scheme.bits == 4 and local % scheme.group:
+                fix = "fewer ranks (the checkpoint's groups are fixed)" if plan.source == "compressed-tensors" else f"{_smaller(local)} or fewer ranks"
                 raise UsageError(
                     f"{scheme.name} at --tp-world {world}: each rank's shard of {key} holds {local} of its {cols} inputs, "
-                    f"not whole groups of {scheme.group}; use {_smaller(local)} or fewer ranks"
+                    f"not whole groups of {scheme.group}; use {fix}"
                 )
             if plan.source == "compressed-tensors" and local % (32 // scheme.bits):
                 raise UsageError(f"{key} at --tp-world {world}: each rank's {local} inputs do not fall on whole packed int32 words; use fewer ranks")
