@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import assert_usage_error, cli_env, generated_ids, main_in_process, run_cli, usage_error_in_process
+from conftest import assert_usage_error, cli_env, feed, generated_ids, main_in_process, run_cli, usage_error_in_process
 
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
@@ -42,9 +42,9 @@ def _logits(cfg, source, held: list | None = None) -> torch.Tensor:
     set_tp(0, 1)
     engine = Engine(cfg, source, torch.float32, torch.device("cpu"), RulePolicy())
     if held is not None:
-        held += engine.model.one_row_weights()
-    engine.start_sequence(len(IDS))
-    return engine.prefill(IDS, all_logits=True)
+        held += engine.model.projection_weights()
+    engine.reserve_slots(1, len(IDS))
+    return feed(engine, IDS, all_logits=True)
 
 
 def _quantized(scheme_name: str):
