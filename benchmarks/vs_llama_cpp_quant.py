@@ -35,7 +35,6 @@ from pocketllm.engine.runner import Engine
 from pocketllm.engine.timing import timed_greedy_decode, timed_prefill
 from pocketllm.inputs import bench_ids
 from pocketllm.model_args import plan_model
-from pocketllm.ops.quant.layout import QuantizedWeight
 
 # Bytes of a GGUF's tensors a decode step reads: all but the token embedding (one row of it).
 GGUF_STEP_BYTES = (
@@ -72,14 +71,12 @@ class Pocket:
         set_tp(0, 1)
         self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
         self.describe = plan.cfg.weights.describe() if plan.cfg.weights else "bf16"
-        model = self.engine.model
-        quantized = {id(w): w.nbytes for w in model.one_row_weights() if isinstance(w, QuantizedWeight)}
-        self.step_bytes = decode_weight_bytes(model) + sum(quantized.values())
+        self.step_bytes = decode_weight_bytes(self.engine.model)
 
     def run(self, prompt: list[int], first: list[int], n: int) -> dict:
         seconds, _ = timed_prefill(self.engine, prompt, _no_sync, room=1)
         _, logits = timed_prefill(self.engine, first, _no_sync, room=n + 1)
-        decode, _ = timed_greedy_decode(self.engine, int(torch.argmax(logits)), n, _no_sync)
+        decode, _ = timed_greedy_decode(self.engine, int(torch.argmax(logits)), len(first), n, _no_sync)
         return {"prefill": len(prompt) / seconds, "decode": n / decode}
 
 

@@ -165,6 +165,7 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
         cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested))
         check_tp_split(cfg, args.tp_world)
         check_split(cfg, cfg.weights, args.tp_world)
+        _check_forced_quantized(cfg, kind)
         validate_source(reader, cfg)
         reader.close()
         return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), args.ckpt, None, reader, gdn_kernel)
@@ -173,7 +174,14 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
     cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, None, requested))
     check_tp_split(cfg, args.tp_world)
     check_split(cfg, cfg.weights, args.tp_world)
+    _check_forced_quantized(cfg, kind)
     return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), None, preset, gdn_kernel=gdn_kernel)
+
+
+def _check_forced_quantized(cfg: ModelConfig, kind: str) -> None:
+    # Off the CPU quantized weights run dequantized, as floats: only a CPU run holds them.
+    if cfg.weights is not None and kind == "cpu":
+        registry.check_forced(cfg.weights.formats(), kind)
 
 
 def _checked_policy(policy: PolicyChoice | None, args, cfg: ModelConfig) -> PolicyChoice | None:

@@ -160,8 +160,12 @@ class WeightPlan:
                 return scheme
         return self.default
 
+    def formats(self) -> list[str]:
+        """The quantized formats the run holds weights in, as the kernel registry names them."""
+        return sorted({s.name for s in [self.default, *(s for _, s in self.overrides)] if s is not None})
+
     def describe(self) -> str:
-        names = sorted({s.name for s in [self.default, *(s for _, s in self.overrides)] if s is not None})
+        names = self.formats()
         kept = sum(1 for _, s in self.overrides if s is None)
         how = {"load": "quantized at load", "compressed-tensors": "as stored (compressed-tensors)", "fp8": "converted from the fp8 checkpoint at load"}[self.source]
         return f"weights {', '.join(names) or 'unquantized'} ({how}" + (f"; {kept} kept unquantized" if kept else "") + ")"
