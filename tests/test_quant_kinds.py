@@ -130,3 +130,24 @@ def test_torch_int4_layout_is_never_held_beside_the_loaded_weight_unless_forced(
     assert forced.names == {"one-row": "int4pack", "many-row": "int4pack"} and len(made) == 1
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     torch.testing.assert_close(forced(x).float(), bound(x).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_copying_candidate_is_timed_on_cut_copies_of_the_probe_weights(monkeypatch, cache_dir):
+    from pocketllm.ops.quant import torch_ops
+    from pocketllm.ops.registry import measure
+
+    made = []
+    real = torch_ops.Int4Pack.__init__
+
+    def counting(self, qw):
+        made.append(qw.shape)
+        real(self, qw)
+
+    monkeypatch.setattr(torch_ops.Int4Pack, "__init__", counting)
+    weights = [int4(out=256), int4(out=128, seed=1)]
+    monkeypatch.setattr(measure, "COPY_BYTES", sum(w.nbytes for w in weights) // 4)
+    chosen = choose(quant_kinds.KINDS[("int4", ONE)], weights, env={}, monitor=TOLERANT)
+    # A quarter of each weight's rows, once per weight; its time stands for the whole weight.
+    assert sorted(made) == [(32, 256), (64, 256)]
+    for seconds in chosen.seconds.values():
+        assert seconds["int4pack"] > 0 and set(seconds) >= {"c-prefetch", "int4pack"}
