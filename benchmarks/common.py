@@ -39,7 +39,8 @@ def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:
 
 def decode_weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter except the embedding table, of
-    which a step reads one row (a tied head reads it whole, as the head)."""
+    which a step reads one row (a tied head reads it whole, as the head), and every quantized
+    projection weight (values, scales, zero points)."""
     total = 0
     # named_parameters lists a tied head's shared weight once.
     for name, p in model.named_parameters():
@@ -47,7 +48,7 @@ def decode_weight_bytes(model) -> int:
             total += p.shape[-1] * p.element_size()
         else:
             total += p.numel() * p.element_size()
-    return total
+    return total + sum(w.nbytes for w in model.projection_weights() if not isinstance(w, torch.Tensor))
 
 
 def projection_weights(model) -> list[torch.Tensor]:
@@ -66,7 +67,7 @@ def gemv_only_step_seconds(model, reps: int = 5, op=None) -> float:
     calls = [(m.kernels, m.weight) for m in layers]
     if op is not None:
         calls = [(functools.partial(op, w=w), w) for _, w in calls]
-    rows = [torch.randn(1, w.shape[1], dtype=w.dtype) for _, w in calls]
+    rows = [torch.randn(1, w.shape[1], dtype=activation_dtype(w)) for _, w in calls]
     best = float("inf")
     for i in range(reps + 1):
         t0 = time.perf_counter()
@@ -77,8 +78,14 @@ def gemv_only_step_seconds(model, reps: int = 5, op=None) -> float:
     return best
 
 
+def activation_dtype(w) -> torch.dtype:
+    """The dtype of the rows a weight multiplies: a float weight's own, a quantized one's scales'."""
+    return w.dtype if isinstance(w, torch.Tensor) else w.scales.dtype
+
+
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of the tensors (a quantized weight's values, scales and zero points)."""
+    return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes for t in tensors)
 
 
 def checkpoint_dir(args) -> str:
@@ -114,16 +121,23 @@ def run_bench_json(bench_args: list[str], env: dict[str, str] | None = None, cwd
 class PocketRunner:
     name = "pocketllm"
 
-    def __init__(self, ckpt: str, dtype: torch.dtype):
+    def __init__(self, ckpt: str, dtype: torch.dtype, quantize: str | None = None):
+        """`quantize`: a --quantize scheme the weights are quantized to at load (None: as stored)."""
+        import dataclasses
+
         from pocketllm.config import load_config
         from pocketllm.distributed.policy import RulePolicy
         from pocketllm.distributed.state import set_tp
         from pocketllm.engine.runner import Engine
         from pocketllm.loader.checkpoint import CheckpointReader
+        from pocketllm.loader.quantized import UNSET, plan_weights
+        from pocketllm.quantization import parse_scheme
 
         set_tp(0, 1)
         cfg = load_config(ckpt)
-        self.engine = Engine(cfg, CheckpointReader(ckpt), dtype, torch.device("cpu"), RulePolicy())
+        reader = CheckpointReader(ckpt)
+        cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, UNSET if quantize is None else parse_scheme(quantize)))
+        self.engine = Engine(cfg, reader, dtype, torch.device("cpu"), RulePolicy())
 
     def prefill(self, ids: list[int]) -> float:
         return timed_prefill(self.engine, ids, _no_sync, room=1)[0]

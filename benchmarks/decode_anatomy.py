@@ -18,7 +18,10 @@ cost starts where the streamed bytes outgrow a core's L2); and the fixed cost of
 torch.mv with and without oneDNN.
 
     python benchmarks/decode_anatomy.py [--ckpt DIR | --preset small] [--steps 32] [--reps 5]
-        [--dtype bfloat16] [--threads 2]
+        [--dtype bfloat16] [--quantize int4] [--threads 2]
+
+With --quantize the weights are quantized at load (as `--quantize` does) and the candidate rows
+are the quantized one-row kind's timed candidates; the fp32 copies are of the dequantized weights.
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ import torch
 
 from pocketllm import host_memory
 from pocketllm.model_args import parse_dtype
-from pocketllm.ops.registry import ONE_ROW, weight_format
-from common import PocketRunner, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread, tensor_bytes
+from pocketllm.ops.quant.layout import dequantize
+from pocketllm.ops.registry import ONE, kind_for, weight_format
+from common import (
+    PocketRunner, activation_dtype, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread,
+    tensor_bytes,
+)
 
 
 def parse_args(argv=None):
@@ -46,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=32, help="decode steps per timing")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantize", help="a --quantize scheme to quantize the weights to at load")
     p.add_argument("--threads", type=int, default=2)
     return p.parse_args(argv)
 
@@ -57,7 +65,7 @@ class ReadyKernels:
     def __init__(self, real):
         self.real, self.out_features = real, real.out_features
         # Made once: the stand-in must cost nothing per call.
-        self.ready = 0.1 * torch.randn(1, real.out_features, dtype=real.weight.dtype)
+        self.ready = 0.1 * torch.randn(1, real.out_features, dtype=activation_dtype(real.weight))
 
     def __call__(self, x, out=None):
         if x.shape[0] != 1:
@@ -147,18 +155,19 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
-    runner = PocketRunner(checkpoint_dir(args), dtype)
+    runner = PocketRunner(checkpoint_dir(args), dtype, args.quantize)
     model = runner.engine.model
     weights = projection_weights(model)
     # Before the fp32 copies below, which are on huge pages too: this is the engine's own.
     huge_mib = huge_page_mib()
-    weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w) for w in weights]
+    weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w if isinstance(w, torch.Tensor) else dequantize(w)) for w in weights]
     prompt = list(range(1, 33))
     ready = ReadyGemvs(model)
     plain = PlainPages(model)
     runner.decode(prompt, 2)
 
-    kernels = [ONE_ROW.by_name[n] for n in ONE_ROW.available(weight_format(weights[0]), weights[0].device)]
+    kind = kind_for(weight_format(weights[0]), ONE)
+    kernels = [kind.by_name[n] for n in kind.timed(weight_format(weights[0]), torch.device("cpu"))]
     ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
     ms.update({f"GEMVs alone, all {c.name}": [] for c in kernels})
     ms["fp32 sums alone"] = []
@@ -181,7 +190,8 @@ def main(argv=None) -> int:
     f32_bytes = tensor_bytes(weights_f32)
     bandwidths = read_bandwidths_gbps()
     bandwidth = max(bandwidths.values())
-    print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} steps={args.steps}; "
+    quantized = f" quantize={args.quantize}" if args.quantize else ""
+    print(f"threads={args.threads} dtype={args.dtype}{quantized} reps={args.reps} steps={args.steps}; "
           f"{step_bytes / 2**20:.1f} MiB of weights per step, {gemv_bytes / 2**20:.1f} of them in "
           f"{len(weights)} GEMV weights; {huge_mib:.0f} MiB of the engine's process on huge pages")
     print(f"{'per decode step':<24}{'ms, median (min..max)':>28}{'GB/s of weights':>18}")
@@ -197,9 +207,9 @@ def main(argv=None) -> int:
 
     h = torch.randn(1, model.cfg.hidden_size, dtype=dtype)
     # One x serves every GEMV, so only weights that take a hidden-size row (not down_proj, say).
-    on_hidden = [w for w in weights if w.shape[1] == model.cfg.hidden_size]
-    big = [w for w in on_hidden if w.numel() * w.element_size() >= 12 * 2**20][:8] or on_hidden
-    x = torch.randn(model.cfg.hidden_size, dtype=big[0].dtype)
+    on_hidden = [w for w in weights_f32 if w.shape[1] == model.cfg.hidden_size]
+    big = [w.to(dtype) for w in on_hidden if w.numel() * dtype.itemsize >= 12 * 2**20][:8] or [w.to(dtype) for w in on_hidden]
+    x = torch.randn(model.cfg.hidden_size, dtype=dtype)
     mib = [w.numel() * w.element_size() / 2**20 for w in big]
     sizes = f"{min(mib):.3g}" if min(mib) == max(mib) else f"{min(mib):.3g}..{max(mib):.3g}"
     norm = model.layers[0].input_norm
@@ -235,7 +245,7 @@ def one_row(kernel):
     def op(x, w):
         out = outs.get(w.shape[0])
         if out is None:
-            out = outs[w.shape[0]] = torch.empty(w.shape[0], dtype=w.dtype)
+            out = outs[w.shape[0]] = torch.empty(w.shape[0], dtype=activation_dtype(w))
         kernel(x[0], w, out)
 
     return op

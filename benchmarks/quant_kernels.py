@@ -24,10 +24,10 @@ import torch
 from common import alternate, read_bandwidths_gbps, spread
 from pocketllm import host_memory
 from pocketllm.config import FULL
-from pocketllm.ops.gemv import kernels as bf16_kernels
 from pocketllm.ops.quant import candidates as qc
 from pocketllm.ops.quant import native
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quant_linear_reference, quantize
+from pocketllm.ops.registry import FEW_ROW, ONE_ROW
 from pocketllm.presets import get_preset
 
 # Layers of each preset a pass reads, in the preset's own order of kinds: the small preset's
@@ -100,8 +100,8 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
     xs, outs = io_for(shapes, rows)
     bf16 = [bf16_weight(s) for s in shapes]
     bf16_bytes = sum(w.numel() * 2 for w in bf16)
-    table = bf16_kernels.CANDIDATES if rows == 1 else bf16_kernels.FEW_ROW_CANDIDATES
-    why = table["c-prefetch"].unavailable(torch.bfloat16, torch.device("cpu"))  # also builds it
+    table = (ONE_ROW if rows == 1 else FEW_ROW).by_name
+    why = table["c-prefetch"].unavailable("bfloat16", torch.device("cpu"))  # also builds it
     if why:
         raise SystemExit(f"bf16 c-prefetch: {why}")
     base = table["c-prefetch"].run if rows <= 16 else (lambda x, w, o: torch.mm(x, w.t(), out=o))
@@ -115,7 +115,8 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
         for c in qc.available(row_class, fmt):
             if names and c.name not in names:
                 continue
-            run = native.gemv(qc.PREFETCH_TILES if c.name == "c-prefetch" else 0, isa) if c.name in ("c", "c-prefetch") else c.run
+            distance = {"c": 0, "c-prefetch": qc.PREFETCH_BYTES, "c-prefetch-far": qc.PREFETCH_FAR_BYTES}
+            run = native.gemv(distance[c.name], isa) if c.name in distance else c.run
             if c.layout not in prepared:
                 prepared[c.layout] = [c.prepare(w) if c.prepare else w for w in weights]
             runs[c.name] = (run, prepared[c.layout], qbytes)
@@ -161,7 +162,7 @@ def errors(fmts, scale_dtype, isa: str) -> None:
               f"rounding the reference to bf16: max {worst(rounded - ref, ref):.2e}, RMS {rms(rounded - ref, ref):.2e}")
         for row_class in (qc.ONE, qc.FEW, qc.MANY):
             for c in qc.available(row_class, fmt):
-                if c.name == "c-prefetch":  # the same sums as c
+                if c.name.startswith("c-prefetch"):  # the same sums as c
                     continue
                 run = native.gemv(0, isa) if c.name == "c" else c.run
                 prep = c.prepare(qw) if c.prepare else qw

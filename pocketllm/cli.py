@@ -20,6 +20,7 @@ COMMANDS = {
     # The seed's rank binary and its section 8 command line, as the bench runs it (docs/seed.md).
     "engine": ("commands.bench", "the seed's pocketllm_engine rank command: the resident bench (docs/seed.md)"),
     "make-checkpoint": ("commands.make_checkpoint", "write a preset as an HF safetensors checkpoint"),
+    "quantize": ("commands.quantize", "write a checkpoint's weights int8/int4 quantized (compressed-tensors)"),
     "policy": ("commands.policy", "print the slice count per row count, starting no rank"),
     "profile": ("commands.profile", "where the prefill wall goes: phase-profile tables per prompt length"),
     "allreduce": ("commands.allreduce", "all-reduce cost per payload size, with a latency/bandwidth fit"),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pocketllm.errors import UsageError
+from pocketllm.quantization import CheckpointQuant, WeightPlan, parse_quantization_config
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -46,6 +47,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "bfloat16"
+    # What config.json's quantization_config declares (None: float weights).
+    quantization: CheckpointQuant | None = None
+    # How this run holds its projection and head weights (None: all in the run's float dtype);
+    # set by the run's plan from --quantize and the checkpoint.
+    weights: WeightPlan | None = None
 
     @property
     def num_layers(self) -> int:
@@ -166,6 +172,7 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     # The text config's own value wins over the outer (multimodal) one.
     tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
+    quant = parse_quantization_config(text.get("quantization_config", raw.get("quantization_config")), where)
     return ModelConfig(
         vocab_size=text["vocab_size"],
         hidden_size=text["hidden_size"],
@@ -186,6 +193,7 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
         tie_word_embeddings=bool(tie),
         eos_token_ids=eos_ids,
         checkpoint_dtype=str(dtype),
+        quantization=quant,
     )
 
 

@@ -4,6 +4,7 @@ weight source, the dtype and the slice policy. Everything here runs before any r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -17,10 +18,12 @@ from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, Pol
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
+from pocketllm.loader.quantized import UNSET, check_split, plan_weights
 from pocketllm.loader.random_weights import RandomWeights
 from pocketllm.ops import registry
 from pocketllm.ops.gated_delta import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
+from pocketllm.quantization import SCHEME_HELP, parse_scheme
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_DIST_TIMEOUT = {"gloo": 120.0, "nccl": 600.0, "hccl": 600.0}
@@ -66,6 +69,11 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt", help="HF checkpoint directory (config.json + safetensors)")
     g.add_argument("--layers", type=int, help="cut the stack to N layers keeping the 3:1 linear/full pattern")
     g.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 (default) or float16; GDN state and norms stay fp32")
+    g.add_argument(
+        "--quantize",
+        help=f"hold the projection and head weights quantized, weight-only: {SCHEME_HELP} (docs/quantization.md); "
+        "a quantized checkpoint needs no flag, an fp8 one loads as int8 unless told otherwise",
+    )
 
 
 def add_overlap_args(p: argparse.ArgumentParser, pin: bool = True, policy: bool = True) -> None:
@@ -145,6 +153,8 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
         policy = resolve_policy(pin, args.comm_overlap_slices, overlap_policy=overlap_policy, calibration=args.calibration)
     if args.ckpt is not None and args.preset is not None:
         raise UsageError("give either --ckpt or --preset, not both")
+    quantize = getattr(args, "quantize", None)
+    requested = UNSET if quantize is None else parse_scheme(quantize)
     if args.ckpt is not None:
         reader = CheckpointReader(args.ckpt)
         cfg = load_config(args.ckpt)
@@ -152,14 +162,26 @@ def plan_model(args, with_policy: bool = True) -> ModelPlan:
             if args.layers > cfg.num_layers:
                 raise UsageError(f"--layers {args.layers}: the checkpoint has only {cfg.num_layers} layers")
             cfg = cfg.with_layers(args.layers)
+        cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested))
         check_tp_split(cfg, args.tp_world)
+        check_split(cfg, cfg.weights, args.tp_world)
+        _check_forced_quantized(cfg, kind)
         validate_source(reader, cfg)
         reader.close()
         return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), args.ckpt, None, reader, gdn_kernel)
     preset = args.preset or DEFAULT_PRESET
     cfg = preset_config(preset, args.layers)
+    cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, None, requested))
     check_tp_split(cfg, args.tp_world)
+    check_split(cfg, cfg.weights, args.tp_world)
+    _check_forced_quantized(cfg, kind)
     return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), None, preset, gdn_kernel=gdn_kernel)
+
+
+def _check_forced_quantized(cfg: ModelConfig, kind: str) -> None:
+    # Off the CPU quantized weights run dequantized, as floats: only a CPU run holds them.
+    if cfg.weights is not None and kind == "cpu":
+        registry.check_forced(cfg.weights.formats(), kind)
 
 
 def _checked_policy(policy: PolicyChoice | None, args, cfg: ModelConfig) -> PolicyChoice | None:

@@ -235,7 +235,7 @@ def test_each_engine_binds_its_own_kernels(monkeypatch, cache_dir):
 
 
 def test_a_new_kind_is_only_its_candidates(monkeypatch, cache_dir):
-    # An int8 family declared as the quantization work would: a one-row and a many-row kind, one
+    # An int8 family declared in place of the real one: a one-row and a many-row kind, one
     # candidate running the reference on the weight as loaded, one running a prepared (widened)
     # layout that both kinds' candidates share.
     from pocketllm.ops.quant.layout import dequantize, quant_linear_reference, quantize
@@ -261,6 +261,7 @@ def test_a_new_kind_is_only_its_candidates(monkeypatch, cache_dir):
 
     monkeypatch.setitem(registry_kinds._KINDS, ("int8", ONE), declare("one-row", ONE, "TEST_INT8_GEMV"))
     monkeypatch.setitem(registry_kinds._KINDS, ("int8", MANY), declare("many-row", MANY, "TEST_INT8_GEMM"))
+    monkeypatch.delitem(registry_kinds._KINDS, ("int8", FEW))
     assert kind_for("int8", ONE).name == "one-row" and kind_for("int8", FEW) is None
     weights = [quantize(torch.randn(48, 64), "int8", scale_dtype=torch.bfloat16) for _ in range(2)]
     chosen = KernelSet.choose(weights, env={"TEST_INT8_GEMV": "widened"})
@@ -274,5 +275,5 @@ def test_a_new_kind_is_only_its_candidates(monkeypatch, cache_dir):
         want = torch.empty(rows, 48, dtype=torch.bfloat16)
         quant_linear_reference(x, weights[0], want)
         torch.testing.assert_close(bound(x).float(), want.float(), atol=0.05, rtol=0.02)
-    with pytest.raises(UsageError, match="TEST_INT8_GEMV='c' is not a one-row kernel: use auto, ref, widened"):
+    with pytest.raises(UsageError, match="TEST_INT8_GEMV='c' is not an int8 one-row kernel: use auto, ref, widened"):
         KernelSet.choose(weights, env={"TEST_INT8_GEMV": "c"})

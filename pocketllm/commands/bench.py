@@ -99,6 +99,7 @@ def _work(args, plan, ids, engine, device) -> int:
                 "weights_mib_per_rank": weights,
                 "load_peak_rss_over_baseline_mib_per_rank": load_peak,
                 "cpus_per_rank": cpus,
+                "weights": plan.cfg.weights.describe() if plan.cfg.weights is not None else "unquantized",
                 "kernels": engine.kernels.to_json(),
                 "decode_ops": engine.model.decode_ops.describe(),
             }

@@ -34,6 +34,7 @@ from pocketllm.distributed.state import group_pids, tp
 from pocketllm.errors import UsageError
 from pocketllm.flags import parse_positive_list
 from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say
+from pocketllm.ops.quant.layout import quantize
 from pocketllm.ops.registry import FEW_MAX, KernelSet
 
 # Short passes are repeated inside one timing so that each timing covers at least this many rows;
@@ -76,6 +77,20 @@ def row_parallel_sites(cfg: ModelConfig, world: int) -> list[Site]:
     return [Site(name, inner[name] // world, counts[name] // g) for name in counts if counts[name]]
 
 
+def site_schemes(cfg: ModelConfig) -> dict:
+    """The scheme each row-parallel site's weights run in (None: float), from the run's weight plan."""
+    if cfg.weights is None:
+        return {}
+    linear = next((i for i, t in enumerate(cfg.layer_types) if t == LINEAR), None)
+    full = next((i for i, t in enumerate(cfg.layer_types) if t != LINEAR), None)
+    keys = {"mlp.down": "model.layers.0.mlp.down_proj.weight"}
+    if linear is not None:
+        keys["lin.out"] = f"model.layers.{linear}.linear_attn.out_proj.weight"
+    if full is not None:
+        keys["full.out"] = f"model.layers.{full}.self_attn.o_proj.weight"
+    return {site: cfg.weights.scheme_for(key) for site, key in keys.items()}
+
+
 def _prepare(args):
     rows = parse_positive_list(args.rows, "--rows")
     pins = parse_positive_list(args.pin, "--pin")
@@ -94,10 +109,15 @@ def _prepare(args):
 class Unit:
     """The timed unit at every row count, on one rank: weights and activations allocated once."""
 
-    def __init__(self, sites: list[Site], hidden: int, max_rows: int, dtype, device):
+    def __init__(self, sites: list[Site], hidden: int, max_rows: int, dtype, device, schemes: dict | None = None):
         gen = torch.Generator().manual_seed(1234 + tp().rank)
         self.sites = sites
         self.weights = {s.name: (torch.randn(hidden, s.in_local, generator=gen) * s.in_local**-0.5).to(device, dtype) for s in sites}
+        # Quantized as the run would hold them (schemes: site -> WeightScheme), so the points time
+        # the projections that run.
+        for name, scheme in (schemes or {}).items():
+            if scheme is not None and device.type == "cpu":
+                self.weights[name] = quantize(self.weights[name], scheme.kind, scheme.group, scheme.symmetric)
         self.inputs = {s.name: torch.randn(max_rows, s.in_local, generator=gen).to(device, dtype) for s in sites}
         self.kernels = KernelSet()
         self.projections = {name: self.kernels.bind(w) for name, w in self.weights.items()}
@@ -187,7 +207,7 @@ def _work(args, device, inputs) -> int:
         f"calibrating {plan.model_name} at TP={world} on {collective.name()} ({device.describe()}), {args.dtype}: "
         f"unit {' + '.join(f'{s.count} {s.name}' for s in sites)}, {len(rows_list)} row counts x {len(pins)} slice counts x {args.reps} reps"
     )
-    unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device)
+    unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device, site_schemes(plan.cfg))
     say(unit.choose_kernels(rows_list))
     points = measure(unit, rows_list, pins, args.reps, device)
     sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, plan.dtype.itemsize), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)

@@ -1,19 +1,24 @@
 """`pocketllm make-checkpoint`: write a preset as a real HF-layout checkpoint (config.json,
 safetensors, sharded with an index past --max-shard-mib, a byte-level tokenizer.json, and a
-tokenizer_config.json with a ChatML chat template, the format Qwen's chat models use)."""
+tokenizer_config.json with a ChatML chat template, the format Qwen's chat models use). With
+--quantize, the projections and head are written quantized (compressed-tensors pack-quantized),
+the same numbers `--quantize` gives the preset at load. Tensors are generated and written a
+block of rows at a time, so the 64-layer preset is written in a few GiB of memory."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from pocketllm.errors import UsageError
-from pocketllm.loader.checkpoint import INDEX, SINGLE
-from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.loader.compressed_tensors import check_host, quantization_config
+from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantized
+from pocketllm.loader.quantized import check_split, projection_keys
+from pocketllm.loader.random_weights import RandomWeights, random_row_blocks
+from pocketllm.loader.stream_writer import Entry
 from pocketllm.model_args import parse_dtype, preset_config
 from pocketllm.presets import DEFAULT_PRESET, PRESETS
+from pocketllm.quantization import SCHEME_HELP, WeightPlan, parse_scheme
 
 
 def add_arguments(p) -> None:
@@ -24,6 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tie-word-embeddings", action="store_true", help="share the embedding with the LM head")
     p.add_argument("--max-shard-mib", type=int, default=2048, help="shard size above which an index is written")
     p.add_argument("--seed", type=int, default=0, help="weight seed (0 matches the preset as run directly)")
+    p.add_argument("--quantize", help=f"write the projections and head quantized (compressed-tensors): {SCHEME_HELP}")
 
 
 def byte_symbols() -> dict[int, str]:
@@ -74,34 +80,31 @@ def run(args, argv) -> int:
     cfg = dataclasses.replace(cfg, tie_word_embeddings=args.tie_word_embeddings, checkpoint_dtype=args.dtype)
     if args.max_shard_mib < 1:
         raise UsageError(f"--max-shard-mib must be >= 1, got {args.max_shard_mib}")
+    scheme = parse_scheme(args.quantize) if args.quantize else None
+    if scheme is not None:
+        check_host()
+        check_split(cfg, WeightPlan(scheme), 1)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create ({exc.strerror})") from None
     source = RandomWeights(cfg, seed=args.seed, dtype=dtype)
-    limit = args.max_shard_mib * 2**20
-    shards: list[dict] = [{}]
-    size = 0
-    for name in source.shapes:
-        tensor = source.get_slice(name)[:].contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    tensors = [Entry(name, dtype, tuple(shape)) for name, shape in source.shapes.items()]
+    quantized = {k: scheme for k in projection_keys(cfg)} if scheme is not None else {}
+
+    def blocks(name: str):
+        for r0, block in random_row_blocks(name, source.shapes[name], args.seed, BLOCK_ROWS):
+            # Cast first: a quantized weight is quantized from the stored dtype's values, as at load.
+            yield r0, block.to(dtype)
+
+    label = f"make-checkpoint {args.preset}" + (f" {scheme.name}" if scheme else "")
+    shards = write_quantized(out, tensors, blocks, quantized, args.max_shard_mib * 2**20, lambda e: dtype, lambda e: e.dtype, label)
+    config = cfg.to_hf_dict()
+    if scheme is not None:
+        config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     write_byte_tokenizer(out / "tokenizer.json")
     write_tokenizer_config(out / "tokenizer_config.json")
-    print(f"wrote {args.preset} ({cfg.num_layers} layers, {len(shards)} shard(s)) to {out}")
+    print(f"wrote {args.preset} ({cfg.num_layers} layers, {scheme.name if scheme else args.dtype}, {shards} shard(s)) to {out}")
     return 0

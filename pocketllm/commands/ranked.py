@@ -132,6 +132,9 @@ def _load_then_work(args, renv, device, checked, work, profiling, fault) -> int:
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {args.dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"
         )
+        if plan.cfg.weights is not None:
+            on = "" if device.torch_device.type == "cpu" else f"; dequantized to {args.dtype} on {device.torch_device.type}, the quantized kernels being CPU-only"
+            say(plan.cfg.weights.describe() + on)
         for line in engine.kernels.describe():
             say(line)
         say(engine.model.decode_ops.describe())

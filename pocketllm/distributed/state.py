@@ -54,6 +54,17 @@ def all_reduce_async_(t: torch.Tensor, site: str):
     return work
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of `t` over ranks, on t's device (at load, not in a pass: it
+    goes through the process group itself, on the device its backend needs)."""
+    if _TP.world == 1:
+        return t
+    device = {"nccl": "cuda", "hccl": "npu"}.get(dist.get_backend())
+    work = t.to(device) if device else t.clone()
+    dist.all_reduce(work, op=dist.ReduceOp.MAX)
+    return work.to(t.device)
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's picklable `obj`, in rank order (host values, not tensors)."""
     if _TP.world == 1:

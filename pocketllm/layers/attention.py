@@ -57,10 +57,11 @@ class GatedAttention(nn.Module):
             ],
             dtype,
             device,
+            cfg.weights,
         )
         self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, cfg.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, cfg.rms_norm_eps, dtype, device)
-        self.o_proj = RowParallelLinear(f"{prefix}.o_proj.weight", cfg.num_attention_heads * d, hidden, "full.out", dtype, device)
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj.weight", cfg.num_attention_heads * d, hidden, "full.out", dtype, device, cfg.weights)
         self.scale = d**-0.5
         self._dtype, self._device = dtype, device
         self.compiled_decode = decode_ops(dtype, torch.device(device)).attention_decode

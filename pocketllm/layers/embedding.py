@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed.state import all_gather_cat, all_reduce_, tp
-from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param
+from pocketllm.layers.sharding import QuantSource, ShardSource, quantized_param, read_rows, sharded_param
 from pocketllm.ops.registry import default_kernels
+from pocketllm.quantization import WeightPlan
 
 
 def vocab_block(vocab: int, rank: int, world: int) -> tuple[int, int, int]:
@@ -45,15 +46,29 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits for the given rows, gathered over ranks and trimmed to the real vocab. Tied heads
-    share the embedding's shard; untied ones load `lm_head.weight` the same way."""
+    share the embedding's shard (unquantized, as the embedding is); untied ones load
+    `lm_head.weight` the same way, quantized where the weight plan says so."""
 
-    def __init__(self, key: str | None, vocab: int, hidden: int, dtype, device, tied_to: VocabParallelEmbedding | None):
+    def __init__(
+        self, key: str | None, vocab: int, hidden: int, dtype, device, tied_to: VocabParallelEmbedding | None, plan: WeightPlan | None = None
+    ):
         super().__init__()
         self.vocab = vocab
+        scheme = None if tied_to is not None or plan is None else plan.scheme_for(key)
         if tied_to is not None:
             self.weight = tied_to.weight
-        else:
+        elif scheme is None:
             self.weight, _, _ = _vocab_param(key, vocab, hidden, dtype, device)
+        else:
+            start, end, per_rank = vocab_block(vocab, tp().rank, tp().world)
+            real_end = min(end, vocab)
+            # Padding rows stay zero: their logits are dropped.
+            sources = [QuantSource(key, (vocab, hidden), ((start, real_end),), None, (0, real_end - start))] if real_end > start else []
+            self.weight = quantized_param((per_rank, hidden), scheme, sources, dtype, device)
+        self.kernels = default_kernels(self.weight)
+
+    def after_loading(self) -> None:
+        # The loader may have replaced a quantized weight (by its dequantized values on a device).
         self.kernels = default_kernels(self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ class GatedDeltaNet(nn.Module):
             ],
             dtype,
             device,
+            cfg.weights,
         )
         kernel = cfg.linear_conv_kernel_dim
         self.conv_channels = self.in_proj.part_sizes[0]
@@ -55,7 +56,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = sharded_param((self.hv,), [head_src("A_log")], dtype, device)
         self.dt_bias = sharded_param((self.hv,), [head_src("dt_bias")], dtype, device)
         self.norm = GatedRMSNorm(f"{prefix}.norm.weight", self.dv, cfg.rms_norm_eps, dtype, device)
-        self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device)
+        self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device, cfg.weights)
         self.kernel = select_gdn_kernel(device, dtype)
         # The compiled decode block replaces only the CPU torch recurrence, not a device kernel.
         ops = decode_ops(dtype, torch.device(device))

@@ -26,8 +26,9 @@ class MLP(nn.Module):
             [(f"{prefix}.gate_proj.weight", (inter, hidden), rows), (f"{prefix}.up_proj.weight", (inter, hidden), rows)],
             dtype,
             device,
+            cfg.weights,
         )
-        self.down = RowParallelLinear(f"{prefix}.down_proj.weight", inter, hidden, "mlp.down", dtype, device)
+        self.down = RowParallelLinear(f"{prefix}.down_proj.weight", inter, hidden, "mlp.down", dtype, device, cfg.weights)
         self.decode_silu_mul = decode_ops(dtype, torch.device(device)).silu_mul
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """What a parameter is loaded from: one or more checkpoint tensors, and which part of each belongs
-to this rank. A `ShardSource` reads through a safetensors slice, so a rank reads only its own part."""
+to this rank. A `ShardSource` reads through a safetensors slice, so a rank reads only its own part;
+a `QuantSource` does the same for a projection weight held quantized."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from pocketllm import host_memory
+from pocketllm.ops.quant.layout import QuantizedWeight
+from pocketllm.quantization import WeightScheme
 
 RowRange = tuple[int, int]
 
@@ -63,3 +66,31 @@ def row_sources(key_and_ranges: Sequence[tuple[str, tuple[int, ...], Sequence[Ro
         sources.append(ShardSource(key, tuple(full_shape), read_rows(ranges), (offset, offset + rows)))
         offset += rows
     return offset, sources
+
+
+@dataclass(frozen=True)
+class QuantSource:
+    """Part of a quantized projection weight: rows `rows` (every column) or columns `cols` (every
+    row) of checkpoint weight `key` [out, in], filling rows `dest` of the weight. The whole
+    matrix's quantization is sliced, never the slice quantized afresh (pocketllm.loader.quantized)."""
+
+    key: str
+    full_shape: tuple[int, int]
+    rows: tuple[RowRange, ...] | None
+    cols: RowRange | None
+    dest: RowRange
+
+
+def quantized_param(shape: Sequence[int], scheme: WeightScheme, sources: Sequence[QuantSource], dtype, device) -> QuantizedWeight:
+    """An empty quantized weight [out, in] of `scheme`, on the host (the loader fills it; its
+    scales, and zero points if any, take the dtype the checkpoint gives them). On another device
+    the loader replaces it with its dequantized values in `dtype` there."""
+    out, cols = shape
+    per_byte = 2 if scheme.bits == 4 else 1
+    group = scheme.group if scheme.bits == 4 else cols
+    dtype = torch.uint8 if scheme.bits == 4 else torch.int8
+    qw = QuantizedWeight(scheme.kind, group, host_memory.zeros((out, cols // per_byte), dtype), torch.zeros(out, cols // group))
+    qw.sources = list(sources)
+    qw.plan = scheme
+    qw.target = (dtype, torch.device(device))
+    return qw

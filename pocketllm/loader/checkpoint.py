@@ -10,6 +10,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from pocketllm.errors import CheckpointError
+from pocketllm.loader.fp8 import SCALE_SUFFIX, Fp8Slice
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -27,6 +28,8 @@ class CheckpointReader:
         self.file_of = self._map_keys()
         self.prefix = self._text_prefix()
         self._handles: dict[Path, object] = {}
+        # An fp8 checkpoint's block (config.json's weight_block_size), set by the plan.
+        self.fp8_block: tuple[int, int] = (128, 128)
 
     def _map_keys(self) -> dict[str, Path]:
         index = self.dir / INDEX
@@ -87,8 +90,28 @@ class CheckpointReader:
         return self._handles[path]
 
     def get_slice(self, name: str):
-        key = self.to_file_key(name)
+        """The tensor `name` as a safetensors slice; an fp8 weight with its block scales reads as
+        fp32 (pocketllm.loader.fp8)."""
+        return self.file_slice(self.to_file_key(name))
+
+    def file_slice(self, key: str):
+        """get_slice by the name the checkpoint gives the tensor."""
+        sl = self._handle(self.file_of[key]).get_slice(key)
+        scale = key + SCALE_SUFFIX
+        if scale in self.file_of and sl.get_dtype() == "F8_E4M3":
+            return Fp8Slice(sl, self._handle(self.file_of[scale]).get_slice(scale), self.fp8_block)
+        return sl
+
+    def raw_slice(self, name: str):
+        """The tensor `name` as stored."""
+        return self.stored_slice(self.to_file_key(name))
+
+    def stored_slice(self, key: str):
+        """The tensor the checkpoint names `key`, as stored."""
         return self._handle(self.file_of[key]).get_slice(key)
+
+    def has(self, name: str) -> bool:
+        return self.to_file_key(name) in self.file_of
 
     def close(self) -> None:
         """Unmap the files: the pages a read touched count in this process's memory until then.

@@ -9,16 +9,38 @@ from torch import nn
 
 from pocketllm.config import ModelConfig
 from pocketllm.errors import CheckpointError
+from pocketllm.loader.compressed_tensors import expected_companions
+from pocketllm.loader.fp8 import SCALE_SUFFIX
+from pocketllm.loader.quantized import fill_quantized, for_device, projection_keys
 from pocketllm.loader.random_weights import expected_shapes
+from pocketllm.ops.quant.layout import QuantizedWeight
 
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def expected_tensors(source, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], set[str]]]:
+    """Every tensor the checkpoint must hold: name -> (shape, allowed safetensors dtypes). A
+    weight stored packed (compressed-tensors) stands as its packed tensors, an fp8 one as its
+    e4m3 values and block scales."""
+    expected = {k: (shape, FLOAT_DTYPES) for k, shape in expected_shapes(cfg).items()}
+    plan, quant = cfg.weights, cfg.quantization
+    for key, (shape, _) in projection_keys(cfg).items():
+        if plan is not None and plan.source == "compressed-tensors" and plan.scheme_for(key) is not None:
+            del expected[key]
+            expected.update(expected_companions(key, shape, plan.scheme_for(key)))
+        elif quant is not None and quant.method == "fp8" and source.has(key + SCALE_SUFFIX):
+            br, bc = quant.block
+            expected[key] = (shape, {"F8_E4M3"})
+            expected[key + SCALE_SUFFIX] = ((-(-shape[0] // br), -(-shape[1] // bc)), {"F32", "BF16"})
+    return expected
+
+
 def validate_source(source, cfg: ModelConfig, max_listed: int = 5) -> None:
     """Missing keys, unexpected keys, shape and dtype mismatches, each named, before any weight is
     read. Layers beyond a `--layers` cut are not unexpected; a tied head's spare copy is ignored."""
-    expected = expected_shapes(cfg)
+    expected = expected_tensors(source, cfg)
+    projections = projection_keys(cfg)
     present = source.canonical_keys()
 
     def beyond_cut(key: str) -> bool:
@@ -29,17 +51,22 @@ def validate_source(source, cfg: ModelConfig, max_listed: int = 5) -> None:
     missing = sorted(set(expected) - present)
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {_listing(missing, max_listed)}")
-    extra = sorted(k for k in present - set(expected) if not beyond_cut(k) and k != "lm_head.weight")
+    extra = sorted(k for k in present - set(expected) if not beyond_cut(k) and not k.startswith("lm_head.weight"))
     if extra:
         problems.append(f"unexpected {len(extra)} tensor(s): {_listing(extra, max_listed)}")
     for key in sorted(set(expected) & present):
-        sl = source.get_slice(key)
-        shape = tuple(sl.get_shape())
-        if shape != expected[key]:
-            problems.append(f"{key} has shape {list(shape)}, expected {list(expected[key])}")
+        sl = source.raw_slice(key)
+        shape, (want, dtypes) = tuple(sl.get_shape()), expected[key]
+        if key.endswith("_zero_point") and sl.get_dtype() == "I8":
+            # An older writer's unpacked zero points: one int8 per group.
+            want, dtypes = (expected[key.removesuffix("_zero_point") + "_scale"][0], {"I8"})
+        if shape != want:
+            problems.append(f"{key} has shape {list(shape)}, expected {list(want)}")
         dtype = sl.get_dtype()
-        if dtype not in FLOAT_DTYPES:
-            problems.append(f"{key} has dtype {dtype}, expected a floating type")
+        if dtype not in dtypes:
+            problems.append(f"{key} has dtype {dtype}, expected {' or '.join(sorted(dtypes))}")
+        elif key.endswith("_shape") and (got := sl[:].tolist()) != list(full := projections[key.removesuffix("_shape")][0]):
+            problems.append(f"{key} says {got}, expected {list(full)}")
     if problems:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(problems[:max_listed]))
 
@@ -63,6 +90,12 @@ def load_weights(model: nn.Module, source) -> int:
         # Unmapping after every parameter keeps the file pages this rank touched from adding up
         # to a second copy of its weights; reopening a file costs only its header.
         source.close()
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, QuantizedWeight) and hasattr(value, "sources"):
+                loaded += fill_quantized(value, source)
+                source.close()
+                setattr(module, name, for_device(value, *value.target))
     # Constants derived from the weights (fp32 norm scales, the GDN decay rate) are made once
     # here, not checked for on every forward.
     for module in model.modules():

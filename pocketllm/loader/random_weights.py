@@ -64,6 +64,23 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen) * (0.5 / fan_in**0.5)
 
 
+def random_row_blocks(name: str, shape: tuple[int, ...], seed: int, block_rows: int):
+    """(first row, rows) blocks of random_tensor(name, shape, seed), the same values, generated a
+    block at a time: a projection's normal draws come off one generator in row order, which gives
+    the same numbers in blocks whose sizes are multiples of 16 as in one call (the tests check)."""
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    plain = not any(name.endswith(s) for s in ("A_log", "dt_bias", "norm.weight", "layernorm.weight", "conv1d.weight"))
+    if not plain or len(shape) != 2 or (block_rows * cols) % 16 or shape[0] <= block_rows:
+        yield 0, random_tensor(name, shape, seed)
+        return
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    scale = 0.5 / shape[-1] ** 0.5
+    for r0 in range(0, shape[0], block_rows):
+        yield r0, torch.randn(min(block_rows, shape[0] - r0), shape[1], generator=gen) * scale
+
+
 class _RandomSlice:
     def __init__(self, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype):
         self.name, self.shape, self.seed, self.dtype = name, shape, seed, dtype

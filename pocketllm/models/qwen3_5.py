@@ -56,14 +56,16 @@ class Qwen35ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm("model.norm.weight", h, cfg.rms_norm_eps, dtype, device)
         tied = self.embed if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead("lm_head.weight", cfg.vocab_size, h, dtype, device, tied_to=tied)
+        self.lm_head = ParallelLMHead("lm_head.weight", cfg.vocab_size, h, dtype, device, tied_to=tied, plan=cfg.weights)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
         self.decode_ops = decode_ops(dtype, torch.device(device))
 
     def projections(self) -> list[nn.Module]:
-        """Every layer that runs its weight through bound kernels (`.weight`, `.kernels`), in the
-        order a step reads them: the projections layer by layer, then the head."""
-        return [m for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] + [self.lm_head]
+        """Every layer that runs one weight through bound kernels (`.weight`, `.kernels`), in the
+        order a step reads them: the projections layer by layer (a fused projection held as
+        blocks, each block), then the head."""
+        linear = (ColumnParallelLinear, RowParallelLinear)
+        return [m for m in self.modules() if isinstance(m, linear) and m.blocks is None] + [self.lm_head]
 
     def projection_weights(self) -> list:
         return [m.weight for m in self.projections()]
@@ -97,7 +99,9 @@ class Qwen35ForCausalLM(nn.Module):
                 # One sequence's last row as a view; several gathered.
                 h = h[last[0] : last[0] + 1] if len(last) == 1 else h[last]
             with scope("norms", "final"):
-                h = self.norm(h)
+                # A decode row's final norm is the compiled one the layers' norms use (torch's,
+                # right after the last GEMV streamed its weight, took several times as long).
+                h = self.decode_ops.add_rms_norm(h, None, self.norm.scale, self.norm.eps)[1] if ctx.one_row else self.norm(h)
             with scope("lm_head"):
                 logits = self.lm_head(h)
                 if all_logits and h.shape[0] > len(last):

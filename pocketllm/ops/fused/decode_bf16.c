@@ -47,6 +47,9 @@ void add_rms_norm_bf16(const uint16_t *h, const uint16_t *x, const float *scale,
 
 /* out = bf16(bf16(silu(gate)) * up). */
 void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
+    /* Split over the threads from a few thousand values: each takes tens of ns (expf), a
+     * parallel region a few us. */
+#pragma omp parallel for schedule(static) if (n >= 2048)
     for (int64_t i = 0; i < n; i++) out[i] = to_bf(rbf(silu(bf(gate[i]))) * bf(up[i]));
 }
 
@@ -87,7 +90,9 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
     }
     const float *q = mixed, *k = mixed + kd, *v = mixed + 2 * kd;
     const int64_t group = hv / hk;
-#pragma omp parallel for schedule(static) if (hv * dk * dv >= (1 << 18))
+    /* Split over the threads from a quarter MiB of state: the state comes from memory (a step's
+     * weights streamed through the caches since the last call), tens of us a head. */
+#pragma omp parallel for schedule(static) if (hv * dk * dv >= (1 << 16))
     for (int64_t j = 0; j < hv; j++) {
         const float *qj = q + (j / group) * dk, *kj = k + (j / group) * dk;
         float *S = state + j * dk * dv, *oj = o + j * dv;
@@ -158,7 +163,9 @@ void attention_decode_bf16(const uint16_t *qkv, const float *q_scale, const floa
             k_pool[last + h * bs * d + i] = to_bf(k[h * d + i]);
             v_pool[last + h * bs * d + i] = vp[h * d + i];
         }
-#pragma omp parallel for schedule(static) if (heads * s_len * d >= (1 << 16))
+    /* Split from a few thousand products: a parallel region costs a few us, each head's pass
+     * over a short cache already more. */
+#pragma omp parallel for schedule(static) if (heads * s_len * d >= (1 << 12))
     for (int64_t h = 0; h < heads; h++) {
         const int64_t kh = h / group;
         const float *qh = q + h * d;

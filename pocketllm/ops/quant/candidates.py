@@ -10,7 +10,7 @@ order (and the roundings their notes state) is layout.quant_linear_reference.
 
 | name | rows | what |
 |---|---|---|
-| c, c-prefetch | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
+| c, c-prefetch, c-prefetch-far | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
 | int8pack | one, few, many | torch._weight_int8pack_mm |
 | int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
 | dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
@@ -26,10 +26,13 @@ import torch
 from pocketllm.ops.quant import many_rows, native, torch_ops
 
 ONE, FEW, MANY = "one-row", "few-row", "many-row"
-# How far ahead c-prefetch asks for each weight load: the same place in the next tile of four rows
-# (PF_ROWS in quant.h). A few lines ahead in the same row, as the bf16 c-prefetch does, left each
-# short row's first lines waiting on memory (docs/quantization.md).
-PREFETCH_TILES = 1
+# How far ahead of each weight load c-prefetch and c-prefetch-far ask for it: at least this many
+# bytes, as whole tiles (the same place in a later tile of rows). With no prefetch the kernels
+# streamed 7-9 GB/s here: the hardware prefetcher did little. The best distance depends on the
+# machine's memory latency and the rows' length, so two are candidates and the registry measures
+# them (docs/quantization.md).
+PREFETCH_BYTES = 8192
+PREFETCH_FAR_BYTES = 32768
 
 
 @dataclass(frozen=True)
@@ -111,13 +114,15 @@ def _torch(name: str, rows: str) -> QuantCandidate:
 
 ONE_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c", ONE, 0, "compiled int8/int4 GEMV (ops/quant/gemv_int4.c, gemv_int8.c): AVX-512 BF16, AVX2 or plain C"),
-    _gemv("c-prefetch", ONE, PREFETCH_TILES, "the same, each weight load prefetched non-temporally from the next tile of four rows"),
+    _gemv("c-prefetch", ONE, PREFETCH_BYTES, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
+    _gemv("c-prefetch-far", ONE, PREFETCH_FAR_BYTES, "the same, PREFETCH_FAR_BYTES ahead"),
     _torch("int8pack", ONE),
     _torch("int4pack", ONE),
 )
 FEW_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c", FEW, 0, "compiled int8/int4 tile, four weight rows against up to four x rows; each row summed as the one-row kernel sums it"),
-    _gemv("c-prefetch", FEW, PREFETCH_TILES, "the same, each weight load prefetched non-temporally from the next tile of four rows"),
+    _gemv("c-prefetch", FEW, PREFETCH_BYTES, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
+    _gemv("c-prefetch-far", FEW, PREFETCH_FAR_BYTES, "the same, PREFETCH_FAR_BYTES ahead"),
     _torch("int8pack", FEW),
     _torch("int4pack", FEW),
 )

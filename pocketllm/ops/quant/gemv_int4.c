@@ -25,7 +25,7 @@ struct q4 {
     int64_t kind;
     const uint8_t *z;
     int64_t rows, n, group, ng;
-    int64_t pf_rows;   /* weight rows ahead each load is prefetched from (0: none) */
+    int64_t pf_bytes;  /* how far ahead of each weight load its prefetch reaches (0: none) */
     const void *x;     /* the x rows as the tile reads them (prepare_x) */
     int64_t xstride;   /* elements between two of them */
     const float *xsum; /* [m, ng] each group's sum of x, where the zero term needs it */
@@ -128,9 +128,10 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
     const int64_t sbytes = q->kind == SCALE_F32 ? 4 : 2;
     const char *snext = (const char *)q->s + (r0 + R) * q->ng * sbytes, *znext = q->z ? (const char *)(q->z + (r0 + R) * q->ng) : NULL;
     const int64_t sleft = r0 + R < q->rows ? min64(TILE_R, q->rows - r0 - R) * q->ng * sbytes : 0;
-    /* The weight prefetch: the same place pf_rows rows down, a whole tile ahead (rows lie one
-     * after another, so that is the next tile); 0 past the last rows. */
-    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * nb : 0;
+    /* The weight prefetch: the same place in a tile pf_bytes on (rows lie one after another,
+     * and the tile reads its rows side by side, so that is where it will read next); none where
+     * that would pass the weight's end. */
+    const int64_t pf = (r0 + R) * nb + q->pf_bytes <= q->rows * nb ? q->pf_bytes : 0;
     for (int64_t e = 0; e < q->n; e += 128) {
         if (e / 2 < sleft) {
             _mm_prefetch(snext + e / 2, _MM_HINT_T0);
@@ -148,7 +149,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
         __m512 sc[TILE_R];
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
-            _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            if (pf) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
             __m512i v = _mm512_maskz_loadu_epi8(m, p);
             /* (v >> 4k) & 0x0f | 0x4300: the ternary logic's truth table 0xea is A & B | C. */
             nib[r][0] = (__m512bh)_mm512_ternarylogic_epi32(v, low, exp128, 0xea);
@@ -211,11 +212,11 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
     /* As the AVX-512 tile: the next rows' scales prefetched now, their weights step by step when
      * asked. */
     if (r0 + R < q->rows)
-        for (int64_t b = 0; b < min64(PF_ROWS, q->rows - r0 - R) * q->ng * sbytes; b += 64) {
+        for (int64_t b = 0; b < min64(TILE_R, q->rows - r0 - R) * q->ng * sbytes; b += 64) {
             _mm_prefetch((const char *)q->s + (r0 + R) * q->ng * sbytes + b, _MM_HINT_T0);
             if (q->z && b < q->ng * R) _mm_prefetch((const char *)(q->z + (r0 + R) * q->ng) + b, _MM_HINT_T0);
         }
-    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * nb : 0;
+    const int64_t pf = (r0 + R) * nb + q->pf_bytes <= q->rows * nb ? q->pf_bytes : 0;
     for (int64_t g = 0; g < q->ng; g++) {
         /* Even and odd inputs in two sums per pair: one chain of FMAs per pair ran at their
          * latency, not their rate. */
@@ -319,12 +320,12 @@ struct q4_weight {
     int64_t rows, n, group;
 };
 
-/* y [m, rows] = x [m, n] W^T. prefetch: how many tiles of PF_ROWS rows ahead each weight load is
- * prefetched from (non-temporally, as gemv_bf16.c does), 0 for none. Returns 0, or -1 when the scratch for x
+/* y [m, rows] = x [m, n] W^T. prefetch: at least how many bytes ahead of each weight load it is
+ * prefetched from (non-temporally), 0 for none. Returns 0, or -1 when the scratch for x
  * could not be allocated (nothing written). */
 int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch) {
     const int64_t rows = wt->rows, n = wt->n, group = wt->group;
-    struct q4 q = {wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch * PF_ROWS, NULL, x_stride(n), NULL};
+    struct q4 q = {wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, NULL, x_stride(n), NULL};
     size_t xbytes = ((size_t)(m * q.xstride) * sizeof(X_ELEM) + 63) & ~(size_t)63;
     size_t sbytes = ZERO_TERM_NEEDED(wt->z) ? (size_t)(m * q.ng) * sizeof(float) : 0;
     char *buf = scratch(xbytes + sbytes);
@@ -337,21 +338,30 @@ int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t 
     q.x = buf, q.xsum = xs;
     /* Weight rows per tile: the tile may take fewer when it also takes several x rows. */
     const int64_t tr = m == 1 ? TILE_R : TILE_R_FEW;
+    /* The prefetch distance as whole tiles, at least `prefetch` bytes: a distance inside a row
+     * would land in the rows this tile reads beside it, not in the next tile's. */
+    const int64_t tile_bytes = tr * (n / 2);
+    q.pf_bytes = prefetch > 0 ? (prefetch + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
     int64_t units = (rows + tr - 1) / tr;
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        int64_t r0 = u * tr;
-        int R = (int)min64(tr, rows - r0);
-        for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
-            int C = (int)min64(TILE_C, m - c0);
-            float o[TILE_R][TILE_C];
-            run_tile(&q, r0, c0, R, C, o);
-            UNROLL for (int r = 0; r < R; r++)
-                UNROLL for (int c = 0; c < C; c++) {
-                    float v = o[r][c];
-                    if (xs) v -= zero_term(&q, r0 + r, c0 + c);
-                    y[(c0 + c) * rows + r0 + r] = f32_to_bf16(v);
-                }
+#pragma omp parallel
+    {
+        int64_t u0, u1;
+        thread_units(units, &u0, &u1);
+        prefetch_start(wt->w + u0 * tile_bytes, min64(q.pf_bytes, (u1 - u0) * tile_bytes));
+        for (int64_t u = u0; u < u1; u++) {
+            int64_t r0 = u * tr;
+            int R = (int)min64(tr, rows - r0);
+            for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
+                int C = (int)min64(TILE_C, m - c0);
+                float o[TILE_R][TILE_C];
+                run_tile(&q, r0, c0, R, C, o);
+                UNROLL for (int r = 0; r < R; r++)
+                    UNROLL for (int c = 0; c < C; c++) {
+                        float v = o[r][c];
+                        if (xs) v -= zero_term(&q, r0 + r, c0 + c);
+                        y[(c0 + c) * rows + r0 + r] = f32_to_bf16(v);
+                    }
+            }
         }
     }
     return 0;

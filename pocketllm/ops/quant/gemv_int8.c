@@ -19,7 +19,7 @@
 struct q8 {
     const int8_t *w;
     int64_t rows, n;
-    int64_t pf_rows; /* weight rows ahead each load is prefetched from (0: none) */
+    int64_t pf_bytes; /* how far ahead of each weight load its prefetch reaches (0: none) */
     const void *x; /* the x rows as the tile reads them */
 };
 
@@ -36,14 +36,14 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
     __m512 acc[TILE_R][TILE_C];
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    /* As gemv_int4.c: the weight prefetch runs a whole tile ahead, 0 past the last rows. */
-    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * q->n : 0;
+    /* As gemv_int4.c: the weight prefetch reaches pf_bytes (whole tiles) ahead, none past the weight's end. */
+    const int64_t pf = (r0 + R) * q->n + q->pf_bytes <= q->rows * q->n ? q->pf_bytes : 0;
     for (int64_t e = 0; e < q->n; e += 32) {
         __mmask32 m = q->n - e >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (q->n - e)) - 1u);
         __m512bh wb[TILE_R];
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if ((e & 63) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            if (pf && (e & 63) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
             __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)m, p)));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)(m >> 16), p + 16)));
             wb[r] = _mm512_cvtne2ps_pbh(hi, lo);
@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
     __m256 acc[TILE_R][TILE_C];
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const int64_t pf = r0 + R + q->pf_rows <= q->rows ? q->pf_rows * q->n : 0;
+    const int64_t pf = (r0 + R) * q->n + q->pf_bytes <= q->rows * q->n ? q->pf_bytes : 0;
     int64_t e = 0;
     for (; e + 8 <= q->n; e += 8) {
         __m256 f[TILE_R];
@@ -145,31 +145,39 @@ struct q8_weight {
     int64_t kind, rows, n;
 };
 
-/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch as for q4_gemm (tiles ahead). Returns 0, or -1
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch as for q4_gemm (at least that many bytes ahead, in whole tiles). Returns 0, or -1
  * when the scratch for x could not be allocated (nothing written). */
 int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch) {
     const int64_t rows = wt->rows, n = wt->n;
 #ifdef X_AS_GIVEN
-    struct q8 q = {wt->w, rows, n, prefetch * PF_ROWS, x};
+    struct q8 q = {wt->w, rows, n, prefetch, x};
 #else
     X_ELEM *xw = scratch((size_t)(m * n) * sizeof(X_ELEM));
     if (xw == NULL) return -1;
     for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * n);
-    struct q8 q = {wt->w, rows, n, prefetch * PF_ROWS, xw};
+    struct q8 q = {wt->w, rows, n, prefetch, xw};
 #endif
     int64_t units = (rows + TILE_R - 1) / TILE_R;
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        int64_t r0 = u * TILE_R;
-        int R = (int)min64(TILE_R, rows - r0);
-        for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
-            int C = (int)min64(TILE_C, m - c0);
-            float o[TILE_R][TILE_C];
-            /* The scales read after the tile: their line is asked for first. */
-            if (c0 == 0) prefetch_line((const char *)wt->s + r0 * (wt->kind == SCALE_F32 ? 4 : 2));
-            run_tile(&q, r0, c0, R, C, o);
-            UNROLL for (int r = 0; r < R; r++)
-                UNROLL for (int c = 0; c < C; c++) y[(c0 + c) * rows + r0 + r] = f32_to_bf16(o[r][c] * scale_at(wt->s, wt->kind, r0 + r));
+    /* As q4_gemm: the prefetch distance in whole tiles. */
+    const int64_t tile_bytes = TILE_R * n;
+    q.pf_bytes = prefetch > 0 ? (prefetch + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
+#pragma omp parallel
+    {
+        int64_t u0, u1;
+        thread_units(units, &u0, &u1);
+        prefetch_start(wt->w + u0 * tile_bytes, min64(q.pf_bytes, (u1 - u0) * tile_bytes));
+        for (int64_t u = u0; u < u1; u++) {
+            int64_t r0 = u * TILE_R;
+            int R = (int)min64(TILE_R, rows - r0);
+            for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
+                int C = (int)min64(TILE_C, m - c0);
+                float o[TILE_R][TILE_C];
+                /* The scales read after the tile: their line is asked for first. */
+                if (c0 == 0) prefetch_line((const char *)wt->s + r0 * (wt->kind == SCALE_F32 ? 4 : 2));
+                run_tile(&q, r0, c0, R, C, o);
+                UNROLL for (int r = 0; r < R; r++)
+                    UNROLL for (int c = 0; c < C; c++) y[(c0 + c) * rows + r0 + r] = f32_to_bf16(o[r][c] * scale_at(wt->s, wt->kind, r0 + r));
+            }
         }
     }
     return 0;

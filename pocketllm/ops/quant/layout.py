@@ -63,35 +63,50 @@ class QuantizedWeight:
         return QuantizedWeight(self.scheme, self.group, self.qweight[:, c0 // per_byte : c1 // per_byte], self.scales[:, g0:g1], z)
 
 
-def quantize(w: torch.Tensor, scheme: str, group: int | None = None, symmetric: bool = True, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+def quantize(
+    w: torch.Tensor, scheme: str, group: int | None = None, symmetric: bool = True, scale_dtype: torch.dtype | None = None,
+    row_max: torch.Tensor | None = None,
+) -> QuantizedWeight:
     """w [out, in] (any float dtype) -> its quantized form. int8: symmetric, one scale per row.
     int4: groups of `group` inputs, symmetric (values -8..7 around zero 8) or asymmetric (0..15
     with a zero point per group). Scales are computed in fp32 and stored in `scale_dtype`
     (default: w's dtype); the values are rounded against the stored scale, so dequantizing
-    reproduces what the kernels multiply."""
+    reproduces what the kernels multiply. `row_max` (int8 only, fp32 [out]): each row's largest
+    absolute value over the whole row, when w holds only some of its columns (a row-parallel
+    shard), so the shard is exactly that slice of the whole row's quantization."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     out, cols = w.shape
     scale_dtype = scale_dtype or w.dtype
-    wf = w.float()
+    tiny = torch.finfo(torch.float32).tiny
+    # One fp32 copy, worked on in place, and each range from one min/max pass: the same numbers
+    # as |w|'s maximum and round(w / scale), at a writer's pace over a 27B checkpoint.
+    wf = w.to(torch.float32, copy=True)
     if scheme == "int8":
         group = cols
-        scale = (wf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)
-        q = torch.round(wf / scale.float()).clamp_(-127, 127).to(torch.int8)
+        if row_max is None:
+            lo, hi = torch.aminmax(wf, dim=1, keepdim=True)
+            amax = torch.maximum(hi, lo.neg_())
+        else:
+            amax = row_max.float().view(out, 1)
+        scale = (amax / 127.0).clamp_min(tiny).to(scale_dtype)
+        q = wf.div_(scale.float()).round_().clamp_(-127, 127).to(torch.int8)
         return QuantizedWeight("int8", group, q, scale)
     group = group or 128
     if cols % group or group % 2:
         raise ValueError(f"{cols} inputs do not split into groups of {group}")
     g = wf.view(out, cols // group, group)
+    lo, hi = torch.aminmax(g, dim=2)
     if symmetric:
-        scale = (g.abs().amax(dim=2) / 7.5).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)
-        q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7) + 8
+        scale = (torch.maximum(hi, lo.neg_()) / 7.5).clamp_min(tiny).to(scale_dtype)
+        q = g.div_(scale.float()[..., None]).round_().clamp_(-8, 7).add_(8)
         zeros = None
     else:
-        lo, hi = g.amin(dim=2).clamp_max(0.0), g.amax(dim=2).clamp_min(0.0)
-        scale = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)
+        lo.clamp_max_(0.0)
+        hi.clamp_min_(0.0)
+        scale = ((hi - lo) / 15.0).clamp_min(tiny).to(scale_dtype)
         zeros = torch.round(-lo / scale.float()).clamp_(0, 15)
-        q = (torch.round(g / scale.float()[..., None]) + zeros[..., None]).clamp_(0, 15)
+        q = g.div_(scale.float()[..., None]).round_().add_(zeros[..., None]).clamp_(0, 15)
         zeros = zeros.to(torch.uint8)
     q = q.to(torch.uint8).view(out, cols)
     return QuantizedWeight("int4", group, pack_int4(q), scale, zeros)

@@ -39,14 +39,30 @@ static inline float scale_at(const void *s, int64_t kind, int64_t i) {
     return ((const float *)s)[i];
 }
 
-/* Rows a weight prefetch runs ahead per unit of the kernels' `prefetch` argument: the AVX-512
- * tile's four, so one unit is the next tile. Measured on short rows (the 27B's 5120 inputs are
- * 2.5 KiB of int4), a prefetch a few lines ahead in the same row left a new row's first lines
- * to wait on memory. */
-#define PF_ROWS 4
-
 /* A prefetch in plain C too (a hint: it never faults). */
 static inline void prefetch_line(const char *p) { __builtin_prefetch(p); }
+
+/* The first `bytes` of a thread's part of the weight asked for at once: its loop's prefetch runs
+ * that far ahead, so without this the part's first lines would each wait on memory. */
+static inline void prefetch_start(const void *from, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)from + b, 0, 0);
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* This thread's contiguous share [u0, u1) of `units` tiles (all of them outside a parallel
+ * region): the split schedule(static) makes, written out so a thread knows where its part starts. */
+static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    *u0 = units * t / nt;
+    *u1 = units * (t + 1) / nt;
+}
 
 /* Unrolls a tile's loop over its rows or columns before the compiler decides where the tile's
  * accumulators live: unrolled later, they were kept in memory. */

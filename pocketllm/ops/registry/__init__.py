@@ -31,7 +31,10 @@ Adding a kind (e.g. int4 weights at one row)
       when a layer is bound and kept in the layer's bound kernels beside the loaded weight (which
       other row classes' candidates may run); candidates with the same `layout` share one
       prepared form. None: it runs the weight as loaded. sources: files whose text the choice depends on (compiled kernels): part of the
-      cache key.
+      cache key. measured=False: never timed (a plain reference far slower than the rest; it runs
+      as the default or forced). copies=True: its prepared form is a second copy of the weight in
+      another layout; a measured choice of it gives way to the fastest candidate of the loaded
+      layout (Choice.runs), so a layer never holds both, unless it is forced.
     - default: what runs where nothing was measured (off the CPU, a single candidate).
     - prefer: the wash rule is one for all kinds (pick(): the fastest, unless a candidate within
       WASH of it comes earlier in `prefer`); a kind only orders its preference.
@@ -54,7 +57,7 @@ Trust (trust.py, choose.py)
     renamed into place.
 """
 
-from pocketllm.ops.registry import float_kinds
+from pocketllm.ops.registry import float_kinds, quant_kinds  # noqa: F401 (registers the kinds)
 from pocketllm.ops.registry.choose import NOT_CACHED_BUSY, NOT_CACHED_IMPLAUSIBLE, WASH, Choice, choose, pick
 from pocketllm.ops.registry.kernel_set import BoundKernels, KernelSet, default_kernels, projection_reference
 from pocketllm.ops.registry.kinds import (

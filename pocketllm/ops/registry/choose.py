@@ -62,7 +62,18 @@ class Choice:
     probe: str = ""  # a widest kind's probe
 
     def kernel_for(self, w) -> str:
-        return self.by_key.get(key_of(self.kind, w), self.by_key.get("probe", self.kind.default))
+        return self.runs(key_of(self.kind, w))
+
+    def runs(self, key) -> str:
+        """The kernel weights of `key` run. A measured choice whose prepared form would be a second
+        copy of the weight (held beside the loaded weight, which the other row classes run, it
+        would double the weight's memory) gives way to the fastest measured candidate that runs
+        the loaded layout, else the kind's default; forced, the copy is held as asked."""
+        name = self.by_key.get(key, self.by_key.get("probe", self.kind.default))
+        if not self.kind.by_name[name].copies or self.how == "forced":
+            return name
+        kept = {n: s for n, s in self.seconds.get(key, self.seconds.get("probe", {})).items() if not self.kind.by_name[n].copies}
+        return min(kept, key=kept.get) if kept else self.kind.default
 
     @property
     def trusted(self) -> bool:
@@ -77,14 +88,18 @@ class Choice:
     def describe(self) -> str:
         how = self.how + (f"; {self.note}" if self.note else "")
         if self.kind.probe != "stream":
-            kernel = self.by_key.get("probe", self.kind.default)
+            kernel = self._shown("probe")
             timed = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in self.seconds.get("probe", {}).items())
             return f"{self.label()} ({how}): {kernel}" + (f" ({timed} on {self.probe})" if timed else "")
-        shapes = sorted(self.by_key.items(), key=lambda kv: -kv[0][0] * kv[0][1])
-        parts = ", ".join(f"{o}x{i} {name}" for (o, i), name in shapes)
+        shapes = sorted(self.by_key, key=lambda k: -k[0] * k[1])
+        parts = ", ".join(f"{o}x{i} {self._shown((o, i))}" for o, i in shapes)
         sources = {s for name in set(self.by_key.values()) for s in self.kind.by_name[name].sources}
-        built = f"; c built for {_isa()}" if sources else ""
+        built = f"; c built for {(self.kind.isa or _isa)()}" if sources else ""
         return f"{self.label()} ({how}): {parts}{built}"
+
+    def _shown(self, key) -> str:
+        name, runs = self.by_key.get(key, self.kind.default), self.runs(key)
+        return name if name == runs else f"{runs} ({name} measured faster: it would hold a copy of the weights)"
 
     def to_json(self) -> dict:
         def k(key):
@@ -93,6 +108,7 @@ class Choice:
         return {
             "kind": self.kind.name, "format": self.fmt, "how": self.how, "note": self.note, "rows": self.rows,
             "by_key": {k(key): name for key, name in self.by_key.items()},
+            "runs": {k(key): self.runs(key) for key in self.by_key},
             "seconds": {k(key): s for key, s in self.seconds.items()},
         }
 
@@ -176,7 +192,7 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
     if not weights:
         return Choice(kind, fmt, "default", rows=rows)
     device = weight_device(weights[0])
-    names = kind.available(fmt, device)
+    names = kind.timed(fmt, device)
     if len(names) <= 1 or device.type != "cpu":
         return Choice(kind, fmt, "default", dict.fromkeys(keys, names[0] if names else kind.default), rows=rows, probe=label)
     monitor = monitor or Monitor()

@@ -104,6 +104,12 @@ class Candidate:
     layout: str = ""
     # Sources whose text a measured choice depends on (compiled kernels): part of the cache key.
     sources: tuple = ()
+    # False: never timed (a plain reference many times slower than the rest); it runs where it is
+    # the kind's default or forced.
+    measured: bool = True
+    # True: its prepared form is a second copy of the weight's bytes in another layout, which a
+    # bound projection never holds beside the loaded weight (KernelSet.bind).
+    copies: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,8 @@ class Kind:
     prefer: tuple[str, ...] = ()  # a wash goes to the first of these within WASH of the fastest
     probe: str = "stream"
     streams: bool = False
+    # What the compiled candidates were built for (rank 0's line); None: the bf16 GEMV's.
+    isa: Callable[[], str] | None = None
     by_name: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -132,13 +140,19 @@ class Kind:
     def available(self, fmt: str, device: torch.device) -> list[str]:
         return [c.name for c in self.candidates if not c.unavailable(fmt, device)]
 
+    def timed(self, fmt: str, device: torch.device) -> list[str]:
+        """The available candidates a measurement times."""
+        return [n for n in self.available(fmt, device) if self.by_name[n].measured]
+
     def forced(self, env=os.environ) -> str | None:
         """The kernel the env var forces, checked: None for auto (unset, empty or "auto")."""
         value = env.get(self.env, "").strip()
         if value in ("", "auto"):
             return None
         if value not in self.by_name:
-            raise UsageError(f"{self.env}={value!r} is not a {self.name} kernel: use auto, {', '.join(self.by_name)}")
+            label = self.name if self.family == "float" else f"{self.family} {self.name}"
+            article = "an" if label.startswith("int") else "a"
+            raise UsageError(f"{self.env}={value!r} is not {article} {label} kernel: use auto, {', '.join(self.by_name)}")
         return value
 
 

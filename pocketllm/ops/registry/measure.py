@@ -9,6 +9,7 @@ pass decides: another process only ever adds time, so a minimum is what the kern
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ PASS_BYTES = 1 << 30
 # The widest kind's probe: this many rows of x against up to PROBE_OUT rows of the weight.
 PROBE_ROWS = 256
 PROBE_OUT = 1024
+# A candidate whose prepared form is a second copy of the weight (Candidate.copies) is timed on
+# copies of at most this many bytes together: each call's weight cut to its first rows in the
+# same proportion, its time scaled up to the whole weight. A pass over a big model's weights
+# would otherwise hold a second copy of a gigabyte of them while it is timed.
+COPY_BYTES = 256 << 20
 
 
 @dataclass
@@ -71,11 +77,20 @@ def _activation_dtype(w) -> torch.dtype:
     return w.dtype if isinstance(w, torch.Tensor) else w.scales.dtype
 
 
+def copy_rows(weights) -> dict[int, int]:
+    """id(weight) -> the rows a copying candidate is timed on (COPY_BYTES over them all)."""
+    unique = {id(w): w for w in weights}
+    share = min(1.0, COPY_BYTES / max(1, sum(weight_bytes(w) for w in unique.values())))
+    return {i: max(1, min(w.shape[0], math.ceil(w.shape[0] * share))) for i, w in unique.items()}
+
+
 def prepared_forms(kind: Kind, names, weights) -> dict[str, dict[int, object]]:
     """name -> {id(weight): the form that kernel runs}: the weight itself, or what its candidate's
-    prepare made of it (made once per layout, shared by candidates that declare the same)."""
+    prepare made of it (made once per layout, shared by candidates that declare the same); a
+    copying candidate's of the weight's first copy_rows() rows."""
     by_layout: dict[str, dict[int, object]] = {}
     out = {}
+    cut = copy_rows(weights)
     for name in names:
         cand = kind.by_name[name]
         if cand.prepare is None:
@@ -83,7 +98,7 @@ def prepared_forms(kind: Kind, names, weights) -> dict[str, dict[int, object]]:
             continue
         layout = cand.layout or name
         if layout not in by_layout:
-            by_layout[layout] = {id(w): cand.prepare(w) for w in weights}
+            by_layout[layout] = {id(w): cand.prepare(weight_rows(w, 0, cut[id(w)]) if cand.copies else w) for w in weights}
         out[name] = by_layout[layout]
     return out
 
@@ -97,11 +112,23 @@ def time_calls(kind: Kind, calls: list[Call], slots: dict, passes: int, warm: bo
     names = list(dict.fromkeys(n for v in slots.values() for n in v))
     forms = prepared_forms(kind, names, [c.weight for c in calls])
     runs = {n: kind.by_name[n].run for n in names}
+    # A copying candidate writes the rows of its cut weight into an output of their own, and its
+    # time counts for the whole weight.
+    cut = copy_rows([c.weight for c in calls]) if any(kind.by_name[n].copies for n in names) else {}
+    outs, scale = {}, {}
+    for c in calls:
+        rows = cut.get(id(c.weight), c.weight.shape[0])
+        outs[id(c)] = c.out if rows == c.weight.shape[0] else torch.empty(*c.out.shape[:-1], rows, dtype=c.out.dtype)
+        scale[id(c)] = c.weight.shape[0] / rows
+
+    def out_for(n: str, c: Call):
+        return (outs[id(c)], scale[id(c)]) if kind.by_name[n].copies else (c.out, 1.0)
+
     if warm:
         # One untimed call of each kernel first: the first call of a kernel pays for its setup.
         for n in names:
             for c in calls:
-                runs[n](c.x, forms[n][id(c.weight)], c.out)
+                runs[n](c.x, forms[n][id(c.weight)], out_for(n, c)[0])
     best: dict = {}
     clock = time.perf_counter
     t_start, p = clock(), 0
@@ -112,9 +139,10 @@ def time_calls(kind: Kind, calls: list[Call], slots: dict, passes: int, warm: bo
                 names_k = slots[c.key]
                 n = names_k[min(j, len(names_k) - 1)]
                 w = forms[n][id(c.weight)]
+                out, times = out_for(n, c)
                 t0 = clock()
-                runs[n](c.x, w, c.out)
-                dt = clock() - t0
+                runs[n](c.x, w, out)
+                dt = (clock() - t0) * times
                 total, count = sums.get((c.key, n), (0.0, 0))
                 sums[(c.key, n)] = (total + dt, count + 1)
             for (k, n), (total, count) in sums.items():

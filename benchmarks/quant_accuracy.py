@@ -1,0 +1,190 @@
+"""How far quantized weights move a model's logits: each weight format against the unquantized
+model's fp32 logits on the same checkpoint and text, next to llama.cpp's quantized formats of the
+same weights against its own f32 logits.
+
+Text is cut into --chunks chunks of --ctx tokens, each run as a fresh sequence; the positions
+scored are each chunk's second half (ctx/2 .. ctx-2), as `llama-perplexity --kl-divergence`
+scores them, so the two engines' figures cover the same positions of the same tokens. For each
+setting: the relative logit error ||l - l_ref|| / ||l_ref|| over every scored position, the mean
+KL(ref || setting) of the next-token distributions, top-1 agreement, and (pocketllm only) the
+relative error of the projection weights themselves, ||W_q - W|| / ||W|| over all of them.
+pocketllm's settings: bf16 (unquantized, bf16 arithmetic), int8, int4 at each group size
+symmetric and asymmetric, and the checkpoint converted to Qwen's FP8 release format, loaded as
+int8 (the default) and as exact floats (`--quantize none`). llama.cpp's (with
+--llama-perplexity and --gguf-dir holding {name}-f32/bf16/Q8_0/Q4_0/Q4_K_M.gguf): bf16, Q8_0,
+Q4_0, Q4_K_M against its f32 run; it prints no logit error, so that column is left empty.
+
+    python benchmarks/quant_accuracy.py --ckpt DIR [--text FILE] [--ctx 512] [--chunks 8]
+        [--llama-perplexity PATH --gguf-dir DIR --gguf-name small] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pocketllm.distributed.policy import RulePolicy
+from pocketllm.distributed.state import set_tp
+from pocketllm.engine.runner import Engine
+from pocketllm.loader.fp8 import to_fp8_blocks
+from pocketllm.loader.quantized import projection_keys
+from pocketllm.model_args import plan_model
+from pocketllm.ops.quant.layout import QuantizedWeight, dequantize
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", required=True, help="float checkpoint (bf16, as released)")
+    p.add_argument("--text", help="text file (default: the repository's docs, concatenated)")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--llama-perplexity", help="path of llama.cpp's llama-perplexity")
+    p.add_argument("--gguf-dir", help="directory of the same checkpoint's GGUFs, {name}-{f32,bf16,Q8_0,Q4_0,Q4_K_M}.gguf")
+    p.add_argument("--gguf-name", default="small")
+    p.add_argument("--json", help="write the table here too")
+    return p.parse_args(argv)
+
+
+def text_of(args) -> str:
+    if args.text:
+        return Path(args.text).read_text()
+    return "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+
+
+def engine(ckpt: str, dtype: str, quantize: str | None) -> Engine:
+    args = types.SimpleNamespace(
+        tp_world=1, dtype=dtype, device="cpu", ckpt=ckpt, preset=None, layers=None, quantize=quantize,
+        comm_overlap_slices=None, pin_slices=None, overlap_policy=None, calibration=None, force_calibration=False,
+    )
+    plan = plan_model(args)
+    set_tp(0, 1)
+    return Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
+
+
+def scored_logits(e: Engine, ids: list[int], ctx: int, chunks: int) -> torch.Tensor:
+    """fp32 logits at every scored position [chunks * (ctx/2 - 1), V]."""
+    out = []
+    for c in range(chunks):
+        chunk = torch.tensor(ids[c * ctx : (c + 1) * ctx])
+        e.start_sequence(ctx)
+        out.append(e.prefill(chunk, all_logits=True)[ctx // 2 : ctx - 1].float())
+    return torch.cat(out)
+
+
+def weight_error(e: Engine, ref: Engine) -> float:
+    """||W - W_ref|| / ||W_ref|| over every projection and head weight, as the run holds them."""
+    num = den = 0.0
+    for w, r in zip(e.model.one_row_weights(), ref.model.one_row_weights()):
+        wf, rf = (dequantize(w) if isinstance(w, QuantizedWeight) else w.float()), r.float()
+        num += float((wf - rf).pow(2).sum())
+        den += float(rf.pow(2).sum())
+    return (num / den) ** 0.5
+
+
+def compare(logits: torch.Tensor, ref: torch.Tensor, ref_logp: torch.Tensor) -> dict:
+    logp = torch.log_softmax(logits, -1)
+    return {
+        "rel_logit_error": float((logits - ref).norm() / ref.norm()),
+        "mean_kl": float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()),
+        "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+    }
+
+
+def fp8_release(src: str, out: Path) -> None:
+    """The checkpoint in Qwen's FP8 release format: every projection e4m3 with 128x128 block
+    scales, the head and the rest left as they are."""
+    out.mkdir()
+    from pocketllm.config import load_config
+
+    keys = set(projection_keys(load_config(src))) - {"lm_head.weight"}
+    tensors = {}
+    for name, t in load_file(f"{src}/model.safetensors").items():
+        if name in keys:
+            tensors[name], tensors[name + "_scale_inv"] = to_fp8_blocks(t)
+        else:
+            tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads(Path(src, "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy(Path(src, "tokenizer.json"), out / "tokenizer.json")
+
+
+def llama_rows(args, text_file: str) -> dict[str, dict]:
+    gguf = lambda kind: str(Path(args.gguf_dir) / f"{args.gguf_name}-{kind}.gguf")  # noqa: E731
+    common = [args.llama_perplexity, "-f", text_file, "-c", str(args.ctx), "--chunks", str(args.chunks), "-t", "2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = f"{tmp}/base.kld"
+        r = subprocess.run([*common, "-m", gguf("f32"), "--kl-divergence-base", base], check=True, capture_output=True, text=True)
+        ppl = re.search(r"Final estimate: PPL = ([\d.]+)", r.stdout + r.stderr)
+        print(f"llama.cpp f32 perplexity over the same positions: {ppl.group(1) if ppl else '?'}", flush=True)
+        rows = {}
+        for kind in ("bf16", "Q8_0", "Q4_0", "Q4_K_M"):
+            r = subprocess.run([*common, "-m", gguf(kind), "--kl-divergence-base", base, "--kl-divergence"], check=True, capture_output=True, text=True)
+            text = r.stdout + r.stderr
+            kl = re.search(r"Mean\s+KLD:\s+([-\d.e]+)", text)
+            top = re.search(r"Same top p:\s+([\d.]+)", text)
+            rows[f"llama.cpp {kind}"] = {"rel_logit_error": None, "mean_kl": float(kl.group(1)) if kl else None, "top1_agreement": float(top.group(1)) / 100 if top else None}
+        return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from tokenizers import Tokenizer
+
+    text = text_of(args)
+    ids = Tokenizer.from_file(f"{args.ckpt}/tokenizer.json").encode(text).ids
+    need = args.ctx * args.chunks
+    if len(ids) < need:
+        raise SystemExit(f"the text has {len(ids)} tokens, {need} are needed")
+    print(f"{args.chunks} chunks of {args.ctx} tokens, {args.chunks * (args.ctx // 2 - 1)} scored positions", flush=True)
+    reference = engine(args.ckpt, "float32", None)
+    ref = scored_logits(reference, ids, args.ctx, args.chunks)
+    ref_logp = torch.log_softmax(ref, -1)
+    targets = torch.tensor([ids[c * args.ctx + j + 1] for c in range(args.chunks) for j in range(args.ctx // 2, args.ctx - 1)])
+    # Same tokens and positions as llama-perplexity's: its f32 perplexity must equal this.
+    ppl = float(torch.exp(-ref_logp.gather(1, targets[:, None]).mean()))
+    print(f"pocketllm fp32 perplexity over the scored positions: {ppl:.4f}", flush=True)
+    rows: dict[str, dict] = {}
+
+    def add(name, e):
+        rows[name] = {**compare(scored_logits(e, ids, args.ctx, args.chunks), ref, ref_logp), "weight_rel_error": weight_error(e, reference)}
+        print(name, rows[name], flush=True)
+
+    add("pocketllm bf16", engine(args.ckpt, "bfloat16", None))
+    for scheme in args.schemes.split(","):
+        add(f"pocketllm {scheme}", engine(args.ckpt, "float32", scheme))
+    with tempfile.TemporaryDirectory() as tmp:
+        fp8 = Path(tmp) / "fp8"
+        fp8_release(args.ckpt, fp8)
+        add("pocketllm fp8 -> int8 (default)", engine(str(fp8), "float32", None))
+        add("pocketllm fp8 as floats", engine(str(fp8), "float32", "none"))
+        if args.llama_perplexity:
+            text_file = f"{tmp}/text.txt"
+            Path(text_file).write_text(text)
+            rows.update(llama_rows(args, text_file))
+    print("\n| setting | rel. logit error | mean KL | top-1 agreement | weight rel. error |")
+    print("|---|---|---|---|---|")
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for name, r in rows.items():
+        print(f"| {name} | {fmt(r['rel_logit_error'], '.4f')} | {fmt(r['mean_kl'], '.6f')} | {fmt(r['top1_agreement'], '.3f')} | {fmt(r.get('weight_rel_error'), '.4f')} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ctx": args.ctx, "chunks": args.chunks, "fp32_perplexity": ppl, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

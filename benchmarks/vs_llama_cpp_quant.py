@@ -1,0 +1,154 @@
+"""pocketllm's quantized weights against llama.cpp's on the same weights: prefill and decode
+tokens/s side by side, and how close each decode step comes to streaming its weights at the
+machine's read rate.
+
+pocketllm loads --ckpt (a float checkpoint) once per scheme in this process, quantized at load
+(TP=1, the engine `pocketllm bench` runs); llama.cpp runs `llama-bench` on each GGUF given
+(`llama-quantize` of the same checkpoint's bf16 GGUF), with the same thread count. Each pair is
+(pocketllm scheme, GGUF), e.g. int8=small-Q8_0.gguf. Reps are interleaved, the order of every
+setting reversed every other rep. For each setting the streaming limit is its bytes read per
+decode step (every weight but the embedding table, of which a step reads one row) over the read
+rate of a 1 GiB fp32 sum: decode tok/s is also given as a share of that limit.
+
+    python benchmarks/vs_llama_cpp_quant.py --ckpt DIR --llama-bench PATH
+        --pair int8=Q8_0.gguf --pair int4=Q4_0.gguf --pair int4=Q4_K_M.gguf
+        [--gguf-python PATH] [--prompt-tokens 512] [--decode-tokens 64] [--reps 4] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import types
+
+import torch
+
+from common import alternate, decode_weight_bytes, read_bandwidths_gbps, spread
+from pocketllm import compiled
+from pocketllm.distributed.policy import RulePolicy
+from pocketllm.distributed.state import set_tp
+from pocketllm.engine.runner import Engine
+from pocketllm.engine.timing import timed_greedy_decode, timed_prefill
+from pocketllm.inputs import bench_ids
+from pocketllm.model_args import plan_model
+
+# Bytes of a GGUF's tensors a decode step reads: all but the token embedding (one row of it).
+GGUF_STEP_BYTES = (
+    "import sys, gguf; r = gguf.GGUFReader(sys.argv[1]); "
+    "e = [t for t in r.tensors if t.name == 'token_embd.weight']; "
+    "print(sum(int(t.n_bytes) for t in r.tensors if t.name != 'token_embd.weight') + sum(int(t.n_bytes) // int(t.shape[-1]) for t in e))"
+)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", required=True, help="float checkpoint pocketllm quantizes at load")
+    p.add_argument("--llama-bench", required=True)
+    p.add_argument("--pair", action="append", required=True, help="SCHEME=GGUF: a pocketllm --quantize scheme and the llama.cpp file it is set against")
+    p.add_argument("--gguf-python", help="a python with the gguf package (llama.cpp's converter venv), for the GGUFs' bytes per step")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.reps < 2 or args.reps % 2:
+        p.error(f"--reps must be even and at least 2, got {args.reps}")
+    args.pairs = [tuple(x.split("=", 1)) for x in args.pair]
+    return args
+
+
+class Pocket:
+    def __init__(self, ckpt: str, scheme: str):
+        plan = plan_model(types.SimpleNamespace(
+            tp_world=1, dtype="bfloat16", device="cpu", ckpt=ckpt, preset=None, layers=None, quantize=scheme,
+            comm_overlap_slices=None, pin_slices=None, overlap_policy=None, calibration=None, force_calibration=False,
+        ))
+        set_tp(0, 1)
+        self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
+        self.describe = plan.cfg.weights.describe() if plan.cfg.weights else "bf16"
+        self.step_bytes = decode_weight_bytes(self.engine.model)
+
+    def run(self, prompt: list[int], first: list[int], n: int) -> dict:
+        seconds, _ = timed_prefill(self.engine, prompt, _no_sync, room=1)
+        _, logits = timed_prefill(self.engine, first, _no_sync, room=n + 1)
+        decode, _ = timed_greedy_decode(self.engine, int(torch.argmax(logits)), len(first), n, _no_sync)
+        return {"prefill": len(prompt) / seconds, "decode": n / decode}
+
+
+def _no_sync() -> None:
+    """CPU ops are synchronous."""
+
+
+class Llama:
+    def __init__(self, binary: str, gguf: str, threads: int, prompt: int, n: int, gguf_python: str | None):
+        self.cmd = [binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(n), "-r", "1", "-o", "json"]
+        self.version = ""
+        self.step_bytes = None
+        if gguf_python:
+            r = subprocess.run([gguf_python, "-c", GGUF_STEP_BYTES, gguf], capture_output=True, text=True, check=True)
+            self.step_bytes = int(r.stdout.strip())
+
+    def run(self, *_) -> dict:
+        r = subprocess.run(self.cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            lines = r.stderr.strip().splitlines()
+            raise SystemExit(f"llama-bench failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
+        out = {}
+        for test in json.loads(r.stdout):
+            self.version = test.get("build_commit", "?")
+            out["prefill" if test["n_prompt"] else "decode"] = test["avg_ts"]
+        return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    settings: dict[str, object] = {}
+    for scheme, gguf in args.pairs:
+        if f"pocketllm {scheme}" not in settings:
+            settings[f"pocketllm {scheme}"] = Pocket(args.ckpt, scheme)
+        settings[f"llama.cpp {gguf.rsplit('/', 1)[-1]}"] = Llama(args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens, args.gguf_python)
+    vocab = next(s for s in settings.values() if isinstance(s, Pocket)).engine.cfg.vocab_size
+    prompt, first = bench_ids(args.prompt_tokens, vocab), bench_ids(1, vocab)
+    for s in settings.values():
+        if isinstance(s, Pocket):
+            s.run(prompt, first, 2)  # warm-up: the first pass at a shape pays for its setup
+    figures = {name: {"prefill": [], "decode": []} for name in settings}
+    for rep in range(args.reps):
+        for name in alternate(list(settings), rep):
+            for kind, value in settings[name].run(prompt, first, args.decode_tokens).items():
+                figures[name][kind].append(value)
+        print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    rate = max(read_bandwidths_gbps().values()) * 1e9
+    llama_version = next((s.version for s in settings.values() if isinstance(s, Llama)), "")
+    print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama_version}")
+    print(f"threads={args.threads} reps={args.reps} (median, min..max); read rate (1 GiB fp32 sum) {rate / 1e9:.1f} GB/s")
+    for s in settings.values():
+        if isinstance(s, Pocket):
+            print(s.describe)
+    print(f"{'setting':<28}{'prefill tok/s @' + str(args.prompt_tokens):>26}{'decode tok/s':>24}{'MB/step':>9}{'limit tok/s':>12}{'of limit':>9}")
+    summary = {"machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "read_GBps": round(rate / 1e9, 2), "settings": {}}
+    for name, s in settings.items():
+        pre, dec = figures[name]["prefill"], figures[name]["decode"]
+        limit = rate / s.step_bytes if s.step_bytes else None
+        share = f"{statistics.median(dec) / limit:.0%}" if limit else "-"
+        mb = f"{s.step_bytes / 1e6:.0f}" if s.step_bytes else "-"
+        print(f"{name:<28}{spread(pre):>26}{spread(dec, 2):>24}{mb:>9}{(f'{limit:.1f}' if limit else '-'):>12}{share:>9}")
+        summary["settings"][name] = {
+            "prefill": round(statistics.median(pre), 2), "decode": round(statistics.median(dec), 2),
+            "step_bytes": s.step_bytes, "limit_tok_s": round(limit, 2) if limit else None,
+        }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"figures": figures, "summary": summary}, f, indent=2)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

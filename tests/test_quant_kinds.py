@@ -1,0 +1,153 @@
+"""The registry's kinds for int8/int4 weights: each family's one-row, few-row and many-row kinds
+hold the reference (never timed) and the candidates of pocketllm.ops.quant, forcing and its
+one-line errors (before any rank), a bound quantized projection running the kernel chosen for
+each row count, and torch's int4 layout never held beside the loaded weight unless forced.
+(Each candidate against the reference: test_quant_kernels.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import usage_error_in_process
+
+from pocketllm import compiled
+from pocketllm.errors import UsageError
+from pocketllm.ops.quant import candidates as qc
+from pocketllm.ops.quant.layout import quant_linear_reference, quantize
+from pocketllm.ops.registry import FEW, MANY, ONE, Choice, KernelSet, Monitor, check_forced, choose, kind_for
+from pocketllm.ops.registry import quant_kinds
+from pocketllm.switches import SETTINGS
+
+TOLERANT = Monitor(others_share=float("inf"), steal_share=float("inf"))
+
+
+@pytest.fixture
+def cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path))
+    return tmp_path
+
+
+def int4(out=48, cols=256, group=64, symmetric=True, seed=0):
+    torch.manual_seed(seed)
+    return quantize(torch.randn(out, cols), "int4", group, symmetric, torch.bfloat16)
+
+
+def int8(out=48, cols=256, seed=0):
+    torch.manual_seed(seed)
+    return quantize(torch.randn(out, cols), "int8", scale_dtype=torch.bfloat16)
+
+
+def test_each_family_has_every_row_class_with_the_reference_and_the_quant_candidates():
+    for family, fmt in (("int8", "int8"), ("int4", "int4-g128-asym")):
+        for rows, listed in ((ONE, qc.ONE_ROW), (FEW, qc.FEW_ROW), (MANY, qc.MANY_ROW)):
+            kind = kind_for(fmt, rows)
+            assert kind is quant_kinds.KINDS[(family, rows)] and kind.env in SETTINGS
+            names = [c.name for c in kind.candidates]
+            assert names[0] == "ref" and kind.default == "ref" and not kind.by_name["ref"].measured
+            assert set(names[1:]) == {c.name for c in listed if not c.unavailable(fmt, torch.device("cpu"))}
+            assert kind.timed(fmt, torch.device("cpu")) == names[1:]
+
+
+def test_the_reference_candidates_equal_the_reference_past_their_row_blocks(monkeypatch):
+    monkeypatch.setattr(quant_kinds, "REFERENCE_ROWS", 16)
+    qw = int4(out=37)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    want, got = torch.empty(3, 37, dtype=torch.bfloat16), torch.empty(3, 37, dtype=torch.bfloat16)
+    quant_linear_reference(x, qw, want)
+    quant_kinds.reference_rows(x, qw, got)
+    assert torch.equal(got, want)
+    one = torch.empty(37, dtype=torch.bfloat16)
+    quant_kinds.reference_one(x[0], qw, one)
+    assert torch.equal(one, want[0])
+
+
+def test_forcing_a_quantized_kernel_and_its_one_line_errors():
+    gemv = quant_kinds.KINDS[("int4", ONE)]
+    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, int4pack"):
+        gemv.forced({gemv.env: "int8pack"})
+    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV=c: the compiled quantized kernels run on a CPU"):
+        check_forced(["int4-g128"], "cuda", {gemv.env: "c"})
+    with pytest.raises(UsageError, match="take groups of 32 or a multiple of 64, not 96"):
+        check_forced(["int4-g96"], "cpu", {gemv.env: "c-prefetch"})
+    # A forced int8 kernel says nothing about a run that holds int4 weights only.
+    check_forced(["int4-g128"], "cpu", {quant_kinds.KINDS[("int8", ONE)].env: "int8pack"})
+    forced = choose(gemv, [int4(), int4(out=16)], env={gemv.env: "ref"})
+    assert forced.how == "forced" and set(forced.by_key.values()) == {"ref"}
+
+
+def test_the_cli_refuses_a_bad_quantized_kernel_before_any_rank(no_ranks, capsys, monkeypatch):
+    monkeypatch.setenv("POCKETLLM_INT8_GEMM", "fastest")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--quantize", "int8", "--tp-world", "2", expect=("POCKETLLM_INT8_GEMM='fastest'", "auto, ref"))
+
+
+def test_a_measured_choice_never_times_the_reference(cache_dir):
+    weights = [int8(), int8(out=16, seed=1)]
+    chosen = choose(quant_kinds.KINDS[("int8", ONE)], weights, env={}, monitor=TOLERANT)
+    assert chosen.how == "measured"
+    for seconds in chosen.seconds.values():
+        assert "ref" not in seconds and set(seconds) >= {"c", "c-prefetch"}
+
+
+def test_a_bound_quantized_projection_runs_the_kernel_chosen_for_each_row_count():
+    qw = int4(out=40, group=32, symmetric=False)
+    fmt, key = "int4-g32-asym", (40, 256)
+    kernels = KernelSet([
+        Choice(quant_kinds.KINDS[("int4", ONE)], fmt, "forced", {key: "c-prefetch"}),
+        Choice(quant_kinds.KINDS[("int4", FEW)], fmt, "forced", {key: "c"}, rows=4),
+        Choice(quant_kinds.KINDS[("int4", MANY)], fmt, "forced", {"probe": "dequant-f32"}),
+    ])
+    bound = kernels.bind(qw)
+    assert bound.names == {"one-row": "c-prefetch", "2-row": "c", "3-row": "c", "4-row": "c", "many-row": "dequant-f32"}
+    for rows in (1, 3, 4, 5, 20):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        want = torch.empty(rows, 40, dtype=torch.bfloat16)
+        quant_linear_reference(x, qw, want)
+        torch.testing.assert_close(bound(x).float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_torch_int4_layout_is_never_held_beside_the_loaded_weight_unless_forced(monkeypatch):
+    from pocketllm.ops.quant import torch_ops
+
+    made = []
+    real = torch_ops.Int4Pack.__init__
+
+    def counting(self, qw):
+        made.append(qw)
+        real(self, qw)
+
+    monkeypatch.setattr(torch_ops.Int4Pack, "__init__", counting)
+    qw, fmt, key = int4(), "int4-g64", (48, 256)
+    one, many = quant_kinds.KINDS[("int4", ONE)], quant_kinds.KINDS[("int4", MANY)]
+    # Measured fastest, int4pack gives way to the fastest kernel of the loaded layout.
+    measured = Choice(one, fmt, "measured", {key: "int4pack"}, {key: {"c": 2e-6, "c-prefetch": 1e-6, "int4pack": 5e-7}})
+    kernels = KernelSet([measured, Choice(many, fmt, "measured", {"probe": "int4pack"}, {"probe": {"dequant-bf16": 3e-5, "int4pack": 1e-5}})])
+    bound = kernels.bind(qw)
+    assert bound.names == {"one-row": "c-prefetch", "many-row": "dequant-bf16"} and not made
+    assert "48x256 c-prefetch (int4pack measured faster: it would hold a copy of the weights)" in measured.describe()
+    assert measured.to_json()["runs"] == {"48x256": "c-prefetch"}
+    # Forced, it runs as asked, on one prepared copy.
+    forced = KernelSet([Choice(one, fmt, "forced", {key: "int4pack"}), Choice(many, fmt, "forced", {"probe": "int4pack"})]).bind(qw)
+    assert forced.names == {"one-row": "int4pack", "many-row": "int4pack"} and len(made) == 1
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    torch.testing.assert_close(forced(x).float(), bound(x).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_copying_candidate_is_timed_on_cut_copies_of_the_probe_weights(monkeypatch, cache_dir):
+    from pocketllm.ops.quant import torch_ops
+    from pocketllm.ops.registry import measure
+
+    made = []
+    real = torch_ops.Int4Pack.__init__
+
+    def counting(self, qw):
+        made.append(qw.shape)
+        real(self, qw)
+
+    monkeypatch.setattr(torch_ops.Int4Pack, "__init__", counting)
+    weights = [int4(out=256), int4(out=128, seed=1)]
+    monkeypatch.setattr(measure, "COPY_BYTES", sum(w.nbytes for w in weights) // 4)
+    chosen = choose(quant_kinds.KINDS[("int4", ONE)], weights, env={}, monitor=TOLERANT)
+    # A quarter of each weight's rows, once per weight; its time stands for the whole weight.
+    assert sorted(made) == [(32, 256), (64, 256)]
+    for seconds in chosen.seconds.values():
+        assert seconds["int4pack"] > 0 and set(seconds) >= {"c-prefetch", "int4pack"}
