@@ -5,13 +5,14 @@ machine's read rate.
 pocketllm loads --ckpt (a float checkpoint) once per scheme in this process, quantized at load
 (TP=1, the engine `pocketllm bench` runs); llama.cpp runs `llama-bench` on each GGUF given
 (`llama-quantize` of the same checkpoint's bf16 GGUF), with the same thread count. Each pair is
-(pocketllm scheme, GGUF), e.g. int8=small-Q8_0.gguf. Reps are interleaved, the order of every
+(pocketllm scheme, GGUF), e.g. int8=small-Q8_0.gguf; scheme `none` is the checkpoint's own floats
+(bf16=small-bf16.gguf also reads so). --prompt-tokens 0 times decode alone. Reps are interleaved, the order of every
 setting reversed every other rep. For each setting the streaming limit is its bytes read per
 decode step (every weight but the embedding table, of which a step reads one row) over the read
 rate of a 1 GiB fp32 sum: decode tok/s is also given as a share of that limit.
 
     python benchmarks/vs_llama_cpp_quant.py --ckpt DIR --llama-bench PATH
-        --pair int8=Q8_0.gguf --pair int4=Q4_0.gguf --pair int4=Q4_K_M.gguf
+        --pair int8=Q8_0.gguf --pair int4=Q4_0.gguf [--pair none=bf16.gguf]
         [--gguf-python PATH] [--prompt-tokens 512] [--decode-tokens 64] [--reps 4] [--threads 2]
 """
 
@@ -58,7 +59,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.reps < 2 or args.reps % 2:
         p.error(f"--reps must be even and at least 2, got {args.reps}")
-    args.pairs = [tuple(x.split("=", 1)) for x in args.pair]
+    if args.prompt_tokens < 0 or args.decode_tokens < 1:
+        p.error("--prompt-tokens must be >= 0 and --decode-tokens >= 1")
+    args.pairs = []
+    for x in args.pair:
+        scheme, sep, gguf = x.partition("=")
+        if not sep or not gguf:
+            p.error(f"--pair takes SCHEME=GGUF, got {x!r}")
+        args.pairs.append(("none" if scheme == "bf16" else scheme, gguf))
     return args
 
 
@@ -70,14 +78,18 @@ class Pocket:
         ))
         set_tp(0, 1)
         self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
-        self.describe = plan.cfg.weights.describe() if plan.cfg.weights else "bf16"
+        self.describe = plan.cfg.weights.describe() if plan.cfg.weights else "weights as stored (bf16)"
         self.step_bytes = decode_weight_bytes(self.engine.model)
 
     def run(self, prompt: list[int], first: list[int], n: int) -> dict:
-        seconds, _ = timed_prefill(self.engine, prompt, _no_sync, room=1)
+        out = {}
+        if prompt:
+            seconds, _ = timed_prefill(self.engine, prompt, _no_sync, room=1)
+            out["prefill"] = len(prompt) / seconds
         _, logits = timed_prefill(self.engine, first, _no_sync, room=n + 1)
         decode, _ = timed_greedy_decode(self.engine, int(torch.argmax(logits)), len(first), n, _no_sync)
-        return {"prefill": len(prompt) / seconds, "decode": n / decode}
+        out["decode"] = n / decode
+        return out
 
 
 def _no_sync() -> None:
@@ -101,7 +113,8 @@ class Llama:
         out = {}
         for test in json.loads(r.stdout):
             self.version = test.get("build_commit", "?")
-            out["prefill" if test["n_prompt"] else "decode"] = test["avg_ts"]
+            if test["n_prompt"] or test["n_gen"]:
+                out["prefill" if test["n_prompt"] else "decode"] = test["avg_ts"]
         return out
 
 
@@ -109,25 +122,31 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     settings: dict[str, object] = {}
+    names = []
     for scheme, gguf in args.pairs:
-        if f"pocketllm {scheme}" not in settings:
-            settings[f"pocketllm {scheme}"] = Pocket(args.ckpt, scheme)
-        settings[f"llama.cpp {gguf.rsplit('/', 1)[-1]}"] = Llama(args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens, args.gguf_python)
+        ours, theirs = f"pocketllm {'bf16' if scheme == 'none' else scheme}", f"llama.cpp {gguf.rsplit('/', 1)[-1]}"
+        names.append((ours, theirs))
+        if ours not in settings:
+            settings[ours] = Pocket(args.ckpt, scheme)
+        settings[theirs] = Llama(args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens, args.gguf_python)
     vocab = next(s for s in settings.values() if isinstance(s, Pocket)).engine.cfg.vocab_size
-    prompt, first = bench_ids(args.prompt_tokens, vocab), bench_ids(1, vocab)
+    prompt = bench_ids(args.prompt_tokens, vocab) if args.prompt_tokens else []
+    first = bench_ids(1, vocab)
     for s in settings.values():
         if isinstance(s, Pocket):
             s.run(prompt, first, 2)  # warm-up: the first pass at a shape pays for its setup
     figures = {name: {"prefill": [], "decode": []} for name in settings}
+    rates = [max(read_bandwidths_gbps().values())]
     for rep in range(args.reps):
         for name in alternate(list(settings), rep):
             for kind, value in settings[name].run(prompt, first, args.decode_tokens).items():
                 figures[name][kind].append(value)
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-    rate = max(read_bandwidths_gbps().values()) * 1e9
+    rates.append(max(read_bandwidths_gbps().values()))
+    rate = max(rates) * 1e9
     llama_version = next((s.version for s in settings.values() if isinstance(s, Llama)), "")
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama_version}")
-    print(f"threads={args.threads} reps={args.reps} (median, min..max); read rate (1 GiB fp32 sum) {rate / 1e9:.1f} GB/s")
+    print(f"threads={args.threads} reps={args.reps} (median, min..max); read rate (1 GiB fp32 sum, best of before and after) {rate / 1e9:.1f} GB/s ({rates[0]:.1f} before, {rates[1]:.1f} after)")
     for s in settings.values():
         if isinstance(s, Pocket):
             print(s.describe)
@@ -138,11 +157,24 @@ def main(argv=None) -> int:
         limit = rate / s.step_bytes if s.step_bytes else None
         share = f"{statistics.median(dec) / limit:.0%}" if limit else "-"
         mb = f"{s.step_bytes / 1e6:.0f}" if s.step_bytes else "-"
-        print(f"{name:<28}{spread(pre):>26}{spread(dec, 2):>24}{mb:>9}{(f'{limit:.1f}' if limit else '-'):>12}{share:>9}")
+        print(f"{name:<28}{(spread(pre) if pre else '-'):>26}{spread(dec, 2):>24}{mb:>9}{(f'{limit:.1f}' if limit else '-'):>12}{share:>9}")
         summary["settings"][name] = {
-            "prefill": round(statistics.median(pre), 2), "decode": round(statistics.median(dec), 2),
+            "prefill": round(statistics.median(pre), 2) if pre else None, "decode": round(statistics.median(dec), 2),
             "step_bytes": s.step_bytes, "limit_tok_s": round(limit, 2) if limit else None,
         }
+    print("pocketllm over llama.cpp (ratio of medians)")
+    summary["ratios"] = {}
+    for ours, theirs in names:
+        r = {k: round(statistics.median(figures[ours][k]) / statistics.median(figures[theirs][k]), 3) for k in ("prefill", "decode") if figures[ours][k] and figures[theirs][k]}
+        summary["ratios"][f"{ours} / {theirs}"] = r
+        print(f"  {ours} / {theirs}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+    own = figures.get("pocketllm bf16", {}).get("prefill")
+    if own:
+        for ours in dict(names):
+            if ours != "pocketllm bf16" and figures[ours]["prefill"]:
+                r = round(statistics.median(figures[ours]["prefill"]) / statistics.median(own), 3)
+                summary["ratios"][f"{ours} / pocketllm bf16"] = {"prefill": r}
+                print(f"  {ours} / pocketllm bf16: prefill {r:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"figures": figures, "summary": summary}, f, indent=2)
