@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import types
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from pocketllm.engine.runner import Engine
 from pocketllm.loader.fp8 import to_fp8_blocks
 from pocketllm.loader.quantized import projection_keys
 from pocketllm.model_args import plan_model
+from pocketllm.run_plan import RunPlan, SourcePlan
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,11 +65,7 @@ def text_of(args) -> str:
 
 
 def engine(ckpt: str, dtype: str, quantize: str | None) -> Engine:
-    args = types.SimpleNamespace(
-        tp_world=1, dtype=dtype, device="cpu", ckpt=ckpt, preset=None, layers=None, quantize=quantize,
-        comm_overlap_slices=None, pin_slices=None, overlap_policy=None, calibration=None, force_calibration=False,
-    )
-    plan = plan_model(args)
+    plan = plan_model(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype=dtype, quantize=quantize)))
     set_tp(0, 1)
     return Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
 

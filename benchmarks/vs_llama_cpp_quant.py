@@ -24,7 +24,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import types
 
 import torch
 
@@ -36,6 +35,7 @@ from pocketllm.engine.runner import Engine
 from pocketllm.engine.timing import timed_greedy_decode, timed_prefill
 from pocketllm.inputs import bench_ids
 from pocketllm.model_args import plan_model
+from pocketllm.run_plan import RunPlan, SourcePlan
 
 # Bytes of a GGUF's tensors a decode step reads: all but the token embedding (one row of it).
 GGUF_STEP_BYTES = (
@@ -72,10 +72,7 @@ def parse_args(argv=None):
 
 class Pocket:
     def __init__(self, ckpt: str, scheme: str):
-        plan = plan_model(types.SimpleNamespace(
-            tp_world=1, dtype="bfloat16", device="cpu", ckpt=ckpt, preset=None, layers=None, quantize=scheme,
-            comm_overlap_slices=None, pin_slices=None, overlap_policy=None, calibration=None, force_calibration=False,
-        ))
+        plan = plan_model(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype="bfloat16", quantize=scheme)))
         set_tp(0, 1)
         self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
         self.describe = plan.cfg.weights.describe() if plan.cfg.weights else "weights as stored (bf16)"

@@ -9,6 +9,7 @@ import os
 import sys
 
 from pocketllm.errors import UsageError
+from pocketllm.run_plan import RunPlan, received
 from pocketllm.switches import environment_notes
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
@@ -26,7 +27,7 @@ COMMANDS = {
     "allreduce": ("commands.allreduce", "all-reduce cost per payload size, with a latency/bandwidth fit"),
     "calibrate": ("commands.calibrate", "time the overlapped projection per rows x slices and write a calibration"),
     "sweep": ("commands.sweep", "prefill/decode TPS per row count for pinned slice counts and policies"),
-    "gdn-bench": ("bench.gdn_bench", "time the gated delta rule kernels side by side"),
+    "gdn-bench": ("commands.gdn_bench", "time the gated delta rule kernels side by side"),
     "serve": ("commands.serve", "an OpenAI-compatible HTTP server (needs the serve extra)"),
 }
 
@@ -55,14 +56,23 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser(argv).parse_args(argv)
-    if _starts_the_run(args, os.environ):
-        for line in environment_notes(os.environ):
-            print(line, file=sys.stderr, flush=True)
     try:
-        mod = args._module
-        runner = getattr(mod, "run", None) or (lambda a, _argv: mod.main(a))
-        return int(runner(args, argv) or 0)
+        given = received(os.environ)
+    except UsageError as exc:
+        print(f"pocketllm: error: {exc}", file=sys.stderr)
+        return 2
+    if given is None:
+        args = build_parser(argv).parse_args(argv)
+        if _starts_the_run(args, os.environ):
+            for line in environment_notes(os.environ):
+                print(line, file=sys.stderr, flush=True)
+    try:
+        if given is not None:
+            # A rank the launcher started: it runs on the launcher's plan, not on a command line.
+            command, text = given
+            mod = importlib.import_module(f"pocketllm.{COMMANDS[command][0]}")
+            return int(mod.execute(RunPlan.from_json(text, mod.Task)) or 0)
+        return int(args._module.run(args, argv) or 0)
     except UsageError as exc:
         print(f"pocketllm: error: {exc}", file=sys.stderr)
         return 2

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.errors import UsageError
+from pocketllm.run_plan import BACKENDS
 from pocketllm.switches import env_value
 from pocketllm.topology import physical_cores
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 DEVICE_HELP = "auto (default), cpu, cuda, npu, or N: device N of the one auto finds (the seed's --device 0; on CPU only 0)"
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # Set by the launcher for each rank it pinned: that its cores are its own (the rank reads them from
 # its affinity; the value lists them as a cpulist, for anyone inspecting the process).
 ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
@@ -126,12 +126,10 @@ def device_index(requested: str) -> int | None:
     return parse_device(requested)[1]
 
 
-def setup_device(requested: str, local_rank: int, world: int) -> DeviceInfo:
-    """Bind this rank to its device (the index --device names, else its local rank's); on CPU give
-    it one torch thread per physical core it may run on: all of them when the launcher pinned it,
-    else its share of them."""
-    kind = resolve_kind(requested)
-    index = device_index(requested)
+def setup_device(kind: str, index: int | None, local_rank: int, world: int) -> DeviceInfo:
+    """Bind this rank to its device (of the run plan's resolved kind: device `index` when --device
+    named one, else its local rank's); on CPU give it one torch thread per physical core it may
+    run on: all of them when the launcher pinned it, else its share of them."""
     info = DeviceInfo(kind, (local_rank if index is None else index) if kind != "cpu" else 0)
     if kind == "cuda":
         torch.cuda.set_device(info.index)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from pocketllm.config import ModelConfig
@@ -85,39 +86,47 @@ def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int
     return ids
 
 
-def prompt_ids(args, cfg: ModelConfig) -> list[int]:
+@dataclass(frozen=True)
+class PromptSource:
+    """The prompt flags a command was given (at most one kind of them), and its new tokens."""
+
+    prompt: tuple[str, ...] | None = None  # --prompt, text through the tokenizer
+    prompts_file: str | None = None
+    token_ids: tuple[str, ...] | None = None  # --token-ids, each a list of ids as given
+    token_ids_file: str | None = None
+    max_new_tokens: int = 0
+
+
+def prompt_ids(src: PromptSource, cfg: ModelConfig, ckpt: str | None) -> list[int]:
     """The prompt from --token-ids, --token-ids-file or --prompt (exactly one)."""
-    prompts = prompt_list(args, cfg)
+    prompts = prompt_list(src, cfg, ckpt)
     if len(prompts) > 1:
         raise UsageError("this command takes one prompt; give --prompt once")
     return prompts[0] if prompts else []
 
 
-def prompt_list(args, cfg: ModelConfig) -> list[list[int]]:
+def prompt_list(src: PromptSource, cfg: ModelConfig, ckpt: str | None) -> list[list[int]]:
     """Every prompt given: --token-ids or --prompt (either repeatable), --token-ids-file or
-    --prompts-file (one text prompt per line), one kind of them; [] when none is given."""
-    texts = getattr(args, "prompt", None)
-    if isinstance(texts, str):
-        texts = [texts]
-    given = [n for n in ("token_ids", "token_ids_file", "prompt", "prompts_file") if getattr(args, n, None) is not None]
+    --prompts-file (one text prompt per line), one kind of them; [] when none is given. Text is
+    tokenized with the checkpoint `ckpt`'s tokenizer."""
+    given = [n for n in ("token_ids", "token_ids_file", "prompt", "prompts_file") if getattr(src, n) is not None]
     if len(given) > 1:
         flags = ", ".join("--" + n.replace("_", "-") for n in given)
         raise UsageError(f"give only one of --prompt, --prompts-file, --token-ids, --token-ids-file (got {flags})")
-    if args.token_ids is not None:
-        lists = [args.token_ids] if isinstance(args.token_ids, str) else args.token_ids
-        prompts = [parse_token_ids(text, "--token-ids") for text in lists]
-    elif args.token_ids_file is not None:
-        prompts = [read_token_ids_file(args.token_ids_file)]
-    elif texts is not None:
-        if not all(texts):
+    if src.token_ids is not None:
+        prompts = [parse_token_ids(text, "--token-ids") for text in src.token_ids]
+    elif src.token_ids_file is not None:
+        prompts = [read_token_ids_file(src.token_ids_file)]
+    elif src.prompt is not None:
+        if not all(src.prompt):
             raise UsageError("the prompt is empty: give at least one token")
-        tok = load_tokenizer(args.ckpt)
-        prompts = [tok.encode(t).ids for t in texts]
-    elif getattr(args, "prompts_file", None) is not None:
-        prompts = _read_prompts_file(args.prompts_file, args.ckpt)
+        tok = load_tokenizer(ckpt)
+        prompts = [tok.encode(t).ids for t in src.prompt]
+    elif src.prompts_file is not None:
+        prompts = _read_prompts_file(src.prompts_file, ckpt)
     else:
         return []
-    return [check_ids(ids, cfg, args.max_new_tokens) for ids in prompts]
+    return [check_ids(ids, cfg, src.max_new_tokens) for ids in prompts]
 
 
 def _read_prompts_file(path: str, ckpt: str | None) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """Starting local ranks and ending them: the launcher. `--tp-world N` alone makes this process
-start N ranks of the same command (re-run with the rank in the environment, each pinned to its own
+start N ranks of the same command (re-run with the rank and the run plan in the environment, each pinned to its own
 whole cores, on one NUMA node where the ranks fit per node: pocketllm/topology.py), rendezvous
 through a fresh private directory, watch them, and stop them all when one fails or the launcher
 gets SIGINT/SIGTERM. Its last line names the failure that ended the run
@@ -37,6 +37,7 @@ from pocketllm import failures, topology
 from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus
 from pocketllm.distributed import rendezvous, waiting
 from pocketllm.errors import UsageError
+from pocketllm.run_plan import ENV_PLAN, RunPlan
 from pocketllm.switches import env_switch, env_value
 
 ENV_RANK = "POCKETLLM_LAUNCH_RANK"
@@ -55,13 +56,15 @@ FORWARDED_SIGNAL_GRACE_SECONDS = 8.0
 ROOT_CAUSE_WAIT_SECONDS = 1.0
 
 
-def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False, cpus: str | None = None) -> int:
-    """Start `world` ranks of this same command and supervise them. When one fails, stop the rest
-    and name the first failure; on SIGINT/SIGTERM stop every rank. With forward_signals the first
-    SIGINT/SIGTERM goes to rank 0 instead, which ends the run itself (every rank exiting 0 is a
-    clean exit, 0); a second signal, or the ranks still running FORWARDED_SIGNAL_GRACE_SECONDS
-    later, stops them all. `cpus` is --cpus (else POCKETLLM_CPUS; else the launcher plans the
-    map from its own cores). Returns the exit status."""
+def spawn_local_ranks(run: RunPlan, forward_signals: bool = False) -> int:
+    """Start the plan's world of ranks of its command, each given the plan (ENV_PLAN) rather than
+    the command line, and supervise them. When one fails, stop the rest and name the first
+    failure; on SIGINT/SIGTERM stop every rank. With forward_signals the first SIGINT/SIGTERM goes
+    to rank 0 instead, which ends the run itself (every rank exiting 0 is a clean exit, 0); a
+    second signal, or the ranks still running FORWARDED_SIGNAL_GRACE_SECONDS later, stops them
+    all. The plan's cpus are --cpus (else POCKETLLM_CPUS; else the launcher plans the map from its
+    own cores). Returns the exit status."""
+    world, cpus, plan_json = run.world.size, run.world.cpus, run.to_json()
     # Read here only so that a bad value starts no rank; each rank reads it for its own backend.
     env_switch(os.environ, waiting.ENV_POLL, default=True)
     ranks, line = pin_map(world, cpus)
@@ -86,6 +89,7 @@ def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False
             env = dict(
                 os.environ,
                 **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), failures.ENV_REPORT: failures.report_path(rdzv_dir, rank)},
+                **{ENV_PLAN: plan_json},
             )
             if cpus is not None:
                 env[ENV_RANK_CPUS] = topology.format_cpulist(cpus)
@@ -94,7 +98,9 @@ def spawn_local_ranks(world: int, argv: list[str], forward_signals: bool = False
             nodes = ranks[rank].nodes if bind is not None else None
             preexec = _rank_preexec(os.getpid(), cpus, bind, nodes)
             # stdin closed: a rank in its own process group must never stop on a terminal read.
-            procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm", *argv], env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec))
+            # The command's name alone on the command line, for whoever lists the processes: the
+            # rank takes its settings from the plan.
+            procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm", run.command], env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec))
         outcome = _supervise(procs, wake_r, signals, rdzv_dir, forward_signals)
         _stop(procs)
         if outcome is None:

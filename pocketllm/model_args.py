@@ -1,5 +1,5 @@
-"""The flags every model command shares, and turning them into a checked plan: the config, the
-weight source, the dtype and the slice policy. Everything here runs before any rank starts."""
+"""The flags every model command shares, and the run plan's model checked: the config, the weight
+source, the dtype and the slice policy. Everything here runs before any rank starts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.config import ModelConfig, check_tp_split, load_config
-from pocketllm.device import BACKENDS, DEVICE_HELP, resolve_kind
+from pocketllm.device import DEVICE_HELP
 from pocketllm.distributed.calibration import check_calibration
 from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
@@ -24,9 +24,9 @@ from pocketllm.ops import registry
 from pocketllm.ops.gated_delta import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 from pocketllm.quantization import SCHEME_HELP, parse_scheme
+from pocketllm.run_plan import RunPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_DIST_TIMEOUT = {"gloo": 120.0, "nccl": 600.0, "hccl": 600.0}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -137,45 +137,43 @@ def preset_config(name: str, layers: int | None) -> ModelConfig:
     return cfg if layers is None else cfg.with_layers(layers)
 
 
-def plan_model(args, with_policy: bool = True) -> ModelPlan:
-    """The checked plan. Without a policy (calibrate, which times slice counts under none) the
-    plan's policy is None. A command without --pin-slices or --overlap-policy (sweep) plans as
-    though they were not given."""
-    if args.tp_world < 1:
-        raise UsageError(f"--tp-world must be >= 1, got {args.tp_world}")
-    dtype = parse_dtype(args.dtype)
-    kind = resolve_kind(args.device)
+def plan_model(run: RunPlan, with_policy: bool = True) -> ModelPlan:
+    """The checked plan of the run's model. Without a policy (calibrate, which times slice counts
+    under none) the plan's policy is None."""
+    source, world, kind = run.source, run.world.size, run.device.kind
+    if world < 1:
+        raise UsageError(f"--tp-world must be >= 1, got {world}")
+    dtype = parse_dtype(source.dtype)
     registry.check_forced([registry.dtype_format(dtype)], kind)
     gdn_kernel = plan_gdn_kernel(kind, dtype)
     policy = None
     if with_policy:
-        pin, overlap_policy = getattr(args, "pin_slices", None), getattr(args, "overlap_policy", None)
-        policy = resolve_policy(pin, args.comm_overlap_slices, overlap_policy=overlap_policy, calibration=args.calibration)
-    if args.ckpt is not None and args.preset is not None:
+        s = run.slices
+        policy = resolve_policy(s.pin, s.ceiling, overlap_policy=s.overlap_policy, calibration=s.calibration)
+    if source.ckpt is not None and source.preset is not None:
         raise UsageError("give either --ckpt or --preset, not both")
-    quantize = getattr(args, "quantize", None)
-    requested = UNSET if quantize is None else parse_scheme(quantize)
-    if args.ckpt is not None:
-        reader = CheckpointReader(args.ckpt)
-        cfg = load_config(args.ckpt)
-        if args.layers is not None:
-            if args.layers > cfg.num_layers:
-                raise UsageError(f"--layers {args.layers}: the checkpoint has only {cfg.num_layers} layers")
-            cfg = cfg.with_layers(args.layers)
+    requested = UNSET if source.quantize is None else parse_scheme(source.quantize)
+    if source.ckpt is not None:
+        reader = CheckpointReader(source.ckpt)
+        cfg = load_config(source.ckpt)
+        if source.layers is not None:
+            if source.layers > cfg.num_layers:
+                raise UsageError(f"--layers {source.layers}: the checkpoint has only {cfg.num_layers} layers")
+            cfg = cfg.with_layers(source.layers)
         cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested))
-        check_tp_split(cfg, args.tp_world)
-        check_split(cfg, cfg.weights, args.tp_world)
+        check_tp_split(cfg, world)
+        check_split(cfg, cfg.weights, world)
         _check_forced_quantized(cfg, kind)
         validate_source(reader, cfg)
         reader.close()
-        return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), args.ckpt, None, reader, gdn_kernel)
-    preset = args.preset or DEFAULT_PRESET
-    cfg = preset_config(preset, args.layers)
+        return ModelPlan(cfg, dtype, _checked_policy(policy, run, cfg), source.ckpt, None, reader, gdn_kernel)
+    preset = source.preset or DEFAULT_PRESET
+    cfg = preset_config(preset, source.layers)
     cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, None, requested))
-    check_tp_split(cfg, args.tp_world)
-    check_split(cfg, cfg.weights, args.tp_world)
+    check_tp_split(cfg, world)
+    check_split(cfg, cfg.weights, world)
     _check_forced_quantized(cfg, kind)
-    return ModelPlan(cfg, dtype, _checked_policy(policy, args, cfg), None, preset, gdn_kernel=gdn_kernel)
+    return ModelPlan(cfg, dtype, _checked_policy(policy, run, cfg), None, preset, gdn_kernel=gdn_kernel)
 
 
 def _check_forced_quantized(cfg: ModelConfig, kind: str) -> None:
@@ -184,19 +182,19 @@ def _check_forced_quantized(cfg: ModelConfig, kind: str) -> None:
         registry.check_forced(cfg.weights.formats(), kind)
 
 
-def _checked_policy(policy: PolicyChoice | None, args, cfg: ModelConfig) -> PolicyChoice | None:
-    return None if policy is None else checked_for_run(policy, args, cfg.hidden_size)
+def _checked_policy(policy: PolicyChoice | None, run: RunPlan, cfg: ModelConfig) -> PolicyChoice | None:
+    return None if policy is None else checked_for_run(policy, run, cfg.hidden_size)
 
 
-def checked_for_run(choice: PolicyChoice, args, hidden: int) -> PolicyChoice:
+def checked_for_run(choice: PolicyChoice, run: RunPlan, hidden: int) -> PolicyChoice:
     """The plan's policy, with a calibrated one checked against the run it would drive: the
-    backend --device resolves to, --tp-world, the model's hidden size and --dtype."""
+    backend the device resolved to, the world, the model's hidden size and the dtype."""
     policy = choice.policy
     if not isinstance(policy, CalibratedPolicy):
         return choice
-    backend = BACKENDS[resolve_kind(args.device)]
-    force = bool(getattr(args, "force_calibration", False))
-    note = check_calibration(policy.calibration, policy.source, backend, args.tp_world, hidden, args.dtype, force)
+    note = check_calibration(
+        policy.calibration, policy.source, run.device.backend, run.world.size, hidden, run.source.dtype, run.slices.force_calibration
+    )
     return PolicyChoice(policy, "; ".join(n for n in (choice.note, note) if n) or None)
 
 
@@ -207,10 +205,6 @@ def check_out_path(path: str | None, flag: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"{flag} {path}: directory {directory} does not exist")
-
-
-def dist_timeout(args, backend: str) -> float:
-    return args.dist_timeout if args.dist_timeout is not None else DEFAULT_DIST_TIMEOUT[backend]
 
 
 def say(*parts, rank0: bool = True) -> None:

@@ -52,6 +52,7 @@ INTERNAL = {
     "POCKETLLM_LAUNCH_REPORT": "where this rank leaves its one-line failure report",
     "POCKETLLM_RANK_CPUS": "the cores the launcher pinned this rank to",
     "POCKETLLM_LAUNCH_PIN_MAP": "the pinning map, for rank 0 to print",
+    "POCKETLLM_LAUNCH_PLAN": "the run plan every rank runs on (pocketllm/run_plan.py)",
 }
 
 # The seed's names, read only when the POCKETLLM_* name is unset or empty: the new name wins.

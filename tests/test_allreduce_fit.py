@@ -117,22 +117,23 @@ def test_under_torchrun_the_default_world_is_world_size(capsys, no_ranks, monkey
 # One hand-started rank of run_without_model: prepare leaves a file naming the rank that ran it and
 # returns that process's id; work writes down the id it was given.
 _RANK_SCRIPT = """
-import argparse, os, sys
+import os, sys
 from pocketllm.commands.ranked import run_without_model
+from pocketllm.run_plan import DevicePlan, RunPlan, WorldPlan
 
 rank, id_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-args = argparse.Namespace(tp_world=2, tp_rank=rank, rendezvous_file=id_path, device="cpu", dist_timeout=60.0)
+run = RunPlan("allreduce", DevicePlan("cpu", "cpu"), WorldPlan(2, rank, id_path, dist_timeout=60.0))
 
-def prepare(args):
+def prepare(run):
     open(os.path.join(out, f"prepared.{rank}"), "w").close()
     return os.getpid()
 
-def work(args, device, inputs):
+def work(run, device, inputs):
     with open(os.path.join(out, f"inputs.{rank}"), "w") as f:
         f.write(str(inputs))
     return 0
 
-sys.exit(run_without_model(args, [], prepare, work))
+sys.exit(run_without_model(run, prepare, work))
 """
 
 

@@ -156,7 +156,7 @@ def test_a_rank_takes_a_thread_per_physical_core(pinned, threads, tmp_path, monk
         monkeypatch.delenv(device.ENV_RANK_CPUS, raising=False)
     saved = torch.get_num_threads()
     try:
-        device.setup_device("cpu", local_rank=0, world=2)
+        device.setup_device("cpu", None, local_rank=0, world=2)
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(saved)

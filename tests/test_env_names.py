@@ -21,7 +21,7 @@ from pocketllm.distributed.policy import resolve_ceiling, resolve_policy
 from pocketllm.model_args import add_rank_args
 from pocketllm.ops.gated_delta import plan_gdn_kernel
 from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
-from pocketllm.profiling.profiler import profile_options
+from pocketllm.profiling.options import profile_options
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_a_bad_rendezvous_wait_names_the_alias():
     ids=["phase-alias", "host-alias", "new-name-wins"],
 )
 def test_the_seeds_profile_switches_are_aliases(env, phase, host):
-    options = profile_options(argparse.Namespace(), env)
+    options = profile_options(env=env)
     assert (options.phase, options.host) == (phase, host)
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from pocketllm.bench import gdn_bench
+from pocketllm.commands import gdn_bench as command
 from pocketllm.errors import UsageError
 
 
 def parse(*argv):
     parser = argparse.ArgumentParser()
-    gdn_bench.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    command.add_arguments(parser)
+    return command.spec_of(parser.parse_args(list(argv)))
 
 
 TINY = ("--tokens", "130", "--reps", "2", "--key-heads", "2", "--value-heads", "4", "--head-dim", "32", "--threads", "1", "--device", "cpu")

@@ -1,4 +1,5 @@
-"""`pocketllm gdn-bench`: time the gated delta rule kernels on one layer's shapes.
+"""`pocketllm gdn-bench` (its flags: pocketllm/commands/gdn_bench.py): time the gated delta rule
+kernels on one layer's shapes.
 
 Runs pocketllm's chunked and per-token kernels, the device kernel the engine would run on
 --device (fla on CUDA, torch_npu's op on Ascend, where installed and the dtype allows) and, when
@@ -17,29 +18,19 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
-from pocketllm.device import DEVICE_HELP, DeviceInfo, device_index, resolve_kind
-from pocketllm.model_args import DTYPES, parse_dtype
+from pocketllm.device import DeviceInfo
+from pocketllm.model_args import parse_dtype
 from pocketllm.ops.gated_delta.backends import select_gdn_kernel
 from pocketllm.ops.gated_delta.chunked import DEFAULT_CHUNK_SIZE, gated_delta_rule_chunked, matmul_flops
 from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
+from pocketllm.run_plan import DevicePlan
 
 # Worst relative error (max |diff| / max |reference|) accepted between kernels, per input dtype.
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=4096, help="sequence length (default 4096)")
-    add_head_arguments(parser)
-    parser.add_argument("--dtype", default="float32", help="input dtype: " + ", ".join(DTYPES))
-    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
-    parser.add_argument("--reps", type=int, default=5, help="timed reps per kernel (default 5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: unchanged)")
-    parser.add_argument(
-        "--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help=f"pocketllm chunk size (default {DEFAULT_CHUNK_SIZE})"
-    )
 
 
 def add_head_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,24 +41,37 @@ def add_head_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="key and value head dim (default 128)")
 
 
-def _validate(args) -> torch.dtype:
+@dataclass(frozen=True)
+class GdnBenchSpec:
+    """What `pocketllm gdn-bench` times: the shape, the dtype, the resolved device and the reps."""
+
+    device: DevicePlan
+    tokens: int = 4096
+    key_heads: int = 4
+    value_heads: int = 12
+    head_dim: int = 128
+    dtype: str = "float32"
+    reps: int = 5
+    threads: int | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+
+def _validate(spec: GdnBenchSpec) -> torch.dtype:
     from pocketllm.errors import UsageError
 
-    if args.tokens < 1:
-        raise UsageError(f"--tokens must be >= 1; got {args.tokens}")
-    if args.key_heads < 1 or args.value_heads < 1 or args.value_heads % args.key_heads:
+    if spec.tokens < 1:
+        raise UsageError(f"--tokens must be >= 1; got {spec.tokens}")
+    if spec.key_heads < 1 or spec.value_heads < 1 or spec.value_heads % spec.key_heads:
         raise UsageError(
-            f"--value-heads ({args.value_heads}) must be a positive multiple of --key-heads ({args.key_heads})"
+            f"--value-heads ({spec.value_heads}) must be a positive multiple of --key-heads ({spec.key_heads})"
         )
-    if args.head_dim < 1 or args.reps < 1 or args.chunk_size < 1:
+    if spec.head_dim < 1 or spec.reps < 1 or spec.chunk_size < 1:
         raise UsageError(
-            f"--head-dim, --reps and --chunk-size must be >= 1; got {args.head_dim}, {args.reps}, {args.chunk_size}"
+            f"--head-dim, --reps and --chunk-size must be >= 1; got {spec.head_dim}, {spec.reps}, {spec.chunk_size}"
         )
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1; got {args.threads}")
-    dtype = parse_dtype(args.dtype)
-    resolve_kind(args.device)
-    return dtype
+    if spec.threads is not None and spec.threads < 1:
+        raise UsageError(f"--threads must be >= 1; got {spec.threads}")
+    return parse_dtype(spec.dtype)
 
 
 def make_inputs(T: int, Hk: int, Hv: int, D: int, dtype: torch.dtype, seed: int = 0, Dv: int | None = None):
@@ -122,9 +126,9 @@ def measure_matmul_rates(Hv: int, T: int, D: int, chunk: int, reps: int = 5, dev
     return all_chunks, one_chunk
 
 
-def _variants(args, inputs, device_kernel=None):
+def _variants(spec: GdnBenchSpec, inputs, device_kernel=None):
     q, k, v, g, beta = inputs
-    C = args.chunk_size
+    C = spec.chunk_size
     variants = {
         "pocketllm chunked": lambda: gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=C),
         "pocketllm recurrent": lambda: gated_delta_rule_recurrent(q, k, v, g, beta),
@@ -189,35 +193,35 @@ def _check_agreement(results, tolerance: float) -> bool:
     return agree
 
 
-def main(args) -> int:
-    dtype = _validate(args)
-    kind = resolve_kind(args.device)
-    device = DeviceInfo(kind, (device_index(args.device) or 0) if kind != "cpu" else 0)
+def main(spec: GdnBenchSpec) -> int:
+    dtype = _validate(spec)
+    kind = spec.device.kind
+    device = DeviceInfo(kind, (spec.device.index or 0) if kind != "cpu" else 0)
     if device.kind == "cuda":
         torch.cuda.set_device(device.index)
     elif device.kind == "npu":
         torch.npu.set_device(device.index)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    T, Hk, Hv, D = args.tokens, args.key_heads, args.value_heads, args.head_dim
-    C = min(args.chunk_size, T)
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    T, Hk, Hv, D = spec.tokens, spec.key_heads, spec.value_heads, spec.head_dim
+    C = min(spec.chunk_size, T)
     kernel = select_gdn_kernel(device.torch_device, dtype)
     device_kernel = kernel if kernel.name in ("fla", "npu") else None
-    print(f"gdn-bench: T={T} Hk={Hk} Hv={Hv} D={D} dtype={args.dtype} chunk={args.chunk_size} device={device.describe()} "
-          f"threads={torch.get_num_threads()} reps={args.reps}; engine's kernel here: {kernel.describe()}", file=sys.stderr)
+    print(f"gdn-bench: T={T} Hk={Hk} Hv={Hv} D={D} dtype={spec.dtype} chunk={spec.chunk_size} device={device.describe()} "
+          f"threads={torch.get_num_threads()} reps={spec.reps}; engine's kernel here: {kernel.describe()}", file=sys.stderr)
 
     def inputs(seed):
         return tuple(x.to(device.torch_device) for x in make_inputs(T, Hk, Hv, D, dtype, seed=seed))
 
-    variants = _variants(args, inputs(0), device_kernel)
+    variants = _variants(spec, inputs(0), device_kernel)
     # Warm every kernel at the timed shape, so first-call and per-shape costs stay out of the timings.
-    for fn in _variants(args, inputs(1), device_kernel).values():
+    for fn in _variants(spec, inputs(1), device_kernel).values():
         fn()
-    times, results = _time_interleaved(variants, args.reps, device.synchronize)
+    times, results = _time_interleaved(variants, spec.reps, device.synchronize)
     agree = _check_agreement(results, TOLERANCE[dtype])
 
     chunked = statistics.median(times["pocketllm chunked"])
-    flops = matmul_flops(T, Hk, Hv, D, D, args.chunk_size)
+    flops = matmul_flops(T, Hk, Hv, D, D, spec.chunk_size)
     achieved = flops / chunked / 1e9
     rate, pass_rate = measure_matmul_rates(Hv, T, D, C, device=device)
     print(f"{'kernel':24s} {'median ms':>10s} {'min..max ms':>19s} {'us/tok/head':>12s} {'x chunked':>10s}")

@@ -4,16 +4,18 @@ this machine's backend, ending in the fit time = fixed + bytes / bandwidth."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
-from pocketllm.commands.ranked import DEFAULT_WORLD, run_without_model
+from pocketllm.commands.ranked import run_without_model
+from pocketllm.commands.settings import DEFAULT_WORLD, world_only_plan
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
 from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
 from pocketllm.model_args import add_rank_args, check_out_path, parse_dtype, say
+from pocketllm.run_plan import RunPlan
 
 
 def add_arguments(p) -> None:
@@ -27,42 +29,62 @@ def add_arguments(p) -> None:
     p.add_argument("--json", help="also write the table, the fit and the settings to this file")
 
 
-def _work(args, device, _inputs) -> int:
-    dtype = parse_dtype(args.dtype)
-    sizes = size_ladder(parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes"), args.factor, dtype.itemsize)
-    say(f"all-reduce on {collective.name()}, {tp().world} ranks, {device.describe()}, {args.dtype}, {len(sizes)} sizes x {args.iters} calls")
-    results, fit = sweep_sizes(sizes, dtype, device, args.iters, args.warmup_iters, tp().world)
+@dataclass(frozen=True)
+class Task:
+    """allreduce's own settings in the run plan."""
+
+    min_bytes: str = "1K"
+    max_bytes: str = "64M"
+    factor: int = 2
+    iters: int = 20
+    warmup_iters: int = 5
+    dtype: str = "bfloat16"
+    json: str | None = None
+
+
+def _work(run, device, _inputs) -> int:
+    t = run.task
+    dtype = parse_dtype(t.dtype)
+    sizes = size_ladder(parse_size(t.min_bytes, "--min-bytes"), parse_size(t.max_bytes, "--max-bytes"), t.factor, dtype.itemsize)
+    say(f"all-reduce on {collective.name()}, {tp().world} ranks, {device.describe()}, {t.dtype}, {len(sizes)} sizes x {t.iters} calls")
+    results, fit = sweep_sizes(sizes, dtype, device, t.iters, t.warmup_iters, tp().world)
     if tp().rank == 0:
         for line in format_table(results):
             print(line)
         print(fit.line(), flush=True)
-        if args.json:
+        if t.json:
             out = {
                 "backend": device.backend,
                 "collective": collective.name(),
                 "device": device.describe(),
                 "world": tp().world,
-                "dtype": args.dtype,
-                "iters": args.iters,
+                "dtype": t.dtype,
+                "iters": t.iters,
                 "threads_per_rank": torch.get_num_threads(),
                 "sizes": [asdict(r) for r in results],
                 "fit": fit.to_json(),
             }
-            with open(args.json, "w") as f:
+            with open(t.json, "w") as f:
                 json.dump(out, f, indent=2)
     return 0
 
 
-def _check(args) -> None:
+def _check(run) -> None:
     """Every flag checked in the launcher, before any rank starts."""
-    parse_dtype(args.dtype)
-    size_ladder(parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes"), args.factor, 1)
-    if args.iters < 1:
-        raise UsageError(f"--iters must be >= 1, got {args.iters}")
-    if args.warmup_iters < 0:
-        raise UsageError(f"--warmup-iters must be >= 0, got {args.warmup_iters}")
-    check_out_path(args.json, "--json")
+    t = run.task
+    parse_dtype(t.dtype)
+    size_ladder(parse_size(t.min_bytes, "--min-bytes"), parse_size(t.max_bytes, "--max-bytes"), t.factor, 1)
+    if t.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {t.iters}")
+    if t.warmup_iters < 0:
+        raise UsageError(f"--warmup-iters must be >= 0, got {t.warmup_iters}")
+    check_out_path(t.json, "--json")
 
 
 def run(args, argv) -> int:
-    return run_without_model(args, argv, _check, _work)
+    task = Task(args.min_bytes, args.max_bytes, args.factor, args.iters, args.warmup_iters, args.dtype, args.json)
+    return execute(world_only_plan(args, task))
+
+
+def execute(run: RunPlan) -> int:
+    return run_without_model(run, _check, _work)

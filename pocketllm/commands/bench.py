@@ -7,14 +7,17 @@ the seed's name, taking the seed's section 8 rank command as written (docs/seed.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_with_model, run_settings
+from pocketllm.commands.settings import model_plan, source_plan, tuple_or_none
 from pocketllm.distributed.state import tp
 from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, warm_up_batch
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens
-from pocketllm.inputs import bench_ids, check_ids, prompt_ids
+from pocketllm.inputs import PromptSource, bench_ids, check_ids, prompt_ids
 from pocketllm.model_args import add_model_args, check_out_path
+from pocketllm.run_plan import RunPlan
 
 
 def add_arguments(p) -> None:
@@ -34,27 +37,39 @@ def add_arguments(p) -> None:
     seed.add_argument("--smoke-layers", type=int, metavar="N", help="run the first N layers, 0 for all (the seed's --layers)")
 
 
-def seed_layers(args) -> None:
-    """--smoke-layers N as --layers (0: every layer), before anything reads --layers."""
+@dataclass(frozen=True)
+class Task:
+    """bench's own settings in the run plan."""
+
+    prompt: PromptSource
+    prompt_tokens: int = 512
+    batch: int = 1
+    warmup_tokens: int | None = None
+    json: str | None = None
+
+
+def seed_layers(args) -> int | None:
+    """--layers, or --smoke-layers N standing for it (0: every layer)."""
     n = args.smoke_layers
     if n is None:
-        return
+        return args.layers
     if n < 0:
         raise UsageError(f"--smoke-layers must be >= 0 (0 runs every layer), got {n}")
     layers = n or None
     if args.layers is not None and args.layers != layers:
         raise UsageError(f"--smoke-layers {n} and --layers {args.layers} disagree: give one")
-    args.layers = layers
+    return layers
 
 
-def _prepare(args, plan):
-    ids = prompt_ids(args, plan.cfg) or check_ids(bench_ids(args.prompt_tokens, plan.cfg.vocab_size), plan.cfg, args.max_new_tokens)
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {args.max_new_tokens}")
-    check_warmup_tokens(args.warmup_tokens)
-    check_out_path(args.json, "--json")
-    if args.batch < 1:
-        raise UsageError(f"--batch must be >= 1, got {args.batch}")
+def _prepare(run, plan):
+    t = run.task
+    ids = prompt_ids(t.prompt, plan.cfg, run.source.ckpt) or check_ids(bench_ids(t.prompt_tokens, plan.cfg.vocab_size), plan.cfg, t.prompt.max_new_tokens)
+    if t.prompt.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {t.prompt.max_new_tokens}")
+    check_warmup_tokens(t.warmup_tokens)
+    check_out_path(t.json, "--json")
+    if t.batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {t.batch}")
     return ids
 
 
@@ -74,25 +89,27 @@ def format_result(r: dict) -> str:
     return " ".join(parts)
 
 
-def _work(args, plan, ids, engine, device) -> int:
-    if args.batch == 1:
-        warm_up(engine, ids, [len(ids)], device.synchronize, args.warmup_tokens)
+def _work(run, plan, ids, engine, device) -> int:
+    t = run.task
+    new_tokens = t.prompt.max_new_tokens
+    if t.batch == 1:
+        warm_up(engine, ids, [len(ids)], device.synchronize, t.warmup_tokens)
         with engine.tagged(timed=True):
-            result = timed_prefill_decode(engine, ids, args.max_new_tokens, device.synchronize)
+            result = timed_prefill_decode(engine, ids, new_tokens, device.synchronize)
     else:
-        prompts = [ids[i % len(ids) :] + ids[: i % len(ids)] for i in range(args.batch)]
-        warm_up_batch(engine, prompts, device.synchronize, args.warmup_tokens)
+        prompts = [ids[i % len(ids) :] + ids[: i % len(ids)] for i in range(t.batch)]
+        warm_up_batch(engine, prompts, device.synchronize, t.warmup_tokens)
         with engine.tagged(timed=True):
-            result = timed_batch(engine, prompts, args.max_new_tokens, device.synchronize)
+            result = timed_batch(engine, prompts, new_tokens, device.synchronize)
     rss = peak_rss_mib_per_rank()
     load_peak = per_rank(engine.load_peak_mib)
     weights = per_rank(engine.loaded_bytes / 2**20)
     cpus = cpus_per_rank()
     if tp().rank == 0:
         print(format_result(result), flush=True)
-        if args.json:
+        if t.json:
             settings = {
-                **run_settings(args, plan, device),
+                **run_settings(run, plan, device),
                 "policy": plan.policy.policy.describe(),
                 "gdn_kernel": engine.gdn_kernel.name if engine.gdn_kernel else None,
                 "peak_rss_mib_per_rank": rss,
@@ -103,11 +120,16 @@ def _work(args, plan, ids, engine, device) -> int:
                 "kernels": engine.kernels.to_json(),
                 "decode_ops": engine.model.decode_ops.describe(),
             }
-            with open(args.json, "w") as f:
+            with open(t.json, "w") as f:
                 json.dump({**result, "settings": settings}, f, indent=2)
     return 0
 
 
 def run(args, argv) -> int:
-    seed_layers(args)
-    return run_with_model(args, argv, _prepare, _work)
+    prompt = PromptSource(token_ids=tuple_or_none(args.token_ids), token_ids_file=args.token_ids_file, max_new_tokens=args.max_new_tokens)
+    task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json)
+    return execute(model_plan(args, task, source=source_plan(args, seed_layers(args))))
+
+
+def execute(run: RunPlan) -> int:
+    return run_with_model(run, _prepare, _work)

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pocketllm.commands.progress import row_progress
-from pocketllm.commands.ranked import DEFAULT_WORLD, run_without_model
+from pocketllm.commands.ranked import run_without_model
+from pocketllm.commands.settings import DEFAULT_WORLD, source_plan, world_only_plan
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
@@ -36,6 +37,7 @@ from pocketllm.flags import parse_positive_list
 from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say
 from pocketllm.ops.quant.layout import quantize
 from pocketllm.ops.registry import FEW_MAX, KernelSet
+from pocketllm.run_plan import RunPlan, SlicePlan
 
 # Short passes are repeated inside one timing so that each timing covers at least this many rows;
 # a 256-row unit is a few milliseconds, which a scheduler tick can double.
@@ -91,18 +93,29 @@ def site_schemes(cfg: ModelConfig) -> dict:
     return {site: cfg.weights.scheme_for(key) for site, key in keys.items()}
 
 
-def _prepare(args):
-    rows = parse_positive_list(args.rows, "--rows")
-    pins = parse_positive_list(args.pin, "--pin")
-    if args.reps < 1:
-        raise UsageError(f"--reps must be >= 1, got {args.reps}")
+@dataclass(frozen=True)
+class Task:
+    """calibrate's own settings in the run plan."""
+
+    rows: str = "256,512,1024,2048,4096,8192"
+    pin: str = "1,2,4,8"
+    reps: int = 3
+    out: str = ""
+
+
+def _prepare(run):
+    t = run.task
+    rows = parse_positive_list(t.rows, "--rows")
+    pins = parse_positive_list(t.pin, "--pin")
+    if t.reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {t.reps}")
     # The calibration measures what a policy would be built from, under none: a pin or a stale
     # calibration in the environment does not apply to it.
-    plan = plan_model(args, with_policy=False)
-    check_out_path(args.out, "--out")
+    plan = plan_model(run, with_policy=False)
+    check_out_path(t.out, "--out")
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
     # applies its own ceiling.
-    ceiling = resolve_ceiling(args.comm_overlap_slices)
+    ceiling = resolve_ceiling(run.slices.ceiling)
     return plan, sorted(set(rows)), sorted(set(pins)), ceiling
 
 
@@ -198,23 +211,24 @@ def format_points(points: list[Point], policy: CalibratedPolicy) -> list[str]:
     return lines
 
 
-def _work(args, device, inputs) -> int:
+def _work(run, device, inputs) -> int:
+    t, dtype = run.task, run.source.dtype
     plan, rows_list, pins, ceiling = inputs
     world = tp().world
     sites = row_parallel_sites(plan.cfg, world)
     hidden = plan.cfg.hidden_size
     say(
-        f"calibrating {plan.model_name} at TP={world} on {collective.name()} ({device.describe()}), {args.dtype}: "
-        f"unit {' + '.join(f'{s.count} {s.name}' for s in sites)}, {len(rows_list)} row counts x {len(pins)} slice counts x {args.reps} reps"
+        f"calibrating {plan.model_name} at TP={world} on {collective.name()} ({device.describe()}), {dtype}: "
+        f"unit {' + '.join(f'{s.count} {s.name}' for s in sites)}, {len(rows_list)} row counts x {len(pins)} slice counts x {t.reps} reps"
     )
     unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device, site_schemes(plan.cfg))
     say(unit.choose_kernels(rows_list))
-    points = measure(unit, rows_list, pins, args.reps, device)
+    points = measure(unit, rows_list, pins, t.reps, device)
     sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, plan.dtype.itemsize), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
     if tp().rank == 0:
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         fit_json = fit.to_json() | {"sizes_bytes": [r.size_bytes for r in sizes], "times_us": [r.time_us for r in sizes]}
-        cal = Calibration(device.backend, device.describe(), world, hidden, args.dtype, created, points, fit_json)
+        cal = Calibration(device.backend, device.describe(), world, hidden, dtype, created, points, fit_json)
         policy = CalibratedPolicy(cal, ceiling)
         for line in format_points(points, policy):
             print(line)
@@ -222,12 +236,17 @@ def _work(args, device, inputs) -> int:
         unit_text = " + ".join(f"{s.count} x {s.name} [rows, {s.in_local}] @ [{s.in_local}, {hidden}]" for s in sites)
         # The all-reduce the points were timed on (shm or the backend's): a file made on one
         # prices slicing wrongly for the other.
-        extra = {"collective": collective.name(), "model": plan.model_name, "layers": plan.cfg.num_layers, "unit": unit_text, "reps": args.reps, "threads_per_rank": torch.get_num_threads()}
-        with open(args.out, "w") as f:
+        extra = {"collective": collective.name(), "model": plan.model_name, "layers": plan.cfg.num_layers, "unit": unit_text, "reps": t.reps, "threads_per_rank": torch.get_num_threads()}
+        with open(t.out, "w") as f:
             json.dump(cal.to_json() | extra, f, indent=2)
-        print(f"wrote {args.out}: {policy.describe()}", flush=True)
+        print(f"wrote {t.out}: {policy.describe()}", flush=True)
     return 0
 
 
 def run(args, argv) -> int:
-    return run_without_model(args, argv, _prepare, _work)
+    task = Task(args.rows, args.pin, args.reps, args.out)
+    return execute(world_only_plan(args, task, source_plan(args), SlicePlan(ceiling=args.comm_overlap_slices)))
+
+
+def execute(run: RunPlan) -> int:
+    return run_without_model(run, _prepare, _work)

@@ -3,19 +3,22 @@ one batch."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from pocketllm.commands.ranked import run_with_model
+from pocketllm.commands.settings import model_plan, tuple_or_none
 from pocketllm.distributed.state import tp
 from pocketllm.engine.generate import generate
 from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import generate_batch
 from pocketllm.errors import UsageError
-from pocketllm.inputs import load_tokenizer, prompt_list
+from pocketllm.inputs import PromptSource, load_tokenizer, prompt_list
 from pocketllm.model_args import add_model_args
+from pocketllm.run_plan import RunPlan
 
 
 def add_arguments(p) -> None:
@@ -41,22 +44,37 @@ def add_arguments(p) -> None:
     )
 
 
-def _prepare(args, plan):
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.max_running is not None and args.max_running < 1:
-        raise UsageError(f"--max-running must be >= 1, got {args.max_running}")
-    prompts = prompt_list(args, plan.cfg)
+@dataclass(frozen=True)
+class Task:
+    """generate's own settings in the run plan."""
+
+    prompt: PromptSource
+    max_running: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    logits_out: str | None = None
+    stream: bool = False
+
+
+def _prepare(run, plan):
+    t, ckpt = run.task, run.source.ckpt
+    if t.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {t.temperature}")
+    if not 0 < t.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {t.top_p}")
+    if t.max_running is not None and t.max_running < 1:
+        raise UsageError(f"--max-running must be >= 1, got {t.max_running}")
+    prompts = prompt_list(t.prompt, plan.cfg, ckpt)
     if not prompts:
         raise UsageError("give a prompt: --prompt TEXT, --prompts-file FILE, --token-ids 1,2,3 or --token-ids-file FILE")
     if len(prompts) > 1:
-        for flag, given in (("--stream", args.stream), ("--logits-out", args.logits_out)):
+        for flag, given in (("--stream", t.stream), ("--logits-out", t.logits_out)):
             if given:
                 raise UsageError(f"{flag} takes one prompt, got {len(prompts)}")
-    if args.stream:
-        load_tokenizer(args.ckpt, "--stream", "leave --stream off to print the generated ids at the end")
+    if t.stream:
+        load_tokenizer(ckpt, "--stream", "leave --stream off to print the generated ids at the end")
     return prompts
 
 
@@ -94,21 +112,23 @@ class TextStream:
             print(full[len(self.shown) :], flush=True)
 
 
-def _work(args, plan, prompts, engine, device) -> int:
-    eos = () if args.ignore_eos else plan.cfg.eos_token_ids
-    sampling = SamplingParams(args.temperature, args.top_p, args.seed)
+def _work(run, plan, prompts, engine, device) -> int:
+    t, ckpt = run.task, run.source.ckpt
+    new_tokens = t.prompt.max_new_tokens
+    eos = () if t.ignore_eos else plan.cfg.eos_token_ids
+    sampling = SamplingParams(t.temperature, t.top_p, t.seed)
     if len(prompts) > 1:
-        outputs = generate_batch(engine, prompts, args.max_new_tokens, sampling, eos, args.max_running)
+        outputs = generate_batch(engine, prompts, new_tokens, sampling, eos, t.max_running)
         if tp().rank == 0:
-            _print_outputs(args, outputs)
+            _print_outputs(ckpt, outputs)
         return 0
 
     def save_prompt_logits(logits: torch.Tensor) -> None:
         if tp().rank == 0:
-            save_file({"logits": logits.cpu().contiguous()}, args.logits_out)
+            save_file({"logits": logits.cpu().contiguous()}, t.logits_out)
 
-    stream = TextStream(load_tokenizer(args.ckpt)) if args.stream and tp().rank == 0 else None
-    out = generate(engine, prompts[0], args.max_new_tokens, sampling, eos, save_prompt_logits if args.logits_out else None, stream)
+    stream = TextStream(load_tokenizer(ckpt)) if t.stream and tp().rank == 0 else None
+    out = generate(engine, prompts[0], new_tokens, sampling, eos, save_prompt_logits if t.logits_out else None, stream)
     if tp().rank != 0:
         return 0
     # Streamed, the text came first and the ids close it; otherwise the ids come first.
@@ -116,19 +136,27 @@ def _work(args, plan, prompts, engine, device) -> int:
         stream.finish(out)
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
     else:
-        _print_outputs(args, [out])
+        _print_outputs(ckpt, [out])
     return 0
 
 
-def _print_outputs(args, outputs: list[list[int]]) -> None:
+def _print_outputs(ckpt: str | None, outputs: list[list[int]]) -> None:
     """One generated_ids= line per prompt in the order given, then, with a tokenizer, the texts."""
     for out in outputs:
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
-    if args.ckpt is not None and (Path(args.ckpt) / "tokenizer.json").is_file():
-        tok = load_tokenizer(args.ckpt)
+    if ckpt is not None and (Path(ckpt) / "tokenizer.json").is_file():
+        tok = load_tokenizer(ckpt)
         for out in outputs:
             print(tok.decode(out), flush=True)
 
 
 def run(args, argv) -> int:
-    return run_with_model(args, argv, _prepare, _work)
+    prompt = PromptSource(
+        tuple_or_none(args.prompt), args.prompts_file, tuple_or_none(args.token_ids), args.token_ids_file, args.max_new_tokens
+    )
+    task = Task(prompt, args.max_running, args.temperature, args.top_p, args.seed, args.ignore_eos, args.logits_out, args.stream)
+    return execute(model_plan(args, task))
+
+
+def execute(run: RunPlan) -> int:
+    return run_with_model(run, _prepare, _work)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
 from pocketllm.commands.ranked import run_with_model, run_settings
+from pocketllm.commands.settings import model_plan, phase_asked, profiling_plan, slice_plan
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.engine.timing import timed_prefill, warm_up
@@ -19,7 +21,7 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import add_model_args, check_out_path
-from pocketllm.profiling.profiler import phase_requested, profiler_of
+from pocketllm.profiling.profiler import profiler_of
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,
@@ -27,6 +29,7 @@ from pocketllm.profiling.tables import (
     collective_table,
     two_point_fit,
 )
+from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
 
 DEFAULT_LENGTHS = "1105,2223,4433"
@@ -49,13 +52,25 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(parse_positive_list(str(text), "--prompt-tokens")))
 
 
-def _prepare(args, plan):
-    lengths = parse_lengths(args.prompt_tokens)
+@dataclass(frozen=True)
+class Task:
+    """profile's own settings in the run plan."""
+
+    prompt_tokens: str = DEFAULT_LENGTHS
+    reps: int = 1
+    pick: str = "median"
+    warmup_tokens: int | None = None
+    json: str | None = None
+
+
+def _prepare(run, plan):
+    t = run.task
+    lengths = parse_lengths(t.prompt_tokens)
     check_ids(bench_ids(lengths[-1], plan.cfg.vocab_size), plan.cfg, 0)
-    if args.reps < 1:
-        raise UsageError(f"--reps must be >= 1, got {args.reps}")
-    check_warmup_tokens(args.warmup_tokens)
-    check_out_path(args.json, "--json")
+    if t.reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {t.reps}")
+    check_warmup_tokens(t.warmup_tokens)
+    check_out_path(t.json, "--json")
     return lengths
 
 
@@ -66,18 +81,19 @@ def _timed_prefill(engine, ids: list[int], sync) -> tuple[float, int]:
     return wall, engine.last_pass.index
 
 
-def _report(args, plan, device, runs: list[dict]) -> None:
+def _report(run, plan, device, runs: list[dict]) -> None:
+    t, split_skew = run.task, run.profiling.split_skew
     cfg = plan.cfg
     # One all-reduce per row-parallel site of each layer (mixer out, mlp.down) plus the embedding's.
     points = collective_points(runs, cfg.hidden_size, plan.dtype.itemsize, 2 * cfg.num_layers + 1)
     fit = two_point_fit(points)
     paths = sorted({r["block"]["path"] for r in runs})
     print(
-        f"qwen_profile model={plan.model_name} layers={cfg.num_layers} tp={tp().world} dtype={args.dtype} "
+        f"qwen_profile model={plan.model_name} layers={cfg.num_layers} tp={tp().world} dtype={run.source.dtype} "
         f"device={device.describe().replace(' ', '_')} policy={plan.policy.policy.describe().replace(' ', '_')} "
-        f"path={','.join(paths)} split_skew={int(args.split_skew)} reps={args.reps} pick={args.pick} rank=0"
+        f"path={','.join(paths)} split_skew={int(split_skew)} reps={t.reps} pick={t.pick} rank=0"
     )
-    if args.split_skew:
+    if split_skew:
         print("note: tp_skew is the wait for the slowest rank (plus one barrier per call); tp_all_reduce is the collective alone")
     else:
         print("note: tp_all_reduce includes the wait for the slowest rank to arrive; --split-skew times that wait as tp_skew")
@@ -87,20 +103,20 @@ def _report(args, plan, device, runs: list[dict]) -> None:
     print(attribution_table(runs))
     print("\nall-reduce priced from the same blocks (seed 5.3)")
     print(collective_table(points, fit), flush=True)
-    if args.json:
+    if t.json:
         doc = {
             "settings": {
-                **run_settings(args, plan, device),
+                **run_settings(run, plan, device),
                 "policy": plan.policy.policy.describe(),
-                "reps": args.reps,
-                "pick": args.pick,
-                "split_skew": args.split_skew,
+                "reps": t.reps,
+                "pick": t.pick,
+                "split_skew": split_skew,
                 "load_average": list(os.getloadavg()),
             },
             "runs": runs,
             "collective": {"points": points, "fit": fit},
         }
-        with open(args.json, "w") as f:
+        with open(t.json, "w") as f:
             json.dump(doc, f, indent=2)
 
 
@@ -123,20 +139,21 @@ def _gather_rank_views(runs: list[dict]) -> None:
         run["ranks"] = [dict(zip(("rank",) + names, [rank] + every[rank, i].tolist())) for rank in range(tp().world)]
 
 
-def _work(args, plan, lengths, engine, device) -> int:
+def _work(run, plan, lengths, engine, device) -> int:
+    t = run.task
     profiler = profiler_of(engine)
     sync = device.synchronize
     vocab = plan.cfg.vocab_size
-    warm_up(engine, bench_ids(lengths[-1], vocab), lengths, sync, args.warmup_tokens)
+    warm_up(engine, bench_ids(lengths[-1], vocab), lengths, sync, t.warmup_tokens)
     samples: dict[int, list[dict]] = {n: [] for n in lengths}
     # Rep-major, so a slow patch of a shared machine lands on every length.
-    for _rep in range(args.reps):
+    for _rep in range(t.reps):
         for n in lengths:
             wall, index = _timed_prefill(engine, bench_ids(n, vocab), sync)
             samples[n].append({"prompt_tokens": n, "prefill_seconds": wall, "block": profiler.phase_block_for(index)})
     # Rank 0 picks each length's rep and every rank reports that same pass, so a column is one
     # pass seen from every rank.
-    picks = torch.tensor([_pick_rep(samples[n], args.pick) for n in lengths], dtype=torch.long)
+    picks = torch.tensor([_pick_rep(samples[n], t.pick) for n in lengths], dtype=torch.long)
     broadcast_(picks)
     runs = []
     for n, pick in zip(lengths, picks.tolist()):
@@ -145,13 +162,13 @@ def _work(args, plan, lengths, engine, device) -> int:
         runs.append(chosen)
     _gather_rank_views(runs)
     if tp().rank == 0:
-        _report(args, plan, device, runs)
+        _report(run, plan, device, runs)
     return 0
 
 
 def _slices_given(args, env) -> bool:
     """Whether the run names a slice count or policy itself; if not, it is pinned to 1."""
-    given = (args.pin_slices, args.comm_overlap_slices, getattr(args, "overlap_policy", None), getattr(args, "calibration", None))
+    given = (args.pin_slices, args.comm_overlap_slices, args.overlap_policy, args.calibration)
     from_env = (env_value(env, ENV_PIN), env_value(env, ENV_CEILING), env_value(env, ENV_CALIBRATION))
     return any(v not in (None, "") for v in given + from_env)
 
@@ -159,8 +176,11 @@ def _slices_given(args, env) -> bool:
 def run(args, argv) -> int:
     # The phase blocks go to stderr only when a phase profile was asked for explicitly: the tables
     # are this command's output. Host blocks, when asked for, print as in every other command.
-    args.phase_text = phase_requested(args, os.environ)
-    args.phase_profile = True
-    if not _slices_given(args, os.environ):
-        args.pin_slices = "1"
-    return run_with_model(args, argv, _prepare, _work)
+    profiling = profiling_plan(args, phase=True, phase_text=phase_asked(args))
+    slices = slice_plan(args, pin=None if _slices_given(args, os.environ) else "1")
+    task = Task(args.prompt_tokens, args.reps, args.pick, args.warmup_tokens, args.json)
+    return execute(model_plan(args, task, slices=slices, profiling=profiling))
+
+
+def execute(run: RunPlan) -> int:
+    return run_with_model(run, _prepare, _work)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import socket
+from dataclasses import dataclass
 
 from pocketllm.commands.ranked import run_with_model
+from pocketllm.commands.settings import model_plan
 from pocketllm.distributed.state import tp
 from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, pool_blocks
 from pocketllm.engine.prefix_cache import PREFIX_CACHE_FRACTION
@@ -15,6 +17,7 @@ from pocketllm.inputs import load_tokenizer
 from pocketllm.layers.attention import kv_block_bytes
 from pocketllm.layers.cache import KV_BLOCK_SIZE
 from pocketllm.model_args import add_model_args, say
+from pocketllm.run_plan import RunPlan
 
 # The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
 # the scheduler keeps room for --max-running sequences of this length.
@@ -47,55 +50,70 @@ def add_arguments(p) -> None:
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
 
 
-def _prepare(args, plan) -> dict:
+@dataclass(frozen=True)
+class Task:
+    """serve's own settings in the run plan."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_running: int = 8
+    max_len: int | None = None
+    kv_cache_gib: float | None = None
+    enable_prefix_caching: bool = True
+    api_key: str | None = None
+    served_model_name: str | None = None
+
+
+def _prepare(run, plan) -> dict:
+    t, ckpt = run.task, run.source.ckpt
     for module in ("fastapi", "uvicorn", "jinja2"):
         try:
             __import__(module)
         except ImportError:
             raise UsageError(f"serve needs {module}, which is not installed: {SERVE_EXTRA}") from None
-    if args.ckpt is None:
+    if ckpt is None:
         raise UsageError("serve needs a checkpoint with tokenizer.json (--ckpt DIR), and presets have none; "
                          "write one with `pocketllm make-checkpoint --preset small --out DIR`")
-    load_tokenizer(args.ckpt, "serve", "write a checkpoint with `pocketllm make-checkpoint`, which adds one")
+    load_tokenizer(ckpt, "serve", "write a checkpoint with `pocketllm make-checkpoint`, which adds one")
     from pocketllm.serving.chat_template import load_chat_template
 
-    load_chat_template(args.ckpt)
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_running < 1:
-        raise UsageError(f"--max-running must be >= 1, got {args.max_running}")
+    load_chat_template(ckpt)
+    if not 0 <= t.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {t.port}")
+    if t.max_running < 1:
+        raise UsageError(f"--max-running must be >= 1, got {t.max_running}")
     limit = plan.cfg.max_position_embeddings
-    max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, limit)
+    max_len = t.max_len if t.max_len is not None else min(DEFAULT_MAX_LEN, limit)
     if not 2 <= max_len <= limit:
         raise UsageError(f"--max-len must be in 2..{limit} (the model's max_position_embeddings), got {max_len}")
-    _check_kv_budget(args, plan, max_len)
-    if args.api_key is not None and not args.api_key.strip():
+    _check_kv_budget(t, plan, run.world.size, max_len)
+    if t.api_key is not None and not t.api_key.strip():
         raise UsageError("--api-key must not be empty")
-    _check_listen(args.host, args.port)
+    _check_listen(t.host, t.port)
     from pathlib import Path
 
-    name = args.served_model_name or Path(args.ckpt).resolve().name
+    name = t.served_model_name or Path(ckpt).resolve().name
     return {"max_len": max_len, "model": name}
 
 
-def _check_kv_budget(args, plan, max_len: int) -> None:
+def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
     """--kv-cache-gib must hold one sequence of --max-len, or some request could never finish."""
-    if args.kv_cache_gib is None:
+    if t.kv_cache_gib is None:
         return
-    if not args.kv_cache_gib > 0:
-        raise UsageError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
-    per_block = kv_block_bytes(plan.cfg, args.tp_world, plan.dtype.itemsize)
+    if not t.kv_cache_gib > 0:
+        raise UsageError(f"--kv-cache-gib must be > 0, got {t.kv_cache_gib}")
+    per_block = kv_block_bytes(plan.cfg, world, plan.dtype.itemsize)
     need = blocks_for(max_len)
-    if per_block and int(args.kv_cache_gib * 2**30) // per_block < need:
+    if per_block and int(t.kv_cache_gib * 2**30) // per_block < need:
         raise UsageError(
-            f"--kv-cache-gib {args.kv_cache_gib:g} holds fewer positions than one sequence of --max-len {max_len} "
+            f"--kv-cache-gib {t.kv_cache_gib:g} holds fewer positions than one sequence of --max-len {max_len} "
             f"(at least {need * per_block / 2**30:.3f} GiB per rank here); raise it or lower --max-len"
         )
 
 
-def _pool(engine, args, max_len: int) -> int:
+def _pool(engine, t: Task, max_len: int) -> int:
     """The KV pool's blocks, the same on every rank, and rank 0 says what it holds."""
-    blocks = min(pool_blocks(engine, args.kv_cache_gib), args.max_running * blocks_for(max_len))
+    blocks = min(pool_blocks(engine, t.kv_cache_gib), t.max_running * blocks_for(max_len))
     per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
     if blocks < blocks_for(max_len):
         raise RuntimeError(
@@ -104,15 +122,15 @@ def _pool(engine, args, max_len: int) -> int:
         )
     say(
         f"KV cache: {blocks} blocks of {KV_BLOCK_SIZE} positions, {blocks * KV_BLOCK_SIZE} positions in all, "
-        f"{blocks * per_block / 2**30:.2f} GiB per rank ({args.max_running} sequences of {max_len} would fill "
-        f"{args.max_running * blocks_for(max_len) * per_block / 2**30:.2f} GiB)"
+        f"{blocks * per_block / 2**30:.2f} GiB per rank ({t.max_running} sequences of {max_len} would fill "
+        f"{t.max_running * blocks_for(max_len) * per_block / 2**30:.2f} GiB)"
     )
     return blocks
 
 
-def _prefix_cache_bytes(engine, args, kv_blocks: int) -> int:
+def _prefix_cache_bytes(engine, t: Task, kv_blocks: int) -> int:
     """The prefix cache's budget for GDN state copies (0 when off), and rank 0 says what it holds."""
-    if not args.enable_prefix_caching:
+    if not t.enable_prefix_caching:
         say("prefix cache: off")
         return 0
     budget = int(PREFIX_CACHE_FRACTION * kv_blocks * kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize))
@@ -136,13 +154,14 @@ def _check_listen(host: str, port: int) -> None:
             raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def _work(args, plan, settings: dict, engine, device) -> int:
+def _work(run, plan, settings: dict, engine, device) -> int:
     from pocketllm.engine.plan import follow
     from pocketllm.engine.scheduler import Scheduler
 
-    kv_blocks = _pool(engine, args, settings["max_len"])
+    t, ckpt = run.task, run.source.ckpt
+    kv_blocks = _pool(engine, t, settings["max_len"])
     if tp().rank != 0:
-        follow(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks)
+        follow(engine, t.max_running, settings["max_len"], kv_blocks=kv_blocks)
         return 0
     from pocketllm.serving.app import Served
     from pocketllm.serving.chat_template import load_chat_template
@@ -151,18 +170,25 @@ def _work(args, plan, settings: dict, engine, device) -> int:
     from pocketllm.serving.protocol import Limits
     from pocketllm.serving.server import serve
 
-    cache_bytes = _prefix_cache_bytes(engine, args, kv_blocks)
-    scheduler = Scheduler(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes)
+    cache_bytes = _prefix_cache_bytes(engine, t, kv_blocks)
+    scheduler = Scheduler(engine, t.max_running, settings["max_len"], kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes)
     served = Served(
         limits=Limits(settings["model"], settings["max_len"], plan.cfg.vocab_size),
-        tokenizer=load_tokenizer(args.ckpt),
-        chat_template=load_chat_template(args.ckpt),
+        tokenizer=load_tokenizer(ckpt),
+        chat_template=load_chat_template(ckpt),
         eos_ids=tuple(plan.cfg.eos_token_ids),
         engine=EngineLoop(scheduler, Metrics()),
-        api_key=args.api_key,
+        api_key=t.api_key,
     )
-    return serve(served, args.host, args.port)
+    return serve(served, t.host, t.port)
 
 
 def run(args, argv) -> int:
-    return run_with_model(args, argv, _prepare, _work, forward_signals=True)
+    task = Task(
+        args.host, args.port, args.max_running, args.max_len, args.kv_cache_gib, args.enable_prefix_caching, args.api_key, args.served_model_name
+    )
+    return execute(model_plan(args, task))
+
+
+def execute(run: RunPlan) -> int:
+    return run_with_model(run, _prepare, _work, forward_signals=True)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
 from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_with_model, run_settings
+from pocketllm.commands.settings import model_plan
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
 from pocketllm.distributed.state import tp
@@ -20,6 +22,7 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
 from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path, checked_for_run
+from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
 
 
@@ -46,11 +49,25 @@ def sweep_order(rows_list: list[int], settings: list[str], reps: int) -> list[tu
     return [(rep, rows, s) for rep in range(1, reps + 1) for rows in rows_list for s in settings]
 
 
-def _policy_names(args) -> list[str]:
-    if args.policy is None:
-        given = args.calibration or env_value(os.environ, ENV_CALIBRATION)
+@dataclass(frozen=True)
+class Task:
+    """sweep's own settings in the run plan."""
+
+    rows: str = "512,1024,2048,4096"
+    pin: str = "1,2,4,8"
+    policy: str | None = None
+    reps: int = 3
+    max_new_tokens: int = 8
+    warmup_tokens: int | None = None
+    json: str | None = None
+    plot: str | None = None
+
+
+def _policy_names(t: Task, calibration: str | None) -> list[str]:
+    if t.policy is None:
+        given = calibration or env_value(os.environ, ENV_CALIBRATION)
         return ["rule", "calibrated"] if given else ["rule"]
-    names = [n.strip() for n in args.policy.split(",")]
+    names = [n.strip() for n in t.policy.split(",")]
     if not any(names):
         raise UsageError(f"--policy is empty; give a comma-separated list of {', '.join(OVERLAP_POLICIES)}")
     for n in names:
@@ -59,81 +76,89 @@ def _policy_names(args) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def build_settings(args, plan) -> list[tuple[Setting, object]]:
+def build_settings(run, plan) -> list[tuple[Setting, object]]:
     """Each setting with the SlicePolicy that runs it: the pins, then the named policies."""
-    out = [(pinned(k), PinnedPolicy(k)) for k in parse_positive_list(args.pin, "--pin")]
+    t, slices = run.task, run.slices
+    out = [(pinned(k), PinnedPolicy(k)) for k in parse_positive_list(t.pin, "--pin")]
     # A pin in the environment must not turn the named policies into pins as well.
     env = {k: v for k, v in os.environ.items() if k != ENV_PIN}
-    for name in _policy_names(args):
-        choice = resolve_policy(None, args.comm_overlap_slices, env, overlap_policy=name, calibration=args.calibration)
-        out.append((Setting(name, None), checked_for_run(choice, args, plan.cfg.hidden_size).policy))
+    for name in _policy_names(t, slices.calibration):
+        choice = resolve_policy(None, slices.ceiling, env, overlap_policy=name, calibration=slices.calibration)
+        out.append((Setting(name, None), checked_for_run(choice, run, plan.cfg.hidden_size).policy))
     return out
 
 
-def _prepare(args, plan):
-    rows_list = parse_positive_list(args.rows, "--rows")
+def _prepare(run, plan):
+    t = run.task
+    rows_list = parse_positive_list(t.rows, "--rows")
     if len(set(rows_list)) != len(rows_list):
-        raise UsageError(f"--rows {args.rows}: a row count is repeated")
-    if args.reps < 1:
-        raise UsageError(f"--reps must be >= 1, got {args.reps}")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1 for a sweep (decode is the drift bound), got {args.max_new_tokens}")
-    check_warmup_tokens(args.warmup_tokens)
-    settings = build_settings(args, plan)
+        raise UsageError(f"--rows {t.rows}: a row count is repeated")
+    if t.reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {t.reps}")
+    if t.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1 for a sweep (decode is the drift bound), got {t.max_new_tokens}")
+    check_warmup_tokens(t.warmup_tokens)
+    settings = build_settings(run, plan)
     if len({s.name for s, _ in settings}) != len(settings):
-        raise UsageError(f"--pin {args.pin}: a slice count is repeated")
-    check_ids(bench_ids(max(rows_list), plan.cfg.vocab_size), plan.cfg, args.max_new_tokens)
-    check_out_path(args.json, "--json")
-    check_out_path(args.plot, "--plot")
-    if args.plot:
+        raise UsageError(f"--pin {t.pin}: a slice count is repeated")
+    check_ids(bench_ids(max(rows_list), plan.cfg.vocab_size), plan.cfg, t.max_new_tokens)
+    check_out_path(t.json, "--json")
+    check_out_path(t.plot, "--plot")
+    if t.plot:
         require_matplotlib()
     return rows_list, settings
 
 
-def run_sweep(engine, rows_list, settings, args, sync) -> list[dict]:
+def run_sweep(engine, rows_list, settings, t: Task, sync) -> list[dict]:
     policies = {s.name: policy for s, policy in settings}
     ids = bench_ids(max(rows_list), engine.cfg.vocab_size)
-    engine.reserve_slots(1, max(rows_list) + args.max_new_tokens)
+    engine.reserve_slots(1, max(rows_list) + t.max_new_tokens)
     for s, policy in settings:
         engine.policy = policy
-        warm_up(engine, ids, rows_list, sync, args.warmup_tokens)
-    order = sweep_order(rows_list, [s.name for s, _ in settings], args.reps)
+        warm_up(engine, ids, rows_list, sync, t.warmup_tokens)
+    order = sweep_order(rows_list, [s.name for s, _ in settings], t.reps)
     bar = row_progress(sum(rows for _, rows, _ in order), "sweep")
     records = []
     for rep, rows, name in order:
-        bar.set_description(f"rep {rep}/{args.reps} rows={rows} {name}")
+        bar.set_description(f"rep {rep}/{t.reps} rows={rows} {name}")
         engine.policy = policies[name]
         with engine.tagged(timed=True):
-            r = timed_prefill_decode(engine, ids[:rows], args.max_new_tokens, sync)
+            r = timed_prefill_decode(engine, ids[:rows], t.max_new_tokens, sync)
         records.append({"rep": rep, "rows": rows, "setting": name, "serial": is_serial(rows, r["slices"]), **r})
         bar.update(rows)
     bar.close()
     return records
 
 
-def _work(args, plan, inputs, engine, device) -> int:
+def _work(run, plan, inputs, engine, device) -> int:
+    t = run.task
     rows_list, settings = inputs
-    records = run_sweep(engine, rows_list, settings, args, device.synchronize)
+    records = run_sweep(engine, rows_list, settings, t, device.synchronize)
     if tp().rank != 0:
         return 0
     lines, report = format_report(records, rows_list, [s for s, _ in settings])
     settings_json = {
-        **run_settings(args, plan, device),
+        **run_settings(run, plan, device),
         "rows": rows_list,
         "settings": {s.name: policy.describe() for s, policy in settings},
-        "reps": args.reps,
-        "max_new_tokens": args.max_new_tokens,
-        "calibration": args.calibration or env_value(os.environ, ENV_CALIBRATION),
+        "reps": t.reps,
+        "max_new_tokens": t.max_new_tokens,
+        "calibration": run.slices.calibration or env_value(os.environ, ENV_CALIBRATION),
     }
-    if args.json:
-        with open(args.json, "w") as f:
+    if t.json:
+        with open(t.json, "w") as f:
             json.dump({"settings": settings_json, "runs": records, **report}, f, indent=2)
-    if args.plot:
-        title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {settings_json['collective'] or ''}, {args.dtype}, {device.describe()}"
-        plot_sweep(records, rows_list, [s for s, _ in settings], args.plot, title)
+    if t.plot:
+        title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {settings_json['collective'] or ''}, {run.source.dtype}, {device.describe()}"
+        plot_sweep(records, rows_list, [s for s, _ in settings], t.plot, title)
     print("\n".join(lines), flush=True)
     return 0
 
 
 def run(args, argv) -> int:
-    return run_with_model(args, argv, _prepare, _work)
+    task = Task(args.rows, args.pin, args.policy, args.reps, args.max_new_tokens, args.warmup_tokens, args.json, args.plot)
+    return execute(model_plan(args, task))
+
+
+def execute(run: RunPlan) -> int:
+    return run_with_model(run, _prepare, _work)

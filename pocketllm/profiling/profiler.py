@@ -22,82 +22,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pocketllm.errors import UsageError
 from pocketllm.profiling.blocks import BlockId, host_block, host_text, phase_block, phase_text
 from pocketllm.profiling.scopes import ScopeRecorder, install
+from pocketllm.profiling.options import ProfileOptions
 from pocketllm.profiling.trace import TraceWriter
-from pocketllm.switches import env_switch
-
-ENV_PHASE = "POCKETLLM_PHASE_PROFILE"
-ENV_HOST = "POCKETLLM_HOST_PROFILE"
-
-
-@dataclass(frozen=True)
-class ProfileOptions:
-    phase: bool = False
-    host: bool = False
-    profile_out: str | None = None  # directory for the JSON-lines blocks, one file per rank
-    trace_out: str | None = None  # directory for the Chrome traces, one file per rank
-    # Print the phase (host) blocks to stderr at the end of the run; each is its own switch, so a
-    # command that turns one off leaves the other as asked.
-    phase_text: bool = True
-    host_text: bool = True
-    split_skew: bool = False  # phase profile: a barrier before each all-reduce, timed as tp_skew
-
-    @property
-    def enabled(self) -> bool:
-        return self.phase or self.host
-
-
-def _check_out_dir(flag: str, path: str) -> None:
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"{flag} {path}: exists and is not a directory")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot create the directory ({exc.strerror})") from None
-
-
-def phase_requested(args, env=os.environ) -> bool:
-    """Whether the run asked for the phase profile, by flag or env var."""
-    return bool(getattr(args, "phase_profile", False)) or env_switch(env, ENV_PHASE)
-
-
-def profile_options(args, env=os.environ) -> ProfileOptions:
-    """The profiles a run asked for, from flags or env vars; checked before any rank starts.
-    `args.phase_text` (set only by `profile`, which always profiles) says whether phase blocks
-    also print to stderr; everywhere else they do."""
-    phase = phase_requested(args, env)
-    host = bool(getattr(args, "host_profile", False)) or env_switch(env, ENV_HOST)
-    profile_out = getattr(args, "profile_out", None)
-    trace_out = getattr(args, "trace_out", None)
-    # A trace is of host spans: asking for one turns the host profile on.
-    host = host or trace_out is not None
-    split_skew = bool(getattr(args, "split_skew", False))
-    if split_skew and not phase:
-        raise UsageError("--split-skew splits the phase profile's all-reduce time: add --phase-profile (or POCKETLLM_PHASE_PROFILE=1)")
-    if profile_out is not None and not (phase or host):
-        raise UsageError("--profile-out needs a profile: add --phase-profile or --host-profile (or POCKETLLM_PHASE_PROFILE=1)")
-    if profile_out is not None:
-        _check_out_dir("--profile-out", profile_out)
-    if trace_out is not None:
-        _check_out_dir("--trace-out", trace_out)
-    return ProfileOptions(
-        phase,
-        host,
-        profile_out,
-        trace_out,
-        phase_text=bool(getattr(args, "phase_text", True)),
-        host_text=bool(getattr(args, "host_text", True)),
-        split_skew=split_skew,
-    )
 
 
 def _write_stderr(text: str) -> None:
