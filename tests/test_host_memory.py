@@ -1,6 +1,7 @@
 """Weights on huge pages: host_memory.zeros behaves as torch.zeros, its mapping is advised for
 transparent huge pages and starts on a huge-page boundary, lives as long as any view of it, and is
-unmapped after; an engine loaded onto such mappings still matches transformers."""
+unmapped after; an engine loaded onto such mappings still matches transformers. And a large
+activation block comes from a heap that keeps it, once keep_freed_blocks has told glibc so."""
 
 from __future__ import annotations
 
