@@ -26,6 +26,19 @@ def engine():
     return Engine(cfg, RandomWeights(cfg), torch.float32, torch.device("cpu"), RulePolicy())
 
 
+class _Passes:
+    def __init__(self):
+        self.seen = []
+        self.collectives = []
+
+    def before_pass(self, info) -> None:
+        pass
+
+    def after_pass(self, info) -> None:
+        self.seen.append((info.kind, info.rows, info.slices))
+        self.collectives.append(info.collectives)
+
+
 def ids(n: int, offset: int = 0) -> torch.Tensor:
     return torch.tensor([(13 * i + 5 + offset) % 1000 for i in range(n)])
 
@@ -102,19 +115,47 @@ def test_each_token_is_handed_over_before_the_step_it_feeds(engine, monkeypatch)
     assert seen == [(t, k) for k, t in enumerate(tokens)] and len(tokens) == 5
 
 
-def test_a_sequence_reserves_its_rotary_rows(engine):
-    # Bench times decode steps: none of them may be the one that rebuilds the rotary table.
-    engine.reserve_slots(1, 5000)
+def test_a_generation_builds_its_rotary_rows_before_its_first_pass(engine, monkeypatch):
+    # Bench times decode steps: none of them may be the one that (re)builds the rotary table. From
+    # an empty table, a generation builds it once, for all its positions, before its prefill.
+    from pocketllm.layers import rotary
+
+    builds, real_table = [], rotary.rotary_table
+    monkeypatch.setattr(rotary, "rotary_table", lambda inv_freq, n: builds.append(n) or real_table(inv_freq, n))
     rope = engine.model.rotary
-    first, last = rope.cos_sin(0, 1)[0], rope.cos_sin(4999, 1)[0]
-    assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+    monkeypatch.setattr(rope, "_cos", rope._cos[:0])
+    monkeypatch.setattr(rope, "_sin", rope._sin[:0])
+    passes = _Passes()
+    passes.before_pass = lambda info: passes.seen.append(len(builds))
+    engine.hooks.append(passes)
+    try:
+        tokens = generate(engine, ids(9, offset=4).tolist(), 7)
+    finally:
+        engine.hooks.remove(passes)
+    assert len(tokens) == 7 and builds == [16]
+    assert [s for s in passes.seen if isinstance(s, int)] == [1] * 7
+    # The table it built is the positions' own cos and sin.
+    torch.testing.assert_close(rope.cos_sin(15, 1)[0], real_table(rope.inv_freq, 16)[0][15:], atol=0, rtol=0)
 
 
-def test_pass_accounting_at_world_one(engine):
-    engine.reserve_slots(1, 8)
-    feed(engine, ids(8))
-    assert engine.last_pass.kind == "prefill" and engine.last_pass.rows == 8
-    assert engine.last_collectives == {}
+def test_each_pass_is_reported_with_its_kind_rows_and_no_collectives_at_world_one(engine):
+    # What profiles and bench count by (engine.last_pass, hooks): a prompt's prefill, its decode
+    # steps, and a pass packing a prompt with a decode row (a prefill); one rank issues no
+    # all-reduce in any of them.
+    passes = _Passes()
+    engine.reserve_slots(2, 16)
+    engine.hooks.append(passes)
+    try:
+        first = engine.last_pass.index if engine.last_pass else -1
+        feed(engine, ids(8))
+        feed(engine, [5], 8)
+        engine.run_packed([(0, 9, torch.tensor([6])), (1, 0, ids(5, offset=1))])
+        engine.run_packed([(0, 10, torch.tensor([7])), (1, 5, torch.tensor([8]))])
+    finally:
+        engine.hooks.remove(passes)
+    assert [(kind, rows) for kind, rows, _ in passes.seen] == [("prefill", 8), ("decode", 1), ("prefill", 6), ("decode", 2)]
+    assert engine.last_pass.index == first + 4 and engine.last_pass.rows == 2
+    assert passes.collectives == [{}] * 4
 
 
 def test_random_slice_reads_match_the_full_tensor(monkeypatch):
@@ -137,17 +178,6 @@ def test_random_slice_reads_match_the_full_tensor(monkeypatch):
         for idx in (slice(None), slice(0, shape[0] // 2), slice(shape[0] // 3, None)):
             assert torch.equal(sl[idx], full[idx]), key
         assert calls == [key], f"{key}: generated {len(calls)} times over three reads of one slice"
-
-
-class _Passes:
-    def __init__(self):
-        self.seen = []
-
-    def before_pass(self, info) -> None:
-        pass
-
-    def after_pass(self, info) -> None:
-        self.seen.append((info.kind, info.rows, info.slices))
 
 
 @pytest.mark.parametrize("cap", [None, 24], ids=["timed-length", "capped"])

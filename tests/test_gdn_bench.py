@@ -1,9 +1,11 @@
-"""`pocketllm gdn-bench` end to end on a tiny shape: kernels agree and the last line is the JSON."""
+"""`pocketllm gdn-bench` on a tiny shape: the kernels it compares agree, its table and JSON are what it
+timed (on a clock the test drives), and a disagreeing kernel or a bad value fails it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import types
 
 import pytest
 import torch
@@ -32,17 +34,57 @@ def run_bench(capsys) -> tuple[int, list[str], str]:
     return rc, captured.out.strip().splitlines(), captured.err
 
 
-def test_tiny_run_agrees_and_its_json_says_what_its_table_does(capsys):
+# Milliseconds each kernel "takes" per rep on the test's clock: the bench's figures must be these.
+FAKE_MS = {
+    "pocketllm chunked": [10.0, 12.0],
+    "pocketllm recurrent": [33.0, 27.0],
+    "transformers chunk": [20.0, 24.0],
+    "transformers recurrent": [60.0, 66.0],
+}
+
+
+def test_the_figures_are_the_interleaved_timings_of_kernels_that_agree(capsys, monkeypatch):
+    # The kernels run for real (their outputs are compared); the clock the bench reads advances by
+    # FAKE_MS as each one runs, so every figure it prints can be checked against what it timed.
+    now, calls = [0.0], []
+    real_variants = gdn_bench._variants
+
+    def timed_variants(*args):
+        def timed(name, fn):
+            def call():
+                calls.append(name)
+                result = fn()
+                ms = FAKE_MS[name]
+                now[0] += ms[(len([c for c in calls if c == name]) - 2) % len(ms)] / 1e3
+                return result
+
+            return call
+
+        return {name: timed(name, fn) for name, fn in real_variants(*args).items()}
+
+    monkeypatch.setattr(gdn_bench, "_variants", timed_variants)
+    monkeypatch.setattr(gdn_bench, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(gdn_bench, "measure_matmul_rates", lambda *a, **k: (50.0, 80.0))
     rc, lines, _ = run_bench(capsys)
     assert rc == 0
-    summary = json.loads(lines[-1])
+    names = list(FAKE_MS)
+    # One warm-up call each, then rep-major: every kernel once per rep, in one order.
+    assert calls == names + names + names
     # Every kernel is checked against pocketllm's recurrent one; transformers is installed here.
-    verdicts = [line.split()[-3] for line in lines if line.startswith("  ") and " out " in line]
-    assert verdicts == ["ok"] * 3
-    # The JSON ratio is the table's "x chunked" column for the recurrent kernel.
-    (row,) = [line for line in lines if line.startswith("pocketllm recurrent")]
-    assert float(row.split()[-1]) == pytest.approx(summary["vs_recurrent"], abs=0.006)
-    assert summary["device"] == "cpu" and summary["device_kernel"] is None
+    verdicts = {line.split()[0] + " " + line.split()[1]: line.split()[-3] for line in lines if line.startswith("  ") and " out " in line}
+    assert verdicts == {name: "ok" for name in names if name != "pocketllm recurrent"}
+    table = {" ".join(line.split()[:2]): line.split()[2:] for line in lines if " ".join(line.split()[:2]) in FAKE_MS}
+    chunked = 11.0  # the median of its reps
+    for name, ms in FAKE_MS.items():
+        med = sum(ms) / 2
+        assert table[name] == [f"{med:.1f}", f"{min(ms):.1f}..{max(ms):.1f}", f"{med * 1e3 / (130 * 4):.3f}", f"{med / chunked:.2f}"], name
+    flops = gdn_bench.matmul_flops(130, 2, 4, 32, 32, gdn_bench.DEFAULT_CHUNK_SIZE)
+    assert f"chunked: {flops / 1e9:.2f} GFLOP of matmul at {flops / 11e-3 / 1e9:.1f} GFLOP/s (median rep)" in lines
+    assert json.loads(lines[-1]) == {
+        "device": "cpu", "device_kernel": None, "device_kernel_vs_chunked": None,
+        "vs_transformers_chunk": round(22.0 / chunked, 3), "vs_recurrent": round(30.0 / chunked, 3),
+        "matmul_rate_fraction": round(flops / 11e-3 / 1e9 / 50.0, 3),
+    }
 
 
 def test_a_kernel_that_disagrees_fails_the_run(capsys, monkeypatch):

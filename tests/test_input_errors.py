@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_usage_error, cli_env, free_port, main_in_process, run_cli, usage_error_in_process
+from conftest import assert_usage_error, free_port, main_in_process, run_cli, usage_error_in_process
 
 CASES = {
     "negative-id": (["--token-ids", "1,-2,3"], "token id -2 at position 1 is outside the vocab [0, 1000)"),
@@ -79,11 +79,20 @@ def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_pat
     )
 
 
-def test_torchrun_env_without_tp_world_plans_for_its_world_size():
+def test_torchrun_env_without_tp_world_plans_for_its_world_size(capsys, no_ranks, monkeypatch):
     # torchrun gives WORLD_SIZE; --tp-world may be left out, so the split is checked for 3 ranks
-    # (the tiny preset's 4 heads do not split 3 ways), not for the flag's default of 1. A real
-    # process: as rank 0 of torchrun's world it goes on to the rendezvous after its own check,
-    # which this test process must never join.
-    env = cli_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    r = run_cli("generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--dist-timeout", 3, env=env)
-    assert_usage_error(r, "over 3 ranks", "valid world sizes: 1, 2, 4")
+    # (the tiny preset's 4 heads do not split 3 ways), not for the flag's default of 1. As rank 0
+    # of torchrun's world this process would go on to the rendezvous after its own check: joining
+    # a group fails the test instead.
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the process joined a group before refusing the split")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    usage_error_in_process(
+        capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--dist-timeout", 3,
+        expect=("over 3 ranks", "valid world sizes: 1, 2, 4"),
+    )

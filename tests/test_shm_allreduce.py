@@ -152,7 +152,9 @@ def _check_lost_peers(rank: int) -> None:
     with pytest.raises(ShmCollectiveError) as caught:
         collective.start_all_reduce(torch.ones(8))
     assert caught.value.collective_kind == "timeout"
-    assert 1.0 <= time.monotonic() - t0 < 3.0
+    # Not before the timeout; the upper bound only tells a timeout from a hang (a busy machine
+    # may run the waiting rank late).
+    assert 1.0 <= time.monotonic() - t0 < 5.0
     dist.barrier()
     collective._shm.timeout_s = 60.0
     t0 = time.monotonic()

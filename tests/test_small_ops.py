@@ -1,5 +1,6 @@
-"""The small fast ops against their naive references: a bound projection, the causal conv and the
-two RMSNorms (HF's formulas), and the row blocking the norms run by, against one whole block."""
+"""The small fast ops against their naive references: pocketllm's compiled projection kernels as a
+layer calls them, the causal conv and the two RMSNorms (HF's formulas), and the row blocking the
+norms run by, against one whole block."""
 
 from __future__ import annotations
 
@@ -7,22 +8,34 @@ import pytest
 import torch
 
 from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_reference
-from pocketllm.ops.registry import default_kernels, projection_reference
+from pocketllm.ops.registry import projection_reference
 
 
-@pytest.mark.parametrize("rows", [1, 2, 17], ids=lambda r: f"T{r}")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("with_out", [False, True], ids=["alloc", "out"])
-def test_bound_projection_matches_reference(rows, dtype, with_out):
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 48, generator=g).to(dtype)
-    w = torch.randn(40, 48, generator=g).to(dtype)
-    out = torch.empty(rows, 40, dtype=dtype) if with_out else None
-    got = default_kernels(w)(x, out=out)
-    if with_out:
-        assert got.data_ptr() == out.data_ptr()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), projection_reference(x, w).float(), atol=tol, rtol=tol)
+def test_every_compiled_projection_kernel_runs_bound_at_its_row_count():
+    # pocketllm's own kernels (bf16 only: fp32/fp16 weights run torch's calls, tested in torch),
+    # each forced into a KernelSet and run through the bound projection the layers call: one row
+    # x[0] into out[0], few rows and many rows into the caller's `out` or a new tensor.
+    from pocketllm.ops.registry import FEW_ROW, MANY_ROW, ONE_ROW, Choice, KernelSet
+
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 48, generator=g).to(torch.bfloat16)
+    cases = [(ONE_ROW, name, 1, {}) for name in ONE_ROW.available("bfloat16", cpu) if name.startswith("c")]
+    cases += [(FEW_ROW, name, rows, {"rows": 4}) for name in FEW_ROW.available("bfloat16", cpu) if name != "mm" for rows in (2, 3, 4)]
+    cases += [(MANY_ROW, "mm-f32", 17, {})]
+    assert {(k.rows, n) for k, n, _, _ in cases} >= {("one-row", "c"), ("one-row", "c-prefetch"), ("few-row", "c"), ("many-row", "mm-f32")}
+    for kind, name, rows, extra in cases:
+        key = "probe" if kind is MANY_ROW else (40, 48)
+        bound = KernelSet([Choice(kind, "bfloat16", "forced", {key: name}, **extra)]).bind(w)
+        label = {1: "one-row", 17: "many-row"}.get(rows, f"{rows}-row")
+        assert bound.names[label] == name, (label, bound.names)
+        x = torch.randn(rows, 48, generator=g).to(torch.bfloat16)
+        want = projection_reference(x.float(), w.float())
+        out = torch.full((rows, 40), float("nan"), dtype=torch.bfloat16)
+        assert bound(x, out=out) is out
+        for got in (out, bound(x)):
+            assert got.shape == (rows, 40) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0, msg=f"{name} at {rows} rows")
 
 
 def _conv_case(rows, dtype, seed):

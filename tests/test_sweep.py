@@ -1,5 +1,5 @@
-"""`pocketllm sweep`: the interleaving order, the tables and summary from synthetic timings, bad
-lists, and a real tiny sweep at TP=2 that writes valid JSON and a PNG."""
+"""`pocketllm sweep`: the interleaving order, the tables, summary and plot from synthetic timings,
+bad lists, and a real tiny sweep at TP=2 whose runs each ran their setting's slice count."""
 
 from __future__ import annotations
 
@@ -98,27 +98,64 @@ def test_bad_lists_exit_2(args, message, capsys, no_ranks):
 
 
 def test_tiny_sweep_at_tp2_end_to_end(tmp_path):
-    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    out = tmp_path / "sweep.json"
     r = run_cli(
         "sweep", "--preset", "tiny", "--tp-world", "2", "--rows", "8,32", "--pin", "1,4", "--reps", "2",
-        "--max-new-tokens", "2", "--warmup-tokens", "4", "--json", out, "--plot", png, timeout=120,
+        "--max-new-tokens", "2", "--warmup-tokens", "4", "--json", out, timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout.strip().splitlines()[-1])["summary"]
-    assert set(summary) == {"rule"} and set(summary["rule"]) == {"8", "32"}
-    assert summary["rule"]["8"]["slices"] == 1
     data = json.loads(out.read_text())
-    assert len(data["runs"]) == 2 * 2 * 3
-    assert [(r["rep"], r["rows"], r["setting"]) for r in data["runs"]] == sweep_order([8, 32], ["pin=1", "pin=4", "rule"], 2)
-    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in data["runs"])
-    assert {r["slices"] for r in data["runs"] if r["setting"] == "pin=4"} == {4}
-    # The file's summary carries each policy's mean TPS as well.
-    assert {p: {r: {k: c[k] for k in ("slices", "ratio_to_best")} for r, c in by.items()} for p, by in data["summary"].items()} == summary
-    assert set(data["best"]) == {"8", "32"}
-    assert data["settings"]["tp_world"] == 2
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = data["runs"]
+    assert [(r["rep"], r["rows"], r["setting"]) for r in runs] == sweep_order([8, 32], ["pin=1", "pin=4", "rule"], 2)
+    for run in runs:
+        # Each run timed the prefill of its rows under its own setting's slice count (the rule
+        # slices neither 8 nor 32 rows on the tiny shape): one all-reduce per slice at each of the
+        # 4 layers' mlp.down and mixer output projections, and the embedding's.
+        want = {"pin=1": 1, "pin=4": 4, "rule": 1}[run["setting"]]
+        assert (run["slices"], run["collectives"], run["serial"]) == (want, 8 * want + 1, want == 1), run
+        assert run["prefill_tokens"] == run["rows"] and run["decode_tokens"] == 2
+        assert run["prefill_tokens_per_s"] == pytest.approx(run["rows"] / run["prefill_seconds"])
+        assert run["decode_tokens_per_s"] == pytest.approx(2 / run["decode_seconds"])
+    # The summary sets the rule's mean prefill TPS against the best pin's, from these runs.
+    summary = json.loads(r.stdout.strip().splitlines()[-1])["summary"]
+    for rows in (8, 32):
+        mean = {s: sum(r["prefill_tokens_per_s"] for r in runs if (r["rows"], r["setting"]) == (rows, s)) / 2 for s in ("pin=1", "pin=4", "rule")}
+        best = max(("pin=1", "pin=4"), key=mean.get)
+        assert data["best"][str(rows)]["slices"] == int(best[4:])
+        assert summary["rule"][str(rows)] == {"slices": 1, "ratio_to_best": pytest.approx(mean["rule"] / mean[best], abs=1e-4)}
+        assert data["summary"]["rule"][str(rows)]["ratio_to_best"] == summary["rule"][str(rows)]["ratio_to_best"]
+    assert data["settings"]["tp_world"] == 2 and data["settings"]["settings"]["pin=4"] == "pinned at 4"
     # Progress went to stderr, the tables to stdout.
     assert "rows=8: prefill TPS per rep" in r.stdout and "rep 2/2" in r.stderr
+
+
+def test_the_plot_shows_each_pins_reps_and_each_policys_choice(tmp_path, monkeypatch):
+    # The picture from the synthetic timings: a line per pin through its mean TPS at each row
+    # count, bars to its reps' min and max, and the policies' choices marked where they ran.
+    import matplotlib.pyplot as plt
+
+    from pocketllm.bench.plot import plot_sweep
+
+    figures = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: figures.append(real(*a, **k)) or figures[-1])
+    png = tmp_path / "sweep.png"
+    plot_sweep(_records(), list(MEANS), SETTINGS, str(png), "tiny")
+    assert png.stat().st_size > 0
+    (fig, ax), = figures
+    pins = {c.get_label(): c for c in ax.containers}
+    assert set(pins) == {"1 slice", "4 slices", "8 slices"}
+    for pin in (1, 4, 8):
+        line, _, (bars,) = pins[f"{pin} slice" + ("s" if pin > 1 else "")].lines
+        assert list(line.get_xdata()) == [512, 4096]
+        assert list(line.get_ydata()) == pytest.approx([MEANS[512][f"pin={pin}"][0], MEANS[4096][f"pin={pin}"][0]])
+        # The bars span the reps: -1% to +1% of the mean.
+        mean = MEANS[512][f"pin={pin}"][0]
+        assert tuple(bars.get_segments()[0][:, 1]) == pytest.approx((mean * 0.99, mean * 1.01))
+    marks = {line.get_label(): line for line in ax.get_lines() if line.get_label().endswith("'s choice")}
+    for policy in ("rule", "calibrated"):
+        assert list(marks[f"{policy}'s choice"].get_ydata()) == pytest.approx([MEANS[512][policy][0], MEANS[4096][policy][0]])
+    assert [t.get_text() for t in ax.texts] == ["r1", "r4", "c1", "c1"]
 
 
 def test_plot_without_matplotlib_is_one_clear_line(monkeypatch):
