@@ -100,13 +100,22 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
     k = taps.shape[0]
     # Held in a name for the call: a temporary's memory could go back to the allocator before it.
     proj = proj.contiguous()
-    specs = [
-        ("proj", proj, _BF16, conv + hv * dv + 2 * hv, True, None), ("taps", taps, _F32, k * conv, True, 2),
-        ("conv_state", conv_state, _BF16, (k - 1) * conv, True, None), ("neg_a", neg_a, _F32, hv, True, None),
-        ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None), ("state", state, _F32, hv * dk * dv, True, None),
-    ]
-    if not all(t.dtype is dtype and t.numel() == numel and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs):
-        refuse("gdn_decode_bf16", specs)
+    # One expression of attribute reads on the hot path (six of these calls a step of the small
+    # preset); the argument at fault is found only when it fails.
+    if not (
+        proj.dtype is _BF16 and proj.numel() == conv + hv * dv + 2 * hv and proj.is_cpu
+        and taps.dtype is _F32 and taps.numel() == k * conv and taps.is_contiguous() and taps.is_cpu
+        and conv_state.dtype is _BF16 and conv_state.numel() == (k - 1) * conv and conv_state.is_contiguous() and conv_state.is_cpu
+        and neg_a.dtype is _F32 and neg_a.numel() == hv and neg_a.is_contiguous() and neg_a.is_cpu
+        and dt_bias.dtype is _BF16 and dt_bias.numel() == hv and dt_bias.is_contiguous() and dt_bias.is_cpu
+        and norm_w.dtype is _BF16 and norm_w.numel() == dv and norm_w.is_contiguous() and norm_w.is_cpu
+        and state.dtype is _F32 and state.numel() == hv * dk * dv and state.is_contiguous() and state.is_cpu
+    ):
+        refuse("gdn_decode_bf16", [
+            ("proj", proj, _BF16, conv + hv * dv + 2 * hv, True, None), ("taps", taps, _F32, k * conv, True, 2),
+            ("conv_state", conv_state, _BF16, (k - 1) * conv, True, None), ("neg_a", neg_a, _F32, hv, True, None),
+            ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None), ("state", state, _F32, hv * dk * dv, True, None),
+        ])
     out = torch.empty(1, hv * dv, dtype=proj.dtype)
     work = torch.empty(conv + 2 * hv + hv * dv, dtype=torch.float32)
     _lib.gdn_decode_bf16(
@@ -131,17 +140,18 @@ def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool
     of ISA_FLAGS) are for tests: the result is the same for any, up to fp32 summation order."""
     half = cos.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    specs = [
-        ("qkv", qkv, _BF16, (heads * 2 + kv_heads * 2) * head_dim, True, None), ("q_scale", q_scale, _F32, head_dim, True, None),
-        ("k_scale", k_scale, _F32, head_dim, True, None), ("cos", cos, _F32, half, True, None), ("sin", sin, _F32, half, True, None),
-        ("k_pool", k_pool, _BF16, None, True, 4), ("v_pool", v_pool, _BF16, None, True, 4), ("table", table, _I32, None, True, 1),
-    ]
+    d = head_dim
     if not (
-        all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs)
-        and k_pool.dim() == 4 and k_pool.shape[1] == kv_heads and k_pool.shape[3] == head_dim and v_pool.shape == k_pool.shape
-        and 0 <= pos < table.numel() * k_pool.shape[2] and 2 * half <= head_dim
+        qkv.dtype is _BF16 and qkv.numel() == (heads * 2 + kv_heads * 2) * d and qkv.is_cpu
+        and q_scale.dtype is _F32 and q_scale.numel() == d and q_scale.is_contiguous() and q_scale.is_cpu
+        and k_scale.dtype is _F32 and k_scale.numel() == d and k_scale.is_contiguous() and k_scale.is_cpu
+        and cos.dtype is _F32 and sin.dtype is _F32 and sin.numel() == half and cos.is_cpu and sin.is_cpu
+        and k_pool.dtype is _BF16 and k_pool.dim() == 4 and k_pool.shape[1] == kv_heads and k_pool.shape[3] == d
+        and k_pool.is_contiguous() and k_pool.is_cpu and v_pool.dtype is _BF16 and v_pool.shape == k_pool.shape
+        and v_pool.is_contiguous() and v_pool.is_cpu and table.dtype is _I32 and table.dim() == 1 and table.is_contiguous() and table.is_cpu
+        and 0 <= pos < table.numel() * k_pool.shape[2] and 2 * half <= d
     ):
-        _refuse_attention(specs, k_pool, v_pool, table, kv_heads, head_dim, pos, half)
+        _refuse_attention(qkv, q_scale, k_scale, cos, sin, k_pool, v_pool, table, heads, kv_heads, d, pos, half)
     if heads % kv_heads:
         raise ValueError(f"attention_decode_bf16: {heads} query heads do not share {kv_heads} KV heads evenly")
     bs = k_pool.shape[2]
@@ -164,8 +174,13 @@ def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool
     return out
 
 
-def _refuse_attention(specs, k_pool, v_pool, table, kv_heads: int, head_dim: int, pos: int, half: int) -> None:
+def _refuse_attention(qkv, q_scale, k_scale, cos, sin, k_pool, v_pool, table, heads: int, kv_heads: int, head_dim: int, pos: int, half: int) -> None:
     name = "attention_decode_bf16"
+    specs = [
+        ("qkv", qkv, _BF16, (heads * 2 + kv_heads * 2) * head_dim, True, None), ("q_scale", q_scale, _F32, head_dim, True, None),
+        ("k_scale", k_scale, _F32, head_dim, True, None), ("cos", cos, _F32, half, True, None), ("sin", sin, _F32, half, True, None),
+        ("k_pool", k_pool, _BF16, None, True, 4), ("v_pool", v_pool, _BF16, None, True, 4), ("table", table, _I32, None, True, 1),
+    ]
     if not all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs):
         refuse(name, specs)
     if k_pool.dim() != 4 or v_pool.dim() != 4 or table.dim() != 1:
