@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from common import PocketRunner, alternate, spread
+from common import PocketRunner, alternate, decode_weight_bytes, read_bandwidths_gbps, spread
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
 from pocketllm.model_args import parse_dtype
@@ -141,21 +141,29 @@ def main(argv=None) -> int:
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
     engine = pocket.engine
+    read_gbps = max(read_bandwidths_gbps().values())
+    cfg = engine.cfg
+    kv_bytes_per_token = sum(t == "full_attention" for t in cfg.layer_types) * 2 * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(parse_dtype(args.dtype)).bits // 8
+    weight_bytes = decode_weight_bytes(engine.model)
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}"
           + (f", llama.cpp {llama.version}" if args.llama_bench else ""))
     print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} decode tokens={args.decode_tokens}; decode tok/s, median (min..max)")
     print("\n".join(engine.kernels.describe()))
     print(engine.model.decode_ops.describe())
+    print(f"streaming limit: {weight_bytes / 2**20:.1f} MiB of weights + {kv_bytes_per_token} B of KV cache per token of context a step, "
+          f"at {read_gbps:.1f} GB/s (1 GiB fp32 sum, best of 5); limit% = tok/s x bytes per step / that rate")
     names = list(runs)
-    print(f"{'depth':>7}" + "".join(f"{n:>24}{'vs ' + str(depths[0]):>9}" for n in names) + ("   pocketllm/llama.cpp" if len(names) > 1 else ""))
-    summary = {"machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "decode_tokens": args.decode_tokens}
+    print(f"{'depth':>7}" + "".join(f"{n:>24}{'vs ' + str(depths[0]):>9}{'limit%':>8}" for n in names) + ("   pocketllm/llama.cpp" if len(names) > 1 else ""))
+    summary = {"machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "decode_tokens": args.decode_tokens, "read_gbps": round(read_gbps, 1)}
     for d in depths:
         row, entry = f"{d:>7}", {}
         for n in names:
             med = statistics.median(figures[n][d])
             rel = med / statistics.median(figures[n][depths[0]])
             row += f"{spread(figures[n][d]):>24}{rel:>9.2f}"
-            entry[n] = {"tok_s": round(med, 2), f"vs_{depths[0]}": round(rel, 3)}
+            limit = med * (weight_bytes + kv_bytes_per_token * d) / (read_gbps * 1e9)
+            row += f"{limit:>8.0%}"
+            entry[n] = {"tok_s": round(med, 2), f"vs_{depths[0]}": round(rel, 3), "of_limit": round(limit, 3)}
         if len(names) > 1:
             # Per rep, the two engines' figures of the same rep.
             ratios = [a / b for a, b in zip(figures["pocketllm"][d], figures["llama.cpp"][d])]
