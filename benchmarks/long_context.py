@@ -65,8 +65,8 @@ class PocketDepths:
     def __init__(self, runner: PocketRunner, depths: list[int], steps: int, reps: int):
         self.engine, self.depths, self.steps = runner.engine, depths, steps
         vocab = self.engine.cfg.vocab_size
-        # Room for every timed rep, the warm-up run and the profiled one.
-        self.engine.reserve_slots(len(depths), max(depths) + (reps + 2) * steps + 1)
+        # Room for every timed rep, the two warm-up runs and the profiled one.
+        self.engine.reserve_slots(len(depths), max(depths) + (reps + 3) * steps + 1)
         self.token, self.pos = {}, {}
         for slot, depth in enumerate(depths):
             print(f"pocketllm: prefilling {depth} tokens", file=sys.stderr, flush=True)
@@ -84,8 +84,9 @@ class PocketDepths:
         self.token[depth], self.pos[depth] = token, pos
         return seconds
 
-    def run(self) -> dict[int, float]:
-        return {d: self.steps / self.decode(d) for d in self.depths}
+    def run(self, rep: int) -> dict[int, float]:
+        # The depths' order alternates too: the first timed after the other engine ran is slower.
+        return {d: self.steps / self.decode(d) for d in alternate(self.depths, rep)}
 
     def profile(self, depth: int) -> dict[str, float]:
         """ms per step of every scope (exclusive; "other" is the step outside any scope)."""
@@ -110,7 +111,7 @@ class LlamaDepths:
         self.cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(steps), "-d", ",".join(map(str, depths)), "-r", "1", "-o", "json"]
         self.version = ""
 
-    def run(self) -> dict[int, float]:
+    def run(self, rep: int) -> dict[int, float]:
         r = subprocess.run(self.cmd, capture_output=True, text=True)
         if r.returncode != 0:
             lines = r.stderr.strip().splitlines()
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     figures: dict[str, dict[int, list[float]]] = {name: {d: [] for d in depths} for name in runs}
     for rep in range(args.reps):
         for name in alternate(list(runs), rep):
-            for depth, value in runs[name]().items():
+            for depth, value in runs[name](rep).items():
                 figures[name][depth].append(value)
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
@@ -172,6 +173,7 @@ def main(argv=None) -> int:
         summary[str(d)] = entry
         print(row)
     if args.profile:
+        pocket.decode(depths[0])
         profiles = {d: pocket.profile(d) for d in depths}
         base = profiles[depths[0]]
         labels = sorted(set().union(*profiles.values()), key=lambda k: -(profiles[depths[-1]].get(k, 0) - base.get(k, 0)))
