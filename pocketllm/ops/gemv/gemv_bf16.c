@@ -150,7 +150,7 @@ const char *gemv_bf16_isa(void) { return "scalar"; }
 /* Each thread takes a contiguous range of rows and reads them one after another, one dot product
  * at a time: the weight is then a single sequential stream per thread, which the hardware
  * prefetchers follow at the memory's rate. Four rows at a time, sharing each load of x, read
- * four streams 2n bytes apart and ran at 0.7x of that on an AMD EPYC (docs/decode.md). Each row
+ * four streams 2n bytes apart and ran at 0.4-0.7x of that on an AMD EPYC (docs/decode.md). Each row
  * is summed exactly as the few-row product below sums it (dot1). prefetch > 0: each row is also
  * asked for non-temporally ONE_ROW_AHEAD rows ahead, so that the weight, read once per step,
  * passes by the outer caches instead of evicting what the work after the GEMV runs on (the
