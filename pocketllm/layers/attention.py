@@ -5,15 +5,16 @@ o_proj."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pocketllm import host_memory
 from pocketllm.config import FULL, ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import KV_BLOCK_SIZE, KVPool, PagedKV
 from pocketllm.layers.context import ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
+from pocketllm.layers.paged_attention import cached_attention, write_kv
 from pocketllm.layers.rotary import apply_rotary
 from pocketllm.ops.fused import decode_ops
 from pocketllm.profiling.scopes import scope
@@ -68,7 +69,9 @@ class GatedAttention(nn.Module):
 
     def allocate_pool(self, num_blocks: int, block_size: int = KV_BLOCK_SIZE) -> KVPool:
         shape = (num_blocks, self.kv_heads, block_size, self.head_dim)
-        return KVPool(torch.zeros(shape, dtype=self._dtype, device=self._device), torch.zeros(shape, dtype=self._dtype, device=self._device))
+        # On huge pages where the host has them, as the weights are: a decode step streams the
+        # cache like a weight, and its memory is taken as pages are first written either way.
+        return KVPool(host_memory.zeros(shape, self._dtype, self._device), host_memory.zeros(shape, self._dtype, self._device))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. `cache` holds this layer's PagedKV of each sequence of
@@ -98,49 +101,10 @@ class GatedAttention(nn.Module):
         with scope("rope"):
             q = apply_rotary(q, seq.cos, seq.sin)
             k = apply_rotary(k, seq.cos, seq.sin)
-        end = seq.start + t
+        v = v.view(t, self.kv_heads, d)
         with scope("kv_write"):
-            write_kv(kv, seq.start, k, v.view(t, self.kv_heads, d))
+            write_kv(kv, seq.start, k, v)
         with scope("full_attention"):
-            keys, values = gather_kv(kv, end)
-            out = attention_core(q.transpose(0, 1), keys, values, seq.start, self.scale)
+            out = cached_attention(q, k, v, kv, seq.start, self.scale)
         with scope("gates", "full"):
-            return out.transpose(0, 1).reshape(t, self.heads * d) * torch.sigmoid(gate)
-
-
-def _flat_rows(kv: PagedKV, start: int, end: int) -> torch.Tensor:
-    """The rows of positions start..end-1 of every head in the pool viewed as [blocks * Hkv *
-    block_size, D]: [Hkv, end - start]."""
-    heads, bs = kv.pool.k.shape[1], kv.pool.block_size
-    device = kv.table.ids.device
-    pos = torch.arange(start, end, device=device)
-    head0 = kv.table.ids[pos // bs].long() * (heads * bs) + pos % bs
-    return head0[None, :] + bs * torch.arange(heads, device=device)[:, None]
-
-
-def write_kv(kv: PagedKV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Keys and values [T, Hkv, D] of positions start..start+T-1 into the sequence's blocks."""
-    rows = _flat_rows(kv, start, start + k.shape[0])
-    d = k.shape[-1]
-    kv.pool.k.view(-1, d)[rows] = k.transpose(0, 1)
-    kv.pool.v.view(-1, d)[rows] = v.transpose(0, 1)
-
-
-def gather_kv(kv: PagedKV, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions 0..end-1 from the sequence's blocks, [Hkv, end, D] each."""
-    rows = _flat_rows(kv, 0, end)
-    d = kv.pool.k.shape[-1]
-    return kv.pool.k.view(-1, d)[rows], kv.pool.v.view(-1, d)[rows]
-
-
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Causal GQA. q [H, T, D] at positions start..start+T; k, v [Hkv, S, D] with S = start + T."""
-    t, s = q.shape[1], k.shape[1]
-    mask, causal = None, False
-    if start == 0:
-        causal = t > 1
-    elif t > 1:
-        mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[0] != q.shape[0]
-    )[0]
+            return out.reshape(t, self.heads * d) * torch.sigmoid(gate)

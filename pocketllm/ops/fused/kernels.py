@@ -1,5 +1,5 @@
-"""The compiled forms of the decode step's work between GEMVs (decode_bf16.c), for one bf16 row on
-a CPU; each has the signature of its torch form in reference.py. Each checks its arguments'
+"""The compiled forms of the decode step's work between GEMVs (decode_bf16.c, attention_bf16.c), for
+one bf16 row on a CPU; each has the signature of its torch form in reference.py. Each checks its arguments'
 dtypes, sizes and strides before passing pointers (pocketllm.ops.native_args): a wrong one raises
 a ValueError naming it."""
 
@@ -13,26 +13,57 @@ import torch
 from pocketllm import compiled
 from pocketllm.ops.native_args import refuse
 
-_SOURCE = Path(__file__).with_name("decode_bf16.c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Per source, its functions' argument types (and result type, None for void).
 _SIGNATURES = {
-    "add_rms_norm_bf16": [_P, _P, _P, _F, _I, _P, _P],
-    "silu_mul_bf16": [_P, _P, _P, _I],
-    "gdn_decode_bf16": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P],
-    "attention_decode_bf16": [_P, _P, _P, _F, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
+    "decode_bf16.c": {
+        "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _P, _P], None),
+        "silu_mul_bf16": ([_P, _P, _P, _I], None),
+        "gdn_decode_bf16": ([_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P], None),
+    },
+    "attention_bf16.c": {
+        "attention_decode_bf16": ([_P, _P, _P, _F, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
+        "attention_decode_work_floats": ([_I, _I, _I, _I, _I], _I),
+    },
 }
+# The attention kernel's instruction-set paths, as builds of the same source: the widest this CPU
+# has (native), and each narrower one, which the tests run against the reference too.
+ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
+# Cache positions x KV heads x head dim from which attention splits over the threads: below it
+# the whole call is a few microseconds' work, less than waking the threads costs.
+ATTENTION_PARALLEL_MIN = 1 << 16
 _lib = None
+_attn: dict[str, ctypes.CDLL] = {}
+
+
+def _load(source: str, isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
+    lib, why = compiled.load(Path(__file__).with_name(source), compiled.FLAGS + ISA_FLAGS[isa])
+    if lib is not None:
+        for name, (args, result) in _SIGNATURES[source].items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = result
+    return lib, why
 
 
 def library() -> tuple[ctypes.CDLL | None, str]:
+    """(the decode library, "") once both sources are built, else (None, why not)."""
     global _lib
-    lib, why = compiled.load(_SOURCE)
-    if lib is not None and _lib is None:
-        for name, args in _SIGNATURES.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
-        _lib = lib
-    return lib, why
+    lib, why = _load("decode_bf16.c")
+    attn, attn_why = attention_library()
+    if lib is None or attn is None:
+        return None, why or attn_why
+    _lib = lib
+    return lib, ""
+
+
+def attention_library(isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
+    """The attention kernel built for one of ISA_FLAGS' paths, or (None, why not)."""
+    if isa not in _attn:
+        lib, why = _load("attention_bf16.c", isa)
+        if lib is None:
+            return None, why
+        _attn[isa] = lib
+    return _attn[isa], ""
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -69,13 +100,22 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
     k = taps.shape[0]
     # Held in a name for the call: a temporary's memory could go back to the allocator before it.
     proj = proj.contiguous()
-    specs = [
-        ("proj", proj, _BF16, conv + hv * dv + 2 * hv, True, None), ("taps", taps, _F32, k * conv, True, 2),
-        ("conv_state", conv_state, _BF16, (k - 1) * conv, True, None), ("neg_a", neg_a, _F32, hv, True, None),
-        ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None), ("state", state, _F32, hv * dk * dv, True, None),
-    ]
-    if not all(t.dtype is dtype and t.numel() == numel and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs):
-        refuse("gdn_decode_bf16", specs)
+    # One expression of attribute reads on the hot path (six of these calls a step of the small
+    # preset); the argument at fault is found only when it fails.
+    if not (
+        proj.dtype is _BF16 and proj.numel() == conv + hv * dv + 2 * hv and proj.is_cpu
+        and taps.dtype is _F32 and taps.numel() == k * conv and taps.is_contiguous() and taps.is_cpu
+        and conv_state.dtype is _BF16 and conv_state.numel() == (k - 1) * conv and conv_state.is_contiguous() and conv_state.is_cpu
+        and neg_a.dtype is _F32 and neg_a.numel() == hv and neg_a.is_contiguous() and neg_a.is_cpu
+        and dt_bias.dtype is _BF16 and dt_bias.numel() == hv and dt_bias.is_contiguous() and dt_bias.is_cpu
+        and norm_w.dtype is _BF16 and norm_w.numel() == dv and norm_w.is_contiguous() and norm_w.is_cpu
+        and state.dtype is _F32 and state.numel() == hv * dk * dv and state.is_contiguous() and state.is_cpu
+    ):
+        refuse("gdn_decode_bf16", [
+            ("proj", proj, _BF16, conv + hv * dv + 2 * hv, True, None), ("taps", taps, _F32, k * conv, True, 2),
+            ("conv_state", conv_state, _BF16, (k - 1) * conv, True, None), ("neg_a", neg_a, _F32, hv, True, None),
+            ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None), ("state", state, _F32, hv * dk * dv, True, None),
+        ])
     out = torch.empty(1, hv * dv, dtype=proj.dtype)
     work = torch.empty(conv + 2 * hv + hv * dv, dtype=torch.float32)
     _lib.gdn_decode_bf16(
@@ -85,37 +125,62 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
     return out
 
 
-def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool, table, pos: int, heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+def attention_splits(pos: int, kv_heads: int, head_dim: int, block_size: int, threads: int) -> int:
+    """Ranges the sequence's blocks are cut into: one per thread, one in all for a short cache."""
+    if (pos + 1) * kv_heads * head_dim < ATTENTION_PARALLEL_MIN:
+        return 1
+    return max(1, min(threads, pos // block_size + 1))
+
+
+def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool, table, pos: int, heads: int, kv_heads: int, head_dim: int,
+                     scale: float, splits: int | None = None, isa: str = "native") -> torch.Tensor:
     """k_pool, v_pool [blocks, kv_heads, block_size, head_dim] (layers/cache.py); table: the
-    sequence's block ids, int32, covering position pos."""
+    sequence's block ids, int32, covering position pos. `splits` (ranges of blocks, default
+    attention_splits on torch's threads) and `isa` (a narrower path than this CPU's widest, one
+    of ISA_FLAGS) are for tests: the result is the same for any, up to fp32 summation order."""
     half = cos.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    d = head_dim
+    if not (
+        qkv.dtype is _BF16 and qkv.numel() == (heads * 2 + kv_heads * 2) * d and qkv.is_cpu
+        and q_scale.dtype is _F32 and q_scale.numel() == d and q_scale.is_contiguous() and q_scale.is_cpu
+        and k_scale.dtype is _F32 and k_scale.numel() == d and k_scale.is_contiguous() and k_scale.is_cpu
+        and cos.dtype is _F32 and sin.dtype is _F32 and sin.numel() == half and cos.is_cpu and sin.is_cpu
+        and k_pool.dtype is _BF16 and k_pool.dim() == 4 and k_pool.shape[1] == kv_heads and k_pool.shape[3] == d
+        and k_pool.is_contiguous() and k_pool.is_cpu and v_pool.dtype is _BF16 and v_pool.shape == k_pool.shape
+        and v_pool.is_contiguous() and v_pool.is_cpu and table.dtype is _I32 and table.dim() == 1 and table.is_contiguous() and table.is_cpu
+        and 0 <= pos < table.numel() * k_pool.shape[2] and 2 * half <= d
+    ):
+        _refuse_attention(qkv, q_scale, k_scale, cos, sin, k_pool, v_pool, table, heads, kv_heads, d, pos, half)
+    if heads % kv_heads:
+        raise ValueError(f"attention_decode_bf16: {heads} query heads do not share {kv_heads} KV heads evenly")
+    bs = k_pool.shape[2]
+    if splits is None:
+        splits = attention_splits(pos, kv_heads, head_dim, bs, torch.get_num_threads())
+    elif splits < 1:
+        raise ValueError(f"attention_decode_bf16: splits must be at least 1, got {splits}")
+    out = torch.empty(1, heads * head_dim, dtype=qkv.dtype)
+    lib, why = attention_library(isa)
+    if lib is None:
+        raise RuntimeError(why)
+    work = torch.empty(lib.attention_decode_work_floats(heads, kv_heads, head_dim, bs, splits), dtype=torch.float32)
+    # The kernel checks the table's ids against the pool before it reads or writes anything: a bad
+    # one would read outside it.
+    if lib.attention_decode_bf16(
+        qkv.data_ptr(), q_scale.data_ptr(), k_scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        k_pool.shape[0], table.data_ptr(), bs, pos, heads, kv_heads, head_dim, half, scale, out.data_ptr(), work.data_ptr(), splits,
+    ):
+        raise ValueError(f"attention_decode_bf16: table holds block ids outside the pool's {k_pool.shape[0]} blocks")
+    return out
+
+
+def _refuse_attention(qkv, q_scale, k_scale, cos, sin, k_pool, v_pool, table, heads: int, kv_heads: int, head_dim: int, pos: int, half: int) -> None:
+    name = "attention_decode_bf16"
     specs = [
         ("qkv", qkv, _BF16, (heads * 2 + kv_heads * 2) * head_dim, True, None), ("q_scale", q_scale, _F32, head_dim, True, None),
         ("k_scale", k_scale, _F32, head_dim, True, None), ("cos", cos, _F32, half, True, None), ("sin", sin, _F32, half, True, None),
         ("k_pool", k_pool, _BF16, None, True, 4), ("v_pool", v_pool, _BF16, None, True, 4), ("table", table, _I32, None, True, 1),
     ]
-    if not (
-        all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs)
-        and k_pool.dim() == 4 and k_pool.shape[1] == kv_heads and k_pool.shape[3] == head_dim and v_pool.shape == k_pool.shape
-        and 0 <= pos < table.numel() * k_pool.shape[2] and 2 * half <= head_dim
-    ):
-        _refuse_attention(specs, k_pool, v_pool, table, kv_heads, head_dim, pos, half)
-    # The blocks the kernel reads must be the pool's: a bad id would read outside it.
-    used = table[: pos // k_pool.shape[2] + 1]
-    if int(used.min()) < 0 or int(used.max()) >= k_pool.shape[0]:
-        raise ValueError(f"attention_decode_bf16: table holds block ids outside the pool's {k_pool.shape[0]} blocks")
-    out = torch.empty(1, heads * head_dim, dtype=qkv.dtype)
-    work = torch.empty(heads * head_dim + kv_heads * head_dim + heads * (pos + 1), dtype=torch.float32)
-    _lib.attention_decode_bf16(
-        qkv.data_ptr(), q_scale.data_ptr(), k_scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
-        v_pool.data_ptr(), table.data_ptr(), k_pool.shape[2], pos, heads, kv_heads, head_dim, half, scale, out.data_ptr(), work.data_ptr(),
-    )
-    return out
-
-
-def _refuse_attention(specs, k_pool, v_pool, table, kv_heads: int, head_dim: int, pos: int, half: int) -> None:
-    name = "attention_decode_bf16"
     if not all(t.dtype is dtype and (numel is None or t.numel() == numel) and t.is_contiguous() and t.is_cpu for _, t, dtype, numel, _, _ in specs):
         refuse(name, specs)
     if k_pool.dim() != 4 or v_pool.dim() != 4 or table.dim() != 1:

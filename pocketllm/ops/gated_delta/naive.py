@@ -54,7 +54,14 @@ def _step_f32(q, k, v, decay, beta, state, out, kv_mem) -> None:
 def gated_delta_step_(q, k, v, g, beta, state) -> torch.Tensor:
     """Advance `state` ([Hv, Dk, Dv] fp32) by one token in place; return out [1, Hv, Dv] in fp32.
     The caller rounds to its own dtype: an fp32 result is not copied into a v-dtype buffer only to
-    be converted again."""
+    be converted again.
+
+    The same arithmetic as the recurrence, reordered so the state is read once before it is
+    updated: with S' = decay S + k (x) delta, k^T (decay S) = decay k^T S and q^T S' = decay q^T S
+    + (q . k) delta, so k^T S and q^T S come from one batched product on the old state, where the
+    recurrence reads the state twice more. The update is torch's scale in place and its rank-1
+    update in place (torch has no one op for the two; the compiled decode block does both in one
+    pass)."""
     T, _, Hv, Dk, Dv = check_shapes(q, k, v, g, beta, state)
     if T != 1:
         raise ValueError(f"gated_delta_step_ takes one token; got T={T}")
@@ -62,11 +69,12 @@ def gated_delta_step_(q, k, v, g, beta, state) -> torch.Tensor:
         raise ValueError(f"state must be float32; got {state.dtype}")
     q_v = expand_to_value_heads(q[0], Hv)  # [Hv, Dk]
     k_v = expand_to_value_heads(k[0], Hv)  # [Hv, Dk]
-    decay = g[0].float().exp()  # [Hv]
-    kv_mem = state.new_empty(Hv, 1, Dv)
-    out = state.new_empty(1, Hv, Dv)
-    _step_f32(q_v, k_v, v[0].float(), decay, beta[0].float(), state, out[0], kv_mem)
-    return out
+    decay = g[0].float().exp()[:, None]  # [Hv, 1]
+    ks, qs = torch.bmm(torch.stack((k_v, q_v), dim=1), state).unbind(1)  # [Hv, Dv] each
+    delta = (v[0].float() - decay * ks).mul_(beta[0].float()[:, None])
+    out = (decay * qs).addcmul_((q_v * k_v).sum(-1, keepdim=True), delta)
+    state.mul_(decay[:, :, None]).baddbmm_(k_v[:, :, None], delta[:, None, :])
+    return out[None]
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):

@@ -1,12 +1,11 @@
 /* y = W x for one bf16 row x: W [rows, n] row-major bf16, x [n] bf16, y [rows] bf16; and
  * Y = X W^T for a few rows X [m, n] (a decode step of m sequences), Y [m, rows].
  *
- * Decode reads every weight once per token, so this is a streaming loop: four weight rows at a
- * time share each load of x, products are summed in fp32 and rounded to bf16 once per output
- * (round to nearest even, as torch rounds). Rows are split over the OpenMP threads torch already
- * runs (see pocketllm/compiled.py). Built with -march=native: the widest path this CPU has is
- * compiled in, AVX-512 BF16 dot products, else AVX-512 or AVX2 FMAs on bf16 widened to fp32, else
- * plain C.
+ * Decode reads every weight once per token, so this is a streaming loop: products are summed in
+ * fp32 and rounded to bf16 once per output (round to nearest even, as torch rounds). Rows are
+ * split over the OpenMP threads torch already runs (see pocketllm/compiled.py). Built with
+ * -march=native: the widest path this CPU has is compiled in, AVX-512 BF16 dot products, else
+ * AVX-512 or AVX2 FMAs on bf16 widened to fp32, else plain C.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,23 +19,6 @@
 #define STEP 32
 static inline __m512bh load_bh(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
-}
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < n; i += STEP) {
-        if (pf)
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
-        __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
-        __m512bh xv = load_bh(x + i, m);
-        a0 = _mm512_dpbf16_ps(a0, load_bh(w + i, m), xv);
-        a1 = _mm512_dpbf16_ps(a1, load_bh(w + n + i, m), xv);
-        a2 = _mm512_dpbf16_ps(a2, load_bh(w + 2 * n + i, m), xv);
-        a3 = _mm512_dpbf16_ps(a3, load_bh(w + 3 * n + i, m), xv);
-    }
-    o[0] = _mm512_reduce_add_ps(a0);
-    o[1] = _mm512_reduce_add_ps(a1);
-    o[2] = _mm512_reduce_add_ps(a2);
-    o[3] = _mm512_reduce_add_ps(a3);
 }
 static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
     __m512 a = _mm512_setzero_ps();
@@ -80,24 +62,6 @@ static inline __m512 load_f(const uint16_t *p, __mmask16 m) {
     __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < n; i += STEP) {
-        /* One line of each row per two steps. */
-        if (pf && (i & 31) == 0)
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
-        __mmask16 m = n - i >= STEP ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        __m512 xv = load_f(x + i, m);
-        a0 = _mm512_fmadd_ps(load_f(w + i, m), xv, a0);
-        a1 = _mm512_fmadd_ps(load_f(w + n + i, m), xv, a1);
-        a2 = _mm512_fmadd_ps(load_f(w + 2 * n + i, m), xv, a2);
-        a3 = _mm512_fmadd_ps(load_f(w + 3 * n + i, m), xv, a3);
-    }
-    o[0] = _mm512_reduce_add_ps(a0);
-    o[1] = _mm512_reduce_add_ps(a1);
-    o[2] = _mm512_reduce_add_ps(a2);
-    o[3] = _mm512_reduce_add_ps(a3);
-}
 static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
     __m512 a = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += STEP) {
@@ -122,33 +86,6 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    int64_t i = 0;
-    for (; i + STEP <= n; i += STEP) {
-        /* One line of each row per two steps. */
-        if (pf && (i & 31) == 0)
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
-        __m256i xv = load_w(x + i), w0 = load_w(w + i), w1 = load_w(w + n + i), w2 = load_w(w + 2 * n + i), w3 = load_w(w + 3 * n + i);
-        __m256 xe = even_f(xv), xo = odd_f(xv);
-        a0 = _mm256_fmadd_ps(even_f(w0), xe, a0);
-        b0 = _mm256_fmadd_ps(odd_f(w0), xo, b0);
-        a1 = _mm256_fmadd_ps(even_f(w1), xe, a1);
-        b1 = _mm256_fmadd_ps(odd_f(w1), xo, b1);
-        a2 = _mm256_fmadd_ps(even_f(w2), xe, a2);
-        b2 = _mm256_fmadd_ps(odd_f(w2), xo, b2);
-        a3 = _mm256_fmadd_ps(even_f(w3), xe, a3);
-        b3 = _mm256_fmadd_ps(odd_f(w3), xo, b3);
-    }
-    o[0] = hsum(_mm256_add_ps(a0, b0));
-    o[1] = hsum(_mm256_add_ps(a1, b1));
-    o[2] = hsum(_mm256_add_ps(a2, b2));
-    o[3] = hsum(_mm256_add_ps(a3, b3));
-    for (; i < n; i++) {
-        float xi = bf16_to_f32(x[i]);
-        for (int r = 0; r < 4; r++) o[r] += bf16_to_f32(w[r * n + i]) * xi;
-    }
 }
 static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
     __m256 a = _mm256_setzero_ps(), b = a;
@@ -207,27 +144,26 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
     for (int64_t i = 0; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
     return s;
 }
-static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
-    (void)pf;
-    for (int r = 0; r < 4; r++) o[r] = dot1(w + r * n, n, x);
-}
 const char *gemv_bf16_isa(void) { return "scalar"; }
 #endif
 
-/* prefetch: how many bytes ahead of the loads each weight row is prefetched, 0 for none (the
- * hardware's prefetchers alone). The prefetch is non-temporal: the weight, read once per step,
- * then passes by the outer caches instead of evicting what the work after the GEMV runs on
- * (the interpreter, the next small op's data). Which runs faster depends on the CPU; both are
- * candidates. */
+/* Each thread takes a contiguous range of rows and reads them one after another, one dot product
+ * at a time: the weight is then a single sequential stream per thread, which the hardware
+ * prefetchers follow at the memory's rate. Four rows at a time, sharing each load of x, read
+ * four streams 2n bytes apart and ran at 0.4-0.7x of that on an AMD EPYC (docs/decode.md). Each row
+ * is summed exactly as the few-row product below sums it (dot1). prefetch > 0: each row is also
+ * asked for non-temporally ONE_ROW_AHEAD rows ahead, so that the weight, read once per step,
+ * passes by the outer caches instead of evicting what the work after the GEMV runs on (the
+ * interpreter, the next small op's data). Which runs faster in a step depends on the CPU; both
+ * are candidates. */
+#define ONE_ROW_AHEAD 2
 void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch) {
-    int64_t blocks = rows / 4;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        float o[4];
-        dot4(w + b * 4 * n, n, x, o, prefetch);
-        for (int r = 0; r < 4; r++) y[b * 4 + r] = f32_to_bf16(o[r]);
+    for (int64_t r = 0; r < rows; r++) {
+        if (prefetch && r + ONE_ROW_AHEAD < rows)
+            for (int64_t off = 0; off < n * 2; off += 64) __builtin_prefetch((const char *)(w + (r + ONE_ROW_AHEAD) * n) + off, 0, 0);
+        y[r] = f32_to_bf16(dot1(w + r * n, n, x));
     }
-    for (int64_t r = blocks * 4; r < rows; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x));
 }
 
 /* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where a tile is

@@ -71,8 +71,9 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     return lib, why
 
 
-# How far ahead c-prefetch asks for each weight row (non-temporally, gemv_bf16.c says why): four
-# cache lines, enough to cover the memory's latency at one core's streaming rate.
+# How far ahead the few-row c-prefetch asks for each weight row (non-temporally, gemv_bf16.c says
+# why): four cache lines, enough to cover the memory's latency at one core's streaming rate. The
+# one-row kernel reads only whether it is nonzero: it asks for whole rows a fixed count ahead.
 PREFETCH_BYTES = 256
 
 
@@ -92,7 +93,8 @@ def _rows_specs(x, w, out):
 
 
 def compiled_gemv(prefetch: int) -> Kernel:
-    """The compiled GEMV, prefetching each weight row `prefetch` bytes ahead (0: no prefetch)."""
+    """The compiled GEMV; `prefetch` nonzero: each weight row is also asked for non-temporally a
+    few rows ahead (0: the hardware's prefetchers alone)."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         # One expression of attribute reads on the hot path; refuse() says which argument broke it.

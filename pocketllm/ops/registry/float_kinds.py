@@ -20,7 +20,7 @@ ONE_ROW = register(
             Candidate("c", gemv.compiled_gemv(0), "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable, sources=_C),
             Candidate(
                 "c-prefetch", gemv.compiled_gemv(gemv.PREFETCH_BYTES),
-                "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead", gemv.compiled_unavailable, sources=_C,
+                "the same, each weight row also prefetched non-temporally a few rows ahead", gemv.compiled_unavailable, sources=_C,
             ),
         ),
         default="mv",
