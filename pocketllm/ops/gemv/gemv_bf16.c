@@ -3,10 +3,12 @@
  *
  * Decode reads every weight once per token, so this is a streaming loop: four weight rows at a
  * time share each load of x, products are summed in fp32 and rounded to bf16 once per output
- * (round to nearest even, as torch rounds). Rows are split over the OpenMP threads torch already
- * runs (see pocketllm/compiled.py). Built with -march=native: the widest path this CPU has is
- * compiled in, AVX-512 BF16 dot products, else AVX-512 or AVX2 FMAs on bf16 widened to fp32, else
- * plain C.
+ * (round to nearest even, as torch rounds). On every path the few-row product sums each of its
+ * rows in exactly the one-row kernel's order: a decode row's output does not depend on how many
+ * sequences share its step (tests/test_gemv.py holds them bit for bit). Rows are split over the
+ * OpenMP threads torch already runs (see pocketllm/compiled.py). Built with -march=native: the
+ * widest path this CPU has is compiled in, AVX-512 BF16 dot products, else AVX-512 or AVX2 FMAs on
+ * bf16 widened to fp32, else plain C.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -123,8 +125,12 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* Each lane adds its even product, then its odd one, into one sum: the order the few-row tile
+ * below sums each (weight row, x row) pair in, so a decode row gets the same bits in a step of
+ * several sequences (the tile cannot keep even and odd sums apart: it would need sixteen
+ * accumulators). Four independent sums still keep the loop at memory speed. */
 static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int64_t pf) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
         /* One line of each row per two steps. */
@@ -132,40 +138,36 @@ static void dot4(const uint16_t *w, int64_t n, const uint16_t *x, float *o, int6
             for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
         __m256i xv = load_w(x + i), w0 = load_w(w + i), w1 = load_w(w + n + i), w2 = load_w(w + 2 * n + i), w3 = load_w(w + 3 * n + i);
         __m256 xe = even_f(xv), xo = odd_f(xv);
-        a0 = _mm256_fmadd_ps(even_f(w0), xe, a0);
-        b0 = _mm256_fmadd_ps(odd_f(w0), xo, b0);
-        a1 = _mm256_fmadd_ps(even_f(w1), xe, a1);
-        b1 = _mm256_fmadd_ps(odd_f(w1), xo, b1);
-        a2 = _mm256_fmadd_ps(even_f(w2), xe, a2);
-        b2 = _mm256_fmadd_ps(odd_f(w2), xo, b2);
-        a3 = _mm256_fmadd_ps(even_f(w3), xe, a3);
-        b3 = _mm256_fmadd_ps(odd_f(w3), xo, b3);
+        a0 = _mm256_fmadd_ps(odd_f(w0), xo, _mm256_fmadd_ps(even_f(w0), xe, a0));
+        a1 = _mm256_fmadd_ps(odd_f(w1), xo, _mm256_fmadd_ps(even_f(w1), xe, a1));
+        a2 = _mm256_fmadd_ps(odd_f(w2), xo, _mm256_fmadd_ps(even_f(w2), xe, a2));
+        a3 = _mm256_fmadd_ps(odd_f(w3), xo, _mm256_fmadd_ps(even_f(w3), xe, a3));
     }
-    o[0] = hsum(_mm256_add_ps(a0, b0));
-    o[1] = hsum(_mm256_add_ps(a1, b1));
-    o[2] = hsum(_mm256_add_ps(a2, b2));
-    o[3] = hsum(_mm256_add_ps(a3, b3));
+    o[0] = hsum(a0);
+    o[1] = hsum(a1);
+    o[2] = hsum(a2);
+    o[3] = hsum(a3);
     for (; i < n; i++) {
         float xi = bf16_to_f32(x[i]);
         for (int r = 0; r < 4; r++) o[r] += bf16_to_f32(w[r * n + i]) * xi;
     }
 }
 static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
-    __m256 a = _mm256_setzero_ps(), b = a;
+    __m256 a = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
         __m256i xv = load_w(x + i), wv = load_w(w + i);
-        a = _mm256_fmadd_ps(even_f(wv), even_f(xv), a);
-        b = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), b);
+        a = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), _mm256_fmadd_ps(even_f(wv), even_f(xv), a));
     }
-    float s = hsum(_mm256_add_ps(a, b));
+    float s = hsum(a);
     for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
     return s;
 }
 /* Two weight rows against up to four x rows, x widened to fp32 beforehand in the same even/odd
  * halves (widen_x): each weight load feeds up to eight products, so the weight streams once for
- * four sequences. Eight accumulators, four widened weight halves and two x halves fill fourteen
- * of the sixteen registers. Inlined into calls with a constant `cols`. */
+ * four sequences; each pair summed as dot4 sums a row. Eight accumulators, four widened weight
+ * halves and two x halves fill fourteen of the sixteen registers. Inlined into calls with a
+ * constant `cols`. */
 #define HAS_TILE 1
 #define TILE_ROWS 2
 #define WIDENS_X 1
