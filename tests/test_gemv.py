@@ -4,10 +4,10 @@ compiler. (How a kernel is chosen: test_registry.py.)"""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
-
-import ctypes
 
 from pocketllm import compiled
 from pocketllm.errors import UsageError
