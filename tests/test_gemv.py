@@ -96,6 +96,14 @@ def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count(invariant)
             assert torch.equal(bound.alone(x), torch.cat([bound(x[i : i + 1]) for i in range(rows)]))
 
 
+def test_a_forced_few_row_kernel_that_sums_by_the_call_needs_invariance_off():
+    # mm's rows may round by the call's shape: forcing it would make a request's tokens depend on
+    # what is batched with it, so it is refused unless the run opts out of batch invariance.
+    with pytest.raises(UsageError, match="POCKETLLM_FEW_ROWS=mm: .* set POCKETLLM_BATCH_INVARIANT=0"):
+        check_forced(["bfloat16"], "cpu", {"POCKETLLM_FEW_ROWS": "mm"})
+    check_forced(["bfloat16"], "cpu", {"POCKETLLM_FEW_ROWS": "mm", "POCKETLLM_BATCH_INVARIANT": "0"})
+
+
 # The paths gemv_bf16.c compiles, each taken by turning the wider instruction sets off.
 ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 
