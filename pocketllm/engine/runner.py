@@ -27,8 +27,10 @@ from pocketllm.ops.registry import KernelSet
 # multiple of this (and at the prompt's end), whatever else a pass holds and however the caller
 # cut the prompt into passes: what a prompt position gets then depends on that sequence alone.
 # A multiple of the KV block size, so the prefix cache's entries at segment ends hold whole
-# blocks; big enough that a segment's GEMMs run near their full rate (docs/batching.md).
-PREFILL_CHUNK = 512
+# blocks; big enough that a segment's GEMMs run near their full rate, small enough that a chat's
+# next turn, which starts from the last segment end of its history, reads little of it again
+# (docs/batching.md).
+PREFILL_CHUNK = 256
 
 
 def chunk_bounds(start: int, rows: int, chunk: int) -> list[tuple[int, int]]:
