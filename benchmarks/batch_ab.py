@@ -1,9 +1,11 @@
 """`pocketllm bench --batch B` at every B, interleaved rep-major in fresh processes (the order
-reversed on odd reps); prints aggregate prefill and decode tokens/s per B and each against the
-first B. --baseline DIR adds `bench` (no --batch) run from another checkout, e.g. the commit before
-batching, to show what batch 1 costs against it; repeat it for several checkouts.
+reversed on odd reps); prints aggregate prefill and decode tokens/s per setting and each against
+the first. --baseline DIR adds `bench` run from another checkout at every B (batch 1 without
+--batch, so a checkout from before batching runs it), e.g. main, to show what this tree costs
+against it; repeat it for several checkouts. --env NAME=VALUE adds this tree at every B with that
+variable set, e.g. POCKETLLM_BATCH_INVARIANT=0.
 
-    python benchmarks/batch_ab.py [--batches 1,8] [--reps 4] [--baseline DIR ...]
+    python benchmarks/batch_ab.py [--batches 1,8] [--reps 4] [--baseline DIR ...] [--env NAME=VALUE ...]
         [bench flags, e.g. --dtype bfloat16 --max-new-tokens 64]
 """
 
@@ -21,28 +23,32 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench`.")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--reps", type=int, default=4, help="reps per setting, even so each order runs equally often (default 4)")
-    p.add_argument("--baseline", action="append", default=[], help="a checkout whose `pocketllm bench` runs as one more setting (repeatable)")
+    p.add_argument("--baseline", action="append", default=[], help="a checkout whose `pocketllm bench` runs at every B too (repeatable)")
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE: this tree at every B with it set, as more settings (repeatable)")
     args, bench_args = p.parse_known_args(argv)
-    settings = [(int(b), None) for b in args.batches.split(",")]
-    settings += [(1, tree) for tree in args.baseline]
+    batches = [int(b) for b in args.batches.split(",")]
+    envs = [None] + [tuple(e.split("=", 1)) for e in args.env]
+    settings = [(b, None, env) for env in envs for b in batches]
+    settings += [(b, tree, None) for tree in args.baseline for b in batches]
     tps = {(s, kind): [] for s in settings for kind in ("prefill", "decode", "per_seq")}
     for rep in range(args.reps):
-        for batch, tree in alternate(settings, rep):
-            flags = bench_args if tree else ["--batch", str(batch), *bench_args]
-            out = run_bench_json(flags, cwd=tree)
-            tps[((batch, tree), "prefill")].append(out["prefill_tokens_per_s"])
-            tps[((batch, tree), "decode")].append(out["decode_tokens_per_s"])
-            tps[((batch, tree), "per_seq")].append(out.get("decode_tokens_per_s_per_sequence", out["decode_tokens_per_s"]))
+        for setting in alternate(settings, rep):
+            batch, tree, env = setting
+            flags = bench_args if batch == 1 else ["--batch", str(batch), *bench_args]
+            out = run_bench_json(flags, env=dict([env]) if env else None, cwd=tree)
+            tps[(setting, "prefill")].append(out["prefill_tokens_per_s"])
+            tps[(setting, "decode")].append(out["decode_tokens_per_s"])
+            tps[(setting, "per_seq")].append(out.get("decode_tokens_per_s_per_sequence", out["decode_tokens_per_s"]))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
     print(f"pocketllm bench {' '.join(bench_args)}; reps={args.reps}; aggregate tok/s median (min..max); ratio of medians against the first setting")
-    print(f"{'setting':<22}{'prefill':>24}{'ratio':>7}{'decode':>24}{'ratio':>7}{'decode/seq':>22}")
+    print(f"{'setting':<40}{'prefill':>24}{'ratio':>7}{'decode':>24}{'ratio':>7}{'decode/seq':>22}")
     base = settings[0]
     for s in settings:
         pre, dec, per = tps[(s, "prefill")], tps[(s, "decode")], tps[(s, "per_seq")]
         r_pre = statistics.median(pre) / statistics.median(tps[(base, "prefill")])
         r_dec = statistics.median(dec) / statistics.median(tps[(base, "decode")])
-        name = f"batch {s[0]}" if s[1] is None else f"bench @ {os.path.basename(os.path.normpath(s[1]))}"
-        print(f"{name:<22}{spread(pre):>24}{r_pre:>7.2f}{spread(dec, 2):>24}{r_dec:>7.2f}{spread(per, 2):>22}")
+        name = f"batch {s[0]}" + (f" @ {os.path.basename(os.path.normpath(s[1]))}" if s[1] else "") + (f" {s[2][0]}={s[2][1]}" if s[2] else "")
+        print(f"{name:<40}{spread(pre):>24}{r_pre:>7.2f}{spread(dec, 2):>24}{r_dec:>7.2f}{spread(per, 2):>22}")
     return 0
 
 

@@ -273,17 +273,27 @@ def ckpt_copy(tiny_ckpt, tmp_path) -> Path:
     return dst
 
 
-def tiny_engine(dtype: torch.dtype = torch.float32):
-    """The tiny preset's engine at TP=1 in this process, with its seeded random weights."""
+def tiny_engine(dtype: torch.dtype = torch.float32, invariant: bool = True, cfg=None):
+    """The tiny preset's engine (or `cfg`'s) at TP=1 in this process, with its seeded random
+    weights; batch-invariant unless asked (POCKETLLM_BATCH_INVARIANT, read when it is made)."""
     from pocketllm.distributed.policy import RulePolicy
     from pocketllm.distributed.state import set_tp
     from pocketllm.engine.runner import Engine
     from pocketllm.loader.random_weights import RandomWeights
+    from pocketllm.ops.registry import ENV_INVARIANT
     from pocketllm.presets import get_preset
 
     set_tp(0, 1)
-    cfg = get_preset("tiny")
-    return Engine(cfg, RandomWeights(cfg, dtype=dtype), dtype, torch.device("cpu"), RulePolicy())
+    cfg = cfg or get_preset("tiny")
+    saved = os.environ.get(ENV_INVARIANT)
+    os.environ[ENV_INVARIANT] = "1" if invariant else "0"
+    try:
+        return Engine(cfg, RandomWeights(cfg, dtype=dtype), dtype, torch.device("cpu"), RulePolicy())
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_INVARIANT)
+        else:
+            os.environ[ENV_INVARIANT] = saved
 
 
 def feed(engine, ids, start: int = 0, slot: int = 0, all_logits: bool = False) -> torch.Tensor:
@@ -304,7 +314,7 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
     from pocketllm.engine import plan, scheduler
 
     monkeypatch.setattr(plan, "MAX_OPS", max_ops)
-    received = plan.PassPlan(max_running, prefill_budget + max_running, torch.device("cpu"))
+    received = plan.plan_for(leader, max_running, prefill_budget)
     seen = []
 
     def broadcast(buf, src=0, idle=False):

@@ -4,11 +4,14 @@ compiler. (How a kernel is chosen: test_registry.py.)"""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from pocketllm import compiled
 from pocketllm.errors import UsageError
+from pocketllm.ops.gemv import kernels as gemv
 from pocketllm.ops.gemv.kernels import gemv_reference, rows_reference
 from pocketllm.ops.registry import FEW_ROW, ONE_ROW, Choice, KernelSet, check_forced
 
@@ -71,25 +74,77 @@ def test_every_few_row_kernel_matches_the_reference(shape, rows, dtype):
         assert (got.float() - want.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps * scale, name
 
 
-def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count():
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "not-invariant"])
+def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count(invariant):
     # One-row c; few-row choices made for 2 and 8 rows (c for 2, mm for 8, and the 8-row one not
-    # covering the other shape); the many-row GEMM past them.
+    # covering the other shape); the many-row GEMM past them. Batch-invariant, rows whose few-row
+    # kernel does not sum in the one-row kernel's order run the one-row kernel each.
     w, other = torch.randn(12, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
     kernels = KernelSet([
         Choice(ONE_ROW, "bfloat16", "forced", {(12, 32): "c"}),
         Choice(FEW_ROW, "bfloat16", "forced", {(12, 32): "c", (16, 32): "c"}, rows=2),
         Choice(FEW_ROW, "bfloat16", "forced", {(12, 32): "mm"}, rows=8),
-    ])
+    ], env={"POCKETLLM_BATCH_INVARIANT": "1" if invariant else "0"})
     bound = kernels.bind(w)
-    assert bound.names == {"one-row": "c", "2-row": "c", "3-row": "mm", "4-row": "mm", "5-row": "mm", "6-row": "mm", "7-row": "mm", "8-row": "mm", "many-row": "mm"}
+    past = "c per row" if invariant else "mm"
+    assert bound.names == {"one-row": "c", "2-row": "c"} | {f"{r}-row": past for r in range(3, 9)} | {"many-row": "mm"}
     # A shape no one-row choice covers runs the kind's default; 3..8 rows of it are past the
-    # only few-row choice that covers it, so they take the many-row GEMM.
-    assert kernels.bind(other).names["one-row"] == "mv" and kernels.bind(other).names["3-row"] == "mm"
+    # only few-row choice that covers it, so they take the many-row GEMM (or the one-row kernel
+    # each; its 2 rows too, as c does not sum in mv's order).
+    names = kernels.bind(other).names
+    assert names["one-row"] == "mv" and names["3-row"] == ("mv per row" if invariant else "mm")
+    assert names["2-row"] == ("mv per row" if invariant else "c")
     for rows in (1, 2, 3, 8, 9, 40):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
-        got = bound(x)
         want = x.float() @ w.float().t()
-        assert got.shape == (rows, 12) and (got.float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
+        for got in (bound(x), bound.alone(x), bound.many(x)):
+            assert got.shape == (rows, 12) and (got.float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
+        if invariant:
+            # Each row alone, whatever the count: the one-row kernel's bits.
+            assert torch.equal(bound.alone(x), torch.cat([bound(x[i : i + 1]) for i in range(rows)]))
+
+
+def test_a_forced_few_row_kernel_that_sums_by_the_call_needs_invariance_off():
+    # mm's rows may round by the call's shape: forcing it would make a request's tokens depend on
+    # what is batched with it, so it is refused unless the run opts out of batch invariance.
+    with pytest.raises(UsageError, match="POCKETLLM_FEW_ROWS=mm: .* set POCKETLLM_BATCH_INVARIANT=0"):
+        check_forced(["bfloat16"], "cpu", {"POCKETLLM_FEW_ROWS": "mm"})
+    check_forced(["bfloat16"], "cpu", {"POCKETLLM_FEW_ROWS": "mm", "POCKETLLM_BATCH_INVARIANT": "0"})
+
+
+# The paths gemv_bf16.c compiles, each taken by turning the wider instruction sets off.
+ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
+
+
+@pytest.mark.parametrize("isa", ISA_FLAGS)
+def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
+    # What lets the batch-invariant engine run a decode step of several sequences through the
+    # few-row kernel: each row's output is exactly the one-row kernel's, at every row count,
+    # with or without prefetch, at widths that end mid-vector and weight rows past the tiles.
+    lib, why = compiled.load(gemv.SOURCE, compiled.FLAGS + ISA_FLAGS[isa])
+    assert lib is not None, why
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gemv_bf16.argtypes, lib.gemm_rows_bf16.argtypes = [p, p, p, i64, i64, i64], [p, p, p, i64, i64, i64, i64]
+    torch.manual_seed(1)
+    # Random rows rarely show a different order after the bf16 rounding; rows whose sum cancels
+    # 2^24 against -2^24 in one vector lane, beside a 1 in the next element, always do.
+    cancel = torch.randn(9, 67)
+    cancel[:, 0], cancel[:, 1], cancel[:, 32] = 2.0**24, 1.0, -(2.0**24)
+    cases = [(torch.randn(out_f, n), torch.randn(16, n)) for out_f, n in ((13, 1000), (64, 256), (7, 33))] + [(cancel, torch.ones(16, 67))]
+    for w, x in cases:
+        (out_f, n), w, x = w.shape, w.bfloat16(), x.bfloat16()
+        for prefetch in (0, gemv.PREFETCH_BYTES):
+            singles = torch.empty(16, out_f, dtype=torch.bfloat16)
+            for r in range(16):
+                lib.gemv_bf16(w.data_ptr(), x[r].data_ptr(), singles[r].data_ptr(), out_f, n, prefetch)
+            want = torch.empty(16, out_f, dtype=torch.bfloat16)
+            rows_reference(x, w, want)
+            terms = x.float().abs() @ w.float().abs().t()
+            assert bool(((singles.float() - want.float()).abs() <= 2**-7 * terms).all()), isa
+            for m in range(2, 17):
+                batch = torch.empty(m, out_f, dtype=torch.bfloat16)
+                lib.gemm_rows_bf16(w.data_ptr(), x.data_ptr(), batch.data_ptr(), out_f, n, m, prefetch)
+                assert torch.equal(batch, singles[:m]), f"{isa} {out_f}x{n}: {m} rows differ from one row at a time"
 
 
 @pytest.mark.parametrize("name", ["c", "c-prefetch"])

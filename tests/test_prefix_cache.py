@@ -1,9 +1,10 @@
-"""Prefix caching for the hybrid model (fp32, tiny preset, in process at TP=1): a request whose
-tokens start where an earlier one stopped (a chat's next turn), or with a long prompt up to one of
-its chunk boundaries, starts from the cached KV blocks and Gated DeltaNet state and gets the
-tokens of a cold run; the cache forgets the least recently used prefix under its budget and gives
-cached blocks back before it preempts a running request; the other ranks replay every cache
-operation; the counts reach /metrics."""
+"""Prefix caching for the hybrid model (fp32, tiny preset, in process at TP=1). Batch-invariant (the
+default): a prompt's chunk ends are cached, and a request whose prompt starts with one (a long
+shared prompt, a chat's next turn) starts from it and gets bit for bit what a cold run computes;
+where a request stopped after decode steps is not cached. With POCKETLLM_BATCH_INVARIANT=0 that is
+cached too (a chat's next turn starts there). Either way the cache forgets the least recently used
+prefix under its budget and gives cached blocks back before it preempts a running request; the
+other ranks replay every cache operation; the counts reach /metrics."""
 
 from __future__ import annotations
 
@@ -21,11 +22,22 @@ from pocketllm.serving.metrics import Metrics, parse
 torch.set_num_threads(2)
 
 NEW = 8
+# The tests' prompt chunk: a block, so a few hundred tokens cross several chunk ends.
+CHUNK = 64
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return tiny_engine()
+    engine = tiny_engine()
+    engine.prefill_chunk = CHUNK
+    return engine
+
+
+@pytest.fixture(scope="module")
+def variant_engine():
+    """POCKETLLM_BATCH_INVARIANT=0: prompts read in chunks of the pass budget, and where a
+    request stopped cached too."""
+    return tiny_engine(invariant=False)
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -60,7 +72,26 @@ def test_a_restored_slot_runs_on_exactly_as_the_cached_sequence(engine, length):
     assert not torch.equal(feed(engine, seq[length:], length, slot=2), want)
 
 
-def test_a_chat_turn_starts_where_the_last_one_stopped(engine):
+def test_a_chat_turn_starts_at_the_last_chunk_end_of_the_history(engine):
+    turn1 = ids(150, 1)
+    reply = generate(engine, turn1, NEW)
+    turn2 = turn1 + reply + ids(30, 2)
+    cold = generate(engine, turn2, NEW)
+    sched = Scheduler(engine, 2, 400, prefix_cache_bytes=entries(engine, 8))
+    assert drain(sched, turn1).output == reply
+    # Its prompt's chunk ends; not where it stopped (150 + 7 positions, the last 7 decode rows,
+    # which a cold run of the next turn computes as a prompt).
+    assert sorted(c.length for c in engine.cached.values()) == [64, 128]
+    got = drain(sched, turn2)
+    usage = sched.kv_usage()
+    assert (usage.prefix_hits, usage.prefix_misses, usage.prefix_hit_tokens) == (1, 1, 128)
+    assert got.output == cold
+    # turn2's own chunk ends are cached as it reads them: its first two are turn1's.
+    assert sorted(c.length for c in engine.cached.values()) == [64, 128]
+
+
+def test_without_invariance_a_chat_turn_starts_where_the_last_one_stopped(variant_engine):
+    engine = variant_engine
     turn1 = ids(100, 1)
     reply = generate(engine, turn1, NEW)
     turn2 = turn1 + reply + ids(30, 2)
@@ -76,17 +107,17 @@ def test_a_chat_turn_starts_where_the_last_one_stopped(engine):
     assert got.output == cold
 
 
-def test_a_long_prompt_is_cached_at_its_chunk_boundaries(engine):
+def test_a_long_prompt_is_cached_at_its_chunk_ends(engine):
     long = ids(200, 3)
     branch = long[:150] + ids(20, 4)
     cold = [generate(engine, p, NEW) for p in (long, branch, long)]
     sched = Scheduler(engine, 2, 400, prefill_budget=64, prefix_cache_bytes=entries(engine, 8))
     assert drain(sched, long).output == cold[0]
-    assert sorted(c.length for c in engine.cached.values()) == [64, 128, 192, 207]
-    # The branch shares 150 tokens: the longest cached prefix of them ends at the chunk boundary
+    assert sorted(c.length for c in engine.cached.values()) == [64, 128, 192]
+    # The branch shares 150 tokens: the longest cached prefix of them ends at the chunk end
     # 128, two whole blocks and nothing to copy.
     assert drain(sched, branch).output == cold[1] and sched.kv_usage().prefix_hit_tokens == 128
-    # The same prompt again: everything but its last token is cached at 192.
+    # The same prompt again: everything to its last chunk end is cached.
     assert drain(sched, long).output == cold[2] and sched.kv_usage().prefix_hit_tokens == 128 + 192
 
 
@@ -97,7 +128,7 @@ def test_the_cache_forgets_the_least_recently_used_under_its_budget(engine):
     # A hit on the first makes the second the least recently used one.
     drain(sched, first + outs[0] + [1, 2])
     drain(sched, third)
-    assert sorted(c.length for c in engine.cached.values()) == [97, 97 + NEW + 2]
+    assert sorted(c.tokens[:3] for c in sched.prefix.entries.values()) == sorted([tuple(first[:3]), tuple(third[:3])])
     usage = sched.kv_usage()
     drain(sched, second + outs[1] + [3])
     assert sched.kv_usage().prefix_misses == usage.prefix_misses + 1
@@ -106,22 +137,24 @@ def test_the_cache_forgets_the_least_recently_used_under_its_budget(engine):
 def test_cached_blocks_go_back_before_a_running_request_is_preempted(engine):
     short, long = ids(130, 8), ids(190, 9)
     cold = generate(engine, long, NEW)
-    # A pool of one 200-position sequence: the short request's cached prefix holds 3 of its 4
-    # blocks when the long one needs all 4.
+    # A pool of one 200-position sequence: the short request's cached prefixes (its chunk ends
+    # 64 and 128) hold 2 of its 4 blocks when the long one needs all 4.
     sched = Scheduler(engine, 2, 200, kv_blocks=blocks_for(200), prefix_cache_bytes=entries(engine, 4))
     drain(sched, short)
-    assert sched.blocks.num_used == 3 and len(engine.cached) == 1
+    assert sched.blocks.num_used == 2 and len(engine.cached) == 2
     usage = sched.kv_usage()
-    assert (usage.blocks_used, usage.prefix_blocks) == (0, 3)
+    assert (usage.blocks_used, usage.prefix_blocks) == (0, 2)
     assert drain(sched, long).output == cold
-    assert sched.preemptions == 0 and len(engine.cached) == 1 and next(iter(engine.cached.values())).length == 190 + NEW - 1
+    assert sched.preemptions == 0 and sorted(c.length for c in engine.cached.values()) == [64, 128]
+    assert all(c.tokens == tuple(long[: c.length]) for c in sched.prefix.entries.values())
 
 
 @pytest.mark.timeout(30)
-def test_a_chat_in_a_pool_of_one_sequence_takes_over_the_cached_partial_block(engine):
-    # Each turn's cached prefix holds most of the pool; the next turn cannot get a block to copy
-    # the prefix's partial last block into, so it takes that block over (and the entry with it)
-    # instead of waiting for ever.
+def test_a_chat_in_a_pool_of_one_sequence_takes_over_the_cached_partial_block(variant_engine):
+    # Each turn's cached prefix (where the last one stopped) holds most of the pool; the next turn
+    # cannot get a block to copy the prefix's partial last block into, so it takes that block over
+    # (and the entry with it) instead of waiting for ever.
+    engine = variant_engine
     history, prompts, outs = ids(300, 13), [], []
     sched = Scheduler(engine, 1, 480, kv_blocks=blocks_for(480), prefix_cache_bytes=entries(engine, 8))
     for turn in range(3):
@@ -134,6 +167,7 @@ def test_a_chat_in_a_pool_of_one_sequence_takes_over_the_cached_partial_block(en
 
 def test_the_other_ranks_replay_every_cache_operation(engine, monkeypatch):
     follower = tiny_engine()
+    follower.prefill_chunk = CHUNK
     follower.reserve_slots(3, 300, 9)
     # Two operations a plan: a step's releases, snapshots, restores and evictions span several.
     seen = follow_in_process(monkeypatch, engine, follower, 3, max_ops=2, prefill_budget=64)

@@ -95,9 +95,12 @@ def test_measured_then_cached_then_measured_for_another_thread_count(cache_dir):
     weights = [bf16(48, 64), bf16(64, 48), bf16(48, 64)]
     first = choose(ONE_ROW, weights, env={}, monitor=TOLERANT)
     assert first.how == "measured" and set(first.by_key) == {(48, 64), (64, 48)}
+    # Every available candidate timed; the choice among those a batch-invariant run allows.
+    allowed = ONE_ROW.allowed("bfloat16", torch.device("cpu"), True)
+    assert set(allowed) == {"c", "c-prefetch"}
     for shape, seconds in first.seconds.items():
         assert set(seconds) == set(ONE_ROW.available("bfloat16", torch.device("cpu")))
-        assert first.by_key[shape] == pick(ONE_ROW, seconds)
+        assert first.by_key[shape] == pick(ONE_ROW, {n: seconds[n] for n in allowed})
     cache = json.loads((cache_dir / kernel_cache.FILE).read_text())
     assert len(cache) == 2 and all(f"{torch.get_num_threads()} threads" in key for key in cache)
     again = choose(ONE_ROW, weights, env={}, monitor=TOLERANT)
@@ -170,12 +173,13 @@ def test_a_cached_choice_the_check_refutes_is_measured_again(cache_dir):
     # The cache claims the slowest kernel is four times faster than the fastest: plausible (fast),
     # but the check at load times it against its runner-up and finds otherwise.
     # Weights whose calls are long enough to be judged (32 MiB of 8 MiB weights).
-    weights = [bf16(4096, 1024) for _ in range(4)]
-    quiet = choose(ONE_ROW, weights, env={}, monitor=TOLERANT).seconds[(4096, 1024)]
+    # Every candidate may be chosen (not only those a batch-invariant run allows).
+    weights, env = [bf16(4096, 1024) for _ in range(4)], {"POCKETLLM_BATCH_INVARIANT": "0"}
+    quiet = choose(ONE_ROW, weights, env=env, monitor=TOLERANT).seconds[(4096, 1024)]
     slowest = max(quiet, key=quiet.get)
     claimed = {**quiet, slowest: min(quiet.values()) / 4}
     write_entries(ONE_ROW, weights, {(4096, 1024): claimed})
-    again = choose(ONE_ROW, weights, env={}, monitor=TOLERANT)
+    again = choose(ONE_ROW, weights, env=env, monitor=TOLERANT)
     assert "re-measured: cached 4096x1024 disagreed" in again.how + again.note
     assert again.seconds[(4096, 1024)][slowest] > claimed[slowest]
 

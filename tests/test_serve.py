@@ -2,7 +2,9 @@
 answers equal `pocketllm generate`'s for the same prompt, alone and under concurrent load,
 completions and chat, streamed and not; every bad request is a 4xx with an OpenAI error body and
 the next request succeeds; a client leaving mid-stream frees its sequence; SIGINT ends every rank
-with exit 0. One server per world size serves the whole module."""
+with exit 0. One server per world size serves the whole module; one more per world size in bf16
+(the default dtype, where rounding would show it) answers a request alike alone, among concurrent
+requests and from the prefix cache."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import openai
 import pytest
 from conftest import assert_nothing_left, generated_ids, main_in_process, start
 
+from pocketllm.engine.runner import PREFILL_CHUNK
 from pocketllm.serving.metrics import parse as parse_metrics
 
 KEY = "test-key-123"
@@ -118,11 +121,9 @@ class Server:
         return parse_metrics(text)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def server(request, text_ckpt, tmp_path_factory):
-    world = request.param
-    run = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", world, "--port", 0, "--max-len", MAX_LEN,
-                "--max-running", 4, "--kv-cache-gib", KV_GIB, "--api-key", KEY, tmp_path=tmp_path_factory.mktemp(f"serve{world}"))
+def serving(text_ckpt, world: int, tmp_path, *flags):
+    """A server of the text checkpoint at `world` ranks, for a module's tests; stopped after."""
+    run = start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, *flags, tmp_path=tmp_path)
     try:
         run.line_time("serving ", timeout=START_TIMEOUT_S)
     except AssertionError:
@@ -134,6 +135,19 @@ def server(request, text_ckpt, tmp_path_factory):
         run.proc.kill()
     run.wait(timeout=15)
     assert_nothing_left(run, within=5)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, text_ckpt, tmp_path_factory):
+    world = request.param
+    yield from serving(text_ckpt, world, tmp_path_factory.mktemp(f"serve{world}"), "--dtype", "float32", "--max-running", 4, "--kv-cache-gib", KV_GIB)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def bf16_server(request, text_ckpt, tmp_path_factory):
+    """In bf16, the default, where a request's tokens would show any dependence on its batch."""
+    world = request.param
+    yield from serving(text_ckpt, world, tmp_path_factory.mktemp(f"serve-bf16-{world}"), "--max-running", 8)
 
 
 def completion(server, prompt, **kw):
@@ -240,9 +254,10 @@ def test_concurrent_requests_each_equal_generate(server, expected):
 
 @pytest.mark.timeout(90)
 def test_a_follow_up_starts_from_the_cached_prefix_and_equals_generate(server, text_ckpt):
-    # A chat's next turn resends the whole history: it starts where the first request stopped
-    # (the prefix cache is on by default), at TP=2 on every rank alike, with generate's tokens.
-    first = [(17 * i + 5) % 1000 for i in range(80)]
+    # A chat's next turn resends the whole history: it starts from the first request's prompt
+    # cached at its chunk end (the prefix cache is on by default), at TP=2 on every rank alike,
+    # with generate's tokens.
+    first = [(17 * i + 5) % 1000 for i in range(PREFILL_CHUNK + 80)]
     before = server.metrics()
     reply = completion(server, first).choices[0].model_extra["token_ids"]
     follow_up = first + reply + [7, 8, 9]
@@ -251,8 +266,38 @@ def test_a_follow_up_starts_from_the_cached_prefix_and_equals_generate(server, t
     assert (c.model_extra["token_ids"], c.text) == (ids, text)
     m = server.metrics()
     assert m["pocketllm_prefix_cache_hits_total"] == before["pocketllm_prefix_cache_hits_total"] + 1
-    # It stopped after its prompt and all but its last token.
-    assert m["pocketllm_prefix_cache_hit_tokens_total"] - before["pocketllm_prefix_cache_hit_tokens_total"] == len(first) + NEW - 1
+    # Batch-invariant, the cache holds what a prompt's own chunks computed, not the first
+    # request's decode steps: the follow-up starts at the first prompt's chunk end.
+    assert m["pocketllm_prefix_cache_hit_tokens_total"] - before["pocketllm_prefix_cache_hit_tokens_total"] == PREFILL_CHUNK
+
+
+@pytest.mark.timeout(120)
+def test_bf16_greedy_and_seeded_text_is_the_same_alone_among_concurrent_requests_and_from_the_cache(bf16_server):
+    # The issue's case first: "Hello" alone, then eight copies at once. Then prompts of every
+    # kind (text, token ids, a prompt over a chunk, seeded sampling) alone, then all at once,
+    # beside the copies: prompt chunks share passes with decode steps. The long prompt's second
+    # run starts from its chunk end, cached by the first: caching on against a cold run.
+    server = bf16_server
+    seeded = dict(temperature=1.0, top_p=0.9, seed=3)
+    long = [(13 * i + 7) % 1000 for i in range(PREFILL_CHUNK + 100)]
+    jobs = [("Hello", {})] * 8 + [(p, {}) for p in PROMPTS] + [(long, {}), (PROMPTS[1], seeded), (long[:PREFILL_CHUNK + 5], seeded)]
+
+    def text(job) -> str:
+        prompt, kw = job
+        return completion(server, prompt, **kw).choices[0].text
+
+    hello = text(jobs[0])
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(text, jobs[:8])) == [hello] * 8
+    before = server.metrics()
+    alone = [text(job) for job in jobs[8:]]
+    assert text((long, {})) == alone[len(PROMPTS)]
+    hits = server.metrics()["pocketllm_prefix_cache_hits_total"] - before["pocketllm_prefix_cache_hits_total"]
+    # The long prompt's second run and the seeded branch of it (after the first) start from the cache.
+    assert hits == 2, hits
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(text, jobs))
+    assert together == [hello] * 8 + alone
 
 
 @pytest.mark.timeout(60)

@@ -82,6 +82,19 @@ class PassPlan:
         broadcast_(self.buf)
 
 
+# Batch-invariant, a preempted sequence replays the tokens it had chosen as decode rows, at most
+# this many rows a pass for all such sequences together (each is a span of its own in the pass).
+REPLAY_ROWS = 64
+
+
+def plan_for(engine, max_running: int, prefill_budget: int) -> PassPlan:
+    """The plan of a Scheduler of these sizes, on every rank alike: a span per running sequence
+    and per replayed row; rows of the prompt chunks (the budget, or one chunk where that is more),
+    of the decode rows and of the replayed rows."""
+    rows = max(prefill_budget, engine.prefill_chunk) + max_running + REPLAY_ROWS
+    return PassPlan(max_running + REPLAY_ROWS, rows, engine.device)
+
+
 def run_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
     """What every rank runs for a plan: its operations in order, then the pass if it has spans (a
     span starting at position 0 begins a new sequence in its slot)."""
@@ -93,7 +106,7 @@ def follow(engine, max_running: int, max_len: int, prefill_budget: int = 2048, k
     """The other ranks' side of a Scheduler made with the same sizes: run each plan rank 0
     broadcasts until it closes the run."""
     engine.reserve_slots(max_running, max_len, kv_blocks)
-    plan = PassPlan(max_running, prefill_budget + max_running, engine.device)
+    plan = plan_for(engine, max_running, prefill_budget)
     while True:
         broadcast_(plan.buf, idle=True)
         got = plan.decode()

@@ -23,6 +23,28 @@ from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops.gated_delta import GdnKernel
 from pocketllm.ops.registry import KernelSet
 
+# Batch-invariant, a sequence's prompt rows run in segments that end where its positions reach a
+# multiple of this (and at the prompt's end), whatever else a pass holds and however the caller
+# cut the prompt into passes: what a prompt position gets then depends on that sequence alone.
+# A multiple of the KV block size, so the prefix cache's entries at segment ends hold whole
+# blocks; big enough that a segment's GEMMs run near their full rate, small enough that a chat's
+# next turn, which starts from the last segment end of its history, reads little of it again
+# (docs/batching.md).
+PREFILL_CHUNK = 256
+
+
+def chunk_bounds(start: int, rows: int, chunk: int) -> list[tuple[int, int]]:
+    """The row ranges of `rows` rows from position `start` cut where positions reach multiples of
+    `chunk` (0: not cut)."""
+    if chunk <= 0 or rows <= 1:
+        return [(0, rows)]
+    out, a = [], 0
+    while a < rows:
+        b = min(rows, (start + a) // chunk * chunk + chunk - start)
+        out.append((a, b))
+        a = b
+    return out
+
 
 @dataclass
 class PassInfo:
@@ -55,6 +77,9 @@ class Engine:
         # owns the set; each projection layer is bound to its own kernels from it.
         # The other ranks measure at the same time: their CPU time is no sign of a busy machine.
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
+        # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes.
+        self.invariant = self.kernels.invariant
+        self.prefill_chunk = PREFILL_CHUNK
         self.model.bind_kernels(self.kernels)
         # The sequences run (reserve_slots): one state list per slot (per layer its GDNState, or
         # its PagedKV: the layer's KV pool with the slot's block table), and the pool's blocks.
@@ -188,27 +213,33 @@ class Engine:
         """One pass over one or more sequences: spans are (slot, start position, ids [rows]), the
         rows of each going on from `start` in that slot's state; a span starting at position 0
         begins a new sequence in its slot, whose previous state is cleared (and KV blocks freed)
-        first. The slot's sequence gets the KV blocks its new positions need from the pool
+        first. Several spans of one slot run in their order, each from where the one before ended.
+        The slot's sequence gets the KV blocks its new positions need from the pool
         (RuntimeError if the pool lacks them: the caller makes room first). Returns the
         fp32 logits of each span's last row [len(spans), V], or of every row [rows, V] with
-        all_logits."""
-        total = 0
+        all_logits. Batch-invariant, a span's rows run in segments cut at multiples of
+        prefill_chunk positions."""
+        total, pieces, last = 0, [], []
+        chunk = self.prefill_chunk if self.invariant else 0
         for slot, start, ids in spans:
-            if start + ids.shape[0] > self.slot_capacity:
-                raise RuntimeError(f"sequence of {start + ids.shape[0]} positions exceeds the {self.slot_capacity} reserved per slot")
+            rows = ids.shape[0]
+            if start + rows > self.slot_capacity:
+                raise RuntimeError(f"sequence of {start + rows} positions exceeds the {self.slot_capacity} reserved per slot")
             if start == 0:
                 for state in self.slots[slot]:
                     if isinstance(state, GDNState):
                         state.reset()
                 self.blocks.release(slot)
-            self.blocks.grow(slot, start + ids.shape[0])
-            total += ids.shape[0]
+            self.blocks.grow(slot, start + rows)
+            pieces += [(slot, start + a, b - a) for a, b in chunk_bounds(start, rows, chunk)]
+            total += rows
+            last.append(total - 1)
         slices = self.policy.slices_for_rows(total)
         # A pass's label (profiles, hooks): decode steps only, whatever kernels its rows take.
         decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
-        ctx = self.model.context([(start, ids.shape[0]) for _, start, ids in spans], slices)
+        ctx = self.model.context([(start, rows) for _, start, rows in pieces], slices, tuple(last), self.invariant, self.policy.slices_for_rows)
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
-        return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in spans], decode, slices, all_logits)
+        return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
 
     def _pass(self, ids: torch.Tensor, ctx, states: list, decode: bool, slices: int, all_logits: bool) -> torch.Tensor:
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")

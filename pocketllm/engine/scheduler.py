@@ -19,6 +19,17 @@ copied); a request whose tokens start with a cached prefix starts from it and ru
 Cached blocks no running sequence holds are given back, least recently used first, before any
 running request is preempted.
 
+Batch-invariant (the default, engine.invariant; docs/batching.md): a request's tokens depend on
+it alone, not on what else runs or how busy the server is. A prompt is read in chunks that end on
+multiples of the engine's prefill_chunk (the engine runs each in calls of its own), one chunk of a
+sequence per pass, taken when it fits in the budget beside the others' (the first always fits);
+a preempted sequence reads its prompt again in the same chunks and then replays the tokens it had
+chosen as the decode rows they were, several a pass, so it goes on with the state it had; the
+prefix cache keeps only what a prompt's own chunks computed, at a chunk's end (a request that
+starts from it gets the bits it would have computed), not where a request stopped after decode
+steps. Otherwise (POCKETLLM_BATCH_INVARIANT=0) prompt chunks fill the budget, a preempted
+sequence is recomputed as one prompt, and the cache keeps where requests stopped too.
+
 Under TP, rank 0 schedules and samples; each pass's plan (the block and cache operations since the
 last, then slots, positions and ids: plan.py) goes to the other ranks in one broadcast of a
 fixed-size tensor, and they run the same operations and the same pass (follow), so every rank's
@@ -36,7 +47,7 @@ import torch
 
 from pocketllm.distributed.state import broadcast_, tp
 from pocketllm.engine.kv_blocks import blocks_for, pool_blocks
-from pocketllm.engine.plan import EVICT, RELEASE, RESTORE, SNAPSHOT, PassPlan, apply, follow, run_plan
+from pocketllm.engine.plan import EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, plan_for, run_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.inputs import prompt_problem
@@ -73,18 +84,21 @@ class Request:
         """Positions the sequence has: its prompt and the tokens chosen so far."""
         return len(self.prompt) + len(self.output)
 
-    @property
-    def prefilling(self) -> bool:
-        """Its next rows are a chunk of what it already has (the prompt, or after a preemption
-        the prompt and tokens so far), not a decode row."""
-        return self.fed < max(len(self.prompt), self.length - 1)
+    def prefilling(self, invariant: bool) -> bool:
+        """Its next rows are a chunk of what it already has, not decode rows: of its prompt
+        (batch-invariant), or of its prompt and tokens so far (after a preemption, otherwise)."""
+        return self.fed < (len(self.prompt) if invariant else max(len(self.prompt), self.length - 1))
+
+    def ids(self, start: int, end: int) -> list[int]:
+        """The ids of its positions start..end-1."""
+        n = len(self.prompt)
+        return self.prompt[start : min(end, n)] + self.output[max(start - n, 0) : max(end - n, 0)]
 
     def _next_rows(self, budget: int) -> list[int]:
         """The ids this sequence feeds to its next pass: a chunk of its positions within
-        `budget`, or its last token."""
-        end = min(self.length, self.fed + budget) if self.prefilling else self.fed + 1
-        n = len(self.prompt)
-        return self.prompt[self.fed : min(end, n)] + self.output[max(self.fed - n, 0) : max(end - n, 0)]
+        `budget`, or its last token (POCKETLLM_BATCH_INVARIANT=0)."""
+        end = min(self.length, self.fed + budget) if self.prefilling(False) else self.fed + 1
+        return self.ids(self.fed, end)
 
 
 @dataclass
@@ -116,10 +130,12 @@ class Scheduler:
             raise ValueError(f"max_running, max_len and prefill_budget must be >= 1, got {max_running}, {max_len}, {prefill_budget}")
         self.engine, self.max_running, self.max_len, self.prefill_budget = engine, max_running, max_len, prefill_budget
         self.vocab = engine.cfg.vocab_size
+        self.invariant, self.chunk = engine.invariant, engine.prefill_chunk
         engine.reserve_slots(max_running, max_len, kv_blocks)
         self.blocks = engine.blocks
-        self.plan = PassPlan(max_running, prefill_budget + max_running, engine.device)
+        self.plan = plan_for(engine, max_running, prefill_budget)
         self._ops: list[tuple[int, int, int, int]] = []  # run here, not yet sent to the other ranks
+        self._replay_left = REPLAY_ROWS  # replayed rows this pass may still take
         self.preemptions = 0
         entries = prefix_cache_bytes // max(1, engine.gdn_state_bytes())
         self.prefix = PrefixCache(entries, self.blocks.block_size) if entries > 0 else None
@@ -193,11 +209,18 @@ class Scheduler:
         self._broadcast(spans)
         logits = run_plan(self.engine, [], [(slot, start, torch.tensor(ids, dtype=torch.long)) for slot, start, ids in spans])
         greedy = torch.argmax(logits, dim=-1).tolist()
-        for i, (req, (_, _, rows)) in enumerate(zip(fed, spans)):
+        # A request's spans are consecutive (replayed rows are one span each): its last one's
+        # logits are the ones that may choose a token.
+        ends = {id(req): i for i, req in enumerate(fed)}
+        for req, (_, _, rows) in zip(fed, spans):
             req.fed += len(rows)
-            if req.fed < req.length:
+        for i, req in enumerate(fed):
+            if ends[id(req)] != i:
+                continue
+            if self.invariant or req.fed < req.length:
                 self._cache(req)
-                continue  # a chunk before the last: its logits choose nothing
+            if req.fed < req.length:
+                continue  # a chunk before the last, or a replayed row: its logits choose nothing
             if req.sampling.plain_greedy:
                 token = greedy[i]
             else:
@@ -220,8 +243,10 @@ class Scheduler:
         ones still need for theirs."""
         preempted = False
         while True:
+            self._replay_left = REPLAY_ROWS
             spans, fed, budget = self._spans(self.running, self.prefill_budget)
-            need = sum(self.blocks.needed(req.slot, req.fed + len(rows)) for req, (_, _, rows) in zip(fed, spans))
+            ends = {req.slot: start + len(rows) for req, (_, start, rows) in zip(fed, spans)}
+            need = sum(self.blocks.needed(slot, end) for slot, end in ends.items())
             self._reclaim(need - self.blocks.num_free)
             if need <= self.blocks.num_free:
                 break
@@ -238,7 +263,9 @@ class Scheduler:
                 self.waiting.popleft()
                 events.append((self._finish(req, "length"), None))
                 continue
-            hit = self.prefix.lookup(req.tokens(req.length)) if self.prefix is not None else None
+            # Batch-invariant, every entry is a prompt's own chunk ends: one for this request's
+            # prompt, never into the tokens it chose (it replays those as decode rows).
+            hit = self.prefix.lookup(req.prompt if self.invariant else req.tokens(req.length)) if self.prefix is not None else None
             # A hit shares the cached prefix's whole blocks; its partial last block is copied, or,
             # when the pool has no block for the copy and nothing else holds it, taken over.
             cost = blocks_for(req.length, bs) - (hit.length // bs if hit else 0)
@@ -261,15 +288,22 @@ class Scheduler:
             self.running.append(req)
             admitted.append(req)
         more, more_fed, _ = self._spans(admitted, budget)
+        if self.invariant:
+            # Decode and replayed rows first, then the prompt chunks.
+            every = list(zip(spans + more, fed + more_fed))
+            first = [sr for sr in every if not sr[1].prefilling(True)]
+            rest = [sr for sr in every if sr[1].prefilling(True)]
+            return [s for s, _ in first + rest], [r for _, r in first + rest]
         return spans + more, fed + more_fed
 
-    @staticmethod
-    def _spans(requests: list[Request], budget: int) -> tuple[list, list[Request], int]:
-        """(slot, start, ids) for each request that feeds rows to this pass, prefill chunks taking
-        at most `budget` rows in all; the requests; the budget left."""
+    def _spans(self, requests: list[Request], budget: int) -> tuple[list, list[Request], int]:
+        """(slot, start, ids) for each span of rows this pass feeds, and the request of each, the
+        prefill chunks taking at most `budget` rows in all; the budget left."""
+        if self.invariant:
+            return self._invariant_spans(requests, budget)
         spans, fed = [], []
         for req in requests:
-            prefilling = req.prefilling
+            prefilling = req.prefilling(False)
             if prefilling and budget == 0:
                 continue
             rows = req._next_rows(budget)
@@ -278,6 +312,35 @@ class Scheduler:
             spans.append((req.slot, req.fed, rows))
             fed.append(req)
         return spans, fed, budget
+
+    def _invariant_spans(self, requests: list[Request], budget: int) -> tuple[list, list[Request], int]:
+        """Batch-invariant spans: a prompt chunk ending at the next multiple of the engine's chunk
+        (or the prompt's end) when it fits the budget (the first one of the pass always does),
+        else nothing this pass; after a preemption, the tokens chosen before it as one-row spans
+        (up to REPLAY_ROWS of them a pass, in all), the last of which is the decode row that
+        chooses the next token; else the decode row. Decode and replayed rows come first in the
+        pass, so the engine runs them as one part."""
+        rows_first, chunks, fed_first, fed_chunks = [], [], [], []
+        for req in requests:
+            if req.prefilling(True):
+                end = min(len(req.prompt), (req.fed // self.chunk + 1) * self.chunk)
+                # Past the budget only as the pass's first chunk (a chunk bigger than the budget).
+                if end - req.fed > budget and budget < self.prefill_budget:
+                    continue
+                chunks.append((req.slot, req.fed, req.ids(req.fed, end)))
+                fed_chunks.append(req)
+                budget -= end - req.fed
+                continue
+            end = req.fed + 1
+            if req.fed < req.length - 1:
+                if self._replay_left == 0:
+                    continue
+                end = min(req.length, req.fed + self._replay_left)
+                self._replay_left -= end - req.fed
+            for pos in range(req.fed, end):
+                rows_first.append((req.slot, pos, req.ids(pos, pos + 1)))
+                fed_first.append(req)
+        return rows_first + chunks, fed_first + fed_chunks, max(budget, 0)
 
     def _preempt(self, req: Request) -> None:
         """Take `req`'s blocks and slot back; it waits first in line, to be recomputed."""
@@ -301,8 +364,12 @@ class Scheduler:
 
     def _cache(self, req: Request) -> None:
         """Cache the positions `req` has run so far (it has at least a block of them), making
-        room under the cache's budget by forgetting the least recently used."""
+        room under the cache's budget by forgetting the least recently used. Batch-invariant, only
+        at the end of one of its prompt's chunks that ends on a multiple of the chunk: what any
+        request with this prefix computes there in its own prompt's chunks, bit for bit."""
         if self.prefix is None or req.fed < self.blocks.block_size or self.closed:
+            return
+        if self.invariant and (req.fed > len(req.prompt) or req.fed % self.chunk):
             return
         tokens = req.tokens(req.fed)
         known = self.prefix.find(tokens)

@@ -77,8 +77,8 @@ class GatedAttention(nn.Module):
         """x [T, hidden] -> [T, hidden]. `cache` holds this layer's PagedKV of each sequence of
         the pass (ctx.segments)."""
         with scope("projections", "full.in"):
-            qkv = self.qkv_proj(x)
-        return self.o_proj(per_sequence(self._attend, qkv, ctx, cache), ctx.slices)
+            qkv = self.qkv_proj(x, ctx)
+        return self.o_proj(per_sequence(self._attend, qkv, ctx, cache), ctx)
 
     def _attend(self, qkv: torch.Tensor, seq: Segment, kv: PagedKV) -> torch.Tensor:
         """One sequence's projected rows [T, q+k+v local] -> the gated output [T, heads*D],

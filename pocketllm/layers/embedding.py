@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketllm.distributed.state import all_gather_cat, all_reduce_, tp
+from pocketllm.layers.linear import project
 from pocketllm.layers.sharding import QuantSource, ShardSource, quantized_param, read_rows, sharded_param
 from pocketllm.ops.registry import default_kernels
 from pocketllm.quantization import WeightPlan
@@ -71,6 +72,7 @@ class ParallelLMHead(nn.Module):
         # The loader may have replaced a quantized weight (by its dequantized values on a device).
         self.kernels = default_kernels(self.weight)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.kernels(h).float()
+    def forward(self, h: torch.Tensor, parts=None) -> torch.Tensor:
+        """parts (layers.context.Part): the rows' calls, as a projection's (None: one call)."""
+        logits = project(self.kernels, h, parts).float()
         return all_gather_cat(logits)[..., : self.vocab]

@@ -87,8 +87,8 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden] -> [T, hidden]. `state` holds this layer's GDNState of each sequence of
         the pass (ctx.segments)."""
         with scope("projections", "lin.in"):
-            proj = self.in_proj(x)
-        return self.out_proj(per_sequence(self._mix, proj, ctx, state), ctx.slices)
+            proj = self.in_proj(x, ctx)
+        return self.out_proj(per_sequence(self._mix, proj, ctx, state), ctx)
 
     def _mix(self, proj: torch.Tensor, seq: Segment, state: GDNState) -> torch.Tensor:
         """One sequence's projected rows [T, in_local] -> the gated norm's output [T, hv*dv],

@@ -1,7 +1,8 @@
 """Column-parallel (fused, split by heads) and row-parallel linear layers. A weight is a float
 parameter, or a QuantizedWeight where the run's weight plan quantizes its checkpoint tensor. Each
 runs its weight through `self.kernels`, the kernels the engine bound it to (pocketllm.ops.registry;
-each kind's default until then)."""
+each kind's default until then), part by part of the pass (layers.context.Part): a run of decode
+rows with each row summed as it is alone, a prompt segment in a call of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from pocketllm.distributed.overlap import projection_all_reduce_overlapped
 from pocketllm.distributed.state import tp
+from pocketllm.layers.context import ForwardContext, Part as RowPart
 from pocketllm.layers.sharding import (
     QuantSource,
     RowRange,
@@ -41,6 +43,18 @@ def _runs(parts: Sequence[Part], plan: WeightPlan | None) -> list[list[Part]]:
         else:
             runs.append((scheme, [part]))
     return [block for _, block in runs]
+
+
+def project(kernels, x: torch.Tensor, parts: Sequence[RowPart] | None) -> torch.Tensor:
+    """x [T, in] through bound kernels, one call per part (None: one call by row count)."""
+    if parts is None:
+        return kernels(x)
+    if len(parts) == 1:
+        return parts[0].kernel(kernels)(x)
+    out = torch.empty(x.shape[0], kernels.out_features, dtype=x.dtype, device=x.device)
+    for p in parts:
+        p.kernel(kernels)(x[p.rows], out[p.rows])
+    return out
 
 
 class ColumnParallelLinear(nn.Module):
@@ -74,10 +88,10 @@ class ColumnParallelLinear(nn.Module):
         if self.blocks is None:
             self.kernels = default_kernels(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         if self.blocks is None:
-            return self.kernels(x)
-        return torch.cat([b(x) for b in self.blocks], dim=-1)
+            return project(self.kernels, x, None if ctx is None else ctx.parts)
+        return torch.cat([b(x, ctx) for b in self.blocks], dim=-1)
 
 
 class RowParallelLinear(nn.Module):
@@ -103,5 +117,5 @@ class RowParallelLinear(nn.Module):
     def after_loading(self) -> None:
         self.kernels = default_kernels(self.weight)
 
-    def forward(self, x: torch.Tensor, slices: int) -> torch.Tensor:
-        return projection_all_reduce_overlapped(x, self.kernels, slices, self.site)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return projection_all_reduce_overlapped(x, self.kernels, ctx.slices, self.site, ctx.parts)

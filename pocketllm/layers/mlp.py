@@ -10,9 +10,8 @@ from pocketllm.distributed.state import tp
 from pocketllm.layers.context import ForwardContext
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.sharding import split_range
+from pocketllm.layers.row_forms import silu_mul_parts
 from pocketllm.ops.fused import decode_ops
-from pocketllm.ops.fused.reference import silu_mul_reference
-from pocketllm.ops.row_blocks import by_row_blocks
 from pocketllm.profiling.scopes import scope
 
 
@@ -29,12 +28,12 @@ class MLP(nn.Module):
             cfg.weights,
         )
         self.down = RowParallelLinear(f"{prefix}.down_proj.weight", inter, hidden, "mlp.down", dtype, device, cfg.weights)
-        self.decode_silu_mul = decode_ops(dtype, torch.device(device)).silu_mul
+        self.decode_ops = decode_ops(dtype, torch.device(device))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         with scope("projections", "mlp.gate_up"):
-            gate_up = self.gate_up(x)
+            gate_up = self.gate_up(x, ctx)
         gate, up = gate_up.chunk(2, dim=-1)
         with scope("mlp_act"):
-            act = self.decode_silu_mul(gate, up) if ctx.one_row else by_row_blocks(silu_mul_reference, gate, up)
-        return self.down(act, ctx.slices)
+            act = silu_mul_parts(self.decode_ops, ctx.parts, gate, up)
+        return self.down(act, ctx)

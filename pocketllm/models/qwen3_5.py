@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from pocketllm.config import FULL, ModelConfig
-from pocketllm.layers.context import ForwardContext, Segment
+from pocketllm.layers import row_forms
+from pocketllm.layers.context import ForwardContext, Part, Segment, parts_of
 from pocketllm.layers.attention import GatedAttention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.gdn import GatedDeltaNet
@@ -16,7 +17,7 @@ from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.mlp import MLP
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
-from pocketllm.ops.fused import TORCH_OPS, decode_ops
+from pocketllm.ops.fused import decode_ops
 from pocketllm.profiling.scopes import scope
 
 
@@ -36,12 +37,12 @@ class DecoderLayer(nn.Module):
         self.decode_ops = decode_ops(dtype, torch.device(device))
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
-        ops = self.decode_ops if ctx.one_row else TORCH_OPS
+        ops, parts = self.decode_ops, ctx.parts
         with scope("norms", "input"):
-            x = ops.add_rms_norm(h, None, self.input_norm.scale, self.input_norm.eps)[1]
+            x = row_forms.add_rms_norm_parts(ops, parts, h, None, self.input_norm.scale, self.input_norm.eps)[1]
         x = self.mixer(x, ctx, state)
         with scope("norms", "resid_add"):
-            h, x = ops.add_rms_norm(h, x, self.post_norm.scale, self.post_norm.eps)
+            h, x = row_forms.add_rms_norm_parts(ops, parts, h, x, self.post_norm.scale, self.post_norm.eps)
         x = self.mlp(x, ctx)
         with scope("norms", "resid_add"):
             return h + x
@@ -75,38 +76,51 @@ class Qwen35ForCausalLM(nn.Module):
         for m in self.projections():
             m.kernels = kernels.bind(m.weight)
 
-    def context(self, spans: list[tuple[int, int]], slices: int) -> ForwardContext:
-        """The context of a pass packing its sequences' rows one after another: spans are (start
-        position, rows) per sequence."""
+    def context(self, spans: list[tuple[int, int]], slices: int, last: tuple[int, ...] = (), invariant: bool = False, slices_for=None) -> ForwardContext:
+        """The context of a pass packing its segments' rows one after another: spans are (start
+        position, rows) per segment (a sequence's rows may be several consecutive segments);
+        `last`: the row each of the caller's spans ends on (default: each segment's last).
+        invariant: every prompt segment's rows in calls of their own, sliced by
+        `slices_for(rows)`, and the single rows together, each as it is alone (context.parts_of)."""
         segments, row0 = [], 0
         for start, rows in spans:
             cos, sin = self.rotary.cos_sin(start, rows)
             segments.append(Segment(row0, start, rows, cos, sin))
             row0 += rows
-        return ForwardContext(slices, tuple(segments), row0)
+        segments = tuple(segments)
+        parts = parts_of(segments, row0, slices, invariant, slices_for or (lambda rows: slices))
+        return ForwardContext(slices, segments, row0, parts, tuple(last), invariant)
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
-        """ids [T] -> fp32 logits of each sequence's last row [S, V], or of every row [T, V] when
-        asked. states holds one state list (one state per layer) per sequence of ctx."""
-        last = [s.row0 + s.rows - 1 for s in ctx.segments]
+        """ids [T] -> fp32 logits of each span's last row [S, V] (ctx.last), or of every row
+        [T, V] when asked. states holds one state list (one state per layer) per segment of ctx."""
+        last = list(ctx.last)
         # STACK is the whole pass, embedding to logits: the profile's shares are fractions of it.
         with scope("STACK"):
             with scope("embed"):
                 h = self.embed(ids)
             for i, layer in enumerate(self.layers):
                 h = layer(h, ctx, [seq[i] for seq in states])
-            if not all_logits:
-                # One sequence's last row as a view; several gathered.
-                h = h[last[0] : last[0] + 1] if len(last) == 1 else h[last]
+            # One sequence's last row as a view; several gathered.
+            rows = h[last[0] : last[0] + 1] if len(last) == 1 else h[last]
+            # The last rows are each their sequence's own: each gets the bits it gets alone (and a
+            # decode row the compiled final norm the layers' norms use: torch's, right after the
+            # last GEMV streamed its weight, took several times as long).
+            alone = (Part(0, len(last), True),) if ctx.invariant or ctx.one_row else None
             with scope("norms", "final"):
-                # A decode row's final norm is the compiled one the layers' norms use (torch's,
-                # right after the last GEMV streamed its weight, took several times as long).
-                h = self.decode_ops.add_rms_norm(h, None, self.norm.scale, self.norm.eps)[1] if ctx.one_row else self.norm(h)
+                rows = self._final_norm(rows, alone)
             with scope("lm_head"):
-                logits = self.lm_head(h)
-                if all_logits and h.shape[0] > len(last):
-                    # The last rows again through the head of last rows only (a GEMV for one,
-                    # where all rows went through a GEMM that rounds differently), so a token
-                    # drawn from them is the one a last-rows-only pass would draw.
-                    logits[last] = self.lm_head(h[last])
+                logits = self.lm_head(rows, alone)
+                if all_logits:
+                    # Every row through the head by the pass's parts; the last rows are the ones
+                    # above (a GEMV for one, where a GEMM rounds differently), so a token drawn
+                    # from them is the one a last-rows-only pass would draw.
+                    every = self.lm_head(self._final_norm(h, ctx.parts), ctx.parts)
+                    every[last] = logits
+                    logits = every
         return logits
+
+    def _final_norm(self, h: torch.Tensor, parts) -> torch.Tensor:
+        if parts is None:
+            return self.norm(h)
+        return row_forms.add_rms_norm_parts(self.decode_ops, parts, h, None, self.norm.scale, self.norm.eps)[1]

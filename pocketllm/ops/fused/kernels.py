@@ -191,3 +191,48 @@ def _refuse_attention(qkv, q_scale, k_scale, cos, sin, k_pool, v_pool, table, he
     if not 0 <= pos < table.numel() * k_pool.shape[2]:
         raise ValueError(f"{name}: pos {pos} is outside the {table.numel()} blocks of {k_pool.shape[2]} positions the table covers")
     raise ValueError(f"{name}: cos and sin hold {half} values, more than half of head_dim {head_dim}")
+
+
+_SIGNATURES_ROWS = {
+    "add_rms_norm_rows_bf16": [_P, _P, _P, _F, _I, _I, _P, _P],
+    "silu_mul_rows_bf16": [_P, _P, _I, _I, _I, _P],
+}
+
+
+def _rows_lib():
+    lib, _ = library()
+    if lib is not None and lib.add_rms_norm_rows_bf16.argtypes is None:
+        for name, args in _SIGNATURES_ROWS.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
+    return lib
+
+
+def add_rms_norm_rows(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm on each row of h, x [rows, n]: each row gets the bits add_rms_norm gives it
+    alone (a decode step of several sequences)."""
+    n = h.shape[-1]
+    rows = h.numel() // max(n, 1)
+    if not (
+        h.dtype is _BF16 and h.dim() == 2 and h.is_contiguous() and h.is_cpu and scale.dtype is _F32 and scale.numel() == n and scale.is_contiguous()
+        and (x is None or (x.dtype is _BF16 and x.shape == h.shape and x.is_contiguous() and x.is_cpu))
+    ):
+        refuse("add_rms_norm_rows_bf16", [("h", h, _BF16, None, True, 2), ("x", x, _BF16, h.numel(), True, None), ("scale", scale, _F32, n, True, None)])
+    h_out = torch.empty_like(h) if x is not None else h
+    y = torch.empty_like(h)
+    _rows_lib().add_rms_norm_rows_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, n, rows, _ptr(h_out if x is not None else None), y.data_ptr())
+    return h_out, y
+
+
+def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu_mul on each row of gate, up [rows, n] (views into one tensor's rows, as the halves of
+    a projection's output are): each row gets the bits silu_mul gives it alone."""
+    rows, n = gate.shape[0], gate.shape[-1]
+    if not (
+        gate.dtype is _BF16 and up.dtype is _BF16 and gate.dim() == 2 and up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1
+        and gate.stride(0) == up.stride(0) and gate.stride(0) >= n and gate.is_cpu and up.is_cpu
+    ):
+        refuse("silu_mul_rows_bf16", [("gate", gate, _BF16, None, False, 2), ("up", up, _BF16, gate.numel(), False, 2)])
+    out = torch.empty(rows, n, dtype=gate.dtype)
+    _rows_lib().silu_mul_rows_bf16(gate.data_ptr(), up.data_ptr(), gate.stride(0), n, rows, out.data_ptr())
+    return out

@@ -2,10 +2,12 @@
  * Y = X W^T for a few rows X [m, n] (a decode step of m sequences), Y [m, rows].
  *
  * Decode reads every weight once per token, so this is a streaming loop: products are summed in
- * fp32 and rounded to bf16 once per output (round to nearest even, as torch rounds). Rows are
- * split over the OpenMP threads torch already runs (see pocketllm/compiled.py). Built with
- * -march=native: the widest path this CPU has is compiled in, AVX-512 BF16 dot products, else
- * AVX-512 or AVX2 FMAs on bf16 widened to fp32, else plain C.
+ * fp32 and rounded to bf16 once per output (round to nearest even, as torch rounds). On every path
+ * the few-row product sums each of its rows in exactly the one-row kernel's order: a decode row's
+ * output does not depend on how many sequences share its step (tests/test_gemv.py holds them bit
+ * for bit). Rows are split over the OpenMP threads torch already runs (see pocketllm/compiled.py).
+ * Built with -march=native: the widest path this CPU has is compiled in, AVX-512 BF16 dot products,
+ * else AVX-512 or AVX2 FMAs on bf16 widened to fp32, else plain C.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -88,21 +90,21 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
-    __m256 a = _mm256_setzero_ps(), b = a;
+    __m256 a = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
         __m256i xv = load_w(x + i), wv = load_w(w + i);
-        a = _mm256_fmadd_ps(even_f(wv), even_f(xv), a);
-        b = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), b);
+        a = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), _mm256_fmadd_ps(even_f(wv), even_f(xv), a));
     }
-    float s = hsum(_mm256_add_ps(a, b));
+    float s = hsum(a);
     for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
     return s;
 }
 /* Two weight rows against up to four x rows, x widened to fp32 beforehand in the same even/odd
  * halves (widen_x): each weight load feeds up to eight products, so the weight streams once for
- * four sequences. Eight accumulators, four widened weight halves and two x halves fill fourteen
- * of the sixteen registers. Inlined into calls with a constant `cols`. */
+ * four sequences; each pair summed as dot1 sums a row. Eight accumulators, four widened weight
+ * halves and two x halves fill fourteen of the sixteen registers. Inlined into calls with a
+ * constant `cols`. */
 #define HAS_TILE 1
 #define TILE_ROWS 2
 #define WIDENS_X 1

@@ -61,6 +61,7 @@ from pocketllm.ops.registry import float_kinds, quant_kinds  # noqa: F401 (regis
 from pocketllm.ops.registry.choose import NOT_CACHED_BUSY, NOT_CACHED_IMPLAUSIBLE, WASH, Choice, choose, pick
 from pocketllm.ops.registry.kernel_set import BoundKernels, KernelSet, default_kernels, projection_reference
 from pocketllm.ops.registry.kinds import (
+    ENV_INVARIANT,
     FEW,
     FEW_MAX,
     MANY,
@@ -68,6 +69,7 @@ from pocketllm.ops.registry.kinds import (
     Candidate,
     Kind,
     all_kinds,
+    batch_invariant,
     check_forced,
     dtype_format,
     few_rows_for,
@@ -83,7 +85,7 @@ from pocketllm.ops.registry.trust import Monitor
 ONE_ROW, FEW_ROW, MANY_ROW = float_kinds.ONE_ROW, float_kinds.FEW_ROW, float_kinds.MANY_ROW
 
 __all__ = [
-    "FEW", "FEW_MAX", "FEW_ROW", "MANY", "MANY_ROW", "NOT_CACHED_BUSY", "NOT_CACHED_IMPLAUSIBLE", "ONE", "ONE_ROW", "WASH",
+    "ENV_INVARIANT", "batch_invariant", "FEW", "FEW_MAX", "FEW_ROW", "MANY", "MANY_ROW", "NOT_CACHED_BUSY", "NOT_CACHED_IMPLAUSIBLE", "ONE", "ONE_ROW", "WASH",
     "BoundKernels", "Candidate", "all_kinds", "Choice", "Kind", "KernelSet", "Monitor",
     "check_forced", "choose", "dtype_format", "default_kernels", "few_rows_for", "format_family", "kind_for", "one_row", "pick",
     "projection_reference", "register", "row_class", "weight_format",

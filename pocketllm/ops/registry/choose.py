@@ -12,7 +12,7 @@ import torch
 
 from pocketllm import compiled
 from pocketllm.ops.registry import cache
-from pocketllm.ops.registry.kinds import FEW, MANY, Kind, weight_bytes, weight_device, weight_format
+from pocketllm.ops.registry.kinds import FEW, MANY, Kind, batch_invariant, weight_bytes, weight_device, weight_format
 from pocketllm.ops.registry.measure import calls_for, key_of, probe_label, time_calls
 from pocketllm.ops.registry.trust import Monitor, Verdict, implausible, read_rate_gbps
 
@@ -193,8 +193,11 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
         return Choice(kind, fmt, "default", rows=rows)
     device = weight_device(weights[0])
     names = kind.timed(fmt, device)
-    if len(names) <= 1 or device.type != "cpu":
-        return Choice(kind, fmt, "default", dict.fromkeys(keys, names[0] if names else kind.default), rows=rows, probe=label)
+    # Every candidate the kind times is measured (the cache holds them all, whatever the run allows);
+    # the choice is made among those this run allows.
+    allowed = kind.allowed(fmt, device, batch_invariant(env))
+    if len(allowed) <= 1 or device.type != "cpu":
+        return Choice(kind, fmt, "default", dict.fromkeys(keys, allowed[0] if allowed else kind.default), rows=rows, probe=label)
     monitor = monitor or Monitor()
     ckeys = {k: cache_key(kind, fmt, k, rows, label) for k in keys}
     nbytes = _bytes_per_key(kind, weights)
@@ -206,8 +209,9 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
         if bad:
             reason = f"re-measured: cached {_name(next(iter(bad)))} implausible ({next(iter(bad.values()))})"
         else:
-            by_key = {k: pick(kind, s) for k, s in cached.items()}
-            verdict, disagree = recheck(kind, weights, rows, cached, by_key, monitor)
+            mine = {k: {n: s[n] for n in allowed} for k, s in cached.items()}
+            by_key = {k: pick(kind, s) for k, s in mine.items()}
+            verdict, disagree = recheck(kind, weights, rows, mine, by_key, monitor)
             if verdict is not None and verdict.disturbed:
                 return Choice(kind, fmt, "cached, check skipped: machine busy", by_key, cached, rows, verdict.describe(), label)
             if not disagree:
@@ -217,7 +221,7 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
     elif any(ck in stored for ck in ckeys.values()):
         reason = "re-measured: cached entry unreadable"
     seconds, verdict, bad = measure_trusted(kind, weights, rows, names, nbytes, monitor)
-    by_key = {k: pick(kind, seconds[k]) for k in keys}
+    by_key = {k: pick(kind, {n: seconds[k][n] for n in allowed}) for k in keys}
     if verdict.disturbed or bad:
         # What the cache holds stays: the next load checks it again, on a quieter machine.
         how = NOT_CACHED_BUSY if verdict.disturbed else NOT_CACHED_IMPLAUSIBLE

@@ -9,6 +9,9 @@ from pocketllm.ops.gemv import kernels as gemv
 from pocketllm.ops.registry.kinds import FEW, MANY, ONE, Candidate, Kind, register
 
 _C = (gemv.SOURCE,)
+# The compiled kernels' per-row order: the few-row tile sums each (weight row, x row) pair as the
+# one-row kernel sums that weight row (gemv_bf16.c; tests/test_gemv.py holds them bit for bit).
+_ORDER = "gemv_bf16.c"
 
 ONE_ROW = register(
     Kind(
@@ -17,10 +20,14 @@ ONE_ROW = register(
             Candidate("mv", gemv.mv, "torch.mv (oneDNN for bf16/fp16 where torch has it)"),
             Candidate("mv-native", gemv.mv_native, "torch.mv with oneDNN off (torch's own kernel)", gemv.onednn_unavailable),
             Candidate("mm", gemv.mm_one_row, "torch.mm of one row (F.linear's path)"),
-            Candidate("c", gemv.compiled_gemv(0), "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable, sources=_C),
+            Candidate(
+                "c", gemv.compiled_gemv(0), "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable,
+                sources=_C, row_order=_ORDER,
+            ),
             Candidate(
                 "c-prefetch", gemv.compiled_gemv(gemv.PREFETCH_BYTES),
                 "the same, each weight row also prefetched non-temporally a few rows ahead", gemv.compiled_unavailable, sources=_C,
+                row_order=_ORDER,
             ),
         ),
         default="mv",
@@ -37,11 +44,17 @@ FEW_ROW = register(
         FEW, "float", FEW, "POCKETLLM_FEW_ROWS",
         (
             Candidate("mm", many_rows.mm, "torch.mm (oneDNN's GEMM where torch has it)"),
-            Candidate("c", gemv.compiled_rows(0), "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable, sources=_C),
+            Candidate(
+                "c", gemv.compiled_rows(0), "pocketllm's compiled bf16 few-row GEMM (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable,
+                sources=_C, row_order=_ORDER,
+            ),
             Candidate(
                 "c-prefetch", gemv.compiled_rows(gemv.PREFETCH_BYTES),
                 "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead", gemv.compiled_unavailable, sources=_C,
+                row_order=_ORDER,
             ),
+            # A tile product sums 32 products per step in the tile unit's own order: not the
+            # one-row kernel's, so it is chosen only with POCKETLLM_BATCH_INVARIANT=0.
             Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C),
         ),
         default="mm",

@@ -13,19 +13,25 @@ import os
 import torch
 
 from pocketllm.ops.registry.choose import Choice, choose
-from pocketllm.ops.registry.kinds import FEW, MANY, ONE, few_rows_for, kind_for, row_class, weight_format
+from pocketllm.ops.registry.kinds import FEW, MANY, ONE, batch_invariant, few_rows_for, kind_for, row_class, weight_format
 from pocketllm.ops.registry.measure import key_of
 from pocketllm.ops.registry.trust import Monitor
 
 
+# How an entry runs a call of r rows: its one-row kernel on the row, its kernel on all rows, or its
+# one-row kernel on each row in turn.
+_ONE, _ROWS, _EACH = "one", "rows", "each"
+
+
 class BoundKernels:
     """x [T, in] -> [T, out] on one weight, by the kernel resolved for T rows. `names` says which
-    kernel each row count runs."""
+    kernel each row count runs. `alone(x)` gives every row the bits the one-row kernel gives it
+    alone, however many rows the call has (a batch-invariant set's few-row kernels do; a call of
+    more rows than they were chosen for is split into calls they cover)."""
 
     def __init__(self, weight, small: dict[int, tuple], many: tuple):
-        # Entries are (name, kernel, prepared weight, one-row form: x [in] -> out [out]); `small`
-        # holds one for every row count from 1 up to the largest with a kernel of its own, and any
-        # count past them runs `many`.
+        # Entries are (name, kernel, prepared weight, form); `small` holds one for every row count
+        # from 1 up to the largest with a kernel of its own, and any count past them runs `many`.
         self.weight = weight
         self.out_features = weight.shape[0]
         self.names = {(ONE if r == 1 else f"{r}-row"): e[0] for r, e in small.items()} | {MANY: many[0]}
@@ -37,17 +43,46 @@ class BoundKernels:
         if out is None:
             out = torch.empty(rows, self.out_features, dtype=x.dtype, device=x.device)
         if rows < len(self._small):
-            run, w, one = self._small[rows]
-            if one:
-                run(x[0], w, out[0])
-            else:
-                run(x, w, out)
+            _run(self._small[rows], x, out)
         else:
             self._many[0](x, self._many[1], out)
         return out
 
+    def many(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The many-row kernel, whatever the row count (a prompt segment's rows)."""
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        self._many[0](x, self._many[1], out)
+        return out
+
+    def alone(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows that are each their own sequence's decode row: each summed as it is alone. Bound
+        by a batch-invariant set, every small entry does so; past them, calls of the largest."""
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty(rows, self.out_features, dtype=x.dtype, device=x.device)
+        step = len(self._small) - 1
+        if rows <= step:
+            _run(self._small[rows], x, out)
+            return out
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            _run(self._small[r1 - r0], x[r0:r1], out[r0:r1])
+        return out
+
     def __repr__(self) -> str:
         return "BoundKernels(" + ", ".join(f"{k} {v}" for k, v in self.names.items()) + ")"
+
+
+def _run(entry: tuple, x: torch.Tensor, out: torch.Tensor) -> None:
+    run, w, form = entry
+    if form == _ROWS:
+        run(x, w, out)
+    elif form == _ONE:
+        run(x[0], w, out[0])
+    else:
+        for i in range(x.shape[0]):
+            run(x[i], w, out[i])
 
 
 def projection_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,6 +100,7 @@ class KernelSet:
 
     def __init__(self, choices: list[Choice] | None = None, env=os.environ, monitor: Monitor | None = None):
         self.env = env
+        self.invariant = batch_invariant(env)
         self.monitor = monitor or Monitor()
         self.choices: list[Choice] = []
         for c in choices or []:
@@ -107,36 +143,42 @@ class KernelSet:
 
     def bind(self, weight) -> BoundKernels:
         """The kernels `weight` runs at every row count, resolved now, with the prepared forms
-        they run on (one per layout)."""
+        they run on (one per layout). Batch-invariant (the default), a few-row count runs its
+        chosen kernel only when that sums each row in the one-row kernel's order, and otherwise
+        the one-row kernel on each row in turn: a decode row gets the same bits in any batch."""
         fmt = weight_format(weight)
         forms: dict[str, object] = {}
 
-        def entry(rows: str, choice: Choice | None, name: str | None = None) -> tuple:
+        def entry(rows: str, choice: Choice | None, form: str, name: str | None = None) -> tuple:
             kind = choice.kind if choice is not None else kind_for(fmt, rows)
             if kind is None:
                 raise ValueError(f"no {rows} kernel kind is declared for {fmt} weights")
             name = name or (choice.kernel_for(weight) if choice is not None else kind.default)
             cand = kind.by_name[name]
-            one = rows == ONE
             if cand.prepare is None:
-                return name, cand.run, weight, one
+                return name, cand.run, weight, form
             layout = f"{kind.family}:{cand.layout or name}"
             if layout not in forms:
                 forms[layout] = cand.prepare(weight)
-            return name, cand.run, forms[layout], one
+            return name, cand.run, forms[layout], form
 
-        many = entry(MANY, self._find(fmt, MANY))
+        def order(e: tuple, rows: str) -> str:
+            kind = kind_for(fmt, rows)
+            return kind.by_name[e[0]].row_order if kind is not None and e[0] in kind.by_name else ""
+
+        many = entry(MANY, self._find(fmt, MANY), _ROWS)
+        one = entry(ONE, self._find(fmt, ONE), _ONE)
+        each = (f"{one[0]} per row",) + one[1:3] + (_EACH,)
         counts = sorted(c.rows for c in self.choices if c.fmt == fmt and c.kind.rows == FEW)
-        small = {}
-        for rows in range(1, max(counts, default=1) + 1):
-            cls = row_class(rows)
-            if cls == ONE:
-                small[rows] = entry(ONE, self._find(fmt, ONE))
-                continue
+        small = {1: one}
+        for rows in range(2, max(counts, default=1) + 1):
             # A pass of r rows runs the few-row choice made for the smallest count at or above r
             # that covers this weight's shape; none: the many-row kernel.
             covering = [c for c in (self._find(fmt, FEW, n) for n in counts if n >= rows) if key_of(c.kind, weight) in c.by_key]
-            small[rows] = entry(FEW, covering[0]) if cls == FEW and covering else many
+            e = entry(FEW, covering[0], _ROWS) if row_class(rows) == FEW and covering else many
+            if self.invariant and not (e is not many and order(e, FEW) and order(e, FEW) == order(one, ONE)):
+                e = each
+            small[rows] = e
         return BoundKernels(weight, small, many)
 
     def describe(self) -> list[str]:

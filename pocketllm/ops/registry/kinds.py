@@ -12,6 +12,7 @@ import torch
 
 from pocketllm.errors import UsageError
 from pocketllm.ops.quant.layout import QuantizedWeight
+from pocketllm.switches import env_switch
 
 # kernel(x, prepared weight, out) -> None, writing into out: one row x [in] -> out [out], several
 # rows x [m, in] -> out [m, out].
@@ -21,6 +22,18 @@ ONE, FEW, MANY = "one-row", "few-row", "many-row"
 # A pass of more rows than this never takes a few-row kernel (the engine reserves at most this many
 # slots' worth of few-row choices; calibrate asks for no more).
 FEW_MAX = 16
+
+
+# On (the default): a request's tokens do not depend on what else is batched with it. Every row of
+# a one-row or few-row call is summed as the one-row kernel sums it alone (only candidates that do
+# so are chosen), and the engine runs each prompt chunk's rows in calls of their own
+# (docs/batching.md). Off: faster candidates whose rows depend on the other rows of the call.
+ENV_INVARIANT = "POCKETLLM_BATCH_INVARIANT"
+
+
+def batch_invariant(env=os.environ) -> bool:
+    """Whether this run keeps each request's tokens independent of the others batched with it."""
+    return env_switch(env, ENV_INVARIANT, default=True)
 
 
 def row_class(rows: int) -> str:
@@ -110,6 +123,10 @@ class Candidate:
     # True: its prepared form is a second copy of the weight's bytes in another layout, which a
     # bound projection never holds beside the loaded weight (KernelSet.bind).
     copies: bool = False
+    # The order each output row's sum is taken in, named: candidates (of any row class) with the
+    # same name give a row the same bits whatever other rows the call has and however many. ""
+    # where a row's bits may depend on them (a library GEMM that blocks by the call's shape).
+    row_order: str = ""
 
 
 @dataclass(frozen=True)
@@ -143,6 +160,15 @@ class Kind:
     def timed(self, fmt: str, device: torch.device) -> list[str]:
         """The available candidates a measurement times."""
         return [n for n in self.available(fmt, device) if self.by_name[n].measured]
+    def allowed(self, fmt: str, device: torch.device, invariant: bool) -> list[str]:
+        """The timed candidates a choice may take. Batch-invariant, a one-row or few-row kind
+        takes only those with a row order where it has any (a decode row in a batch must get the
+        bits it gets alone; bind() runs a few-row call row by row where no few-row candidate sums
+        in the one-row kernel's order); many-row calls are one prompt chunk's own (any kernel)."""
+        names = self.timed(fmt, device)
+        if not invariant or self.rows == MANY:
+            return names
+        return [n for n in names if self.by_name[n].row_order] or names
 
     def forced(self, env=os.environ) -> str | None:
         """The kernel the env var forces, checked: None for auto (unset, empty or "auto")."""
@@ -177,12 +203,19 @@ def all_kinds() -> list[Kind]:
 
 def check_forced(formats, device_kind: str, env=os.environ) -> None:
     """Every forced kernel names a candidate, and one that cannot run weights of these formats on
-    this device is a usage error, before any rank starts."""
+    this device is a usage error, before any rank starts; so is a forced few-row kernel whose rows
+    depend on the call's other rows while the run is batch-invariant."""
     device = torch.device(device_kind)
+    invariant = batch_invariant(env)
     for kind in all_kinds():
         name = kind.forced(env)
         if name is None:
             continue
+        if invariant and kind.rows == FEW and not kind.by_name[name].row_order:
+            raise UsageError(
+                f"{kind.env}={name}: its rows' sums depend on the other rows of the call, so a request's tokens would depend on "
+                f"what is batched with it; set {ENV_INVARIANT}=0 to run it anyway"
+            )
         for fmt in formats:
             if format_family(fmt) != kind.family:
                 continue

@@ -36,8 +36,15 @@ def reference_one(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> No
     reference_rows(x[None], qw, out[None])
 
 
+# The compiled GEMVs' per-row order: one tile function runs one row and a few, each row summed
+# alike (tests/test_quant_kernels.py holds them bit for bit), so a batch-invariant run may choose
+# them for a decode step of several sequences.
+_ORDER = "ops/quant gemv tiles"
+
+
 def _candidate(c: qc.QuantCandidate) -> Candidate:
-    return Candidate(c.name, c.run, c.what, c.unavailable, c.prepare, c.layout, c.sources, copies=c.name == "int4pack")
+    order = _ORDER if c.sources and c.rows in (ONE, FEW) and c.name.startswith("c") else ""
+    return Candidate(c.name, c.run, c.what, c.unavailable, c.prepare, c.layout, c.sources, copies=c.name == "int4pack", row_order=order)
 
 
 def _of_family(family: str, candidates) -> tuple[Candidate, ...]:

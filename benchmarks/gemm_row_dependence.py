@@ -1,0 +1,44 @@
+"""Whether torch's GEMM (oneDNN for bf16 where torch has it) gives a row the same bits whatever
+other rows share the call: the rows of a prompt chunk computed in one call against the same rows
+packed after other rows (another sequence's chunk, or decode rows) in a bigger call. Prints, per
+weight shape and row counts, how many output rows differ in any bit and the largest difference.
+The batch-invariant engine never relies on it: each prompt segment runs in calls of its own
+(docs/batching.md).
+
+    python benchmarks/gemm_row_dependence.py [--shapes 1024x1024,3072x1024] [--rows 64,512] [--others 1,7,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="1024x1024,6144x1024,1024x3072", help="weight shapes OUTxIN")
+    p.add_argument("--rows", default="16,64,512", help="rows of the chunk")
+    p.add_argument("--others", default="1,8,512", help="rows packed before it")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; rows differing / rows (max abs difference)")
+    for shape in args.shapes.split(","):
+        out_f, in_f = (int(v) for v in shape.split("x"))
+        w = torch.randn(out_f, in_f, dtype=dtype)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, in_f, dtype=dtype)
+            alone = x @ w.t()
+            cells = []
+            for others in (int(o) for o in args.others.split(",")):
+                packed = (torch.cat([torch.randn(others, in_f, dtype=dtype), x]) @ w.t())[others:]
+                differ = int((packed != alone).any(dim=1).sum())
+                cells.append(f"+{others}: {differ}/{rows} ({(packed.float() - alone.float()).abs().max().item():.2g})")
+            print(f"{shape:>10} chunk {rows:>4}  " + "  ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Batch invariance (bf16, the default; in process at TP=1): what a sequence's rows get does not
+depend on what else a pass holds. A decode row's logits are bit for bit the same alone, beside
+other decode rows and beside other prompts' chunks; a prompt chunk's the same alone and packed
+with others; and through the scheduler a request's every logits row is the same alone, among
+others with prompts read over several passes, after a preemption (its prompt read again, its
+tokens replayed as decode rows) and from a cached prefix. The model is the tiny preset made wide
+enough that the compiled and torch forms of a norm round apart. tests/test_serve.py checks the
+text through the server at TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_engine
+
+from pocketllm.engine.generate import generate
+from pocketllm.engine.sampling import SamplingParams
+from pocketllm.engine.scheduler import Scheduler
+from pocketllm.presets import get_preset
+
+torch.set_num_threads(2)
+
+WIDE = dataclasses.replace(get_preset("tiny"), hidden_size=256, intermediate_size=512)
+CHUNK = 32
+NEW = 8
+# A one-token prompt, one inside a chunk, several crossing chunk ends; 60 grows past a KV block
+# while it decodes.
+LENGTHS = (1, 60, 5, 70, 100, 33)
+# Greedy and seeded requests side by side.
+PARAMS = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=5)] * 3
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The measured kernels (tests/test_gemv.py checks the one-row kernel run row by row, where no
+    few-row kernel sums like it)."""
+    engine = tiny_engine(torch.bfloat16, cfg=WIDE)
+    engine.prefill_chunk = CHUNK
+    return engine
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(37 * i + 11 * seed + 5) % 1000 for i in range(n)]
+
+
+PROMPTS = [prompt(n, i) for i, n in enumerate(LENGTHS)]
+
+
+def test_a_decode_row_and_a_prompt_chunk_get_the_same_logits_in_any_pass(engine):
+    engine.reserve_slots(6, 200)
+    if engine.kernels.choices and "mv" not in engine.model.layers[0].mlp.down.kernels.names["one-row"]:
+        # The measured set: decode steps of several rows run a compiled few-row kernel.
+        assert engine.model.layers[0].mlp.down.kernels.names["4-row"] in ("c", "c-prefetch")
+
+    def prefill(slots):
+        for s in slots:
+            engine.run_packed([(s, 0, torch.tensor(PROMPTS[s]))])
+
+    def decode(s):
+        return (s, len(PROMPTS[s]), torch.tensor([s + 1]))
+
+    prefill(range(6))
+    alone = [engine.run_packed([decode(s)])[0] for s in range(6)]
+    chunk_alone = engine.run_packed([(5, 0, torch.tensor(PROMPTS[5]))])[0]
+    prefill(range(6))
+    # Five decode rows together, in a shuffled order.
+    order = [3, 0, 4, 1, 2]
+    step = engine.run_packed([decode(s) for s in order])
+    for i, s in enumerate(order):
+        assert torch.equal(step[i], alone[s]), f"decode row of {s} among {len(order)}"
+    # Decode rows beside a prompt chunk, and between two.
+    prefill(range(6))
+    mixed = engine.run_packed([(5, 0, torch.tensor(PROMPTS[5])), decode(1), decode(3)])
+    assert torch.equal(mixed[0], chunk_alone) and torch.equal(mixed[1], alone[1]) and torch.equal(mixed[2], alone[3])
+    prefill([0, 2, 4])
+    mixed = engine.run_packed([decode(0), (5, 0, torch.tensor(PROMPTS[5][:20])), decode(2), (5, 20, torch.tensor(PROMPTS[5][20:])), decode(4)])
+    assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[2], alone[2]) and torch.equal(mixed[4], alone[4])
+    # The prompt read in two spans of one pass, cut at its chunk end, is the prompt read at once.
+    assert torch.equal(mixed[3], chunk_alone)
+
+
+class Recorder:
+    """Every logits row the engine returns, by the tokens it follows (the request's own up to
+    that row), while a scheduler runs."""
+
+    def __init__(self, engine):
+        self.engine, self.rows, self.sched = engine, {}, None
+        self._run = engine.run_packed
+
+    def __enter__(self):
+        self.engine.run_packed = self.run_packed
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.run_packed
+
+    def run_packed(self, spans, all_logits=False):
+        out = self._run(spans, all_logits)
+        for i, (slot, start, ids) in enumerate(spans):
+            req = next(r for r in self.sched.running if r.slot == slot)
+            self.rows.setdefault(tuple(req.tokens(start + len(ids))), []).append(out[i].clone())
+        return out
+
+    def run(self, prompts, params, **kw):
+        self.sched = Scheduler(self.engine, max_len=150, **kw)
+        requests = [self.sched.submit(p, NEW, sp) for p, sp in zip(prompts, params)]
+        while self.sched.has_work:
+            self.sched.step()
+        return [r.output for r in requests]
+
+
+def test_a_requests_every_logits_row_is_the_same_alone_batched_preempted_and_cached(engine):
+    params = PARAMS
+    with Recorder(engine) as alone:
+        tokens = [alone.run([p], [sp], max_running=1) for p, sp in zip(PROMPTS, params)]
+    assert tokens[-1][0] == generate(engine, PROMPTS[-1], NEW, params[-1])
+
+    def same(rec: Recorder, outputs) -> int:
+        assert outputs == [t[0] for t in tokens]
+        compared = 0
+        for key, rows in rec.rows.items():
+            for row in rows:
+                assert torch.equal(row, alone.rows[key][0]), f"position {len(key)} of a request starting {key[:3]}"
+                compared += 1
+        return compared
+
+    with Recorder(engine) as rec:
+        # Prompts read a chunk a pass, two chunks' worth a pass in all, beside decode steps.
+        assert same(rec, rec.run(PROMPTS, params, max_running=6, prefill_budget=2 * CHUNK)) >= len(PROMPTS) * NEW
+    with Recorder(engine) as rec:
+        # A pool of three blocks: the last admitted is preempted when the 60-token prompt grows
+        # into its second block; it reads its prompt again and
+        # replays its tokens as the decode rows they were.
+        outputs = rec.run(PROMPTS, params, max_running=6, kv_blocks=3)
+        assert rec.sched.preemptions > 0
+        same(rec, outputs)
+    with Recorder(engine) as rec:
+        # The long prompts twice: the second run starts from their chunk ends.
+        again = [i for i, n in enumerate(LENGTHS) if n > CHUNK]
+        outputs = rec.run(PROMPTS + [PROMPTS[i] for i in again], params + [params[i] for i in again], max_running=3, prefix_cache_bytes=64 * engine.gdn_state_bytes())
+        assert rec.sched.prefix.hits >= 2 and outputs[len(PROMPTS) :] == [outputs[i] for i in again]
+        same(rec, outputs[: len(PROMPTS)])
