@@ -9,6 +9,7 @@ import socket
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.distributed.state import tp
 from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, pool_blocks
+from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET
 from pocketllm.engine.prefix_cache import PREFIX_CACHE_FRACTION
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
@@ -29,6 +30,14 @@ def add_arguments(p) -> None:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 lets the system pick, printed at start)")
     s.add_argument("--max-running", type=int, default=8, help="requests generated at once (default 8); more wait their turn")
     s.add_argument("--max-len", type=int, help=f"longest prompt plus completion, in tokens (default {DEFAULT_MAX_LEN}, or the model's limit if lower)")
+    s.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=DEFAULT_PREFILL_BUDGET,
+        help=f"prompt tokens one pass may read, all requests together, beside one decode row per running request (default "
+        f"{DEFAULT_PREFILL_BUDGET}); a longer prompt is read over several passes. Lower: running requests' tokens wait less "
+        "behind new prompts (time per output token), each prompt waits longer for its first token",
+    )
     s.add_argument(
         "--kv-cache-gib",
         type=float,
@@ -64,6 +73,8 @@ def _prepare(args, plan) -> dict:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_running < 1:
         raise UsageError(f"--max-running must be >= 1, got {args.max_running}")
+    if args.prefill_budget < 1:
+        raise UsageError(f"--prefill-budget must be >= 1, got {args.prefill_budget}")
     limit = plan.cfg.max_position_embeddings
     max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, limit)
     if not 2 <= max_len <= limit:
@@ -142,7 +153,7 @@ def _work(args, plan, settings: dict, engine, device) -> int:
 
     kv_blocks = _pool(engine, args, settings["max_len"])
     if tp().rank != 0:
-        follow(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks)
+        follow(engine, args.max_running, settings["max_len"], args.prefill_budget, kv_blocks=kv_blocks)
         return 0
     from pocketllm.serving.app import Served
     from pocketllm.serving.chat_template import load_chat_template
@@ -152,7 +163,9 @@ def _work(args, plan, settings: dict, engine, device) -> int:
     from pocketllm.serving.server import serve
 
     cache_bytes = _prefix_cache_bytes(engine, args, kv_blocks)
-    scheduler = Scheduler(engine, args.max_running, settings["max_len"], kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes)
+    scheduler = Scheduler(
+        engine, args.max_running, settings["max_len"], args.prefill_budget, kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes
+    )
     served = Served(
         limits=Limits(settings["model"], settings["max_len"], plan.cfg.vocab_size),
         tokenizer=load_tokenizer(args.ckpt),
