@@ -60,11 +60,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def start_server(args, ckpt: str) -> tuple[subprocess.Popen, str, list[str]]:
-    max_len = max(p + n for p, n in MIX)
+def start_server(args, ckpt: str, max_len: int | None = None, extra: list[str] = (), env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+    """`pocketllm serve` on a port the system picks, once it listens: the process, HOST:PORT and
+    its stderr lines so far (more are appended as they come). `max_len` defaults to what the mix
+    needs; `extra` are more serve flags, `env` variables set over this process's environment."""
+    max_len = max_len or max(p + n for p, n in MIX)
     cmd = [sys.executable, "-m", "pocketllm", "serve", "--ckpt", ckpt, "--dtype", args.dtype, "--tp-world", str(args.tp_world),
-           "--port", "0", "--max-running", str(args.max_running), "--max-len", str(max_len)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+           "--port", "0", "--max-running", str(args.max_running), "--max-len", str(max_len), *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})})
     lines: list[str] = []
     for line in proc.stderr:
         lines.append(line)
@@ -72,6 +75,17 @@ def start_server(args, ckpt: str) -> tuple[subprocess.Popen, str, list[str]]:
             threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
             return proc, f"{m.group(1)}:{m.group(2)}", lines
     raise SystemExit("the server did not start:\n" + "".join(lines))
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 15) -> int | str:
+    """SIGINT, then its exit status, or a note that it had to be killed after `grace_s`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return f"killed after {grace_s:g} s"
 
 
 def model_name(addr: str) -> str:
@@ -203,12 +217,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "killed after 15 s"
+        rc = stop_server(proc)
     summary = {}
     for clients in levels:
         mine = [r for r in results if r["clients"] == clients]

@@ -304,7 +304,7 @@ def feed(engine, ids, start: int = 0, slot: int = 0, all_logits: bool = False) -
     return out if all_logits else out[0]
 
 
-def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: int = 64, prefill_budget: int = 2048) -> list:
+def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: int = 64, prefill_budget: int | None = None) -> list:
     """Rank 0's scheduler plans (for a Scheduler of these sizes made after this call), as the
     other ranks get them, run on `follower` (an engine of this process, reserved as `leader`,
     rank 0's, is): after a step's operations and before its pass, its blocks (free, held per
@@ -313,6 +313,7 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
     from pocketllm.distributed.state import TPState
     from pocketllm.engine import plan, scheduler
 
+    prefill_budget = prefill_budget or plan.DEFAULT_PREFILL_BUDGET
     monkeypatch.setattr(plan, "MAX_OPS", max_ops)
     received = plan.plan_for(leader, max_running, prefill_budget)
     seen = []

@@ -11,6 +11,7 @@ from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_plan
 from pocketllm.distributed.state import tp
 from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, pool_blocks
+from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET
 from pocketllm.engine.prefix_cache import PREFIX_CACHE_FRACTION
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
@@ -32,6 +33,14 @@ def add_arguments(p) -> None:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 lets the system pick, printed at start)")
     s.add_argument("--max-running", type=int, default=8, help="requests generated at once (default 8); more wait their turn")
     s.add_argument("--max-len", type=int, help=f"longest prompt plus completion, in tokens (default {DEFAULT_MAX_LEN}, or the model's limit if lower)")
+    s.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=DEFAULT_PREFILL_BUDGET,
+        help=f"prompt tokens one pass may read, all requests together, beside one decode row per running request (default "
+        f"{DEFAULT_PREFILL_BUDGET}); a longer prompt is read over several passes. Lower: running requests' tokens wait less "
+        "behind new prompts (time per output token), each prompt waits longer for its first token",
+    )
     s.add_argument(
         "--kv-cache-gib",
         type=float,
@@ -58,6 +67,7 @@ class Task:
     port: int = 8000
     max_running: int = 8
     max_len: int | None = None
+    prefill_budget: int = DEFAULT_PREFILL_BUDGET
     kv_cache_gib: float | None = None
     enable_prefix_caching: bool = True
     api_key: str | None = None
@@ -82,6 +92,8 @@ def _prepare(run, plan) -> dict:
         raise UsageError(f"--port must be in 0..65535, got {t.port}")
     if t.max_running < 1:
         raise UsageError(f"--max-running must be >= 1, got {t.max_running}")
+    if t.prefill_budget < 1:
+        raise UsageError(f"--prefill-budget must be >= 1, got {t.prefill_budget}")
     limit = plan.cfg.max_position_embeddings
     max_len = t.max_len if t.max_len is not None else min(DEFAULT_MAX_LEN, limit)
     if not 2 <= max_len <= limit:
@@ -161,7 +173,7 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     t, ckpt = run.task, run.source.ckpt
     kv_blocks = _pool(engine, t, settings["max_len"])
     if tp().rank != 0:
-        follow(engine, t.max_running, settings["max_len"], kv_blocks=kv_blocks)
+        follow(engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks)
         return 0
     from pocketllm.serving.app import Served
     from pocketllm.serving.chat_template import load_chat_template
@@ -171,7 +183,9 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     from pocketllm.serving.server import serve
 
     cache_bytes = _prefix_cache_bytes(engine, t, kv_blocks)
-    scheduler = Scheduler(engine, t.max_running, settings["max_len"], kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes)
+    scheduler = Scheduler(
+        engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes
+    )
     served = Served(
         limits=Limits(settings["model"], settings["max_len"], plan.cfg.vocab_size),
         tokenizer=load_tokenizer(ckpt),
@@ -185,7 +199,7 @@ def _work(run, plan, settings: dict, engine, device) -> int:
 
 def run(args, argv) -> int:
     task = Task(
-        args.host, args.port, args.max_running, args.max_len, args.kv_cache_gib, args.enable_prefix_caching, args.api_key, args.served_model_name
+        args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, args.api_key, args.served_model_name
     )
     return execute(model_plan(args, task))
 

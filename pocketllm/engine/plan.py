@@ -21,6 +21,11 @@ RESTORE = 3  # (slot, entry, take): start slot's sequence from cached entry (tak
 EVICT = 4  # (entry): forget cached entry
 
 
+# Prompt rows a pass may carry in all (serve --prefill-budget), beside one decode row per running
+# sequence: the plan buffer every rank allocates holds that many rows. Chosen by measurement with
+# vLLM's load generator (docs/serving.md, "Against vLLM").
+DEFAULT_PREFILL_BUDGET = 1024
+
 def apply(engine, ops: list[tuple[int, int, int, int]]) -> None:
     for code, a, b, c in ops:
         if code == RELEASE:
@@ -102,7 +107,7 @@ def run_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]]) -> t
     return engine.run_packed(spans) if spans else None
 
 
-def follow(engine, max_running: int, max_len: int, prefill_budget: int = 2048, kv_blocks: int | None = None) -> None:
+def follow(engine, max_running: int, max_len: int, prefill_budget: int = DEFAULT_PREFILL_BUDGET, kv_blocks: int | None = None) -> None:
     """The other ranks' side of a Scheduler made with the same sizes: run each plan rank 0
     broadcasts until it closes the run."""
     engine.reserve_slots(max_running, max_len, kv_blocks)

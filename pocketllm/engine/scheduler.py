@@ -47,7 +47,7 @@ import torch
 
 from pocketllm.distributed.state import broadcast_, tp
 from pocketllm.engine.kv_blocks import blocks_for, pool_blocks
-from pocketllm.engine.plan import EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, plan_for, run_plan
+from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, plan_for, run_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.inputs import prompt_problem
@@ -121,7 +121,7 @@ class Scheduler:
     """Rank 0's side: submit and cancel from any thread, step from one."""
 
     def __init__(
-        self, engine, max_running: int, max_len: int, prefill_budget: int = 2048, kv_blocks: int | None = None, prefix_cache_bytes: int = 0
+        self, engine, max_running: int, max_len: int, prefill_budget: int = DEFAULT_PREFILL_BUDGET, kv_blocks: int | None = None, prefix_cache_bytes: int = 0
     ):
         """kv_blocks: the KV pool's size in blocks (Engine.reserve_slots: default, and at most,
         what max_running sequences of max_len fill). prefix_cache_bytes: what the prefix cache's
