@@ -149,6 +149,15 @@ class PocketRunner:
         return seconds, [first] + rest
 
 
+def llama_bench_tests(cmd: list[str]) -> list[dict]:
+    """The tests of one llama-bench run (`-o json`); its last stderr line, as one line, on failure."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        lines = r.stderr.strip().splitlines()
+        raise SystemExit(f"llama-bench failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
+    return json.loads(r.stdout)
+
+
 def _no_sync() -> None:
     """CPU ops are synchronous: nothing to wait for around a timing."""
 

@@ -24,13 +24,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-from common import PocketRunner, alternate, decode_weight_bytes, read_bandwidths_gbps, spread
+from common import PocketRunner, alternate, decode_weight_bytes, llama_bench_tests, read_bandwidths_gbps, spread
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
 from pocketllm.model_args import parse_dtype
@@ -112,12 +111,8 @@ class LlamaDepths:
         self.version = ""
 
     def run(self, rep: int) -> dict[int, float]:
-        r = subprocess.run(self.cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            lines = r.stderr.strip().splitlines()
-            raise SystemExit(f"llama-bench failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
         out = {}
-        for test in json.loads(r.stdout):
+        for test in llama_bench_tests(self.cmd):
             self.version = str(test.get("build_commit", "?"))
             out[test["n_depth"]] = test["avg_ts"]
         return out

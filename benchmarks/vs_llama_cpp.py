@@ -18,12 +18,11 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 
 import torch
 
-from common import PocketRunner, alternate, spread
+from common import PocketRunner, alternate, llama_bench_tests, spread
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
 from pocketllm.model_args import parse_dtype
@@ -55,12 +54,8 @@ class LlamaBench:
 
     def run(self) -> dict:
         """{("prefill", n): tok/s, ("decode", n): tok/s} from one llama-bench run."""
-        r = subprocess.run(self.cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            lines = r.stderr.strip().splitlines()
-            raise SystemExit(f"llama-bench failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
         out = {}
-        for test in json.loads(r.stdout):
+        for test in llama_bench_tests(self.cmd):
             self.version = f"{test.get('build_commit', '?')}"
             kind, n = ("prefill", test["n_prompt"]) if test["n_prompt"] else ("decode", test["n_gen"])
             out[(kind, n)] = test["avg_ts"]

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from common import alternate, decode_weight_bytes, read_bandwidths_gbps, spread
+from common import alternate, decode_weight_bytes, llama_bench_tests, read_bandwidths_gbps, spread
 from pocketllm import compiled
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
@@ -103,12 +103,8 @@ class Llama:
             self.step_bytes = int(r.stdout.strip())
 
     def run(self, *_) -> dict:
-        r = subprocess.run(self.cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            lines = r.stderr.strip().splitlines()
-            raise SystemExit(f"llama-bench failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
         out = {}
-        for test in json.loads(r.stdout):
+        for test in llama_bench_tests(self.cmd):
             self.version = test.get("build_commit", "?")
             if test["n_prompt"] or test["n_gen"]:
                 out["prefill" if test["n_prompt"] else "decode"] = test["avg_ts"]

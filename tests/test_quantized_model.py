@@ -197,6 +197,20 @@ def _fp8_release(src, out, keep=("lm_head", "in_proj_a", "in_proj_b")):
     return written
 
 
+
+class _TensorSlice:
+    """A tensor behind safetensors' slice interface (get_shape, indexing), as the loader reads one."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def __getitem__(self, i):
+        return self.t[i]
+
+
 def test_an_fp8_release_checkpoint_loads_converted(tiny_ckpt, tmp_path, capsys):
     from safetensors.torch import save_file
 
@@ -205,19 +219,9 @@ def test_an_fp8_release_checkpoint_loads_converted(tiny_ckpt, tmp_path, capsys):
     # The same weights as fp32 floats: what `--quantize none` must run exactly.
     from pocketllm.loader.fp8 import Fp8Slice
 
-    class _Sl:
-        def __init__(self, t):
-            self.t = t
-
-        def get_shape(self):
-            return list(self.t.shape)
-
-        def __getitem__(self, i):
-            return self.t[i]
-
     floats = tmp_path / "floats"
     floats.mkdir()
-    plain = {k: (Fp8Slice(_Sl(v), _Sl(written[k + "_scale_inv"]), (128, 128))[:] if k + "_scale_inv" in written else v.float()) for k, v in written.items() if not k.endswith("_scale_inv")}
+    plain = {k: (Fp8Slice(_TensorSlice(v), _TensorSlice(written[k + "_scale_inv"]), (128, 128))[:] if k + "_scale_inv" in written else v.float()) for k, v in written.items() if not k.endswith("_scale_inv")}
     save_file(plain, str(floats / "model.safetensors"))
     (floats / "config.json").write_text((tiny_ckpt / "config.json").read_text())
     base = ["generate", "--dtype", "float32", "--token-ids", "1,2,3,4,5,6,7", "--max-new-tokens", "12"]
@@ -241,21 +245,11 @@ def test_an_fp8_release_checkpoint_loads_converted(tiny_ckpt, tmp_path, capsys):
 def test_an_fp8_slice_reads_any_rows_or_columns_across_blocks():
     from pocketllm.loader.fp8 import Fp8Slice, to_fp8_blocks
 
-    class _Sl:
-        def __init__(self, t):
-            self.t = t
-
-        def get_shape(self):
-            return list(self.t.shape)
-
-        def __getitem__(self, i):
-            return self.t[i]
-
     torch.manual_seed(3)
     q, scale = to_fp8_blocks(torch.randn(10, 20), (4, 8))
     assert scale.shape == (3, 3)
     whole = q.float() * scale.repeat_interleave(4, 0)[:10].repeat_interleave(8, 1)[:, :20]
-    sl = Fp8Slice(_Sl(q), _Sl(scale), (4, 8))
+    sl = Fp8Slice(_TensorSlice(q), _TensorSlice(scale), (4, 8))
     for index in (slice(None), slice(3, 9)):
         assert torch.equal(sl[index], whole[index])
     assert torch.equal(sl[:, 5:17], whole[:, 5:17]) and torch.equal(sl[2:7, 9:20], whole[2:7, 9:20])
