@@ -72,6 +72,13 @@ class ReadyKernels:
             return self.real(x, out)
         return self.ready if out is None else out.copy_(self.ready)
 
+    # The calls a pass's parts take (layers.context.Part.kernel): a prompt's rows run the real
+    # kernels, a decode row gets the ready output.
+    alone = __call__
+
+    def many(self, x, out=None):
+        return self.real.many(x, out)
+
 
 class ReadyGemvs:
     """While active, every projection's one-row GEMV returns a ready output of the right shape
