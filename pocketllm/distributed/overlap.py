@@ -44,6 +44,13 @@ def projection_all_reduce_overlapped(x: torch.Tensor, project, slices: int, site
     sum of an element does not depend on which all-reduce carries it (the shm all-reduce adds
     ranks in rank order, and two ranks' sum is the same either way)."""
     rows = x.shape[0]
+    if rows == 1 and parts is not None and len(parts) == 1:
+        # A decode step of one row: one call and one all-reduce, what the general path below
+        # comes to for one row, without building its lists (16 of these calls a step).
+        with scope("projections", site):
+            out = parts[0].kernel(project)(x)
+        all_reduce_(out, site)
+        return out
     out = torch.empty(rows, project.out_features, dtype=x.dtype, device=x.device)
     if parts is None:
         calls = [(0, rows, project)] if is_serial(rows, slices) else [(a, b, project) for a, b in slice_bounds(rows, slices)]

@@ -36,16 +36,17 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", h, eps, dtype, device)
         self.decode_ops = decode_ops(dtype, torch.device(device))
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, x: torch.Tensor | None, ctx: ForwardContext, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream arrives as h + x (x None: h alone) and leaves the same way, the MLP's
+        output not yet added: each add happens inside the next norm's call (one compiled call per
+        decode row, where a separate add is a torch op after a GEMV; the bits are the same)."""
         ops, parts = self.decode_ops, ctx.parts
         with scope("norms", "input"):
-            x = row_forms.add_rms_norm_parts(ops, parts, h, None, self.input_norm.scale, self.input_norm.eps)[1]
+            h, x = row_forms.add_rms_norm_parts(ops, parts, h, x, self.input_norm.scale, self.input_norm.eps)
         x = self.mixer(x, ctx, state)
         with scope("norms", "resid_add"):
             h, x = row_forms.add_rms_norm_parts(ops, parts, h, x, self.post_norm.scale, self.post_norm.eps)
-        x = self.mlp(x, ctx)
-        with scope("norms", "resid_add"):
-            return h + x
+        return h, self.mlp(x, ctx)
 
 
 class Qwen35ForCausalLM(nn.Module):
@@ -98,29 +99,32 @@ class Qwen35ForCausalLM(nn.Module):
         # STACK is the whole pass, embedding to logits: the profile's shares are fractions of it.
         with scope("STACK"):
             with scope("embed"):
-                h = self.embed(ids)
+                h, x = self.embed(ids), None
             for i, layer in enumerate(self.layers):
-                h = layer(h, ctx, [seq[i] for seq in states])
-            # One sequence's last row as a view; several gathered.
-            rows = h[last[0] : last[0] + 1] if len(last) == 1 else h[last]
+                h, x = layer(h, x, ctx, [seq[i] for seq in states])
+            # One sequence's last row as a view; several gathered. The last layer's residual add
+            # is the final norm's.
+            pick = slice(last[0], last[0] + 1) if len(last) == 1 else last
+            rows, rows_x = h[pick], x[pick]
             # The last rows are each their sequence's own: each gets the bits it gets alone (and a
             # decode row the compiled final norm the layers' norms use: torch's, right after the
             # last GEMV streamed its weight, took several times as long).
             alone = (Part(0, len(last), True),) if ctx.invariant or ctx.one_row else None
             with scope("norms", "final"):
-                rows = self._final_norm(rows, alone)
+                rows = self._final_norm(rows, rows_x, alone)
             with scope("lm_head"):
                 logits = self.lm_head(rows, alone)
                 if all_logits:
                     # Every row through the head by the pass's parts; the last rows are the ones
                     # above (a GEMV for one, where a GEMM rounds differently), so a token drawn
                     # from them is the one a last-rows-only pass would draw.
-                    every = self.lm_head(self._final_norm(h, ctx.parts), ctx.parts)
+                    every = self.lm_head(self._final_norm(h, x, ctx.parts), ctx.parts)
                     every[last] = logits
                     logits = every
         return logits
 
-    def _final_norm(self, h: torch.Tensor, parts) -> torch.Tensor:
+    def _final_norm(self, h: torch.Tensor, x: torch.Tensor, parts) -> torch.Tensor:
+        """The final norm of the residual stream h + x."""
         if parts is None:
-            return self.norm(h)
-        return row_forms.add_rms_norm_parts(self.decode_ops, parts, h, None, self.norm.scale, self.norm.eps)[1]
+            return self.norm(h + x)
+        return row_forms.add_rms_norm_parts(self.decode_ops, parts, h, x, self.norm.scale, self.norm.eps)[1]
