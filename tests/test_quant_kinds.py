@@ -151,3 +151,26 @@ def test_a_copying_candidate_is_timed_on_cut_copies_of_the_probe_weights(monkeyp
     assert sorted(made) == [(32, 256), (64, 256)]
     for seconds in chosen.seconds.values():
         assert seconds["int4pack"] > 0 and set(seconds) >= {"c-prefetch", "int4pack"}
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4-g32-asym"])
+def test_a_one_row_kernel_that_takes_rows_gives_a_row_the_bits_it_gives_a_vector(fmt):
+    # Bound, such a kernel gets a decode row's [1, in] / [1, out] tensors as they are: the same
+    # call as on x[0] / out[0], so the same bits.
+    kind = kind_for(fmt, ONE)
+    w = torch.randn(37, 320, dtype=torch.bfloat16)
+    if fmt != "bfloat16":
+        w = int8(out=37, cols=320) if fmt == "int8" else int4(out=37, cols=320, group=32, symmetric=False)
+    names = [n for n in kind.available(fmt, torch.device("cpu")) if kind.by_name[n].takes_rows]
+    if not names:
+        pytest.skip(f"no compiled one-row kernel for {fmt} here")
+    x = torch.randn(1, 320, dtype=torch.bfloat16)
+    for name in names:
+        cand = kind.by_name[name]
+        prepared = w if cand.prepare is None else cand.prepare(w)
+        as_rows, as_vector = torch.empty(1, 37, dtype=torch.bfloat16), torch.empty(37, dtype=torch.bfloat16)
+        cand.run(x, prepared, as_rows)
+        cand.run(x[0], prepared, as_vector)
+        assert torch.equal(as_rows[0], as_vector), name
+    bound = KernelSet([Choice(kind, fmt, "forced", {(37, 320): names[-1]})]).bind(w)
+    assert bound.names["one-row"] == names[-1] and torch.equal(bound.alone(x)[0], as_vector)

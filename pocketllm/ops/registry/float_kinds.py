@@ -22,12 +22,12 @@ ONE_ROW = register(
             Candidate("mm", gemv.mm_one_row, "torch.mm of one row (F.linear's path)"),
             Candidate(
                 "c", gemv.compiled_gemv(0), "pocketllm's compiled bf16 GEMV (pocketllm/ops/gemv/gemv_bf16.c)", gemv.compiled_unavailable,
-                sources=_C, row_order=_ORDER,
+                sources=_C, row_order=_ORDER, takes_rows=True,
             ),
             Candidate(
                 "c-prefetch", gemv.compiled_gemv(gemv.PREFETCH_BYTES),
                 "the same, each weight row also prefetched non-temporally a few rows ahead", gemv.compiled_unavailable, sources=_C,
-                row_order=_ORDER,
+                row_order=_ORDER, takes_rows=True,
             ),
         ),
         default="mv",

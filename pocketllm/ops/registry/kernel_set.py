@@ -155,6 +155,8 @@ class KernelSet:
                 raise ValueError(f"no {rows} kernel kind is declared for {fmt} weights")
             name = name or (choice.kernel_for(weight) if choice is not None else kind.default)
             cand = kind.by_name[name]
+            if form == _ONE and cand.takes_rows:
+                form = _ROWS
             if cand.prepare is None:
                 return name, cand.run, weight, form
             layout = f"{kind.family}:{cand.layout or name}"

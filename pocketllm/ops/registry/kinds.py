@@ -127,6 +127,9 @@ class Candidate:
     # same name give a row the same bits whatever other rows the call has and however many. ""
     # where a row's bits may depend on them (a library GEMM that blocks by the call's shape).
     row_order: str = ""
+    # True: a one-row kernel that takes x [1, in] and out [1, out] as well as x [in] and out [out],
+    # the same call: a bound projection passes a decode row's tensors as they are, no views made.
+    takes_rows: bool = False
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,12 @@ _ORDER = "ops/quant gemv tiles"
 
 
 def _candidate(c: qc.QuantCandidate) -> Candidate:
-    order = _ORDER if c.sources and c.rows in (ONE, FEW) and c.name.startswith("c") else ""
-    return Candidate(c.name, c.run, c.what, c.unavailable, c.prepare, c.layout, c.sources, copies=c.name == "int4pack", row_order=order)
+    compiled = bool(c.sources) and c.name.startswith("c")
+    order = _ORDER if compiled and c.rows in (ONE, FEW) else ""
+    # The compiled GEMV takes x [in] or [m, in] (ops/quant/native.gemv).
+    return Candidate(
+        c.name, c.run, c.what, c.unavailable, c.prepare, c.layout, c.sources, copies=c.name == "int4pack", row_order=order, takes_rows=compiled,
+    )
 
 
 def _of_family(family: str, candidates) -> tuple[Candidate, ...]:
