@@ -6,7 +6,8 @@
  * once per tile, a row's products are summed in fp32 and multiplied by its scale once, each output
  * is rounded to bf16 once, and every (weight row, x row) pair is summed by the same sequence of
  * operations whatever the tile around it, so a row of a few-row call equals the one-row call bit
- * for bit. Built with -march=native: AVX-512 BF16 dot products (int8 is exact in bf16), else AVX2
+ * for bit. Built with -march=native: AVX-512 BF16 dot products on each weight read as two exact bf16
+ * values (its nibbles, see below), else AVX2
  * FMAs on weights widened to fp32, else plain C.
  */
 #include <stdint.h>
@@ -21,36 +22,84 @@ struct q8 {
     int64_t rows, n;
     int64_t pf_bytes; /* how far ahead of each weight load its prefetch reaches (0: none) */
     const void *x; /* the x rows as the tile reads them */
+    int64_t xstride; /* elements between two of them */
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* 32 weights at a time: sign-extended to 32 bits, converted to fp32 and packed to bf16, all
- * exact; x is read as it is. Sixteen accumulators, four widened rows and one x vector. */
+/* 64 weights at a time, with no widening: 64 bytes load as 32 words, and each byte's two nibbles
+ * become bf16 values exactly by or-ing them into an exponent, as gemv_int4.c does. A weight
+ * q = 16 h + l (h its signed high nibble, l its low one) is read as two values: 128 + l (the low
+ * nibble in the exponent of 128, whose bf16 step is 1) and 2048 + 16 (h + 8) (the high nibble,
+ * its sign bit flipped, in the exponent of 2048, whose step is 16); together q + 2304. x is laid
+ * out once per call to match (per 64 inputs, its even elements then its odd ones), and each dot
+ * product lane starts from -2304 times its four inputs' sum of x (made per call by the same
+ * instruction), so what it holds is the sum of q x, in fp32. Four bf16 dot products per 64
+ * weights, where widening through 32-bit integers and fp32 took eight instructions per 32 and
+ * ran out of them before memory. The offset costs some fp32 bits of each 64 inputs' sum, far
+ * below the output's bf16 rounding. */
 #define TILE_R 4
 #define TILE_C 4
-#define X_AS_GIVEN 1
+#define X_ELEM uint16_t
 const char *q8_isa(void) { return "avx512_bf16"; }
 
+/* Per x row and 64 inputs (n rounded up): 32 even inputs, 32 odd ones, 16 fp32 starting values. */
+static int64_t x_stride(int64_t n) {
+    int64_t npad = (n + 63) & ~(int64_t)63;
+    return npad + npad / 2;
+}
+static void prepare_x(const uint16_t *x, int64_t n, uint16_t *xp) {
+    const __m512i two_j = _mm512_slli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                                                             13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1);
+    const __m512i odd = _mm512_add_epi16(two_j, _mm512_set1_epi16(1));
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    for (int64_t b = 0, o = 0; b < n; b += 64, o += 96) {
+        int64_t left0 = n - b, left1 = n - b - 32;
+        __mmask32 m0 = left0 >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left0) - 1u);
+        __mmask32 m1 = left1 >= 32 ? (__mmask32)~0u : left1 <= 0 ? 0 : (__mmask32)((1u << left1) - 1u);
+        __m512i in0 = _mm512_maskz_loadu_epi16(m0, x + b), in1 = _mm512_maskz_loadu_epi16(m1, x + b + 32);
+        __m512i xe = _mm512_permutex2var_epi16(in0, two_j, in1), xo = _mm512_permutex2var_epi16(in0, odd, in1);
+        _mm512_storeu_si512(xp + o, xe);
+        _mm512_storeu_si512(xp + o + 32, xo);
+        /* Lane l of a dot product pairs words 2l and 2l + 1: inputs 4l..4l+3 over the two runs. */
+        __m512 sum = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xe, ones), (__m512bh)xo, ones);
+        _mm512_storeu_ps((float *)(xp + o + 64), _mm512_mul_ps(sum, _mm512_set1_ps(-2304.f)));
+    }
+}
+
 static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
-    const uint16_t *x = (const uint16_t *)q->x + c0 * q->n;
+    const __m512i low = _mm512_set1_epi16(0x0f), exp128 = _mm512_set1_epi16(0x4300), exp2048_flip = _mm512_set1_epi16(0x4508);
+    const uint16_t *x = (const uint16_t *)q->x + c0 * q->xstride;
     __m512 acc[TILE_R][TILE_C];
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     /* As gemv_int4.c: the weight prefetch reaches pf_bytes (whole tiles) ahead, none past the weight's end. */
     const int64_t pf = (r0 + R) * q->n + q->pf_bytes <= q->rows * q->n ? q->pf_bytes : 0;
-    for (int64_t e = 0; e < q->n; e += 32) {
-        __mmask32 m = q->n - e >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (q->n - e)) - 1u);
-        __m512bh wb[TILE_R];
+    for (int64_t e = 0, xo = 0; e < q->n; e += 64, xo += 96) {
+        /* A row that ends inside the step loads zeros past its end, which meet x's zero padding. */
+        __mmask64 m = q->n - e >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (q->n - e)) - 1);
+        __m512bh nib[TILE_R][4];
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if (pf && (e & 63) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)m, p)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)(m >> 16), p + 16)));
-            wb[r] = _mm512_cvtne2ps_pbh(hi, lo);
+            if (pf) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            __m512i v = _mm512_maskz_loadu_epi8(m, p);
+            /* Low nibbles: (v >> 8k) & 0x0f | 0x4300 (truth table 0xea: A & B | C); high nibbles:
+             * (v >> 4 + 8k) & 0x0f ^ 0x4508 (0x6a: A & B ^ C), the xor flipping the sign bit. */
+            nib[r][0] = (__m512bh)_mm512_ternarylogic_epi32(v, low, exp128, 0xea);
+            nib[r][1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, exp2048_flip, 0x6a);
+            nib[r][2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low, exp128, 0xea);
+            nib[r][3] = (__m512bh)_mm512_xor_si512(_mm512_srli_epi16(v, 12), exp2048_flip);
         }
         UNROLL for (int c = 0; c < C; c++) {
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + c * q->n + e);
-            UNROLL for (int r = 0; r < R; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wb[r], xv);
+            const uint16_t *xc = x + c * q->xstride + xo;
+            __m512bh xe = (__m512bh)_mm512_loadu_si512(xc), xd = (__m512bh)_mm512_loadu_si512(xc + 32);
+            __m512 init = _mm512_loadu_ps((const float *)(xc + 64)), t[TILE_R];
+            UNROLL for (int r = 0; r < R; r++) {
+                t[r] = _mm512_dpbf16_ps(init, nib[r][0], xe);
+                t[r] = _mm512_dpbf16_ps(t[r], nib[r][1], xe);
+                t[r] = _mm512_dpbf16_ps(t[r], nib[r][2], xd);
+                t[r] = _mm512_dpbf16_ps(t[r], nib[r][3], xd);
+            }
+            UNROLL for (int r = 0; r < R; r++) acc[r][c] = _mm512_add_ps(acc[r][c], t[r]);
         }
     }
     UNROLL for (int r = 0; r < R; r++)
@@ -64,13 +113,14 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
 #define TILE_C 4
 #define X_ELEM float
 const char *q8_isa(void) { return "avx2"; }
+static int64_t x_stride(int64_t n) { return n; }
 
 static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
     for (int64_t i = 0; i < n; i++) xw[i] = bf16_to_f32(x[i]);
 }
 
 static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
-    const float *x = (const float *)q->x + c0 * q->n;
+    const float *x = (const float *)q->x + c0 * q->xstride;
     __m256 acc[TILE_R][TILE_C];
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
@@ -84,7 +134,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
             f[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
         }
         UNROLL for (int c = 0; c < C; c++) {
-            __m256 xv = _mm256_loadu_ps(x + c * q->n + e);
+            __m256 xv = _mm256_loadu_ps(x + c * q->xstride + e);
             UNROLL for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(f[r], xv, acc[r][c]);
         }
     }
@@ -93,7 +143,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
             __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
             s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             float t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-            for (int64_t k = e; k < q->n; k++) t += (float)q->w[(r0 + r) * q->n + k] * x[c * q->n + k];
+            for (int64_t k = e; k < q->n; k++) t += (float)q->w[(r0 + r) * q->n + k] * x[c * q->xstride + k];
             o[r][c] = t;
         }
 }
@@ -103,6 +153,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
 #define TILE_C 4
 #define X_ELEM float
 const char *q8_isa(void) { return "scalar"; }
+static int64_t x_stride(int64_t n) { return n; }
 
 static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
     for (int64_t i = 0; i < n; i++) xw[i] = bf16_to_f32(x[i]);
@@ -110,11 +161,11 @@ static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
 
 static inline void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
     (void)R;
-    const float *x = (const float *)q->x + c0 * q->n;
+    const float *x = (const float *)q->x + c0 * q->xstride;
     const int8_t *w = q->w + r0 * q->n;
     UNROLL for (int c = 0; c < C; c++) {
         float t = 0.f;
-        for (int64_t k = 0; k < q->n; k++) t += (float)w[k] * x[c * q->n + k];
+        for (int64_t k = 0; k < q->n; k++) t += (float)w[k] * x[c * q->xstride + k];
         o[0][c] = t;
     }
 }
@@ -149,14 +200,11 @@ struct q8_weight {
  * when the scratch for x could not be allocated (nothing written). */
 int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch) {
     const int64_t rows = wt->rows, n = wt->n;
-#ifdef X_AS_GIVEN
-    struct q8 q = {wt->w, rows, n, prefetch, x};
-#else
-    X_ELEM *xw = scratch((size_t)(m * n) * sizeof(X_ELEM));
+    const int64_t xs = x_stride(n);
+    X_ELEM *xw = scratch((size_t)(m * xs) * sizeof(X_ELEM));
     if (xw == NULL) return -1;
-    for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * n);
-    struct q8 q = {wt->w, rows, n, prefetch, xw};
-#endif
+    for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * xs);
+    struct q8 q = {wt->w, rows, n, prefetch, xw, xs};
     int64_t units = (rows + TILE_R - 1) / TILE_R;
     /* As q4_gemm: the prefetch distance in whole tiles. */
     const int64_t tile_bytes = TILE_R * n;
