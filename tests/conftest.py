@@ -333,3 +333,45 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
     monkeypatch.setattr(scheduler, "tp", lambda: TPState(0, 2))
     monkeypatch.setattr(plan, "broadcast_", broadcast)
     return seen
+
+
+class ServePair:
+    """serve's two sides in this process, linked by a socket pair as serve links its two
+    processes: the engine driver stepping `scheduler` in a thread, and the HTTP side's client."""
+
+    def __init__(self, scheduler, on_end=None):
+        import socket
+
+        from pocketllm.serving.engine_client import EngineClient
+        from pocketllm.serving.engine_driver import EngineDriver
+        from pocketllm.serving.metrics import Metrics
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.scheduler = scheduler
+        self.driver = EngineDriver(scheduler, ours)
+        self.client = EngineClient(theirs, Metrics(), scheduler.vocab, scheduler.max_len)
+        if on_end is not None:
+            self.client.on_end = on_end
+        self.metrics = self.client.metrics
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.driver.run()
+        except BaseException as exc:
+            self.failure = exc
+
+    def start(self) -> None:
+        self.client.start()
+        self._thread.start()
+
+    def submit(self, *args):
+        return self.client.submit(*args)
+
+    def begin_shutdown(self) -> None:
+        self.client.request_stop()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

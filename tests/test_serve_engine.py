@@ -1,4 +1,4 @@
-"""serve's engine loop in process, on the real Scheduler over a tiny fp32 engine at TP=1: an eos id
+"""serve's engine driver and the HTTP side's client in process, linked as serve links them, on the real Scheduler over a tiny fp32 engine at TP=1: an eos id
 ends an answer (counted, not shown), a stop string cancels its request and frees the slot, a
 shutdown ends every request with an error, closes the scheduler and stops the thread, and an
 engine that fails ends every request with a 500 and tells the server to stop."""
@@ -9,7 +9,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import tiny_engine
+from conftest import ServePair, tiny_engine
 
 from pocketllm.commands.make_checkpoint import write_byte_tokenizer
 from pocketllm.engine.generate import generate
@@ -17,10 +17,8 @@ from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import Scheduler
 from pocketllm.faults import Fault, FaultHook
 from pocketllm.inputs import load_tokenizer
-from pocketllm.serving.engine_loop import EngineLoop
 from pocketllm.serving.errors import ApiError
 from pocketllm.serving.generation import Usage, pieces
-from pocketllm.serving.metrics import Metrics
 from pocketllm.serving.text import OutputText
 
 PROMPT = [72, 101, 108, 108, 111]
@@ -42,14 +40,14 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture
 def loop(engine):
     # Room for a long request beside the short ones.
-    lp = EngineLoop(Scheduler(engine, max_running=4, max_len=512), Metrics())
+    lp = ServePair(Scheduler(engine, max_running=4, max_len=512))
     lp.start()
     yield lp
     lp.begin_shutdown()
     assert lp.join(10)
 
 
-async def answer(loop: EngineLoop, tokenizer, prompt, new, eos=(), stop=()):
+async def answer(loop: ServePair, tokenizer, prompt, new, eos=(), stop=()):
     seq = loop.submit(prompt, new, SamplingParams(), eos)
     usage = Usage(len(prompt))
     got = [p async for p in pieces(seq, OutputText(tokenizer, stop), usage)]
@@ -106,7 +104,7 @@ def test_a_shutdown_ends_every_request_with_an_error_and_closes_the_scheduler(lo
 @pytest.mark.timeout(60)
 def test_an_engine_failure_ends_every_request_with_a_500_and_stops_the_server(engine, tokenizer):
     stopped = []
-    lp = EngineLoop(Scheduler(engine, max_running=2, max_len=512), Metrics(), on_failure=lambda: stopped.append(True))
+    lp = ServePair(Scheduler(engine, max_running=2, max_len=512), on_end=lambda: stopped.append(True))
     # The test-only fault injection (POCKETLLM_FAULT's hook): the first decode pass raises.
     hook = FaultHook(Fault(0, "decode", "raise"), 0)
     engine.hooks.append(hook)

@@ -17,15 +17,13 @@ import time
 import openai
 import pytest
 import torch
-from conftest import feed, tiny_engine
+from conftest import ServePair, feed, tiny_engine
 
 from pocketllm.commands.make_checkpoint import CHAT_TEMPLATE, write_byte_tokenizer
 from pocketllm.engine.sampling import apply_penalties_reference
 from pocketllm.engine.scheduler import Scheduler
 from pocketllm.serving.app import Served, build_app
 from pocketllm.serving.chat_template import ChatTemplate
-from pocketllm.serving.engine_loop import EngineLoop
-from pocketllm.serving.metrics import Metrics
 from pocketllm.serving.protocol import Limits
 
 MODEL = "tiny-surface"
@@ -88,8 +86,8 @@ class Server:
     def __init__(self, engine, tokenizer, eos: int):
         import uvicorn
 
-        self.loop = EngineLoop(Scheduler(engine, max_running=4, max_len=MAX_LEN), Metrics())
-        served = Served(Limits(MODEL, MAX_LEN, 1000), tokenizer, ChatTemplate(CHAT_TEMPLATE), (eos,), self.loop)
+        self.loop = ServePair(Scheduler(engine, max_running=4, max_len=MAX_LEN))
+        served = Served(Limits(MODEL, MAX_LEN, 1000), tokenizer, ChatTemplate(CHAT_TEMPLATE), (eos,), self.loop.client)
         config = uvicorn.Config(build_app(served), host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="off")
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)

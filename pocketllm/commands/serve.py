@@ -1,5 +1,6 @@
-"""`pocketllm serve`: an OpenAI-compatible HTTP server (pocketllm.serving). Rank 0 serves HTTP and
-steps the scheduler; every other rank follows the passes rank 0 runs."""
+"""`pocketllm serve`: an OpenAI-compatible HTTP server (pocketllm.serving). Rank 0 steps the
+scheduler and starts the HTTP server as a process of its own, linked to it by a socket pair; every
+other rank follows the passes rank 0 runs."""
 
 from __future__ import annotations
 
@@ -175,26 +176,32 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     if tp().rank != 0:
         follow(engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks)
         return 0
-    from pocketllm.serving.app import Served
-    from pocketllm.serving.chat_template import load_chat_template
-    from pocketllm.serving.engine_loop import EngineLoop
-    from pocketllm.serving.metrics import Metrics
-    from pocketllm.serving.protocol import Limits
-    from pocketllm.serving.server import serve
+    from pocketllm.serving.engine_driver import EngineDriver
+    from pocketllm.serving.http_process import end_http, start_http, stop_on_signals
 
     cache_bytes = _prefix_cache_bytes(engine, t, kv_blocks)
     scheduler = Scheduler(
         engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes
     )
-    served = Served(
-        limits=Limits(settings["model"], settings["max_len"], plan.cfg.vocab_size),
-        tokenizer=load_tokenizer(ckpt),
-        chat_template=load_chat_template(ckpt),
-        eos_ids=tuple(plan.cfg.eos_token_ids),
-        engine=EngineLoop(scheduler, Metrics()),
-        api_key=t.api_key,
-    )
-    return serve(served, t.host, t.port)
+    # The HTTP side (routes, tokenizer, JSON) runs in a process of its own, so that it never holds
+    # this process's GIL while a pass runs.
+    proc, link = start_http({
+        "ckpt": ckpt, "host": t.host, "port": t.port, "model": settings["model"], "max_len": settings["max_len"],
+        "vocab": plan.cfg.vocab_size, "eos_ids": tuple(plan.cfg.eos_token_ids), "api_key": t.api_key,
+    })
+    driver = EngineDriver(scheduler, link)
+    with stop_on_signals(driver.request_stop) as wake_fd:
+        driver.wake_fd = wake_fd
+        try:
+            driver.run()
+        finally:
+            rc = end_http(proc, link)
+    if driver.unusable is not None:
+        raise UsageError(driver.unusable)
+    if driver.lost:
+        raise RuntimeError(f"the HTTP process ended before the server was stopped (exit status {rc})")
+    say("server stopped")
+    return 0
 
 
 def run(args, argv) -> int:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketllm.serving.chat_template import ChatTemplate
-from pocketllm.serving.engine_loop import EngineLoop
+from pocketllm.serving.engine_client import EngineClient
 from pocketllm.serving.errors import ApiError, bad, error_body
 from pocketllm.serving.generation import Piece, Usage, pieces
 from pocketllm.serving.logprobs import Names, chat_logprobs, completion_logprobs
@@ -33,13 +33,13 @@ DISCONNECT_POLL_S = 0.25
 
 @dataclass
 class Served:
-    """What the routes serve: the model, its tokenizer and template, and the engine loop."""
+    """What the routes serve: the model, its tokenizer and template, and the link to the engine."""
 
     limits: Limits
     tokenizer: object
     chat_template: ChatTemplate | None
     eos_ids: tuple[int, ...]
-    engine: EngineLoop
+    engine: EngineClient
     api_key: str | None = None
     created: int = 0
 
@@ -73,8 +73,7 @@ def build_app(served: Served) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        scheduler = served.engine.scheduler
-        text = served.engine.metrics.render(scheduler.num_running, scheduler.num_waiting, scheduler.kv_usage())
+        text = served.engine.render_metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")

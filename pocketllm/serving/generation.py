@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pocketllm.serving.engine_loop import Sequence
+from pocketllm.serving.engine_client import Sequence
 from pocketllm.serving.errors import ApiError
 from pocketllm.serving.text import OutputText
 
@@ -36,7 +36,7 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
     """The answer's pieces, the last one with its finish reason. Raises ApiError when the request
     ends without finishing (the server shut down, the engine failed). Leaving early (a client gone)
     cancels the request."""
-    stop_token_ids = seq.request.sampling.stop_token_ids
+    stop_token_ids = seq.sampling.stop_token_ids
     try:
         while True:
             event = await seq.next()

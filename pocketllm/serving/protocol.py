@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from pocketllm.engine.sampling import MAX_LOGPROBS, SamplingParams
+from pocketllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pocketllm.serving.errors import ApiError, bad
 
 # At most this many stop strings, as OpenAI's API allows.

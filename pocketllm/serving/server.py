@@ -1,26 +1,23 @@
-"""Rank 0's part of `pocketllm serve`: uvicorn serving the app in the main thread while the engine
-loop steps the scheduler in its own, and the way both end. SIGINT or SIGTERM stops admitting,
-cancels every request (each answers with an error saying the server shut down), lets the engine
-thread run the step that frees them and close the scheduler, which ends every other rank's
-follow(); then the process exits 0. A second signal skips the wait for open connections. An
-engine failure (a dead rank) stops the server and is raised again here, so the rank ends with
-the launcher's one line."""
+"""The HTTP process of `pocketllm serve`: uvicorn serving the app, and the way it ends. SIGINT or
+SIGTERM here, or the engine process's own stop, stops admitting (503) while the engine process
+cancels every request (each answers with an error saying the server shut down), runs the step that
+frees them and closes the scheduler; open connections get GRACEFUL_SHUTDOWN_S. A second signal
+skips that wait. An engine failure, or the engine process gone, ends every open request with a
+500 and stops the server; the engine process reports the failure."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import uvicorn
 
-from pocketllm.errors import UsageError
-from pocketllm.model_args import say
 from pocketllm.serving.app import Served, build_app
-from pocketllm.serving.engine_loop import EngineLoop
 
 # The most uvicorn waits for open connections once the requests are cancelled.
 GRACEFUL_SHUTDOWN_S = 3
-# The most the engine thread gets to run its last step and close the scheduler.
-ENGINE_JOIN_S = 5.0
+# The most this process waits for the engine process to close the scheduler once stopped.
+ENGINE_CLOSE_S = 5.0
 
 
 class _Server(uvicorn.Server):
@@ -45,29 +42,29 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             served = self.served
             auth = "API key required" if served.api_key else "no authentication"
-            say(f"serving {served.limits.model} on http://{host}:{port} (max_len={served.limits.max_len}, {auth})")
+            print(f"serving {served.limits.model} on http://{host}:{port} (max_len={served.limits.max_len}, {auth})",
+                  file=sys.stderr, flush=True)
 
 
 def serve(served: Served, host: str, port: int) -> int:
+    """Serve until stopped; 0 once the engine closed, 1 when it failed, 2 when the address could
+    not be listened on (the engine process is told why)."""
     engine = served.engine
     served.created = int(time.time())
     # Access lines would cost the event loop a write per request; errors still reach stderr.
     config = uvicorn.Config(build_app(served), host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
     server = _Server(config, served)
-    engine.on_failure = lambda: setattr(server, "should_exit", True)
+    engine.on_end = lambda: setattr(server, "should_exit", True)
     engine.start()
     try:
         server.run()
     except SystemExit:
         # uvicorn exits this way when it cannot listen (the port taken since the check).
-        raise UsageError(f"cannot listen on {host}:{port}; see the line above") from None
-    finally:
-        engine.begin_shutdown()
-        joined = engine.join(ENGINE_JOIN_S)
-    if engine.failure is not None:
-        raise engine.failure
-    if not joined:
-        raise RuntimeError(f"the engine thread did not stop within {ENGINE_JOIN_S:g} s of the shutdown")
-    say("server stopped")
-    return 0
+        engine.tell_unusable(f"cannot listen on {host}:{port}; see the line above")
+        engine.request_stop()
+        engine.ended.wait(ENGINE_CLOSE_S)
+        return 2
+    engine.request_stop()
+    engine.ended.wait(ENGINE_CLOSE_S)
+    return 0 if engine.failure is None else 1

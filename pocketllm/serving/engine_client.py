@@ -1,0 +1,194 @@
+"""The HTTP process's side of `serve`: requests sent to the engine process over the link
+(wire.py), and each request's tokens handed to the asyncio task that answers it. One reader thread
+takes the engine's messages off the link; submit and cancel are called on the event loop.
+
+Every accepted request ends with an event that says how (its finish reason, or the error that
+ended it): the engine process answers each one, and if it fails or its end of the link closes,
+every request still open ends with a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from pocketllm.inputs import prompt_problem
+from pocketllm.serving import wire
+from pocketllm.serving.errors import ApiError
+from pocketllm.serving.metrics import Metrics
+
+# How often the reader thread looks for a stop asked by a signal handler (which only sets a flag).
+STOP_POLL_S = 0.1
+
+
+@dataclass
+class Event:
+    token: int | None  # None when the request ended without a token
+    finish_reason: str | None  # set on the request's last event: stop, length or cancelled
+    error: ApiError | None = None
+    logprob: object = None  # the token's TokenLogprob, when the request asked for logprobs
+
+
+class Sequence:
+    """One accepted request as its handler sees it: events to await, and cancel()."""
+
+    def __init__(self, client: EngineClient, rid: int, sampling, queue: asyncio.Queue):
+        self._client, self.id, self.sampling, self._queue = client, rid, sampling, queue
+        self.done = False
+
+    async def next(self) -> Event:
+        event = await self._queue.get()
+        if event.finish_reason is not None or event.error is not None:
+            self.done = True
+        return event
+
+    def cancel(self) -> None:
+        """Free the request's slot at the engine's next step (a no-op once it ended)."""
+        if not self.done:
+            self.done = True
+            self._client.cancel(self.id)
+
+
+@dataclass(eq=False)
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrived: float
+    seen_token: bool = False
+
+
+class EngineClient:
+    def __init__(self, link: socket.socket, metrics: Metrics, vocab: int, max_len: int, receiver: wire.Receiver | None = None):
+        self.link, self.metrics, self.vocab, self.max_len = link, metrics, vocab, max_len
+        self._receiver = receiver or wire.Receiver(link)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._sinks: dict[int, _Sink] = {}
+        self._ids = itertools.count()
+        self.stopping = False
+        self._stop_sent = False
+        self.failure: str | None = None
+        self.closed = threading.Event()  # the engine closed the scheduler
+        self.ended = threading.Event()  # it closed, failed or is gone: nothing more comes
+        self.on_end = lambda: None  # called once the engine closed or failed: the server stops
+        self.gauges = (0, 0, None)  # running, waiting, KV usage: as of the engine's last step
+        self._thread = threading.Thread(target=self._run, name="pocketllm-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt: list[int], max_tokens: int, sampling, eos_ids) -> Sequence:
+        """Called on the event loop; a refused request raises ApiError."""
+        if self.failure is not None:
+            raise ApiError(500, f"the engine failed and the server is stopping: {self.failure}")
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down and takes no new requests")
+        problem = prompt_problem(prompt, self.vocab)
+        if not problem and len(prompt) + max_tokens > self.max_len:
+            problem = f"prompt of {len(prompt)} tokens plus {max_tokens} new tokens is {len(prompt) + max_tokens}, over the {self.max_len} positions a sequence may hold"
+        if problem:
+            raise ApiError(400, problem, "prompt")
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = next(self._ids)
+        with self._lock:
+            self._sinks[rid] = _Sink(asyncio.get_running_loop(), queue, time.monotonic())
+        self._send((wire.SUBMIT, rid, list(prompt), max_tokens, sampling, tuple(eos_ids)))
+        self.metrics.admitted(len(prompt))
+        return Sequence(self, rid, sampling, queue)
+
+    def cancel(self, rid: int) -> None:
+        self._send((wire.CANCEL, rid))
+
+    def request_stop(self) -> None:
+        """Admit nothing more and ask the engine to cancel every request and close. Safe in a
+        signal handler: it only sets a flag, which the reader thread acts on."""
+        self.stopping = True
+
+    def tell_unusable(self, message: str) -> None:
+        self._send((wire.UNUSABLE, message))
+
+    def render_metrics(self) -> str:
+        running, waiting, kv = self.gauges
+        return self.metrics.render(running, waiting, None if kv is None else SimpleNamespace(**kv))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                wire.send(self.link, message)
+        except OSError:
+            pass  # the engine process is gone; the reader thread sees the link close
+
+    def _run(self) -> None:
+        while not self._receiver.eof:
+            if self.stopping and not self._stop_sent:
+                self._stop_sent = True
+                self._send((wire.STOP,))
+            ready, _, _ = select.select([self.link], [], [], STOP_POLL_S)
+            if not ready:
+                continue
+            for message in self._receiver.read():
+                self._handle(message)
+        if not self.closed.is_set() and self.failure is None:
+            self._fail_all("the engine process ended")
+        self._end()
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == wire.EVENTS:
+            self.gauges = message[2]
+            for rid, token, finish, logprob in message[1]:
+                self._deliver(rid, token, finish, logprob)
+        elif kind == wire.REFUSED:
+            with self._lock:
+                sink = self._sinks.pop(message[1], None)
+            if sink is not None:
+                _put(sink, Event(None, None, ApiError(400, message[2], "prompt")))
+        elif kind == wire.STOPPING:
+            self.stopping = True
+        elif kind == wire.CLOSED:
+            self.stopping = True
+            self.closed.set()
+            self._end()
+        elif kind == wire.FAILED:
+            self._fail_all(message[1])
+            self._end()
+
+    def _end(self) -> None:
+        self.ended.set()
+        self.on_end()
+
+    def _deliver(self, rid: int, token: int | None, finish: str | None, logprob) -> None:
+        with self._lock:
+            sink = self._sinks.get(rid) if finish is None else self._sinks.pop(rid, None)
+        if token is not None:
+            self.metrics.tokens(1)
+        if finish is not None:
+            self.metrics.ended_with(finish)
+        if sink is None:
+            return
+        if token is not None and not sink.seen_token:
+            sink.seen_token = True
+            self.metrics.first_token(time.monotonic() - sink.arrived)
+        _put(sink, Event(token, finish, logprob=logprob))
+
+    def _fail_all(self, why: str) -> None:
+        self.failure = why
+        with self._lock:
+            sinks, self._sinks = list(self._sinks.values()), {}
+        error = ApiError(500, f"the engine failed: {why}")
+        for sink in sinks:
+            self.metrics.ended_with("error")
+            _put(sink, Event(None, None, error))
+
+
+def _put(sink: _Sink, event: Event) -> None:
+    try:
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, event)
+    except RuntimeError:
+        # The event loop already closed: nobody is left to answer.
+        pass

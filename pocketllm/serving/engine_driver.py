@@ -1,0 +1,146 @@
+"""The engine process's side of `serve` (rank 0): one thread that reads what the HTTP process
+asks (submit, cancel, stop) between passes, steps the scheduler, and sends each step's tokens back
+in one message. No HTTP, tokenizer or JSON work runs in this process, so nothing takes the GIL
+from the pass that a step blocks on.
+
+Every accepted request ends with an event that says how (its finish reason, or the failure the
+HTTP process is told of): none is silently dropped, whether it finished, was cancelled, the server
+shut down, or the engine failed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import select
+import socket
+
+from pocketllm.serving import wire
+
+# With nothing to do the loop wakes this often to tell the other ranks rank 0 is still there
+# (Scheduler.keep_alive), so their wait for the next pass never reaches the collective timeout.
+IDLE_WAKE_S = 0.5
+
+
+class HttpProcessLost(RuntimeError):
+    """The HTTP process closed its end of the link before the server was stopped."""
+
+
+class EngineDriver:
+    def __init__(self, scheduler, link: socket.socket, wake_fd: int | None = None):
+        """wake_fd: a descriptor that becomes readable when a signal arrives (signal.set_wakeup_fd),
+        so that an idle wait ends at once."""
+        self.scheduler, self.link, self.wake_fd = scheduler, link, wake_fd
+        self._receiver = wire.Receiver(link)
+        self._requests: dict[int, object] = {}  # the HTTP process's id -> the scheduler's Request
+        self._rid_of: dict[int, int] = {}  # the scheduler's Request.id -> the HTTP process's id
+        self._cancelled_all: set[int] = set()
+        self.stopping = False  # set by a signal handler (a flag only) or a STOP message
+        self._told_stopping = False
+        self.lost = False
+        self.unusable: str | None = None
+
+    def request_stop(self) -> None:
+        """Admit nothing more: every request is cancelled, the step that frees them runs and the
+        scheduler closes. Safe in a signal handler."""
+        self.stopping = True
+
+    def run(self) -> None:
+        """Serve until stopped; an engine failure is sent to the HTTP process, then raised."""
+        try:
+            while True:
+                busy = self.scheduler.has_work
+                self._read(0.0 if busy else IDLE_WAKE_S)
+                if self.stopping:
+                    self._stop_all()
+                    if not self.scheduler.has_work:
+                        break
+                elif not self.scheduler.has_work:
+                    self.scheduler.keep_alive()
+                    continue
+                events = self.scheduler.step()
+                self._send_events(events)
+        except BaseException as exc:
+            self._send((wire.FAILED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+            raise
+        self.scheduler.close()
+        self._send((wire.CLOSED,))
+
+    def _read(self, timeout: float) -> None:
+        fds = [self.link] if self.wake_fd is None else [self.link, self.wake_fd]
+        try:
+            ready, _, _ = select.select(fds, [], [], timeout)
+        except InterruptedError:
+            return
+        if self.wake_fd is not None and self.wake_fd in ready:
+            try:
+                os.read(self.wake_fd, 512)
+            except OSError:
+                pass
+        if self.link not in ready:
+            return
+        for message in self._receiver.read():
+            self._handle(message)
+        if self._receiver.eof and not self.lost:
+            self.lost = True
+            self.stopping = True
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == wire.SUBMIT:
+            _, rid, prompt, max_tokens, sampling, eos_ids = message
+            if self.stopping:
+                self._send((wire.EVENTS, [(rid, None, "cancelled", None)], self._gauges()))
+                return
+            try:
+                request = self.scheduler.submit(prompt, max_tokens, sampling, eos_ids)
+            except ValueError as exc:
+                self._send((wire.REFUSED, rid, str(exc)))
+                return
+            self._requests[rid] = request
+            self._rid_of[request.id] = rid
+        elif kind == wire.CANCEL:
+            request = self._requests.get(message[1])
+            if request is not None:
+                self.scheduler.cancel(request)
+        elif kind == wire.STOP:
+            self.stopping = True
+        elif kind == wire.UNUSABLE:
+            self.unusable = message[1]
+            self.stopping = True
+
+    def _stop_all(self) -> None:
+        if not self._told_stopping:
+            self._told_stopping = True
+            self._send((wire.STOPPING,))
+        for rid, request in self._requests.items():
+            if rid not in self._cancelled_all:
+                self._cancelled_all.add(rid)
+                self.scheduler.cancel(request)
+
+    def _send_events(self, events) -> None:
+        out = []
+        for request, token in events:
+            rid = self._rid_of.get(request.id)
+            if rid is None:
+                continue
+            # Read here, in the step that appended it.
+            logprob = request.logprobs[-1] if token is not None and request.sampling.logprobs is not None else None
+            finish = (request.finish_reason or "cancelled") if request.finished else None
+            out.append((rid, token, finish, logprob))
+            if request.finished:
+                del self._requests[rid], self._rid_of[request.id]
+                self._cancelled_all.discard(rid)
+        self._send((wire.EVENTS, out, self._gauges()))
+
+    def _gauges(self) -> tuple:
+        s = self.scheduler
+        return s.num_running, s.num_waiting, dataclasses.asdict(s.kv_usage())
+
+    def _send(self, message: tuple) -> None:
+        if self.lost:
+            return
+        try:
+            wire.send(self.link, message)
+        except OSError:
+            self.lost = True
+            self.stopping = True
