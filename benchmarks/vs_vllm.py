@@ -133,9 +133,8 @@ def start_vllm(args, log) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"vllm serve did not answer /health within {START_TIMEOUT_S} s; its log: {log.name}")
 
 
-def start_pocketllm(args, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    proc, addr, _ = start_server(args, args.ckpt, MAX_LEN, ["--served-model-name", SERVED_NAME, *flags])
-    return proc, addr
+def start_pocketllm(args, flags: list[str]) -> tuple[subprocess.Popen, str, list[str]]:
+    return start_server(args, args.ckpt, MAX_LEN, ["--served-model-name", SERVED_NAME, *flags])
 
 
 def bench(args, addr: str, dataset: str) -> dict:
@@ -162,7 +161,11 @@ def run_rep(args, rep: int, servers: list[str], log_dir: str) -> list[dict]:
     for server in alternate(servers, rep):
         with open(f"{log_dir}/{server}-rep{rep}.log", "w") as log:
             t0 = time.perf_counter()
-            proc, addr = start_vllm(args, log) if server == "vllm" else start_pocketllm(args, args.variants[server])
+            lines: list[str] = []
+            if server == "vllm":
+                proc, addr = start_vllm(args, log)
+            else:
+                proc, addr, lines = start_pocketllm(args, args.variants[server])
             started = time.perf_counter() - t0
             try:
                 for dataset in args.datasets:
@@ -173,6 +176,8 @@ def run_rep(args, rep: int, servers: list[str], log_dir: str) -> list[dict]:
                           + f" completed={res['completed']} failed={res['failed']}", flush=True)
             finally:
                 rc = stop_server(proc, grace_s=30)
+                # pocketllm's stderr, its closing lines (where the engine's time went) included.
+                log.writelines(lines)
                 if rc != 0:
                     print(f"  {server} exit status: {rc} (log {log.name})", flush=True)
     return rows

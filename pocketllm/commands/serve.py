@@ -200,6 +200,7 @@ def _work(run, plan, settings: dict, engine, device) -> int:
         raise UsageError(driver.unusable)
     if driver.lost:
         raise RuntimeError(f"the HTTP process ended before the server was stopped (exit status {rc})")
+    say(driver.summary())
     say("server stopped")
     return 0
 

@@ -13,6 +13,8 @@ import dataclasses
 import os
 import select
 import socket
+import statistics
+import time
 
 from pocketllm.serving import wire
 
@@ -38,6 +40,8 @@ class EngineDriver:
         self._told_stopping = False
         self.lost = False
         self.unusable: str | None = None
+        self.step_s: list[float] = []  # each step's time: schedule, the pass, sampling
+        self.between_s = 0.0  # time between steps while there was work: the link, the loop
 
     def request_stop(self) -> None:
         """Admit nothing more: every request is cancelled, the step that frees them runs and the
@@ -46,6 +50,7 @@ class EngineDriver:
 
     def run(self) -> None:
         """Serve until stopped; an engine failure is sent to the HTTP process, then raised."""
+        ended = None  # when the last step ended, while there is work
         try:
             while True:
                 busy = self.scheduler.has_work
@@ -56,14 +61,29 @@ class EngineDriver:
                         break
                 elif not self.scheduler.has_work:
                     self.scheduler.keep_alive()
+                    ended = None
                     continue
+                begun = time.perf_counter()
+                if ended is not None:
+                    self.between_s += begun - ended
                 events = self.scheduler.step()
+                done = time.perf_counter()
+                self.step_s.append(done - begun)
                 self._send_events(events)
+                ended = done if self.scheduler.has_work else None
         except BaseException as exc:
             self._send((wire.FAILED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
             raise
         self.scheduler.close()
         self._send((wire.CLOSED,))
+
+    def summary(self) -> str:
+        """Where the engine process's busy time went, for the line rank 0 prints at the end."""
+        if not self.step_s:
+            return "engine: no pass run"
+        total = sum(self.step_s)
+        return (f"engine: {len(self.step_s)} steps, {total:.1f} s in them (median {1e3 * statistics.median(self.step_s):.1f} ms), "
+                f"{self.between_s:.2f} s between them while busy (the link and the loop)")
 
     def _read(self, timeout: float) -> None:
         fds = [self.link] if self.wake_fd is None else [self.link, self.wake_fd]
