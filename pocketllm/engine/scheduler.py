@@ -147,6 +147,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.closed = False
+        self.last_rows = self.last_spans = 0  # the last step's pass: its rows, and the spans they came in
         self._last_broadcast = time.monotonic()
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=()) -> Request:
@@ -204,6 +205,8 @@ class Scheduler:
             for req in [r for r in self.running if r.id in cancelled]:
                 events.append((self._finish(req, "cancelled"), None))
         spans, fed = self._schedule(events)
+        self.last_rows = sum(len(ids) for _, _, ids in spans)
+        self.last_spans = len(spans)
         if not spans:
             return events
         self._broadcast(spans)

@@ -40,7 +40,9 @@ class EngineDriver:
         self._told_stopping = False
         self.lost = False
         self.unusable: str | None = None
-        self.step_s: list[float] = []  # each step's time: schedule, the pass, sampling
+        self.step_s: list[float] = []  # each decode-only step's time: schedule, the pass, sampling
+        self.prompt_step_s: list[float] = []  # the same for steps whose pass read prompt rows
+        self.prompt_rows = 0  # rows those passes read beyond one per sequence
         self.between_s = 0.0  # time between steps while there was work: the link, the loop
 
     def request_stop(self) -> None:
@@ -68,7 +70,9 @@ class EngineDriver:
                     self.between_s += begun - ended
                 events = self.scheduler.step()
                 done = time.perf_counter()
-                self.step_s.append(done - begun)
+                extra = self.scheduler.last_rows - self.scheduler.last_spans
+                (self.prompt_step_s if extra else self.step_s).append(done - begun)
+                self.prompt_rows += extra
                 self._send_events(events)
                 ended = done if self.scheduler.has_work else None
         except BaseException as exc:
@@ -79,11 +83,13 @@ class EngineDriver:
 
     def summary(self) -> str:
         """Where the engine process's busy time went, for the line rank 0 prints at the end."""
-        if not self.step_s:
-            return "engine: no pass run"
-        total = sum(self.step_s)
-        return (f"engine: {len(self.step_s)} steps, {total:.1f} s in them (median {1e3 * statistics.median(self.step_s):.1f} ms), "
-                f"{self.between_s:.2f} s between them while busy (the link and the loop)")
+        def part(steps: list[float]) -> str:
+            median = f", median {1e3 * statistics.median(steps):.1f} ms" if steps else ""
+            return f"{len(steps)} steps, {sum(steps):.1f} s{median}"
+
+        return (f"engine: {part(self.step_s)} decoding only; {part(self.prompt_step_s)} reading prompts too "
+                f"({self.prompt_rows} rows beyond one per sequence); {self.between_s:.2f} s between steps while busy "
+                "(the link and the loop)")
 
     def _read(self, timeout: float) -> None:
         fds = [self.link] if self.wake_fd is None else [self.link, self.wake_fd]
