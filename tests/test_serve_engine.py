@@ -127,3 +127,17 @@ def test_an_engine_failure_ends_every_request_with_a_500_and_stops_the_server(en
 
 async def _submit(lp):
     return lp.submit(PROMPT, 4, SamplingParams(), ())
+
+
+@pytest.mark.timeout(30)
+def test_the_http_process_gone_closes_the_scheduler_and_says_so(engine):
+    import socket
+
+    from pocketllm.serving.engine_driver import EngineDriver
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    scheduler = Scheduler(engine, max_running=2, max_len=512)
+    driver = EngineDriver(scheduler, ours)
+    theirs.close()
+    driver.run()
+    assert driver.lost and scheduler.closed and driver.summary() == "engine: no step ran"

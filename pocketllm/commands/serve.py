@@ -199,7 +199,9 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     if driver.unusable is not None:
         raise UsageError(driver.unusable)
     if driver.lost:
-        raise RuntimeError(f"the HTTP process ended before the server was stopped (exit status {rc})")
+        # The scheduler closed (every other rank's follow ended): one line, no traceback.
+        say(f"pocketllm: error: the HTTP process ended before the server was stopped (exit status {rc})")
+        return 1
     say(driver.summary())
     say("server stopped")
     return 0

@@ -83,6 +83,9 @@ class EngineDriver:
 
     def summary(self) -> str:
         """Where the engine process's busy time went, for the line rank 0 prints at the end."""
+        if not self.step_s and not self.prompt_step_s:
+            return "engine: no step ran"
+
         def part(steps: list[float]) -> str:
             median = f", median {1e3 * statistics.median(steps):.1f} ms" if steps else ""
             return f"{len(steps)} steps, {sum(steps):.1f} s{median}"
