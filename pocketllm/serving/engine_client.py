@@ -133,7 +133,7 @@ class EngineClient:
                 continue
             for message in self._receiver.read():
                 self._handle(message)
-        if not self.closed.is_set() and self.failure is None:
+        if not self.ended.is_set():
             self._fail_all("the engine process ended")
         self._end()
 
@@ -159,8 +159,9 @@ class EngineClient:
             self._end()
 
     def _end(self) -> None:
-        self.ended.set()
-        self.on_end()
+        if not self.ended.is_set():
+            self.ended.set()
+            self.on_end()
 
     def _deliver(self, rid: int, token: int | None, finish: str | None, logprob) -> None:
         with self._lock:
