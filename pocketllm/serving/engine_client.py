@@ -135,7 +135,6 @@ class EngineClient:
                 self._handle(message)
         if not self.ended.is_set():
             self._fail_all("the engine process ended")
-        self._end()
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
@@ -156,7 +155,6 @@ class EngineClient:
             self._end()
         elif kind == wire.FAILED:
             self._fail_all(message[1])
-            self._end()
 
     def _end(self) -> None:
         if not self.ended.is_set():
@@ -178,7 +176,10 @@ class EngineClient:
         _put(sink, Event(token, finish, logprob=logprob))
 
     def _fail_all(self, why: str) -> None:
+        """Refuse what comes, stop the server, then end every open request with a 500 (in that
+        order: a handler that sees its error sees the server stopping too)."""
         self.failure = why
+        self._end()
         with self._lock:
             sinks, self._sinks = list(self._sinks.values()), {}
         error = ApiError(500, f"the engine failed: {why}")
