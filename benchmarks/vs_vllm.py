@@ -9,6 +9,7 @@ dataset's `vllm bench serve` against it (the same command for both, its --save-r
 back), and stops it. Prefix caching is on in both (pocketllm's default; vLLM is given
 --enable-prefix-caching). `--pocketllm NAME=FLAGS` (repeatable) adds pocketllm servers with other
 serve flags, all in the same interleaved run, to compare settings against the same vLLM figures.
+Each pocketllm line adds its prefix cache's hits, misses and positions not run in that dataset.
 
 --results FILE keeps every rep: a run adds its reps to what FILE holds (continuing the order's
 alternation) and summarizes them all, so a long comparison can run in short windows.
@@ -156,6 +157,19 @@ def bench(args, addr: str, dataset: str) -> dict:
     return out
 
 
+def prefix_counts(addr: str) -> dict[str, float]:
+    """pocketllm's prefix cache counters from /metrics (hits and misses are requests, hit tokens
+    the prompt positions not run), so a dataset's own are the difference around its run."""
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("pocketllm_prefix_cache_") and line.split(" ", 1)[0].endswith("_total"):
+            name, value = line.rsplit(" ", 1)
+            values[name.removeprefix("pocketllm_prefix_cache_").removesuffix("_total")] = float(value)
+    return values
+
+
 def run_rep(args, rep: int, servers: list[str], log_dir: str) -> list[dict]:
     rows = []
     for server in alternate(servers, rep):
@@ -169,11 +183,17 @@ def run_rep(args, rep: int, servers: list[str], log_dir: str) -> list[dict]:
             started = time.perf_counter() - t0
             try:
                 for dataset in args.datasets:
+                    before = None if server == "vllm" else prefix_counts(addr)
                     res = bench(args, addr, dataset)
                     res.update(rep=rep, server=server, dataset=dataset, start_s=round(started, 1), load_average_1m=os.getloadavg()[0])
+                    hits = ""
+                    if before is not None:
+                        after = prefix_counts(addr)
+                        res["prefix_cache"] = {k: after[k] - before.get(k, 0) for k in after}
+                        hits = " prefix cache: " + " ".join(f"{k}={v:g}" for k, v in res["prefix_cache"].items())
                     rows.append(res)
                     print(f"rep={rep} {server:>10} {dataset:>17}: " + " ".join(f"{k}={res[k]:.1f}" for k in METRICS)
-                          + f" completed={res['completed']} failed={res['failed']}", flush=True)
+                          + f" completed={res['completed']} failed={res['failed']}{hits}", flush=True)
             finally:
                 rc = stop_server(proc, grace_s=30)
                 # pocketllm's stderr, its closing lines (where the engine's time went) included.

@@ -53,6 +53,8 @@ class EngineDriver:
     def run(self) -> None:
         """Serve until stopped; an engine failure is sent to the HTTP process, then raised."""
         ended = None  # when the last step ended, while there is work
+        # /metrics reports the pool from the start.
+        self._send((wire.EVENTS, [], self._gauges()))
         try:
             while True:
                 busy = self.scheduler.has_work
