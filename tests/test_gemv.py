@@ -44,7 +44,7 @@ def test_every_kernel_matches_the_reference(shape, dtype):
     gemv_reference(x, w, want)
     names = ONE_ROW.available(_fmt(dtype), CPU)
     # The compiled kernels must be among them here: the machines this suite runs on have a compiler.
-    assert {"c", "c-prefetch"} <= set(names)
+    assert {"c", "c-prefetch", "c-ahead"} <= set(names)
     for name in names:
         got = torch.full((shape[0],), float("nan"), dtype=dtype)
         ONE_ROW.by_name[name].run(x, w, got)
@@ -120,11 +120,11 @@ ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx51
 def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     # What lets the batch-invariant engine run a decode step of several sequences through the
     # few-row kernel: each row's output is exactly the one-row kernel's, at every row count,
-    # with or without prefetch, at widths that end mid-vector and weight rows past the tiles.
+    # with or without either prefetch, at widths that end mid-vector and weight rows past the tiles.
     lib, why = compiled.load(gemv.SOURCE, compiled.FLAGS + ISA_FLAGS[isa])
     assert lib is not None, why
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.gemv_bf16.argtypes, lib.gemm_rows_bf16.argtypes = [p, p, p, i64, i64, i64], [p, p, p, i64, i64, i64, i64]
+    lib.gemv_bf16.argtypes, lib.gemm_rows_bf16.argtypes = [p, p, p, i64, i64, i64, i64], [p, p, p, i64, i64, i64, i64, i64]
     torch.manual_seed(1)
     # Random rows rarely show a different order after the bf16 rounding; rows whose sum cancels
     # 2^24 against -2^24 in one vector lane, beside a 1 in the next element, always do.
@@ -133,21 +133,21 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     cases = [(torch.randn(out_f, n), torch.randn(16, n)) for out_f, n in ((13, 1000), (64, 256), (7, 33))] + [(cancel, torch.ones(16, 67))]
     for w, x in cases:
         (out_f, n), w, x = w.shape, w.bfloat16(), x.bfloat16()
-        for prefetch in (0, gemv.PREFETCH_BYTES):
+        for prefetch, ahead in ((0, 0), (gemv.PREFETCH_BYTES, 0), (0, gemv.AHEAD_BYTES)):
             singles = torch.empty(16, out_f, dtype=torch.bfloat16)
             for r in range(16):
-                lib.gemv_bf16(w.data_ptr(), x[r].data_ptr(), singles[r].data_ptr(), out_f, n, prefetch)
+                lib.gemv_bf16(w.data_ptr(), x[r].data_ptr(), singles[r].data_ptr(), out_f, n, prefetch, ahead)
             want = torch.empty(16, out_f, dtype=torch.bfloat16)
             rows_reference(x, w, want)
             terms = x.float().abs() @ w.float().abs().t()
             assert bool(((singles.float() - want.float()).abs() <= 2**-7 * terms).all()), isa
             for m in range(2, 17):
                 batch = torch.empty(m, out_f, dtype=torch.bfloat16)
-                lib.gemm_rows_bf16(w.data_ptr(), x.data_ptr(), batch.data_ptr(), out_f, n, m, prefetch)
+                lib.gemm_rows_bf16(w.data_ptr(), x.data_ptr(), batch.data_ptr(), out_f, n, m, prefetch, ahead)
                 assert torch.equal(batch, singles[:m]), f"{isa} {out_f}x{n}: {m} rows differ from one row at a time"
 
 
-@pytest.mark.parametrize("name", ["c", "c-prefetch"])
+@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead"])
 def test_the_compiled_gemv_refuses_bad_arguments(name):
     run = ONE_ROW.by_name[name].run
     w, x, out = torch.randn(12, 32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16), torch.empty(12, dtype=torch.bfloat16)
@@ -168,7 +168,7 @@ def test_the_compiled_gemv_refuses_bad_arguments(name):
     torch.testing.assert_close(out.float(), w.float() @ strided.float(), atol=0.05, rtol=0.02)
 
 
-@pytest.mark.parametrize("name", ["c", "c-prefetch", "amx"])
+@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "amx"])
 def test_the_compiled_few_row_kernels_refuse_bad_arguments(name):
     if FEW_ROW.by_name[name].unavailable("bfloat16", CPU):
         pytest.skip(FEW_ROW.by_name[name].unavailable("bfloat16", CPU))

@@ -97,7 +97,7 @@ def test_measured_then_cached_then_measured_for_another_thread_count(cache_dir):
     assert first.how == "measured" and set(first.by_key) == {(48, 64), (64, 48)}
     # Every available candidate timed; the choice among those a batch-invariant run allows.
     allowed = ONE_ROW.allowed("bfloat16", torch.device("cpu"), True)
-    assert set(allowed) == {"c", "c-prefetch"}
+    assert set(allowed) == {"c", "c-prefetch", "c-ahead"}
     for shape, seconds in first.seconds.items():
         assert set(seconds) == set(ONE_ROW.available("bfloat16", torch.device("cpu")))
         assert first.by_key[shape] == pick(ONE_ROW, {n: seconds[n] for n in allowed})

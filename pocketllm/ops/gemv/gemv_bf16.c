@@ -22,9 +22,10 @@
 static inline __m512bh load_bh(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
-static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead) {
     __m512 a = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += STEP) {
+        if (ahead) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
         __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
         a = _mm512_dpbf16_ps(a, load_bh(w + i, m), load_bh(x + i, m));
     }
@@ -37,7 +38,7 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
 #define HAS_TILE 1
 #define TILE_ROWS 4
 #define WIDENS_X 0
-static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[4][4], int64_t pf) {
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[4][4], int64_t pf, int64_t ahead) {
     (void)xw;
     __m512 a[4][4];
     for (int r = 0; r < 4; r++)
@@ -45,6 +46,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
     for (int64_t i = 0; i < n; i += STEP) {
         if (pf)
             for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
+        if (ahead)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * n + i) + ahead, _MM_HINT_T0);
         __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
         __m512bh wv[4];
         for (int r = 0; r < 4; r++) wv[r] = load_bh(w + r * n + i, m);
@@ -58,19 +61,69 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
 }
 const char *gemv_bf16_isa(void) { return "avx512_bf16"; }
 
-#elif defined(__AVX512F__)
-#define STEP 16
-static inline __m512 load_f(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+/* Without BF16 dot products: 32 bf16 per 512-bit load, widened as two halves without a shuffle
+ * (as the AVX2 path below: shifting each 32-bit lane left by 16 gives its even element as fp32,
+ * masking off its low half gives its odd one), against x widened to fp32 once per call in the same
+ * halves (per 32 inputs, the 16 even then the 16 odd, zero past n). Even and odd products go to two
+ * sums per pair, so a one-row call is not bound by one chain of FMA latencies; the two are added,
+ * then reduced. */
+#define STEP 32
+#define HAS_TILE 1
+#define TILE_ROWS 2
+#define WIDENS_X 1
+static inline int64_t x_width(int64_t n) { return (n + STEP - 1) / STEP * STEP; }
+#define X_STRIDE(n) x_width(n)
+static void widen_x(const uint16_t *x, int64_t n, float *xw) {
+    for (int64_t i = 0; i < x_width(n); i += STEP)
+        for (int j = 0; j < STEP / 2; j++) {
+            xw[i + j] = i + 2 * j < n ? bf16_to_f32(x[i + 2 * j]) : 0.f;
+            xw[i + STEP / 2 + j] = i + 2 * j + 1 < n ? bf16_to_f32(x[i + 2 * j + 1]) : 0.f;
+        }
 }
-static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
-    __m512 a = _mm512_setzero_ps();
+static inline __m512i load_w(const uint16_t *p, int64_t left) {
+    __mmask32 m = left >= STEP ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u);
+    return _mm512_maskz_loadu_epi16(m, p);
+}
+static inline __m512 even_f(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline __m512 odd_f(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))); }
+/* x widened here the same way gives the lanes widen_x lays out, so the sums are those of the tile. */
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead) {
+    __m512 ae = _mm512_setzero_ps(), ao = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += STEP) {
-        __mmask16 m = n - i >= STEP ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        a = _mm512_fmadd_ps(load_f(w + i, m), load_f(x + i, m), a);
+        if (ahead) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
+        __m512i wv = load_w(w + i, n - i), xv = load_w(x + i, n - i);
+        ae = _mm512_fmadd_ps(even_f(wv), even_f(xv), ae);
+        ao = _mm512_fmadd_ps(odd_f(wv), odd_f(xv), ao);
     }
-    return _mm512_reduce_add_ps(a);
+    return _mm512_reduce_add_ps(_mm512_add_ps(ae, ao));
+}
+/* Two weight rows against up to four x rows, each pair summed as dot1 sums a row: sixteen sums,
+ * four widened weight halves and two x halves in the 32 registers. Inlined into calls with a
+ * constant `cols`. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4], int64_t pf, int64_t ahead) {
+    (void)x;
+    const int64_t xs = x_width(n);
+    __m512 ae[2][4], ao[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < 4; c++) ae[r][c] = ao[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += STEP) {
+        if (pf)
+            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
+        if (ahead)
+            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + ahead, _MM_HINT_T0);
+        __m512i w0 = load_w(w + i, n - i), w1 = load_w(w + n + i, n - i);
+        __m512 w0e = even_f(w0), w0o = odd_f(w0), w1e = even_f(w1), w1o = odd_f(w1);
+        for (int c = 0; c < cols; c++) {
+            __m512 xe = _mm512_loadu_ps(xw + c * xs + i), xo = _mm512_loadu_ps(xw + c * xs + i + STEP / 2);
+            ae[0][c] = _mm512_fmadd_ps(w0e, xe, ae[0][c]);
+            ao[0][c] = _mm512_fmadd_ps(w0o, xo, ao[0][c]);
+            ae[1][c] = _mm512_fmadd_ps(w1e, xe, ae[1][c]);
+            ao[1][c] = _mm512_fmadd_ps(w1o, xo, ao[1][c]);
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < cols; c++) o[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(ae[r][c], ao[r][c]));
 }
 const char *gemv_bf16_isa(void) { return "avx512f"; }
 
@@ -89,10 +142,11 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead) {
     __m256 a = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
+        if (ahead && (i & 31) == 0) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
         __m256i xv = load_w(x + i), wv = load_w(w + i);
         a = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), _mm256_fmadd_ps(even_f(wv), even_f(xv), a));
     }
@@ -108,6 +162,7 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
 #define HAS_TILE 1
 #define TILE_ROWS 2
 #define WIDENS_X 1
+#define X_STRIDE(n) (n)
 static void widen_x(const uint16_t *x, int64_t n, float *xw) {
     for (int64_t i = 0; i + STEP <= n; i += STEP)
         for (int j = 0; j < STEP / 2; j++) {
@@ -115,7 +170,7 @@ static void widen_x(const uint16_t *x, int64_t n, float *xw) {
             xw[i + STEP / 2 + j] = bf16_to_f32(x[i + 2 * j + 1]);
         }
 }
-static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4], int64_t pf) {
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4], int64_t pf, int64_t ahead) {
     __m256 a[2][4];
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
@@ -123,6 +178,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
     for (; i + STEP <= n; i += STEP) {
         if (pf && (i & 31) == 0)
             for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
+        if (ahead && (i & 31) == 0)
+            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + ahead, _MM_HINT_T0);
         __m256i w0 = load_w(w + i), w1 = load_w(w + n + i);
         __m256 w0e = even_f(w0), w0o = odd_f(w0), w1e = even_f(w1), w1o = odd_f(w1);
         for (int c = 0; c < cols; c++) {
@@ -141,7 +198,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
 const char *gemv_bf16_isa(void) { return "avx2"; }
 
 #else
-static float dot1(const uint16_t *w, int64_t n, const uint16_t *x) {
+static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead) {
+    (void)ahead;
     float s = 0.f;
     for (int64_t i = 0; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
     return s;
@@ -156,32 +214,36 @@ const char *gemv_bf16_isa(void) { return "scalar"; }
  * is summed exactly as the few-row product below sums it (dot1). prefetch > 0: each row is also
  * asked for non-temporally ONE_ROW_AHEAD rows ahead, so that the weight, read once per step,
  * passes by the outer caches instead of evicting what the work after the GEMV runs on (the
- * interpreter, the next small op's data). Which runs faster in a step depends on the CPU; both
- * are candidates. */
+ * interpreter, the next small op's data). ahead > 0: each 64 bytes of a row are asked for into
+ * every cache level `ahead` bytes before they are read, so more lines are on their way than the
+ * hardware prefetchers keep in flight; where those run short of the memory's rate (a core that
+ * streams alone at half of what two do), this is what reaches it. Which runs faster in a step
+ * depends on the CPU; each is a candidate. */
 #define ONE_ROW_AHEAD 2
-void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch) {
+void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch, int64_t ahead) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (prefetch && r + ONE_ROW_AHEAD < rows)
             for (int64_t off = 0; off < n * 2; off += 64) __builtin_prefetch((const char *)(w + (r + ONE_ROW_AHEAD) * n) + off, 0, 0);
-        y[r] = f32_to_bf16(dot1(w + r * n, n, x));
+        y[r] = f32_to_bf16(dot1(w + r * n, n, x, ahead));
     }
 }
 
 /* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where a tile is
- * compiled in (AVX-512 BF16, AVX2) x rows go four at a time against a block of weight rows;
+ * compiled in (AVX-512, AVX2) x rows go four at a time against a block of weight rows;
  * elsewhere each output is its own dot product, which reads the weight once per x row (the
- * load-time measurement then prefers torch's GEMM there). prefetch as for gemv_bf16. */
-void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t prefetch) {
+ * load-time measurement then prefers torch's GEMM there). prefetch and ahead as for gemv_bf16
+ * (prefetch here a distance in bytes). */
+void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t prefetch, int64_t ahead) {
 #ifdef HAS_TILE
     float *xw = NULL;
 #if WIDENS_X
-    xw = malloc((size_t)(m * n) * sizeof(float));
+    xw = malloc((size_t)(m * X_STRIDE(n)) * sizeof(float));
     if (xw == NULL) {
-        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch);
+        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch, ahead);
         return;
     }
-    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * n);
+    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * X_STRIDE(n));
 #endif
     int64_t blocks = rows / TILE_ROWS;
     /* Parallel over blocks of weight rows, the x rows four at a time inside: a block read for the
@@ -191,13 +253,13 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
         const uint16_t *wb = w + b * TILE_ROWS * n;
         for (int64_t c0 = 0; c0 < m; c0 += 4) {
             int cols = m - c0 < 4 ? (int)(m - c0) : 4;
-            const float *xwc = xw == NULL ? NULL : xw + c0 * n;
+            const float *xwc = xw == NULL ? NULL : xw + c0 * X_STRIDE(n);
             float o[TILE_ROWS][4];
             switch (cols) {
-            case 4: tile(wb, n, x + c0 * n, xwc, 4, o, prefetch); break;
-            case 3: tile(wb, n, x + c0 * n, xwc, 3, o, prefetch); break;
-            case 2: tile(wb, n, x + c0 * n, xwc, 2, o, prefetch); break;
-            default: tile(wb, n, x + c0 * n, xwc, 1, o, prefetch); break;
+            case 4: tile(wb, n, x + c0 * n, xwc, 4, o, prefetch, ahead); break;
+            case 3: tile(wb, n, x + c0 * n, xwc, 3, o, prefetch, ahead); break;
+            case 2: tile(wb, n, x + c0 * n, xwc, 2, o, prefetch, ahead); break;
+            default: tile(wb, n, x + c0 * n, xwc, 1, o, prefetch, ahead); break;
             }
             for (int r = 0; r < TILE_ROWS; r++)
                 for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
@@ -205,9 +267,9 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
     }
     free(xw);
     for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
-        for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n));
+        for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n, 0));
 #else
-    for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch);
+    for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch, ahead);
 #endif
 }
 
@@ -258,13 +320,13 @@ static void amx_block(const uint16_t *w, const uint16_t *x, const uint16_t *xb, 
         _tile_release();
     }
     for (int64_t r = blocks * 16; r < rows; r++)
-        for (int64_t j = 0; j < m; j++) y[j * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + j * n));
+        for (int64_t j = 0; j < m; j++) y[j * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + j * n, 0));
 }
 
 void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
     uint16_t *xb = n % 32 ? NULL : malloc((size_t)(n * (m < 16 ? m : 16)) * sizeof(uint16_t));
     if (xb == NULL) { /* a width the tiles do not cover (or no memory): the AVX-512 path */
-        gemm_rows_bf16(w, x, y, rows, n, m, 0);
+        gemm_rows_bf16(w, x, y, rows, n, m, 0, 0);
         return;
     }
     for (int64_t j0 = 0; j0 < m; j0 += 16) {
@@ -281,6 +343,6 @@ void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64
 #else
 int amx_bf16_enable(void) { return 0; }
 void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
-    gemm_rows_bf16(w, x, y, rows, n, m, 0);
+    gemm_rows_bf16(w, x, y, rows, n, m, 0, 0);
 }
 #endif

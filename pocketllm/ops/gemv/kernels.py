@@ -60,11 +60,11 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
-        lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
         lib.gemm_rows_bf16.restype = None
-        lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.gemm_rows_amx_bf16.restype = None
-        lib.gemm_rows_amx_bf16.argtypes = lib.gemm_rows_bf16.argtypes[:-1]
+        lib.gemm_rows_amx_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
         _c_gemv, _c_gemm_rows, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16, lib.gemm_rows_amx_bf16
@@ -75,6 +75,9 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
 # why): four cache lines, enough to cover the memory's latency at one core's streaming rate. The
 # one-row kernel reads only whether it is nonzero: it asks for whole rows a fixed count ahead.
 PREFETCH_BYTES = 256
+# How far ahead c-ahead asks for each weight row into every cache level: far enough that many more
+# lines are in flight than one core's hardware prefetchers keep (docs/decode.md has the sweep).
+AHEAD_BYTES = 4096
 
 
 _BF16 = torch.bfloat16
@@ -92,9 +95,10 @@ def _rows_specs(x, w, out):
     return specs + [("out", out, _BF16, None if m is None else m * o, True, 2)]
 
 
-def compiled_gemv(prefetch: int) -> Kernel:
+def compiled_gemv(prefetch: int, ahead: int = 0) -> Kernel:
     """The compiled GEMV; `prefetch` nonzero: each weight row is also asked for non-temporally a
-    few rows ahead (0: the hardware's prefetchers alone)."""
+    few rows ahead; `ahead` > 0: each 64 bytes of a row asked for into every cache level that many
+    bytes before they are read (both 0: the hardware's prefetchers alone)."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         # One expression of attribute reads on the hot path; refuse() says which argument broke it.
@@ -107,7 +111,7 @@ def compiled_gemv(prefetch: int) -> Kernel:
         if not x.is_contiguous():
             x = x.contiguous()
         # Only ever chosen after unavailable() built the library, which set _c_gemv.
-        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], prefetch)
+        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], prefetch, ahead)
 
     return run
 
@@ -120,15 +124,16 @@ def _rows_ok(x, w, out) -> bool:
     )
 
 
-def compiled_rows(prefetch: int) -> Kernel:
-    """The compiled few-row GEMM, prefetching each weight row `prefetch` bytes ahead."""
+def compiled_rows(prefetch: int, ahead: int = 0) -> Kernel:
+    """The compiled few-row GEMM, prefetching each weight row `prefetch` bytes ahead
+    non-temporally, or `ahead` bytes ahead into every cache level."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         if not _rows_ok(x, w, out):
             refuse("gemm_rows_bf16", _rows_specs(x, w, out))
         if not x.is_contiguous():
             x = x.contiguous()
-        _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], prefetch)
+        _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], prefetch, ahead)
 
     return run
 

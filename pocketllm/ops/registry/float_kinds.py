@@ -29,12 +29,17 @@ ONE_ROW = register(
                 "the same, each weight row also prefetched non-temporally a few rows ahead", gemv.compiled_unavailable, sources=_C,
                 row_order=_ORDER, takes_rows=True,
             ),
+            Candidate(
+                "c-ahead", gemv.compiled_gemv(0, gemv.AHEAD_BYTES),
+                "the same, each weight row prefetched into every cache level AHEAD_BYTES ahead", gemv.compiled_unavailable, sources=_C,
+                row_order=_ORDER, takes_rows=True,
+            ),
         ),
         default="mv",
         # Timed alone, torch's oneDNN calls and the compiled kernels can come out a fraction of a
         # percent apart while a real step, with other work between them, runs the compiled ones
         # faster (docs/decode.md, near ties).
-        prefer=("c", "c-prefetch"),
+        prefer=("c", "c-prefetch", "c-ahead"),
         streams=True,
     )
 )
@@ -53,12 +58,17 @@ FEW_ROW = register(
                 "the same, each weight row prefetched non-temporally PREFETCH_BYTES ahead", gemv.compiled_unavailable, sources=_C,
                 row_order=_ORDER,
             ),
+            Candidate(
+                "c-ahead", gemv.compiled_rows(0, gemv.AHEAD_BYTES),
+                "the same, each weight row prefetched into every cache level AHEAD_BYTES ahead", gemv.compiled_unavailable, sources=_C,
+                row_order=_ORDER,
+            ),
             # A tile product sums 32 products per step in the tile unit's own order: not the
             # one-row kernel's, so it is chosen only with POCKETLLM_BATCH_INVARIANT=0.
             Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C),
         ),
         default="mm",
-        prefer=("amx", "c", "c-prefetch"),
+        prefer=("amx", "c", "c-prefetch", "c-ahead"),
     )
 )
 
