@@ -180,15 +180,16 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
 }
 
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* Without BF16 dot products: 32 inputs (16 bytes) at a time widen to sixteen 32-bit lanes, whose
- * low nibbles are the even inputs and high nibbles the odd ones. A nibble indexes its group's
- * table of the sixteen values (q - zero) * scale (vpermps reads an index's low four bits), so a
- * weight becomes its dequantized fp32 value, the very one layout.dequantize makes, in one
- * instruction, without a conversion or a multiply by the scale; the table is two instructions per
- * row and group. Each value's FMA against x (widened to fp32 once per call, per 32 inputs the 16
- * even then the 16 odd) goes into the row's one sum. Four weight rows against up to four x rows:
- * sixteen accumulators, each x load folded into its FMA. The prefetch asks for the line into
- * every cache level, as gemv_int8.c's AVX-512F path does. */
+/* Without BF16 dot products: 32 inputs (16 bytes) at a time, loaded into each quarter of a
+ * register and shifted by each lane's own count, so that every nibble comes to the bottom of one
+ * lane of two vectors (widening the bytes instead took a shuffle on the port the lookups below
+ * need, and was slower from cache). A nibble indexes its group's table of the sixteen values
+ * (q - zero) * scale (vpermps reads an index's low four bits), so a weight becomes its fp32 value,
+ * the very one layout.dequantize makes, in one instruction, with no conversion and no multiply by
+ * the scale; the table is two instructions per row and group. Each value's FMA against x (widened
+ * to fp32 once per call, in the same order) goes into the row's one sum. Four weight rows against
+ * up to four x rows: sixteen accumulators, each x load folded into its FMA. The prefetch asks for
+ * the line into every cache level, as gemv_int8.c's AVX-512F path does. */
 #define TILE_R 4
 #define TILE_R_FEW 4
 #define TILE_C 4
@@ -202,10 +203,12 @@ static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never call
 
 static int64_t x_stride(int64_t n) { return n; }
 static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
-    /* Word 2j of 32 bf16 inputs is the low half of lane j: shifted up it is input 2j in fp32, and
-     * lane j with its low half cleared is input 2j + 1. */
+    /* 32 bf16 inputs load as sixteen lanes of two; lane 4L + j takes the pair 4j + L (inputs
+     * 8j + 2L and 8j + 2L + 1), whose first shifted up is that input in fp32 and whose second is
+     * the lane with its low half cleared. */
+    const __m512i pairs = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     for (int64_t i = 0; i < n; i += 32) {
-        __m512i v = _mm512_loadu_si512(x + i);
+        __m512i v = _mm512_permutexvar_epi32(pairs, _mm512_loadu_si512(x + i));
         _mm512_storeu_si512(xw + i, _mm512_slli_epi32(v, 16));
         _mm512_storeu_si512(xw + i + 16, _mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
     }
@@ -214,6 +217,9 @@ static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
 static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
     const float *x = (const float *)q->x + c0 * q->xstride;
     const int64_t nb = q->n / 2, sbytes = q->kind == SCALE_F32 ? 4 : 2;
+    /* Lane 4L + j takes byte L of the chunk's word j: its nibbles are inputs 8j + 2L, 8j + 2L + 1. */
+    const __m512i shift_lo = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+    const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(4));
     const __m512 iota = _mm512_set_ps(15.f, 14.f, 13.f, 12.f, 11.f, 10.f, 9.f, 8.f, 7.f, 6.f, 5.f, 4.f, 3.f, 2.f, 1.f, 0.f);
     __m512 acc[TILE_R][TILE_C];
     UNROLL for (int r = 0; r < R; r++)
@@ -245,8 +251,9 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
                 UNROLL for (int r = 0; r < R; r++) {
                     const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
                     if (pf && (e & 127) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
-                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                    __m512 lo = _mm512_permutexvar_ps(v, table[r]), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table[r]);
+                    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+                    __m512 lo = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_lo), table[r]);
+                    __m512 hi = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_hi), table[r]);
                     UNROLL for (int c = 0; c < C; c++) {
                         acc[r][c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + c * q->xstride + e), acc[r][c]);
                         acc[r][c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + c * q->xstride + e + 16), acc[r][c]);
