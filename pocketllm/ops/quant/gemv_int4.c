@@ -229,8 +229,11 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
     /* As the AVX-512 BF16 tile: the next tile's scales and zero points prefetched a line per 128
      * inputs of this one, its weights pf_bytes (whole tiles) ahead, none past the weight's end. */
     const char *snext = (const char *)q->s + (r0 + R) * q->ng * sbytes, *znext = q->z ? (const char *)(q->z + (r0 + R) * q->ng) : NULL;
-    const int64_t rnext = r0 + R < q->rows ? min64(TILE_R, q->rows - r0 - R) : 0, sleft = rnext * q->ng * sbytes, zleft = q->z ? rnext * q->ng : 0;
+    const int64_t rnext = r0 + R < q->rows ? min64(TILE_R, q->rows - r0 - R) : 0;
+    const uint64_t sleft = (uint64_t)(rnext * q->ng * sbytes), zleft = q->z ? (uint64_t)(rnext * q->ng) : 0;
     const int64_t pf = (r0 + R) * nb + q->pf_bytes <= q->rows * nb ? q->pf_bytes : 0;
+    const uint8_t *row[TILE_R];
+    UNROLL for (int r = 0; r < R; r++) row[r] = q->w + (r0 + r) * nb;
     for (int64_t g0 = 0; g0 < q->ng; g0 += 16) {
         const int64_t count = min64(16, q->ng - g0);
         const __mmask16 gm = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
@@ -243,15 +246,18 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
             __m512 table[TILE_R];
             UNROLL for (int r = 0; r < R; r++)
                 table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zg[r][g - g0])), _mm512_set1_ps(sg[r][g - g0]));
-            for (int64_t e = g * q->group; e < (g + 1) * q->group; e += 32) {
+            /* Unsigned offsets and the rows' own pointers: the loop's bookkeeping took issue
+             * slots the vector work needs. */
+            for (uint64_t e = (uint64_t)(g * q->group), end = e + (uint64_t)q->group; e < end; e += 32) {
+                const uint64_t b = e / 2;
                 if ((e & 127) == 0) {
-                    if (e / 2 < sleft) _mm_prefetch(snext + e / 2, _MM_HINT_T0);
-                    if (e / 2 < zleft) _mm_prefetch(znext + e / 2, _MM_HINT_T0);
+                    if (b < sleft) _mm_prefetch(snext + b, _MM_HINT_T0);
+                    if (b < zleft) _mm_prefetch(znext + b, _MM_HINT_T0);
+                    /* With no prefetch asked for (pf 0), the line about to be read: a no-op. */
+                    UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)row[r] + pf + b, _MM_HINT_T0);
                 }
                 UNROLL for (int r = 0; r < R; r++) {
-                    const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
-                    if (pf && (e & 127) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
-                    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+                    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row[r] + b)));
                     __m512 lo = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_lo), table[r]);
                     __m512 hi = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_hi), table[r]);
                     UNROLL for (int c = 0; c < C; c++) {
