@@ -1,8 +1,8 @@
 """The quantized projection kernels against layout.quant_linear_reference: every candidate of every
 row class at odd shapes (outputs not a multiple of any tile, inputs a multiple of the group only),
 every scheme, group, symmetry and scale dtype; the compiled few-row kernels' rows equal the
-one-row kernel's bit for bit, on each instruction-set path this CPU can run (AVX-512, AVX2, plain
-C); the wrappers refuse what they cannot read."""
+one-row kernel's bit for bit, on each instruction-set path this CPU can run (AVX-512 BF16,
+AVX-512F, AVX2, plain C); the wrappers refuse what they cannot read."""
 
 from __future__ import annotations
 

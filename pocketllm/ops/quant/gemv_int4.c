@@ -10,7 +10,8 @@
  * of operations whatever the tile around it, so a row of a few-row call equals the one-row call
  * bit for bit: a sequence's tokens do not depend on what it is batched with. Rows are split over
  * torch's OpenMP threads (pocketllm/compiled.py). Built with -march=native: AVX-512 BF16 dot
- * products where the CPU has them, else AVX2 FMAs, else plain C.
+ * products where the CPU has them, else AVX-512 FMAs on table-dequantized weights (AVX-512
+ * without its BF16 part: Skylake-X, Cascade Lake, Ice Lake), else AVX2 FMAs, else plain C.
  */
 #include <stdint.h>
 
@@ -30,6 +31,17 @@ struct q4 {
     int64_t xstride;   /* elements between two of them */
     const float *xsum; /* [m, ng] each group's sum of x, where the zero term needs it */
 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Up to sixteen of a row's scales from index i, as fp32 (lanes past `count` zero). */
+static inline __m512 scales16(const void *s, int64_t kind, int64_t i, int64_t count) {
+    __mmask16 m = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+    if (kind == SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float *)s + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)s + i);
+    if (kind == SCALE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* 128 inputs at a time, with no shuffle of the weight: 64 bytes load as 32 words, and nibble k of
@@ -81,15 +93,6 @@ static void prepare_x(const uint16_t *x, int64_t n, uint16_t *xp) {
         }
         _mm512_storeu_ps(init + b / 8, _mm512_mul_ps(sum, _mm512_set1_ps(-136.f)));
     }
-}
-
-/* Up to sixteen of a row's scales from index i, as fp32 (lanes past `count` zero). */
-static inline __m512 scales16(const void *s, int64_t kind, int64_t i, int64_t count) {
-    __mmask16 m = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
-    if (kind == SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float *)s + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)s + i);
-    if (kind == SCALE_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* sum over groups of s_g (z_g - 8) X_g, sixteen groups at a time. */
@@ -171,6 +174,99 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
             UNROLL for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(t[r], sc[r], acc[r][c]);
         }
         for (ge += 128; ge >= q->group; ge -= q->group) gi++;
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) o[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Without BF16 dot products: 32 inputs (16 bytes) at a time, loaded into each quarter of a
+ * register and shifted by each lane's own count, so that every nibble comes to the bottom of one
+ * lane of two vectors (widening the bytes instead took a shuffle on the port the lookups below
+ * need, and was slower from cache). A nibble indexes its group's table of the sixteen values
+ * (q - zero) * scale (vpermps reads an index's low four bits), so a weight becomes its fp32 value,
+ * the very one layout.dequantize makes, in one instruction, with no conversion and no multiply by
+ * the scale; the table is two instructions per row and group. Each value's FMA against x (widened
+ * to fp32 once per call, in the same order) goes into the row's one sum. Four weight rows against
+ * up to four x rows: sixteen accumulators, each x load folded into its FMA. The prefetch asks for
+ * the line into every cache level, as gemv_int8.c's AVX-512F path does. */
+#define TILE_R 4
+#define TILE_R_FEW 4
+#define TILE_C 4
+#define X_ELEM float
+#define ZERO_TERM_NEEDED(z) 0
+const char *q4_isa(void) { return "avx512f"; }
+static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is in the table */
+    (void)q, (void)r, (void)c;
+    return 0.f;
+}
+
+static int64_t x_stride(int64_t n) { return n; }
+static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
+    /* 32 bf16 inputs load as sixteen lanes of two; lane 4L + j takes the pair 4j + L (inputs
+     * 8j + 2L and 8j + 2L + 1), whose first shifted up is that input in fp32 and whose second is
+     * the lane with its low half cleared. */
+    const __m512i pairs = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (int64_t i = 0; i < n; i += 32) {
+        __m512i v = _mm512_permutexvar_epi32(pairs, _mm512_loadu_si512(x + i));
+        _mm512_storeu_si512(xw + i, _mm512_slli_epi32(v, 16));
+        _mm512_storeu_si512(xw + i + 16, _mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const float *x = (const float *)q->x + c0 * q->xstride;
+    const int64_t nb = q->n / 2, sbytes = q->kind == SCALE_F32 ? 4 : 2;
+    /* Lane 4L + j takes byte L of the chunk's word j: its nibbles are inputs 8j + 2L, 8j + 2L + 1. */
+    const __m512i shift_lo = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+    const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(4));
+    const __m512 iota = _mm512_set_ps(15.f, 14.f, 13.f, 12.f, 11.f, 10.f, 9.f, 8.f, 7.f, 6.f, 5.f, 4.f, 3.f, 2.f, 1.f, 0.f);
+    __m512 acc[TILE_R][TILE_C];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    /* Sixteen groups' scales and zero points per row, as fp32, refilled every sixteen groups. */
+    float sg[TILE_R][16] __attribute__((aligned(64))), zg[TILE_R][16] __attribute__((aligned(64)));
+    /* As the AVX-512 BF16 tile: the next tile's scales and zero points prefetched a line per 128
+     * inputs of this one, its weights pf_bytes (whole tiles) ahead, none past the weight's end. */
+    const char *snext = (const char *)q->s + (r0 + R) * q->ng * sbytes, *znext = q->z ? (const char *)(q->z + (r0 + R) * q->ng) : NULL;
+    const int64_t rnext = r0 + R < q->rows ? min64(TILE_R, q->rows - r0 - R) : 0;
+    const uint64_t sleft = (uint64_t)(rnext * q->ng * sbytes), zleft = q->z ? (uint64_t)(rnext * q->ng) : 0;
+    const int64_t pf = (r0 + R) * nb + q->pf_bytes <= q->rows * nb ? q->pf_bytes : 0;
+    const uint8_t *row[TILE_R];
+    UNROLL for (int r = 0; r < R; r++) row[r] = q->w + (r0 + r) * nb;
+    for (int64_t g0 = 0; g0 < q->ng; g0 += 16) {
+        const int64_t count = min64(16, q->ng - g0);
+        const __mmask16 gm = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+        UNROLL for (int r = 0; r < R; r++) {
+            _mm512_store_ps(sg[r], scales16(q->s, q->kind, (r0 + r) * q->ng + g0, count));
+            __m512 z = q->z ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, q->z + (r0 + r) * q->ng + g0))) : _mm512_set1_ps(8.f);
+            _mm512_store_ps(zg[r], z);
+        }
+        for (int64_t g = g0; g < g0 + count; g++) {
+            __m512 table[TILE_R];
+            UNROLL for (int r = 0; r < R; r++)
+                table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zg[r][g - g0])), _mm512_set1_ps(sg[r][g - g0]));
+            /* Unsigned offsets and the rows' own pointers: the loop's bookkeeping took issue
+             * slots the vector work needs. */
+            for (uint64_t e = (uint64_t)(g * q->group), end = e + (uint64_t)q->group; e < end; e += 32) {
+                const uint64_t b = e / 2;
+                if ((e & 127) == 0) {
+                    if (b < sleft) _mm_prefetch(snext + b, _MM_HINT_T0);
+                    if (b < zleft) _mm_prefetch(znext + b, _MM_HINT_T0);
+                    /* With no prefetch asked for (pf 0), the line about to be read: a no-op. */
+                    UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)row[r] + pf + b, _MM_HINT_T0);
+                }
+                UNROLL for (int r = 0; r < R; r++) {
+                    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row[r] + b)));
+                    __m512 lo = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_lo), table[r]);
+                    __m512 hi = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_hi), table[r]);
+                    UNROLL for (int c = 0; c < C; c++) {
+                        acc[r][c] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + c * q->xstride + e), acc[r][c]);
+                        acc[r][c] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + c * q->xstride + e + 16), acc[r][c]);
+                    }
+                }
+            }
+        }
     }
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) o[r][c] = _mm512_reduce_add_ps(acc[r][c]);

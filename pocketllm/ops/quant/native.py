@@ -7,8 +7,8 @@ checks only x and out, in one expression of attribute reads, and looks for the a
 only when that fails. A QuantizedWeight passed as is is prepared on the spot.
 
 `library(name, isa)` builds a source for this CPU ("native") or, for tests and benchmarks, with
-its wider paths switched off ("avx2": no AVX-512; "scalar": no AVX), so every path can be checked
-on one machine.
+its wider paths switched off ("avx512f": no AVX-512 BF16; "avx2": no AVX-512; "scalar": no AVX), so
+every path can be checked on one machine.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pocketllm.ops.quant.layout import QuantizedWeight
 
 HERE = Path(__file__).parent
 SOURCES = {"int4": HERE / "gemv_int4.c", "int8": HERE / "gemv_int8.c", "dequant": HERE / "dequant.c"}
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
+ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 # The scale dtypes the kernels read as stored, by the code quant.h gives them.
 SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
