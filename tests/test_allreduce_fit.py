@@ -100,6 +100,8 @@ def test_allreduce_command_at_tp2(tmp_path):
         (["--factor", "1"], "--factor must be an integer >= 2"),
         (["--tp-world", "1"], "--tp-world must be >= 2"),
         (["--dtype", "int8"], "--dtype 'int8'"),
+        (["--min-bytes", "1K", "--max-bytes", "1K"], "--min-bytes 1K to --max-bytes 1K is one payload size"),
+        (["--min-bytes", "1K", "--max-bytes", "3K", "--factor", "4"], "two or more: give a --max-bytes of at least --factor (4)"),
     ],
 )
 def test_allreduce_errors(args, message, capsys, no_ranks):

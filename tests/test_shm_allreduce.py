@@ -224,5 +224,5 @@ def test_without_a_compiler_auto_falls_back_to_gloo_and_shm_is_refused(tmp_path)
     assert json.loads(out.read_text())["settings"]["collective"] == "gloo"
     notes = [line for line in r.stderr.splitlines() if line.startswith("all-reduce:")]
     assert notes == ["all-reduce: gloo (shm unavailable: no C compiler (cc, gcc or clang; or $CC) to build allreduce.c)"]
-    r = run_cli("allreduce", "--tp-world", 2, "--max-bytes", "1K", "--collective", "shm", env=env)
+    r = run_cli("allreduce", "--tp-world", 2, "--max-bytes", "2K", "--collective", "shm", env=env)
     assert_usage_error(r, "--collective shm: no C compiler")

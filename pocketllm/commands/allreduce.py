@@ -72,8 +72,13 @@ def _work(run, device, _inputs) -> int:
 def _check(run) -> None:
     """Every flag checked in the launcher, before any rank starts."""
     t = run.task
-    parse_dtype(t.dtype)
-    size_ladder(parse_size(t.min_bytes, "--min-bytes"), parse_size(t.max_bytes, "--max-bytes"), t.factor, 1)
+    dtype = parse_dtype(t.dtype)
+    sizes = size_ladder(parse_size(t.min_bytes, "--min-bytes"), parse_size(t.max_bytes, "--max-bytes"), t.factor, dtype.itemsize)
+    if len(sizes) < 2:
+        raise UsageError(
+            f"--min-bytes {t.min_bytes} to --max-bytes {t.max_bytes} is one payload size, and the latency/bandwidth fit needs "
+            f"two or more: give a --max-bytes of at least --factor ({t.factor}) times --min-bytes"
+        )
     if t.iters < 1:
         raise UsageError(f"--iters must be >= 1, got {t.iters}")
     if t.warmup_iters < 0:
