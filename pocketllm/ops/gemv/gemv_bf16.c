@@ -64,8 +64,9 @@ const char *gemv_bf16_isa(void) { return "avx512_bf16"; }
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
 /* Without BF16 dot products: 32 bf16 per 512-bit load, widened as two halves without a shuffle
  * (as the AVX2 path below: shifting each 32-bit lane left by 16 gives its even element as fp32,
- * masking off its low half gives its odd one), against x widened to fp32 once per call in the same
- * halves (per 32 inputs, the 16 even then the 16 odd, zero past n). Even and odd products go to two
+ * masking off its low half gives its odd one). The one-row kernel widens x the same way as it goes
+ * (it is in L1); the tile reads x widened to fp32 once per call in the same halves (per 32 inputs,
+ * the 16 even then the 16 odd, zero past n). Even and odd products go to two
  * sums per pair, so a one-row call is not bound by one chain of FMA latencies; the two are added,
  * then reduced. */
 #define STEP 32
@@ -103,7 +104,7 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead
  * constant `cols`. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4], int64_t pf, int64_t ahead) {
     (void)x;
-    const int64_t xs = x_width(n);
+    const int64_t xs = X_STRIDE(n);
     __m512 ae[2][4], ao[2][4];
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < 4; c++) ae[r][c] = ao[r][c] = _mm512_setzero_ps();
