@@ -38,6 +38,7 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead
 #define HAS_TILE 1
 #define TILE_ROWS 4
 #define WIDENS_X 0
+#define X_STRIDE(n) (n) /* xw is not read */
 static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[4][4], int64_t pf, int64_t ahead) {
     (void)xw;
     __m512 a[4][4];
@@ -184,7 +185,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
         __m256i w0 = load_w(w + i), w1 = load_w(w + n + i);
         __m256 w0e = even_f(w0), w0o = odd_f(w0), w1e = even_f(w1), w1o = odd_f(w1);
         for (int c = 0; c < cols; c++) {
-            __m256 xe = _mm256_loadu_ps(xw + c * n + i), xo = _mm256_loadu_ps(xw + c * n + i + STEP / 2);
+            __m256 xe = _mm256_loadu_ps(xw + c * X_STRIDE(n) + i), xo = _mm256_loadu_ps(xw + c * X_STRIDE(n) + i + STEP / 2);
             a[0][c] = _mm256_fmadd_ps(w0o, xo, _mm256_fmadd_ps(w0e, xe, a[0][c]));
             a[1][c] = _mm256_fmadd_ps(w1o, xo, _mm256_fmadd_ps(w1e, xe, a[1][c]));
         }

@@ -1,0 +1,39 @@
+"""Every compiled kernel source builds, and loads with every symbol resolved, for a CPU wider than
+the one that runs the tests: the paths `#if`-ed in for AVX-512 BF16 and AMX are otherwise compiled
+only where the suite runs on such a CPU (the -mno-* builds of ISA_FLAGS reach the narrower ones)."""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import pocketllm
+from pocketllm import compiled
+
+SOURCES = sorted(Path(pocketllm.__file__).parent.rglob("*.c"))
+# The widest x86 target the compilers of these machines know: AVX-512 BF16, VNNI and AMX.
+WIDEST = "-march=sapphirerapids"
+
+
+def test_the_sources_are_found():
+    assert {s.name for s in SOURCES} >= {"gemv_bf16.c", "gemv_int4.c", "gemv_int8.c", "attention_bf16.c", "decode_bf16.c"}
+
+
+def test_every_source_builds_and_loads_for_the_widest_target():
+    if compiled.compiler() is None:
+        pytest.skip("no C compiler here")
+
+    def build(source: Path):
+        try:
+            return source, compiled.build(source, compiled.FLAGS + (WIDEST,)), ""
+        except compiled.BuildError as e:
+            return source, None, str(e)
+
+    with ThreadPoolExecutor(2) as pool:
+        for source, path, why in pool.map(build, SOURCES):
+            assert path is not None, why
+            # dlopen binds every symbol now: a macro left undefined on one path shows up as one.
+            ctypes.CDLL(str(path))
