@@ -22,7 +22,7 @@ import time
 import torch
 
 from common import alternate, read_bandwidths_gbps, spread
-from pocketllm import host_memory
+from pocketllm import compiled, host_memory
 from pocketllm.config import FULL
 from pocketllm.ops.quant import candidates as qc
 from pocketllm.ops.quant import native
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--scale-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--rows", default="1", help="comma-separated x rows per call (1: one-row kernels; 2..16: few-row)")
     p.add_argument("--reps", type=int, default=6)
-    p.add_argument("--isa", default="native", choices=list(native.ISA_FLAGS), help="the build of the compiled kernels (avx512f/avx2/scalar: with wider paths off)")
+    p.add_argument("--isa", default="native", choices=list(compiled.ISA_FLAGS), help="the build of the compiled kernels (avx512f/avx2/scalar: with wider paths off)")
     p.add_argument("--candidates", default="", help="comma-separated candidate names to time (default: every one available)")
     p.add_argument("--errors", action="store_true", help="print each candidate's error against the reference, then the timings")
     p.add_argument("--no-timing", action="store_true", help="with --errors: only the errors")

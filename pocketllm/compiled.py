@@ -29,6 +29,9 @@ from pocketllm.switches import env_value
 ENV_CACHE_DIR = "POCKETLLM_CACHE_DIR"
 # The kernels' flags: OpenMP for the ones that split work over torch's threads.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# Extra flags that turn the wider instruction sets off, so that every path a kernel source compiles
+# (its #if branches) can be built and checked on one machine: for tests and benchmarks.
+ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 BUILD_SECONDS = 120
 
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from pocketllm import compiled
 from pocketllm.layers.cache import BlockTable, KVPool, PagedKV
 from pocketllm.layers.paged_attention import PIECE_BLOCKS, attention_core, cached_attention, decode_attention, gather_kv, write_kv
 from pocketllm.ops.fused import kernels, reference
@@ -64,12 +65,12 @@ def decode_args(heads: int, kv_heads: int, d: int, pos: int, seed: int, sharp: b
 @pytest.fixture(scope="module")
 def isa_builds():
     """The attention kernel built for every instruction-set path, side by side (each a compiler run)."""
-    with ThreadPoolExecutor(len(kernels.ISA_FLAGS)) as pool:
-        for isa, (lib, why) in zip(kernels.ISA_FLAGS, pool.map(kernels.attention_library, kernels.ISA_FLAGS)):
+    with ThreadPoolExecutor(len(compiled.ISA_FLAGS)) as pool:
+        for isa, (lib, why) in zip(compiled.ISA_FLAGS, pool.map(kernels.attention_library, compiled.ISA_FLAGS)):
             assert lib is not None, f"{isa}: {why}"
 
 
-@pytest.mark.parametrize("isa", list(kernels.ISA_FLAGS))
+@pytest.mark.parametrize("isa", list(compiled.ISA_FLAGS))
 @pytest.mark.parametrize("heads,kv_heads", GQA, ids=lambda x: str(x))
 def test_compiled_attention_decode_matches_the_reference(isa_builds, isa, heads, kv_heads):
     for i, pos in enumerate(POSITIONS):

@@ -112,16 +112,12 @@ def test_a_forced_few_row_kernel_that_sums_by_the_call_needs_invariance_off():
     check_forced(["bfloat16"], "cpu", {"POCKETLLM_FEW_ROWS": "mm", "POCKETLLM_BATCH_INVARIANT": "0"})
 
 
-# The paths gemv_bf16.c compiles, each taken by turning the wider instruction sets off.
-ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
-
-
-@pytest.mark.parametrize("isa", ISA_FLAGS)
+@pytest.mark.parametrize("isa", compiled.ISA_FLAGS)
 def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     # What lets the batch-invariant engine run a decode step of several sequences through the
     # few-row kernel: each row's output is exactly the one-row kernel's, at every row count,
     # with or without either prefetch, at widths that end mid-vector and weight rows past the tiles.
-    lib, why = compiled.load(gemv.SOURCE, compiled.FLAGS + ISA_FLAGS[isa])
+    lib, why = compiled.load(gemv.SOURCE, compiled.FLAGS + compiled.ISA_FLAGS[isa])
     assert lib is not None, why
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gemv_bf16.argtypes, lib.gemm_rows_bf16.argtypes = [p, p, p, i64, i64, i64, i64], [p, p, p, i64, i64, i64, i64, i64]

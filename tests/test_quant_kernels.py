@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from pocketllm import compiled
 from pocketllm.ops.quant import candidates as qc
 from pocketllm.ops.quant import native
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quant_linear_reference, quantize
@@ -22,7 +23,7 @@ WIDTHS = {32: (96, 256), 64: (192, 320), 128: (384, 640), None: (101, 96)}
 # Around the compiled tile's four x rows and up to the few-row class's sixteen; the bit-for-bit
 # test below runs every count from 2 to 16 against the one-row kernel.
 ROWS = {qc.ONE: [1], qc.FEW: [5, 16], qc.MANY: [17]}
-VARIANTS = list(native.ISA_FLAGS)
+VARIANTS = list(compiled.ISA_FLAGS)
 
 
 @pytest.fixture(scope="module", autouse=True)

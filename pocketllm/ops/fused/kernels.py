@@ -28,7 +28,6 @@ _SIGNATURES = {
 }
 # The attention kernel's instruction-set paths, as builds of the same source: the widest this CPU
 # has (native), and each narrower one, which the tests run against the reference too.
-ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 # Cache positions x KV heads x head dim from which attention splits over the threads: below it
 # the whole call is a few microseconds' work, less than waking the threads costs.
 ATTENTION_PARALLEL_MIN = 1 << 16
@@ -37,7 +36,7 @@ _attn: dict[str, ctypes.CDLL] = {}
 
 
 def _load(source: str, isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
-    lib, why = compiled.load(Path(__file__).with_name(source), compiled.FLAGS + ISA_FLAGS[isa])
+    lib, why = compiled.load(Path(__file__).with_name(source), compiled.FLAGS + compiled.ISA_FLAGS[isa])
     if lib is not None:
         for name, (args, result) in _SIGNATURES[source].items():
             getattr(lib, name).argtypes = args
@@ -57,7 +56,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
 
 
 def attention_library(isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
-    """The attention kernel built for one of ISA_FLAGS' paths, or (None, why not)."""
+    """The attention kernel built for one of compiled.ISA_FLAGS' paths, or (None, why not)."""
     if isa not in _attn:
         lib, why = _load("attention_bf16.c", isa)
         if lib is None:
@@ -137,7 +136,7 @@ def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool
     """k_pool, v_pool [blocks, kv_heads, block_size, head_dim] (layers/cache.py); table: the
     sequence's block ids, int32, covering position pos. `splits` (ranges of blocks, default
     attention_splits on torch's threads) and `isa` (a narrower path than this CPU's widest, one
-    of ISA_FLAGS) are for tests: the result is the same for any, up to fp32 summation order."""
+    of compiled.ISA_FLAGS) are for tests: the result is the same for any, up to fp32 summation order."""
     half = cos.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     d = head_dim

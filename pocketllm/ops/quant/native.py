@@ -23,7 +23,6 @@ from pocketllm.ops.quant.layout import QuantizedWeight
 
 HERE = Path(__file__).parent
 SOURCES = {"int4": HERE / "gemv_int4.c", "int8": HERE / "gemv_int8.c", "dequant": HERE / "dequant.c"}
-ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 # The scale dtypes the kernels read as stored, by the code quant.h gives them.
 SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -43,7 +42,7 @@ def library(name: str, isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
     """(the built library of SOURCES[name] for `isa`, "") or (None, why not)."""
     key = (name, isa)
     if key not in _libs:
-        lib, why = compiled.load(SOURCES[name], compiled.FLAGS + ISA_FLAGS[isa])
+        lib, why = compiled.load(SOURCES[name], compiled.FLAGS + compiled.ISA_FLAGS[isa])
         if lib is not None:
             for fn, (restype, argtypes) in _SIGNATURES.items():
                 if hasattr(lib, fn):
