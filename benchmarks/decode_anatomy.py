@@ -73,8 +73,12 @@ class ReadyKernels:
         return self.ready if out is None else out.copy_(self.ready)
 
     # The calls a pass's parts take (layers.context.Part.kernel): a prompt's rows run the real
-    # kernels, a decode row gets the ready output.
-    alone = __call__
+    # kernels, a decode row gets the ready output; several decode rows together run the real
+    # kernels' `alone`, as a batch-invariant pass would.
+    def alone(self, x, out=None):
+        if x.shape[0] != 1:
+            return self.real.alone(x, out)
+        return self.ready if out is None else out.copy_(self.ready)
 
     def many(self, x, out=None):
         return self.real.many(x, out)
