@@ -108,12 +108,18 @@ def source_digest(source: Path) -> str:
     return hashlib.sha256(_source_text(source)).hexdigest()[:12]
 
 
-def _source_text(source: Path) -> bytes:
-    """The source and every header it includes by a quoted relative path, so editing a header
-    rebuilds each kernel that uses it."""
+def _source_text(source: Path, seen: set[Path] | None = None) -> bytes:
+    """The source and every header it includes by a quoted relative path, and theirs in turn, so
+    editing a header rebuilds each kernel that uses it however deep the include."""
+    seen = set() if seen is None else seen
     text = source.read_bytes()
-    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.M)
-    return b"\0".join([text, *((source.parent / h.decode()).read_bytes() for h in headers)])
+    parts = [text]
+    for h in re.findall(rb'^#include "([^"]+)"', text, flags=re.M):
+        header = (source.parent / h.decode()).resolve()
+        if header not in seen:
+            seen.add(header)
+            parts.append(_source_text(header, seen))
+    return b"\0".join(parts)
 
 
 def _private_dir(path: Path) -> None:

@@ -37,3 +37,14 @@ def test_every_source_builds_and_loads_for_the_widest_target():
             assert path is not None, why
             # dlopen binds every symbol now: a macro left undefined on one path shows up as one.
             ctypes.CDLL(str(path))
+
+
+def test_editing_a_header_included_through_another_changes_the_digest(tmp_path):
+    # decode_bf16.c reaches bf16.h only through rounding.h: an edit there must rebuild it.
+    (tmp_path / "inner.h").write_text("#define K 1\n")
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n')
+    source = tmp_path / "k.c"
+    source.write_text('#include "outer.h"\nint k(void) { return K; }\n')
+    before = compiled.source_digest(source)
+    (tmp_path / "inner.h").write_text("#define K 2\n")
+    assert compiled.source_digest(source) != before
