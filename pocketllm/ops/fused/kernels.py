@@ -20,6 +20,8 @@ _SIGNATURES = {
         "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _P, _P], None),
         "silu_mul_bf16": ([_P, _P, _P, _I], None),
         "gdn_decode_bf16": ([_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P], None),
+        "add_rms_norm_rows_bf16": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
+        "silu_mul_rows_bf16": ([_P, _P, _I, _I, _I, _P], None),
     },
     "attention_bf16.c": {
         "attention_decode_bf16": ([_P, _P, _P, _F, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
@@ -192,21 +194,6 @@ def _refuse_attention(qkv, q_scale, k_scale, cos, sin, k_pool, v_pool, table, he
     raise ValueError(f"{name}: cos and sin hold {half} values, more than half of head_dim {head_dim}")
 
 
-_SIGNATURES_ROWS = {
-    "add_rms_norm_rows_bf16": [_P, _P, _P, _F, _I, _I, _P, _P],
-    "silu_mul_rows_bf16": [_P, _P, _I, _I, _I, _P],
-}
-
-
-def _rows_lib():
-    lib, _ = library()
-    if lib is not None and lib.add_rms_norm_rows_bf16.argtypes is None:
-        for name, args in _SIGNATURES_ROWS.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
-    return lib
-
-
 def add_rms_norm_rows(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm on each row of h, x [rows, n]: each row gets the bits add_rms_norm gives it
     alone (a decode step of several sequences)."""
@@ -219,7 +206,7 @@ def add_rms_norm_rows(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tens
         refuse("add_rms_norm_rows_bf16", [("h", h, _BF16, None, True, 2), ("x", x, _BF16, h.numel(), True, None), ("scale", scale, _F32, n, True, None)])
     h_out = torch.empty_like(h) if x is not None else h
     y = torch.empty_like(h)
-    _rows_lib().add_rms_norm_rows_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, n, rows, _ptr(h_out if x is not None else None), y.data_ptr())
+    _lib.add_rms_norm_rows_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, n, rows, _ptr(h_out if x is not None else None), y.data_ptr())
     return h_out, y
 
 
@@ -233,5 +220,5 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     ):
         refuse("silu_mul_rows_bf16", [("gate", gate, _BF16, None, False, 2), ("up", up, _BF16, gate.numel(), False, 2)])
     out = torch.empty(rows, n, dtype=gate.dtype)
-    _rows_lib().silu_mul_rows_bf16(gate.data_ptr(), up.data_ptr(), gate.stride(0), n, rows, out.data_ptr())
+    _lib.silu_mul_rows_bf16(gate.data_ptr(), up.data_ptr(), gate.stride(0), n, rows, out.data_ptr())
     return out
