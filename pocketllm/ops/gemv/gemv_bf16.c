@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "../bf16.h"
+#include "../scratch.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -240,7 +241,7 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
 #ifdef HAS_TILE
     float *xw = NULL;
 #if WIDENS_X
-    xw = malloc((size_t)(m * X_STRIDE(n)) * sizeof(float));
+    xw = scratch((size_t)(m * X_STRIDE(n)) * sizeof(float));
     if (xw == NULL) {
         for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch, ahead);
         return;
@@ -267,7 +268,6 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
                 for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * TILE_ROWS + r] = f32_to_bf16(o[r][c]);
         }
     }
-    free(xw);
     for (int64_t r = blocks * TILE_ROWS; r < rows; r++)
         for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n, 0));
 #else

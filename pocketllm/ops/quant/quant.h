@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../bf16.h"
+#include "../scratch.h"
 
 /* The scale dtype codes the Python side passes (kernels.SCALE_KINDS). */
 enum { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
@@ -69,22 +70,6 @@ static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {
 #define UNROLL _Pragma("GCC unroll 4")
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-/* A buffer of at least `bytes` (64-byte aligned), kept per calling thread from call to call: the
- * kernels lay x out anew on every call, and a malloc and free per call cost more than a small
- * GEMV's own work. NULL when it cannot grow. */
-static inline void *scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t size;
-    if (bytes > size) {
-        size_t want = (bytes + 4095) & ~(size_t)4095;
-        void *p = aligned_alloc(64, want);
-        if (p == NULL) return NULL;
-        free(buf);
-        buf = p, size = want;
-    }
-    return buf;
-}
 
 /* Each group's sum of x in fp32, in eight running sums (a loop the compiler vectorizes) added in
  * a fixed order. */
