@@ -6,6 +6,7 @@ engine that fails ends every request with a 500 and tells the server to stop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -135,9 +136,17 @@ def test_the_http_process_gone_closes_the_scheduler_and_says_so(engine):
 
     from pocketllm.serving.engine_driver import EngineDriver
 
+    from pocketllm.serving import wire
+
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     scheduler = Scheduler(engine, max_running=2, max_len=512)
     driver = EngineDriver(scheduler, ours)
+    thread = threading.Thread(target=driver.run, daemon=True)
+    thread.start()
+    # The driver's first message (the pool's gauges) arrives; then, while it waits idle for work,
+    # the HTTP side's end closes: what it sees is its link at end of file, not a failed send.
+    assert wire.Receiver(theirs).one()[0] == wire.EVENTS
     theirs.close()
-    driver.run()
+    thread.join(10)
+    assert not thread.is_alive(), "the driver kept waiting on a closed link"
     assert driver.lost and scheduler.closed and driver.summary() == "engine: no step ran"
