@@ -73,7 +73,6 @@ class EngineClient:
         self.stopping = False
         self._stop_sent = False
         self.failure: str | None = None
-        self.closed = threading.Event()  # the engine closed the scheduler
         self.ended = threading.Event()  # it closed, failed or is gone: nothing more comes
         self.on_end = lambda: None  # called once the engine closed or failed: the server stops
         self.gauges = (0, 0, None)  # running, waiting, KV usage: as of the engine's last step
@@ -140,6 +139,10 @@ class EngineClient:
         kind = message[0]
         if kind == wire.EVENTS:
             self.gauges = message[2]
+            # One step's tokens counted at once (the rate's window holds one entry a step).
+            tokens = sum(1 for _, token, _, _ in message[1] if token is not None)
+            if tokens:
+                self.metrics.tokens(tokens)
             for rid, token, finish, logprob in message[1]:
                 self._deliver(rid, token, finish, logprob)
         elif kind == wire.REFUSED:
@@ -151,7 +154,6 @@ class EngineClient:
             self.stopping = True
         elif kind == wire.CLOSED:
             self.stopping = True
-            self.closed.set()
             self._end()
         elif kind == wire.FAILED:
             self._fail_all(message[1])
@@ -164,8 +166,6 @@ class EngineClient:
     def _deliver(self, rid: int, token: int | None, finish: str | None, logprob) -> None:
         with self._lock:
             sink = self._sinks.get(rid) if finish is None else self._sinks.pop(rid, None)
-        if token is not None:
-            self.metrics.tokens(1)
         if finish is not None:
             self.metrics.ended_with(finish)
         if sink is None:

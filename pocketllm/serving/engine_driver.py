@@ -9,6 +9,7 @@ shut down, or the engine failed."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import select
@@ -23,15 +24,34 @@ from pocketllm.serving import wire
 IDLE_WAKE_S = 0.5
 
 
-class HttpProcessLost(RuntimeError):
-    """The HTTP process closed its end of the link before the server was stopped."""
+# The closing line's medians are over this many of the latest steps of each kind: a server runs for
+# days, and a list of every step's time would grow all that while.
+MEDIAN_OF_LAST = 4096
+
+
+class StepTimes:
+    """Steps of one kind: how many, their total time, and the latest ones for a median."""
+
+    def __init__(self):
+        self.count, self.total = 0, 0.0
+        self.latest: collections.deque[float] = collections.deque(maxlen=MEDIAN_OF_LAST)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        self.latest.append(seconds)
+
+    def __str__(self) -> str:
+        median = f", median {1e3 * statistics.median(self.latest):.1f} ms" if self.count else ""
+        return f"{self.count} steps, {self.total:.1f} s{median}"
 
 
 class EngineDriver:
-    def __init__(self, scheduler, link: socket.socket, wake_fd: int | None = None):
-        """wake_fd: a descriptor that becomes readable when a signal arrives (signal.set_wakeup_fd),
-        so that an idle wait ends at once."""
-        self.scheduler, self.link, self.wake_fd = scheduler, link, wake_fd
+    def __init__(self, scheduler, link: socket.socket):
+        self.scheduler, self.link = scheduler, link
+        # A descriptor that becomes readable when a signal arrives (signal.set_wakeup_fd), so that
+        # an idle wait ends at once; serve sets it once its signal handlers are in place.
+        self.wake_fd: int | None = None
         self._receiver = wire.Receiver(link)
         self._requests: dict[int, object] = {}  # the HTTP process's id -> the scheduler's Request
         self._rid_of: dict[int, int] = {}  # the scheduler's Request.id -> the HTTP process's id
@@ -40,8 +60,8 @@ class EngineDriver:
         self._told_stopping = False
         self.lost = False
         self.unusable: str | None = None
-        self.step_s: list[float] = []  # each decode-only step's time: schedule, the pass, sampling
-        self.prompt_step_s: list[float] = []  # the same for steps whose pass read prompt rows
+        self.steps = StepTimes()  # decode-only steps' times: schedule, the pass, sampling
+        self.prompt_steps = StepTimes()  # the same for steps whose pass read prompt rows
         self.prompt_rows = 0  # rows those passes read beyond one per sequence
         self.between_s = 0.0  # time between steps while there was work: the link, the loop
 
@@ -73,7 +93,7 @@ class EngineDriver:
                 events = self.scheduler.step()
                 done = time.perf_counter()
                 extra = self.scheduler.last_rows - self.scheduler.last_spans
-                (self.prompt_step_s if extra else self.step_s).append(done - begun)
+                (self.prompt_steps if extra else self.steps).add(done - begun)
                 self.prompt_rows += extra
                 self._send_events(events)
                 ended = done if self.scheduler.has_work else None
@@ -85,14 +105,9 @@ class EngineDriver:
 
     def summary(self) -> str:
         """Where the engine process's busy time went, for the line rank 0 prints at the end."""
-        if not self.step_s and not self.prompt_step_s:
+        if not self.steps.count and not self.prompt_steps.count:
             return "engine: no step ran"
-
-        def part(steps: list[float]) -> str:
-            median = f", median {1e3 * statistics.median(steps):.1f} ms" if steps else ""
-            return f"{len(steps)} steps, {sum(steps):.1f} s{median}"
-
-        return (f"engine: {part(self.step_s)} decoding only; {part(self.prompt_step_s)} reading prompts too "
+        return (f"engine: {self.steps} decoding only; {self.prompt_steps} reading prompts too "
                 f"({self.prompt_rows} rows beyond one per sequence); {self.between_s:.2f} s between steps while busy "
                 "(the link and the loop)")
 

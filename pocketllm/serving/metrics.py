@@ -1,7 +1,7 @@
 """What /metrics reports, in Prometheus' text format: running and waiting requests, requests ended
 (by how), prompt and generated tokens, generated tokens per second over the last window, time
-to first token, the KV cache pool's use and preemptions, and the prefix cache's hits and misses. The engine thread records; any
-thread renders."""
+to first token, the KV cache pool's use and preemptions, and the prefix cache's hits and misses. The HTTP process's link thread records
+what the engine process sends; any thread renders."""
 
 from __future__ import annotations
 
