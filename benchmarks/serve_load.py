@@ -72,20 +72,27 @@ def start_server(args, ckpt: str, max_len: int | None = None, extra: list[str] =
     for line in proc.stderr:
         lines.append(line)
         if m := re.search(r"serving \S+ on http://([\d.]+):(\d+)", line):
-            threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+            # Kept on the process: stop_server waits for it, so the closing lines are in `lines`.
+            proc.stderr_reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+            proc.stderr_reader.start()
             return proc, f"{m.group(1)}:{m.group(2)}", lines
     raise SystemExit("the server did not start:\n" + "".join(lines))
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 15) -> int | str:
-    """SIGINT, then its exit status, or a note that it had to be killed after `grace_s`."""
+    """SIGINT, then its exit status, or a note that it had to be killed after `grace_s`; its stderr
+    read to the end (start_server's lines hold all of it)."""
     proc.send_signal(signal.SIGINT)
     try:
-        return proc.wait(timeout=grace_s)
+        rc = proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        return f"killed after {grace_s:g} s"
+        rc = f"killed after {grace_s:g} s"
+    reader = getattr(proc, "stderr_reader", None)
+    if reader is not None:
+        reader.join(5)
+    return rc
 
 
 def model_name(addr: str) -> str:

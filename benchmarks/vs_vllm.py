@@ -37,6 +37,8 @@ from pathlib import Path
 from common import alternate, spread
 from serve_load import start_server, stop_server
 
+from pocketllm.serving.metrics import parse
+
 SERVED_NAME = "bench"
 MAX_LEN = 4096
 PEER_DIR = Path(os.environ.get("VLLM_CPU_PEER_DIR", Path.home() / ".cache/pocketllm-peers/vllm-cpu"))
@@ -161,13 +163,12 @@ def prefix_counts(addr: str) -> dict[str, float]:
     """pocketllm's prefix cache counters from /metrics (hits and misses are requests, hit tokens
     the prompt positions not run), so a dataset's own are the difference around its run."""
     with urllib.request.urlopen(f"http://{addr}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("pocketllm_prefix_cache_") and line.split(" ", 1)[0].endswith("_total"):
-            name, value = line.rsplit(" ", 1)
-            values[name.removeprefix("pocketllm_prefix_cache_").removesuffix("_total")] = float(value)
-    return values
+        metrics = parse(r.read().decode())
+    return {
+        name.removeprefix("pocketllm_prefix_cache_").removesuffix("_total"): value
+        for name, value in metrics.items()
+        if name.startswith("pocketllm_prefix_cache_") and name.endswith("_total")
+    }
 
 
 def run_rep(args, rep: int, servers: list[str], log_dir: str) -> list[dict]:
