@@ -121,23 +121,20 @@ def run_bench_json(bench_args: list[str], env: dict[str, str] | None = None, cwd
 class PocketRunner:
     name = "pocketllm"
 
-    def __init__(self, ckpt: str, dtype: torch.dtype, quantize: str | None = None):
-        """`quantize`: a --quantize scheme the weights are quantized to at load (None: as stored)."""
-        import dataclasses
-
-        from pocketllm.config import load_config
+    def __init__(self, ckpt: str, dtype: torch.dtype | str, quantize: str | None = None):
+        """`quantize`: a --quantize scheme the weights are quantized to at load (None: as stored),
+        planned and checked as the commands plan theirs."""
         from pocketllm.distributed.policy import RulePolicy
         from pocketllm.distributed.state import set_tp
         from pocketllm.engine.runner import Engine
-        from pocketllm.loader.checkpoint import CheckpointReader
-        from pocketllm.loader.quantized import UNSET, plan_weights
-        from pocketllm.quantization import parse_scheme
+        from pocketllm.model_args import plan_model
+        from pocketllm.run_plan import RunPlan, SourcePlan
 
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        plan = plan_model(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype=name, quantize=quantize)))
         set_tp(0, 1)
-        cfg = load_config(ckpt)
-        reader = CheckpointReader(ckpt)
-        cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, UNSET if quantize is None else parse_scheme(quantize)))
-        self.engine = Engine(cfg, reader, dtype, torch.device("cpu"), RulePolicy())
+        self.cfg = plan.cfg
+        self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
 
     def prefill(self, ids: list[int]) -> float:
         return timed_prefill(self.engine, ids, _no_sync, room=1)[0]

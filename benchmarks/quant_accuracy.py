@@ -29,15 +29,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from common import PocketRunner
 from safetensors.torch import load_file, save_file
 
-from pocketllm.distributed.policy import RulePolicy
-from pocketllm.distributed.state import set_tp
 from pocketllm.engine.runner import Engine
 from pocketllm.loader.fp8 import to_fp8_blocks
 from pocketllm.loader.quantized import projection_keys
-from pocketllm.model_args import plan_model
-from pocketllm.run_plan import RunPlan, SourcePlan
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,9 +62,7 @@ def text_of(args) -> str:
 
 
 def engine(ckpt: str, dtype: str, quantize: str | None) -> Engine:
-    plan = plan_model(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype=dtype, quantize=quantize)))
-    set_tp(0, 1)
-    return Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
+    return PocketRunner(ckpt, dtype, quantize).engine
 
 
 def scored_logits(e: Engine, ids: list[int], ctx: int, chunks: int) -> torch.Tensor:
@@ -75,15 +70,15 @@ def scored_logits(e: Engine, ids: list[int], ctx: int, chunks: int) -> torch.Ten
     out = []
     for c in range(chunks):
         chunk = torch.tensor(ids[c * ctx : (c + 1) * ctx])
-        e.start_sequence(ctx)
-        out.append(e.prefill(chunk, all_logits=True)[ctx // 2 : ctx - 1].float())
+        e.reserve_slots(1, ctx)
+        out.append(e.run_packed([(0, 0, chunk)], all_logits=True)[ctx // 2 : ctx - 1].float())
     return torch.cat(out)
 
 
 def weight_error(e: Engine, ref: Engine) -> float:
     """||W - W_ref|| / ||W_ref|| over every projection and head weight, as the run holds them."""
     num = den = 0.0
-    for w, r in zip(e.model.one_row_weights(), ref.model.one_row_weights()):
+    for w, r in zip(e.model.projection_weights(), ref.model.projection_weights()):
         wf, rf = (dequantize(w) if isinstance(w, QuantizedWeight) else w.float()), r.float()
         num += float((wf - rf).pow(2).sum())
         den += float(rf.pow(2).sum())

@@ -27,15 +27,9 @@ import sys
 
 import torch
 
-from common import alternate, decode_weight_bytes, llama_bench_tests, read_bandwidths_gbps, spread
+from common import PocketRunner, alternate, decode_weight_bytes, llama_bench_tests, read_bandwidths_gbps, spread
 from pocketllm import compiled
-from pocketllm.distributed.policy import RulePolicy
-from pocketllm.distributed.state import set_tp
-from pocketllm.engine.runner import Engine
-from pocketllm.engine.timing import timed_greedy_decode, timed_prefill
 from pocketllm.inputs import bench_ids
-from pocketllm.model_args import plan_model
-from pocketllm.run_plan import RunPlan, SourcePlan
 
 # Bytes of a GGUF's tensors a decode step reads: all but the token embedding (one row of it).
 GGUF_STEP_BYTES = (
@@ -70,27 +64,18 @@ def parse_args(argv=None):
     return args
 
 
-class Pocket:
+class Pocket(PocketRunner):
     def __init__(self, ckpt: str, scheme: str):
-        plan = plan_model(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype="bfloat16", quantize=scheme)))
-        set_tp(0, 1)
-        self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
-        self.describe = plan.cfg.weights.describe() if plan.cfg.weights else "weights as stored (bf16)"
+        super().__init__(ckpt, "bfloat16", scheme)
+        self.describe = self.cfg.weights.describe() if self.cfg.weights else "weights as stored (bf16)"
         self.step_bytes = decode_weight_bytes(self.engine.model)
 
     def run(self, prompt: list[int], first: list[int], n: int) -> dict:
         out = {}
         if prompt:
-            seconds, _ = timed_prefill(self.engine, prompt, _no_sync, room=1)
-            out["prefill"] = len(prompt) / seconds
-        _, logits = timed_prefill(self.engine, first, _no_sync, room=n + 1)
-        decode, _ = timed_greedy_decode(self.engine, int(torch.argmax(logits)), len(first), n, _no_sync)
-        out["decode"] = n / decode
+            out["prefill"] = len(prompt) / self.prefill(prompt)
+        out["decode"] = n / self.decode(first, n)[0]
         return out
-
-
-def _no_sync() -> None:
-    """CPU ops are synchronous."""
 
 
 class Llama:
