@@ -25,13 +25,14 @@ import json
 import platform
 import statistics
 import sys
-import time
 
 import torch
 
 from common import PocketRunner, alternate, decode_weight_bytes, llama_bench_tests, read_bandwidths_gbps, spread
 from pocketllm import compiled
+from pocketllm.engine.timing import timed_greedy_decode
 from pocketllm.inputs import bench_ids
+from pocketllm.layers.attention import kv_block_bytes
 from pocketllm.model_args import parse_dtype
 from pocketllm.profiling import scopes
 
@@ -59,8 +60,6 @@ def parse_args(argv=None):
 class PocketDepths:
     """One sequence per depth in the engine's slots, decoded a run of steps at a time."""
 
-    name = "pocketllm"
-
     def __init__(self, runner: PocketRunner, depths: list[int], steps: int, reps: int):
         self.engine, self.depths, self.steps = runner.engine, depths, steps
         vocab = self.engine.cfg.vocab_size
@@ -74,13 +73,9 @@ class PocketDepths:
 
     def decode(self, depth: int) -> float:
         """Seconds of self.steps greedy steps of the depth's sequence, from where it stands."""
-        slot, token, pos = self.depths.index(depth), self.token[depth], self.pos[depth]
-        t0 = time.perf_counter()
-        for _ in range(self.steps):
-            logits = self.engine.run_packed([(slot, pos, torch.tensor([token], dtype=torch.long))])[0]
-            token, pos = int(torch.argmax(logits)), pos + 1
-        seconds = time.perf_counter() - t0
-        self.token[depth], self.pos[depth] = token, pos
+        pos = self.pos[depth]
+        seconds, chosen = timed_greedy_decode(self.engine, self.token[depth], pos, self.steps, lambda: None, slot=self.depths.index(depth))
+        self.token[depth], self.pos[depth] = chosen[-1], pos + self.steps
         return seconds
 
     def run(self, rep: int) -> dict[int, float]:
@@ -104,8 +99,6 @@ class PocketDepths:
 
 
 class LlamaDepths:
-    name = "llama.cpp"
-
     def __init__(self, binary: str, gguf: str, threads: int, depths: list[int], steps: int):
         self.cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(steps), "-d", ",".join(map(str, depths)), "-r", "1", "-o", "json"]
         self.version = ""
@@ -139,7 +132,7 @@ def main(argv=None) -> int:
     engine = pocket.engine
     read_gbps = max(read_bandwidths_gbps().values())
     cfg = engine.cfg
-    kv_bytes_per_token = sum(t == "full_attention" for t in cfg.layer_types) * 2 * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(parse_dtype(args.dtype)).bits // 8
+    kv_bytes_per_token = kv_block_bytes(cfg, 1, engine.dtype.itemsize, block_size=1)
     weight_bytes = decode_weight_bytes(engine.model)
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}"
           + (f", llama.cpp {llama.version}" if args.llama_bench else ""))

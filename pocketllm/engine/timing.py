@@ -21,14 +21,14 @@ def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, t
     return time.perf_counter() - t0, logits
 
 
-def timed_greedy_decode(engine, token: int, pos: int, steps: int, sync) -> tuple[float, list[int]]:
-    """Seconds of `steps` greedy decode steps of slot 0's sequence fed from `token` at position
+def timed_greedy_decode(engine, token: int, pos: int, steps: int, sync, slot: int = 0) -> tuple[float, list[int]]:
+    """Seconds of `steps` greedy decode steps of `slot`'s sequence fed from `token` at position
     `pos`, device-synchronised at both ends, and the tokens they chose."""
     chosen = []
     sync()
     t0 = time.perf_counter()
     for step in range(steps):
-        logits = engine.run_packed([(0, pos + step, torch.tensor([token], dtype=torch.long))])[0]
+        logits = engine.run_packed([(slot, pos + step, torch.tensor([token], dtype=torch.long))])[0]
         token = int(torch.argmax(logits))
         chosen.append(token)
     sync()
