@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             command, text = given
             mod = importlib.import_module(f"pocketllm.{COMMANDS[command][0]}")
             return int(mod.execute(RunPlan.from_json(text, mod.Task)) or 0)
-        return int(args._module.run(args, argv) or 0)
+        return int(args._module.run(args) or 0)
     except UsageError as exc:
         print(f"pocketllm: error: {exc}", file=sys.stderr)
         return 2

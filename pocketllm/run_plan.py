@@ -82,10 +82,10 @@ class RunPlan:
     task: typing.Any = None  # the command's own settings, a frozen dataclass of its module
 
     @classmethod
-    def one_rank(cls, source: SourcePlan, kind: str = "cpu", command: str = "") -> RunPlan:
+    def one_rank(cls, source: SourcePlan, kind: str = "cpu") -> RunPlan:
         """One rank on a device of `kind` under the default slice policy: what a script that builds
         an engine in its own process (the benchmarks) plans its model with."""
-        return cls(command, DevicePlan(kind, kind), WorldPlan(1), source)
+        return cls("", DevicePlan(kind, kind), WorldPlan(1), source)
 
     def to_json(self) -> str:
         return json.dumps(_encode(self), sort_keys=True)

@@ -1,1 +1,1 @@
-"""One module per CLI command; each has `add_arguments(parser)` and `run(args, argv) -> int`."""
+"""One module per CLI command; each has `add_arguments(parser)` and `run(args) -> int`."""

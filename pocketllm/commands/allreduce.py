@@ -86,7 +86,7 @@ def _check(run) -> None:
     check_out_path(t.json, "--json")
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     task = Task(args.min_bytes, args.max_bytes, args.factor, args.iters, args.warmup_iters, args.dtype, args.json)
     return execute(world_only_plan(args, task))
 

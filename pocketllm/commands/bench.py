@@ -125,7 +125,7 @@ def _work(run, plan, ids, engine, device) -> int:
     return 0
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     prompt = PromptSource(token_ids=tuple_or_none(args.token_ids), token_ids_file=args.token_ids_file, max_new_tokens=args.max_new_tokens)
     task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json)
     return execute(model_plan(args, task, source=source_plan(args, seed_layers(args))))

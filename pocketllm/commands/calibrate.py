@@ -243,7 +243,7 @@ def _work(run, device, inputs) -> int:
     return 0
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     task = Task(args.rows, args.pin, args.reps, args.out)
     return execute(world_only_plan(args, task, source_plan(args), SlicePlan(ceiling=args.comm_overlap_slices)))
 

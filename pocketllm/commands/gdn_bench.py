@@ -29,5 +29,5 @@ def spec_of(args) -> GdnBenchSpec:
     )
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     return main(spec_of(args))

@@ -150,7 +150,7 @@ def _print_outputs(ckpt: str | None, outputs: list[list[int]]) -> None:
             print(tok.decode(out), flush=True)
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     prompt = PromptSource(
         tuple_or_none(args.prompt), args.prompts_file, tuple_or_none(args.token_ids), args.token_ids_file, args.max_new_tokens
     )

@@ -72,7 +72,7 @@ def write_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": None, "bos_token": None}, indent=2))
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     import dataclasses
 
     cfg = preset_config(args.preset, args.layers)

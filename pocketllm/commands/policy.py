@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
     )
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     rows = parse_positive_list(args.rows, "--rows")
     choice = resolve_policy(args.pin_slices, args.comm_overlap_slices, overlap_policy=args.overlap_policy, calibration=args.calibration)
     if isinstance(choice.policy, CalibratedPolicy):

@@ -173,7 +173,7 @@ def _slices_given(args, env) -> bool:
     return any(v not in (None, "") for v in given + from_env)
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     # The phase blocks go to stderr only when a phase profile was asked for explicitly: the tables
     # are this command's output. Host blocks, when asked for, print as in every other command.
     profiling = profiling_plan(args, phase=True, phase_text=phase_asked(args))

@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-shard-mib", type=int, default=4096, help="shard size above which the output is split, with an index (default 4096)")
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     scheme = parse_scheme(args.scheme, "--scheme")
     if scheme is None:
         raise UsageError(f"--scheme none writes nothing new: use {SCHEME_HELP.removeprefix('none, ')}")

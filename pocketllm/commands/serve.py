@@ -207,7 +207,7 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     return 0
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     task = Task(
         args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, args.api_key, args.served_model_name
     )

@@ -155,7 +155,7 @@ def _work(run, plan, inputs, engine, device) -> int:
     return 0
 
 
-def run(args, argv) -> int:
+def run(args) -> int:
     task = Task(args.rows, args.pin, args.policy, args.reps, args.max_new_tokens, args.warmup_tokens, args.json, args.plot)
     return execute(model_plan(args, task))
 

@@ -77,16 +77,10 @@ class ForwardContext:
     slices: int  # the slice count the policy chose for all the pass's rows
     segments: tuple[Segment, ...]
     rows: int  # all the pass's rows
-    parts: tuple[Part, ...] = ()
+    parts: tuple[Part, ...]  # how its rows are cut into calls (parts_of)
     # The row each span of the pass ends on (its logits are the ones returned).
-    last: tuple[int, ...] = ()
-    invariant: bool = False  # parts cut by parts_of(invariant=True)
-
-    def __post_init__(self):
-        if not self.parts:
-            self.parts = (Part(0, self.rows, one_row(self.rows), self.slices),)
-        if not self.last:
-            self.last = tuple(s.row0 + s.rows - 1 for s in self.segments)
+    last: tuple[int, ...]
+    invariant: bool  # parts cut by parts_of(invariant=True)
 
     @property
     def one_row(self) -> bool:

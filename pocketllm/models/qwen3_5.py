@@ -77,10 +77,10 @@ class Qwen35ForCausalLM(nn.Module):
         for m in self.projections():
             m.kernels = kernels.bind(m.weight)
 
-    def context(self, spans: list[tuple[int, int]], slices: int, last: tuple[int, ...] = (), invariant: bool = False, slices_for=None) -> ForwardContext:
+    def context(self, spans: list[tuple[int, int]], slices: int, last: tuple[int, ...], invariant: bool, slices_for) -> ForwardContext:
         """The context of a pass packing its segments' rows one after another: spans are (start
         position, rows) per segment (a sequence's rows may be several consecutive segments);
-        `last`: the row each of the caller's spans ends on (default: each segment's last).
+        `last`: the row each of the caller's spans ends on.
         invariant: every prompt segment's rows in calls of their own, sliced by
         `slices_for(rows)`, and the single rows together, each as it is alone (context.parts_of)."""
         segments, row0 = [], 0
@@ -89,7 +89,7 @@ class Qwen35ForCausalLM(nn.Module):
             segments.append(Segment(row0, start, rows, cos, sin))
             row0 += rows
         segments = tuple(segments)
-        parts = parts_of(segments, row0, slices, invariant, slices_for or (lambda rows: slices))
+        parts = parts_of(segments, row0, slices, invariant, slices_for)
         return ForwardContext(slices, segments, row0, parts, tuple(last), invariant)
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
