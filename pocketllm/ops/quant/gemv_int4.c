@@ -194,14 +194,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
 #define TILE_R_FEW 4
 #define TILE_C 4
 #define X_ELEM float
-#define ZERO_TERM_NEEDED(z) 0
 const char *q4_isa(void) { return "avx512f"; }
-static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is in the table */
-    (void)q, (void)r, (void)c;
-    return 0.f;
-}
-
-static int64_t x_stride(int64_t n) { return n; }
 static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
     /* 32 bf16 inputs load as sixteen lanes of two; lane 4L + j takes the pair 4j + L (inputs
      * 8j + 2L and 8j + 2L + 1), whose first shifted up is that input in fp32 and whose second is
@@ -282,14 +275,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
 #define TILE_R_FEW 1
 #define TILE_C 4
 #define X_ELEM float
-#define ZERO_TERM_NEEDED(z) 0
 const char *q4_isa(void) { return "avx2"; }
-static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is subtracted per value */
-    (void)q, (void)r, (void)c;
-    return 0.f;
-}
-
-static int64_t x_stride(int64_t n) { return n; }
 static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
     for (int64_t i = 0; i < n; i += 16)
         for (int64_t j = 0; j < 8; j++) {
@@ -353,15 +339,8 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
 #define TILE_R 1
 #define TILE_R_FEW 1
 #define TILE_C 4
-#define ZERO_TERM_NEEDED(z) 0
-static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called: the zero is subtracted per value */
-    (void)q, (void)r, (void)c;
-    return 0.f;
-}
 #define X_ELEM float
 const char *q4_isa(void) { return "scalar"; }
-
-static int64_t x_stride(int64_t n) { return n; }
 static void prepare_x(const uint16_t *x, int64_t n, float *xw) {
     for (int64_t i = 0; i < n; i++) xw[i] = bf16_to_f32(x[i]);
 }
@@ -386,6 +365,17 @@ static inline void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C
     }
     UNROLL for (int c = 0; c < C; c++) o[0][c] = acc[c];
 }
+#endif
+
+#ifndef ZERO_TERM_NEEDED
+/* Every path but the BF16 one takes the zero off per value (or has it in its table), and reads x
+ * in rows of n: no zero term, no padding. */
+#define ZERO_TERM_NEEDED(z) 0
+static float zero_term(const struct q4 *q, int64_t r, int64_t c) { /* never called */
+    (void)q, (void)r, (void)c;
+    return 0.f;
+}
+static int64_t x_stride(int64_t n) { return n; }
 #endif
 
 /* One tile with its row and column counts as constants, so its accumulators stay in registers. */
