@@ -38,7 +38,7 @@ static inline void prefetch_row(const uint16_t *row, int64_t d) {
  *     for the cnt <= 4 accumulators acc_j = acc + j * as.
  * dot_rows and add_group prefetch pf's rows (NULL: none) as they go. */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAD 64
 #define ACC_CHUNK 32
 static inline __m512 exp512(__m512 x) {
@@ -240,7 +240,7 @@ static void dot_rows(const uint16_t *k, int64_t n, int64_t d, const float *qp, f
         s[o] = _mm512_reduce_add_ps(a);
     }
 }
-#elif defined(__AVX512F__)
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
 /* q split per 32 dims into its 16 even and 16 odd ones, as each K load is split (zero beyond d). */
 static void prep_q(const float *q, int64_t d, float *qp) {
     for (int64_t i = 0; i < (d + 31) / 32 * 32; i++) qp[(i / 32) * 32 + (i & 1) * 16 + (i % 32) / 2] = i < d ? q[i] : 0.0f;

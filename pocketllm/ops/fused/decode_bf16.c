@@ -16,9 +16,7 @@
  * call), tens of us a head. */
 #define GDN_PARALLEL_MIN (1 << 16)
 /* How many state rows ahead of the read-only pass its lines are prefetched. */
-#ifndef GDN_PREFETCH_ROWS
 #define GDN_PREFETCH_ROWS 8
-#endif
 
 /* h_out = bf16(h + x) (x may be NULL: h_out = h), y = bf16(h_out * rsqrt(mean(h_out^2) + eps) * scale). */
 void add_rms_norm_bf16(const uint16_t *h, const uint16_t *x, const float *scale, float eps, int64_t n, uint16_t *h_out, uint16_t *y) {
