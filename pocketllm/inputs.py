@@ -71,6 +71,21 @@ def prompt_problem(ids: list[int], vocab: int) -> str:
     return ""
 
 
+def request_problem(ids: list[int], max_new_tokens: int, vocab: int, max_len: int) -> str:
+    """What keeps a request of prompt `ids` and `max_new_tokens` new tokens from running in a
+    sequence of at most `max_len` positions ("" when nothing does): the scheduler's check, which
+    the HTTP side runs too so that a client hears a 400, not a refusal from the engine process."""
+    problem = prompt_problem(ids, vocab)
+    if problem:
+        return problem
+    if max_new_tokens < 0:
+        return f"max_new_tokens must be >= 0, got {max_new_tokens}"
+    if len(ids) + max_new_tokens > max_len:
+        return (f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens is {len(ids) + max_new_tokens}, "
+                f"over the {max_len} positions a sequence may hold")
+    return ""
+
+
 def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int]:
     problem = prompt_problem(ids, cfg.vocab_size)
     if problem:

@@ -50,7 +50,7 @@ from pocketllm.engine.kv_blocks import blocks_for, pool_blocks
 from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, plan_for, run_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.sampling import SamplingParams, choose
-from pocketllm.inputs import prompt_problem
+from pocketllm.inputs import request_problem
 
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never
 # reaches the collective timeout however long no request comes.
@@ -153,16 +153,9 @@ class Scheduler:
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=()) -> Request:
         """Queue a request; it runs from the next step on. ValueError (one line) for what cannot
         run: an empty prompt, a token id outside the vocab, more positions than a slot holds."""
-        problem = prompt_problem(prompt, self.vocab)
+        problem = request_problem(prompt, max_new_tokens, self.vocab, self.max_len)
         if problem:
             raise ValueError(problem)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.max_len:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens is {len(prompt) + max_new_tokens}, "
-                f"over the {self.max_len} positions a sequence may hold"
-            )
         with self._lock:
             if self.closed:
                 raise ValueError("the scheduler is closed")

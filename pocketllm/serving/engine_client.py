@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from pocketllm.inputs import prompt_problem
+from pocketllm.inputs import request_problem
 from pocketllm.serving import wire
 from pocketllm.serving.errors import ApiError
 from pocketllm.serving.metrics import Metrics
@@ -87,9 +87,7 @@ class EngineClient:
             raise ApiError(500, f"the engine failed and the server is stopping: {self.failure}")
         if self.stopping:
             raise ApiError(503, "the server is shutting down and takes no new requests")
-        problem = prompt_problem(prompt, self.vocab)
-        if not problem and len(prompt) + max_tokens > self.max_len:
-            problem = f"prompt of {len(prompt)} tokens plus {max_tokens} new tokens is {len(prompt) + max_tokens}, over the {self.max_len} positions a sequence may hold"
+        problem = request_problem(prompt, max_tokens, self.vocab, self.max_len)
         if problem:
             raise ApiError(400, problem, "prompt")
         queue: asyncio.Queue = asyncio.Queue()
