@@ -286,10 +286,8 @@ class Scheduler:
         more, more_fed, _ = self._spans(admitted, budget)
         if self.invariant:
             # Decode and replayed rows first, then the prompt chunks.
-            every = list(zip(spans + more, fed + more_fed))
-            first = [sr for sr in every if not sr[1].prefilling(True)]
-            rest = [sr for sr in every if sr[1].prefilling(True)]
-            return [s for s, _ in first + rest], [r for _, r in first + rest]
+            every = sorted(zip(spans + more, fed + more_fed), key=lambda sr: sr[1].prefilling(True))  # stable
+            return [s for s, _ in every], [r for _, r in every]
         return spans + more, fed + more_fed
 
     def _spans(self, requests: list[Request], budget: int) -> tuple[list, list[Request], int]:
