@@ -35,6 +35,7 @@ _SIGNATURES = {
 ATTENTION_PARALLEL_MIN = 1 << 16
 _lib = None
 _attn: dict[str, ctypes.CDLL] = {}
+_attention_work: dict[tuple, torch.Tensor] = {}
 
 
 def _load(source: str, isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
@@ -164,7 +165,12 @@ def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool
     lib, why = attention_library(isa)
     if lib is None:
         raise RuntimeError(why)
-    work = torch.empty(lib.attention_decode_work_floats(heads, kv_heads, head_dim, bs, splits), dtype=torch.float32)
+    # The scratch depends on the shape alone (not on pos): made once per shape and reused by every
+    # step (a process runs its passes one at a time).
+    key = (isa, heads, kv_heads, head_dim, bs, splits)
+    work = _attention_work.get(key)
+    if work is None:
+        work = _attention_work[key] = torch.empty(lib.attention_decode_work_floats(heads, kv_heads, head_dim, bs, splits), dtype=torch.float32)
     # The kernel checks the table's ids against the pool before it reads or writes anything: a bad
     # one would read outside it.
     if lib.attention_decode_bf16(
