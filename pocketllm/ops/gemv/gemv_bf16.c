@@ -61,6 +61,32 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < cols; c++) o[r][c] = _mm512_reduce_add_ps(a[r][c]);
 }
+/* A weight row (or two) against up to eight x rows: the tile above reads four weight rows at once
+ * and, for more than four x rows, each weight block twice; here each thread streams its weight
+ * rows one (or two) at a time, each line feeding eight dot products, which on some CPUs and shapes
+ * keeps the stream at the one-row kernel's rate where the four-row tile falls to about half (which
+ * wins is measured per shape and row count). Each (weight row, x row) pair still has one
+ * accumulator, summed as dot1 sums it. */
+#define HAS_WIDE 1
+#define WIDE_COLS 8
+static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, int64_t n, const uint16_t *x, int wrows, int cols, float o[2][WIDE_COLS], int64_t ahead) {
+    __m512 a[2][WIDE_COLS];
+    for (int r = 0; r < wrows; r++)
+        for (int c = 0; c < WIDE_COLS; c++) a[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += STEP) {
+        if (ahead)
+            for (int r = 0; r < wrows; r++) _mm_prefetch((const char *)(w + r * n + i) + ahead, _MM_HINT_T0);
+        __mmask32 m = n - i >= STEP ? (__mmask32)~0u : (__mmask32)((1u << (n - i)) - 1u);
+        __m512bh wv[2];
+        for (int r = 0; r < wrows; r++) wv[r] = load_bh(w + r * n + i, m);
+        for (int c = 0; c < cols; c++) {
+            __m512bh xv = load_bh(x + c * n + i, m);
+            for (int r = 0; r < wrows; r++) a[r][c] = _mm512_dpbf16_ps(a[r][c], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < wrows; r++)
+        for (int c = 0; c < cols; c++) o[r][c] = _mm512_reduce_add_ps(a[r][c]);
+}
 const char *gemv_bf16_isa(void) { return "avx512_bf16"; }
 
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
@@ -274,6 +300,50 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
     for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch, ahead);
 #endif
 }
+
+/* Y [m, rows] = X [m, n] W^T with the wide tile: `wrows` (1 or 2) weight rows at a time against
+ * up to eight x rows, `ahead` as for gemv_bf16. Returns 0 where this build has no wide tile. */
+#ifdef HAS_WIDE
+#define WIDE_CALL(R, C) wide_tile(wb, n, x + c0 * n, R, C, o, ahead)
+int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t wrows, int64_t ahead) {
+    if (wrows != 1 && wrows != 2) return 0;
+    int64_t blocks = rows / wrows;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *wb = w + b * wrows * n;
+        for (int64_t c0 = 0; c0 < m; c0 += WIDE_COLS) {
+            int cols = m - c0 < WIDE_COLS ? (int)(m - c0) : WIDE_COLS;
+            float o[2][WIDE_COLS];
+            /* Constant row and column counts, so the accumulators stay in registers. */
+            if (wrows == 1) {
+                switch (cols) {
+                case 8: WIDE_CALL(1, 8); break;
+                case 4: WIDE_CALL(1, 4); break;
+                case 2: WIDE_CALL(1, 2); break;
+                default: WIDE_CALL(1, cols); break;
+                }
+            } else {
+                switch (cols) {
+                case 8: WIDE_CALL(2, 8); break;
+                case 4: WIDE_CALL(2, 4); break;
+                case 2: WIDE_CALL(2, 2); break;
+                default: WIDE_CALL(2, cols); break;
+                }
+            }
+            for (int r = 0; r < wrows; r++)
+                for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * wrows + r] = f32_to_bf16(o[r][c]);
+        }
+    }
+    for (int64_t r = blocks * wrows; r < rows; r++)
+        for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(dot1(w + r * n, n, x + c * n, 0));
+    return 1;
+}
+#else
+int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t wrows, int64_t ahead) {
+    (void)w, (void)x, (void)y, (void)rows, (void)n, (void)m, (void)wrows, (void)ahead;
+    return 0;
+}
+#endif
 
 /* The same few-row product on AMX tiles, where the CPU has them and the kernel lets this process
  * use them (amx_bf16_enable). The weight is the A operand as it lies in memory, sixteen rows of

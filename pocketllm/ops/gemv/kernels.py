@@ -52,11 +52,12 @@ SOURCE = Path(__file__).with_name("gemv_bf16.c")
 _c_gemv = None
 _c_gemm_rows = None
 _amx_gemm_rows = None
+_c_wide_rows = None
 _amx_enabled: bool | None = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv, _c_gemm_rows, _amx_gemm_rows
+    global _c_gemv, _c_gemm_rows, _amx_gemm_rows, _c_wide_rows
     lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
@@ -65,9 +66,12 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.gemm_rows_amx_bf16.restype = None
         lib.gemm_rows_amx_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
+        lib.gemm_rows_wide_bf16.restype = ctypes.c_int
+        lib.gemm_rows_wide_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
         _c_gemv, _c_gemm_rows, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16, lib.gemm_rows_amx_bf16
+        _c_wide_rows = lib.gemm_rows_wide_bf16
     return lib, why
 
 
@@ -78,6 +82,10 @@ PREFETCH_BYTES = 256
 # How far ahead c-ahead asks for each weight row into every cache level: far enough that many more
 # lines are in flight than one core's hardware prefetchers keep (docs/decode.md has the sweep).
 AHEAD_BYTES = 4096
+# The wide few-row tiles' distances: one weight row at a time keeps a single stream per thread and
+# needs less lead than the four-row tile; two rows at a time, more (docs/batching.md has the sweep).
+WIDE_AHEAD_BYTES = 2048
+WIDE2_AHEAD_BYTES = 16384
 
 
 _BF16 = torch.bfloat16
@@ -136,6 +144,29 @@ def compiled_rows(prefetch: int, ahead: int = 0) -> Kernel:
         _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], prefetch, ahead)
 
     return run
+
+
+def compiled_wide_rows(wrows: int, ahead: int) -> Kernel:
+    """The compiled few-row GEMM with the wide tile: `wrows` (1 or 2) weight rows at a time against
+    up to eight x rows, each weight row prefetched `ahead` bytes ahead into every cache level."""
+
+    def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        if not _rows_ok(x, w, out):
+            refuse("gemm_rows_wide_bf16", _rows_specs(x, w, out))
+        if not x.is_contiguous():
+            x = x.contiguous()
+        _c_wide_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], wrows, ahead)
+
+    return run
+
+
+def wide_unavailable(fmt: str, device: torch.device) -> str:
+    """Why the wide few-row tile cannot run here ("" when it can): it is compiled only on the
+    AVX-512 BF16 path, whose dot products give each weight load eight x rows' work."""
+    why = compiled_unavailable(fmt, device)
+    if why:
+        return why
+    return "" if compiled_isa() == "avx512_bf16" else f"the wide tile is built only with AVX-512 BF16 (this build: {compiled_isa()})"
 
 
 def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

@@ -63,12 +63,22 @@ FEW_ROW = register(
                 "the same, each weight row prefetched into every cache level AHEAD_BYTES ahead", gemv.compiled_unavailable, sources=_C,
                 row_order=_ORDER,
             ),
+            Candidate(
+                "c-wide", gemv.compiled_wide_rows(1, gemv.WIDE_AHEAD_BYTES),
+                "the same with each thread's weight rows streamed one at a time against up to eight x rows",
+                gemv.wide_unavailable, sources=_C, row_order=_ORDER,
+            ),
+            Candidate(
+                "c-wide2", gemv.compiled_wide_rows(2, gemv.WIDE2_AHEAD_BYTES),
+                "the same two weight rows at a time, prefetched WIDE2_AHEAD_BYTES ahead", gemv.wide_unavailable, sources=_C,
+                row_order=_ORDER,
+            ),
             # A tile product sums 32 products per step in the tile unit's own order: not the
             # one-row kernel's, so it is chosen only with POCKETLLM_BATCH_INVARIANT=0.
             Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C),
         ),
         default="mm",
-        prefer=("amx", "c", "c-prefetch", "c-ahead"),
+        prefer=("amx", "c", "c-prefetch", "c-ahead", "c-wide", "c-wide2"),
     )
 )
 
