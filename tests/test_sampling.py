@@ -11,6 +11,8 @@ from pocketllm.engine.sampling import (
     apply_penalties_,
     apply_penalties_reference,
     choose,
+    draw,
+    draw_reference,
     min_p_filter,
     min_p_filter_reference,
     top_k_filter,
@@ -92,3 +94,22 @@ def test_top_k_and_min_p_keep_sampling_within_their_sets():
     assert {choose(x, hot, [1], [], (), gen)[0] for _ in range(200)} == top3
     # min_p 1: only the likeliest token is as likely as the likeliest.
     assert {choose(x, SamplingParams(temperature=2.0, min_p=1.0), [1], [], (), gen)[0] for _ in range(20)} == {int(x.argmax())}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draw_matches_its_reference_and_never_takes_a_zero(seed):
+    probs = torch.softmax(logits_row(seed), dim=0)
+    probs[::3] = 0.0  # unnormalized, with holes
+    a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    got = [draw(probs, a) for _ in range(300)]
+    assert got == [draw_reference(probs, b) for _ in range(300)]
+    assert all(probs[i] > 0 for i in got)
+
+
+def test_draw_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(4000)]), minlength=5).double() / 4000
+    # Four thousand draws: each share within four standard deviations (at most ~0.032).
+    assert counts[1] == 0 and counts[4] == 0
+    assert torch.allclose(counts, probs.double(), atol=0.032), counts.tolist()

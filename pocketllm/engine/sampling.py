@@ -55,8 +55,30 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
         probs = probs / probs.sum()
     if params.top_p < 1.0:
         probs = top_p_filter(probs, params.top_p)
-    drawn = int(torch.multinomial(probs, 1, generator=gen))
+    drawn = draw(probs, gen)
     return drawn if ids is None else int(ids[drawn])
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One index drawn from probs [V] (non-negative, any positive sum) by inverting its cumulative
+    sum at one uniform number from `gen`: torch.multinomial over a whole vocabulary row costs about
+    twenty times as much, which at eight sequences a step was a quarter of the step."""
+    cum = torch.cumsum(probs.double(), dim=0)
+    at = float(torch.rand((), dtype=torch.float64, generator=gen)) * float(cum[-1])
+    # The first index whose cumulative sum passes `at`: never a zero-probability one (its sum
+    # equals the one before it). Rounding can put `at` on the total: then the last likely index.
+    i = int(torch.searchsorted(cum, torch.tensor([at], dtype=torch.float64), right=True))
+    return i if i < probs.shape[0] else int(torch.nonzero(probs > 0)[-1])
+
+
+def draw_reference(probs: torch.Tensor, gen: torch.Generator) -> int:
+    at = float(torch.rand((), dtype=torch.float64, generator=gen)) * sum(float(p) for p in probs.double())
+    total = 0.0
+    for i, p in enumerate(probs.double().tolist()):
+        total += p
+        if total > at:
+            return i
+    return max(i for i, p in enumerate(probs.tolist()) if p > 0)
 
 
 def mask_tokens_(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
