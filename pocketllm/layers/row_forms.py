@@ -1,7 +1,8 @@
 """The row-wise work of a pass (a norm with its residual add, SiLU-and-multiply) part by part
 (layers.context.Part): a part of decode rows in the one-row forms, each row getting the bits it
 gets alone (the compiled ops row by row where they apply, else the torch forms row by row), a
-prompt segment's rows in the torch forms by row blocks. One part of one row is a decode step
+prompt segment's rows in the compiled rows forms split over the threads where they apply, else the
+torch forms by row blocks. One part of one row is a decode step
 alone; one part of many rows, a prefill alone."""
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def add_rms_norm(ops: DecodeOps, part: Part, h: torch.Tensor, x: torch.Tensor | 
     """(h + x, rms_norm(h + x) * scale) on one part's rows h, x (x None: no add)."""
     rows = h.shape[0]
     if not part.alone:
+        # A prompt segment's rows: the compiled rows form splits them over the threads (it treats
+        # every row alone, so a row's bits do not depend on the segment's other rows either).
+        if ops.compiled and rows > 1:
+            return compiled.add_rms_norm_rows(h.contiguous(), None if x is None else x.contiguous(), scale, eps)
         return TORCH_OPS.add_rms_norm(h, x, scale, eps)
     if rows == 1:
         return ops.add_rms_norm(h, x, scale, eps)
@@ -40,6 +45,8 @@ def add_rms_norm(ops: DecodeOps, part: Part, h: torch.Tensor, x: torch.Tensor | 
 
 def silu_mul(ops: DecodeOps, part: Part, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not part.alone:
+        if ops.compiled and gate.shape[0] > 1:
+            return compiled.silu_mul_rows(gate, up)
         return by_row_blocks(silu_mul_reference, gate, up)
     if gate.shape[0] == 1:
         return ops.silu_mul(gate, up)

@@ -140,11 +140,34 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
 /* add_rms_norm_bf16 and silu_mul_bf16 on each of `rows` rows, each row by the one-row call, so a
  * row gets the bits it gets alone: a decode step of several sequences. Row r of h, x, h_out and y
  * starts at r * n; of gate and up at r * stride (the halves of one projection's output rows). */
-void add_rms_norm_rows_bf16(const uint16_t *h, const uint16_t *x, const float *scale, float eps, int64_t n, int64_t rows, uint16_t *h_out, uint16_t *y) {
+/* From this many rows (a prompt chunk) the rows are split over the threads. A decode step's few
+ * rows stay on the calling thread in a loop with no parallel region in it: a region that is not
+ * taken still costs a runtime call, which alone was most of a decode row's SiLU. */
+#define ROWS_PARALLEL_MIN 32
+static void add_rms_norm_rows_parallel(const uint16_t *h, const uint16_t *x, const float *scale, float eps, int64_t n, int64_t rows, uint16_t *h_out, uint16_t *y) {
+#pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         add_rms_norm_bf16(h + r * n, x ? x + r * n : 0, scale, eps, n, x ? h_out + r * n : 0, y + r * n);
 }
 
+void add_rms_norm_rows_bf16(const uint16_t *h, const uint16_t *x, const float *scale, float eps, int64_t n, int64_t rows, uint16_t *h_out, uint16_t *y) {
+    if (rows >= ROWS_PARALLEL_MIN) {
+        add_rms_norm_rows_parallel(h, x, scale, eps, n, rows, h_out, y);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_bf16(h + r * n, x ? x + r * n : 0, scale, eps, n, x ? h_out + r * n : 0, y + r * n);
+}
+
+static void silu_mul_rows_parallel(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t n, int64_t rows, uint16_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) silu_mul_bf16(gate + r * stride, up + r * stride, out + r * n, n);
+}
+
 void silu_mul_rows_bf16(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t n, int64_t rows, uint16_t *out) {
+    if (rows >= ROWS_PARALLEL_MIN) {
+        silu_mul_rows_parallel(gate, up, stride, n, rows, out);
+        return;
+    }
     for (int64_t r = 0; r < rows; r++) silu_mul_bf16(gate + r * stride, up + r * stride, out + r * n, n);
 }
