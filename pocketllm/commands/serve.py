@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_plan
 from pocketllm.distributed.state import tp
-from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, pool_blocks
+from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, default_budget_bytes, pool_blocks, ranks_sharing_memory
 from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET
 from pocketllm.engine.prefix_cache import PREFIX_CACHE_FRACTION
 from pocketllm.errors import UsageError
@@ -53,8 +53,8 @@ def add_arguments(p) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="start a request from the longest cached prefix of its tokens (where an earlier request stopped, or a long prompt's "
-        f"chunk ended): KV blocks shared, Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's bytes "
-        "in copies (default on)",
+        f"chunk ended): KV blocks shared, Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's budget "
+        "in copies, made as prefixes are cached (default on)",
     )
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: no authentication)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
@@ -124,9 +124,11 @@ def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
         )
 
 
-def _pool(engine, t: Task, max_len: int) -> int:
-    """The KV pool's blocks, the same on every rank, and rank 0 says what it holds."""
-    blocks = min(pool_blocks(engine, t.kv_cache_gib), t.max_running * blocks_for(max_len))
+def _pool(engine, t: Task, max_len: int) -> tuple[int, int]:
+    """The KV pool's blocks and the blocks its budget would hold uncapped, the same on every rank,
+    and rank 0 says what the pool holds."""
+    budget = pool_blocks(engine, t.kv_cache_gib)
+    blocks = min(budget, t.max_running * blocks_for(max_len))
     per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
     if blocks < blocks_for(max_len):
         raise RuntimeError(
@@ -138,15 +140,25 @@ def _pool(engine, t: Task, max_len: int) -> int:
         f"{blocks * per_block / 2**30:.2f} GiB per rank ({t.max_running} sequences of {max_len} would fill "
         f"{t.max_running * blocks_for(max_len) * per_block / 2**30:.2f} GiB)"
     )
-    return blocks
+    return blocks, budget
 
 
-def _prefix_cache_bytes(engine, t: Task, kv_blocks: int) -> int:
-    """The prefix cache's budget for GDN state copies (0 when off), and rank 0 says what it holds."""
+def _prefix_cache_bytes(engine, t: Task, budget_blocks: int) -> int:
+    """The prefix cache's budget for GDN state copies (0 when off), and rank 0 says what it holds:
+    a fraction of the KV cache's budget (--kv-cache-gib or its default), not of the pool that
+    --max-running sequences of --max-len cap, which for a small model holds a handful of copies
+    (the copies are made as prefixes are cached, never up front)."""
     if not t.enable_prefix_caching:
         say("prefix cache: off")
         return 0
-    budget = int(PREFIX_CACHE_FRACTION * kv_blocks * kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize))
+    per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
+    if per_block == 0:
+        # No full-attention layer, so no KV budget to take a fraction of: the default share of
+        # the free memory.
+        default = default_budget_bytes(engine.device, ranks_sharing_memory(engine.device, tp().world))
+        budget = int(PREFIX_CACHE_FRACTION * (t.kv_cache_gib * 2**30 if t.kv_cache_gib else default))
+    else:
+        budget = int(PREFIX_CACHE_FRACTION * budget_blocks * per_block)
     entry = engine.gdn_state_bytes()
     say(f"prefix cache: up to {budget // max(1, entry)} prefixes ({entry / 2**20:.2f} MiB of Gated DeltaNet state each, {budget / 2**20:.0f} MiB)")
     return budget
@@ -172,14 +184,14 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     from pocketllm.engine.scheduler import Scheduler
 
     t, ckpt = run.task, run.source.ckpt
-    kv_blocks = _pool(engine, t, settings["max_len"])
+    kv_blocks, budget_blocks = _pool(engine, t, settings["max_len"])
     if tp().rank != 0:
         follow(engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks)
         return 0
     from pocketllm.serving.engine_driver import EngineDriver
     from pocketllm.serving.http_process import end_http, start_http, stop_on_signals
 
-    cache_bytes = _prefix_cache_bytes(engine, t, kv_blocks)
+    cache_bytes = _prefix_cache_bytes(engine, t, budget_blocks)
     scheduler = Scheduler(
         engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes
     )
