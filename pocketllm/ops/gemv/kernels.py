@@ -50,14 +50,14 @@ SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 
 _c_gemv = None
-_c_gemm_rows = None
 _amx_gemm_rows = None
-_c_wide_rows = None
+# The few-row entry points by symbol, all (w, x, y, rows, n, m, a, b): set when the library loads.
+_c_rows: dict[str, object] = {}
 _amx_enabled: bool | None = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv, _c_gemm_rows, _amx_gemm_rows, _c_wide_rows
+    global _c_gemv, _amx_gemm_rows
     lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
@@ -70,8 +70,8 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         lib.gemm_rows_wide_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
-        _c_gemv, _c_gemm_rows, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_bf16, lib.gemm_rows_amx_bf16
-        _c_wide_rows = lib.gemm_rows_wide_bf16
+        _c_gemv, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_amx_bf16
+        _c_rows.update(gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16)
     return lib, why
 
 
@@ -132,32 +132,30 @@ def _rows_ok(x, w, out) -> bool:
     )
 
 
-def compiled_rows(prefetch: int, ahead: int = 0) -> Kernel:
-    """The compiled few-row GEMM, prefetching each weight row `prefetch` bytes ahead
-    non-temporally, or `ahead` bytes ahead into every cache level."""
+def _rows_kernel(symbol: str, a: int, b: int) -> Kernel:
+    """A checked call of the compiled few-row entry point `symbol` with its two settings a, b."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         if not _rows_ok(x, w, out):
-            refuse("gemm_rows_bf16", _rows_specs(x, w, out))
+            refuse(symbol, _rows_specs(x, w, out))
         if not x.is_contiguous():
             x = x.contiguous()
-        _c_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], prefetch, ahead)
+        # Only ever chosen after unavailable() built the library, which filled _c_rows.
+        _c_rows[symbol](w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], a, b)
 
     return run
+
+
+def compiled_rows(prefetch: int, ahead: int = 0) -> Kernel:
+    """The compiled few-row GEMM, prefetching each weight row `prefetch` bytes ahead
+    non-temporally, or `ahead` bytes ahead into every cache level."""
+    return _rows_kernel("gemm_rows_bf16", prefetch, ahead)
 
 
 def compiled_wide_rows(wrows: int, ahead: int) -> Kernel:
     """The compiled few-row GEMM with the wide tile: `wrows` (1 or 2) weight rows at a time against
     up to eight x rows, each weight row prefetched `ahead` bytes ahead into every cache level."""
-
-    def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        if not _rows_ok(x, w, out):
-            refuse("gemm_rows_wide_bf16", _rows_specs(x, w, out))
-        if not x.is_contiguous():
-            x = x.contiguous()
-        _c_wide_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], wrows, ahead)
-
-    return run
+    return _rows_kernel("gemm_rows_wide_bf16", wrows, ahead)
 
 
 def wide_unavailable(fmt: str, device: torch.device) -> str:
