@@ -59,7 +59,7 @@ def check(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, tight: bool, 
 @pytest.mark.parametrize("row_class", [qc.ONE, qc.FEW, qc.MANY])
 def test_every_candidate_matches_the_reference(fmt, row_class):
     names = [c.name for c in qc.available(row_class, fmt)]
-    expected = {qc.ONE: {"c", "c-prefetch", "c-prefetch-far"}, qc.FEW: {"c", "c-prefetch", "c-prefetch-far"}, qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
+    expected = {qc.ONE: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.FEW: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
     expected |= {"int8pack"} if fmt == "int8" else {"int4pack"}
     assert set(names) == expected
     group = qc.parse_format(fmt)[1]
@@ -77,7 +77,7 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
                 got = torch.full((*x.shape[:-1], 37), float("nan"), dtype=torch.bfloat16)
                 cand.run(x, prepared, got)
                 # Exact products in fp32: the compiled GEMVs and the fp32 dequantization.
-                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
+                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
                 check(got, x, qw, tight, f"{cand.name} {fmt} {cols} inputs, {scale_dtype} scales, {rows} rows")
 
 
@@ -88,8 +88,8 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
     cols = WIDTHS[group][0]
     qw = weight(fmt, 13, cols)
     x = torch.randn(16, cols, dtype=torch.bfloat16)
-    for prefetch in (0, qc.PREFETCH_BYTES):
-        run = native.gemv(prefetch, variant)
+    for prefetch, into_all in ((0, False), (qc.PREFETCH_BYTES, False), (qc.PREFETCH_BYTES, True)):
+        run = native.gemv(prefetch, variant, into_all)
         singles = torch.empty(16, 13, dtype=torch.bfloat16)
         for i in range(16):
             run(x[i].clone(), qw, singles[i])

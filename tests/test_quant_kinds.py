@@ -63,7 +63,7 @@ def test_the_reference_candidates_equal_the_reference_past_their_row_blocks(monk
 
 def test_forcing_a_quantized_kernel_and_its_one_line_errors():
     gemv = quant_kinds.KINDS[("int4", ONE)]
-    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, int4pack"):
+    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, int4pack"):
         gemv.forced({gemv.env: "int8pack"})
     with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV=c: the compiled quantized kernels run on a CPU"):
         check_forced(["int4-g128"], "cuda", {gemv.env: "c"})

@@ -10,7 +10,7 @@ order (and the roundings their notes state) is layout.quant_linear_reference.
 
 | name | rows | what |
 |---|---|---|
-| c, c-prefetch, c-prefetch-far | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
+| c, c-prefetch, c-prefetch-far, c-ahead | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
 | int8pack | one, few, many | torch._weight_int8pack_mm |
 | int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
 | dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
@@ -94,9 +94,10 @@ _INT8PACK = "int8; scales used in x's dtype (fp16/fp32 scales rounded for bf16 x
 _INT4PACK = "int4, any group; scales and zero offsets (8 - z) * scale used in x's dtype (rounded for bf16 x)"
 
 
-def _gemv(name: str, rows: str, prefetch: int, what: str) -> QuantCandidate:
+def _gemv(name: str, rows: str, prefetch: int, what: str, into_all: bool = False) -> QuantCandidate:
     return QuantCandidate(
-        name, rows, native.gemv(prefetch), what, _ALL, _compiled_unavailable("gemv"), native.prepare, "checked", _GEMV_SOURCES
+        name, rows, native.gemv(prefetch, into_all=into_all), what, _ALL, _compiled_unavailable("gemv"), native.prepare, "checked",
+        _GEMV_SOURCES,
     )
 
 
@@ -116,6 +117,7 @@ ONE_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c", ONE, 0, "compiled int8/int4 GEMV (ops/quant/gemv_int4.c, gemv_int8.c): AVX-512 BF16, AVX2 or plain C"),
     _gemv("c-prefetch", ONE, PREFETCH_BYTES, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
     _gemv("c-prefetch-far", ONE, PREFETCH_FAR_BYTES, "the same, PREFETCH_FAR_BYTES ahead"),
+    _gemv("c-ahead", ONE, PREFETCH_BYTES, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level", True),
     _torch("int8pack", ONE),
     _torch("int4pack", ONE),
 )
@@ -123,6 +125,7 @@ FEW_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c", FEW, 0, "compiled int8/int4 tile, four weight rows against up to four x rows; each row summed as the one-row kernel sums it"),
     _gemv("c-prefetch", FEW, PREFETCH_BYTES, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
     _gemv("c-prefetch-far", FEW, PREFETCH_FAR_BYTES, "the same, PREFETCH_FAR_BYTES ahead"),
+    _gemv("c-ahead", FEW, PREFETCH_BYTES, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level", True),
     _torch("int8pack", FEW),
     _torch("int4pack", FEW),
 )

@@ -27,6 +27,7 @@ struct q4 {
     const uint8_t *z;
     int64_t rows, n, group, ng;
     int64_t pf_bytes;  /* how far ahead of each weight load its prefetch reaches (0: none) */
+    int64_t pf_all;    /* that prefetch into every cache level, not non-temporally (prefetch_weight) */
     const void *x;     /* the x rows as the tile reads them (prepare_x) */
     int64_t xstride;   /* elements between two of them */
     const float *xsum; /* [m, ng] each group's sum of x, where the zero term needs it */
@@ -152,7 +153,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
         __m512 sc[TILE_R];
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
-            if (pf) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            if (pf) prefetch_weight((const char *)p + pf, q->pf_all);
             __m512i v = _mm512_maskz_loadu_epi8(m, p);
             /* (v >> 4k) & 0x0f | 0x4300: the ternary logic's truth table 0xea is A & B | C. */
             nib[r][0] = (__m512bh)_mm512_ternarylogic_epi32(v, low, exp128, 0xea);
@@ -311,7 +312,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
         for (int64_t e = g * q->group; e < (g + 1) * q->group; e += 16) {
             UNROLL for (int r = 0; r < R; r++) {
                 const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
-                if (pf && (e & 127) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+                if (pf && (e & 127) == 0) prefetch_weight((const char *)p + pf, q->pf_all);
                 __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
                 __m256 fl = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), zero[r]));
                 __m256 fh = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), zero[r]));
@@ -407,11 +408,12 @@ struct q4_weight {
 };
 
 /* y [m, rows] = x [m, n] W^T. prefetch: at least how many bytes ahead of each weight load it is
- * prefetched from (non-temporally), 0 for none. Returns 0, or -1 when the scratch for x
- * could not be allocated (nothing written). */
-int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch) {
+ * prefetched from, 0 for none; into_all: into every cache level rather than non-temporally (the
+ * AVX-512 path without BF16 always does so). Returns 0, or -1 when the scratch for x could not be
+ * allocated (nothing written). */
+int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
     const int64_t rows = wt->rows, n = wt->n, group = wt->group;
-    struct q4 q = {wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, NULL, x_stride(n), NULL};
+    struct q4 q = {wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, into_all, NULL, x_stride(n), NULL};
     size_t xbytes = ((size_t)(m * q.xstride) * sizeof(X_ELEM) + 63) & ~(size_t)63;
     size_t sbytes = ZERO_TERM_NEEDED(wt->z) ? (size_t)(m * q.ng) * sizeof(float) : 0;
     char *buf = scratch(xbytes + sbytes);

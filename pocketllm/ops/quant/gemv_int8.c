@@ -22,6 +22,7 @@ struct q8 {
     const int8_t *w;
     int64_t rows, n;
     int64_t pf_bytes; /* how far ahead of each weight load its prefetch reaches (0: none) */
+    int64_t pf_all;   /* that prefetch into every cache level, not non-temporally (prefetch_weight) */
     const void *x; /* the x rows as the tile reads them */
     int64_t xstride; /* elements between two of them */
 };
@@ -81,7 +82,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
         __m512bh nib[TILE_R][4];
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if (pf) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            if (pf) prefetch_weight((const char *)p + pf, q->pf_all);
             __m512i v = _mm512_maskz_loadu_epi8(m, p);
             /* Low nibbles: (v >> 8k) & 0x0f | 0x4300 (truth table 0xea: A & B | C); high nibbles:
              * (v >> 4 + 8k) & 0x0f ^ 0x4508 (0x6a: A & B ^ C), the xor flipping the sign bit. */
@@ -181,7 +182,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
         __m256 f[TILE_R];
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if (pf && (e & 63) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_NTA);
+            if (pf && (e & 63) == 0) prefetch_weight((const char *)p + pf, q->pf_all);
             f[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
         }
         UNROLL for (int c = 0; c < C; c++) {
@@ -247,15 +248,15 @@ struct q8_weight {
     int64_t kind, rows, n;
 };
 
-/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch as for q4_gemm (at least that many bytes ahead, in whole tiles). Returns 0, or -1
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch and into_all as for q4_gemm (at least that many bytes ahead, in whole tiles). Returns 0, or -1
  * when the scratch for x could not be allocated (nothing written). */
-int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch) {
+int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
     const int64_t rows = wt->rows, n = wt->n;
     const int64_t xs = x_stride(n);
     X_ELEM *xw = scratch((size_t)(m * xs) * sizeof(X_ELEM));
     if (xw == NULL) return -1;
     for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * xs);
-    struct q8 q = {wt->w, rows, n, prefetch, xw, xs};
+    struct q8 q = {wt->w, rows, n, prefetch, into_all, xw, xs};
     int64_t units = (rows + TILE_R - 1) / TILE_R;
     /* As q4_gemm: the prefetch distance in whole tiles. */
     const int64_t tile_bytes = TILE_R * n;

@@ -28,8 +28,8 @@ SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
-    "q4_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64]),
-    "q8_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64]),
+    "q4_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "q8_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q4_dequant": (None, [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]),
     "q8_dequant": (None, [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
     "q4_isa": (ctypes.c_char_p, []),
@@ -214,8 +214,9 @@ def _function(scheme: str, variant: str):
     return lib.q4_gemm if scheme == "int4" else lib.q8_gemm
 
 
-def gemv(prefetch: int, variant: str = "native"):
-    """The compiled one-row/few-row kernel for either scheme: run(x, w, out), x [in] or [m, in],
+def gemv(prefetch: int, variant: str = "native", into_all: bool = False):
+    """The compiled one-row/few-row kernel for either scheme, each weight load prefetched `prefetch`
+    bytes ahead (0: none), non-temporally or, `into_all`, into every cache level: run(x, w, out), x [in] or [m, in],
     w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
     fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
     which multiplies the reference's very weights."""
@@ -230,7 +231,7 @@ def gemv(prefetch: int, variant: str = "native"):
             blocked_product(x, w, out, torch.float32, variant)
             return
         fn = fns.get(w.scheme) or fns.setdefault(w.scheme, _function(w.scheme, variant))
-        if fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch) != 0:
+        if fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all)) != 0:
             raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
 
     return run

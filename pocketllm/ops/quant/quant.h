@@ -43,6 +43,17 @@ static inline float scale_at(const void *s, int64_t kind, int64_t i) {
 /* A prefetch in plain C too (a hint: it never faults). */
 static inline void prefetch_line(const char *p) { __builtin_prefetch(p); }
 
+/* A weight line asked for ahead of its load: non-temporally (all 0: it passes by the outer caches,
+ * which keep what the rest of a decode step runs on), or into every cache level (all 1: more lines
+ * in flight where a core's prefetchers fall short of the memory's rate). Which streams faster is
+ * measured: each is a candidate (ops/quant/candidates.py). */
+static inline void prefetch_weight(const void *p, int64_t all) {
+    if (all)
+        __builtin_prefetch(p, 0, 3);
+    else
+        __builtin_prefetch(p, 0, 0);
+}
+
 /* The first `bytes` of a thread's part of the weight asked for at once: its loop's prefetch runs
  * that far ahead, so without this the part's first lines would each wait on memory. */
 static inline void prefetch_start(const void *from, int64_t bytes) {

@@ -69,11 +69,11 @@ for _family in ("int8", "int4"):
     _ref_rows = Candidate(REFERENCE, reference_rows, _REF, measured=False)
     KINDS[(_family, ONE)] = register(Kind(
         ONE, _family, ONE, ENV[(_family, ONE)], (_ref_one, *_of_family(_family, qc.ONE_ROW)),
-        default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c"), streams=True, isa=_isa,
+        default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), streams=True, isa=_isa,
     ))
     KINDS[(_family, FEW)] = register(Kind(
         FEW, _family, FEW, ENV[(_family, FEW)], (_ref_rows, *_of_family(_family, qc.FEW_ROW)),
-        default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c"), isa=_isa,
+        default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), isa=_isa,
     ))
     KINDS[(_family, MANY)] = register(Kind(
         MANY, _family, MANY, ENV[(_family, MANY)], (_ref_rows, *_of_family(_family, qc.MANY_ROW)),
