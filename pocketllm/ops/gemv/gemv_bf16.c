@@ -69,7 +69,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
  * accumulator, summed as dot1 sums it. */
 #define HAS_WIDE 1
 #define WIDE_COLS 8
-static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, int64_t n, const uint16_t *x, int wrows, int cols, float o[2][WIDE_COLS], int64_t ahead) {
+#define WIDE_ROWS_MAX 2
+static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int wrows, int cols, float o[2][WIDE_COLS], int64_t ahead) {
+    (void)xw;
     __m512 a[2][WIDE_COLS];
     for (int r = 0; r < wrows; r++)
         for (int c = 0; c < WIDE_COLS; c++) a[r][c] = _mm512_setzero_ps();
@@ -153,6 +155,27 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
     }
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < cols; c++) o[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(ae[r][c], ao[r][c]));
+}
+/* The wide tile (see the BF16 path): one weight row at a time against up to eight x rows, its
+ * widened halves feeding sixteen sums, each pair's two added and reduced as dot1's. */
+#define HAS_WIDE 1
+#define WIDE_COLS 8
+#define WIDE_ROWS_MAX 1
+static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int wrows, int cols, float o[2][WIDE_COLS], int64_t ahead) {
+    (void)x, (void)wrows;
+    const int64_t xs = X_STRIDE(n);
+    __m512 ae[WIDE_COLS], ao[WIDE_COLS];
+    for (int c = 0; c < WIDE_COLS; c++) ae[c] = ao[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += STEP) {
+        if (ahead) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
+        __m512i wv = load_w(w + i, n - i);
+        __m512 we = even_f(wv), wo = odd_f(wv);
+        for (int c = 0; c < cols; c++) {
+            ae[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xw + c * xs + i), ae[c]);
+            ao[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xw + c * xs + i + STEP / 2), ao[c]);
+        }
+    }
+    for (int c = 0; c < cols; c++) o[0][c] = _mm512_reduce_add_ps(_mm512_add_ps(ae[c], ao[c]));
 }
 const char *gemv_bf16_isa(void) { return "avx512f"; }
 
@@ -301,12 +324,22 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
 #endif
 }
 
-/* Y [m, rows] = X [m, n] W^T with the wide tile: `wrows` (1 or 2) weight rows at a time against
- * up to eight x rows, `ahead` as for gemv_bf16. Returns 0 where this build has no wide tile. */
+/* Y [m, rows] = X [m, n] W^T with the wide tile: `wrows` (1, or 2 where WIDE_ROWS_MAX allows)
+ * weight rows at a time against up to eight x rows, `ahead` as for gemv_bf16. Returns 0 where this
+ * build has no wide tile of `wrows` rows (nothing written). */
 #ifdef HAS_WIDE
-#define WIDE_CALL(R, C) wide_tile(wb, n, x + c0 * n, R, C, o, ahead)
+#define WIDE_CALL(R, C) wide_tile(wb, n, x + c0 * n, xw == NULL ? NULL : xw + c0 * X_STRIDE(n), R, C, o, ahead)
 int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t wrows, int64_t ahead) {
-    if (wrows != 1 && wrows != 2) return 0;
+    if (wrows < 1 || wrows > WIDE_ROWS_MAX) return 0;
+    float *xw = NULL;
+#if WIDENS_X
+    xw = scratch((size_t)(m * X_STRIDE(n)) * sizeof(float));
+    if (xw == NULL) {
+        for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0, ahead);
+        return 1;
+    }
+    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * X_STRIDE(n));
+#endif
     int64_t blocks = rows / wrows;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
@@ -323,12 +356,14 @@ int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64
                 default: WIDE_CALL(1, cols); break;
                 }
             } else {
+#if WIDE_ROWS_MAX >= 2
                 switch (cols) {
                 case 8: WIDE_CALL(2, 8); break;
                 case 4: WIDE_CALL(2, 4); break;
                 case 2: WIDE_CALL(2, 2); break;
                 default: WIDE_CALL(2, cols); break;
                 }
+#endif
             }
             for (int r = 0; r < wrows; r++)
                 for (int c = 0; c < cols; c++) y[(c0 + c) * rows + b * wrows + r] = f32_to_bf16(o[r][c]);

@@ -158,13 +158,23 @@ def compiled_wide_rows(wrows: int, ahead: int) -> Kernel:
     return _rows_kernel("gemm_rows_wide_bf16", wrows, ahead)
 
 
-def wide_unavailable(fmt: str, device: torch.device) -> str:
-    """Why the wide few-row tile cannot run here ("" when it can): it is compiled only on the
-    AVX-512 BF16 path, whose dot products give each weight load eight x rows' work."""
-    why = compiled_unavailable(fmt, device)
-    if why:
-        return why
-    return "" if compiled_isa() == "avx512_bf16" else f"the wide tile is built only with AVX-512 BF16 (this build: {compiled_isa()})"
+# The builds with a wide tile, and the weight rows at a time each takes (gemv_bf16.c WIDE_ROWS_MAX).
+WIDE_ROWS = {"avx512_bf16": (1, 2), "avx512f": (1,)}
+
+
+def wide_unavailable(wrows: int):
+    """Why the wide few-row tile of `wrows` weight rows cannot run here ("" when it can), as a
+    candidate's unavailable(fmt, device): it is built on the AVX-512 paths, whose 32 registers
+    hold eight x rows' sums."""
+
+    def unavailable(fmt: str, device: torch.device) -> str:
+        why = compiled_unavailable(fmt, device)
+        if why:
+            return why
+        isa = compiled_isa()
+        return "" if wrows in WIDE_ROWS.get(isa, ()) else f"no wide tile of {wrows} weight rows in the {isa} build"
+
+    return unavailable
 
 
 def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

@@ -66,11 +66,11 @@ FEW_ROW = register(
             Candidate(
                 "c-wide", gemv.compiled_wide_rows(1, gemv.WIDE_AHEAD_BYTES),
                 "the same with each thread's weight rows streamed one at a time against up to eight x rows",
-                gemv.wide_unavailable, sources=_C, row_order=_ORDER,
+                gemv.wide_unavailable(1), sources=_C, row_order=_ORDER,
             ),
             Candidate(
                 "c-wide2", gemv.compiled_wide_rows(2, gemv.WIDE2_AHEAD_BYTES),
-                "the same two weight rows at a time, prefetched WIDE2_AHEAD_BYTES ahead", gemv.wide_unavailable, sources=_C,
+                "the same two weight rows at a time, prefetched WIDE2_AHEAD_BYTES ahead", gemv.wide_unavailable(2), sources=_C,
                 row_order=_ORDER,
             ),
             # A tile product sums 32 products per step in the tile unit's own order: not the
