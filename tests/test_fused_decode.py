@@ -48,6 +48,34 @@ def test_add_rms_norm_and_silu_mul_match_torch(n):
     assert_within_ulps(kernels.silu_mul(gate, up), reference.silu_mul_reference(gate, up), 1)
 
 
+@pytest.mark.parametrize("t", [1, 2, 3, 40, 257])
+def test_prompt_rows_conv_and_gated_norm_match_torch(t):
+    # The compiled rows forms a prompt segment takes (a view's rows, a stride apart; fewer rows
+    # than the conv window, and more than the threads' split), against the torch forms.
+    from pocketllm.ops.causal_conv import causal_conv1d_prefill_
+    from pocketllm.ops.norms import rms_norm_gated
+
+    torch.manual_seed(t)
+    kernels.library()
+    ch, k, hv, dv = 72, 4, 3, 40
+    proj = torch.randn(t, ch + hv * dv + 5, dtype=torch.bfloat16) * 2
+    x, z = proj[:, :ch], proj[:, ch : ch + hv * dv]
+    taps = torch.randn(k, ch)
+    state = torch.randn(k - 1, ch, dtype=torch.bfloat16)
+    want_state = state.clone()
+    want = causal_conv1d_prefill_(x, taps, want_state)
+    got = kernels.conv_silu_rows(x, taps, state)
+    assert torch.equal(state, want_state)
+    assert_within_ulps(got, want, 1)
+    o = torch.randn(t, hv, dv, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(dv)).bfloat16()
+    assert_within_ulps(kernels.rms_norm_gated_rows(o, z.view(t, hv, dv), w, 1e-6), rms_norm_gated(o, z.view(t, hv, dv), w, 1e-6), 1)
+    with pytest.raises(ValueError, match="conv_silu_rows_bf16: taps must be float32"):
+        kernels.conv_silu_rows(x, taps.bfloat16(), state)
+    with pytest.raises(ValueError, match="rms_norm_gated_rows_bf16: weight must be bfloat16"):
+        kernels.rms_norm_gated_rows(o, z.view(t, hv, dv), w.float(), 1e-6)
+
+
 def engine(monkeypatch, fused: bool, cfg):
     monkeypatch.setenv(ENV_FUSED, "1" if fused else "0")
     set_tp(0, 1)

@@ -17,6 +17,7 @@ from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
 from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_step_
 from pocketllm.ops.fused import decode_ops
+from pocketllm.ops.fused import kernels as compiled_kernels
 from pocketllm.ops.gated_delta import gated_delta_step_, select_gdn_kernel
 from pocketllm.ops.norms import l2_normalize
 from pocketllm.profiling.scopes import scope
@@ -103,9 +104,14 @@ class GatedDeltaNet(nn.Module):
                     state.recurrent, self.hk, self.hv, self.dk, self.dv,
                 )
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
+        # A prompt segment's conv and gated norm take the compiled rows forms where the decode
+        # block is compiled (bf16 on a CPU): the same roundings, split over the threads.
+        rows_compiled = self.compiled_decode is not None and not seq.one_row
         with scope("gdn_conv"):
             if seq.one_row:
                 mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
+            elif rows_compiled:
+                mixed = compiled_kernels.conv_silu_rows(mixed, self.conv_taps, state.conv)
             else:
                 mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
         kd = self.hk * self.dk
@@ -126,5 +132,8 @@ class GatedDeltaNet(nn.Module):
                 out, final = self.kernel.prefill(q, k, v, g, beta, state.recurrent)
                 state.recurrent.copy_(final)
         with scope("norms", "gated"):
-            out = self.norm(out.to(proj.dtype), z.view(t, self.hv, self.dv))
+            if rows_compiled:
+                out = compiled_kernels.rms_norm_gated_rows(out.to(proj.dtype).contiguous(), z.view(t, self.hv, self.dv), self.norm.weight, self.norm.eps)
+            else:
+                out = self.norm(out.to(proj.dtype), z.view(t, self.hv, self.dv))
         return out.reshape(t, self.hv * self.dv)

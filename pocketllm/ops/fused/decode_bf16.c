@@ -171,3 +171,78 @@ void silu_mul_rows_bf16(const uint16_t *gate, const uint16_t *up, int64_t stride
     }
     for (int64_t r = 0; r < rows; r++) silu_mul_bf16(gate + r * stride, up + r * stride, out + r * n, n);
 }
+
+/* A prompt segment's causal conv + SiLU, as the torch form (ops/causal_conv.py) computes it: per
+ * row and channel, the newest input times the last tap, then the older ones in order, summed in
+ * fp32, rounded, SiLU, rounded. x [t, ch] bf16 with rows xstride apart (a view of the
+ * in-projection's output); taps [kernel, ch] fp32; conv_state [kernel-1, ch] bf16, the inputs
+ * before x, advanced in place to the last kernel-1 of state and x; out [t, ch] bf16. Rows depend
+ * only on inputs, so they are split over the threads from ROWS_PARALLEL_MIN. */
+static inline void conv_row(const uint16_t *x, int64_t xstride, int64_t r, int64_t ch, const float *taps, int64_t kernel,
+                            const uint16_t *conv_state, uint16_t *out) {
+    const uint16_t *now = x + r * xstride;
+    float acc[ch > 0 ? ch : 1];
+#pragma omp simd
+    for (int64_t c = 0; c < ch; c++) acc[c] = bf(now[c]) * taps[(kernel - 1) * ch + c];
+    for (int64_t i = 0; i < kernel - 1; i++) {
+        /* Window row r + i: the state's before x starts, else x's. */
+        const int64_t j = r + i - (kernel - 1);
+        const uint16_t *past = j >= 0 ? x + j * xstride : conv_state + (r + i) * ch;
+        const float *tap = taps + i * ch;
+#pragma omp simd
+        for (int64_t c = 0; c < ch; c++) acc[c] += bf(past[c]) * tap[c];
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < ch; c++) out[r * ch + c] = to_bf(silu(rbf(acc[c])));
+}
+
+static void conv_rows_parallel(const uint16_t *x, int64_t xstride, int64_t t, int64_t ch, const float *taps, int64_t kernel,
+                               const uint16_t *conv_state, uint16_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < t; r++) conv_row(x, xstride, r, ch, taps, kernel, conv_state, out);
+}
+
+void conv_silu_rows_bf16(const uint16_t *x, int64_t xstride, int64_t t, int64_t ch, const float *taps, int64_t kernel,
+                         uint16_t *conv_state, uint16_t *out) {
+    if (t >= ROWS_PARALLEL_MIN)
+        conv_rows_parallel(x, xstride, t, ch, taps, kernel, conv_state, out);
+    else
+        for (int64_t r = 0; r < t; r++) conv_row(x, xstride, r, ch, taps, kernel, conv_state, out);
+    /* The window's last kernel-1 rows become the state: x's last rows, after the state's own
+     * remaining ones when x is shorter. */
+    const int64_t keep = kernel - 1;
+    if (keep <= 0) return;
+    const int64_t from_state = t >= keep ? 0 : keep - t;
+    if (from_state) memmove(conv_state, conv_state + t * ch, (size_t)(from_state * ch) * sizeof(uint16_t));
+    for (int64_t i = from_state; i < keep; i++)
+        memcpy(conv_state + i * ch, x + (t - keep + i) * xstride, (size_t)ch * sizeof(uint16_t));
+}
+
+/* A prompt segment's gated RMSNorm per value head, as the torch form (ops/norms.py
+ * rms_norm_gated) rounds it: normed = bf16(x * rsqrt(mean(x^2) + eps)), out = bf16(silu(z) *
+ * bf16(w * normed)). x [rows, dv] bf16 contiguous (rows = tokens x heads); z [rows, dv] bf16, the
+ * heads of a token dv apart and tokens zstride apart (a view of the in-projection's output, hv
+ * heads a token); out [rows, dv] bf16. */
+static inline void gated_norm_row(const uint16_t *x, const uint16_t *z, const uint16_t *w, float eps, int64_t dv, uint16_t *out) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t e = 0; e < dv; e++) s += bf(x[e]) * bf(x[e]);
+    const float r = 1.0f / sqrtf(s / (float)dv + eps);
+#pragma omp simd
+    for (int64_t e = 0; e < dv; e++) out[e] = to_bf(silu(bf(z[e])) * rbf(bf(w[e]) * rbf(bf(x[e]) * r)));
+}
+
+static void gated_norm_rows_parallel(const uint16_t *x, const uint16_t *z, int64_t zstride, int64_t hv, const uint16_t *w, float eps,
+                                     int64_t dv, int64_t rows, uint16_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++) gated_norm_row(x + i * dv, z + (i / hv) * zstride + (i % hv) * dv, w, eps, dv, out + i * dv);
+}
+
+void rms_norm_gated_rows_bf16(const uint16_t *x, const uint16_t *z, int64_t zstride, int64_t hv, const uint16_t *w, float eps, int64_t dv,
+                              int64_t rows, uint16_t *out) {
+    if (rows >= ROWS_PARALLEL_MIN * hv) {
+        gated_norm_rows_parallel(x, z, zstride, hv, w, eps, dv, rows, out);
+        return;
+    }
+    for (int64_t i = 0; i < rows; i++) gated_norm_row(x + i * dv, z + (i / hv) * zstride + (i % hv) * dv, w, eps, dv, out + i * dv);
+}

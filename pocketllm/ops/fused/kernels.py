@@ -22,6 +22,8 @@ _SIGNATURES = {
         "gdn_decode_bf16": ([_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P], None),
         "add_rms_norm_rows_bf16": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
         "silu_mul_rows_bf16": ([_P, _P, _I, _I, _I, _P], None),
+        "conv_silu_rows_bf16": ([_P, _I, _I, _I, _P, _I, _P, _P], None),
+        "rms_norm_gated_rows_bf16": ([_P, _P, _I, _I, _P, _F, _I, _I, _P], None),
     },
     "attention_bf16.c": {
         "attention_decode_bf16": ([_P, _P, _P, _F, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
@@ -227,4 +229,38 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         refuse("silu_mul_rows_bf16", [("gate", gate, _BF16, None, False, 2), ("up", up, _BF16, gate.numel(), False, 2)])
     out = torch.empty(rows, n, dtype=gate.dtype)
     _lib.silu_mul_rows_bf16(gate.data_ptr(), up.data_ptr(), gate.stride(0), n, rows, out.data_ptr())
+    return out
+
+
+def conv_silu_rows(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """causal_conv1d_prefill_ (ops/causal_conv.py) for a prompt segment's rows x [t, ch] (rows may
+    be a view's, a stride apart): silu(conv) [t, ch], conv_state [K-1, ch] advanced in place."""
+    t, ch = x.shape[0], x.shape[-1]
+    k = taps.shape[0]
+    if not (
+        x.dtype is _BF16 and x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= ch and x.is_cpu
+        and taps.dtype is _F32 and taps.shape == (k, ch) and taps.is_contiguous() and taps.is_cpu
+        and conv_state.dtype is _BF16 and conv_state.shape == (k - 1, ch) and conv_state.is_contiguous() and conv_state.is_cpu
+    ):
+        refuse("conv_silu_rows_bf16", [
+            ("x", x, _BF16, None, False, 2), ("taps", taps, _F32, k * ch, True, 2), ("conv_state", conv_state, _BF16, (k - 1) * ch, True, 2),
+        ])
+    out = torch.empty(t, ch, dtype=_BF16)
+    _lib.conv_silu_rows_bf16(x.data_ptr(), x.stride(0), t, ch, taps.data_ptr(), k, conv_state.data_ptr(), out.data_ptr())
+    return out
+
+
+def rms_norm_gated_rows(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_gated (ops/norms.py) for a prompt segment: x [t, hv, dv] bf16, z [t, hv, dv] (a
+    view whose heads are dv apart), weight [dv] bf16 -> [t, hv, dv]."""
+    t, hv, dv = x.shape
+    if not (
+        x.dtype is _BF16 and x.is_contiguous() and x.is_cpu and z.dtype is _BF16 and z.shape == x.shape and z.stride(2) == 1
+        and z.stride(1) == dv and z.is_cpu and weight.dtype is _BF16 and weight.numel() == dv and weight.is_contiguous()
+    ):
+        refuse("rms_norm_gated_rows_bf16", [
+            ("x", x, _BF16, None, True, 3), ("z", z, _BF16, x.numel(), False, 3), ("weight", weight, _BF16, dv, True, None),
+        ])
+    out = torch.empty(t, hv, dv, dtype=_BF16)
+    _lib.rms_norm_gated_rows_bf16(x.data_ptr(), z.data_ptr(), z.stride(0), hv, weight.data_ptr(), eps, dv, t * hv, out.data_ptr())
     return out
