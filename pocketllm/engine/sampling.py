@@ -61,8 +61,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One index drawn from probs [V] (non-negative, any positive sum) by inverting its cumulative
-    sum at one uniform number from `gen`: torch.multinomial over a whole vocabulary row costs about
-    twenty times as much, which at eight sequences a step was a quarter of the step."""
+    sum at one uniform number from `gen`: torch.multinomial over a whole vocabulary row cost many
+    times as much, a large share of a decode step of several sequences (docs/serving.md)."""
     cum = torch.cumsum(probs.double(), dim=0)
     at = float(torch.rand((), dtype=torch.float64, generator=gen)) * float(cum[-1])
     # The first index whose cumulative sum passes `at`: never a zero-probability one (its sum
