@@ -281,6 +281,26 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
     }
 }
 
+#if defined(HAS_TILE) || defined(HAS_WIDE)
+/* x's m rows widened to fp32 in the per-thread scratch, where this build's tiles read them so
+ * (NULL where they read x as it is); *failed set when the scratch could not grow. */
+static float *widen_rows(const uint16_t *x, int64_t n, int64_t m, int *failed) {
+    *failed = 0;
+#if WIDENS_X
+    float *xw = scratch((size_t)(m * X_STRIDE(n)) * sizeof(float));
+    if (xw == NULL) {
+        *failed = 1;
+        return NULL;
+    }
+    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * X_STRIDE(n));
+    return xw;
+#else
+    (void)x, (void)n, (void)m;
+    return NULL;
+#endif
+}
+#endif
+
 /* Y [m, rows] = X [m, n] W^T, each output summed in fp32 and rounded once. Where a tile is
  * compiled in (AVX-512, AVX2) x rows go four at a time against a block of weight rows;
  * elsewhere each output is its own dot product, which reads the weight once per x row (the
@@ -288,15 +308,12 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
  * (prefetch here a distance in bytes). */
 void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t prefetch, int64_t ahead) {
 #ifdef HAS_TILE
-    float *xw = NULL;
-#if WIDENS_X
-    xw = scratch((size_t)(m * X_STRIDE(n)) * sizeof(float));
-    if (xw == NULL) {
+    int failed;
+    float *xw = widen_rows(x, n, m, &failed);
+    if (failed) {
         for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch, ahead);
         return;
     }
-    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * X_STRIDE(n));
-#endif
     int64_t blocks = rows / TILE_ROWS;
     /* Parallel over blocks of weight rows, the x rows four at a time inside: a block read for the
      * first four is still in cache for the next four. */
@@ -331,15 +348,12 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
 #define WIDE_CALL(R, C) wide_tile(wb, n, x + c0 * n, xw == NULL ? NULL : xw + c0 * X_STRIDE(n), R, C, o, ahead)
 int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t wrows, int64_t ahead) {
     if (wrows < 1 || wrows > WIDE_ROWS_MAX) return 0;
-    float *xw = NULL;
-#if WIDENS_X
-    xw = scratch((size_t)(m * X_STRIDE(n)) * sizeof(float));
-    if (xw == NULL) {
+    int failed;
+    float *xw = widen_rows(x, n, m, &failed);
+    if (failed) {
         for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0, ahead);
         return 1;
     }
-    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * X_STRIDE(n));
-#endif
     int64_t blocks = rows / wrows;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
