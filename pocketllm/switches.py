@@ -97,6 +97,16 @@ def env_switch(env, name: str, default: bool = False) -> bool:
     raise UsageError(f"{used}={raw!r} is not a switch: use 1 (on) or 0 (off)")
 
 
+def nearest_name(name: str, offered: list[str]) -> str:
+    """The offered name a mistyped one most likely meant: the longest that it extends or that
+    extends it at a word boundary (POCKETLLM_GEMV_KERNEL -> POCKETLLM_GEMV, not the closer spelling
+    POCKETLLM_GDN_KERNEL), else the closest spelling."""
+    related = [o for o in offered if name.startswith(o + "_") or o.startswith(name + "_")]
+    if related:
+        return max(related, key=len)
+    return difflib.get_close_matches(name, offered, n=1, cutoff=0.0)[0]
+
+
 def environment_notes(env) -> list[str]:
     """One line per set POCKETLLM_* or QWEN_* variable that pocketllm does not read, naming the
     nearest name it does, and one per alias set beside its new name to another value, saying which
@@ -105,7 +115,7 @@ def environment_notes(env) -> list[str]:
     known = {*offered, *INTERNAL}
     lines = []
     for name in sorted(n for n in env if n.startswith(PREFIXES) and n not in known):
-        nearest = difflib.get_close_matches(name, offered, n=1, cutoff=0.0)[0]
+        nearest = nearest_name(name, offered)
         lines.append(f"pocketllm: warning: {name} is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is {nearest}")
     for new, old in ALIASES.items():
         mine, seeds = env.get(new, "").strip(), env.get(old, "").strip()
