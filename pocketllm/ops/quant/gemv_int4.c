@@ -189,8 +189,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
  * the very one layout.dequantize makes, in one instruction, with no conversion and no multiply by
  * the scale; the table is two instructions per row and group. Each value's FMA against x (widened
  * to fp32 once per call, in the same order) goes into the row's one sum. Four weight rows against
- * up to four x rows: sixteen accumulators, each x load folded into its FMA. The prefetch asks for
- * the line into every cache level, as gemv_int8.c's AVX-512F path does. */
+ * up to four x rows: sixteen accumulators, each x load folded into its FMA. */
 #define TILE_R 4
 #define TILE_R_FEW 4
 #define TILE_C 4
@@ -248,7 +247,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
                     if (b < sleft) _mm_prefetch(snext + b, _MM_HINT_T0);
                     if (b < zleft) _mm_prefetch(znext + b, _MM_HINT_T0);
                     /* With no prefetch asked for (pf 0), the line about to be read: a no-op. */
-                    UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)row[r] + pf + b, _MM_HINT_T0);
+                    UNROLL for (int r = 0; r < R; r++) prefetch_weight((const char *)row[r] + pf + b, q->pf_all);
                 }
                 UNROLL for (int r = 0; r < R; r++) {
                     __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row[r] + b)));
@@ -408,9 +407,9 @@ struct q4_weight {
 };
 
 /* y [m, rows] = x [m, n] W^T. prefetch: at least how many bytes ahead of each weight load it is
- * prefetched from, 0 for none; into_all: into every cache level rather than non-temporally (the
- * AVX-512 path without BF16 always does so). Returns 0, or -1 when the scratch for x could not be
- * allocated (nothing written). */
+ * prefetched from, 0 for none; into_all: into every cache level rather than non-temporally
+ * (prefetch_weight). Returns 0, or -1 when the scratch for x could not be allocated (nothing
+ * written). */
 int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
     const int64_t rows = wt->rows, n = wt->n, group = wt->group;
     struct q4 q = {wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, into_all, NULL, x_stride(n), NULL};

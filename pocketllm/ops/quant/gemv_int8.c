@@ -113,9 +113,9 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
  * fp32 (exact), each an FMA against x, widened to fp32 once per call. Three instructions per
  * sixteen weights and x row, against the AVX2 path's three per eight. Four weight rows against
  * four x rows: sixteen accumulators, each x load folded into its FMA; a one-row tile's four
- * chains of FMAs are shorter than the tile's step, so their latency does not bound it. The
- * prefetch asks for the line into every cache level: on the Intel CPUs this path is for, a
- * non-temporal prefetch (the other paths') streamed two thirds as fast (docs/quantization.md). */
+ * chains of FMAs are shorter than the tile's step, so their latency does not bound it. On the
+ * Intel CPUs this path is for, a non-temporal prefetch streamed two thirds as fast as one into
+ * every cache level (docs/quantization.md): c-ahead, measured beside c-prefetch. */
 #define TILE_R 4
 #define TILE_C 4
 #define X_ELEM float
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
     for (; e + 16 <= q->n; e += 16) {
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if (pf && (e & 63) == 0) _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
+            if (pf && (e & 63) == 0) prefetch_weight((const char *)p + pf, q->pf_all);
             __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
             UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(f, _mm512_loadu_ps(x + c * q->xstride + e), acc[r][c]);
         }
