@@ -115,8 +115,10 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
         for c in qc.available(row_class, fmt):
             if names and c.name not in names:
                 continue
-            distance = {"c": 0, "c-prefetch": qc.PREFETCH_BYTES, "c-prefetch-far": qc.PREFETCH_FAR_BYTES, "c-ahead": qc.PREFETCH_BYTES}
-            run = native.gemv(distance[c.name], isa, c.name == "c-ahead") if c.name in distance else c.run
+            run = c.run
+            if c.name in qc.GEMV_PREFETCH:  # the compiled candidate built for --isa (the registry's is native)
+                prefetch, into_all = qc.GEMV_PREFETCH[c.name]
+                run = native.gemv(prefetch, isa, into_all)
             if c.layout not in prepared:
                 prepared[c.layout] = [c.prepare(w) if c.prepare else w for w in weights]
             runs[c.name] = (run, prepared[c.layout], qbytes)
@@ -162,7 +164,7 @@ def errors(fmts, scale_dtype, isa: str) -> None:
               f"rounding the reference to bf16: max {worst(rounded - ref, ref):.2e}, RMS {rms(rounded - ref, ref):.2e}")
         for row_class in (qc.ONE, qc.FEW, qc.MANY):
             for c in qc.available(row_class, fmt):
-                if c.name.startswith("c-prefetch") or c.name == "c-ahead":  # the same sums as c
+                if c.name in qc.GEMV_PREFETCH and c.name != "c":  # the same sums as c
                     continue
                 run = native.gemv(0, isa) if c.name == "c" else c.run
                 prep = c.prepare(qw) if c.prepare else qw

@@ -88,7 +88,7 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
     cols = WIDTHS[group][0]
     qw = weight(fmt, 13, cols)
     x = torch.randn(16, cols, dtype=torch.bfloat16)
-    for prefetch, into_all in ((0, False), (qc.PREFETCH_BYTES, False), (qc.PREFETCH_BYTES, True)):
+    for prefetch, into_all in qc.GEMV_PREFETCH.values():
         run = native.gemv(prefetch, variant, into_all)
         singles = torch.empty(16, 13, dtype=torch.bfloat16)
         for i in range(16):

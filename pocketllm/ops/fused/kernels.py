@@ -30,8 +30,6 @@ _SIGNATURES = {
         "attention_decode_work_floats": ([_I, _I, _I, _I, _I], _I),
     },
 }
-# The attention kernel's instruction-set paths, as builds of the same source: the widest this CPU
-# has (native), and each narrower one, which the tests run against the reference too.
 # Cache positions x KV heads x head dim from which attention splits over the threads: below it
 # the whole call is a few microseconds' work, less than waking the threads costs.
 ATTENTION_PARALLEL_MIN = 1 << 16

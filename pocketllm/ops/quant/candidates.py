@@ -33,6 +33,14 @@ ONE, FEW, MANY = "one-row", "few-row", "many-row"
 # them (docs/quantization.md).
 PREFETCH_BYTES = 8192
 PREFETCH_FAR_BYTES = 32768
+# Each compiled GEMV candidate's prefetch: (distance in bytes, into every cache level rather than
+# non-temporally), as native.gemv takes them.
+GEMV_PREFETCH = {
+    "c": (0, False),
+    "c-prefetch": (PREFETCH_BYTES, False),
+    "c-prefetch-far": (PREFETCH_FAR_BYTES, False),
+    "c-ahead": (PREFETCH_BYTES, True),
+}
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,8 @@ _INT8PACK = "int8; scales used in x's dtype (fp16/fp32 scales rounded for bf16 x
 _INT4PACK = "int4, any group; scales and zero offsets (8 - z) * scale used in x's dtype (rounded for bf16 x)"
 
 
-def _gemv(name: str, rows: str, prefetch: int, what: str, into_all: bool = False) -> QuantCandidate:
+def _gemv(name: str, rows: str, what: str) -> QuantCandidate:
+    prefetch, into_all = GEMV_PREFETCH[name]
     return QuantCandidate(
         name, rows, native.gemv(prefetch, into_all=into_all), what, _ALL, _compiled_unavailable("gemv"), native.prepare, "checked",
         _GEMV_SOURCES,
@@ -114,18 +123,18 @@ def _torch(name: str, rows: str) -> QuantCandidate:
 
 
 ONE_ROW: tuple[QuantCandidate, ...] = (
-    _gemv("c", ONE, 0, "compiled int8/int4 GEMV (ops/quant/gemv_int4.c, gemv_int8.c): AVX-512 BF16, AVX2 or plain C"),
-    _gemv("c-prefetch", ONE, PREFETCH_BYTES, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
-    _gemv("c-prefetch-far", ONE, PREFETCH_FAR_BYTES, "the same, PREFETCH_FAR_BYTES ahead"),
-    _gemv("c-ahead", ONE, PREFETCH_BYTES, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level", True),
+    _gemv("c", ONE, "compiled int8/int4 GEMV (ops/quant/gemv_int4.c, gemv_int8.c): AVX-512 BF16, AVX2 or plain C"),
+    _gemv("c-prefetch", ONE, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
+    _gemv("c-prefetch-far", ONE, "the same, PREFETCH_FAR_BYTES ahead"),
+    _gemv("c-ahead", ONE, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level"),
     _torch("int8pack", ONE),
     _torch("int4pack", ONE),
 )
 FEW_ROW: tuple[QuantCandidate, ...] = (
-    _gemv("c", FEW, 0, "compiled int8/int4 tile, four weight rows against up to four x rows; each row summed as the one-row kernel sums it"),
-    _gemv("c-prefetch", FEW, PREFETCH_BYTES, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
-    _gemv("c-prefetch-far", FEW, PREFETCH_FAR_BYTES, "the same, PREFETCH_FAR_BYTES ahead"),
-    _gemv("c-ahead", FEW, PREFETCH_BYTES, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level", True),
+    _gemv("c", FEW, "compiled int8/int4 tile, four weight rows against up to four x rows; each row summed as the one-row kernel sums it"),
+    _gemv("c-prefetch", FEW, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
+    _gemv("c-prefetch-far", FEW, "the same, PREFETCH_FAR_BYTES ahead"),
+    _gemv("c-ahead", FEW, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level"),
     _torch("int8pack", FEW),
     _torch("int4pack", FEW),
 )
