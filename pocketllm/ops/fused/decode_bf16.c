@@ -47,6 +47,18 @@ void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int6
     for (int64_t i = 0; i < n; i++) out[i] = to_bf(rbf(silu(bf(gate[i]))) * bf(up[i]));
 }
 
+/* The gated RMSNorm of one value head's dv values x (bf16), as the torch form (ops/norms.py
+ * rms_norm_gated) rounds it: normed = bf16(x * rsqrt(mean(x^2) + eps)), out = bf16(silu(z) *
+ * bf16(w * normed)). out may be x. */
+static inline void gated_norm_row(const uint16_t *x, const uint16_t *z, const uint16_t *w, float eps, int64_t dv, uint16_t *out) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t e = 0; e < dv; e++) s += bf(x[e]) * bf(x[e]);
+    const float r = 1.0f / sqrtf(s / (float)dv + eps);
+#pragma omp simd
+    for (int64_t e = 0; e < dv; e++) out[e] = to_bf(silu(bf(z[e])) * rbf(bf(w[e]) * rbf(bf(x[e]) * r)));
+}
+
 /* The Gated DeltaNet block of one decode row, from its in-projection to the input of out_proj.
  * proj: [conv_ch | z (hv*dv) | b (hv) | a (hv)] bf16, conv_ch = 2*hk*dk + hv*dv
  * taps: [K, conv_ch] fp32; conv_state: [K-1, conv_ch] bf16, advanced in place
@@ -124,17 +136,11 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
             for (int64_t e = 0; e < dv; e++) row[e] = decay * row[e] + ki * delta[e];
         }
     }
-    /* Gated RMSNorm per value head, rounding where the torch path rounds. */
-    for (int64_t j = 0; j < hv; j++) {
-        float *oj = o + j * dv;
-        for (int64_t e = 0; e < dv; e++) oj[e] = rbf(oj[e]);
-        float r = inv_rms(oj, dv, eps);
+    /* The output rounded to bf16 (as the torch path hands it to the norm), then the gated norm
+     * per value head in place. */
 #pragma omp simd
-        for (int64_t e = 0; e < dv; e++) {
-            float normed = rbf(oj[e] * r);
-            out[j * dv + e] = to_bf(silu(bf(z[j * dv + e])) * rbf(bf(norm_w[e]) * normed));
-        }
-    }
+    for (int64_t e = 0; e < vd; e++) out[e] = to_bf(o[e]);
+    for (int64_t j = 0; j < hv; j++) gated_norm_row(out + j * dv, z + j * dv, norm_w, eps, dv, out + j * dv);
 }
 
 /* add_rms_norm_bf16 and silu_mul_bf16 on each of `rows` rows, each row by the one-row call, so a
@@ -218,20 +224,9 @@ void conv_silu_rows_bf16(const uint16_t *x, int64_t xstride, int64_t t, int64_t 
         memcpy(conv_state + i * ch, x + (t - keep + i) * xstride, (size_t)ch * sizeof(uint16_t));
 }
 
-/* A prompt segment's gated RMSNorm per value head, as the torch form (ops/norms.py
- * rms_norm_gated) rounds it: normed = bf16(x * rsqrt(mean(x^2) + eps)), out = bf16(silu(z) *
- * bf16(w * normed)). x [rows, dv] bf16 contiguous (rows = tokens x heads); z [rows, dv] bf16, the
- * heads of a token dv apart and tokens zstride apart (a view of the in-projection's output, hv
- * heads a token); out [rows, dv] bf16. */
-static inline void gated_norm_row(const uint16_t *x, const uint16_t *z, const uint16_t *w, float eps, int64_t dv, uint16_t *out) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t e = 0; e < dv; e++) s += bf(x[e]) * bf(x[e]);
-    const float r = 1.0f / sqrtf(s / (float)dv + eps);
-#pragma omp simd
-    for (int64_t e = 0; e < dv; e++) out[e] = to_bf(silu(bf(z[e])) * rbf(bf(w[e]) * rbf(bf(x[e]) * r)));
-}
-
+/* A prompt segment's gated RMSNorm per value head (gated_norm_row). x [rows, dv] bf16 contiguous
+ * (rows = tokens x heads); z [rows, dv] bf16, the heads of a token dv apart and tokens zstride
+ * apart (a view of the in-projection's output, hv heads a token); out [rows, dv] bf16. */
 static void gated_norm_rows_parallel(const uint16_t *x, const uint16_t *z, int64_t zstride, int64_t hv, const uint16_t *w, float eps,
                                      int64_t dv, int64_t rows, uint16_t *out) {
 #pragma omp parallel for schedule(static)
