@@ -36,6 +36,7 @@ ATTENTION_PARALLEL_MIN = 1 << 16
 _lib = None
 _attn: dict[str, ctypes.CDLL] = {}
 _attention_work: dict[tuple, torch.Tensor] = {}
+_gdn_work: dict[int, torch.Tensor] = {}
 
 
 def _load(source: str, isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
@@ -119,7 +120,11 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
             ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None), ("state", state, _F32, hv * dk * dv, True, None),
         ])
     out = torch.empty(1, hv * dv, dtype=proj.dtype)
-    work = torch.empty(conv + 2 * hv + hv * dv, dtype=torch.float32)
+    # Its fp32 scratch depends on the shape alone: made once per shape (as attention's below).
+    floats = conv + 2 * hv + hv * dv
+    work = _gdn_work.get(floats)
+    if work is None:
+        work = _gdn_work[floats] = torch.empty(floats, dtype=torch.float32)
     _lib.gdn_decode_bf16(
         proj.data_ptr(), taps.data_ptr(), conv_state.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
         norm_w.data_ptr(), eps, state.data_ptr(), out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),
@@ -166,7 +171,7 @@ def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool
     if lib is None:
         raise RuntimeError(why)
     # The scratch depends on the shape alone (not on pos): made once per shape and reused by every
-    # step (a process runs its passes one at a time).
+    # step (a process runs its passes one at a time, and a call's scratch is dead when it returns).
     key = (isa, heads, kv_heads, head_dim, bs, splits)
     work = _attention_work.get(key)
     if work is None:
