@@ -78,7 +78,8 @@ def test_every_few_row_kernel_matches_the_reference(shape, rows, dtype):
 def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count(invariant):
     # One-row c; few-row choices made for 2 and 8 rows (c for 2, mm for 8, and the 8-row one not
     # covering the other shape); the many-row GEMM past them. Batch-invariant, rows whose few-row
-    # kernel does not sum in the one-row kernel's order run the one-row kernel each.
+    # kernel does not sum in the one-row kernel's order run the few-row form of the one-row
+    # choice where its kind has one (c), else the one-row kernel each (mv).
     w, other = torch.randn(12, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
     kernels = KernelSet([
         Choice(ONE_ROW, "bfloat16", "forced", {(12, 32): "c"}),
@@ -86,7 +87,7 @@ def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count(invariant)
         Choice(FEW_ROW, "bfloat16", "forced", {(12, 32): "mm"}, rows=8),
     ], env={"POCKETLLM_BATCH_INVARIANT": "1" if invariant else "0"})
     bound = kernels.bind(w)
-    past = "c per row" if invariant else "mm"
+    past = "c" if invariant else "mm"
     assert bound.names == {"one-row": "c", "2-row": "c"} | {f"{r}-row": past for r in range(3, 9)} | {"many-row": "mm"}
     # A shape no one-row choice covers runs the kind's default; 3..8 rows of it are past the
     # only few-row choice that covers it, so they take the many-row GEMM (or the one-row kernel

@@ -14,7 +14,7 @@ import torch
 from pocketllm import compiled
 from pocketllm.ops.quant import candidates as qc
 from pocketllm.ops.quant import native
-from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quant_linear_reference, quantize
+from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quant_linear_int8x_reference, quant_linear_reference, quantize, quantize_x_int8
 
 FORMATS = ["int8", "int4-g32", "int4-g32-asym", "int4-g64", "int4-g64-asym", "int4-g128", "int4-g128-asym"]
 # Inputs per format: a multiple of the group that is not a multiple of the AVX-512 int4 step (128
@@ -43,12 +43,13 @@ def weight(fmt: str, out: int, cols: int, scale_dtype=torch.bfloat16, seed=0) ->
     return quantize(torch.randn(out, cols), scheme, group, symmetric, scale_dtype)
 
 
-def check(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, tight: bool, label: str) -> None:
-    """got against the reference. Summed in fp32 and rounded once (tight): within half a bf16 step
-    of the reference plus fp32's error on the terms; with weights or scales rounded to bf16 on the
-    way: within two bf16 steps of the terms' size."""
+def check(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, tight: bool, label: str, rounds_x: bool = False) -> None:
+    """got against the reference (rounds_x: the one that rounds x to int8 first). Summed in fp32
+    and rounded once (tight): within half a bf16 step of the reference plus fp32's error on the
+    terms; with weights or scales rounded to bf16 on the way: within two bf16 steps of the terms'
+    size."""
     want = torch.empty(got.shape, dtype=torch.float32)
-    quant_linear_reference(x, qw, want)
+    (quant_linear_int8x_reference if rounds_x else quant_linear_reference)(x, qw, want)
     terms = x.float().abs() @ dequantize(qw).abs().t()
     err = (got.float() - want).abs()
     bound = (2**-8 * want.abs() + 2**-16 * terms) if tight else 2 * 2**-7 * terms.clamp_min(1.0)
@@ -61,6 +62,8 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
     names = [c.name for c in qc.available(row_class, fmt)]
     expected = {qc.ONE: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.FEW: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
     expected |= {"int8pack"} if fmt == "int8" else {"int4pack"}
+    if row_class != qc.MANY and fmt.startswith("int4") and not fmt.endswith("asym") and not native.vnni_unavailable():
+        expected |= {"c-vnni"}
     assert set(names) == expected
     group = qc.parse_format(fmt)[1]
     narrow, wide = WIDTHS[group]
@@ -77,8 +80,8 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
                 got = torch.full((*x.shape[:-1], 37), float("nan"), dtype=torch.bfloat16)
                 cand.run(x, prepared, got)
                 # Exact products in fp32: the compiled GEMVs and the fp32 dequantization.
-                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
-                check(got, x, qw, tight, f"{cand.name} {fmt} {cols} inputs, {scale_dtype} scales, {rows} rows")
+                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "c-vnni", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
+                check(got, x, qw, tight, f"{cand.name} {fmt} {cols} inputs, {scale_dtype} scales, {rows} rows", cand.rounds_x)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -98,6 +101,46 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
             batch = torch.empty(m, 13, dtype=torch.bfloat16)
             run(x[:m].contiguous(), qw, batch)
             assert torch.equal(batch, singles[:m]), f"{variant} {fmt}: {m} rows differ from one row at a time"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
+def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
+    # Where the variant's build has AVX-512 VNNI; elsewhere its kernel refuses with the reason.
+    group = qc.parse_format(fmt)[1]
+    cols = WIDTHS[group][0]
+    qw = weight(fmt, 13, cols)
+    x = torch.randn(16, cols, dtype=torch.bfloat16)
+    prefetch, into_all = qc.VNNI_PREFETCH
+    run = native.gemv(prefetch, variant, into_all, int8_x=True)
+    if native.vnni_unavailable(variant):
+        with pytest.raises(RuntimeError, match="AVX-512 VNNI"):
+            run(x[0], qw, torch.empty(13, dtype=torch.bfloat16))
+        return
+    singles = torch.empty(16, 13, dtype=torch.bfloat16)
+    for i in range(16):
+        run(x[i].clone(), qw, singles[i])
+    check(singles, x, qw, tight=True, label=f"{variant} one-row", rounds_x=True)
+    for m in (2, 3, 4, 5, 8, 16):
+        batch = torch.empty(m, 13, dtype=torch.bfloat16)
+        run(x[:m].contiguous(), qw, batch)
+        assert torch.equal(batch, singles[:m]), f"{variant} {fmt}: {m} rows differ from one row at a time"
+
+
+def test_int8_x_rounding_is_the_references():
+    # An outlier makes its block coarse and no other; a zero block stays zero; x at a block's
+    # largest value is exactly 127 steps.
+    x = torch.randn(2, 96).bfloat16()
+    x[0, 3], x[1, 32:64] = 50.0, 0.0
+    xq = quantize_x_int8(x)
+    for r, b in ((0, 0), (0, 1), (1, 0), (1, 2)):
+        block, got = x[r, 32 * b : 32 * b + 32].float(), xq[r, 32 * b : 32 * b + 32]
+        step = block.abs().max() / 127
+        assert torch.all((got - block).abs() <= step / 2 + 1e-6)
+    assert torch.equal(xq[1, 32:64], torch.zeros(32))
+    assert xq[0, 3].item() == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="symmetric int4"):
+        native.gemv(0, int8_x=True)(x[0], weight("int4-g32-asym", 5, 96), torch.empty(5, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4-g64-asym"])

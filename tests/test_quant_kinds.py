@@ -13,6 +13,7 @@ from conftest import usage_error_in_process
 from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops.quant import candidates as qc
+from pocketllm.ops.quant import native
 from pocketllm.ops.quant.layout import quant_linear_reference, quantize
 from pocketllm.ops.registry import FEW, MANY, ONE, Choice, KernelSet, Monitor, check_forced, choose, kind_for
 from pocketllm.ops.registry import quant_kinds
@@ -38,14 +39,17 @@ def int8(out=48, cols=256, seed=0):
 
 
 def test_each_family_has_every_row_class_with_the_reference_and_the_quant_candidates():
-    for family, fmt in (("int8", "int8"), ("int4", "int4-g128-asym")):
+    cpu = torch.device("cpu")
+    for family, fmt in (("int8", "int8"), ("int4", "int4-g128-asym"), ("int4", "int4-g128")):
         for rows, listed in ((ONE, qc.ONE_ROW), (FEW, qc.FEW_ROW), (MANY, qc.MANY_ROW)):
             kind = kind_for(fmt, rows)
             assert kind is quant_kinds.KINDS[(family, rows)] and kind.env in SETTINGS
             names = [c.name for c in kind.candidates]
             assert names[0] == "ref" and kind.default == "ref" and not kind.by_name["ref"].measured
-            assert set(names[1:]) == {c.name for c in listed if not c.unavailable(fmt, torch.device("cpu"))}
-            assert kind.timed(fmt, torch.device("cpu")) == names[1:]
+            # Every candidate that can run the format is timed; c-vnni only int4's symmetric ones.
+            assert set(kind.timed(fmt, cpu)) == {c.name for c in listed if not c.unavailable(fmt, cpu)}
+            assert ("c-vnni" in names) == (family == "int4" and rows != MANY)
+            assert kind.timed(fmt, cpu) == [n for n in names[1:] if not kind.by_name[n].unavailable(fmt, cpu)]
 
 
 def test_the_reference_candidates_equal_the_reference_past_their_row_blocks(monkeypatch):
@@ -63,7 +67,7 @@ def test_the_reference_candidates_equal_the_reference_past_their_row_blocks(monk
 
 def test_forcing_a_quantized_kernel_and_its_one_line_errors():
     gemv = quant_kinds.KINDS[("int4", ONE)]
-    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, int4pack"):
+    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, c-vnni, int4pack"):
         gemv.forced({gemv.env: "int8pack"})
     with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV=c: the compiled quantized kernels run on a CPU"):
         check_forced(["int4-g128"], "cuda", {gemv.env: "c"})
@@ -103,6 +107,25 @@ def test_a_bound_quantized_projection_runs_the_kernel_chosen_for_each_row_count(
         want = torch.empty(rows, 40, dtype=torch.bfloat16)
         quant_linear_reference(x, qw, want)
         torch.testing.assert_close(bound(x).float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(bool(native.vnni_unavailable()), reason="this CPU has no AVX-512 VNNI")
+def test_few_rows_follow_an_int8_x_one_row_choice_in_one_call():
+    # One-row c-vnni rounds x to int8; a few-row choice of c does not. Batch-invariant, the few
+    # rows take c-vnni's few-row form (each row's bits as alone), not c, and not a call per row.
+    qw = int4(out=40, group=32)
+    fmt, key = "int4-g32", (40, 256)
+    kernels = KernelSet([
+        Choice(quant_kinds.KINDS[("int4", ONE)], fmt, "forced", {key: "c-vnni"}),
+        Choice(quant_kinds.KINDS[("int4", FEW)], fmt, "forced", {key: "c"}, rows=4),
+        Choice(quant_kinds.KINDS[("int4", MANY)], fmt, "forced", {"probe": "dequant-f32"}),
+    ], env={"POCKETLLM_BATCH_INVARIANT": "1"})
+    bound = kernels.bind(qw)
+    assert bound.names == {"one-row": "c-vnni", "2-row": "c-vnni", "3-row": "c-vnni", "4-row": "c-vnni", "many-row": "dequant-f32"}
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    batch = bound(x)
+    for i in range(4):
+        assert torch.equal(batch[i], bound(x[i : i + 1].contiguous())[0])
 
 
 def test_torch_int4_layout_is_never_held_beside_the_loaded_weight_unless_forced(monkeypatch):

@@ -33,17 +33,6 @@ struct q4 {
     const float *xsum; /* [m, ng] each group's sum of x, where the zero term needs it */
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* Up to sixteen of a row's scales from index i, as fp32 (lanes past `count` zero). */
-static inline __m512 scales16(const void *s, int64_t kind, int64_t i, int64_t count) {
-    __mmask16 m = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
-    if (kind == SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float *)s + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)s + i);
-    if (kind == SCALE_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* 128 inputs at a time, with no shuffle of the weight: 64 bytes load as 32 words, and nibble k of
  * word j is input 4j + k. Each nibble q becomes the bf16 128 + q by or-ing in the exponent of 128
@@ -396,15 +385,6 @@ static void run_tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, f
     }
 #undef TILE_CASE
 }
-
-/* The weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
-struct q4_weight {
-    const uint8_t *w; /* [rows, n/2] */
-    const void *s;    /* [rows, n/group], dtype `kind` */
-    int64_t kind;
-    const uint8_t *z; /* [rows, n/group], or NULL: zero 8 */
-    int64_t rows, n, group;
-};
 
 /* y [m, rows] = x [m, n] W^T. prefetch: at least how many bytes ahead of each weight load it is
  * prefetched from, 0 for none; into_all: into every cache level rather than non-temporally

@@ -82,6 +82,28 @@ static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* Up to sixteen of a row's scales from index i, as fp32 (lanes past `count` zero). */
+static inline __m512 scales16(const void *s, int64_t kind, int64_t i, int64_t count) {
+    __mmask16 m = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+    if (kind == SCALE_F32) return _mm512_maskz_loadu_ps(m, (const float *)s + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)s + i);
+    if (kind == SCALE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* An int4 weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
+struct q4_weight {
+    const uint8_t *w; /* [rows, n/2] */
+    const void *s;    /* [rows, n/group], dtype `kind` */
+    int64_t kind;
+    const uint8_t *z; /* [rows, n/group], or NULL: zero 8 */
+    int64_t rows, n, group;
+};
+
 /* Each group's sum of x in fp32, in eight running sums (a loop the compiler vectorizes) added in
  * a fixed order. */
 static inline void group_sums(const uint16_t *x, int64_t n, int64_t group, float *xs) {

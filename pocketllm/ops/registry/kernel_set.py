@@ -168,6 +168,13 @@ class KernelSet:
             kind = kind_for(fmt, rows)
             return kind.by_name[e[0]].row_order if kind is not None and e[0] in kind.by_name else ""
 
+        def few_like(one_entry: tuple):
+            kind = kind_for(fmt, FEW)
+            name = one_entry[0]
+            if kind is None or name not in kind.by_name or not order(one_entry, ONE) or kind.by_name[name].row_order != order(one_entry, ONE):
+                return None
+            return entry(FEW, None, _ROWS, name)
+
         many = entry(MANY, self._find(fmt, MANY), _ROWS)
         one = entry(ONE, self._find(fmt, ONE), _ONE)
         each = (f"{one[0]} per row",) + one[1:3] + (_EACH,)
@@ -179,7 +186,9 @@ class KernelSet:
             covering = [c for c in (self._find(fmt, FEW, n) for n in counts if n >= rows) if key_of(c.kind, weight) in c.by_key]
             e = entry(FEW, covering[0], _ROWS) if row_class(rows) == FEW and covering else many
             if self.invariant and not (e is not many and order(e, FEW) and order(e, FEW) == order(one, ONE)):
-                e = each
+                # The few-row form of the one-row choice where the kind has it (one call, each row
+                # summed as alone); else the one-row kernel on each row in turn.
+                e = same if (same := few_like(one)) is not None and row_class(rows) == FEW else each
             small[rows] = e
         return BoundKernels(weight, small, many)
 

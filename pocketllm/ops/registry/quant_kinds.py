@@ -38,13 +38,14 @@ def reference_one(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> No
 
 # The compiled GEMVs' per-row order: one tile function runs one row and a few, each row summed
 # alike (tests/test_quant_kernels.py holds them bit for bit), so a batch-invariant run may choose
-# them for a decode step of several sequences.
+# them for a decode step of several sequences. The int8-x tiles round x first: an order of their own.
 _ORDER = "ops/quant gemv tiles"
+_ORDER_INT8_X = "ops/quant int8-x tiles"
 
 
 def _candidate(c: qc.QuantCandidate) -> Candidate:
     compiled = bool(c.sources) and c.name.startswith("c")
-    order = _ORDER if compiled and c.rows in (ONE, FEW) else ""
+    order = (_ORDER_INT8_X if c.rounds_x else _ORDER) if compiled and c.rows in (ONE, FEW) else ""
     # The compiled GEMV takes x [in] or [m, in] (ops/quant/native.gemv).
     return Candidate(
         c.name, c.run, c.what, c.unavailable, c.prepare, c.layout, c.sources, copies=c.name == "int4pack", row_order=order, takes_rows=compiled,
@@ -52,8 +53,9 @@ def _candidate(c: qc.QuantCandidate) -> Candidate:
 
 
 def _of_family(family: str, candidates) -> tuple[Candidate, ...]:
-    # Each family's kinds hold the candidates that can run it (torch's pack ops are per scheme).
-    return tuple(_candidate(c) for c in candidates if not c.name.endswith("pack") or c.name.startswith(family))
+    # Each family's kinds hold the candidates that can run it (torch's pack ops are per scheme,
+    # the int8-x tiles int4's).
+    return tuple(_candidate(c) for c in candidates if (not c.name.endswith("pack") or c.name.startswith(family)) and not (c.rounds_x and family != "int4"))
 
 
 _REF = "the reference product (dequantized, fp32 GEMM; never timed)"
@@ -67,6 +69,8 @@ for _family in ("int8", "int4"):
     _isa = (lambda scheme: lambda: native.isa(scheme))(_family)
     _ref_one = Candidate(REFERENCE, reference_one, _REF, measured=False)
     _ref_rows = Candidate(REFERENCE, reference_rows, _REF, measured=False)
+    # c-vnni is in no prefer list: where it streams no faster than a tile that takes x as it is
+    # (a wash), that tile is chosen.
     KINDS[(_family, ONE)] = register(Kind(
         ONE, _family, ONE, ENV[(_family, ONE)], (_ref_one, *_of_family(_family, qc.ONE_ROW)),
         default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), streams=True, isa=_isa,
