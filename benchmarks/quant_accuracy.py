@@ -14,14 +14,21 @@ int8 (the default) and as exact floats (`--quantize none`). llama.cpp's (with
 --llama-perplexity and --gguf-dir holding {name}-f32/bf16/Q8_0/Q4_0/Q4_K_M.gguf): bf16, Q8_0,
 Q4_0, Q4_K_M against its f32 run; it prints no logit error, so that column is left empty.
 
+With --decode-schemes, the same positions are also scored as a decode step scores them: bf16
+activations, each position one step after a prefill of the chunk's first half, with the int4
+one-row kernel forced to each of --decode-kernels in turn (c-vnni rounds x to int8 first; the
+others take it as it is), so the error that kernel's rounding adds shows beside the scheme's own.
+
     python benchmarks/quant_accuracy.py --ckpt DIR [--text FILE] [--ctx 512] [--chunks 8]
         [--llama-perplexity PATH --gguf-dir DIR --gguf-name small] [--json F]
+        [--decode-schemes int4-g32,int4-g128 --decode-kernels c-prefetch,c-vnni]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -52,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--gguf-dir", help="directory of the same checkpoint's GGUFs, {name}-{f32,bf16,Q8_0,Q4_0,Q4_K_M}.gguf")
     p.add_argument("--gguf-name", default="small")
     p.add_argument("--json", help="write the table here too")
+    p.add_argument("--decode-schemes", default="", help="int4 schemes also scored by bf16 decode steps (e.g. int4-g32,int4-g128)")
+    p.add_argument("--decode-kernels", default="c-prefetch,c-vnni", help="the int4 one-row kernels those decode steps are forced to")
     return p.parse_args(argv)
 
 
@@ -73,6 +82,31 @@ def scored_logits(e: Engine, ids: list[int], ctx: int, chunks: int) -> torch.Ten
         e.reserve_slots(1, ctx)
         out.append(e.run_packed([(0, 0, chunk)], all_logits=True)[ctx // 2 : ctx - 1].float())
     return torch.cat(out)
+
+
+def decoded_logits(e: Engine, ids: list[int], ctx: int, chunks: int) -> torch.Tensor:
+    """The scored positions' logits, each from a one-row decode step after a prefill of the
+    chunk's first half."""
+    out = []
+    for c in range(chunks):
+        chunk = torch.tensor(ids[c * ctx : (c + 1) * ctx])
+        e.reserve_slots(1, ctx)
+        e.run_packed([(0, 0, chunk[: ctx // 2])])
+        out += [e.run_packed([(0, p, chunk[p : p + 1])]).float() for p in range(ctx // 2, ctx - 1)]
+    return torch.cat(out)
+
+
+def forced_engine(ckpt: str, dtype: str, quantize: str, env: str, kernel: str) -> Engine:
+    """An engine whose kernel kind read from `env` is forced to `kernel` (read at load)."""
+    before = os.environ.get(env)
+    os.environ[env] = kernel
+    try:
+        return engine(ckpt, dtype, quantize)
+    finally:
+        if before is None:
+            os.environ.pop(env)
+        else:
+            os.environ[env] = before
 
 
 def weight_error(e: Engine, ref: Engine) -> float:
@@ -158,6 +192,13 @@ def main(argv=None) -> int:
     add("pocketllm bf16", engine(args.ckpt, "bfloat16", None))
     for scheme in args.schemes.split(","):
         add(f"pocketllm {scheme}", engine(args.ckpt, "float32", scheme))
+    for scheme in [s for s in args.decode_schemes.split(",") if s]:
+        for kernel in args.decode_kernels.split(","):
+            e = forced_engine(args.ckpt, "bfloat16", scheme, "POCKETLLM_INT4_GEMV", kernel)
+            name = f"pocketllm {scheme}, bf16 decode steps, {kernel}"
+            rows[name] = {**compare(decoded_logits(e, ids, args.ctx, args.chunks), ref, ref_logp), "weight_rel_error": weight_error(e, reference)}
+            print(name, rows[name], flush=True)
+            del e
     with tempfile.TemporaryDirectory() as tmp:
         fp8 = Path(tmp) / "fp8"
         fp8_release(args.ckpt, fp8)
