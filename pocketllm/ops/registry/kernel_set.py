@@ -145,7 +145,8 @@ class KernelSet:
         """The kernels `weight` runs at every row count, resolved now, with the prepared forms
         they run on (one per layout). Batch-invariant (the default), a few-row count runs its
         chosen kernel only when that sums each row in the one-row kernel's order, and otherwise
-        the one-row kernel on each row in turn: a decode row gets the same bits in any batch."""
+        the few-row form of the one-row choice where its kind has one, else the one-row kernel on
+        each row in turn: a decode row gets the same bits in any batch."""
         fmt = weight_format(weight)
         forms: dict[str, object] = {}
 
