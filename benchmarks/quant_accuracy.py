@@ -16,12 +16,12 @@ Q4_0, Q4_K_M against its f32 run; it prints no logit error, so that column is le
 
 With --decode-schemes, the same positions are also scored as a decode step scores them: bf16
 activations, each position one step after a prefill of the chunk's first half, with the int4
-one-row kernel forced to each of --decode-kernels in turn (c-vnni rounds x to int8 first; the
+one-row kernel forced to each of --decode-kernels in turn (c-int8x rounds x to int8 first; the
 others take it as it is), so the error that kernel's rounding adds shows beside the scheme's own.
 
     python benchmarks/quant_accuracy.py --ckpt DIR [--text FILE] [--ctx 512] [--chunks 8]
         [--llama-perplexity PATH --gguf-dir DIR --gguf-name small] [--json F]
-        [--decode-schemes int4-g32,int4-g128 --decode-kernels c-prefetch,c-vnni]
+        [--decode-schemes int4-g32,int4-g128 --decode-kernels c-prefetch,c-int8x]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--gguf-name", default="small")
     p.add_argument("--json", help="write the table here too")
     p.add_argument("--decode-schemes", default="", help="int4 schemes also scored by bf16 decode steps (e.g. int4-g32,int4-g128)")
-    p.add_argument("--decode-kernels", default="c-prefetch,c-vnni", help="the int4 one-row kernels those decode steps are forced to")
+    p.add_argument("--decode-kernels", default="c-prefetch,c-int8x", help="the int4 one-row kernels those decode steps are forced to")
     return p.parse_args(argv)
 
 

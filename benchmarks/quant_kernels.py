@@ -120,7 +120,7 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
                 prefetch, into_all = qc.GEMV_PREFETCH[c.name]
                 run = native.gemv(prefetch, isa, into_all)
             elif c.rounds_x:
-                prefetch, into_all = qc.VNNI_PREFETCH
+                prefetch, into_all = qc.INT8X_PREFETCH
                 run = native.gemv(prefetch, isa, into_all, int8_x=True)
             if c.layout not in prepared:
                 prepared[c.layout] = [c.prepare(w) if c.prepare else w for w in weights]

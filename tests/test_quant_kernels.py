@@ -62,8 +62,8 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
     names = [c.name for c in qc.available(row_class, fmt)]
     expected = {qc.ONE: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.FEW: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
     expected |= {"int8pack"} if fmt == "int8" else {"int4pack"}
-    if row_class != qc.MANY and fmt.startswith("int4") and not fmt.endswith("asym") and not native.vnni_unavailable():
-        expected |= {"c-vnni"}
+    if row_class != qc.MANY and fmt.startswith("int4") and not fmt.endswith("asym") and not native.int8x_unavailable():
+        expected |= {"c-int8x"}
     assert set(names) == expected
     group = qc.parse_format(fmt)[1]
     narrow, wide = WIDTHS[group]
@@ -80,7 +80,7 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
                 got = torch.full((*x.shape[:-1], 37), float("nan"), dtype=torch.bfloat16)
                 cand.run(x, prepared, got)
                 # Exact products in fp32: the compiled GEMVs and the fp32 dequantization.
-                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "c-vnni", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
+                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "c-int8x", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
                 check(got, x, qw, tight, f"{cand.name} {fmt} {cols} inputs, {scale_dtype} scales, {rows} rows", cand.rounds_x)
 
 
@@ -106,15 +106,15 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
 def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
-    # Where the variant's build has AVX-512 VNNI; elsewhere its kernel refuses with the reason.
+    # Where the variant's build has AVX-512 VNNI or AVX2; elsewhere (plain C) its kernel refuses with the reason.
     group = qc.parse_format(fmt)[1]
     cols = WIDTHS[group][0]
     qw = weight(fmt, 13, cols)
     x = torch.randn(16, cols, dtype=torch.bfloat16)
-    prefetch, into_all = qc.VNNI_PREFETCH
+    prefetch, into_all = qc.INT8X_PREFETCH
     run = native.gemv(prefetch, variant, into_all, int8_x=True)
-    if native.vnni_unavailable(variant):
-        with pytest.raises(RuntimeError, match="AVX-512 VNNI"):
+    if native.int8x_unavailable(variant):
+        with pytest.raises(RuntimeError, match="neither AVX-512 VNNI nor AVX2"):
             run(x[0], qw, torch.empty(13, dtype=torch.bfloat16))
         return
     singles = torch.empty(16, 13, dtype=torch.bfloat16)

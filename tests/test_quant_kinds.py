@@ -46,9 +46,9 @@ def test_each_family_has_every_row_class_with_the_reference_and_the_quant_candid
             assert kind is quant_kinds.KINDS[(family, rows)] and kind.env in SETTINGS
             names = [c.name for c in kind.candidates]
             assert names[0] == "ref" and kind.default == "ref" and not kind.by_name["ref"].measured
-            # Every candidate that can run the format is timed; c-vnni only int4's symmetric ones.
+            # Every candidate that can run the format is timed; c-int8x only int4's symmetric ones.
             assert set(kind.timed(fmt, cpu)) == {c.name for c in listed if not c.unavailable(fmt, cpu)}
-            assert ("c-vnni" in names) == (family == "int4" and rows != MANY)
+            assert ("c-int8x" in names) == (family == "int4" and rows != MANY)
             assert kind.timed(fmt, cpu) == [n for n in names[1:] if not kind.by_name[n].unavailable(fmt, cpu)]
 
 
@@ -67,7 +67,7 @@ def test_the_reference_candidates_equal_the_reference_past_their_row_blocks(monk
 
 def test_forcing_a_quantized_kernel_and_its_one_line_errors():
     gemv = quant_kinds.KINDS[("int4", ONE)]
-    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, c-vnni, int4pack"):
+    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, c-int8x, int4pack"):
         gemv.forced({gemv.env: "int8pack"})
     with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV=c: the compiled quantized kernels run on a CPU"):
         check_forced(["int4-g128"], "cuda", {gemv.env: "c"})
@@ -109,19 +109,19 @@ def test_a_bound_quantized_projection_runs_the_kernel_chosen_for_each_row_count(
         torch.testing.assert_close(bound(x).float(), want.float(), atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(bool(native.vnni_unavailable()), reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.skipif(bool(native.int8x_unavailable()), reason="this CPU has neither AVX-512 VNNI nor AVX2")
 def test_few_rows_follow_an_int8_x_one_row_choice_in_one_call():
-    # One-row c-vnni rounds x to int8; a few-row choice of c does not. Batch-invariant, the few
-    # rows take c-vnni's few-row form (each row's bits as alone), not c, and not a call per row.
+    # One-row c-int8x rounds x to int8; a few-row choice of c does not. Batch-invariant, the few
+    # rows take c-int8x's few-row form (each row's bits as alone), not c, and not a call per row.
     qw = int4(out=40, group=32)
     fmt, key = "int4-g32", (40, 256)
     kernels = KernelSet([
-        Choice(quant_kinds.KINDS[("int4", ONE)], fmt, "forced", {key: "c-vnni"}),
+        Choice(quant_kinds.KINDS[("int4", ONE)], fmt, "forced", {key: "c-int8x"}),
         Choice(quant_kinds.KINDS[("int4", FEW)], fmt, "forced", {key: "c"}, rows=4),
         Choice(quant_kinds.KINDS[("int4", MANY)], fmt, "forced", {"probe": "dequant-f32"}),
     ], env={"POCKETLLM_BATCH_INVARIANT": "1"})
     bound = kernels.bind(qw)
-    assert bound.names == {"one-row": "c-vnni", "2-row": "c-vnni", "3-row": "c-vnni", "4-row": "c-vnni", "many-row": "dequant-f32"}
+    assert bound.names == {"one-row": "c-int8x", "2-row": "c-int8x", "3-row": "c-int8x", "4-row": "c-int8x", "many-row": "dequant-f32"}
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     batch = bound(x)
     for i in range(4):

@@ -11,7 +11,7 @@ order (and the roundings their notes state) is layout.quant_linear_reference.
 | name | rows | what |
 |---|---|---|
 | c, c-prefetch, c-prefetch-far, c-ahead | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
-| c-vnni | one, few | symmetric int4 against x rounded to int8 (gemv_int4_vnni.c): equals layout.quant_linear_int8x_reference instead |
+| c-int8x | one, few | symmetric int4 against x rounded to int8 (gemv_int4_int8x.c): equals layout.quant_linear_int8x_reference instead |
 | int8pack | one, few, many | torch._weight_int8pack_mm |
 | int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
 | dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
@@ -89,15 +89,15 @@ def _compiled_unavailable(part: str):
     return why
 
 
-def _vnni_unavailable(fmt: str, device: torch.device) -> str:
+def _int8x_unavailable(fmt: str, device: torch.device) -> str:
     parsed = parse_format(fmt)
     if parsed is None or parsed[0] != "int4" or not parsed[2]:
-        return "c-vnni takes symmetric int4 weights"
+        return "c-int8x takes symmetric int4 weights"
     if device.type != "cpu":
         return "the compiled quantized kernels run on a CPU"
     if not native.int4_group_ok(parsed[1]):
         return f"the compiled int4 kernels take groups of 32 or a multiple of 64, not {parsed[1]}"
-    return native.unavailable("int4-vnni") or native.vnni_unavailable()
+    return native.unavailable("int4-int8x") or native.int8x_unavailable()
 
 
 def _torch_unavailable(scheme: str):
@@ -125,17 +125,17 @@ def _gemv(name: str, rows: str, what: str) -> QuantCandidate:
     )
 
 
-# How far ahead c-vnni asks for each weight load, into every cache level (as c-ahead).
-VNNI_PREFETCH = (PREFETCH_BYTES, True)
+# How far ahead c-int8x asks for each weight load, into every cache level (as c-ahead).
+INT8X_PREFETCH = (PREFETCH_BYTES, True)
 
 
-def _vnni(rows: str) -> QuantCandidate:
-    prefetch, into_all = VNNI_PREFETCH
+def _int8x(rows: str) -> QuantCandidate:
+    prefetch, into_all = INT8X_PREFETCH
     return QuantCandidate(
-        "c-vnni", rows, native.gemv(prefetch, into_all=into_all, int8_x=True),
-        "symmetric int4 against each x row rounded to int8 per 32 inputs, AVX-512 VNNI dot products (ops/quant/gemv_int4_vnni.c)",
-        "int4 symmetric; g32 or a multiple of 64; x rounded to int8", _vnni_unavailable, native.prepare, "checked",
-        (native.SOURCES["int4-vnni"],), rounds_x=True,
+        "c-int8x", rows, native.gemv(prefetch, into_all=into_all, int8_x=True),
+        "symmetric int4 against each x row rounded to int8 per 32 inputs, integer dot products: AVX-512 VNNI, else AVX2 (ops/quant/gemv_int4_int8x.c)",
+        "int4 symmetric; g32 or a multiple of 64; x rounded to int8", _int8x_unavailable, native.prepare, "checked",
+        (native.SOURCES["int4-int8x"],), rounds_x=True,
     )
 
 
@@ -156,7 +156,7 @@ ONE_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c-prefetch", ONE, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
     _gemv("c-prefetch-far", ONE, "the same, PREFETCH_FAR_BYTES ahead"),
     _gemv("c-ahead", ONE, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level"),
-    _vnni(ONE),
+    _int8x(ONE),
     _torch("int8pack", ONE),
     _torch("int4pack", ONE),
 )
@@ -165,7 +165,7 @@ FEW_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c-prefetch", FEW, "the same, each weight load prefetched non-temporally PREFETCH_BYTES ahead"),
     _gemv("c-prefetch-far", FEW, "the same, PREFETCH_FAR_BYTES ahead"),
     _gemv("c-ahead", FEW, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level"),
-    _vnni(FEW),
+    _int8x(FEW),
     _torch("int8pack", FEW),
     _torch("int4pack", FEW),
 )

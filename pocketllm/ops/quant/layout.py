@@ -142,7 +142,7 @@ def quant_linear_reference(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tens
     out.copy_(x.float() @ dequantize(qw).t())
 
 
-# The blocks of inputs x is quantized over where a kernel multiplies int8 x (gemv_int4_vnni.c).
+# The blocks of inputs x is quantized over where a kernel multiplies int8 x (gemv_int4_int8x.c).
 X_BLOCK = 32
 
 

@@ -22,7 +22,7 @@ from pocketllm import compiled
 from pocketllm.ops.quant.layout import QuantizedWeight
 
 HERE = Path(__file__).parent
-SOURCES = {"int4": HERE / "gemv_int4.c", "int8": HERE / "gemv_int8.c", "dequant": HERE / "dequant.c", "int4-vnni": HERE / "gemv_int4_vnni.c"}
+SOURCES = {"int4": HERE / "gemv_int4.c", "int8": HERE / "gemv_int8.c", "dequant": HERE / "dequant.c", "int4-int8x": HERE / "gemv_int4_int8x.c"}
 # The scale dtypes the kernels read as stored, by the code quant.h gives them.
 SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -32,9 +32,9 @@ _SIGNATURES = {
     "q8_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q4_dequant": (None, [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]),
     "q8_dequant": (None, [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
-    "q4v_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "q4x_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q4_isa": (ctypes.c_char_p, []),
-    "q4v_isa": (ctypes.c_char_p, []),
+    "q4x_isa": (ctypes.c_char_p, []),
     "q8_isa": (ctypes.c_char_p, []),
 }
 _libs: dict[tuple[str, str], tuple[ctypes.CDLL | None, str]] = {}
@@ -60,17 +60,17 @@ def unavailable(name: str, isa: str = "native") -> str:
 
 
 def isa(scheme: str, variant: str = "native") -> str:
-    """The instruction set the scheme's GEMV (or "int4-vnni") was built for, or why it was not."""
+    """The instruction set the scheme's GEMV (or "int4-int8x") was built for, or why it was not."""
     lib, why = library(scheme, variant)
     if lib is None:
         return f"unavailable: {why}"
-    fn = {"int4": "q4_isa", "int8": "q8_isa", "int4-vnni": "q4v_isa"}[scheme]
+    fn = {"int4": "q4_isa", "int8": "q8_isa", "int4-int8x": "q4x_isa"}[scheme]
     return getattr(lib, fn)().decode()
 
 
-def vnni_unavailable(variant: str = "native") -> str:
-    """Why gemv_int4_vnni.c's kernel cannot run here ("" when it can)."""
-    what = isa("int4-vnni", variant)
+def int8x_unavailable(variant: str = "native") -> str:
+    """Why gemv_int4_int8x.c's kernel cannot run here ("" when it can)."""
+    what = isa("int4-int8x", variant)
     return what if what.startswith("unavailable") else ""
 
 
@@ -217,11 +217,11 @@ def blocked_product(x: torch.Tensor, w: CompiledWeight, out: torch.Tensor, block
 
 
 def _function(scheme: str, variant: str, int8_x: bool):
-    source = "int4-vnni" if int8_x else scheme
+    source = "int4-int8x" if int8_x else scheme
     lib, why = library(source, variant)
     if lib is None:
         raise RuntimeError(why)
-    return getattr(lib, {"int4": "q4_gemm", "int8": "q8_gemm", "int4-vnni": "q4v_gemm"}[source])
+    return getattr(lib, {"int4": "q4_gemm", "int8": "q8_gemm", "int4-int8x": "q4x_gemm"}[source])
 
 
 def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False):
@@ -229,7 +229,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
     bytes ahead (0: none), non-temporally or, `into_all`, into every cache level: run(x, w, out), x [in] or [m, in],
     w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
     fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
-    which multiplies the reference's very weights. `int8_x`: gemv_int4_vnni.c's kernel, which
+    which multiplies the reference's very weights. `int8_x`: gemv_int4_int8x.c's kernel, which
     rounds bf16 x to int8 first (symmetric int4 weights only)."""
     name = f"quantized GEMV ({variant}{', int8 x' if int8_x else ''})"
     fns = {}  # scheme -> its C function, looked up (and built) on the first call
@@ -248,7 +248,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         if rc == -1:
             raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
         if rc != 0:
-            raise RuntimeError(f"{name}: {isa('int4-vnni', variant)}")
+            raise RuntimeError(f"{name}: {isa('int4-int8x', variant)}")
 
     return run
 

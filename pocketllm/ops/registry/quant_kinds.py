@@ -69,7 +69,7 @@ for _family in ("int8", "int4"):
     _isa = (lambda scheme: lambda: native.isa(scheme))(_family)
     _ref_one = Candidate(REFERENCE, reference_one, _REF, measured=False)
     _ref_rows = Candidate(REFERENCE, reference_rows, _REF, measured=False)
-    # c-vnni is in no prefer list: where it streams no faster than a tile that takes x as it is
+    # c-int8x is in no prefer list: where it streams no faster than a tile that takes x as it is
     # (a wash), that tile is chosen.
     KINDS[(_family, ONE)] = register(Kind(
         ONE, _family, ONE, ENV[(_family, ONE)], (_ref_one, *_of_family(_family, qc.ONE_ROW)),

@@ -1,0 +1,286 @@
+/* Y = X W^T for symmetric int4 weights (zero 8, the layout of gemv_int4.c) and a few bf16 rows X,
+ * with each x row first quantized to int8: blocks of 32 inputs, scale = the block's largest |x|
+ * / 127, each input rint(x * 127 / largest). The products are then integer dot products of bytes
+ * (AVX-512 VNNI: 64 weight-by-input products per instruction; AVX2: vpmaddubsw then vpmaddwd),
+ * where the bf16 tile of gemv_int4.c spends seven instructions per 128 weights making them bf16
+ * and the AVX2 one widens every weight to fp32. Those tiles run out of instructions before a fast
+ * memory runs out of bytes; these do not. The price is x's rounding to 8 bits: the reference is
+ * layout.quant_linear_int8x_reference, which rounds x the same way.
+ *
+ * Layout per x row, for every 128 inputs (one 64-byte load of weights, or two 32-byte ones: byte j
+ * holds input 2j in its low nibble and 2j + 1 in its high one): 32-bit lane l of the low nibbles
+ * holds inputs 8l, 8l+2, 8l+4, 8l+6 and of the high nibbles 8l+1, 8l+3, 8l+5, 8l+7, so x is kept
+ * as those two byte runs (64 bytes each), then 16 lane starts (int32) and 16 lane scales (fp32);
+ * lane l's eight inputs lie in one block of 32. Each lane starts from -8 times its inputs' sum (the
+ * zero point), so it ends with the sum of (q - 8) xq as an exact int32; that, times its block's
+ * scale and its group's weight scale, goes into the row's fp32 sum. Every (weight row, x row) pair
+ * is summed by the same operations whatever the tile around it, so a row of a few-row call equals
+ * the one-row call bit for bit.
+ *
+ * Built where the compiler targets AVX-512 VNNI (with BW and VL) or AVX2; elsewhere q4x_isa says
+ * why not and q4x_gemm returns -2.
+ */
+#include <stdint.h>
+
+#include "quant.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define INT8X_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INT8X_AVX2
+#endif
+
+#if defined(INT8X_AVX512) || defined(INT8X_AVX2)
+#include <immintrin.h>
+#include <math.h>
+
+/* One x row's int8 form, per 128 inputs: 64 bytes of even inputs, 64 of odd ones, 16 lane starts
+ * (int32) and 16 lane scales (fp32); n padded to 128 with zeros. */
+static inline int64_t xq_bytes(int64_t n) { return ((n + 127) / 128) * 256; }
+
+struct q4v {
+    const uint8_t *w;
+    const void *s;
+    int64_t kind, rows, n, group, ng;
+    int64_t pf_bytes, pf_all; /* as gemv_int4.c's */
+    const int8_t *xq;         /* the x rows' int8 form (quantize_x), xq_bytes(n) apart */
+};
+
+#ifdef INT8X_AVX512
+#define TILE_R 4
+#define TILE_C 4
+const char *q4x_isa(void) { return "avx512_vnni"; }
+
+static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
+    /* Sixteen inputs, eight per lane: the even ones of both lanes, then the odd ones. */
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t st = 0; st < (n + 127) / 128; st++) {
+        int8_t *xe = out + st * 256, *xo = xe + 64;
+        float scale[16];
+        for (int b = 0; b < 4; b++) {
+            const int64_t i0 = st * 128 + b * 32, left = n - i0;
+            const __mmask32 m = left >= 32 ? (__mmask32)~0u : left <= 0 ? 0 : (__mmask32)((1u << left) - 1u);
+            __m512 v[2];
+            for (int h = 0; h < 2; h++) {
+                __m256i raw = _mm256_maskz_loadu_epi16((__mmask16)(m >> (16 * h)), x + i0 + 16 * h);
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            }
+            const float big = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            const __m512 inv = _mm512_set1_ps(big > 0.f ? 127.f / big : 0.f);
+            /* rint (to nearest even, the default rounding) of x * 127 / big: within -127..127. */
+            __m128i s0 = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv))), split);
+            __m128i s1 = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv))), split);
+            _mm_storeu_si128((__m128i *)(xe + 16 * b), _mm_unpacklo_epi64(s0, s1));
+            _mm_storeu_si128((__m128i *)(xo + 16 * b), _mm_unpackhi_epi64(s0, s1));
+            for (int l = 0; l < 4; l++) scale[4 * b + l] = big / 127.f;
+        }
+        /* Each lane's start, -8 times its eight inputs' sum, by the same dot product against ones. */
+        const __m512i ones = _mm512_set1_epi8(1);
+        __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xe));
+        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(xo));
+        _mm512_storeu_si512(xe + 128, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-8)));
+        _mm512_storeu_ps(xe + 192, _mm512_loadu_ps(scale));
+    }
+}
+
+/* The lane index of each lane's group, counted from the step's first group. */
+static inline __m512i lane_groups(int64_t group) {
+    return group == 32   ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+           : group == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                         : _mm512_setzero_si512();
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q4v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const __m512i low = _mm512_set1_epi8(0x0f), lane_group = lane_groups(q->group);
+    const int64_t nb = q->n / 2, xbytes = xq_bytes(q->n), sbytes = q->kind == SCALE_F32 ? 4 : 2;
+    const int8_t *xq = q->xq + c0 * xbytes;
+    __m512 acc[TILE_R][TILE_C], sv[TILE_R];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    /* As gemv_int4.c's tiles: the rows' scales sixteen groups at a time, the next tile's scales
+     * prefetched a line per step, the weight pf_bytes (whole tiles) ahead. */
+    int64_t g0 = -16, gi = 16, ge = 0;
+    const char *snext = (const char *)q->s + (r0 + R) * q->ng * sbytes;
+    const int64_t sleft = r0 + R < q->rows ? min64(TILE_R, q->rows - r0 - R) * q->ng * sbytes : 0;
+    const int64_t pf = (r0 + R) * nb + q->pf_bytes <= q->rows * nb ? q->pf_bytes : 0;
+    for (int64_t e = 0; e < q->n; e += 128) {
+        if (e / 2 < sleft) _mm_prefetch(snext + e / 2, _MM_HINT_T0);
+        if (gi == 16) {
+            g0 += 16, gi = 0;
+            UNROLL for (int r = 0; r < R; r++) sv[r] = scales16(q->s, q->kind, (r0 + r) * q->ng + g0, min64(16, q->ng - g0));
+        }
+        const __mmask64 m = q->n - e >= 128 ? ~(__mmask64)0 : (((__mmask64)1 << ((q->n - e) / 2)) - 1);
+        const __m512i gidx = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)gi));
+        __m512i lo[TILE_R], hi[TILE_R];
+        __m512 sw[TILE_R];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
+            if (pf) prefetch_weight((const char *)p + pf, q->pf_all);
+            __m512i v = _mm512_maskz_loadu_epi8(m, p);
+            lo[r] = _mm512_and_si512(v, low);
+            hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            sw[r] = _mm512_permutexvar_ps(gidx, sv[r]);
+        }
+        UNROLL for (int c = 0; c < C; c++) {
+            const int8_t *xs = xq + c * xbytes + e * 2;
+            const __m512i xe = _mm512_loadu_si512(xs), xo = _mm512_loadu_si512(xs + 64), start = _mm512_loadu_si512(xs + 128);
+            const __m512 sx = _mm512_loadu_ps(xs + 192);
+            UNROLL for (int r = 0; r < R; r++) {
+                __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo[r], xe), hi[r], xo);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), sx), sw[r], acc[r][c]);
+            }
+        }
+        for (ge += 128; ge >= q->group; ge -= q->group) gi++;
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) o[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+#else
+/* AVX2: vpmaddubsw sums two byte products into 16 bits (at most 2 * 15 * 127, no saturation),
+ * vpmaddwd two of those into a 32-bit lane: the four products a VNNI lane sums. 32 bytes of
+ * weights at a time, eight lanes: each 128 inputs are two halves. */
+#define TILE_R 4
+#define TILE_C 2
+const char *q4x_isa(void) { return "avx2"; }
+
+/* The layout above in plain C (the compiler vectorizes its loops), rounding as the AVX-512 form:
+ * rintf in the default to-nearest-even mode. */
+static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
+    for (int64_t st = 0; st < (n + 127) / 128; st++) {
+        int8_t *xe = out + st * 256, *xo = xe + 64;
+        int32_t *start = (int32_t *)(xe + 128);
+        float *scale = (float *)(xe + 192);
+        for (int b = 0; b < 4; b++) {
+            const int64_t i0 = st * 128 + b * 32;
+            float v[32], big = 0.f;
+            for (int i = 0; i < 32; i++) {
+                v[i] = i0 + i < n ? bf16_to_f32(x[i0 + i]) : 0.f;
+                const float a = v[i] < 0.f ? -v[i] : v[i];
+                big = a > big ? a : big;
+            }
+            const float inv = big > 0.f ? 127.f / big : 0.f;
+            for (int l = 0; l < 4; l++) {
+                int32_t sum = 0;
+                for (int j = 0; j < 4; j++) {
+                    const int8_t e = (int8_t)rintf(v[8 * l + 2 * j] * inv), o = (int8_t)rintf(v[8 * l + 2 * j + 1] * inv);
+                    xe[16 * b + 4 * l + j] = e, xo[16 * b + 4 * l + j] = o;
+                    sum += e + o;
+                }
+                start[4 * b + l] = -8 * sum;
+                scale[4 * b + l] = big / 127.f;
+            }
+        }
+    }
+}
+
+/* The weight scales of a row's half-step (64 inputs, whose first group is g, an index into the
+ * scales) per lane: one group for groups of 64 or more, two for 32 (the second zero past the row's
+ * end, `two` 0). */
+static inline __m256 half_scales(const struct q4v *q, int64_t g, int two) {
+    const float a = scale_at(q->s, q->kind, g);
+    if (q->group >= 64) return _mm256_set1_ps(a);
+    return _mm256_set_m128(_mm_set1_ps(two ? scale_at(q->s, q->kind, g + 1) : 0.f), _mm_set1_ps(a));
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q4v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int64_t nb = q->n / 2, xbytes = xq_bytes(q->n);
+    const int8_t *xq = q->xq + c0 * xbytes;
+    __m256 acc[TILE_R][TILE_C];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t pf = (r0 + R) * nb + q->pf_bytes <= q->rows * nb ? q->pf_bytes : 0;
+    /* The group of the step's first input, and of its second half's, kept without a division. */
+    int64_t g = 0, into = 0;
+    for (int64_t e = 0; e < q->n; e += 128) {
+        const int64_t gh[2] = {g, q->group == 32 ? g + 2 : g + (into + 64 >= q->group)};
+        for (int h = 0; h < 2; h++) {
+            const int64_t i0 = e + 64 * h, left = (q->n - i0) / 2; /* weight bytes left in the row */
+            if (left <= 0) break;
+            UNROLL for (int r = 0; r < R; r++) {
+                const uint8_t *p = q->w + (r0 + r) * nb + i0 / 2;
+                if (pf && h == 0) prefetch_weight((const char *)p + pf, q->pf_all);
+                __m256i v;
+                if (left >= 32) {
+                    v = _mm256_loadu_si256((const __m256i *)p);
+                } else { /* a row's last bytes: zeros past its end meet x's zero padding */
+                    uint8_t tail[32] = {0};
+                    memcpy(tail, p, (size_t)left);
+                    v = _mm256_loadu_si256((const __m256i *)tail);
+                }
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                const __m256 sw = half_scales(q, (r0 + r) * q->ng + gh[h], i0 + 32 < q->n);
+                UNROLL for (int c = 0; c < C; c++) {
+                    const int8_t *xs = xq + c * xbytes + e * 2;
+                    const __m256i xe = _mm256_loadu_si256((const __m256i *)(xs + 32 * h)), xo = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
+                    __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xe), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xo), ones));
+                    t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h)));
+                    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_loadu_ps((const float *)(xs + 192) + 8 * h));
+                    acc[r][c] = _mm256_fmadd_ps(f, sw, acc[r][c]);
+                }
+            }
+        }
+        for (into += 128; into >= q->group; into -= q->group) g++;
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            o[r][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        }
+}
+#endif
+
+/* One tile with its row and column counts as constants, so its accumulators stay in registers. */
+static void run_tile(const struct q4v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+#define TILE_CASE(r, c) \
+    case (r) * 8 + (c): tile(q, r0, c0, r, c, o); break;
+    switch (R * 8 + C) {
+#if TILE_C >= 4
+        TILE_CASE(4, 3) TILE_CASE(4, 4) TILE_CASE(3, 3) TILE_CASE(3, 4) TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(1, 3) TILE_CASE(1, 4)
+#endif
+        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(1, 2)
+        default: tile(q, r0, c0, 1, 1, o); break;
+    }
+#undef TILE_CASE
+}
+
+/* y [m, rows] = x [m, n] W^T, as q4_gemm in gemv_int4.c (prefetch, into_all the same). Returns 0;
+ * -1 when x's scratch could not be allocated; -2 for weights with zero points (nothing written). */
+int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+    if (wt->z != NULL) return -2;
+    const int64_t rows = wt->rows, n = wt->n, xbytes = xq_bytes(n);
+    int8_t *xq = scratch((size_t)(m * xbytes));
+    if (xq == NULL) return -1;
+    for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
+    struct q4v q = {wt->w, wt->s, wt->kind, rows, n, wt->group, n / wt->group, 0, into_all, xq};
+    const int64_t tile_bytes = TILE_R * (n / 2);
+    q.pf_bytes = prefetch > 0 ? (prefetch + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
+    const int64_t units = (rows + TILE_R - 1) / TILE_R;
+#pragma omp parallel
+    {
+        int64_t u0, u1;
+        thread_units(units, &u0, &u1);
+        prefetch_start(wt->w + u0 * tile_bytes, min64(q.pf_bytes, (u1 - u0) * tile_bytes));
+        for (int64_t u = u0; u < u1; u++) {
+            const int64_t r0 = u * TILE_R;
+            const int R = (int)min64(TILE_R, rows - r0);
+            for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
+                const int C = (int)min64(TILE_C, m - c0);
+                float o[TILE_R][TILE_C];
+                run_tile(&q, r0, c0, R, C, o);
+                UNROLL for (int r = 0; r < R; r++)
+                    UNROLL for (int c = 0; c < C; c++) y[(c0 + c) * rows + r0 + r] = f32_to_bf16(o[r][c]);
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+const char *q4x_isa(void) { return "unavailable: the CPU (or the compiler) has neither AVX-512 VNNI nor AVX2"; }
+int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)into_all;
+    return -2;
+}
+#endif
