@@ -137,7 +137,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
 
 #else
 /* AVX2: vpmaddubsw sums two byte products into 16 bits (at most 2 * 15 * 127, no saturation),
- * vpmaddwd two of those into a 32-bit lane: the four products a VNNI lane sums. 32 bytes of
+ * vpmaddwd pairs of 16-bit lanes into a 32-bit lane: the products a VNNI lane sums. 32 bytes of
  * weights at a time, eight lanes: each 128 inputs are two halves. */
 #define TILE_R 4
 #define TILE_C 2
@@ -213,7 +213,8 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
                 UNROLL for (int c = 0; c < C; c++) {
                     const int8_t *xs = xq + c * xbytes + e * 2;
                     const __m256i xe = _mm256_loadu_si256((const __m256i *)(xs + 32 * h)), xo = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
-                    __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xe), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xo), ones));
+                    /* Each 16-bit lane of the two vpmaddubsw sums stays within 4 * 15 * 127: one vpmaddwd for both. */
+                    __m256i t = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
                     t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h)));
                     const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_loadu_ps((const float *)(xs + 192) + 8 * h));
                     acc[r][c] = _mm256_fmadd_ps(f, sw, acc[r][c]);
