@@ -14,6 +14,7 @@ rate of a 1 GiB fp32 sum: decode tok/s is also given as a share of that limit.
     python benchmarks/vs_llama_cpp_quant.py --ckpt DIR --llama-bench PATH
         --pair int8=Q8_0.gguf --pair int4=Q4_0.gguf [--pair none=bf16.gguf]
         [--gguf-python PATH] [--prompt-tokens 512] [--decode-tokens 64] [--reps 4] [--threads 2]
+        [--min-read-rate GB/s [--wait-seconds S]]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -50,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
+    p.add_argument("--min-read-rate", type=float, default=0.0, help="after loading, wait until a 1 GiB sum reads at least this many GB/s before the reps "
+                   "(on a host whose rate moves minute to minute: both engines then start in the same fast window)")
+    p.add_argument("--wait-seconds", type=float, default=1800.0, help="how long --min-read-rate may wait (default 1800)")
     args = p.parse_args(argv)
     if args.reps < 2 or args.reps % 2:
         p.error(f"--reps must be even and at least 2, got {args.reps}")
@@ -115,6 +120,12 @@ def main(argv=None) -> int:
             s.run(prompt, first, 2)  # warm-up: the first pass at a shape pays for its setup
     figures = {name: {"prefill": [], "decode": []} for name in settings}
     rates = [max(read_bandwidths_gbps().values())]
+    deadline = time.monotonic() + args.wait_seconds
+    while rates[0] < args.min_read_rate:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the read rate stayed below {args.min_read_rate} GB/s for {args.wait_seconds:.0f} s (last {rates[0]:.1f})")
+        time.sleep(2)
+        rates[0] = max(read_bandwidths_gbps(reps=2).values())
     for rep in range(args.reps):
         for name in alternate(list(settings), rep):
             for kind, value in settings[name].run(prompt, first, args.decode_tokens).items():
