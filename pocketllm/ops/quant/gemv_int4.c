@@ -101,10 +101,7 @@ static float zero_term(const struct q4 *q, int64_t r, int64_t c) {
 
 static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
     const __m512i low = _mm512_set1_epi16(0x0f), exp128 = _mm512_set1_epi16(0x4300);
-    /* The group of each lane's eight inputs, counted from the 128's first group. */
-    const __m512i lane_group = q->group == 32   ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                               : q->group == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                                                : _mm512_setzero_si512();
+    const __m512i lane_group = lane_groups(q->group);
     const int64_t npad = (q->n + 127) & ~(int64_t)127, nb = q->n / 2;
     const uint16_t *x = (const uint16_t *)q->x + c0 * q->xstride;
     __m512 acc[TILE_R][TILE_C], sv[TILE_R];

@@ -82,13 +82,6 @@ static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
     }
 }
 
-/* The lane index of each lane's group, counted from the step's first group. */
-static inline __m512i lane_groups(int64_t group) {
-    return group == 32   ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-           : group == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                         : _mm512_setzero_si512();
-}
-
 static inline __attribute__((always_inline)) void tile(const struct q4v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
     const __m512i low = _mm512_set1_epi8(0x0f), lane_group = lane_groups(q->group);
     const int64_t nb = q->n / 2, xbytes = xq_bytes(q->n), sbytes = q->kind == SCALE_F32 ? 4 : 2;

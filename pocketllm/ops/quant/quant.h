@@ -93,6 +93,14 @@ static inline __m512 scales16(const void *s, int64_t kind, int64_t i, int64_t co
     if (kind == SCALE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+/* The group of each 32-bit lane's eight inputs within a 128-input step (lane l: inputs 8l..8l+7),
+ * counted from the step's first group: groups of 32, 64, or 128 and more. */
+static inline __m512i lane_groups(int64_t group) {
+    return group == 32   ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+           : group == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                         : _mm512_setzero_si512();
+}
 #endif
 
 /* An int4 weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
