@@ -73,7 +73,8 @@ def parse_format(fmt: str) -> tuple[str, int | None, bool] | None:
 
 
 def _compiled_unavailable(part: str):
-    """part "gemv": the scheme's GEMV library; "dequant": dequant.c."""
+    """part "gemv": the scheme's GEMV library; "dequant": dequant.c; "int8x": gemv_int4_int8x.c
+    (symmetric int4 only)."""
 
     def why(fmt: str, device: torch.device) -> str:
         parsed = parse_format(fmt)
@@ -81,23 +82,16 @@ def _compiled_unavailable(part: str):
             return "the compiled quantized kernels take int8 or int4 weights"
         if device.type != "cpu":
             return "the compiled quantized kernels run on a CPU"
-        scheme, group, _ = parsed
+        scheme, group, symmetric = parsed
+        if part == "int8x" and (scheme != "int4" or not symmetric):
+            return "c-int8x takes symmetric int4 weights"
         if scheme == "int4" and not native.int4_group_ok(group):
             return f"the compiled int4 kernels take groups of 32 or a multiple of 64, not {group}"
+        if part == "int8x":
+            return native.unavailable("int4-int8x") or native.int8x_unavailable()
         return native.unavailable(scheme if part == "gemv" else "dequant")
 
     return why
-
-
-def _int8x_unavailable(fmt: str, device: torch.device) -> str:
-    parsed = parse_format(fmt)
-    if parsed is None or parsed[0] != "int4" or not parsed[2]:
-        return "c-int8x takes symmetric int4 weights"
-    if device.type != "cpu":
-        return "the compiled quantized kernels run on a CPU"
-    if not native.int4_group_ok(parsed[1]):
-        return f"the compiled int4 kernels take groups of 32 or a multiple of 64, not {parsed[1]}"
-    return native.unavailable("int4-int8x") or native.int8x_unavailable()
 
 
 def _torch_unavailable(scheme: str):
@@ -134,7 +128,7 @@ def _int8x(rows: str) -> QuantCandidate:
     return QuantCandidate(
         "c-int8x", rows, native.gemv(prefetch, into_all=into_all, int8_x=True),
         "symmetric int4 against each x row rounded to int8 per 32 inputs, integer dot products: AVX-512 VNNI, else AVX2 (ops/quant/gemv_int4_int8x.c)",
-        "int4 symmetric; g32 or a multiple of 64; x rounded to int8", _int8x_unavailable, native.prepare, "checked",
+        "int4 symmetric; g32 or a multiple of 64; x rounded to int8", _compiled_unavailable("int8x"), native.prepare, "checked",
         (native.SOURCES["int4-int8x"],), rounds_x=True,
     )
 

@@ -241,16 +241,22 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         if x.dtype is not _BF16:
             blocked_product(x, w, out, torch.float32, variant)
             return
-        if int8_x and (w.scheme != "int4" or w.qw.zeros is not None):
-            raise ValueError(f"{name}: takes symmetric int4 weights, got {w.scheme}{' with zero points' if w.scheme == 'int4' else ''}")
         fn = fns.get(w.scheme) or fns.setdefault(w.scheme, _function(w.scheme, variant, int8_x))
-        rc = fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
-        if rc == -1:
-            raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
+        # An int8-x call on int8 weights would read them as nibbles: refused before the C.
+        rc = -3 if int8_x and w.scheme != "int4" else fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
         if rc != 0:
-            raise RuntimeError(f"{name}: {isa('int4-int8x', variant)}")
+            _failed(name, rc, w, m, variant)
 
     return run
+
+
+def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str) -> None:
+    """The one error a compiled GEMV's return code `rc` stands for (checked off the hot path)."""
+    if rc == -1:
+        raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
+    if w.scheme != "int4" or w.qw.zeros is not None:
+        raise ValueError(f"{name}: takes symmetric int4 weights, got {w.scheme}{' with zero points' if w.scheme == 'int4' else ''}")
+    raise RuntimeError(f"{name}: {isa('int4-int8x', variant)}")
 
 
 def dequantize_rows(w, r0: int, r1: int, block: torch.Tensor, variant: str = "native") -> None:

@@ -179,6 +179,7 @@ class KernelSet:
         many = entry(MANY, self._find(fmt, MANY), _ROWS)
         one = entry(ONE, self._find(fmt, ONE), _ONE)
         each = (f"{one[0]} per row",) + one[1:3] + (_EACH,)
+        same = few_like(one)
         counts = sorted(c.rows for c in self.choices if c.fmt == fmt and c.kind.rows == FEW)
         small = {1: one}
         for rows in range(2, max(counts, default=1) + 1):
@@ -189,7 +190,7 @@ class KernelSet:
             if self.invariant and not (e is not many and order(e, FEW) and order(e, FEW) == order(one, ONE)):
                 # The few-row form of the one-row choice where the kind has it (one call, each row
                 # summed as alone); else the one-row kernel on each row in turn.
-                e = same if (same := few_like(one)) is not None and row_class(rows) == FEW else each
+                e = same if same is not None and row_class(rows) == FEW else each
             small[rows] = e
         return BoundKernels(weight, small, many)
 
