@@ -15,6 +15,11 @@ rate of a 1 GiB fp32 sum: decode tok/s is also given as a share of that limit.
         --pair int8=Q8_0.gguf --pair int4=Q4_0.gguf [--pair none=bf16.gguf]
         [--gguf-python PATH] [--prompt-tokens 512] [--decode-tokens 64] [--reps 4] [--threads 2]
         [--min-read-rate GB/s [--wait-seconds S]]
+
+--min-read-rate R is for a host whose read rate moves minute to minute: after loading, each rep
+(every setting once) starts when a 1 GiB sum reads at least R, and a rep after which the sum reads
+below R is dropped for every setting alike and run again, so that every kept rep ran in one fast
+window; the limit is then the fastest sum read around the kept reps.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
-    p.add_argument("--min-read-rate", type=float, default=0.0, help="after loading, wait until a 1 GiB sum reads at least this many GB/s before the reps "
-                   "(on a host whose rate moves minute to minute: both engines then start in the same fast window)")
-    p.add_argument("--wait-seconds", type=float, default=1800.0, help="how long --min-read-rate may wait (default 1800)")
+    p.add_argument("--min-read-rate", type=float, default=0.0, help="start each rep when a 1 GiB sum reads at least this many GB/s, and run a rep "
+                   "again when the sum after it reads less (on a host whose rate moves minute to minute: every kept rep ran in one fast window)")
+    p.add_argument("--wait-seconds", type=float, default=1800.0, help="how long --min-read-rate may wait in all (default 1800)")
     args = p.parse_args(argv)
     if args.reps < 2 or args.reps % 2:
         p.error(f"--reps must be even and at least 2, got {args.reps}")
@@ -101,6 +106,40 @@ class Llama:
         return out
 
 
+def _read_rate(reps: int = 5) -> float:
+    return max(read_bandwidths_gbps(reps=reps).values())
+
+
+def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list[int]) -> tuple[list[float], int]:
+    """The reps, each setting once per rep in alternating order, into `figures`: (the sums read
+    around the kept reps, how many reps were dropped). Without --min-read-rate, one sum before
+    the reps and one after; with it, a sum before and after each rep: a rep waits for a fast sum
+    and is kept only if the sum after it is fast too."""
+    floor = args.min_read_rate
+    deadline = time.monotonic() + args.wait_seconds
+    rates, dropped, kept = [] if floor else [_read_rate()], 0, 0
+    while kept < args.reps:
+        before = _read_rate(2) if floor else 0.0
+        while before < floor:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the read rate stayed below {floor} GB/s for {args.wait_seconds:.0f} s (last {before:.1f}; {kept} rep(s) kept)")
+            time.sleep(2)
+            before = _read_rate(2)
+        got = {name: settings[name].run(prompt, first, args.decode_tokens) for name in alternate(list(settings), kept)}
+        after = _read_rate(2) if floor else 0.0
+        if after < floor:
+            dropped += 1
+            print(f"rep {kept + 1}/{args.reps} dropped: the sum read {before:.1f} GB/s before it and {after:.1f} after", file=sys.stderr, flush=True)
+            continue
+        for name, values in got.items():
+            for kind, value in values.items():
+                figures[name][kind].append(value)
+        kept += 1
+        rates += [before, after] if floor else []
+        print(f"rep {kept}/{args.reps} done" + (f" ({before:.1f} / {after:.1f} GB/s)" if floor else ""), file=sys.stderr, flush=True)
+    return (rates if floor else rates + [_read_rate()]), dropped
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -119,28 +158,21 @@ def main(argv=None) -> int:
         if isinstance(s, Pocket):
             s.run(prompt, first, 2)  # warm-up: the first pass at a shape pays for its setup
     figures = {name: {"prefill": [], "decode": []} for name in settings}
-    rates = [max(read_bandwidths_gbps().values())]
-    deadline = time.monotonic() + args.wait_seconds
-    while rates[0] < args.min_read_rate:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the read rate stayed below {args.min_read_rate} GB/s for {args.wait_seconds:.0f} s (last {rates[0]:.1f})")
-        time.sleep(2)
-        rates[0] = max(read_bandwidths_gbps(reps=2).values())
-    for rep in range(args.reps):
-        for name in alternate(list(settings), rep):
-            for kind, value in settings[name].run(prompt, first, args.decode_tokens).items():
-                figures[name][kind].append(value)
-        print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-    rates.append(max(read_bandwidths_gbps().values()))
+    rates, dropped = run_reps(args, settings, figures, prompt, first)
     rate = max(rates) * 1e9
     llama_version = next((s.version for s in settings.values() if isinstance(s, Llama)), "")
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama_version}")
-    print(f"threads={args.threads} reps={args.reps} (median, min..max); read rate (1 GiB fp32 sum, best of before and after) {rate / 1e9:.1f} GB/s ({rates[0]:.1f} before, {rates[1]:.1f} after)")
+    held = f"; each rep run while the sum read >= {args.min_read_rate:g} GB/s before and after it, {dropped} rep(s) dropped" if args.min_read_rate else ""
+    print(f"threads={args.threads} reps={args.reps} (median, min..max); read rate (1 GiB fp32 sum, best around the reps) {rate / 1e9:.1f} GB/s "
+          f"(sums read {min(rates):.1f}..{max(rates):.1f}{held})")
     for s in settings.values():
         if isinstance(s, Pocket):
             print(s.describe)
     print(f"{'setting':<28}{'prefill tok/s @' + str(args.prompt_tokens):>26}{'decode tok/s':>24}{'MB/step':>9}{'limit tok/s':>12}{'of limit':>9}")
-    summary = {"machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "read_GBps": round(rate / 1e9, 2), "settings": {}}
+    summary = {
+        "machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "read_GBps": round(rate / 1e9, 2),
+        "min_read_GBps": args.min_read_rate, "dropped_reps": dropped, "settings": {},
+    }
     for name, s in settings.items():
         pre, dec = figures[name]["prefill"], figures[name]["decode"]
         limit = rate / s.step_bytes if s.step_bytes else None
