@@ -383,50 +383,44 @@ static void run_tile(const struct q4 *q, int64_t r0, int64_t c0, int R, int C, f
 #undef TILE_CASE
 }
 
+/* Tile (r0, c0) of q4_gemm's call: its outputs, less the zero term where the path needs it. */
+struct q4_call {
+    struct q4 q;
+    uint16_t *y;
+    int64_t m;
+};
+static void q4_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
+    const struct q4_call *k = ctx;
+    float o[TILE_R][TILE_C];
+    run_tile(&k->q, r0, c0, R, C, o);
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) {
+            float v = o[r][c];
+            if (k->q.xsum) v -= zero_term(&k->q, r0 + r, c0 + c);
+            k->y[(c0 + c) * k->q.rows + r0 + r] = f32_to_bf16(v);
+        }
+}
+
 /* y [m, rows] = x [m, n] W^T. prefetch: at least how many bytes ahead of each weight load it is
  * prefetched from, 0 for none; into_all: into every cache level rather than non-temporally
  * (prefetch_weight). Returns 0, or -1 when the scratch for x could not be allocated (nothing
  * written). */
 int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
     const int64_t rows = wt->rows, n = wt->n, group = wt->group;
-    struct q4 q = {wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, into_all, NULL, x_stride(n), NULL};
-    size_t xbytes = ((size_t)(m * q.xstride) * sizeof(X_ELEM) + 63) & ~(size_t)63;
-    size_t sbytes = ZERO_TERM_NEEDED(wt->z) ? (size_t)(m * q.ng) * sizeof(float) : 0;
+    struct q4_call k = {{wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, into_all, NULL, x_stride(n), NULL}, y, m};
+    size_t xbytes = ((size_t)(m * k.q.xstride) * sizeof(X_ELEM) + 63) & ~(size_t)63;
+    size_t sbytes = ZERO_TERM_NEEDED(wt->z) ? (size_t)(m * k.q.ng) * sizeof(float) : 0;
     char *buf = scratch(xbytes + sbytes);
     if (buf == NULL) return -1;
     float *xs = sbytes ? (float *)(buf + xbytes) : NULL;
     for (int64_t c = 0; c < m; c++) {
-        prepare_x(x + c * n, n, (X_ELEM *)buf + c * q.xstride);
-        if (xs) group_sums(x + c * n, n, group, xs + c * q.ng);
+        prepare_x(x + c * n, n, (X_ELEM *)buf + c * k.q.xstride);
+        if (xs) group_sums(x + c * n, n, group, xs + c * k.q.ng);
     }
-    q.x = buf, q.xsum = xs;
+    k.q.x = buf, k.q.xsum = xs;
     /* Weight rows per tile: the tile may take fewer when it also takes several x rows. */
-    const int64_t tr = m == 1 ? TILE_R : TILE_R_FEW;
-    /* The prefetch distance as whole tiles, at least `prefetch` bytes: a distance inside a row
-     * would land in the rows this tile reads beside it, not in the next tile's. */
-    const int64_t tile_bytes = tr * (n / 2);
-    q.pf_bytes = prefetch > 0 ? (prefetch + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
-    int64_t units = (rows + tr - 1) / tr;
-#pragma omp parallel
-    {
-        int64_t u0, u1;
-        thread_units(units, &u0, &u1);
-        prefetch_start(wt->w + u0 * tile_bytes, min64(q.pf_bytes, (u1 - u0) * tile_bytes));
-        for (int64_t u = u0; u < u1; u++) {
-            int64_t r0 = u * tr;
-            int R = (int)min64(tr, rows - r0);
-            for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
-                int C = (int)min64(TILE_C, m - c0);
-                float o[TILE_R][TILE_C];
-                run_tile(&q, r0, c0, R, C, o);
-                UNROLL for (int r = 0; r < R; r++)
-                    UNROLL for (int c = 0; c < C; c++) {
-                        float v = o[r][c];
-                        if (xs) v -= zero_term(&q, r0 + r, c0 + c);
-                        y[(c0 + c) * rows + r0 + r] = f32_to_bf16(v);
-                    }
-            }
-        }
-    }
+    const int64_t tr = m == 1 ? TILE_R : TILE_R_FEW, tile_bytes = tr * (n / 2);
+    k.q.pf_bytes = whole_tiles(prefetch, tile_bytes);
+    run_tiles(&k, q4_tile, rows, m, tr, TILE_C, wt->w, tile_bytes, k.q.pf_bytes);
     return 0;
 }

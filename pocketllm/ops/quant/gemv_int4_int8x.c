@@ -239,6 +239,19 @@ static void run_tile(const struct q4v *q, int64_t r0, int64_t c0, int R, int C, 
 #undef TILE_CASE
 }
 
+/* Tile (r0, c0) of q4x_gemm's call: its outputs. */
+struct q4x_call {
+    struct q4v q;
+    uint16_t *y;
+};
+static void q4x_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
+    const struct q4x_call *k = ctx;
+    float o[TILE_R][TILE_C];
+    run_tile(&k->q, r0, c0, R, C, o);
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) k->y[(c0 + c) * k->q.rows + r0 + r] = f32_to_bf16(o[r][c]);
+}
+
 /* y [m, rows] = x [m, n] W^T, as q4_gemm in gemv_int4.c (prefetch, into_all the same). Returns 0;
  * -1 when x's scratch could not be allocated; -2 for weights with zero points (nothing written). */
 int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
@@ -247,27 +260,9 @@ int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t
     int8_t *xq = scratch((size_t)(m * xbytes));
     if (xq == NULL) return -1;
     for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
-    struct q4v q = {wt->w, wt->s, wt->kind, rows, n, wt->group, n / wt->group, 0, into_all, xq};
     const int64_t tile_bytes = TILE_R * (n / 2);
-    q.pf_bytes = prefetch > 0 ? (prefetch + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
-    const int64_t units = (rows + TILE_R - 1) / TILE_R;
-#pragma omp parallel
-    {
-        int64_t u0, u1;
-        thread_units(units, &u0, &u1);
-        prefetch_start(wt->w + u0 * tile_bytes, min64(q.pf_bytes, (u1 - u0) * tile_bytes));
-        for (int64_t u = u0; u < u1; u++) {
-            const int64_t r0 = u * TILE_R;
-            const int R = (int)min64(TILE_R, rows - r0);
-            for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
-                const int C = (int)min64(TILE_C, m - c0);
-                float o[TILE_R][TILE_C];
-                run_tile(&q, r0, c0, R, C, o);
-                UNROLL for (int r = 0; r < R; r++)
-                    UNROLL for (int c = 0; c < C; c++) y[(c0 + c) * rows + r0 + r] = f32_to_bf16(o[r][c]);
-            }
-        }
-    }
+    struct q4x_call k = {{wt->w, wt->s, wt->kind, rows, n, wt->group, n / wt->group, whole_tiles(prefetch, tile_bytes), into_all, xq}, y};
+    run_tiles(&k, q4x_tile, rows, m, TILE_R, TILE_C, wt->w, tile_bytes, k.q.pf_bytes);
     return 0;
 }
 

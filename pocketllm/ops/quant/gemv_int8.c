@@ -248,37 +248,34 @@ struct q8_weight {
     int64_t kind, rows, n;
 };
 
-/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch and into_all as for q4_gemm (at least that many bytes ahead, in whole tiles). Returns 0, or -1
- * when the scratch for x could not be allocated (nothing written). */
+/* Tile (r0, c0) of q8_gemm's call: its outputs times their rows' scales. */
+struct q8_call {
+    struct q8 q;
+    const struct q8_weight *wt;
+    uint16_t *y;
+};
+static void q8_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
+    const struct q8_call *k = ctx;
+    const struct q8_weight *wt = k->wt;
+    float o[TILE_R][TILE_C];
+    /* The scales read after the tile: their line is asked for first. */
+    if (c0 == 0) prefetch_line((const char *)wt->s + r0 * (wt->kind == SCALE_F32 ? 4 : 2));
+    run_tile(&k->q, r0, c0, R, C, o);
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) k->y[(c0 + c) * wt->rows + r0 + r] = f32_to_bf16(o[r][c] * scale_at(wt->s, wt->kind, r0 + r));
+}
+
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch and into_all as for q4_gemm (at
+ * least that many bytes ahead, in whole tiles). Returns 0, or -1 when the scratch for x could not
+ * be allocated (nothing written). */
 int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
     const int64_t rows = wt->rows, n = wt->n;
     const int64_t xs = x_stride(n);
     X_ELEM *xw = scratch((size_t)(m * xs) * sizeof(X_ELEM));
     if (xw == NULL) return -1;
     for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * xs);
-    struct q8 q = {wt->w, rows, n, prefetch, into_all, xw, xs};
-    int64_t units = (rows + TILE_R - 1) / TILE_R;
-    /* As q4_gemm: the prefetch distance in whole tiles. */
     const int64_t tile_bytes = TILE_R * n;
-    q.pf_bytes = prefetch > 0 ? (prefetch + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
-#pragma omp parallel
-    {
-        int64_t u0, u1;
-        thread_units(units, &u0, &u1);
-        prefetch_start(wt->w + u0 * tile_bytes, min64(q.pf_bytes, (u1 - u0) * tile_bytes));
-        for (int64_t u = u0; u < u1; u++) {
-            int64_t r0 = u * TILE_R;
-            int R = (int)min64(TILE_R, rows - r0);
-            for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
-                int C = (int)min64(TILE_C, m - c0);
-                float o[TILE_R][TILE_C];
-                /* The scales read after the tile: their line is asked for first. */
-                if (c0 == 0) prefetch_line((const char *)wt->s + r0 * (wt->kind == SCALE_F32 ? 4 : 2));
-                run_tile(&q, r0, c0, R, C, o);
-                UNROLL for (int r = 0; r < R; r++)
-                    UNROLL for (int c = 0; c < C; c++) y[(c0 + c) * rows + r0 + r] = f32_to_bf16(o[r][c] * scale_at(wt->s, wt->kind, r0 + r));
-            }
-        }
-    }
+    struct q8_call k = {{wt->w, rows, n, whole_tiles(prefetch, tile_bytes), into_all, xw, xs}, wt, y};
+    run_tiles(&k, q8_tile, rows, m, TILE_R, TILE_C, wt->w, tile_bytes, k.q.pf_bytes);
     return 0;
 }

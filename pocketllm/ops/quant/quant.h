@@ -76,11 +76,38 @@ static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {
     *u1 = units * (t + 1) / nt;
 }
 
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* A tile's work: run the tile of weight rows r0..r0+R against x rows c0..c0+C and store its
+ * outputs (ctx: the kernel's own description of the call). */
+typedef void (*tile_fn)(const void *ctx, int64_t r0, int R, int64_t c0, int C);
+
+/* The prefetch distance as whole tiles, at least `prefetch` bytes (0: none): a distance inside a
+ * row would land in the rows the tile reads beside it, not in the next tile's. */
+static inline int64_t whole_tiles(int64_t prefetch, int64_t tile_bytes) {
+    return prefetch > 0 ? (prefetch + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
+}
+
+/* Every tile of y [m, rows] over the threads: each thread takes a contiguous range of tiles of
+ * `tr` weight rows (tile_bytes bytes of w each; the first pf_bytes of its range asked for at once),
+ * and each tile runs against the x rows `tc` at a time. One range per thread, one sequential
+ * stream each: handed out dynamically, the tiles streamed slower (docs/decode.md). */
+static inline void run_tiles(const void *ctx, tile_fn tile, int64_t rows, int64_t m, int64_t tr, int64_t tc, const void *w, int64_t tile_bytes,
+                             int64_t pf_bytes) {
+    const int64_t units = (rows + tr - 1) / tr;
+#pragma omp parallel
+    {
+        int64_t u0, u1;
+        thread_units(units, &u0, &u1);
+        prefetch_start((const char *)w + u0 * tile_bytes, min64(pf_bytes, (u1 - u0) * tile_bytes));
+        for (int64_t u = u0; u < u1; u++)
+            for (int64_t c0 = 0; c0 < m; c0 += tc) tile(ctx, u * tr, (int)min64(tr, rows - u * tr), c0, (int)min64(tc, m - c0));
+    }
+}
+
 /* Unrolls a tile's loop over its rows or columns before the compiler decides where the tile's
  * accumulators live: unrolled later, they were kept in memory. */
 #define UNROLL _Pragma("GCC unroll 4")
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
