@@ -1,10 +1,12 @@
 """Where a decode step's time goes, beyond the weight bytes it has to read.
 
 One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, it times:
-- the real decode step, and the same with its weights copied to torch's own allocation, which is
-  plain 4 KiB pages where THP is `madvise` or `never` (pocketllm.host_memory says why the engine
+- the real decode step (one compiled call where the engine runs it so, models/compiled_step.py),
+  the same step layer by layer, and that with its weights copied to torch's own allocation, which
+  is plain 4 KiB pages where THP is `madvise` or `never` (pocketllm.host_memory says why the engine
   avoids it; with THP `always` torch's memory may get huge pages too);
-- the same step with every single-row GEMV replaced by a ready output (the rest of the step);
+- the step layer by layer with every single-row GEMV replaced by a ready output (the rest of the
+  step);
 - a step cut down to its GEMVs alone (the engine's one-row kernels, as measured and chosen per
   weight shape at load and bound to each projection, over the model's own weights), and the same
   with every weight run by one candidate kernel (pocketllm.ops.registry's one-row kind: mv,
@@ -84,39 +86,59 @@ class ReadyKernels:
         return self.real.many(x, out)
 
 
-class ReadyGemvs:
+class LayerByLayer:
+    """While active, a decode step runs layer by layer, not as the model's one compiled call
+    (which holds its weights' and kernels' addresses, so the stand-ins below must not meet it)."""
+
+    def __init__(self, model):
+        self.model, self.step = model, model.step
+
+    def __enter__(self):
+        self.model.step = None
+
+    def __exit__(self, *exc):
+        self.model.step = self.step
+
+
+class ReadyGemvs(LayerByLayer):
     """While active, every projection's one-row GEMV returns a ready output of the right shape
     instead of reading its weight: what is left of a step is everything but the weight streaming."""
 
     def __init__(self, model):
+        super().__init__(model)
         self.layers = model.projections()
         self.real = [m.kernels for m in self.layers]
         self.ready = [ReadyKernels(k) for k in self.real]
 
     def __enter__(self):
+        super().__enter__()
         for m, k in zip(self.layers, self.ready):
             m.kernels = k
 
     def __exit__(self, *exc):
         for m, k in zip(self.layers, self.real):
             m.kernels = k
+        super().__exit__()
 
 
-class PlainPages:
+class PlainPages(LayerByLayer):
     """While active, every parameter of the model is a plain torch copy (4 KiB pages) of itself."""
 
     def __init__(self, model):
+        super().__init__(model)
         self.params = list(model.parameters())
         self.huge = [p.data for p in self.params]
         self.plain = [t.clone() for t in self.huge]
 
     def __enter__(self):
+        super().__enter__()
         for p, t in zip(self.params, self.plain):
             p.data = t
 
     def __exit__(self, *exc):
         for p, t in zip(self.params, self.huge):
             p.data = t
+        super().__exit__()
 
 
 def huge_page_mib() -> float:
@@ -173,17 +195,21 @@ def main(argv=None) -> int:
     huge_mib = huge_page_mib()
     weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w if isinstance(w, torch.Tensor) else dequantize(w)) for w in weights]
     prompt = list(range(1, 33))
+    layered = LayerByLayer(model)
     ready = ReadyGemvs(model)
     plain = PlainPages(model)
     runner.decode(prompt, 2)
+    print(model.describe_step(), file=sys.stderr)
 
     kind = kind_for(weight_format(weights[0]), ONE)
     kernels = [kind.by_name[n] for n in kind.timed(weight_format(weights[0]), torch.device("cpu"))]
-    ms = {"real step": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
+    ms = {"real step": [], "step, layer by layer": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
     ms.update({f"GEMVs alone, all {c.name}": [] for c in kernels})
     ms["fp32 sums alone"] = []
     for rep in range(args.reps):
         ms["real step"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
+        with layered:
+            ms["step, layer by layer"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with plain:
             ms["step, 4 KiB pages"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with ready:
@@ -202,6 +228,7 @@ def main(argv=None) -> int:
     bandwidths = read_bandwidths_gbps()
     bandwidth = max(bandwidths.values())
     quantized = f" quantize={args.quantize}" if args.quantize else ""
+    print(f"{model.describe_step()}; the rows from '4 KiB pages' on run layer by layer")
     print(f"threads={args.threads} dtype={args.dtype}{quantized} reps={args.reps} steps={args.steps}; "
           f"{step_bytes / 2**20:.1f} MiB of weights per step, {gemv_bytes / 2**20:.1f} of them in "
           f"{len(weights)} GEMV weights; {huge_mib:.0f} MiB of the engine's process on huge pages")

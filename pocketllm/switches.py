@@ -39,6 +39,7 @@ SETTINGS = {
     "POCKETLLM_INT4_FEW_ROWS": "force a few-row kernel for int4 weights",
     "POCKETLLM_INT4_GEMM": "force a many-row kernel for int4 weights",
     "POCKETLLM_FUSED_DECODE": "0: decode with the torch forms of the fused ops",
+    "POCKETLLM_COMPILED_STEP": "0: run a decode step of one sequence layer by layer, not as one compiled call",
     "POCKETLLM_BATCH_INVARIANT": "0: faster kernels and passes, under which a request's tokens may depend on what runs beside it",
     "POCKETLLM_KEEP_FREED": "0: leave glibc's malloc settings as they are",
     "POCKETLLM_CACHE_DIR": "where compiled kernels and measured choices are kept",

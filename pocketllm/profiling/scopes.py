@@ -53,6 +53,11 @@ def scope(name: str, site: str | None = None):
     return _Scope(recorder, (name, site))
 
 
+def recording() -> bool:
+    """Whether a recorder is on (a pass that must run its scopes to be timed)."""
+    return _recorder is not None
+
+
 def install(recorder: ScopeRecorder | None) -> None:
     """Make `recorder` receive every scope from now on (None: scopes do nothing again)."""
     global _recorder

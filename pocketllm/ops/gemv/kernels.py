@@ -121,6 +121,14 @@ def compiled_gemv(prefetch: int, ahead: int = 0) -> Kernel:
         # Only ever chosen after unavailable() built the library, which set _c_gemv.
         _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], prefetch, ahead)
 
+    def native(w: torch.Tensor) -> tuple | None:
+        """This kernel on `w` as compiled code calls it (ops/fused/step_bf16.c): ("bf16", entry
+        point, weight address, rows, n, prefetch, ahead)."""
+        if _compiled_library()[0] is None:
+            return None
+        return "bf16", ctypes.cast(_c_gemv, ctypes.c_void_p).value, w.data_ptr(), w.shape[0], w.shape[1], prefetch, ahead
+
+    run.native = native
     return run
 
 

@@ -247,6 +247,15 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         if rc != 0:
             _failed(name, rc, w, m, variant)
 
+    def native(w) -> tuple | None:
+        """This kernel on a prepared weight as compiled code calls it (ops/fused/step_bf16.c, bf16
+        x): ("quant", entry point, the weight's description, rows, n, prefetch, into_all)."""
+        if type(w) is not CompiledWeight:
+            return None
+        fn = fns.get(w.scheme) or fns.setdefault(w.scheme, _function(w.scheme, variant, int8_x))
+        return "quant", ctypes.cast(fn, ctypes.c_void_p).value, w.address, w.out_features, w.in_features, prefetch, int(into_all)
+
+    run.native = native
     return run
 
 

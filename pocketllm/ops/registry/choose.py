@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pocketllm import compiled
+from pocketllm.errors import UsageError
 from pocketllm.ops.registry import cache
 from pocketllm.ops.registry.kinds import FEW, MANY, Kind, batch_invariant, weight_bytes, weight_device, weight_format
 from pocketllm.ops.registry.measure import calls_for, key_of, probe_label, time_calls
@@ -188,6 +189,11 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
     label = probe_label(max(weights, key=lambda t: t.shape[1])) if weights and kind.probe != "stream" else ""
     forced = kind.forced(env)
     if forced is not None:
+        # The CLI refused a kernel that cannot run before any rank started (check_forced); an
+        # engine made in-process is told here, and the check builds a compiled kernel's library.
+        why = kind.by_name[forced].unavailable(fmt, weight_device(weights[0])) if weights else ""
+        if why:
+            raise UsageError(f"{kind.env}={forced}: {why}")
         return Choice(kind, fmt, "forced", dict.fromkeys(keys, forced), rows=rows, probe=label)
     if not weights:
         return Choice(kind, fmt, "default", rows=rows)

@@ -70,6 +70,13 @@ class BoundKernels:
             _run(self._small[r1 - r0], x[r0:r1], out[r0:r1])
         return out
 
+    def one_row_native(self) -> tuple | None:
+        """The one-row kernel as compiled code calls it (its run's `native`: kind, entry point,
+        weight address, rows, n and its two settings), or None where it is not compiled code."""
+        run, w, _ = self._small[1]
+        native = getattr(run, "native", None)
+        return None if native is None else native(w)
+
     def __repr__(self) -> str:
         return "BoundKernels(" + ", ".join(f"{k} {v}" for k, v in self.names.items()) + ")"
 

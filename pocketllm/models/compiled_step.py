@@ -1,0 +1,145 @@
+"""A decode step of one sequence as one compiled call (ops/fused/step_bf16.c), where the model's
+layers would make every call of it anyway: bf16 on a CPU at TP=1, the compiled decode ops on, and
+every projection's one-row kernel compiled code (not a torch op). The call runs the very functions
+the layers call, with the same arguments, in the same order: the same bits, without the Python
+between them. Anything else (a profile, several rows, another device or world, a torch kernel
+chosen for some weight) takes the layers' path.
+
+`POCKETLLM_COMPILED_STEP=0` keeps the layers' path."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from pocketllm.distributed.state import tp
+from pocketllm.layers.attention import GatedAttention
+from pocketllm.layers.cache import GDNState, PagedKV
+from pocketllm.ops.fused import kernels as fused_kernels
+from pocketllm.ops.fused import step as native
+from pocketllm.switches import env_switch
+
+ENV_STEP = "POCKETLLM_COMPILED_STEP"
+_KINDS = {"bf16": native.PROJ_BF16, "quant": native.PROJ_QUANT}
+
+
+def _proj(layer, keep: list) -> native.Proj:
+    call = layer.kernels.one_row_native()
+    kind, fn, w, rows, n, a, b = call
+    keep.append(layer.kernels)
+    return native.Proj(_KINDS[kind], fn, w, rows, n, a, b)
+
+
+def why_not(model, env=os.environ) -> str:
+    """Why the model's decode steps cannot run as one call ("" when they can)."""
+    if not env_switch(env, ENV_STEP, default=True):
+        return f"{ENV_STEP}=0"
+    if tp().world != 1:
+        return "TP>1 (each projection's all-reduce runs between the calls)"
+    if not model.decode_ops.compiled:
+        return "the decode ops are not compiled" + (f" ({model.decode_ops.note})" if model.decode_ops.note else "")
+    if any(layer.mixer.compiled_decode is None for layer in model.layers):
+        return "a mixer runs its torch path"
+    torch_kernels = [m for m in model.projections() if m.kernels.one_row_native() is None]
+    if torch_kernels or any(getattr(m, "blocks", None) is not None for m in model.modules() if hasattr(m, "part_sizes")):
+        return "a projection's one-row kernel is a torch op" if torch_kernels else "a projection holds weights of two formats"
+    lib, why = native.library()
+    return "" if lib is not None else why
+
+
+class CompiledStep:
+    """The model's decode step of one sequence, described once (`build`), run per token."""
+
+    def __init__(self, model):
+        self.keep: list = []  # what the description's pointers point into
+        cfg, keep = model.cfg, self.keep
+        threads = torch.get_num_threads()
+        self.threads = threads
+        layers = (native.Layer * len(model.layers))()
+        mid_max = proj_max = 0
+        for i, layer in enumerate(model.layers):
+            mixer, mlp, l = layer.mixer, layer.mlp, layers[i]
+            keep += [layer.input_norm.scale, layer.post_norm.scale]
+            l.in_scale, l.post_scale = layer.input_norm.scale.data_ptr(), layer.post_norm.scale.data_ptr()
+            l.in_eps, l.post_eps = layer.input_norm.eps, layer.post_norm.eps
+            l.gate_up, l.down = _proj(mlp.gate_up, keep), _proj(mlp.down, keep)
+            l.inter = mlp.gate_up.weight.shape[0] // 2
+            if isinstance(mixer, GatedAttention):
+                l.full = 1
+                l.mix_in, l.mix_out = _proj(mixer.qkv_proj, keep), _proj(mixer.o_proj, keep)
+                keep += [mixer.q_norm.scale, mixer.k_norm.scale]
+                l.q_scale, l.k_scale, l.qk_eps = mixer.q_norm.scale.data_ptr(), mixer.k_norm.scale.data_ptr(), mixer.q_norm.eps
+                l.attn_scale, l.heads, l.kv_heads, l.head_dim = mixer.scale, mixer.heads, mixer.kv_heads, mixer.head_dim
+                l.half = model.rotary.cos_sin(0, 1)[0].shape[-1]
+                mid = mixer.heads * mixer.head_dim
+            else:
+                l.full = 0
+                l.mix_in, l.mix_out = _proj(mixer.in_proj, keep), _proj(mixer.out_proj, keep)
+                keep += [mixer.conv_taps, mixer.neg_a, mixer.dt_bias, mixer.norm.weight]
+                l.taps, l.neg_a = mixer.conv_taps.data_ptr(), mixer.neg_a.data_ptr()
+                l.dt_bias, l.norm_w, l.norm_eps = mixer.dt_bias.data_ptr(), mixer.norm.weight.data_ptr(), mixer.norm.eps
+                l.hk, l.hv, l.dk, l.dv, l.kernel = mixer.hk, mixer.hv, mixer.dk, mixer.dv, mixer.conv_taps.shape[0]
+                work = native.gdn_work(mixer.hk, mixer.hv, mixer.dk, mixer.dv)
+                keep.append(work)
+                l.gdn_work = work.data_ptr()
+                mid = mixer.hv * mixer.dv
+            mid_max = max(mid_max, mid, l.inter)
+            proj_max = max(proj_max, l.mix_in.rows, l.gate_up.rows)
+        h = cfg.hidden_size
+        self.vocab_rows = model.lm_head.weight.shape[0]
+        self.vocab = model.lm_head.vocab
+        scratch = {name: torch.empty(size, dtype=torch.bfloat16) for name, size in
+                   (("h", h), ("x", h), ("y", h), ("proj", proj_max), ("mid", mid_max), ("head_row", self.vocab_rows))}
+        keep += [layers, model.norm.scale, *scratch.values()]
+        self.step = native.Step(
+            len(model.layers), h, ctypes.addressof(layers), model.norm.scale.data_ptr(), model.norm.eps, _proj(model.lm_head, keep),
+            **native.op_addresses(), threads=threads, attention_parallel_min=fused_kernels.ATTENTION_PARALLEL_MIN,
+            **{name: t.data_ptr() for name, t in scratch.items()},
+        )
+        self.layers = layers
+        self.attn_work: dict[int, torch.Tensor] = {}  # per attention layer, sized for the largest block size seen
+        self.embed = model.embed.weight
+        self.row_bytes = h * self.embed.element_size()
+        self._bound: tuple[list, ctypes.Array] | None = None
+
+    def _seq(self, states: list) -> ctypes.Array:
+        """The sequence's state per layer, as step_bf16.c reads it (kept while the same list comes)."""
+        if self._bound is not None and self._bound[0] is states:
+            return self._bound[1]
+        seq = (native.SeqLayer * len(states))()
+        for i, (s, state) in enumerate(zip(seq, states)):
+            if isinstance(state, GDNState):
+                s.conv, s.state = state.conv.data_ptr(), state.recurrent.data_ptr()
+            elif isinstance(state, PagedKV):
+                k = state.pool.k
+                s.k_pool, s.v_pool, s.table = k.data_ptr(), state.pool.v.data_ptr(), state.table.ids.data_ptr()
+                s.num_blocks, s.block_size = k.shape[0], k.shape[2]
+                self._attention_work(i, s.block_size)
+            else:
+                raise TypeError(f"decode step: no compiled form for a layer state of type {type(state).__name__}")
+        self._bound = (states, seq)
+        return seq
+
+    def _attention_work(self, i: int, block_size: int) -> None:
+        """Attention layer i's scratch, big enough for this block size and a split over every thread."""
+        l = self.layers[i]
+        work = native.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, max(1, self.threads))
+        if i not in self.attn_work or self.attn_work[i].numel() < work.numel():
+            self.attn_work[i] = work
+            l.attn_work = work.data_ptr()
+
+    def __call__(self, ids: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, states: list) -> torch.Tensor:
+        """ids [1] at position pos (cos, sin [1, rotary/2] its rotary row) -> fp32 logits [1, vocab]."""
+        threads = torch.get_num_threads()
+        if threads != self.threads:
+            # Attention splits its cache over torch's threads, as its layer path does per call.
+            self.threads = self.step.threads = threads
+            self._bound = None
+        token = int(ids[0])
+        if not 0 <= token < self.embed.shape[0]:
+            raise IndexError(f"token id {token} is outside the embedding's {self.embed.shape[0]} rows")
+        logits = torch.empty(1, self.vocab_rows, dtype=torch.float32)
+        native.run(self.step, self.embed.data_ptr() + token * self.row_bytes, pos, cos, sin, self._seq(states), logits)
+        return logits if self.vocab == self.vocab_rows else logits[:, : self.vocab]

@@ -1,0 +1,101 @@
+"""The compiled decode step (step_bf16.c): its C structures as ctypes mirrors, and the call.
+
+A step is described once (Step: every layer's weights, chosen kernels and the work between them,
+by address) and then run per token with the sequence's state (SeqLayer per layer). The
+description holds raw pointers: `keep` holds the tensors and objects they point into, so they
+live as long as it does. pocketllm.models.compiled_step builds it from a loaded model."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from pocketllm import compiled
+from pocketllm.ops.fused import kernels
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SOURCE = Path(__file__).with_name("step_bf16.c")
+PROJ_BF16, PROJ_QUANT = 0, 1
+
+
+class Proj(ctypes.Structure):
+    _fields_ = [("kind", _I), ("fn", _P), ("w", _P), ("rows", _I), ("n", _I), ("a", _I), ("b", _I)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("full", _I), ("in_scale", _P), ("post_scale", _P), ("in_eps", _F), ("post_eps", _F),
+        ("mix_in", Proj), ("mix_out", Proj), ("gate_up", Proj), ("down", Proj), ("inter", _I),
+        ("taps", _P), ("neg_a", _P), ("dt_bias", _P), ("norm_w", _P), ("norm_eps", _F),
+        ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I), ("kernel", _I), ("gdn_work", _P),
+        ("q_scale", _P), ("k_scale", _P), ("qk_eps", _F), ("attn_scale", _F),
+        ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("half", _I), ("attn_work", _P),
+    ]
+
+
+class SeqLayer(ctypes.Structure):
+    _fields_ = [("conv", _P), ("k_pool", _P), ("v_pool", _P), ("state", _P), ("table", _P), ("num_blocks", _I), ("block_size", _I)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [
+        ("layers", _I), ("hidden", _I), ("layer", _P), ("final_scale", _P), ("final_eps", _F), ("head", Proj),
+        ("add_rms_norm", _P), ("silu_mul", _P), ("gdn_decode", _P), ("attention_decode", _P),
+        ("threads", _I), ("attention_parallel_min", _I),
+        ("h", _P), ("x", _P), ("y", _P), ("proj", _P), ("mid", _P), ("head_row", _P),
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """(step_bf16.c built, "") once it and the decode ops it calls are built, else (None, why not)."""
+    global _lib
+    ops, why = kernels.library()
+    if ops is None:
+        return None, why
+    lib, why = compiled.load(SOURCE)
+    if lib is None:
+        return None, why
+    lib.decode_step_bf16.argtypes = [_P, _P, _I, _P, _P, _P, _P]
+    lib.decode_step_bf16.restype = ctypes.c_int
+    _lib = lib
+    return lib, ""
+
+
+def address(fn) -> int:
+    """A ctypes function's entry point."""
+    return ctypes.cast(fn, _P).value
+
+
+def op_addresses() -> dict[str, int]:
+    """The work between GEMVs, by the Step field each fills."""
+    ops, attn = kernels.library()[0], kernels.attention_library()[0]
+    return {
+        "add_rms_norm": address(ops.add_rms_norm_bf16), "silu_mul": address(ops.silu_mul_bf16),
+        "gdn_decode": address(ops.gdn_decode_bf16), "attention_decode": address(attn.attention_decode_bf16),
+    }
+
+
+def gdn_work(hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
+    """gdn_decode_bf16's fp32 scratch for these head counts and sizes."""
+    return torch.empty(2 * hk * dk + hv * dv + 2 * hv + hv * dv, dtype=torch.float32)
+
+
+def attention_work(heads: int, kv_heads: int, head_dim: int, block_size: int, splits: int) -> torch.Tensor:
+    """attention_decode_bf16's fp32 scratch for up to `splits` ranges of blocks."""
+    attn = kernels.attention_library()[0]
+    return torch.empty(attn.attention_decode_work_floats(heads, kv_heads, head_dim, block_size, splits), dtype=torch.float32)
+
+
+def run(step: Step, embed: int, pos: int, cos: torch.Tensor, sin: torch.Tensor, seq, logits: torch.Tensor) -> None:
+    """One decode step (step_bf16.c): `embed` the address of the token's embedding row, `seq` a
+    SeqLayer array, logits fp32 [1, vocab] written."""
+    rc = _lib.decode_step_bf16(ctypes.byref(step), embed, pos, cos.data_ptr(), sin.data_ptr(), seq, logits.data_ptr())
+    if rc == 1:
+        raise MemoryError("decode step: a quantized projection could not allocate its scratch for x")
+    if rc == 2:
+        raise ValueError("decode step: a block table holds block ids outside its KV pool")

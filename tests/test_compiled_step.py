@@ -1,0 +1,110 @@
+"""The decode step of one sequence as one compiled call (pocketllm.models.compiled_step) against the
+layers' path it stands for: the same bits, step after step, for bf16 and quantized weights, with
+attention split over the threads; and every case it must leave to the layers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import feed, tiny_engine
+
+from pocketllm.ops.fused import kernels as fused_kernels
+from pocketllm.presets import get_preset
+from pocketllm.profiling import scopes
+from pocketllm.quantization import WeightPlan, parse_scheme
+
+# A one-row kernel of compiled code for each weight format, forced so that no measurement can
+# choose a torch op for the tiny shapes.
+COMPILED = {"POCKETLLM_GEMV": "c-prefetch", "POCKETLLM_INT8_GEMV": "c-ahead", "POCKETLLM_INT4_GEMV": "c-int8x"}
+
+
+def _engine(monkeypatch, scheme: str | None):
+    for name, value in COMPILED.items():
+        monkeypatch.setenv(name, value)
+    cfg = get_preset("tiny")
+    if scheme:
+        cfg = dataclasses.replace(cfg, weights=WeightPlan(parse_scheme(scheme)))
+    return tiny_engine(torch.bfloat16, cfg=cfg)
+
+
+def _decode(engine, prompt: list[int], steps: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each step's logits after the prompt, and the GDN states they leave."""
+    feed(engine, prompt)
+    logits = [feed(engine, [t], start=len(prompt) + i).clone() for i, t in enumerate(steps)]
+    return logits, [s.recurrent.clone() for s in engine.slots[0] if hasattr(s, "recurrent")]
+
+
+@pytest.mark.parametrize("scheme", [None, "int8", "int4-g32"])
+def test_a_step_as_one_call_gives_the_layers_bits(monkeypatch, scheme):
+    # Attention splits the cache over both threads from a few positions on (as it does past
+    # thousands at the real sizes), and the steps cross KV blocks. The step is described under one
+    # thread and runs under two, as its attention must see.
+    monkeypatch.setattr(fused_kernels, "ATTENTION_PARALLEL_MIN", 1024)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = _engine(monkeypatch, scheme)
+        torch.set_num_threads(2)
+        model = engine.model
+        assert model.step is not None and model.describe_step() == "decode step: one compiled call"
+        engine.reserve_slots(1, 200)
+        prompt = [(7 * i + 3) % 1000 for i in range(100)]
+        steps = [(11 * i + 1) % 1000 for i in range(40)]
+        calls = []
+        step = model.step
+        model.step = lambda *a: calls.append(1) or step(*a)
+        fast, fast_states = _decode(engine, prompt, steps)
+        # Every step ran as one call, its attention split over the threads the layers' would use
+        # (the logits' bf16 rounding hides a different split's fp32 order).
+        assert len(calls) == len(steps) and step.step.threads == 2
+        model.step = None
+        plain, plain_states = _decode(engine, prompt, steps)
+    finally:
+        torch.set_num_threads(threads)
+    for i, (a, b) in enumerate(zip(fast, plain)):
+        assert torch.equal(a, b), f"step {i}"
+    for a, b in zip(fast_states, plain_states):
+        assert torch.equal(a, b)
+
+
+def test_what_runs_layer_by_layer(monkeypatch):
+    engine = _engine(monkeypatch, None)
+    model, step = engine.model, engine.model.step
+    engine.reserve_slots(2, 40)
+    for slot in (0, 1):
+        feed(engine, [1, 2, 3], slot=slot)
+
+    def refuse(*args):
+        raise AssertionError("the compiled step ran")
+
+    model.step = refuse
+    # Two sequences in one pass, a prompt's rows, every row's logits, and a profiled step: the layers.
+    engine.run_packed([(0, 3, torch.tensor([4])), (1, 3, torch.tensor([5]))])
+    feed(engine, [6, 7], start=4)
+    feed(engine, [8], start=6, all_logits=True)
+    scopes.install(scopes.ScopeRecorder())
+    try:
+        feed(engine, [9], start=7)
+    finally:
+        scopes.install(None)
+    model.step = step
+    feed(engine, [10], start=8)
+    with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
+        feed(engine, [1000], start=9)
+
+
+def test_why_a_model_takes_the_layers_path(monkeypatch):
+    monkeypatch.setenv("POCKETLLM_COMPILED_STEP", "0")
+    assert _engine(monkeypatch, None).model.describe_step() == "decode step: layer by layer (POCKETLLM_COMPILED_STEP=0)"
+    monkeypatch.delenv("POCKETLLM_COMPILED_STEP")
+    monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
+    assert _engine(monkeypatch, None).model.step_note == "the decode ops are not compiled (POCKETLLM_FUSED_DECODE=0)"
+    monkeypatch.delenv("POCKETLLM_FUSED_DECODE")
+    for name, value in COMPILED.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("POCKETLLM_GEMV", "mv")
+    assert tiny_engine(torch.bfloat16).model.step_note == "a projection's one-row kernel is a torch op"
+    assert tiny_engine(torch.float32).model.step_note.startswith("the decode ops are not compiled")
