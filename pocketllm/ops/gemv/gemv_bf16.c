@@ -445,7 +445,9 @@ static void amx_block(const uint16_t *w, const uint16_t *x, const uint16_t *xb, 
 }
 
 void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m) {
-    uint16_t *xb = n % 32 ? NULL : malloc((size_t)(n * (m < 16 ? m : 16)) * sizeof(uint16_t));
+    /* x in the tiles' layout, in the per-thread scratch (a malloc and free per call cost more than
+     * a small call's work). */
+    uint16_t *xb = n % 32 ? NULL : scratch((size_t)(n * (m < 16 ? m : 16)) * sizeof(uint16_t));
     if (xb == NULL) { /* a width the tiles do not cover (or no memory): the AVX-512 path */
         gemm_rows_bf16(w, x, y, rows, n, m, 0, 0);
         return;
@@ -459,7 +461,6 @@ void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64
             }
         amx_block(w, x + j0 * n, xb, y + j0 * rows, rows, n, mm);
     }
-    free(xb);
 }
 #else
 int amx_bf16_enable(void) { return 0; }
