@@ -59,6 +59,24 @@ static inline void gated_norm_row(const uint16_t *x, const uint16_t *z, const ui
     for (int64_t e = 0; e < dv; e++) out[e] = to_bf(silu(bf(z[e])) * rbf(bf(w[e]) * rbf(bf(x[e]) * r)));
 }
 
+/* The causal conv's fp32 sums for row r of x [t, ch] (rows xstride apart): the newest input times
+ * the last tap, then the older ones in order (window row r + i: the state's [kernel-1, ch] before x
+ * starts, else x's), a tap at a time over every channel so each loop vectorizes. A decode row is
+ * row 0 of a one-row x; a prompt segment's rows are conv_row's. */
+static inline void conv_sums(const uint16_t *x, int64_t xstride, int64_t r, int64_t ch, const float *taps, int64_t kernel,
+                             const uint16_t *conv_state, float *acc) {
+    const uint16_t *now = x + r * xstride;
+#pragma omp simd
+    for (int64_t c = 0; c < ch; c++) acc[c] = bf(now[c]) * taps[(kernel - 1) * ch + c];
+    for (int64_t i = 0; i < kernel - 1; i++) {
+        const int64_t j = r + i - (kernel - 1);
+        const uint16_t *past = j >= 0 ? x + j * xstride : conv_state + (r + i) * ch;
+        const float *tap = taps + i * ch;
+#pragma omp simd
+        for (int64_t c = 0; c < ch; c++) acc[c] += bf(past[c]) * tap[c];
+    }
+}
+
 /* The Gated DeltaNet block of one decode row, from its in-projection to the input of out_proj.
  * proj: [conv_ch | z (hv*dv) | b (hv) | a (hv)] bf16, conv_ch = 2*hk*dk + hv*dv
  * taps: [K, conv_ch] fp32; conv_state: [K-1, conv_ch] bf16, advanced in place
@@ -72,17 +90,8 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
     const uint16_t *z = proj + conv_ch, *b = z + vd, *a = b + hv;
     float *mixed = work, *beta = work + conv_ch, *g = beta + hv, *o = g + hv;
 
-    /* Causal conv step: the newest input times the last tap, then the older ones in order, summed
-     * in fp32, rounded, SiLU, rounded; the window moves on by one. A tap at a time over every
-     * channel, so each loop vectorizes. */
-#pragma omp simd
-    for (int64_t c = 0; c < conv_ch; c++) mixed[c] = bf(proj[c]) * taps[(kernel - 1) * conv_ch + c];
-    for (int64_t i = 0; i < kernel - 1; i++) {
-        const uint16_t *past = conv_state + i * conv_ch;
-        const float *tap = taps + i * conv_ch;
-#pragma omp simd
-        for (int64_t c = 0; c < conv_ch; c++) mixed[c] += bf(past[c]) * tap[c];
-    }
+    /* Causal conv step: its sums in fp32, rounded, SiLU, rounded; the window moves on by one. */
+    conv_sums(proj, conv_ch, 0, conv_ch, taps, kernel, conv_state, mixed);
     if (kernel > 1) {
         memmove(conv_state, conv_state + conv_ch, (size_t)((kernel - 2) * conv_ch) * sizeof(uint16_t));
         memcpy(conv_state + (kernel - 2) * conv_ch, proj, (size_t)conv_ch * sizeof(uint16_t));
@@ -200,18 +209,8 @@ void silu_mul_rows_bf16(const uint16_t *gate, const uint16_t *up, int64_t stride
  * only on inputs, so they are split over the threads from ROWS_PARALLEL_MIN. */
 static inline void conv_row(const uint16_t *x, int64_t xstride, int64_t r, int64_t ch, const float *taps, int64_t kernel,
                             const uint16_t *conv_state, uint16_t *out) {
-    const uint16_t *now = x + r * xstride;
     float acc[ch > 0 ? ch : 1];
-#pragma omp simd
-    for (int64_t c = 0; c < ch; c++) acc[c] = bf(now[c]) * taps[(kernel - 1) * ch + c];
-    for (int64_t i = 0; i < kernel - 1; i++) {
-        /* Window row r + i: the state's before x starts, else x's. */
-        const int64_t j = r + i - (kernel - 1);
-        const uint16_t *past = j >= 0 ? x + j * xstride : conv_state + (r + i) * ch;
-        const float *tap = taps + i * ch;
-#pragma omp simd
-        for (int64_t c = 0; c < ch; c++) acc[c] += bf(past[c]) * tap[c];
-    }
+    conv_sums(x, xstride, r, ch, taps, kernel, conv_state, acc);
 #pragma omp simd
     for (int64_t c = 0; c < ch; c++) out[r * ch + c] = to_bf(silu(rbf(acc[c])));
 }
