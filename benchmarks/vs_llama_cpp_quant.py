@@ -19,7 +19,8 @@ rate of a 1 GiB fp32 sum: decode tok/s is also given as a share of that limit.
 --min-read-rate R is for a host whose read rate moves minute to minute: after loading, each rep
 (every setting once) starts when a 1 GiB sum reads at least R, and a rep after which the sum reads
 below R is dropped for every setting alike and run again, so that every kept rep ran in one fast
-window; the limit is then the fastest sum read around the kept reps.
+window; the limit is then the fastest sum read around the kept reps, and `of rep` adds the
+median over reps of each rep's decode against the slower of the two sums around it.
 """
 
 from __future__ import annotations
@@ -168,7 +169,10 @@ def main(argv=None) -> int:
     for s in settings.values():
         if isinstance(s, Pocket):
             print(s.describe)
-    print(f"{'setting':<28}{'prefill tok/s @' + str(args.prompt_tokens):>26}{'decode tok/s':>24}{'MB/step':>9}{'limit tok/s':>12}{'of limit':>9}")
+    # Held reps: also each rep's decode against the lower of the two sums around that rep.
+    own = [min(rates[i], rates[i + 1]) * 1e9 for i in range(0, len(rates), 2)] if args.min_read_rate else []
+    print(f"{'setting':<28}{'prefill tok/s @' + str(args.prompt_tokens):>26}{'decode tok/s':>24}{'MB/step':>9}{'limit tok/s':>12}{'of limit':>9}"
+          + (f"{'of rep':>8}" if own else ""))
     summary = {
         "machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "read_GBps": round(rate / 1e9, 2),
         "min_read_GBps": args.min_read_rate, "dropped_reps": dropped, "settings": {},
@@ -178,10 +182,13 @@ def main(argv=None) -> int:
         limit = rate / s.step_bytes if s.step_bytes else None
         share = f"{statistics.median(dec) / limit:.0%}" if limit else "-"
         mb = f"{s.step_bytes / 1e6:.0f}" if s.step_bytes else "-"
-        print(f"{name:<28}{(spread(pre) if pre else '-'):>26}{spread(dec, 2):>24}{mb:>9}{(f'{limit:.1f}' if limit else '-'):>12}{share:>9}")
+        per_rep = statistics.median(d * s.step_bytes / r for d, r in zip(dec, own)) if own and s.step_bytes else None
+        print(f"{name:<28}{(spread(pre) if pre else '-'):>26}{spread(dec, 2):>24}{mb:>9}{(f'{limit:.1f}' if limit else '-'):>12}{share:>9}"
+              + (f"{per_rep:>8.0%}" if per_rep is not None else ""))
         summary["settings"][name] = {
             "prefill": round(statistics.median(pre), 2) if pre else None, "decode": round(statistics.median(dec), 2),
             "step_bytes": s.step_bytes, "limit_tok_s": round(limit, 2) if limit else None,
+            "of_rep_limit": round(per_rep, 3) if per_rep is not None else None,
         }
     print("pocketllm over llama.cpp (ratio of medians)")
     summary["ratios"] = {}
