@@ -26,8 +26,7 @@ _KINDS = {"bf16": native.PROJ_BF16, "quant": native.PROJ_QUANT}
 
 
 def _proj(layer, keep: list) -> native.Proj:
-    call = layer.kernels.one_row_native()
-    kind, fn, w, rows, n, a, b = call
+    kind, fn, w, rows, n, a, b = layer.kernels.one_row_native()
     keep.append(layer.kernels)
     return native.Proj(_KINDS[kind], fn, w, rows, n, a, b)
 
@@ -50,7 +49,7 @@ def why_not(model, env=os.environ) -> str:
 
 
 class CompiledStep:
-    """The model's decode step of one sequence, described once (`build`), run per token."""
+    """The model's decode step of one sequence, described once (here), run per token (__call__)."""
 
     def __init__(self, model):
         self.keep: list = []  # what the description's pointers point into
