@@ -80,15 +80,15 @@ class CompiledStep:
                 l.taps, l.neg_a = mixer.conv_taps.data_ptr(), mixer.neg_a.data_ptr()
                 l.dt_bias, l.norm_w, l.norm_eps = mixer.dt_bias.data_ptr(), mixer.norm.weight.data_ptr(), mixer.norm.eps
                 l.hk, l.hv, l.dk, l.dv, l.kernel = mixer.hk, mixer.hv, mixer.dk, mixer.dv, mixer.conv_taps.shape[0]
-                work = native.gdn_work(mixer.hk, mixer.hv, mixer.dk, mixer.dv)
+                work = fused_kernels.gdn_work(mixer.hk, mixer.hv, mixer.dk, mixer.dv)
                 keep.append(work)
                 l.gdn_work = work.data_ptr()
                 mid = mixer.hv * mixer.dv
             mid_max = max(mid_max, mid, l.inter)
             proj_max = max(proj_max, l.mix_in.rows, l.gate_up.rows)
         h = cfg.hidden_size
+        # At TP=1 the head holds the whole vocab: its rows are the logits.
         self.vocab_rows = model.lm_head.weight.shape[0]
-        self.vocab = model.lm_head.vocab
         scratch = {name: torch.empty(size, dtype=torch.bfloat16) for name, size in
                    (("h", h), ("x", h), ("y", h), ("proj", proj_max), ("mid", mid_max), ("head_row", self.vocab_rows))}
         keep += [layers, model.norm.scale, *scratch.values()]
@@ -98,7 +98,6 @@ class CompiledStep:
             **{name: t.data_ptr() for name, t in scratch.items()},
         )
         self.layers = layers
-        self.attn_work: dict[int, torch.Tensor] = {}  # per attention layer, sized for the largest block size seen
         self.embed = model.embed.weight
         self.row_bytes = h * self.embed.element_size()
         self._bound: tuple[list, ctypes.Array] | None = None
@@ -122,12 +121,10 @@ class CompiledStep:
         return seq
 
     def _attention_work(self, i: int, block_size: int) -> None:
-        """Attention layer i's scratch, big enough for this block size and a split over every thread."""
+        """Attention layer i's scratch (the layers' own, kept per shape for the process), big enough
+        for this block size and a split over every thread."""
         l = self.layers[i]
-        work = native.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, max(1, self.threads))
-        if i not in self.attn_work or self.attn_work[i].numel() < work.numel():
-            self.attn_work[i] = work
-            l.attn_work = work.data_ptr()
+        l.attn_work = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, max(1, self.threads)).data_ptr()
 
     def __call__(self, ids: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, states: list) -> torch.Tensor:
         """ids [1] at position pos (cos, sin [1, rotary/2] its rotary row) -> fp32 logits [1, vocab]."""
@@ -141,4 +138,4 @@ class CompiledStep:
             raise IndexError(f"token id {token} is outside the embedding's {self.embed.shape[0]} rows")
         logits = torch.empty(1, self.vocab_rows, dtype=torch.float32)
         native.run(self.step, self.embed.data_ptr() + token * self.row_bytes, pos, cos, sin, self._seq(states), logits)
-        return logits if self.vocab == self.vocab_rows else logits[:, : self.vocab]
+        return logits

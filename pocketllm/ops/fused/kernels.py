@@ -120,16 +120,35 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
             ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None), ("state", state, _F32, hv * dk * dv, True, None),
         ])
     out = torch.empty(1, hv * dv, dtype=proj.dtype)
-    # Its fp32 scratch depends on the shape alone: made once per shape (as attention's below).
-    floats = conv + 2 * hv + hv * dv
-    work = _gdn_work.get(floats)
-    if work is None:
-        work = _gdn_work[floats] = torch.empty(floats, dtype=torch.float32)
+    work = gdn_work(hk, hv, dk, dv)
     _lib.gdn_decode_bf16(
         proj.data_ptr(), taps.data_ptr(), conv_state.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
         norm_w.data_ptr(), eps, state.data_ptr(), out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),
     )
     return out
+
+
+def gdn_work(hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
+    """gdn_decode_bf16's fp32 scratch: it depends on the shape alone, so it is made once per shape
+    and reused by every call (a process runs its passes one at a time)."""
+    floats = 2 * hk * dk + hv * dv + 2 * hv + hv * dv
+    work = _gdn_work.get(floats)
+    if work is None:
+        work = _gdn_work[floats] = torch.empty(floats, dtype=torch.float32)
+    return work
+
+
+def attention_work(heads: int, kv_heads: int, head_dim: int, block_size: int, splits: int, isa: str = "native") -> torch.Tensor:
+    """attention_decode_bf16's fp32 scratch for up to `splits` ranges of blocks: it depends on the
+    shape alone (not on pos), so it is made once per shape and reused by every step."""
+    key = (isa, heads, kv_heads, head_dim, block_size, splits)
+    work = _attention_work.get(key)
+    if work is None:
+        lib, why = attention_library(isa)
+        if lib is None:
+            raise RuntimeError(why)
+        work = _attention_work[key] = torch.empty(lib.attention_decode_work_floats(heads, kv_heads, head_dim, block_size, splits), dtype=torch.float32)
+    return work
 
 
 def attention_splits(pos: int, kv_heads: int, head_dim: int, block_size: int, threads: int) -> int:
@@ -170,12 +189,7 @@ def attention_decode(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool
     lib, why = attention_library(isa)
     if lib is None:
         raise RuntimeError(why)
-    # The scratch depends on the shape alone (not on pos): made once per shape and reused by every
-    # step (a process runs its passes one at a time, and a call's scratch is dead when it returns).
-    key = (isa, heads, kv_heads, head_dim, bs, splits)
-    work = _attention_work.get(key)
-    if work is None:
-        work = _attention_work[key] = torch.empty(lib.attention_decode_work_floats(heads, kv_heads, head_dim, bs, splits), dtype=torch.float32)
+    work = attention_work(heads, kv_heads, head_dim, bs, splits, isa)
     # The kernel checks the table's ids against the pool before it reads or writes anything: a bad
     # one would read outside it.
     if lib.attention_decode_bf16(

@@ -80,17 +80,6 @@ def op_addresses() -> dict[str, int]:
     }
 
 
-def gdn_work(hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
-    """gdn_decode_bf16's fp32 scratch for these head counts and sizes."""
-    return torch.empty(2 * hk * dk + hv * dv + 2 * hv + hv * dv, dtype=torch.float32)
-
-
-def attention_work(heads: int, kv_heads: int, head_dim: int, block_size: int, splits: int) -> torch.Tensor:
-    """attention_decode_bf16's fp32 scratch for up to `splits` ranges of blocks."""
-    attn = kernels.attention_library()[0]
-    return torch.empty(attn.attention_decode_work_floats(heads, kv_heads, head_dim, block_size, splits), dtype=torch.float32)
-
-
 def run(step: Step, embed: int, pos: int, cos: torch.Tensor, sin: torch.Tensor, seq, logits: torch.Tensor) -> None:
     """One decode step (step_bf16.c): `embed` the address of the token's embedding row, `seq` a
     SeqLayer array, logits fp32 [1, vocab] written."""

@@ -234,6 +234,9 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
     name = f"quantized GEMV ({variant}{', int8 x' if int8_x else ''})"
     fns = {}  # scheme -> its C function, looked up (and built) on the first call
 
+    def fn_for(scheme: str):
+        return fns.get(scheme) or fns.setdefault(scheme, _function(scheme, variant, int8_x))
+
     def run(x, w, out) -> None:
         if type(w) is not CompiledWeight:
             w = CompiledWeight(w, name)
@@ -241,7 +244,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         if x.dtype is not _BF16:
             blocked_product(x, w, out, torch.float32, variant)
             return
-        fn = fns.get(w.scheme) or fns.setdefault(w.scheme, _function(w.scheme, variant, int8_x))
+        fn = fns.get(w.scheme) or fn_for(w.scheme)
         # An int8-x call on int8 weights would read them as nibbles: refused before the C.
         rc = -3 if int8_x and w.scheme != "int4" else fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
         if rc != 0:
@@ -252,8 +255,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         x): ("quant", entry point, the weight's description, rows, n, prefetch, into_all)."""
         if type(w) is not CompiledWeight:
             return None
-        fn = fns.get(w.scheme) or fns.setdefault(w.scheme, _function(w.scheme, variant, int8_x))
-        return "quant", ctypes.cast(fn, ctypes.c_void_p).value, w.address, w.out_features, w.in_features, prefetch, int(into_all)
+        return "quant", ctypes.cast(fn_for(w.scheme), ctypes.c_void_p).value, w.address, w.out_features, w.in_features, prefetch, int(into_all)
 
     run.native = native
     return run
