@@ -16,11 +16,12 @@ rate of a 1 GiB fp32 sum: decode tok/s is also given as a share of that limit.
         [--gguf-python PATH] [--prompt-tokens 512] [--decode-tokens 64] [--reps 4] [--threads 2]
         [--min-read-rate GB/s [--wait-seconds S]]
 
---min-read-rate R is for a host whose read rate moves minute to minute: after loading, each rep
-(every setting once) starts when a 1 GiB sum reads at least R, and a rep after which the sum reads
-below R is dropped for every setting alike and run again, so that every kept rep ran in one fast
-window; the limit is then the fastest sum read around the kept reps, and `of rep` adds the
-median over reps of each rep's decode against the slower of the two sums around it.
+--min-read-rate R is for a host whose read rate moves minute to minute: after loading, each
+setting's run in a rep starts when a 1 GiB sum reads at least R, and a run after which the sum
+reads below R is dropped and run again before the rep moves on (the order within each rep is kept),
+so that every kept figure was measured in a fast window; the limit is then the fastest sum read
+around the kept runs, and `of run` adds the median over reps of each run's decode against the
+slower of the two sums around that run.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
-    p.add_argument("--min-read-rate", type=float, default=0.0, help="start each rep when a 1 GiB sum reads at least this many GB/s, and run a rep "
-                   "again when the sum after it reads less (on a host whose rate moves minute to minute: every kept rep ran in one fast window)")
+    p.add_argument("--min-read-rate", type=float, default=0.0, help="start each setting's run when a 1 GiB sum reads at least this many GB/s, and run "
+                   "it again when the sum after it reads less (on a host whose rate moves minute to minute: every kept figure measured in a fast window)")
     p.add_argument("--wait-seconds", type=float, default=1800.0, help="how long --min-read-rate may wait in all (default 1800)")
     args = p.parse_args(argv)
     if args.reps < 2 or args.reps % 2:
@@ -111,34 +112,39 @@ def _read_rate(reps: int = 5) -> float:
     return max(read_bandwidths_gbps(reps=reps).values())
 
 
-def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list[int]) -> tuple[list[float], int]:
-    """The reps, each setting once per rep in alternating order, into `figures`: (the sums read
-    around the kept reps, how many reps were dropped). Without --min-read-rate, one sum before
-    the reps and one after; with it, a sum before and after each rep: a rep waits for a fast sum
-    and is kept only if the sum after it is fast too."""
+def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list[int]) -> tuple[list[float], dict, int]:
+    """The reps, each setting once per rep in alternating order, into `figures`: (every sum read
+    around the kept runs, the (before, after) sums around each kept run per setting, how many runs
+    were dropped). Without --min-read-rate, one sum before the reps and one after; with it, a sum
+    before and after each setting's run: a run waits for a fast sum and is kept only if the sum
+    after it is fast too, else it is run again before the rep goes on to the next setting."""
     floor = args.min_read_rate
     deadline = time.monotonic() + args.wait_seconds
-    rates, dropped, kept = [] if floor else [_read_rate()], 0, 0
-    while kept < args.reps:
-        before = _read_rate(2) if floor else 0.0
-        while before < floor:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the read rate stayed below {floor} GB/s for {args.wait_seconds:.0f} s (last {before:.1f}; {kept} rep(s) kept)")
-            time.sleep(2)
-            before = _read_rate(2)
-        got = {name: settings[name].run(prompt, first, args.decode_tokens) for name in alternate(list(settings), kept)}
-        after = _read_rate(2) if floor else 0.0
-        if after < floor:
-            dropped += 1
-            print(f"rep {kept + 1}/{args.reps} dropped: the sum read {before:.1f} GB/s before it and {after:.1f} after", file=sys.stderr, flush=True)
-            continue
-        for name, values in got.items():
-            for kind, value in values.items():
+    rates, around, dropped = [] if floor else [_read_rate()], {name: [] for name in settings}, 0
+    for rep in range(args.reps):
+        for name in alternate(list(settings), rep):
+            while True:
+                before = _read_rate(2) if floor else 0.0
+                while before < floor:
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"the read rate stayed below {floor} GB/s for {args.wait_seconds:.0f} s (last {before:.1f}; "
+                                         f"{rep} whole rep(s) kept)")
+                    time.sleep(2)
+                    before = _read_rate(2)
+                got = settings[name].run(prompt, first, args.decode_tokens)
+                after = _read_rate(2) if floor else 0.0
+                if after >= floor:
+                    break
+                dropped += 1
+                print(f"rep {rep + 1}/{args.reps}, {name}: dropped, the sum read {before:.1f} GB/s before it and {after:.1f} after",
+                      file=sys.stderr, flush=True)
+            for kind, value in got.items():
                 figures[name][kind].append(value)
-        kept += 1
-        rates += [before, after] if floor else []
-        print(f"rep {kept}/{args.reps} done" + (f" ({before:.1f} / {after:.1f} GB/s)" if floor else ""), file=sys.stderr, flush=True)
-    return (rates if floor else rates + [_read_rate()]), dropped
+            if floor:
+                rates += [before, after]
+                around[name].append((before, after))
+        print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    return (rates if floor else rates + [_read_rate()]), around, dropped
 
 
 def main(argv=None) -> int:
@@ -159,36 +165,35 @@ def main(argv=None) -> int:
         if isinstance(s, Pocket):
             s.run(prompt, first, 2)  # warm-up: the first pass at a shape pays for its setup
     figures = {name: {"prefill": [], "decode": []} for name in settings}
-    rates, dropped = run_reps(args, settings, figures, prompt, first)
+    rates, around, dropped = run_reps(args, settings, figures, prompt, first)
     rate = max(rates) * 1e9
     llama_version = next((s.version for s in settings.values() if isinstance(s, Llama)), "")
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama_version}")
-    held = f"; each rep run while the sum read >= {args.min_read_rate:g} GB/s before and after it, {dropped} rep(s) dropped" if args.min_read_rate else ""
+    held = f"; each setting's run in a rep made while the sum read >= {args.min_read_rate:g} GB/s before and after it, {dropped} run(s) dropped" if args.min_read_rate else ""
     print(f"threads={args.threads} reps={args.reps} (median, min..max); read rate (1 GiB fp32 sum, best around the reps) {rate / 1e9:.1f} GB/s "
           f"(sums read {min(rates):.1f}..{max(rates):.1f}{held})")
     for s in settings.values():
         if isinstance(s, Pocket):
             print(s.describe)
-    # Held reps: also each rep's decode against the lower of the two sums around that rep.
-    own = [min(rates[i], rates[i + 1]) * 1e9 for i in range(0, len(rates), 2)] if args.min_read_rate else []
     print(f"{'setting':<28}{'prefill tok/s @' + str(args.prompt_tokens):>26}{'decode tok/s':>24}{'MB/step':>9}{'limit tok/s':>12}{'of limit':>9}"
-          + (f"{'of rep':>8}" if own else ""))
+          + (f"{'of run':>8}" if args.min_read_rate else ""))
     summary = {
         "machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "read_GBps": round(rate / 1e9, 2),
-        "min_read_GBps": args.min_read_rate, "dropped_reps": dropped, "settings": {},
+        "min_read_GBps": args.min_read_rate, "dropped_runs": dropped, "settings": {},
     }
     for name, s in settings.items():
         pre, dec = figures[name]["prefill"], figures[name]["decode"]
         limit = rate / s.step_bytes if s.step_bytes else None
         share = f"{statistics.median(dec) / limit:.0%}" if limit else "-"
         mb = f"{s.step_bytes / 1e6:.0f}" if s.step_bytes else "-"
-        per_rep = statistics.median(d * s.step_bytes / r for d, r in zip(dec, own)) if own and s.step_bytes else None
+        # Held runs: also each run's decode against the slower of the two sums around that run.
+        per_rep = statistics.median(d * s.step_bytes / (min(ab) * 1e9) for d, ab in zip(dec, around[name])) if around[name] and s.step_bytes else None
         print(f"{name:<28}{(spread(pre) if pre else '-'):>26}{spread(dec, 2):>24}{mb:>9}{(f'{limit:.1f}' if limit else '-'):>12}{share:>9}"
               + (f"{per_rep:>8.0%}" if per_rep is not None else ""))
         summary["settings"][name] = {
             "prefill": round(statistics.median(pre), 2) if pre else None, "decode": round(statistics.median(dec), 2),
             "step_bytes": s.step_bytes, "limit_tok_s": round(limit, 2) if limit else None,
-            "of_rep_limit": round(per_rep, 3) if per_rep is not None else None,
+            "of_run_limit": round(per_rep, 3) if per_rep is not None else None,
         }
     print("pocketllm over llama.cpp (ratio of medians)")
     summary["ratios"] = {}
