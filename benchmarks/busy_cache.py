@@ -12,30 +12,13 @@ commit before the kernel registry, whose busy load wrote what it measured).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 from common import alternate, checkpoint_dir, run_bench_json, spread
 
-
-class BusyLoops:
-    """One spinning process per CPU this process may run on, for as long as the block runs."""
-
-    def __enter__(self):
-        n = len(os.sched_getaffinity(0))
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-        time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
+from pocketllm.bench.busy import BusyLoops
 
 
 def kernel_lines(out: dict) -> list[str]:

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from conftest import feed, usage_error_in_process
 from pocketllm import compiled
+from pocketllm.bench.busy import BusyLoops
 from pocketllm.errors import UsageError
 from pocketllm.ops.registry import (
     FEW,
@@ -113,22 +110,6 @@ def test_measured_then_cached_then_measured_for_another_thread_count(cache_dir):
         torch.set_num_threads(threads)
 
 
-class BusyLoops:
-    """Processes spinning on the cores, one per CPU, for as long as the block runs."""
-
-    def __enter__(self):
-        n = len(os.sched_getaffinity(0))
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-        time.sleep(0.3)
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
-
-
 def test_a_busy_machine_measures_but_caches_nothing_and_skips_the_check(cache_dir):
     # One thread: torch's threads waiting for each other at every call while the busy loops hold
     # the cores would only make the test slow.
@@ -141,7 +122,7 @@ def test_a_busy_machine_measures_but_caches_nothing_and_skips_the_check(cache_di
         cached_weights = [bf16(4096, 1024) for _ in range(8)]
         seconds = choose(ONE_ROW, cached_weights, env={}, monitor=TOLERANT).seconds
         write_entries(ONE_ROW, cached_weights, seconds)
-        with BusyLoops():
+        with BusyLoops(settle=0.3):
             busy = choose(ONE_ROW, fresh, env={}, monitor=Monitor())
             checked = choose(ONE_ROW, cached_weights, env={}, monitor=Monitor())
     finally:
