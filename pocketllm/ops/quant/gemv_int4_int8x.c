@@ -225,19 +225,9 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
 }
 #endif
 
-/* One tile with its row and column counts as constants, so its accumulators stay in registers. */
-static void run_tile(const struct q4v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
-#define TILE_CASE(r, c) \
-    case (r) * 8 + (c): tile(q, r0, c0, r, c, o); break;
-    switch (R * 8 + C) {
-#if TILE_C >= 4
-        TILE_CASE(4, 3) TILE_CASE(4, 4) TILE_CASE(3, 3) TILE_CASE(3, 4) TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(1, 3) TILE_CASE(1, 4)
-#endif
-        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(1, 2)
-        default: tile(q, r0, c0, 1, 1, o); break;
-    }
-#undef TILE_CASE
-}
+#define TILE_Q struct q4v
+#include "run_tile.h"
+#undef TILE_Q
 
 /* Tile (r0, c0) of q4x_gemm's call: its outputs. */
 struct q4x_call {

@@ -223,23 +223,9 @@ static inline void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C
 }
 #endif
 
-static void run_tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
-#define TILE_CASE(r, c) \
-    case (r) * 8 + (c): tile(q, r0, c0, r, c, o); break;
-    switch (R * 8 + C) {
-#if TILE_R >= 4
-        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
-#endif
-#if TILE_R >= 3
-        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
-#endif
-#if TILE_R >= 2
-        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
-#endif
-        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) default: tile(q, r0, c0, 1, 4, o); break;
-    }
-#undef TILE_CASE
-}
+#define TILE_Q struct q8
+#include "run_tile.h"
+#undef TILE_Q
 
 /* The weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
 struct q8_weight {
