@@ -96,6 +96,74 @@ def test_what_runs_layer_by_layer(monkeypatch):
         feed(engine, [1000], start=9)
 
 
+def test_a_decode_loop_straight_to_the_step_gives_run_packeds_logits_and_tokens(monkeypatch):
+    # decode_row and greedy_row go to the compiled step without a pass around it: the logits are
+    # run_packed's bit for bit, the greedy tokens its argmax, and the pass is counted as one.
+    engine = _engine(monkeypatch, None)
+    engine.reserve_slots(2, 120)
+    prompt = [(5 * i + 2) % 1000 for i in range(60)]
+    passes = []
+    step = engine.model.step
+    for name in ("logits", "greedy"):
+        original = getattr(step, name)
+        monkeypatch.setattr(step, name, lambda *a, _f=original, _n=name: passes.append(_n) or _f(*a))
+    for slot in (0, 1):
+        feed(engine, prompt, slot=slot)
+    token, tokens, direct, plain = 17, [], [], []
+    for i in range(20):
+        direct.append(engine.decode_row(0, len(prompt) + i, token))
+        assert engine.last_pass.kind == "decode" and engine.last_pass.rows == 1
+        plain.append(feed(engine, [token], start=len(prompt) + i, slot=1).clone())
+        token = int(torch.argmax(plain[-1]))
+    for i, (a, b) in enumerate(zip(direct, plain)):
+        assert a.shape == b.shape and torch.equal(a, b), f"step {i}"
+    # Greedy from the same prompt again in slot 0, against the tokens slot 1 chose.
+    feed(engine, prompt, slot=0)
+    token = 17
+    for i in range(20):
+        tokens.append(engine.greedy_row(0, len(prompt) + i, token))
+        token = tokens[-1]
+    assert tokens == [int(torch.argmax(x)) for x in plain]
+    assert passes == ["logits"] * 20 + ["greedy"] * 20
+
+
+def test_a_decode_loop_leaves_watched_passes_and_bad_ids_to_run_packed(monkeypatch):
+    engine = _engine(monkeypatch, None)
+    engine.reserve_slots(1, 40)
+    feed(engine, [1, 2, 3])
+    seen = []
+
+    class Hook:
+        def before_pass(self, info):
+            seen.append(info.kind)
+
+        def after_pass(self, info):
+            pass
+
+    engine.hooks.append(Hook())
+    engine.greedy_row(0, 3, 4)
+    engine.decode_row(0, 4, 5)
+    assert seen == ["decode", "decode"]
+    engine.hooks.clear()
+    with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
+        engine.greedy_row(0, 5, 1000)
+    with pytest.raises(RuntimeError, match="exceeds the 40 reserved per slot"):
+        engine.greedy_row(0, 40, 1)
+
+
+def test_the_steps_argmax_is_torchs():
+    from pocketllm.ops.fused import step as native
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(1000, generator=g), torch.zeros(7), torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.full((5,), -float("inf")),
+             torch.tensor([1.0, float("nan"), 5.0, float("nan")]), torch.tensor([float("-inf"), 2.0, float("inf"), float("inf")]),
+             torch.randn(32001, generator=g).round()]
+    for x in cases:
+        assert native.argmax(x) == int(torch.argmax(x)), x
+    with pytest.raises(ValueError, match="fp32 contiguous CPU logits"):
+        native.argmax(torch.zeros(4, dtype=torch.bfloat16))
+
+
 def test_why_a_model_takes_the_layers_path(monkeypatch):
     monkeypatch.setenv("POCKETLLM_COMPILED_STEP", "0")
     assert _engine(monkeypatch, None).model.describe_step() == "decode step: layer by layer (POCKETLLM_COMPILED_STEP=0)"

@@ -123,8 +123,7 @@ def test_a_generation_builds_its_rotary_rows_before_its_first_pass(engine, monke
     builds, real_table = [], rotary.rotary_table
     monkeypatch.setattr(rotary, "rotary_table", lambda inv_freq, n: builds.append(n) or real_table(inv_freq, n))
     rope = engine.model.rotary
-    monkeypatch.setattr(rope, "_cos", rope._cos[:0])
-    monkeypatch.setattr(rope, "_sin", rope._sin[:0])
+    rope._set(rope._cos[:0], rope._sin[:0])
     passes = _Passes()
     passes.before_pass = lambda info: passes.seen.append(len(builds))
     engine.hooks.append(passes)

@@ -19,8 +19,12 @@ class Sampler:
         self.gen = torch.Generator().manual_seed(params.seed)
         self._token: torch.Tensor | None = None
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature <= 0
+
     def __call__(self, logits: torch.Tensor) -> int:
-        if self.params.temperature <= 0:
+        if self.greedy:
             # Every rank holds the same logits, bit for bit (the head's parts are gathered, not
             # computed per rank), so every rank's argmax is the same token: no broadcast, which
             # on gloo costs a loopback round trip per token. Greedy stays on the device: only the
@@ -61,14 +65,17 @@ def generate(
         prompt_logits(every)
         logits = every[-1]
     out: list[int] = []
+    if max_new_tokens <= 0:
+        return out
     pos = len(prompt)
-    while len(out) < max_new_tokens:
-        token = sampler(logits)
+    token = sampler(logits)
+    while True:
         out.append(token)
         if on_token is not None:
             on_token(token)
         if token in eos_ids or len(out) == max_new_tokens:
             break
-        logits = engine.run_packed([(0, pos, torch.tensor([token], dtype=torch.long))])[0]
+        # Greedy, the engine finds the argmax itself (in the compiled step where it runs).
+        token = engine.greedy_row(0, pos, token) if sampler.greedy else sampler(engine.decode_row(0, pos, token))
         pos += 1
     return out

@@ -22,6 +22,7 @@ from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops.gated_delta import GdnKernel
 from pocketllm.ops.registry import KernelSet
+from pocketllm.profiling.scopes import recording
 
 # Batch-invariant, a sequence's prompt rows run in segments that end where its positions reach a
 # multiple of this (and at the prompt's end), whatever else a pass holds and however the caller
@@ -240,6 +241,38 @@ class Engine:
         ctx = self.model.context([(start, rows) for _, start, rows in pieces], slices, tuple(last), self.invariant, self.policy.slices_for_rows)
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
         return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
+
+    def decode_row(self, slot: int, pos: int, token: int) -> torch.Tensor:
+        """One decode step of the sequence in `slot`: `token` at position `pos` -> its fp32 logits
+        [V], as run_packed([(slot, pos, [token])])[0] gives them (the same bits)."""
+        step = self._direct_step(slot, pos, token)
+        if step is None:
+            return self.run_packed([(slot, pos, torch.tensor([token], dtype=torch.long))])[0]
+        return step.logits(token, pos, self.slots[slot])
+
+    def greedy_row(self, slot: int, pos: int, token: int) -> int:
+        """The argmax of decode_row's logits: the greedy next token (torch.argmax's choice)."""
+        step = self._direct_step(slot, pos, token)
+        if step is None:
+            return int(torch.argmax(self.run_packed([(slot, pos, torch.tensor([token], dtype=torch.long))])[0]))
+        return step.greedy(token, pos, self.slots[slot])
+
+    def _direct_step(self, slot: int, pos: int, token: int):
+        """The model's compiled step where it is what run_packed would run for this one decode row
+        (a sequence going on, no hook watching, nothing profiled), with the pass's bookkeeping
+        done as run_packed does it; else None, for run_packed. A decode loop that goes straight
+        to it skips the pass's Python (its context, segments, labels), which after a step has
+        swept the caches cost several times the loop's own."""
+        step = self.model.step
+        if step is None or pos <= 0 or self.hooks or recording() or not 0 <= token < step.embed_rows:
+            return None
+        if pos + 1 > self.slot_capacity:
+            raise RuntimeError(f"sequence of {pos + 1} positions exceeds the {self.slot_capacity} reserved per slot")
+        self.blocks.grow(slot, pos + 1)
+        kind = "warmup" if self._warmup else "decode"
+        self.last_pass = PassInfo(self._passes, kind, 1, self.policy.slices_for_rows(1), self._timed, {})
+        self._passes += 1
+        return step
 
     def _pass(self, ids: torch.Tensor, ctx, states: list, decode: bool, slices: int, all_logits: bool) -> torch.Tensor:
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")

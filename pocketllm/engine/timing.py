@@ -28,8 +28,7 @@ def timed_greedy_decode(engine, token: int, pos: int, steps: int, sync, slot: in
     sync()
     t0 = time.perf_counter()
     for step in range(steps):
-        logits = engine.run_packed([(slot, pos + step, torch.tensor([token], dtype=torch.long))])[0]
-        token = int(torch.argmax(logits))
+        token = engine.greedy_row(slot, pos + step, token)
         chosen.append(token)
     sync()
     return time.perf_counter() - t0, chosen

@@ -15,12 +15,18 @@ class RotaryEmbedding:
     def __init__(self, rotary_dim: int, theta: float, device):
         self.rotary_dim = rotary_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
-        self._cos = self._sin = torch.empty(0, rotary_dim // 2, device=device)
+        self._set(*(torch.empty(0, rotary_dim // 2, device=device),) * 2)
+
+    def _set(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._cos, self._sin = cos, sin
+        # As plain ints for row_addresses, which a decode loop asks each step.
+        self._rows, self._row_bytes = cos.shape[0], cos.stride(0) * cos.element_size()
+        self._cos_at, self._sin_at = cos.data_ptr(), sin.data_ptr()
 
     def reserve(self, positions: int) -> None:
         """Make the table hold at least `positions` rows."""
-        if positions > self._cos.shape[0]:
-            self._cos, self._sin = rotary_table(self.inv_freq, positions)
+        if positions > self._rows:
+            self._set(*rotary_table(self.inv_freq, positions))
 
     def cos_sin(self, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [rows, rotary_dim/2] of positions start..start+rows, views of the table
@@ -28,6 +34,12 @@ class RotaryEmbedding:
         end = start + rows
         self.reserve(end)
         return self._cos[start:end], self._sin[start:end]
+
+    def row_addresses(self, pos: int) -> tuple[int, int]:
+        """The addresses of position pos's cos and sin rows in the table (grown to it if need
+        be): for compiled code fed a position without a torch op on the way."""
+        self.reserve(pos + 1)
+        return self._cos_at + pos * self._row_bytes, self._sin_at + pos * self._row_bytes
 
 
 def rotary_table(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,8 +98,12 @@ class CompiledStep:
             **{name: t.data_ptr() for name, t in scratch.items()},
         )
         self.layers = layers
-        self.embed = model.embed.weight
-        self.row_bytes = h * self.embed.element_size()
+        embed = model.embed.weight
+        keep.append(embed)
+        self.embed_rows, self.embed_at, self.row_bytes = embed.shape[0], embed.data_ptr(), h * embed.element_size()
+        self.rotary = model.rotary
+        # Where greedy() has the step write the logits it takes the argmax of.
+        self._greedy_logits = torch.empty(self.vocab_rows, dtype=torch.float32)
         self._bound: tuple[list, ctypes.Array] | None = None
 
     def _seq(self, states: list) -> ctypes.Array:
@@ -127,15 +131,33 @@ class CompiledStep:
         l.attn_work = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, max(1, self.threads)).data_ptr()
 
     def __call__(self, ids: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, states: list) -> torch.Tensor:
-        """ids [1] at position pos (cos, sin [1, rotary/2] its rotary row) -> fp32 logits [1, vocab]."""
+        """ids [1] at position pos (cos, sin [1, rotary/2] its rotary row) -> fp32 logits [1, vocab]:
+        the model's forward for one sequence's decode row."""
+        logits = torch.empty(1, self.vocab_rows, dtype=torch.float32)
+        self._run(int(ids[0]), pos, cos.data_ptr(), sin.data_ptr(), states, logits.data_ptr())
+        return logits
+
+    def logits(self, token: int, pos: int, states: list) -> torch.Tensor:
+        """The same step fed a token id, its rotary row read from the model's table: fp32 logits
+        [vocab], with no torch op on the way but their allocation (the engine's decode_row)."""
+        logits = torch.empty(self.vocab_rows, dtype=torch.float32)
+        self._run(token, pos, *self.rotary.row_addresses(pos), states, logits.data_ptr())
+        return logits
+
+    def greedy(self, token: int, pos: int, states: list) -> int:
+        """The same step's argmax, found in C over logits it keeps for that: no torch op at all.
+        Python's part of a step runs on caches the step's weights have just swept, where each
+        torch op costs several times what it does warm (docs/decode.md)."""
+        out = self._greedy_logits.data_ptr()
+        self._run(token, pos, *self.rotary.row_addresses(pos), states, out)
+        return native.argmax_at(out, self.vocab_rows)
+
+    def _run(self, token: int, pos: int, cos: int, sin: int, states: list, logits: int) -> None:
         threads = torch.get_num_threads()
         if threads != self.threads:
             # Attention splits its cache over torch's threads, as its layer path does per call.
             self.threads = self.step.threads = threads
             self._bound = None
-        token = int(ids[0])
-        if not 0 <= token < self.embed.shape[0]:
-            raise IndexError(f"token id {token} is outside the embedding's {self.embed.shape[0]} rows")
-        logits = torch.empty(1, self.vocab_rows, dtype=torch.float32)
-        native.run(self.step, self.embed.data_ptr() + token * self.row_bytes, pos, cos, sin, self._seq(states), logits)
-        return logits
+        if not 0 <= token < self.embed_rows:
+            raise IndexError(f"token id {token} is outside the embedding's {self.embed_rows} rows")
+        native.run(self.step, self.embed_at + token * self.row_bytes, pos, cos, sin, self._seq(states), logits)

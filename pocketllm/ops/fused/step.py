@@ -62,6 +62,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         return None, why
     lib.decode_step_bf16.argtypes = [_P, _P, _I, _P, _P, _P, _P]
     lib.decode_step_bf16.restype = ctypes.c_int
+    lib.logits_argmax.argtypes = [_P, _I]
+    lib.logits_argmax.restype = _I
     _lib = lib
     return lib, ""
 
@@ -80,11 +82,25 @@ def op_addresses() -> dict[str, int]:
     }
 
 
-def run(step: Step, embed: int, pos: int, cos: torch.Tensor, sin: torch.Tensor, seq, logits: torch.Tensor) -> None:
-    """One decode step (step_bf16.c): `embed` the address of the token's embedding row, `seq` a
-    SeqLayer array, logits fp32 [1, vocab] written."""
-    rc = _lib.decode_step_bf16(ctypes.byref(step), embed, pos, cos.data_ptr(), sin.data_ptr(), seq, logits.data_ptr())
+def run(step: Step, embed: int, pos: int, cos: int, sin: int, seq, logits: int) -> None:
+    """One decode step (step_bf16.c): `embed` the address of the token's embedding row, cos and
+    sin of its rotary row, `seq` a SeqLayer array, fp32 logits [vocab] written at `logits`."""
+    rc = _lib.decode_step_bf16(ctypes.byref(step), embed, pos, cos, sin, seq, logits)
     if rc == 1:
         raise MemoryError("decode step: a quantized projection could not allocate its scratch for x")
     if rc == 2:
         raise ValueError("decode step: a block table holds block ids outside its KV pool")
+
+
+def argmax(logits: torch.Tensor) -> int:
+    """torch.argmax of fp32 logits (contiguous, on the CPU) as step_bf16.c finds it."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
+        raise ValueError(f"argmax: fp32 contiguous CPU logits, got {logits.dtype} on {logits.device}")
+    if _lib is None and library()[0] is None:
+        raise RuntimeError(f"argmax: {library()[1]}")
+    return argmax_at(logits.data_ptr(), logits.numel())
+
+
+def argmax_at(logits: int, n: int) -> int:
+    """The same over n fp32 logits at an address (a buffer the step writes)."""
+    return _lib.logits_argmax(logits, n)

@@ -128,3 +128,15 @@ int decode_step_bf16(const struct step *s, const uint16_t *embed, int64_t pos, c
     for (int64_t r = 0; r < s->head.rows; r++) logits[r] = bf16_to_f32(s->head_row[r]);
     return 0;
 }
+
+/* The greedy token of a step's logits: the first index of the largest value, and the first NaN
+ * where there is one, as torch.argmax chooses (tests/test_compiled_step.py holds them equal). A
+ * loop over logits the step has just written, so the caller need not run a torch op on them. */
+int64_t logits_argmax(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > x[best]) best = i;
+    }
+    return best;
+}
