@@ -1,8 +1,9 @@
 """Where a decode step's time goes, beyond the weight bytes it has to read.
 
 One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, it times:
-- the real decode step (one compiled call where the engine runs it so, models/compiled_step.py),
-  the same step layer by layer, and that with its weights copied to torch's own allocation, which
+- the real decode step (one compiled call where the engine runs it so, models/compiled_step.py, fed
+  by the engine's decode loop, Engine.greedy_row), the same call inside the engine's whole pass
+  (run_packed) and a torch argmax, the same step layer by layer, and that with its weights copied to torch's own allocation, which
   is plain 4 KiB pages where THP is `madvise` or `never` (pocketllm.host_memory says why the engine
   avoids it; with THP `always` torch's memory may get huge pages too);
 - the step layer by layer with every single-row GEMV replaced by a ready output (the rest of the
@@ -98,6 +99,44 @@ class LayerByLayer:
 
     def __exit__(self, *exc):
         self.model.step = self.step
+
+
+class ThroughPasses:
+    """While active, each decode step goes through the engine's whole pass (run_packed: its
+    context, segments and labels) and a torch argmax, as every step did before the engine's
+    decode loop went straight to the compiled step (Engine.greedy_row)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        self.engine._direct_step = lambda *a: None
+
+    def __exit__(self, *exc):
+        del self.engine._direct_step
+
+
+class CallClock:
+    """While active, the compiled step's calls are timed: what a decode loop spends outside them is
+    its Python (and the caches that Python finds swept by the step)."""
+
+    def __init__(self):
+        from pocketllm.ops.fused import step as native
+
+        self.native, self.run, self.seconds = native, native.run, 0.0
+
+    def _timed(self, *args):
+        t0 = time.perf_counter()
+        self.run(*args)
+        self.seconds += time.perf_counter() - t0
+
+    def __enter__(self):
+        self.seconds = 0.0
+        self.native.run = self._timed
+        return self
+
+    def __exit__(self, *exc):
+        self.native.run = self.run
 
 
 class ReadyGemvs(LayerByLayer):
@@ -196,6 +235,7 @@ def main(argv=None) -> int:
     weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w if isinstance(w, torch.Tensor) else dequantize(w)) for w in weights]
     prompt = list(range(1, 33))
     layered = LayerByLayer(model)
+    passes = ThroughPasses(runner.engine)
     ready = ReadyGemvs(model)
     plain = PlainPages(model)
     runner.decode(prompt, 2)
@@ -203,11 +243,23 @@ def main(argv=None) -> int:
 
     kind = kind_for(weight_format(weights[0]), ONE)
     kernels = [kind.by_name[n] for n in kind.timed(weight_format(weights[0]), torch.device("cpu"))]
-    ms = {"real step": [], "step, layer by layer": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
+    ms = {"real step": [], "step, through a pass": [], "step, layer by layer": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
     ms.update({f"GEMVs alone, all {c.name}": [] for c in kernels})
     ms["fp32 sums alone"] = []
+    outside = {"real step": [], "step, through a pass": []}  # ms a step outside the compiled call
+    clock = CallClock()
+
+    def step_ms(name: str) -> None:
+        with clock:
+            seconds = runner.decode(prompt, args.steps)[0]
+        ms[name].append(1e3 * seconds / args.steps)
+        if model.step is not None:
+            outside[name].append(ms[name][-1] - 1e3 * clock.seconds / args.steps)
+
     for rep in range(args.reps):
-        ms["real step"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
+        step_ms("real step")
+        with passes:
+            step_ms("step, through a pass")
         with layered:
             ms["step, layer by layer"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with plain:
@@ -228,7 +280,8 @@ def main(argv=None) -> int:
     bandwidths = read_bandwidths_gbps()
     bandwidth = max(bandwidths.values())
     quantized = f" quantize={args.quantize}" if args.quantize else ""
-    print(f"{model.describe_step()}; the rows from '4 KiB pages' on run layer by layer")
+    print(f"{model.describe_step()}, fed by the engine's decode loop (greedy_row); 'through a pass' is the same call "
+          "inside run_packed and a torch argmax; the rows from '4 KiB pages' on run layer by layer")
     print(f"threads={args.threads} dtype={args.dtype}{quantized} reps={args.reps} steps={args.steps}; "
           f"{step_bytes / 2**20:.1f} MiB of weights per step, {gemv_bytes / 2**20:.1f} of them in "
           f"{len(weights)} GEMV weights; {huge_mib:.0f} MiB of the engine's process on huge pages")
@@ -239,6 +292,9 @@ def main(argv=None) -> int:
         print(f"{name:<24}{spread(xs, 2):>28}{rate:>18}")
     print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s, the read bandwidth of the streaming limit ("
           + ", ".join(f"{v:.1f} on {k}" for k, v in bandwidths.items()) + ")")
+    if all(outside.values()):
+        print("a decode loop's time outside the compiled call, us a step: " + ", ".join(f"{k} {1e3 * statistics.median(v):.0f} "
+              f"({1e3 * min(v):.0f}..{1e3 * max(v):.0f})" for k, v in outside.items()))
     rest = statistics.median(ms["real step"]) - statistics.median(ms["GEMVs alone (chosen)"])
     print(f"real step minus GEMVs alone (medians of per-rep figures: a step averaged over --steps, one GEMV-only pass after a warm-up): {rest:.2f} ms; the step with GEMVs ready: "
           f"{statistics.median(ms['step, GEMVs ready']):.2f} ms")
