@@ -3,13 +3,13 @@ read rate and the bf16 kernel on the same shapes.
 
 A step's worth of projection weights (the preset's layer shapes in the order a step reads them,
 fused as the engine fuses them) is built per scheme, far beyond cache; one pass runs a kernel on
-every weight once, x rows per call as --rows says. Candidates (and bf16 c-prefetch on bf16 weights
-of the same shapes) are interleaved rep-major with their order reversed every other rep; GB/s is
+every weight once, x rows per call as --rows says. Candidates (and the --bf16 candidates, c-prefetch
+unless given, on bf16 weights of the same shapes) are interleaved rep-major with their order reversed every other rep; GB/s is
 the bytes a pass streams (values, scales, zero points) over its time, median (min..max). The read
 rate is the best full fp32 sum over 1 GiB (benchmarks/common.py), before and after.
 
     python benchmarks/quant_kernels.py [--preset small,qwen3.8-27b] [--schemes int8,int4-g32,...]
-        [--rows 1] [--reps 6] [--isa native] [--errors]
+        [--rows 1] [--reps 6] [--isa native] [--errors] [--bf16 c,c-ahead,c-prefetch]
 """
 
 from __future__ import annotations
@@ -95,24 +95,31 @@ def io_for(shapes, rows: int):
     return [xs[s] for s in shapes], [outs[s] for s in shapes]
 
 
-def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, scale_dtype) -> None:
+def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, scale_dtype, bf16_names=("c-prefetch",)) -> None:
     row_class = qc.ONE if rows == 1 else (qc.FEW if rows <= 16 else qc.MANY)
     xs, outs = io_for(shapes, rows)
     bf16 = [bf16_weight(s) for s in shapes]
     bf16_bytes = sum(w.numel() * 2 for w in bf16)
     table = (ONE_ROW if rows == 1 else FEW_ROW).by_name
-    why = table["c-prefetch"].unavailable("bfloat16", torch.device("cpu"))  # also builds it
-    if why:
-        raise SystemExit(f"bf16 c-prefetch: {why}")
-    base = table["c-prefetch"].run if rows <= 16 else (lambda x, w, o: torch.mm(x, w.t(), out=o))
+    base = {}
+    if rows > 16:
+        base["bf16 mm"] = (lambda x, w, o: torch.mm(x, w.t(), out=o), bf16, bf16_bytes)
+    else:
+        for name in bf16_names:
+            if name not in table:
+                raise SystemExit(f"--bf16: {name!r} is not one of {', '.join(table)}")
+            why = table[name].unavailable("bfloat16", torch.device("cpu"))  # also builds it
+            if why:
+                raise SystemExit(f"bf16 {name}: {why}")
+            base[f"bf16 {name}"] = (table[name].run, bf16, bf16_bytes)
     print(f"\n{preset}: {len(shapes)} weights per pass, {rows} row(s) per call, {torch.get_num_threads()} threads; "
           f"bf16 {bf16_bytes / 2**20:.0f} MiB per pass")
-    for fmt in fmts:
-        weights = [random_weight(s, fmt, scale_dtype) for s in shapes]
+    for fmt in fmts or [None]:
+        weights = [random_weight(s, fmt, scale_dtype) for s in shapes] if fmt else []
         qbytes = sum(w.nbytes for w in weights)
-        runs = {"bf16 c-prefetch" if rows <= 16 else "bf16 mm": (base, bf16, bf16_bytes)}
+        runs = dict(base)
         prepared: dict[str, list] = {}
-        for c in qc.available(row_class, fmt):
+        for c in qc.available(row_class, fmt) if fmt else ():
             if names and c.name not in names:
                 continue
             run = c.run
@@ -132,7 +139,7 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
             for name in alternate(list(runs), rep):
                 run, ws, _ = runs[name]
                 seconds[name].append(time_pass(run, ws, xs, outs))
-        print(f"  {fmt} ({scale_dtype_name(scale_dtype)} scales): {qbytes / 2**20:.0f} MiB per pass")
+        print(f"  {fmt} ({scale_dtype_name(scale_dtype)} scales): {qbytes / 2**20:.0f} MiB per pass" if fmt else "  bf16 only")
         for name, (_, _, nbytes) in runs.items():
             gbps = [nbytes / s / 1e9 for s in seconds[name]]
             ms = [s * 1e3 for s in seconds[name]]
@@ -166,7 +173,7 @@ def errors(fmts, scale_dtype, isa: str) -> None:
         print(f"  {fmt} ({scale_dtype_name(scale_dtype)} scales): the quantization itself {rms(ref - full, full):.2e} RMS of the unquantized product; "
               f"rounding the reference to bf16: max {worst(rounded - ref, ref):.2e}, RMS {rms(rounded - ref, ref):.2e}")
         for row_class in (qc.ONE, qc.FEW, qc.MANY):
-            for c in qc.available(row_class, fmt):
+            for c in qc.available(row_class, fmt) if fmt else ():
                 if c.name in qc.GEMV_PREFETCH and c.name != "c":  # the same sums as c
                     continue
                 run = native.gemv(0, isa) if c.name == "c" else c.run
@@ -186,7 +193,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small,qwen3.8-27b", help="comma-separated presets whose layer shapes are streamed")
     p.add_argument("--layers", type=int, help="layers per pass (default: all of small with its head; 2 of the 27B without)")
-    p.add_argument("--schemes", default="int8,int4-g32,int4-g64,int4-g128", help="weight formats, as the registry names them")
+    p.add_argument("--schemes", default="int8,int4-g32,int4-g64,int4-g128", help="weight formats, as the registry names them ('' for none: the bf16 kernels alone)")
+    p.add_argument("--bf16", default="c-prefetch", help="comma-separated bf16 candidates timed beside them on bf16 weights of the same shapes (default c-prefetch)")
     p.add_argument("--scale-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--rows", default="1", help="comma-separated x rows per call (1: one-row kernels; 2..16: few-row)")
     p.add_argument("--reps", type=int, default=6)
@@ -212,7 +220,7 @@ def main(argv=None) -> int:
         layers = args.layers if args.layers is not None else DEFAULT_LAYERS.get(preset)
         shapes = step_shapes(preset, layers, head=layers is None)
         for rows in (int(r) for r in args.rows.split(",")):
-            bench_set(preset, shapes, fmts, rows, args.reps, args.isa, names, scale_dtype)
+            bench_set(preset, shapes, fmts, rows, args.reps, args.isa, names, scale_dtype, [n for n in args.bf16.split(",") if n])
     after = read_bandwidths_gbps()
     print("1 GiB fp32 sum, after: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in after.items()))
     return 0
