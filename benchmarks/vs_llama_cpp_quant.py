@@ -21,7 +21,8 @@ setting's run in a rep starts when a 1 GiB sum reads at least R, and a run after
 reads below R is dropped and run again before the rep moves on (the order within each rep is kept),
 so that every kept figure was measured in a fast window; the limit is then the fastest sum read
 around the kept runs, and `of run` adds the median over reps of each run's decode against the
-slower of the two sums around that run.
+slower of the two sums around that run. Out of --wait-seconds, the whole reps kept so far, in
+pairs, are reported as such (reps=K of N); with fewer than two it is an error.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--json")
     p.add_argument("--min-read-rate", type=float, default=0.0, help="start each setting's run when a 1 GiB sum reads at least this many GB/s, and run "
                    "it again when the sum after it reads less (on a host whose rate moves minute to minute: every kept figure measured in a fast window)")
-    p.add_argument("--wait-seconds", type=float, default=1800.0, help="how long --min-read-rate may wait in all (default 1800)")
+    p.add_argument("--wait-seconds", type=float, default=1800.0, help="how long --min-read-rate may wait in all (default 1800); then the whole reps kept so far, in pairs, are the result")
     args = p.parse_args(argv)
     if args.reps < 2 or args.reps % 2:
         p.error(f"--reps must be even and at least 2, got {args.reps}")
@@ -112,12 +113,14 @@ def _read_rate(reps: int = 5) -> float:
     return max(read_bandwidths_gbps(reps=reps).values())
 
 
-def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list[int]) -> tuple[list[float], dict, int]:
+def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list[int]) -> tuple[list[float], dict, int, int]:
     """The reps, each setting once per rep in alternating order, into `figures`: (every sum read
     around the kept runs, the (before, after) sums around each kept run per setting, how many runs
-    were dropped). Without --min-read-rate, one sum before the reps and one after; with it, a sum
-    before and after each setting's run: a run waits for a fast sum and is kept only if the sum
-    after it is fast too, else it is run again before the rep goes on to the next setting."""
+    were dropped, how many whole reps were kept). Without --min-read-rate, one sum before the reps
+    and one after; with it, a sum before and after each setting's run: a run waits for a fast sum
+    and is kept only if the sum after it is fast too, else it is run again before the rep goes on
+    to the next setting. Out of --wait-seconds, the whole reps kept so far are the result (none:
+    an error)."""
     floor = args.min_read_rate
     deadline = time.monotonic() + args.wait_seconds
     rates, around, dropped = [] if floor else [_read_rate()], {name: [] for name in settings}, 0
@@ -127,8 +130,17 @@ def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list
                 before = _read_rate(2) if floor else 0.0
                 while before < floor:
                     if time.monotonic() > deadline:
-                        raise SystemExit(f"the read rate stayed below {floor} GB/s for {args.wait_seconds:.0f} s (last {before:.1f}; "
-                                         f"{rep} whole rep(s) kept)")
+                        why = f"the read rate stayed below {floor} GB/s for {args.wait_seconds:.0f} s (last {before:.1f})"
+                        # Whole reps in pairs, so that each order still runs as often as the other.
+                        kept = rep - rep % 2
+                        if kept == 0:
+                            raise SystemExit(f"{why}; {rep} whole rep(s) kept, not two")
+                        print(f"stopped after {kept} of {args.reps} reps: {why}", file=sys.stderr, flush=True)
+                        for s in settings:
+                            around[s] = around[s][:kept]
+                            for kind in figures[s]:
+                                figures[s][kind] = figures[s][kind][:kept]
+                        return [r for runs in around.values() for ab in runs for r in ab], around, dropped, kept
                     time.sleep(2)
                     before = _read_rate(2)
                 got = settings[name].run(prompt, first, args.decode_tokens)
@@ -144,7 +156,7 @@ def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list
                 rates += [before, after]
                 around[name].append((before, after))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-    return (rates if floor else rates + [_read_rate()]), around, dropped
+    return (rates if floor else rates + [_read_rate()]), around, dropped, args.reps
 
 
 def main(argv=None) -> int:
@@ -165,12 +177,12 @@ def main(argv=None) -> int:
         if isinstance(s, Pocket):
             s.run(prompt, first, 2)  # warm-up: the first pass at a shape pays for its setup
     figures = {name: {"prefill": [], "decode": []} for name in settings}
-    rates, around, dropped = run_reps(args, settings, figures, prompt, first)
+    rates, around, dropped, kept = run_reps(args, settings, figures, prompt, first)
     rate = max(rates) * 1e9
     llama_version = next((s.version for s in settings.values() if isinstance(s, Llama)), "")
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama_version}")
     held = f"; each setting's run in a rep made while the sum read >= {args.min_read_rate:g} GB/s before and after it, {dropped} run(s) dropped" if args.min_read_rate else ""
-    print(f"threads={args.threads} reps={args.reps} (median, min..max); read rate (1 GiB fp32 sum, best around the reps) {rate / 1e9:.1f} GB/s "
+    print(f"threads={args.threads} reps={kept}{'' if kept == args.reps else f' of {args.reps} (out of --wait-seconds)'} (median, min..max); read rate (1 GiB fp32 sum, best around the reps) {rate / 1e9:.1f} GB/s "
           f"(sums read {min(rates):.1f}..{max(rates):.1f}{held})")
     for s in settings.values():
         if isinstance(s, Pocket):
@@ -178,7 +190,7 @@ def main(argv=None) -> int:
     print(f"{'setting':<28}{'prefill tok/s @' + str(args.prompt_tokens):>26}{'decode tok/s':>24}{'MB/step':>9}{'limit tok/s':>12}{'of limit':>9}"
           + (f"{'of run':>8}" if args.min_read_rate else ""))
     summary = {
-        "machine": compiled.cpu_model(), "threads": args.threads, "reps": args.reps, "read_GBps": round(rate / 1e9, 2),
+        "machine": compiled.cpu_model(), "threads": args.threads, "reps": kept, "read_GBps": round(rate / 1e9, 2),
         "min_read_GBps": args.min_read_rate, "dropped_runs": dropped, "settings": {},
     }
     for name, s in settings.items():
