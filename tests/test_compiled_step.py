@@ -55,7 +55,8 @@ def test_a_step_as_one_call_gives_the_layers_bits(monkeypatch, scheme):
         steps = [(11 * i + 1) % 1000 for i in range(40)]
         calls = []
         step = model.step
-        model.step = lambda *a: calls.append(1) or step(*a)
+        run = step._run
+        monkeypatch.setattr(step, "_run", lambda *a: calls.append(1) or run(*a))
         fast, fast_states = _decode(engine, prompt, steps)
         # Every step ran as one call, its attention split over the threads the layers' would use
         # (the logits' bf16 rounding hides a different split's fp32 order).
@@ -96,38 +97,42 @@ def test_what_runs_layer_by_layer(monkeypatch):
         feed(engine, [1000], start=9)
 
 
-def test_a_decode_loop_straight_to_the_step_gives_run_packeds_logits_and_tokens(monkeypatch):
-    # decode_row and greedy_row go to the compiled step without a pass around it: the logits are
-    # run_packed's bit for bit, the greedy tokens its argmax, and the pass is counted as one.
+def test_a_row_straight_to_the_step_gives_the_passs_logits_and_tokens(monkeypatch):
+    # One sequence's decode row goes to the compiled step without the pass around it (run_packed's
+    # own shortcut, and greedy_row): the logits are the pass's bit for bit, the greedy tokens its
+    # argmax, and each row is counted as a decode pass.
     engine = _engine(monkeypatch, None)
     engine.reserve_slots(2, 120)
     prompt = [(5 * i + 2) % 1000 for i in range(60)]
-    passes = []
     step = engine.model.step
+    direct_calls = []
     for name in ("logits", "greedy"):
         original = getattr(step, name)
-        monkeypatch.setattr(step, name, lambda *a, _f=original, _n=name: passes.append(_n) or _f(*a))
+        monkeypatch.setattr(step, name, lambda *a, _f=original, _n=name: direct_calls.append(_n) or _f(*a))
     for slot in (0, 1):
         feed(engine, prompt, slot=slot)
-    token, tokens, direct, plain = 17, [], [], []
+    token, direct, plain = 17, [], []
     for i in range(20):
-        direct.append(engine.decode_row(0, len(prompt) + i, token))
-        assert engine.last_pass.kind == "decode" and engine.last_pass.rows == 1
-        plain.append(feed(engine, [token], start=len(prompt) + i, slot=1).clone())
+        passes = engine._passes
+        direct.append(feed(engine, [token], start=len(prompt) + i, slot=0).clone())
+        assert engine.last_pass.kind == "decode" and engine.last_pass.rows == 1 and engine._passes == passes + 1
+        with monkeypatch.context() as m:
+            m.setattr(engine, "_direct_step", lambda *a: None)  # the whole pass, its forward's step
+            plain.append(feed(engine, [token], start=len(prompt) + i, slot=1).clone())
         token = int(torch.argmax(plain[-1]))
     for i, (a, b) in enumerate(zip(direct, plain)):
         assert a.shape == b.shape and torch.equal(a, b), f"step {i}"
     # Greedy from the same prompt again in slot 0, against the tokens slot 1 chose.
     feed(engine, prompt, slot=0)
-    token = 17
+    token, tokens = 17, []
     for i in range(20):
         tokens.append(engine.greedy_row(0, len(prompt) + i, token))
         token = tokens[-1]
     assert tokens == [int(torch.argmax(x)) for x in plain]
-    assert passes == ["logits"] * 20 + ["greedy"] * 20
+    assert direct_calls == ["logits"] * 20 + ["greedy"] * 20
 
 
-def test_a_decode_loop_leaves_watched_passes_and_bad_ids_to_run_packed(monkeypatch):
+def test_a_watched_pass_keeps_the_pass_and_bad_rows_fail_as_in_it(monkeypatch):
     engine = _engine(monkeypatch, None)
     engine.reserve_slots(1, 40)
     feed(engine, [1, 2, 3])
@@ -142,11 +147,12 @@ def test_a_decode_loop_leaves_watched_passes_and_bad_ids_to_run_packed(monkeypat
 
     engine.hooks.append(Hook())
     engine.greedy_row(0, 3, 4)
-    engine.decode_row(0, 4, 5)
+    feed(engine, [5], start=4)
     assert seen == ["decode", "decode"]
     engine.hooks.clear()
-    with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
-        engine.greedy_row(0, 5, 1000)
+    for row in (lambda: engine.greedy_row(0, 5, 1000), lambda: feed(engine, [1000], start=5)):
+        with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
+            row()
     with pytest.raises(RuntimeError, match="exceeds the 40 reserved per slot"):
         engine.greedy_row(0, 40, 1)
 

@@ -76,6 +76,9 @@ def generate(
         if token in eos_ids or len(out) == max_new_tokens:
             break
         # Greedy, the engine finds the argmax itself (in the compiled step where it runs).
-        token = engine.greedy_row(0, pos, token) if sampler.greedy else sampler(engine.decode_row(0, pos, token))
+        if sampler.greedy:
+            token = engine.greedy_row(0, pos, token)
+        else:
+            token = sampler(engine.run_packed([(0, pos, torch.tensor([token], dtype=torch.long))])[0])
         pos += 1
     return out

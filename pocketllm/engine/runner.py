@@ -220,6 +220,11 @@ class Engine:
         fp32 logits of each span's last row [len(spans), V], or of every row [rows, V] with
         all_logits. Batch-invariant, a span's rows run in segments cut at multiples of
         prefill_chunk positions."""
+        if len(spans) == 1 and not all_logits and spans[0][2].shape[0] == 1:
+            slot, start, ids = spans[0]
+            step = self._direct_step(slot, start)
+            if step is not None:
+                return step.logits(int(ids[0]), start, self.slots[slot]).view(1, -1)
         total, pieces, last = 0, [], []
         chunk = self.prefill_chunk if self.invariant else 0
         for slot, start, ids in spans:
@@ -242,29 +247,23 @@ class Engine:
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
         return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
 
-    def decode_row(self, slot: int, pos: int, token: int) -> torch.Tensor:
-        """One decode step of the sequence in `slot`: `token` at position `pos` -> its fp32 logits
-        [V], as run_packed([(slot, pos, [token])])[0] gives them (the same bits)."""
-        step = self._direct_step(slot, pos, token)
-        if step is None:
-            return self.run_packed([(slot, pos, torch.tensor([token], dtype=torch.long))])[0]
-        return step.logits(token, pos, self.slots[slot])
-
     def greedy_row(self, slot: int, pos: int, token: int) -> int:
-        """The argmax of decode_row's logits: the greedy next token (torch.argmax's choice)."""
-        step = self._direct_step(slot, pos, token)
+        """One decode step of the sequence in `slot`, `token` at position `pos`: its greedy next
+        token (torch.argmax of run_packed's logits for that row). Where the step is one compiled
+        call, with no torch op at all: the argmax is found in C."""
+        step = self._direct_step(slot, pos)
         if step is None:
             return int(torch.argmax(self.run_packed([(slot, pos, torch.tensor([token], dtype=torch.long))])[0]))
         return step.greedy(token, pos, self.slots[slot])
 
-    def _direct_step(self, slot: int, pos: int, token: int):
-        """The model's compiled step where it is what run_packed would run for this one decode row
-        (a sequence going on, no hook watching, nothing profiled), with the pass's bookkeeping
-        done as run_packed does it; else None, for run_packed. A decode loop that goes straight
-        to it skips the pass's Python (its context, segments, labels), which after a step has
-        swept the caches cost several times the loop's own."""
+    def _direct_step(self, slot: int, pos: int):
+        """The model's compiled step where it is what this pass of one sequence's one decode row
+        would run (the sequence going on, no hook watching, nothing profiled), with the pass's
+        bookkeeping done as a pass does it; else None. A row that goes straight to it skips the
+        pass's Python (its context, segments, labels), which after a step has swept the caches
+        cost several times the step's own Python."""
         step = self.model.step
-        if step is None or pos <= 0 or self.hooks or recording() or not 0 <= token < step.embed_rows:
+        if step is None or pos <= 0 or self.hooks or recording():
             return None
         if pos + 1 > self.slot_capacity:
             raise RuntimeError(f"sequence of {pos + 1} positions exceeds the {self.slot_capacity} reserved per slot")

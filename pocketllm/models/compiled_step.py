@@ -139,7 +139,8 @@ class CompiledStep:
 
     def logits(self, token: int, pos: int, states: list) -> torch.Tensor:
         """The same step fed a token id, its rotary row read from the model's table: fp32 logits
-        [vocab], with no torch op on the way but their allocation (the engine's decode_row)."""
+        [vocab], with no torch op on the way but their allocation (a pass the engine runs
+        straight to the step)."""
         logits = torch.empty(self.vocab_rows, dtype=torch.float32)
         self._run(token, pos, *self.rotary.row_addresses(pos), states, logits.data_ptr())
         return logits
