@@ -113,50 +113,57 @@ def _read_rate(reps: int = 5) -> float:
     return max(read_bandwidths_gbps(reps=reps).values())
 
 
-def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list[int]) -> tuple[list[float], dict, int, int]:
-    """The reps, each setting once per rep in alternating order, into `figures`: (every sum read
-    around the kept runs, the (before, after) sums around each kept run per setting, how many runs
-    were dropped, how many whole reps were kept). Without --min-read-rate, one sum before the reps
-    and one after; with it, a sum before and after each setting's run: a run waits for a fast sum
-    and is kept only if the sum after it is fast too, else it is run again before the rep goes on
-    to the next setting. Out of --wait-seconds, the whole reps kept so far are the result (none:
-    an error)."""
-    floor = args.min_read_rate
+def held_run(args, setting, prompt: list[int], first: list[int], deadline: float, label: str):
+    """One setting's run in a fast window (--min-read-rate): (its figures, the sums before and
+    after it, how many tries were dropped), run again while the sum after it reads slow; None
+    once --wait-seconds is out."""
+    floor, dropped = args.min_read_rate, 0
+    while True:
+        before = _read_rate(2)
+        while before < floor:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(2)
+            before = _read_rate(2)
+        got = setting.run(prompt, first, args.decode_tokens)
+        after = _read_rate(2)
+        if after >= floor:
+            return got, (before, after), dropped
+        dropped += 1
+        print(f"{label}: dropped, the sum read {before:.1f} GB/s before it and {after:.1f} after", file=sys.stderr, flush=True)
+
+
+def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list[int]) -> tuple[dict, int, int]:
+    """The reps, each setting once per rep in alternating order, into `figures`: (the (before,
+    after) sums around each kept run per setting, with --min-read-rate; how many runs were
+    dropped; how many whole reps were kept). Out of --wait-seconds, the whole reps kept so far, in
+    pairs so that each order still runs as often as the other, are the result (none: an error)."""
     deadline = time.monotonic() + args.wait_seconds
-    rates, around, dropped = [] if floor else [_read_rate()], {name: [] for name in settings}, 0
+    around, dropped = {name: [] for name in settings}, 0
     for rep in range(args.reps):
         for name in alternate(list(settings), rep):
-            while True:
-                before = _read_rate(2) if floor else 0.0
-                while before < floor:
-                    if time.monotonic() > deadline:
-                        why = f"the read rate stayed below {floor} GB/s for {args.wait_seconds:.0f} s (last {before:.1f})"
-                        # Whole reps in pairs, so that each order still runs as often as the other.
-                        kept = rep - rep % 2
-                        if kept == 0:
-                            raise SystemExit(f"{why}; {rep} whole rep(s) kept, not two")
-                        print(f"stopped after {kept} of {args.reps} reps: {why}", file=sys.stderr, flush=True)
-                        for s in settings:
-                            around[s] = around[s][:kept]
-                            for kind in figures[s]:
-                                figures[s][kind] = figures[s][kind][:kept]
-                        return [r for runs in around.values() for ab in runs for r in ab], around, dropped, kept
-                    time.sleep(2)
-                    before = _read_rate(2)
+            if not args.min_read_rate:
                 got = settings[name].run(prompt, first, args.decode_tokens)
-                after = _read_rate(2) if floor else 0.0
-                if after >= floor:
-                    break
-                dropped += 1
-                print(f"rep {rep + 1}/{args.reps}, {name}: dropped, the sum read {before:.1f} GB/s before it and {after:.1f} after",
-                      file=sys.stderr, flush=True)
+            else:
+                label = f"rep {rep + 1}/{args.reps}, {name}"
+                tries = held_run(args, settings[name], prompt, first, deadline, label)
+                if tries is None:
+                    why = f"the read rate stayed below {args.min_read_rate} GB/s for {args.wait_seconds:.0f} s"
+                    kept = rep - rep % 2
+                    if kept == 0:
+                        raise SystemExit(f"{why}; {rep} whole rep(s) kept, not two")
+                    print(f"stopped after {kept} of {args.reps} reps: {why}", file=sys.stderr, flush=True)
+                    for s in settings:
+                        around[s] = around[s][:kept]
+                        figures[s] = {kind: values[:kept] for kind, values in figures[s].items()}
+                    return around, dropped, kept
+                got, sums, tried = tries
+                around[name].append(sums)
+                dropped += tried
             for kind, value in got.items():
                 figures[name][kind].append(value)
-            if floor:
-                rates += [before, after]
-                around[name].append((before, after))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-    return (rates if floor else rates + [_read_rate()]), around, dropped, args.reps
+    return around, dropped, args.reps
 
 
 def main(argv=None) -> int:
@@ -177,7 +184,10 @@ def main(argv=None) -> int:
         if isinstance(s, Pocket):
             s.run(prompt, first, 2)  # warm-up: the first pass at a shape pays for its setup
     figures = {name: {"prefill": [], "decode": []} for name in settings}
-    rates, around, dropped, kept = run_reps(args, settings, figures, prompt, first)
+    # Held, the sums around each kept run; else one sum before the reps and one after.
+    first_sum = [] if args.min_read_rate else [_read_rate()]
+    around, dropped, kept = run_reps(args, settings, figures, prompt, first)
+    rates = [r for runs in around.values() for sums in runs for r in sums] if args.min_read_rate else first_sum + [_read_rate()]
     rate = max(rates) * 1e9
     llama_version = next((s.version for s in settings.values() if isinstance(s, Llama)), "")
     print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama_version}")
@@ -199,13 +209,13 @@ def main(argv=None) -> int:
         share = f"{statistics.median(dec) / limit:.0%}" if limit else "-"
         mb = f"{s.step_bytes / 1e6:.0f}" if s.step_bytes else "-"
         # Held runs: also each run's decode against the slower of the two sums around that run.
-        per_rep = statistics.median(d * s.step_bytes / (min(ab) * 1e9) for d, ab in zip(dec, around[name])) if around[name] and s.step_bytes else None
+        per_run = statistics.median(d * s.step_bytes / (min(ab) * 1e9) for d, ab in zip(dec, around[name])) if around[name] and s.step_bytes else None
         print(f"{name:<28}{(spread(pre) if pre else '-'):>26}{spread(dec, 2):>24}{mb:>9}{(f'{limit:.1f}' if limit else '-'):>12}{share:>9}"
-              + (f"{per_rep:>8.0%}" if per_rep is not None else ""))
+              + (f"{per_run:>8.0%}" if per_run is not None else ""))
         summary["settings"][name] = {
             "prefill": round(statistics.median(pre), 2) if pre else None, "decode": round(statistics.median(dec), 2),
             "step_bytes": s.step_bytes, "limit_tok_s": round(limit, 2) if limit else None,
-            "of_run_limit": round(per_rep, 3) if per_rep is not None else None,
+            "of_run_limit": round(per_run, 3) if per_run is not None else None,
         }
     print("pocketllm over llama.cpp (ratio of medians)")
     summary["ratios"] = {}

@@ -15,7 +15,8 @@ class RotaryEmbedding:
     def __init__(self, rotary_dim: int, theta: float, device):
         self.rotary_dim = rotary_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
-        self._set(*(torch.empty(0, rotary_dim // 2, device=device),) * 2)
+        empty = torch.empty(0, rotary_dim // 2, device=device)
+        self._set(empty, empty)
 
     def _set(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self._cos, self._sin = cos, sin

@@ -96,8 +96,9 @@ def argmax(logits: torch.Tensor) -> int:
     """torch.argmax of fp32 logits (contiguous, on the CPU) as step_bf16.c finds it."""
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
         raise ValueError(f"argmax: fp32 contiguous CPU logits, got {logits.dtype} on {logits.device}")
-    if _lib is None and library()[0] is None:
-        raise RuntimeError(f"argmax: {library()[1]}")
+    lib, why = library() if _lib is None else (_lib, "")
+    if lib is None:
+        raise RuntimeError(f"argmax: {why}")
     return argmax_at(logits.data_ptr(), logits.numel())
 
 

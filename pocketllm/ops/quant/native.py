@@ -244,7 +244,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         if x.dtype is not _BF16:
             blocked_product(x, w, out, torch.float32, variant)
             return
-        fn = fns.get(w.scheme) or fn_for(w.scheme)
+        fn = fn_for(w.scheme)
         # An int8-x call on int8 weights would read them as nibbles: refused before the C.
         rc = -3 if int8_x and w.scheme != "int4" else fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
         if rc != 0:
