@@ -400,7 +400,8 @@ int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64
  * the B operand takes. So no copy of the weight is made, and each tile product does 16 x m x 32
  * multiply-adds where an AVX-512 BF16 dot product does 32: at eight rows the AVX-512 tile above is
  * limited by its arithmetic, the AMX one by memory. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+/* AVX-512 too: a build with AVX turned off keeps the AMX macros but not their intrinsics. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
