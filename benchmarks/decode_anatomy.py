@@ -2,8 +2,8 @@
 
 One process, TP=1, the same engine as `pocketllm bench`. Interleaved over reps, it times:
 - the real decode step (one compiled call where the engine runs it so, models/compiled_step.py, fed
-  by the engine's decode loop, Engine.greedy_row), the same call inside the engine's whole pass
-  (run_packed) and a torch argmax, the same step layer by layer, and that with its weights copied to torch's own allocation, which
+  by the engine's decode loop, Engine.greedy_row), the same step layer by layer, and that with its
+  weights copied to torch's own allocation, which
   is plain 4 KiB pages where THP is `madvise` or `never` (pocketllm.host_memory says why the engine
   avoids it; with THP `always` torch's memory may get huge pages too);
 - the step layer by layer with every single-row GEMV replaced by a ready output (the rest of the
@@ -91,29 +91,14 @@ class LayerByLayer:
     """While active, a decode step runs layer by layer, not as the model's one compiled call
     (which holds its weights' and kernels' addresses, so the stand-ins below must not meet it)."""
 
-    def __init__(self, model):
-        self.model, self.step = model, model.step
-
-    def __enter__(self):
-        self.model.step = None
-
-    def __exit__(self, *exc):
-        self.model.step = self.step
-
-
-class ThroughPasses:
-    """While active, each decode step goes through the engine's whole pass (run_packed: its
-    context, segments and labels) and a torch argmax, as every step did before the engine's
-    decode loop went straight to the compiled step (Engine.greedy_row)."""
-
     def __init__(self, engine):
-        self.engine = engine
+        self.engine, self.step = engine, engine.step
 
     def __enter__(self):
-        self.engine._direct_step = lambda *a: None
+        self.engine.step = None
 
     def __exit__(self, *exc):
-        del self.engine._direct_step
+        self.engine.step = self.step
 
 
 class CallClock:
@@ -143,8 +128,9 @@ class ReadyGemvs(LayerByLayer):
     """While active, every projection's one-row GEMV returns a ready output of the right shape
     instead of reading its weight: what is left of a step is everything but the weight streaming."""
 
-    def __init__(self, model):
-        super().__init__(model)
+    def __init__(self, engine):
+        super().__init__(engine)
+        model = engine.model
         self.layers = model.projections()
         self.real = [m.kernels for m in self.layers]
         self.ready = [ReadyKernels(k) for k in self.real]
@@ -163,9 +149,9 @@ class ReadyGemvs(LayerByLayer):
 class PlainPages(LayerByLayer):
     """While active, every parameter of the model is a plain torch copy (4 KiB pages) of itself."""
 
-    def __init__(self, model):
-        super().__init__(model)
-        self.params = list(model.parameters())
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.params = list(engine.model.parameters())
         self.huge = [p.data for p in self.params]
         self.plain = [t.clone() for t in self.huge]
 
@@ -234,32 +220,29 @@ def main(argv=None) -> int:
     huge_mib = huge_page_mib()
     weights_f32 = [host_memory.zeros(w.shape, torch.float32).copy_(w if isinstance(w, torch.Tensor) else dequantize(w)) for w in weights]
     prompt = list(range(1, 33))
-    layered = LayerByLayer(model)
-    passes = ThroughPasses(runner.engine)
-    ready = ReadyGemvs(model)
-    plain = PlainPages(model)
+    layered = LayerByLayer(runner.engine)
+    ready = ReadyGemvs(runner.engine)
+    plain = PlainPages(runner.engine)
     runner.decode(prompt, 2)
-    print(model.describe_step(), file=sys.stderr)
+    print(runner.engine.describe_step(), file=sys.stderr)
 
     kind = kind_for(weight_format(weights[0]), ONE)
     kernels = [kind.by_name[n] for n in kind.timed(weight_format(weights[0]), torch.device("cpu"))]
-    ms = {"real step": [], "step, through a pass": [], "step, layer by layer": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
+    ms = {"real step": [], "step, layer by layer": [], "step, 4 KiB pages": [], "step, GEMVs ready": [], "GEMVs alone (chosen)": []}
     ms.update({f"GEMVs alone, all {c.name}": [] for c in kernels})
     ms["fp32 sums alone"] = []
-    outside = {"real step": [], "step, through a pass": []}  # ms a step outside the compiled call
+    outside = {"real step": []}  # ms a step outside the compiled call
     clock = CallClock()
 
     def step_ms(name: str) -> None:
         with clock:
             seconds = runner.decode(prompt, args.steps)[0]
         ms[name].append(1e3 * seconds / args.steps)
-        if model.step is not None:
+        if runner.engine.step is not None:
             outside[name].append(ms[name][-1] - 1e3 * clock.seconds / args.steps)
 
     for rep in range(args.reps):
         step_ms("real step")
-        with passes:
-            step_ms("step, through a pass")
         with layered:
             ms["step, layer by layer"].append(1e3 * runner.decode(prompt, args.steps)[0] / args.steps)
         with plain:
@@ -280,8 +263,7 @@ def main(argv=None) -> int:
     bandwidths = read_bandwidths_gbps()
     bandwidth = max(bandwidths.values())
     quantized = f" quantize={args.quantize}" if args.quantize else ""
-    print(f"{model.describe_step()}, fed by the engine's decode loop (greedy_row); 'through a pass' is the same call "
-          "inside run_packed and a torch argmax; the rows from '4 KiB pages' on run layer by layer")
+    print(f"{runner.engine.describe_step()}, fed by the engine's decode loop; the rows from '4 KiB pages' on run layer by layer")
     print(f"threads={args.threads} dtype={args.dtype}{quantized} reps={args.reps} steps={args.steps}; "
           f"{step_bytes / 2**20:.1f} MiB of weights per step, {gemv_bytes / 2**20:.1f} of them in "
           f"{len(weights)} GEMV weights; {huge_mib:.0f} MiB of the engine's process on huge pages")

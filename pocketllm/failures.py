@@ -58,6 +58,9 @@ class PassTracker:
     """A pass hook that remembers where this rank is, so a failed collective can say where. It
     runs around every decode step, so it only keeps the pass; the words are made on failure."""
 
+    # It records where the run is and watches no layer: a decode row may go straight to the step.
+    watches_layers = False
+
     def before_pass(self, info) -> None:
         _where["place"] = _PassPlace(info, after=False)
 

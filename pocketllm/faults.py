@@ -73,6 +73,9 @@ def parse_fault(spec: str, world: int) -> Fault:
 class FaultHook:
     """An engine pass hook that fires this rank's injected fault, if it has one."""
 
+    # It fires at a pass's kind and watches no layer: a decode row may go straight to the step.
+    watches_layers = False
+
     def __init__(self, fault: Fault | None, rank: int):
         self.fault = fault if fault is not None and fault.rank == rank else None
 

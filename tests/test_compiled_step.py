@@ -18,7 +18,7 @@ from pocketllm.quantization import WeightPlan, parse_scheme
 
 # A one-row kernel of compiled code for each weight format, forced so that no measurement can
 # choose a torch op for the tiny shapes.
-COMPILED = {"POCKETLLM_GEMV": "c-prefetch", "POCKETLLM_INT8_GEMV": "c-ahead", "POCKETLLM_INT4_GEMV": "c-int8x"}
+COMPILED = {"POCKETLLM_KERNELS": "one-row=c-prefetch,int8-one-row=c-ahead,int4-one-row=c-int8x"}
 
 
 def _engine(monkeypatch, scheme: str | None):
@@ -48,20 +48,19 @@ def test_a_step_as_one_call_gives_the_layers_bits(monkeypatch, scheme):
     try:
         engine = _engine(monkeypatch, scheme)
         torch.set_num_threads(2)
-        model = engine.model
-        assert model.step is not None and model.describe_step() == "decode step: one compiled call"
+        assert engine.step is not None and engine.describe_step() == "decode step: one compiled call"
         engine.reserve_slots(1, 200)
         prompt = [(7 * i + 3) % 1000 for i in range(100)]
         steps = [(11 * i + 1) % 1000 for i in range(40)]
         calls = []
-        step = model.step
+        step = engine.step
         run = step._run
         monkeypatch.setattr(step, "_run", lambda *a: calls.append(1) or run(*a))
         fast, fast_states = _decode(engine, prompt, steps)
         # Every step ran as one call, its attention split over the threads the layers' would use
         # (the logits' bf16 rounding hides a different split's fp32 order).
         assert len(calls) == len(steps) and step.step.threads == 2
-        model.step = None
+        engine.step = None
         plain, plain_states = _decode(engine, prompt, steps)
     finally:
         torch.set_num_threads(threads)
@@ -73,15 +72,18 @@ def test_a_step_as_one_call_gives_the_layers_bits(monkeypatch, scheme):
 
 def test_what_runs_layer_by_layer(monkeypatch):
     engine = _engine(monkeypatch, None)
-    model, step = engine.model, engine.model.step
+    step = engine.step
     engine.reserve_slots(2, 40)
     for slot in (0, 1):
         feed(engine, [1, 2, 3], slot=slot)
 
-    def refuse(*args):
-        raise AssertionError("the compiled step ran")
+    class Refuse:
+        def logits(self, *args):
+            raise AssertionError("the compiled step ran")
 
-    model.step = refuse
+        greedy = logits
+
+    engine.step = Refuse()
     # Two sequences in one pass, a prompt's rows, every row's logits, and a profiled step: the layers.
     engine.run_packed([(0, 3, torch.tensor([4])), (1, 3, torch.tensor([5]))])
     feed(engine, [6, 7], start=4)
@@ -91,7 +93,7 @@ def test_what_runs_layer_by_layer(monkeypatch):
         feed(engine, [9], start=7)
     finally:
         scopes.install(None)
-    model.step = step
+    engine.step = step
     feed(engine, [10], start=8)
     with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
         feed(engine, [1000], start=9)
@@ -104,7 +106,7 @@ def test_a_row_straight_to_the_step_gives_the_passs_logits_and_tokens(monkeypatc
     engine = _engine(monkeypatch, None)
     engine.reserve_slots(2, 120)
     prompt = [(5 * i + 2) % 1000 for i in range(60)]
-    step = engine.model.step
+    step = engine.step
     direct_calls = []
     for name in ("logits", "greedy"):
         original = getattr(step, name)
@@ -117,7 +119,7 @@ def test_a_row_straight_to_the_step_gives_the_passs_logits_and_tokens(monkeypatc
         direct.append(feed(engine, [token], start=len(prompt) + i, slot=0).clone())
         assert engine.last_pass.kind == "decode" and engine.last_pass.rows == 1 and engine._passes == passes + 1
         with monkeypatch.context() as m:
-            m.setattr(engine, "_direct_step", lambda *a: None)  # the whole pass, its forward's step
+            m.setattr(engine, "_direct_step", lambda *a: None)  # the whole pass, layer by layer
             plain.append(feed(engine, [token], start=len(prompt) + i, slot=1).clone())
         token = int(torch.argmax(plain[-1]))
     for i, (a, b) in enumerate(zip(direct, plain)):
@@ -157,6 +159,35 @@ def test_a_watched_pass_keeps_the_pass_and_bad_rows_fail_as_in_it(monkeypatch):
         engine.greedy_row(0, 40, 1)
 
 
+def test_a_hook_that_only_records_where_the_run_is_keeps_the_step(monkeypatch):
+    # The pass tracker and the fault hook run under every model command: a decode row still goes
+    # straight to the step under them, and they still see each pass, labelled as a pass is.
+    from pocketllm.failures import PassTracker
+    from pocketllm.faults import FaultHook
+
+    engine = _engine(monkeypatch, None)
+    engine.reserve_slots(1, 40)
+    feed(engine, [1, 2, 3])
+    seen = []
+
+    class Recorder:
+        watches_layers = False
+
+        def before_pass(self, info):
+            seen.append((info.kind, info.direct))
+
+        def after_pass(self, info):
+            seen.append("after")
+
+    engine.hooks += [PassTracker(), FaultHook(None, 0), Recorder()]
+    before = engine.direct_steps
+    token = engine.greedy_row(0, 3, 4)
+    feed(engine, [token], start=4)
+    assert engine.direct_steps == before + 2
+    assert seen == [("decode", True), "after", ("decode", True), "after"]
+    assert engine.last_pass.kind == "decode" and engine.last_pass.direct
+
+
 def test_the_steps_argmax_is_torchs():
     from pocketllm.ops.fused import step as native
 
@@ -172,13 +203,13 @@ def test_the_steps_argmax_is_torchs():
 
 def test_why_a_model_takes_the_layers_path(monkeypatch):
     monkeypatch.setenv("POCKETLLM_COMPILED_STEP", "0")
-    assert _engine(monkeypatch, None).model.describe_step() == "decode step: layer by layer (POCKETLLM_COMPILED_STEP=0)"
+    assert _engine(monkeypatch, None).describe_step() == "decode step: layer by layer (POCKETLLM_COMPILED_STEP=0)"
     monkeypatch.delenv("POCKETLLM_COMPILED_STEP")
     monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
-    assert _engine(monkeypatch, None).model.step_note == "the decode ops are not compiled (POCKETLLM_FUSED_DECODE=0)"
+    assert _engine(monkeypatch, None).step_choice.note == "the decode ops are not compiled (POCKETLLM_FUSED_DECODE=0)"
     monkeypatch.delenv("POCKETLLM_FUSED_DECODE")
     for name, value in COMPILED.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("POCKETLLM_GEMV", "mv")
-    assert tiny_engine(torch.bfloat16).model.step_note == "a projection's one-row kernel is a torch op"
-    assert tiny_engine(torch.float32).model.step_note.startswith("the decode ops are not compiled")
+    monkeypatch.setenv("POCKETLLM_KERNELS", "one-row=mv")
+    assert tiny_engine(torch.bfloat16).step_choice.note == "a projection's one-row kernel is a torch op"
+    assert tiny_engine(torch.float32).step_choice.note.startswith("the decode ops are not compiled")

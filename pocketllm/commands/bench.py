@@ -119,7 +119,7 @@ def _work(run, plan, ids, engine, device) -> int:
                 "weights": plan.cfg.weights.describe() if plan.cfg.weights is not None else "unquantized",
                 "kernels": engine.kernels.to_json(),
                 "decode_ops": engine.model.decode_ops.describe(),
-                "decode_step": engine.model.describe_step(),
+                "decode_step": engine.describe_step(),
             }
             with open(t.json, "w") as f:
                 json.dump({**result, "settings": settings}, f, indent=2)

@@ -109,7 +109,7 @@ def _load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         for line in engine.kernels.describe():
             say(line)
         say(engine.model.decode_ops.describe())
-        say(engine.model.describe_step())
+        say(engine.describe_step())
         kernel = engine.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
         profiler = attach_profiler(engine, run.profiling, tp().rank, device.synchronize, device.timing_event)

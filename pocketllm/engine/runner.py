@@ -16,6 +16,7 @@ from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.distributed.state import group_pids
+from pocketllm.engine import decode_step
 from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
 from pocketllm.layers.cache import CachedPrefix, GDNState, PagedKV
 from pocketllm.loader.load import load_weights
@@ -57,6 +58,7 @@ class PassInfo:
     slices: int
     timed: bool  # the timed pass of a bench
     collectives: dict | None = None  # filled after the pass: all-reduces per site
+    direct: bool = False  # a decode row run straight by the decode-step backend, not the layers
 
     @property
     def serial(self) -> bool:
@@ -82,6 +84,7 @@ class Engine:
         self.invariant = self.kernels.invariant
         self.prefill_chunk = PREFILL_CHUNK
         self.model.bind_kernels(self.kernels)
+        self._choose_step()
         # The sequences run (reserve_slots): one state list per slot (per layer its GDNState, or
         # its PagedKV: the layer's KV pool with the slot's block table), and the pool's blocks.
         self.slots: list = []
@@ -92,8 +95,11 @@ class Engine:
         self._gdn_states: list[dict] = []  # per slot allocated, its GDNState by layer index
         self.cached: dict[int, CachedPrefix] = {}  # prefix cache entries by id (rank 0 chooses them)
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
-        # Objects with before_pass(info) / after_pass(info), called around every pass.
+        # Objects with before_pass(info) / after_pass(info), called around every pass. A hook whose
+        # watches_layers is False only records where the run is: a decode row still goes straight
+        # to the step backend under it.
         self.hooks: list = []
+        self.direct_steps = 0  # decode rows the step backend ran
         self.last_pass: PassInfo | None = None
         self._passes = 0
         self._warmup = False
@@ -154,6 +160,7 @@ class Engine:
         new = self.kernels.choose_few(self.model.projection_weights(), count)
         if new:
             self.model.bind_kernels(self.kernels)
+            self._choose_step()
             for choice in new:
                 if self.say is not None:
                     self.say(choice.describe())
@@ -222,9 +229,11 @@ class Engine:
         prefill_chunk positions."""
         if len(spans) == 1 and not all_logits and spans[0][2].shape[0] == 1:
             slot, start, ids = spans[0]
-            step = self._direct_step(slot, start)
-            if step is not None:
-                return step.logits(int(ids[0]), start, self.slots[slot]).view(1, -1)
+            info = self._direct_step(slot, start)
+            if info is not None:
+                logits = self.step.logits(int(ids[0]), start, self.slots[slot]).view(1, -1)
+                self._after_direct(info)
+                return logits
         total, pieces, last = 0, [], []
         chunk = self.prefill_chunk if self.invariant else 0
         for slot, start, ids in spans:
@@ -251,27 +260,45 @@ class Engine:
         """One decode step of the sequence in `slot`, `token` at position `pos`: its greedy next
         token (torch.argmax of run_packed's logits for that row). Where the step is one compiled
         call, with no torch op at all: the argmax is found in C."""
-        step = self._direct_step(slot, pos)
-        if step is None:
+        info = self._direct_step(slot, pos)
+        if info is None:
             return int(torch.argmax(self.run_packed([(slot, pos, torch.tensor([token], dtype=torch.long))])[0]))
-        return step.greedy(token, pos, self.slots[slot])
+        token = self.step.greedy(token, pos, self.slots[slot])
+        self._after_direct(info)
+        return token
 
-    def _direct_step(self, slot: int, pos: int):
-        """The model's compiled step where it is what this pass of one sequence's one decode row
-        would run (the sequence going on, no hook watching, nothing profiled), with the pass's
-        bookkeeping done as a pass does it; else None. A row that goes straight to it skips the
-        pass's Python (its context, segments, labels), which after a step has swept the caches
-        cost several times the step's own Python."""
-        step = self.model.step
-        if step is None or pos <= 0 or self.hooks or recording():
+    def _choose_step(self) -> None:
+        """The decode-step backend for the kernels the projections are bound to now."""
+        self.step_choice = decode_step.choose(self.model)
+        self.step = self.step_choice.backend
+
+    def describe_step(self) -> str:
+        """What a decode step of one sequence runs, for rank 0 to print."""
+        return self.step_choice.describe()
+
+    def _direct_step(self, slot: int, pos: int) -> PassInfo | None:
+        """Where the step backend can run this pass of one sequence's one decode row (the sequence
+        going on, no hook watching the layers, nothing profiled): the pass's bookkeeping done as a
+        pass does it, the hooks told, and the pass's info for _after_direct; else None. A row that
+        goes straight to the backend skips the pass's Python (its context, segments, labels), which
+        after a step has swept the caches costs several times the step's own Python."""
+        if self.step is None or pos <= 0 or recording() or any(getattr(h, "watches_layers", True) for h in self.hooks):
             return None
         if pos + 1 > self.slot_capacity:
             raise RuntimeError(f"sequence of {pos + 1} positions exceeds the {self.slot_capacity} reserved per slot")
         self.blocks.grow(slot, pos + 1)
         kind = "warmup" if self._warmup else "decode"
-        self.last_pass = PassInfo(self._passes, kind, 1, self.policy.slices_for_rows(1), self._timed, {})
+        info = PassInfo(self._passes, kind, 1, self.policy.slices_for_rows(1), self._timed, {}, direct=True)
         self._passes += 1
-        return step
+        for hook in self.hooks:
+            hook.before_pass(info)
+        return info
+
+    def _after_direct(self, info: PassInfo) -> None:
+        for hook in self.hooks:
+            hook.after_pass(info)
+        self.last_pass = info
+        self.direct_steps += 1
 
     def _pass(self, ids: torch.Tensor, ctx, states: list, decode: bool, slices: int, all_logits: bool) -> torch.Tensor:
         kind = "warmup" if self._warmup else ("decode" if decode else "prefill")

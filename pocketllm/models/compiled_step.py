@@ -49,7 +49,10 @@ def why_not(model, env=os.environ) -> str:
 
 
 class CompiledStep:
-    """The model's decode step of one sequence, described once (here), run per token (__call__)."""
+    """The model's decode step of one sequence, described once (here), run per token (logits,
+    greedy): the CPU backend of the engine's decode-step seam (pocketllm/engine/decode_step.py)."""
+
+    why_not = staticmethod(why_not)
 
     def __init__(self, model):
         self.keep: list = []  # what the description's pointers point into
@@ -130,17 +133,10 @@ class CompiledStep:
         l = self.layers[i]
         l.attn_work = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, max(1, self.threads)).data_ptr()
 
-    def __call__(self, ids: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, states: list) -> torch.Tensor:
-        """ids [1] at position pos (cos, sin [1, rotary/2] its rotary row) -> fp32 logits [1, vocab]:
-        the model's forward for one sequence's decode row."""
-        logits = torch.empty(1, self.vocab_rows, dtype=torch.float32)
-        self._run(int(ids[0]), pos, cos.data_ptr(), sin.data_ptr(), states, logits.data_ptr())
-        return logits
-
     def logits(self, token: int, pos: int, states: list) -> torch.Tensor:
-        """The same step fed a token id, its rotary row read from the model's table: fp32 logits
-        [vocab], with no torch op on the way but their allocation (a pass the engine runs
-        straight to the step)."""
+        """The model's forward for one sequence's decode row, fed a token id at position pos, its
+        rotary row read from the model's table: fp32 logits [vocab], with no torch op on the way
+        but their allocation."""
         logits = torch.empty(self.vocab_rows, dtype=torch.float32)
         self._run(token, pos, *self.rotary.row_addresses(pos), states, logits.data_ptr())
         return logits

@@ -17,9 +17,8 @@ from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.mlp import MLP
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
-from pocketllm.models.compiled_step import CompiledStep, why_not
 from pocketllm.ops.fused import decode_ops
-from pocketllm.profiling.scopes import recording, scope
+from pocketllm.profiling.scopes import scope
 
 
 class DecoderLayer(nn.Module):
@@ -62,10 +61,6 @@ class Qwen35ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead("lm_head.weight", cfg.vocab_size, h, dtype, device, tied_to=tied, plan=cfg.weights)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, device)
         self.decode_ops = decode_ops(dtype, torch.device(device))
-        # A decode step of one sequence as one compiled call, once the projections are bound to
-        # kernels that allow it (bind_kernels); step_note says why not where they do not.
-        self.step: CompiledStep | None = None
-        self.step_note = "projections not bound yet"
 
     def projections(self) -> list[nn.Module]:
         """Every layer that runs one weight through bound kernels (`.weight`, `.kernels`), in the
@@ -81,12 +76,6 @@ class Qwen35ForCausalLM(nn.Module):
         """Bind every projection to its kernels in `kernels` (a registry KernelSet)."""
         for m in self.projections():
             m.kernels = kernels.bind(m.weight)
-        self.step_note = why_not(self)
-        self.step = None if self.step_note else CompiledStep(self)
-
-    def describe_step(self) -> str:
-        """What a decode step of one sequence runs, for rank 0 to print."""
-        return "decode step: one compiled call" if self.step is not None else f"decode step: layer by layer ({self.step_note})"
 
     def context(self, spans: list[tuple[int, int]], slices: int, last: tuple[int, ...], invariant: bool, slices_for) -> ForwardContext:
         """The context of a pass packing its segments' rows one after another: spans are (start
@@ -107,12 +96,6 @@ class Qwen35ForCausalLM(nn.Module):
         """ids [T] -> fp32 logits of each span's last row [S, V] (ctx.last), or of every row
         [T, V] when asked. states holds one state list (one state per layer) per segment of ctx."""
         last = list(ctx.last)
-        step = self.step
-        if step is not None and len(ctx.segments) == 1 and ctx.rows == 1 and not all_logits and not recording():
-            # One sequence's decode row, nothing profiled: the whole step in one call (the same
-            # calls, arguments and bits as the layers below).
-            seg = ctx.segments[0]
-            return step(ids, seg.start, seg.cos, seg.sin, states[0])
         # STACK is the whole pass, embedding to logits: the profile's shares are fractions of it.
         with scope("STACK"):
             with scope("embed"):

@@ -49,6 +49,9 @@ def _write_stderr(text: str) -> None:
 class PassProfiler:
     """Engine hook: before_pass starts the pass's recorder, after_pass turns it into blocks."""
 
+    # It times the layers' scopes: every pass it watches runs them.
+    watches_layers = True
+
     def __init__(self, options: ProfileOptions, rank: int, sync, device=None, event=None):
         self.options = options
         self.rank = rank
