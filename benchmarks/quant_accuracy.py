@@ -96,17 +96,17 @@ def decoded_logits(e: Engine, ids: list[int], ctx: int, chunks: int) -> torch.Te
     return torch.cat(out)
 
 
-def forced_engine(ckpt: str, dtype: str, quantize: str, env: str, kernel: str) -> Engine:
-    """An engine whose kernel kind read from `env` is forced to `kernel` (read at load)."""
-    before = os.environ.get(env)
-    os.environ[env] = kernel
+def forced_engine(ckpt: str, dtype: str, quantize: str, kernels: str) -> Engine:
+    """An engine with the kernels `kernels` names forced (POCKETLLM_KERNELS, read at load)."""
+    before = os.environ.get("POCKETLLM_KERNELS")
+    os.environ["POCKETLLM_KERNELS"] = kernels
     try:
         return engine(ckpt, dtype, quantize)
     finally:
         if before is None:
-            os.environ.pop(env)
+            os.environ.pop("POCKETLLM_KERNELS")
         else:
-            os.environ[env] = before
+            os.environ["POCKETLLM_KERNELS"] = before
 
 
 def weight_error(e: Engine, ref: Engine) -> float:
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         add(f"pocketllm {scheme}", engine(args.ckpt, "float32", scheme))
     for scheme in [s for s in args.decode_schemes.split(",") if s]:
         for kernel in args.decode_kernels.split(","):
-            e = forced_engine(args.ckpt, "bfloat16", scheme, "POCKETLLM_INT4_GEMV", kernel)
+            e = forced_engine(args.ckpt, "bfloat16", scheme, f"int4-one-row={kernel}")
             name = f"pocketllm {scheme}, bf16 decode steps, {kernel}"
             rows[name] = {**compare(decoded_logits(e, ids, args.ctx, args.chunks), ref, ref_logp), "weight_rel_error": weight_error(e, reference)}
             print(name, rows[name], flush=True)

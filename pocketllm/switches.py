@@ -29,15 +29,7 @@ SETTINGS = {
     "POCKETLLM_POLL_COLLECTIVES": "0: gloo ranks block in a collective instead of polling",
     "POCKETLLM_PIN_CPUS": "0: leave the ranks the launcher starts unpinned",
     "POCKETLLM_CPUS": "the cores of the ranks the launcher starts (--cpus)",
-    "POCKETLLM_GEMV": "force a one-row GEMV kernel",
-    "POCKETLLM_FEW_ROWS": "force a few-row GEMV kernel",
-    "POCKETLLM_GEMM": "force a many-row GEMM kernel",
-    "POCKETLLM_INT8_GEMV": "force a one-row kernel for int8 weights",
-    "POCKETLLM_INT8_FEW_ROWS": "force a few-row kernel for int8 weights",
-    "POCKETLLM_INT8_GEMM": "force a many-row kernel for int8 weights",
-    "POCKETLLM_INT4_GEMV": "force a one-row kernel for int4 weights",
-    "POCKETLLM_INT4_FEW_ROWS": "force a few-row kernel for int4 weights",
-    "POCKETLLM_INT4_GEMM": "force a many-row kernel for int4 weights",
+    "POCKETLLM_KERNELS": "force projection kernels, kind=name,...: one-row=c-ahead,int8-one-row=c (docs/decode.md)",
     "POCKETLLM_FUSED_DECODE": "0: decode with the torch forms of the fused ops",
     "POCKETLLM_COMPILED_STEP": "0: run a decode step of one sequence layer by layer, not as one compiled call",
     "POCKETLLM_BATCH_INVARIANT": "0: faster kernels and passes, under which a request's tokens may depend on what runs beside it",
@@ -64,6 +56,15 @@ ALIASES = {
     "POCKETLLM_PHASE_PROFILE": "QWEN_PHASE_PROFILE",
     "POCKETLLM_HOST_PROFILE": "QWEN_HOST_PROFILE",
     "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": "POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS",
+}
+
+# The variables that each forced one kind of kernel, now entries of POCKETLLM_KERNELS: name -> its
+# kind there. One that is set is a usage error giving its new spelling wherever kernels are forced
+# (refuse_renamed): running on without it would time or test other kernels than the ones asked for.
+RENAMED = {
+    "POCKETLLM_GEMV": "one-row", "POCKETLLM_FEW_ROWS": "few-row", "POCKETLLM_GEMM": "many-row",
+    "POCKETLLM_INT8_GEMV": "int8-one-row", "POCKETLLM_INT8_FEW_ROWS": "int8-few-row", "POCKETLLM_INT8_GEMM": "int8-many-row",
+    "POCKETLLM_INT4_GEMV": "int4-one-row", "POCKETLLM_INT4_FEW_ROWS": "int4-few-row", "POCKETLLM_INT4_GEMM": "int4-many-row",
 }
 
 PREFIXES = ("POCKETLLM_", "QWEN_")
@@ -98,10 +99,20 @@ def env_switch(env, name: str, default: bool = False) -> bool:
     raise UsageError(f"{used}={raw!r} is not a switch: use 1 (on) or 0 (off)")
 
 
+def refuse_renamed(env) -> None:
+    """A usage error naming every set variable of RENAMED and the one setting that says it now
+    (POCKETLLM_GEMV=c and POCKETLLM_GEMM=mm are now POCKETLLM_KERNELS=one-row=c,many-row=mm)."""
+    old = [(name, env[name].strip()) for name in RENAMED if env.get(name, "").strip()]
+    if old:
+        was = " and ".join(f"{name}={value}" for name, value in old)
+        now = ",".join(f"{RENAMED[name]}={value}" for name, value in old)
+        raise UsageError(f"{was} {'is' if len(old) == 1 else 'are'} now POCKETLLM_KERNELS={now}")
+
+
 def nearest_name(name: str, offered: list[str]) -> str:
     """The offered name a mistyped one most likely meant: the longest that it extends or that
-    extends it at a word boundary (POCKETLLM_GEMV_KERNEL -> POCKETLLM_GEMV, not the closer spelling
-    POCKETLLM_GDN_KERNEL), else the closest spelling."""
+    extends it at a word boundary (POCKETLLM_CPUS_KERNEL -> POCKETLLM_CPUS, not the closer spelling
+    POCKETLLM_KERNELS), else the closest spelling."""
     related = [o for o in offered if name.startswith(o + "_") or o.startswith(name + "_")]
     if related:
         return max(related, key=len)
@@ -113,7 +124,8 @@ def environment_notes(env) -> list[str]:
     nearest name it does, and one per alias set beside its new name to another value, saying which
     is used. Printed once, at start, by the process that starts the run (pocketllm.cli)."""
     offered = [*SETTINGS, *ALIASES.values()]
-    known = {*offered, *INTERNAL}
+    # A renamed variable is refused, with its new spelling, where it would have been read.
+    known = {*offered, *INTERNAL, *RENAMED}
     lines = []
     for name in sorted(n for n in env if n.startswith(PREFIXES) and n not in known):
         nearest = nearest_name(name, offered)

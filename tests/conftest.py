@@ -23,14 +23,15 @@ import pytest
 import torch
 
 from pocketllm import cli, launch
-from pocketllm.switches import ALIASES, SETTINGS
+from pocketllm.switches import ALIASES, RENAMED, SETTINGS
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Settings a developer may have exported that would change what a command does (every variable
-# pocketllm reads, under either name, but the kernel cache private_cache sets); every CLI call a
-# test makes, in a subprocess or in this process, runs without them.
-UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values()) if name != "POCKETLLM_CACHE_DIR")
+# pocketllm reads, under either name, and the old names it refuses, but the kernel cache
+# private_cache sets); every CLI call a test makes, in a subprocess or in this process, runs
+# without them.
+UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) if name != "POCKETLLM_CACHE_DIR")
 
 
 @pytest.fixture(scope="session", autouse=True)

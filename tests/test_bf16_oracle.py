@@ -80,7 +80,7 @@ def oracle(tmp_path_factory):
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(world, oracle, monkeypatch, tmp_path):
     ckpt, tokens, fp32, hf_bf16 = oracle
     # The compiled GEMV for every one-row projection, whatever this machine would measure.
-    monkeypatch.setenv("POCKETLLM_GEMV", "c")
+    monkeypatch.setenv("POCKETLLM_KERNELS", "one-row=c")
     if world == 1:
         from pocketllm.distributed.state import set_tp
 

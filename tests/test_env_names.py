@@ -131,20 +131,20 @@ def test_every_variable_the_package_names_is_in_the_one_list():
 
 
 def test_a_reader_must_name_a_listed_variable():
-    with pytest.raises(KeyError, match="POCKETLLM_GEMV_KERNEL"):
-        switches.env_switch({}, "POCKETLLM_GEMV_KERNEL")
+    with pytest.raises(KeyError, match="POCKETLLM_CPUS_KERNEL"):
+        switches.env_switch({}, "POCKETLLM_CPUS_KERNEL")
 
 
 def test_an_unread_variable_is_one_warning_naming_the_nearest(capsys, no_ranks, monkeypatch):
     monkeypatch.setenv("POCKETLLM_PIN_SLICE", "2")
     monkeypatch.setenv("QWEN_PHASE_PROFILES", "1")
     # A known name with a word added: that name, though another is closer by spelling.
-    monkeypatch.setenv("POCKETLLM_GEMV_KERNEL", "c")
+    monkeypatch.setenv("POCKETLLM_CPUS_KERNEL", "c")
     assert main_in_process("policy", "--rows", "512") == 0
     out, err = capsys.readouterr()
     assert out.split() == ["rows=512", "slices=1"]
     assert err.splitlines() == [
-        "pocketllm: warning: POCKETLLM_GEMV_KERNEL is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is POCKETLLM_GEMV",
+        "pocketllm: warning: POCKETLLM_CPUS_KERNEL is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is POCKETLLM_CPUS",
         "pocketllm: warning: POCKETLLM_PIN_SLICE is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is POCKETLLM_PIN_SLICES",
         "pocketllm: warning: QWEN_PHASE_PROFILES is set but pocketllm reads no such variable, so it does nothing; the nearest it reads is QWEN_PHASE_PROFILE",
     ]

@@ -108,9 +108,9 @@ def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count(invariant)
 def test_a_forced_few_row_kernel_that_sums_by_the_call_needs_invariance_off():
     # mm's rows may round by the call's shape: forcing it would make a request's tokens depend on
     # what is batched with it, so it is refused unless the run opts out of batch invariance.
-    with pytest.raises(UsageError, match="POCKETLLM_FEW_ROWS=mm: .* set POCKETLLM_BATCH_INVARIANT=0"):
-        check_forced(["bfloat16"], "cpu", {"POCKETLLM_FEW_ROWS": "mm"})
-    check_forced(["bfloat16"], "cpu", {"POCKETLLM_FEW_ROWS": "mm", "POCKETLLM_BATCH_INVARIANT": "0"})
+    with pytest.raises(UsageError, match="POCKETLLM_KERNELS=few-row=mm: .* set POCKETLLM_BATCH_INVARIANT=0"):
+        check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "few-row=mm"})
+    check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "few-row=mm", "POCKETLLM_BATCH_INVARIANT": "0"})
 
 
 @pytest.mark.parametrize("isa", compiled.ISA_FLAGS)
@@ -200,8 +200,8 @@ def test_without_a_compiler_the_compiled_kernel_is_left_out(monkeypatch, tmp_pat
     monkeypatch.setattr(kernels, "_c_gemv", None)
     assert "c" not in ONE_ROW.available("bfloat16", CPU)
     assert "no C compiler" in ONE_ROW.by_name["c"].unavailable("bfloat16", CPU)
-    with pytest.raises(UsageError, match="POCKETLLM_GEMV=c: no C compiler"):
-        check_forced(["bfloat16"], "cpu", {"POCKETLLM_GEMV": "c"})
+    with pytest.raises(UsageError, match="POCKETLLM_KERNELS=one-row=c: no C compiler"):
+        check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "one-row=c"})
     from pocketllm.ops.fused import decode_ops
 
     ops = decode_ops(torch.bfloat16, torch.device("cpu"))

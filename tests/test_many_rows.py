@@ -1,5 +1,5 @@
 """The many-row (prefill) GEMM kernels against their plain reference; how one is chosen per format:
-measured on a probe cut from the widest weight and cached, forced by POCKETLLM_GEMM, refused in
+measured on a probe cut from the widest weight and cached, forced by POCKETLLM_KERNELS=many-row=..., refused in
 one line when the value names no kernel; and a bound projection running the chosen one."""
 
 from __future__ import annotations
@@ -64,16 +64,16 @@ def test_measured_then_cached_then_forced(monkeypatch, tmp_path):
     assert len(cache) == 1 and all("bfloat16" in key and f"{torch.get_num_threads()} threads" in key for key in cache)
     again = choose(MANY_ROW, weights, env={}, monitor=TOLERANT)
     assert again.how == "cached" and again.by_key == first.by_key and again.seconds == first.seconds
-    assert choose(MANY_ROW, weights, env={MANY_ROW.env: "mm-f32"}).by_key["probe"] == "mm-f32"
-    assert choose(MANY_ROW, weights, env={MANY_ROW.env: "mm"}).how == "forced"
+    assert choose(MANY_ROW, weights, env={"POCKETLLM_KERNELS": "many-row=mm-f32"}).by_key["probe"] == "mm-f32"
+    assert choose(MANY_ROW, weights, env={"POCKETLLM_KERNELS": "many-row=mm"}).how == "forced"
     # fp32 weights have nothing to widen: no measurement.
     assert choose(MANY_ROW, [w.float() for w in weights], env={}).how == "default"
     assert "many-row GEMM (measured): " in first.describe() and first.to_json()["by_key"] == {"32x96 @ 96x64": first.by_key["probe"]}
 
 
 def test_a_bad_forced_kernel_is_refused(no_ranks, capsys, monkeypatch):
-    with pytest.raises(UsageError, match="POCKETLLM_GEMM='fast' is not a many-row kernel"):
-        MANY_ROW.forced({MANY_ROW.env: "fast"})
-    assert MANY_ROW.forced({MANY_ROW.env: "auto"}) is None
-    monkeypatch.setenv(MANY_ROW.env, "fastest")
-    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", expect=("POCKETLLM_GEMM='fastest'", "auto, mm"))
+    with pytest.raises(UsageError, match="POCKETLLM_KERNELS: many-row='fast' is not a many-row kernel"):
+        MANY_ROW.forced({"POCKETLLM_KERNELS": "many-row=fast"})
+    assert MANY_ROW.forced({"POCKETLLM_KERNELS": "many-row=auto"}) is None
+    monkeypatch.setenv("POCKETLLM_KERNELS", "many-row=fastest")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", expect=("POCKETLLM_KERNELS: many-row='fastest'", "auto, mm"))

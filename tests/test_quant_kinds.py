@@ -17,7 +17,6 @@ from pocketllm.ops.quant import native
 from pocketllm.ops.quant.layout import quant_linear_reference, quantize
 from pocketllm.ops.registry import FEW, MANY, ONE, Choice, KernelSet, Monitor, check_forced, choose, kind_for
 from pocketllm.ops.registry import quant_kinds
-from pocketllm.switches import SETTINGS
 
 TOLERANT = Monitor(others_share=float("inf"), steal_share=float("inf"))
 
@@ -43,7 +42,7 @@ def test_each_family_has_every_row_class_with_the_reference_and_the_quant_candid
     for family, fmt in (("int8", "int8"), ("int4", "int4-g128-asym"), ("int4", "int4-g128")):
         for rows, listed in ((ONE, qc.ONE_ROW), (FEW, qc.FEW_ROW), (MANY, qc.MANY_ROW)):
             kind = kind_for(fmt, rows)
-            assert kind is quant_kinds.KINDS[(family, rows)] and kind.env in SETTINGS
+            assert kind is quant_kinds.KINDS[(family, rows)] and kind.setting == f"{family}-{rows}"
             names = [c.name for c in kind.candidates]
             assert names[0] == "ref" and kind.default == "ref" and not kind.by_name["ref"].measured
             # Every candidate that can run the format is timed; c-int8x only int4's symmetric ones.
@@ -67,21 +66,21 @@ def test_the_reference_candidates_equal_the_reference_past_their_row_blocks(monk
 
 def test_forcing_a_quantized_kernel_and_its_one_line_errors():
     gemv = quant_kinds.KINDS[("int4", ONE)]
-    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, c-int8x, int4pack"):
-        gemv.forced({gemv.env: "int8pack"})
-    with pytest.raises(UsageError, match="POCKETLLM_INT4_GEMV=c: the compiled quantized kernels run on a CPU"):
-        check_forced(["int4-g128"], "cuda", {gemv.env: "c"})
+    with pytest.raises(UsageError, match="POCKETLLM_KERNELS: int4-one-row='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, c-int8x, int4pack"):
+        gemv.forced({"POCKETLLM_KERNELS": "int4-one-row=int8pack"})
+    with pytest.raises(UsageError, match="POCKETLLM_KERNELS=int4-one-row=c: the compiled quantized kernels run on a CPU"):
+        check_forced(["int4-g128"], "cuda", {"POCKETLLM_KERNELS": "int4-one-row=c"})
     with pytest.raises(UsageError, match="take groups of 32 or a multiple of 64, not 96"):
-        check_forced(["int4-g96"], "cpu", {gemv.env: "c-prefetch"})
+        check_forced(["int4-g96"], "cpu", {"POCKETLLM_KERNELS": "int4-one-row=c-prefetch"})
     # A forced int8 kernel says nothing about a run that holds int4 weights only.
-    check_forced(["int4-g128"], "cpu", {quant_kinds.KINDS[("int8", ONE)].env: "int8pack"})
-    forced = choose(gemv, [int4(), int4(out=16)], env={gemv.env: "ref"})
+    check_forced(["int4-g128"], "cpu", {"POCKETLLM_KERNELS": "int8-one-row=int8pack"})
+    forced = choose(gemv, [int4(), int4(out=16)], env={"POCKETLLM_KERNELS": "int4-one-row=ref"})
     assert forced.how == "forced" and set(forced.by_key.values()) == {"ref"}
 
 
 def test_the_cli_refuses_a_bad_quantized_kernel_before_any_rank(no_ranks, capsys, monkeypatch):
-    monkeypatch.setenv("POCKETLLM_INT8_GEMM", "fastest")
-    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--quantize", "int8", "--tp-world", "2", expect=("POCKETLLM_INT8_GEMM='fastest'", "auto, ref"))
+    monkeypatch.setenv("POCKETLLM_KERNELS", "int8-many-row=fastest")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--quantize", "int8", "--tp-world", "2", expect=("POCKETLLM_KERNELS: int8-many-row='fastest'", "auto, ref"))
 
 
 def test_a_measured_choice_never_times_the_reference(cache_dir):

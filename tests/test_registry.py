@@ -13,18 +13,20 @@ import pytest
 import torch
 
 from conftest import feed, usage_error_in_process
-from pocketllm import compiled
+from pocketllm import compiled, switches
 from pocketllm.bench.busy import BusyLoops
 from pocketllm.errors import UsageError
 from pocketllm.ops.registry import (
     FEW,
     FEW_ROW,
     MANY,
+    MANY_ROW,
     NOT_CACHED_BUSY,
     ONE,
     ONE_ROW,
     KernelSet,
     Monitor,
+    all_kinds,
     check_forced,
     choose,
     few_rows_for,
@@ -72,20 +74,57 @@ def test_a_wash_goes_to_the_preferred_kernel_and_a_real_gap_to_the_fastest():
 
 
 def test_forced_kernels_and_their_one_line_errors():
-    with pytest.raises(UsageError, match="POCKETLLM_GEMV='fast' is not a one-row kernel: use auto, mv, mv-native, mm, c, c-prefetch"):
-        ONE_ROW.forced({ONE_ROW.env: "fast"})
-    with pytest.raises(UsageError, match="POCKETLLM_FEW_ROWS='mv' is not a few-row kernel"):
-        FEW_ROW.forced({FEW_ROW.env: "mv"})
-    with pytest.raises(UsageError, match="POCKETLLM_GEMV=c: the compiled kernel takes bfloat16"):
-        check_forced(["float32"], "cpu", {ONE_ROW.env: "c"})
-    check_forced(["bfloat16"], "cpu", {ONE_ROW.env: "c"})
-    forced = choose(ONE_ROW, [bf16(8, 16), bf16(16, 8)], env={ONE_ROW.env: "mv-native"})
+    with pytest.raises(UsageError, match="^POCKETLLM_KERNELS: one-row='fast' is not a one-row kernel: use auto, mv, mv-native, mm, c, c-prefetch"):
+        ONE_ROW.forced({"POCKETLLM_KERNELS": "one-row=fast"})
+    with pytest.raises(UsageError, match="^POCKETLLM_KERNELS: few-row='mv' is not a few-row kernel"):
+        FEW_ROW.forced({"POCKETLLM_KERNELS": "few-row=mv"})
+    with pytest.raises(UsageError, match="^POCKETLLM_KERNELS=one-row=c: the compiled kernel takes bfloat16"):
+        check_forced(["float32"], "cpu", {"POCKETLLM_KERNELS": "one-row=c"})
+    check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "one-row=c"})
+    env = {"POCKETLLM_KERNELS": "many-row=mm, one-row=mv-native,few-row=auto"}
+    forced = choose(ONE_ROW, [bf16(8, 16), bf16(16, 8)], env=env)
     assert forced.how == "forced" and set(forced.by_key.values()) == {"mv-native"}
+    assert FEW_ROW.forced(env) is None and MANY_ROW.forced(env) == "mm"
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        ("gemv=c", "'gemv' is not a kernel kind: use one-row, few-row, many-row, int8-one-row, int8-few-row, int8-many-row, int4-one-row,"),
+        ("c", "'c' is not kind=kernel: write, e.g., POCKETLLM_KERNELS=one-row=c-ahead,int8-one-row=c$"),
+        ("one-row=", "'one-row=' is not kind=kernel"),
+        ("one-row=c,one-row=mv", "names one-row twice: c and mv$"),
+        ("one-row=c,int8-many-row=c-ahead", "int8-many-row='c-ahead' is not an int8 many-row kernel: use auto, ref, "),
+    ],
+    ids=["bad-kind", "no-kind", "no-kernel", "kind-twice", "bad-kernel-of-another-kind"],
+)
+def test_a_bad_kernels_setting_is_one_line_naming_what_is_valid(value, error):
+    # The whole variable is checked whichever kind asks.
+    for kind in (ONE_ROW, MANY_ROW):
+        with pytest.raises(UsageError, match="^POCKETLLM_KERNELS:? " + error) as raised:
+            kind.forced({"POCKETLLM_KERNELS": value})
+        assert "\n" not in str(raised.value)
+
+
+def test_the_old_variables_are_refused_with_their_new_spelling(capsys, monkeypatch):
+    assert all(name not in switches.SETTINGS for name in switches.RENAMED)
+    assert set(switches.RENAMED.values()) == {kind.setting for kind in all_kinds()}
+    with pytest.raises(UsageError, match="^POCKETLLM_GEMV=c is now POCKETLLM_KERNELS=one-row=c$"):
+        check_forced(["bfloat16"], "cpu", {"POCKETLLM_GEMV": "c"})
+    with pytest.raises(UsageError, match="^POCKETLLM_GEMV=c and POCKETLLM_INT4_GEMM=mm are now POCKETLLM_KERNELS=one-row=c,int4-many-row=mm$"):
+        choose(ONE_ROW, [bf16(8, 16)], env={"POCKETLLM_INT4_GEMM": "mm", "POCKETLLM_GEMV": "c"})
+    # Refused where kernels are forced, so not warned about as an unknown name as well.
+    assert switches.environment_notes({"POCKETLLM_FEW_ROWS": "c"}) == []
 
 
 def test_the_cli_refuses_a_bad_kernel_before_any_rank(no_ranks, capsys, monkeypatch):
-    monkeypatch.setenv(ONE_ROW.env, "fastest")
-    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", expect=("POCKETLLM_GEMV='fastest'", "auto, mv"))
+    monkeypatch.setenv("POCKETLLM_KERNELS", "one-row=fastest")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", expect=("POCKETLLM_KERNELS: one-row='fastest'", "auto, mv"))
+    monkeypatch.setenv("POCKETLLM_KERNELS", "gemv=c")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", expect=("POCKETLLM_KERNELS: 'gemv' is not a kernel kind", "one-row, few-row"))
+    monkeypatch.delenv("POCKETLLM_KERNELS")
+    monkeypatch.setenv("POCKETLLM_GEMV", "c")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", expect=("POCKETLLM_GEMV=c is now POCKETLLM_KERNELS=one-row=c",))
 
 
 def test_measured_then_cached_then_measured_for_another_thread_count(cache_dir):
@@ -205,7 +244,7 @@ def test_each_engine_binds_its_own_kernels(monkeypatch, cache_dir):
     cfg = get_preset("tiny").with_layers(2)
     engines = {}
     for name in ("mv", "c"):
-        monkeypatch.setenv(ONE_ROW.env, name)
+        monkeypatch.setenv("POCKETLLM_KERNELS", f"one-row={name}")
         engines[name] = Engine(cfg, RandomWeights(cfg), torch.bfloat16, torch.device("cpu"), RulePolicy())
     logits = {}
     for name, eng in engines.items():
@@ -236,20 +275,20 @@ def test_a_new_kind_is_only_its_candidates(monkeypatch, cache_dir):
     def on_widened(x, w, out):
         out.copy_(x.float() @ w.float().t())
 
-    def declare(name, rows, env):
+    def declare(name, rows):
         return Kind(
-            name, "int8", rows, env,
+            name, "int8", rows,
             (Candidate("ref", quant_linear_reference, "the reference"),
              Candidate("widened", on_widened, "a bf16 copy", prepare=widen, layout="widened")),
             default="ref", probe="stream" if rows == ONE else "widest",
         )
 
-    monkeypatch.setitem(registry_kinds._KINDS, ("int8", ONE), declare("one-row", ONE, "TEST_INT8_GEMV"))
-    monkeypatch.setitem(registry_kinds._KINDS, ("int8", MANY), declare("many-row", MANY, "TEST_INT8_GEMM"))
+    monkeypatch.setitem(registry_kinds._KINDS, ("int8", ONE), declare("one-row", ONE))
+    monkeypatch.setitem(registry_kinds._KINDS, ("int8", MANY), declare("many-row", MANY))
     monkeypatch.delitem(registry_kinds._KINDS, ("int8", FEW))
     assert kind_for("int8", ONE).name == "one-row" and kind_for("int8", FEW) is None
     weights = [quantize(torch.randn(48, 64), "int8", scale_dtype=torch.bfloat16) for _ in range(2)]
-    chosen = KernelSet.choose(weights, env={"TEST_INT8_GEMV": "widened"})
+    chosen = KernelSet.choose(weights, env={"POCKETLLM_KERNELS": "int8-one-row=widened"})
     assert chosen.describe()[0].startswith("int8 one-row kernels (forced): 48x64 widened")
     prepared.clear()
     bound = chosen.bind(weights[0])
@@ -260,5 +299,5 @@ def test_a_new_kind_is_only_its_candidates(monkeypatch, cache_dir):
         want = torch.empty(rows, 48, dtype=torch.bfloat16)
         quant_linear_reference(x, weights[0], want)
         torch.testing.assert_close(bound(x).float(), want.float(), atol=0.05, rtol=0.02)
-    with pytest.raises(UsageError, match="TEST_INT8_GEMV='c' is not an int8 one-row kernel: use auto, ref, widened"):
-        KernelSet.choose(weights, env={"TEST_INT8_GEMV": "c"})
+    with pytest.raises(UsageError, match="int8-one-row='c' is not an int8 one-row kernel: use auto, ref, widened"):
+        KernelSet.choose(weights, env={"POCKETLLM_KERNELS": "int8-one-row=c"})

@@ -4,7 +4,7 @@ weight's dtype, or the weight widened to fp32 a block of rows at a time into tor
 torch's bf16/fp16 GEMM is fast where the CPU multiplies bf16 itself (AVX-512 BF16, AMX); where it
 does not (an AVX2 CPU), the same call can run several times slower than the fp32 GEMM on the same
 cores, and the fp32 GEMM on a widened copy is the faster way to the same fp32 sums. Which holds is
-measured by the kernel registry (pocketllm.ops.registry); POCKETLLM_GEMM forces one.
+measured by the kernel registry (pocketllm.ops.registry); POCKETLLM_KERNELS=many-row=NAME forces one.
 """
 
 from __future__ import annotations

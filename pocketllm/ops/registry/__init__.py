@@ -1,5 +1,5 @@
-"""The kernel registry: for every kind of projection kernel, its candidates, the env var that forces
-one, the measurement that picks one on the machine that runs (trusted only when the machine was
+"""The kernel registry: for every kind of projection kernel, its candidates, how POCKETLLM_KERNELS
+forces one, the measurement that picks one on the machine that runs (trusted only when the machine was
 quiet and the result plausible), the wash rule, the cache of trusted choices and its check at load.
 The engine owns the chosen set (KernelSet) and binds each projection layer to it.
 
@@ -12,14 +12,15 @@ How a projection call finds its kernel
 Adding a kind (e.g. int4 weights at one row)
     Declare it in a module of this package and import that module below:
 
-        register(Kind(name, family, rows, env, candidates, default, prefer=..., probe=..., streams=...))
+        register(Kind(name, family, rows, candidates, default, prefer=..., probe=..., streams=...))
 
     - family: "float" (bf16/fp16/fp32 tensors), "int8" or "int4": weight_format() names a weight's
       format ("bfloat16", "int8", "int4-g128", "int4-g128-asym"), format_family() its family. One
       kind per (family, row class); a family without a few-row kind runs few rows with its
       many-row kind, and every family needs a one-row and a many-row kind.
-    - env: the variable that forces a candidate by name (one-line UsageError, exit 2, naming the
-      valid names, for anything else); check_forced() refuses, before any rank starts, a forced
+    - forcing: POCKETLLM_KERNELS=kind=name,... forces a candidate by name, the kind named by
+      Kind.setting ("one-row", "int8-one-row"; one-line UsageError, exit 2, naming the valid kinds
+      or names, for anything else); check_forced() refuses, before any rank starts, a forced
       candidate whose unavailable() is not "" for the run's formats.
     - candidates: Candidate(name, run, what, unavailable=..., prepare=..., layout=..., sources=...).
       run(x, prepared, out) -> None writes into out: one row x [in] -> out [out] (one-row kinds),
@@ -62,6 +63,7 @@ from pocketllm.ops.registry.choose import NOT_CACHED_BUSY, NOT_CACHED_IMPLAUSIBL
 from pocketllm.ops.registry.kernel_set import BoundKernels, KernelSet, default_kernels, projection_reference
 from pocketllm.ops.registry.kinds import (
     ENV_INVARIANT,
+    ENV_KERNELS,
     FEW,
     FEW_MAX,
     MANY,
@@ -73,6 +75,7 @@ from pocketllm.ops.registry.kinds import (
     check_forced,
     dtype_format,
     few_rows_for,
+    forced_kernels,
     format_family,
     kind_for,
     one_row,
@@ -85,8 +88,8 @@ from pocketllm.ops.registry.trust import Monitor
 ONE_ROW, FEW_ROW, MANY_ROW = float_kinds.ONE_ROW, float_kinds.FEW_ROW, float_kinds.MANY_ROW
 
 __all__ = [
-    "ENV_INVARIANT", "batch_invariant", "FEW", "FEW_MAX", "FEW_ROW", "MANY", "MANY_ROW", "NOT_CACHED_BUSY", "NOT_CACHED_IMPLAUSIBLE", "ONE", "ONE_ROW", "WASH",
+    "ENV_INVARIANT", "ENV_KERNELS", "batch_invariant", "FEW", "FEW_MAX", "FEW_ROW", "MANY", "MANY_ROW", "NOT_CACHED_BUSY", "NOT_CACHED_IMPLAUSIBLE", "ONE", "ONE_ROW", "WASH",
     "BoundKernels", "Candidate", "all_kinds", "Choice", "Kind", "KernelSet", "Monitor",
-    "check_forced", "choose", "dtype_format", "default_kernels", "few_rows_for", "format_family", "kind_for", "one_row", "pick",
+    "check_forced", "choose", "dtype_format", "default_kernels", "few_rows_for", "forced_kernels", "format_family", "kind_for", "one_row", "pick",
     "projection_reference", "register", "row_class", "weight_format",
 ]

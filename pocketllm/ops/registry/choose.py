@@ -193,7 +193,7 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
         # engine made in-process is told here, and the check builds a compiled kernel's library.
         why = kind.by_name[forced].unavailable(fmt, weight_device(weights[0])) if weights else ""
         if why:
-            raise UsageError(f"{kind.env}={forced}: {why}")
+            raise UsageError(f"{kind.forcing(forced)}: {why}")
         return Choice(kind, fmt, "forced", dict.fromkeys(keys, forced), rows=rows, probe=label)
     if not weights:
         return Choice(kind, fmt, "default", rows=rows)

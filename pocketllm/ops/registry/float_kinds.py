@@ -15,7 +15,7 @@ _ORDER = "gemv_bf16.c"
 
 ONE_ROW = register(
     Kind(
-        ONE, "float", ONE, "POCKETLLM_GEMV",
+        ONE, "float", ONE,
         (
             Candidate("mv", gemv.mv, "torch.mv (oneDNN for bf16/fp16 where torch has it)"),
             Candidate("mv-native", gemv.mv_native, "torch.mv with oneDNN off (torch's own kernel)", gemv.onednn_unavailable),
@@ -49,7 +49,7 @@ ONE_ROW = register(
 
 FEW_ROW = register(
     Kind(
-        FEW, "float", FEW, "POCKETLLM_FEW_ROWS",
+        FEW, "float", FEW,
         (
             Candidate("mm", many_rows.mm, "torch.mm (oneDNN's GEMM where torch has it)"),
             Candidate(
@@ -87,7 +87,7 @@ FEW_ROW = register(
 
 MANY_ROW = register(
     Kind(
-        MANY, "float", MANY, "POCKETLLM_GEMM",
+        MANY, "float", MANY,
         (
             Candidate("mm", many_rows.mm, "torch.mm in the weight's dtype"),
             Candidate(

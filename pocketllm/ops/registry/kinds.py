@@ -1,6 +1,7 @@
 """What the registry knows about a kernel: a candidate (a function and what it can run), a kind (the
-candidates for one weight format family and one row class, with its env var and preference order),
-the row classes a projection's call falls in, and a weight's format."""
+candidates for one weight format family and one row class, with its preference order), the row
+classes a projection's call falls in, a weight's format, and POCKETLLM_KERNELS, the one variable
+that forces kernels: kind=name,... (one-row=c-ahead,int8-one-row=c)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from pocketllm.errors import UsageError
 from pocketllm.ops.quant.layout import QuantizedWeight
-from pocketllm.switches import env_switch
+from pocketllm.switches import env_switch, env_value, refuse_renamed
 
 # kernel(x, prepared weight, out) -> None, writing into out: one row x [in] -> out [out], several
 # rows x [m, in] -> out [m, out].
@@ -29,6 +30,8 @@ FEW_MAX = 16
 # so are chosen), and the engine runs each prompt chunk's rows in calls of their own
 # (docs/batching.md). Off: faster candidates whose rows depend on the other rows of the call.
 ENV_INVARIANT = "POCKETLLM_BATCH_INVARIANT"
+# kind=name,...: the kernel each named kind runs, instead of the measured choice (forced_kernels).
+ENV_KERNELS = "POCKETLLM_KERNELS"
 
 
 def batch_invariant(env=os.environ) -> bool:
@@ -144,7 +147,6 @@ class Kind:
     name: str  # what rank 0's line calls it: "one-row", "few-row", "many-row" (or a quantized kind's)
     family: str
     rows: str  # ONE, FEW or MANY
-    env: str
     candidates: tuple[Candidate, ...]
     default: str
     prefer: tuple[str, ...] = ()  # a wash goes to the first of these within WASH of the fastest
@@ -173,16 +175,20 @@ class Kind:
             return names
         return [n for n in names if self.by_name[n].row_order] or names
 
+    @property
+    def setting(self) -> str:
+        """The kind's name in POCKETLLM_KERNELS: its row class, after its family for quantized
+        weights ("one-row", "int8-one-row")."""
+        return self.name if self.family == "float" else f"{self.family}-{self.name}"
+
+    def forcing(self, name: str) -> str:
+        """How a run forces `name` for this kind, as an error names it."""
+        return f"{ENV_KERNELS}={self.setting}={name}"
+
     def forced(self, env=os.environ) -> str | None:
-        """The kernel the env var forces, checked: None for auto (unset, empty or "auto")."""
-        value = env.get(self.env, "").strip()
-        if value in ("", "auto"):
-            return None
-        if value not in self.by_name:
-            label = self.name if self.family == "float" else f"{self.family} {self.name}"
-            article = "an" if label.startswith("int") else "a"
-            raise UsageError(f"{self.env}={value!r} is not {article} {label} kernel: use auto, {', '.join(self.by_name)}")
-        return value
+        """The kernel POCKETLLM_KERNELS forces for this kind, the whole variable checked: None for
+        auto (not named, or named as auto)."""
+        return forced_kernels(env).get(self.setting)
 
 
 _KINDS: dict[tuple[str, str], Kind] = {}
@@ -204,6 +210,32 @@ def all_kinds() -> list[Kind]:
     return list(_KINDS.values())
 
 
+def forced_kernels(env=os.environ) -> dict[str, str]:
+    """POCKETLLM_KERNELS read and checked: kind setting -> forced kernel name, auto left out. A
+    variable of the old spelling (switches.RENAMED), an entry that is not kind=name, a kind or
+    a kernel not declared, or a kind named twice is a one-line usage error."""
+    refuse_renamed(env)
+    kinds = {k.setting: k for k in all_kinds()}
+    out: dict[str, str] = {}
+    for entry in (e.strip() for e in env_value(env, ENV_KERNELS).split(",")):
+        if not entry:
+            continue
+        setting, eq, name = (part.strip() for part in entry.partition("="))
+        if not eq or not setting or not name:
+            raise UsageError(f"{ENV_KERNELS}: {entry!r} is not kind=kernel: write, e.g., {ENV_KERNELS}=one-row=c-ahead,int8-one-row=c")
+        kind = kinds.get(setting)
+        if kind is None:
+            raise UsageError(f"{ENV_KERNELS}: {setting!r} is not a kernel kind: use {', '.join(kinds)}")
+        if setting in out:
+            raise UsageError(f"{ENV_KERNELS} names {setting} twice: {out[setting]} and {name}")
+        if name != "auto" and name not in kind.by_name:
+            label = kind.name if kind.family == "float" else f"{kind.family} {kind.name}"
+            article = "an" if label.startswith("int") else "a"
+            raise UsageError(f"{ENV_KERNELS}: {setting}={name!r} is not {article} {label} kernel: use auto, {', '.join(kind.by_name)}")
+        out[setting] = name
+    return {setting: name for setting, name in out.items() if name != "auto"}
+
+
 def check_forced(formats, device_kind: str, env=os.environ) -> None:
     """Every forced kernel names a candidate, and one that cannot run weights of these formats on
     this device is a usage error, before any rank starts; so is a forced few-row kernel whose rows
@@ -216,7 +248,7 @@ def check_forced(formats, device_kind: str, env=os.environ) -> None:
             continue
         if invariant and kind.rows == FEW and not kind.by_name[name].row_order:
             raise UsageError(
-                f"{kind.env}={name}: its rows' sums depend on the other rows of the call, so a request's tokens would depend on "
+                f"{kind.forcing(name)}: its rows' sums depend on the other rows of the call, so a request's tokens would depend on "
                 f"what is batched with it; set {ENV_INVARIANT}=0 to run it anyway"
             )
         for fmt in formats:
@@ -224,4 +256,4 @@ def check_forced(formats, device_kind: str, env=os.environ) -> None:
                 continue
             why = kind.by_name[name].unavailable(fmt, device)
             if why:
-                raise UsageError(f"{kind.env}={name}: {why}")
+                raise UsageError(f"{kind.forcing(name)}: {why}")

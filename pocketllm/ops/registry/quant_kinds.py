@@ -59,11 +59,6 @@ def _of_family(family: str, candidates) -> tuple[Candidate, ...]:
 
 
 _REF = "the reference product (dequantized, fp32 GEMM; never timed)"
-# The variables that force each kind's kernel (pocketllm.switches lists them).
-ENV = {
-    ("int8", ONE): "POCKETLLM_INT8_GEMV", ("int8", FEW): "POCKETLLM_INT8_FEW_ROWS", ("int8", MANY): "POCKETLLM_INT8_GEMM",
-    ("int4", ONE): "POCKETLLM_INT4_GEMV", ("int4", FEW): "POCKETLLM_INT4_FEW_ROWS", ("int4", MANY): "POCKETLLM_INT4_GEMM",
-}
 KINDS: dict[tuple[str, str], Kind] = {}
 for _family in ("int8", "int4"):
     _isa = (lambda scheme: lambda: native.isa(scheme))(_family)
@@ -72,15 +67,15 @@ for _family in ("int8", "int4"):
     # c-int8x is in no prefer list: where it streams no faster than a tile that takes x as it is
     # (a wash), that tile is chosen.
     KINDS[(_family, ONE)] = register(Kind(
-        ONE, _family, ONE, ENV[(_family, ONE)], (_ref_one, *_of_family(_family, qc.ONE_ROW)),
+        ONE, _family, ONE, (_ref_one, *_of_family(_family, qc.ONE_ROW)),
         default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), streams=True, isa=_isa,
     ))
     KINDS[(_family, FEW)] = register(Kind(
-        FEW, _family, FEW, ENV[(_family, FEW)], (_ref_rows, *_of_family(_family, qc.FEW_ROW)),
+        FEW, _family, FEW, (_ref_rows, *_of_family(_family, qc.FEW_ROW)),
         default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), isa=_isa,
     ))
     KINDS[(_family, MANY)] = register(Kind(
-        MANY, _family, MANY, ENV[(_family, MANY)], (_ref_rows, *_of_family(_family, qc.MANY_ROW)),
+        MANY, _family, MANY, (_ref_rows, *_of_family(_family, qc.MANY_ROW)),
         # The bf16 blocks round each weight once more than the fp32 ones: a wash keeps fp32's.
         default=REFERENCE, prefer=("dequant-f32",), probe="widest", isa=_isa,
     ))
