@@ -26,8 +26,9 @@ ENV_CEILING = "POCKETLLM_COMM_OVERLAP_SLICES"
 ENV_PIN = "POCKETLLM_PIN_SLICES"
 ENV_CALIBRATION = "POCKETLLM_CALIBRATION"
 OVERLAP_POLICIES = ("rule", "calibrated")
-# A point within this fraction of the fastest is a wash, and a wash keeps fewer slices (the seed
-# chose 1 slice at 1024 rows, where 1 and 2 were 0.1% apart).
+# A point within this fraction of the fastest is a wash, and a wash keeps fewer slices, as the
+# seed did: a gain inside the noise buys nothing for the extra collectives (docs/collectives.md,
+# the calibrated policy).
 WASH = 0.02
 
 

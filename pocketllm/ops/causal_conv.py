@@ -15,10 +15,10 @@ def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Ten
     k = taps.shape[0]
     window = torch.cat((state.to(x.dtype), x), dim=0)  # [T+K-1, C]
     state.copy_(window[window.shape[0] - (k - 1) :])
-    # On a CPU the conv is K shifted multiply-adds over row blocks at every length: F.conv1d was
-    # over twice as slow at 4096 tokens on one machine and 5-70x slower at 16-2048 tokens in bf16 on
-    # another (docs/measuring.md, figures behind the code's choices), and only tied it at 512 on the
-    # first. A device runs conv1d as one kernel.
+    # On a CPU the conv is K shifted multiply-adds over row blocks, each into an fp32 block that
+    # stays in cache, at every length: torch's CPU conv1d was at best level with them and at most
+    # lengths far slower, on every machine measured (docs/measuring.md, figures behind the code's
+    # choices). A device runs conv1d as one kernel.
     if uses_row_blocks(x):
         return _conv_silu_blocked(window, taps, x.shape[0])
     weight = taps.t().to(x.dtype).unsqueeze(1)  # [C, 1, K], exact: the taps came from x's dtype

@@ -14,16 +14,17 @@ from pocketllm.distributed.shm.reduce import DTYPE_CODES
 # 2 x (world + 1) chunks, 1.5 MiB at TP=2.
 CHUNK_BYTES = 256 << 10
 # Up to this many bytes per chunk, each rank reduces every element itself after one flag wait;
-# above it, each reduces its 1/world share and copies the result out after a second wait, which
-# measured faster from 16 KiB up at TP=2 (docs/collectives.md).
+# above it, each reduces its 1/world share and copies the result out after a second wait: past a
+# few KiB, summing a share instead of the whole saves more than the second wait costs (where they
+# cross is in docs/collectives.md).
 ONE_STEP_BYTES = 8 << 10
 # How a rank waits for its peers. With a core of its own, it spins for up to SPIN_NS (most waits
 # end there) and then sleeps between looks: yielding instead lets any other runnable process take
-# the core for a whole time slice, and on a host shared with other work that made TP=2 prefill
-# 1.6x slower (docs/collectives.md). Ranks that share a core never spin (the peer a rank waits
+# the core for a whole time slice, which on a host shared with other work made TP=2 prefill slower
+# than gloo (docs/collectives.md). Ranks that share a core never spin (the peer a rank waits
 # for may be the one its spinning keeps off the core) and yield for up to SHARED_YIELD_NS, which
-# hands the core to that peer, before they sleep too. Spinning also slows the GEMMs of a rank on
-# the other vCPU of this VM, which is why the spin stays short.
+# hands the core to that peer, before they sleep too. Spinning can also slow the GEMMs of a rank
+# on another vCPU (docs/collectives.md), which is why the spin stays short.
 SPIN_NS = 200_000
 SHARED_YIELD_NS = 20_000_000
 # The helper's return codes (allreduce.c).

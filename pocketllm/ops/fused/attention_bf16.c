@@ -8,7 +8,9 @@
  * softmax, a block at a time); the ranges' partials are then merged with their log-sum-exp. A
  * range takes every KV head of a block in turn (they lie side by side in the pool), so each
  * thread reads its part of each pool front to back: split by KV head instead, two threads read
- * every other 16 KiB of the pool and the cache read ran at two thirds of the rate. Scratch is fixed per call (attention_decode_work_floats), whatever the context.
+ * every other 16 KiB of the pool, and the cache read was the slower (docs/measuring.md, figures
+ * behind the code's choices). Scratch is fixed per call (attention_decode_work_floats), whatever
+ * the context.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,8 +23,8 @@
 
 /* The cache lines of one row of d bf16, fetched ahead of their use: the rows of the block read
  * next are spread over the current block's work, one row per row. Without it the cores wait on
- * each block's first lines (the blocks of a head are 16-32 KiB apart in the pool), and the cache
- * read ran at half the rate. */
+ * each block's first lines (the blocks of a head are 16-32 KiB apart in the pool), which slows
+ * the cache read (docs/measuring.md, figures behind the code's choices). */
 static inline void prefetch_row(const uint16_t *row, int64_t d) {
     for (int64_t off = 0; off < d * 2; off += 64) __builtin_prefetch((const char *)row + off, 0, 3);
 }

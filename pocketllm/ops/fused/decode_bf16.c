@@ -11,9 +11,9 @@
 
 #include "rounding.h"
 
-/* State floats (value heads x dk x dv) from which the heads are split over the threads: a quarter
- * MiB, the state comes from memory (a step's weights streamed through the caches since the last
- * call), tens of us a head. */
+/* State floats (value heads x dk x dv) from which the heads are split over the threads: from a
+ * quarter MiB the state comes from memory (a step's weights streamed through the caches since the
+ * last call), and a head is then work enough to pay for waking the threads. */
 #define GDN_PARALLEL_MIN (1 << 16)
 /* How many state rows ahead of the read-only pass its lines are prefetched. */
 #define GDN_PREFETCH_ROWS 8
@@ -41,8 +41,9 @@ void add_rms_norm_bf16(const uint16_t *h, const uint16_t *x, const float *scale,
 
 /* out = bf16(bf16(silu(gate)) * up). */
 void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
-    /* Vectorized (exp_fast), 3072 values take ~2 us on one thread: not split over the threads (as
-     * `parallel for simd if (n >= 32768)`, even not taken, the call took 20-30 us here). */
+    /* Vectorized (exp_fast), a decode row is a few microseconds' work on one thread: not split over
+     * the threads, since even a parallel region whose if clause is not taken costs a runtime call,
+     * which alone was most of the call's time (docs/decode.md). */
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) out[i] = to_bf(rbf(silu(bf(gate[i]))) * bf(up[i]));
 }
@@ -133,7 +134,8 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
             const float k0 = kj[i], k1 = kj[i + 1], k2 = kj[i + 2], k3 = kj[i + 3];
             const float q0 = qj[i], q1 = qj[i + 1], q2 = qj[i + 2], q3 = qj[i + 3];
             /* The state streams from memory once a step: its lines are asked for ahead, a few
-             * rows at a time (the read ran at half the rate on the hardware's prefetch alone). */
+             * rows at a time (the hardware's prefetch alone left the read well below the memory's
+             * rate). */
             for (int64_t off = 0; off < 4 * dv; off += 16) __builtin_prefetch(r0 + GDN_PREFETCH_ROWS * dv + off, 0, 3);
 #pragma omp simd
             for (int64_t e = 0; e < dv; e++) {

@@ -16,9 +16,10 @@ static inline uint16_t to_bf(float f) { return f32_to_bf16(f); }
 static inline float rbf(float f) { return bf(to_bf(f)); }
 
 /* exp(x) within about 2 ulp of fp32, as straight-line arithmetic so that a loop over it
- * vectorizes (a call to the C library's expf does not, and 3072 of them took 18 us of a 19 us
- * SiLU-and-multiply): 2^n exp(r) with |r| <= ln2 / 2, n rounded to nearest by the 1.5 * 2^23 trick,
- * exp(r) by a degree-7 polynomial (Cephes' coefficients), 2^n put in the exponent field. */
+ * vectorizes (a call to the C library's expf does not, and those calls were almost all of a
+ * decode row's SiLU-and-multiply: docs/measuring.md, figures behind the code's choices): 2^n
+ * exp(r) with |r| <= ln2 / 2, n rounded to nearest by the 1.5 * 2^23 trick, exp(r) by a degree-7
+ * polynomial (Cephes' coefficients), 2^n put in the exponent field. */
 static inline float exp_fast(float x) {
     x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
     const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;

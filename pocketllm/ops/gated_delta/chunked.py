@@ -32,8 +32,9 @@ from pocketllm.ops.gated_delta.naive import check_shapes
 
 DEFAULT_CHUNK_SIZE = 32
 # Decays below exp(EXP_FLOOR) (about 1e-13, far under fp32 resolution) are not computed as such:
-# left in, they and their products become subnormal floats, which made the CPU matmuls several
-# times slower on realistic gates (docs/measuring.md). Per-token decays are set to zero there, pairwise ones held at it.
+# left in, they and their products become subnormal floats, which the CPU's matmuls handle far
+# more slowly than normal ones (docs/measuring.md). Per-token decays are set to zero there,
+# pairwise ones held at it.
 EXP_FLOOR = -30.0
 # Token x value-head rows per precompute block: bounds the intermediates (a few floats per row
 # per head dim) to a few MB that the allocator reuses. Larger blocks allocate past glibc's mmap

@@ -64,9 +64,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
 /* A weight row (or two) against up to eight x rows: the tile above reads four weight rows at once
  * and, for more than four x rows, each weight block twice; here each thread streams its weight
  * rows one (or two) at a time, each line feeding eight dot products, which on some CPUs and shapes
- * keeps the stream at the one-row kernel's rate where the four-row tile falls to about half (which
- * wins is measured per shape and row count). Each (weight row, x row) pair still has one
- * accumulator, summed as dot1 sums it. */
+ * keeps the stream at the one-row kernel's rate where the four-row tile falls well below it
+ * (which wins is measured per shape and row count; docs/batching.md). Each (weight row, x row)
+ * pair still has one accumulator, summed as dot1 sums it. */
 #define HAS_WIDE 1
 #define WIDE_COLS 8
 #define WIDE_ROWS_MAX 2
@@ -261,16 +261,16 @@ const char *gemv_bf16_isa(void) { return "scalar"; }
 
 /* Each thread takes a contiguous range of rows and reads them one after another, one dot product
  * at a time: the weight is then a single sequential stream per thread, which the hardware
- * prefetchers follow at the memory's rate. Four rows at a time, sharing each load of x, read
- * four streams 2n bytes apart and ran at 0.4-0.7x of that on an AMD EPYC (docs/decode.md). Each row
- * is summed exactly as the few-row product below sums it (dot1). prefetch > 0: each row is also
- * asked for non-temporally ONE_ROW_AHEAD rows ahead, so that the weight, read once per step,
- * passes by the outer caches instead of evicting what the work after the GEMV runs on (the
- * interpreter, the next small op's data). ahead > 0: each 64 bytes of a row are asked for into
- * every cache level `ahead` bytes before they are read, so more lines are on their way than the
- * hardware prefetchers keep in flight; where those run short of the memory's rate (a core that
- * streams alone at half of what two do), this is what reaches it. Which runs faster in a step
- * depends on the CPU; each is a candidate. */
+ * prefetchers follow at the memory's rate. Four rows at a time, sharing each load of x, read four
+ * streams 2n bytes apart, which they follow less well: well below that rate (docs/decode.md, one
+ * row: one stream per thread). Each row is summed exactly as the few-row product below sums it
+ * (dot1). prefetch > 0: each row is also asked for non-temporally ONE_ROW_AHEAD rows ahead, so
+ * that the weight, read once per step, passes by the outer caches instead of evicting what the
+ * work after the GEMV runs on (the interpreter, the next small op's data). ahead > 0: each 64
+ * bytes of a row are asked for into every cache level `ahead` bytes before they are read, so more
+ * lines are on their way than the hardware prefetchers keep in flight; where those run short of
+ * the memory's rate (a core that streams alone well below what two do), this is what reaches it.
+ * Which runs faster in a step depends on the CPU; each is a candidate. */
 #define ONE_ROW_AHEAD 2
 void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch, int64_t ahead) {
 #pragma omp parallel for schedule(static)

@@ -28,8 +28,9 @@ from pocketllm.ops.quant import many_rows, native, torch_ops
 
 ONE, FEW, MANY = "one-row", "few-row", "many-row"
 # How far ahead of each weight load c-prefetch and c-prefetch-far ask for it: at least this many
-# bytes, as whole tiles (the same place in a later tile of rows). With no prefetch the kernels
-# streamed 7-9 GB/s here: the hardware prefetcher did little. The best distance depends on the
+# bytes, as whole tiles (the same place in a later tile of rows). Without a software prefetch the
+# kernels streamed far below the memory's rate: the hardware prefetcher did little for them
+# (docs/measuring.md, figures behind the code's choices). The best distance depends on the
 # machine's memory latency and the rows' length, so two are candidates and the registry measures
 # them (docs/quantization.md).
 PREFETCH_BYTES = 8192

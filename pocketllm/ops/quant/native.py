@@ -187,8 +187,9 @@ def check_io(kernel: str, x, w: CompiledWeight, out) -> int:
 
 
 # What blocked_product dequantizes at a time: about BLOCK_BYTES of bf16, at least MIN_BLOCK_ROWS
-# rows. Blocks of 256 rows of the small preset's 1024 inputs ran its 512-row prefill GEMMs ~15%
-# slower than one GEMM of the whole bf16 weight; 2048 rows (4 MiB) ran them as fast.
+# rows. Smaller blocks cut torch's GEMM into calls too small to run at its full rate; blocks this
+# size ran a prefill's GEMMs as fast as one GEMM of the whole bf16 weight (docs/measuring.md,
+# figures behind the code's choices).
 BLOCK_BYTES = 4 << 20
 MIN_BLOCK_ROWS = 256
 
