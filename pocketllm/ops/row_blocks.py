@@ -2,8 +2,8 @@
 
 A prefill's norms, conv and activation are a few passes each over [rows, width] tensors, several
 of them fp32 temporaries: at 4096 rows those stream through memory pass after pass. Done in row
-blocks whose fp32 temporaries fit in cache, the same passes read memory once: at 4096 rows each
-of these ops measured 1.7-3.8x faster that way (docs/measuring.md, figures behind the code's
+blocks whose fp32 temporaries fit in cache, the same passes read memory once, and each of these
+ops measured faster that way at a long prompt (docs/measuring.md, figures behind the code's
 choices). One decode row is a single block, called directly."""
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ ONE_ROW = register(
             ),
         ),
         default="mv",
-        # Timed alone, torch's oneDNN calls and the compiled kernels can come out a fraction of a
-        # percent apart while a real step, with other work between them, runs the compiled ones
-        # faster (docs/decode.md, near ties). Among the compiled ones a wash goes to c-ahead: its
+        # Timed alone, torch's oneDNN calls and the compiled kernels can come out level while a
+        # real step, with other work between them, runs the compiled ones faster (docs/decode.md,
+        # near ties). Among the compiled ones a wash goes to c-ahead: its
         # prefetches cost nothing where the memory is what limits (where the candidates tie), and
         # where a core's own prefetchers limit (one thread, or a host whose memory is idle for a
         # moment), which a load-time measurement may not meet, it is the faster.
