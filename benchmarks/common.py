@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pocketllm.engine.timing import timed_greedy_decode, timed_prefill
+from pocketllm.engine.timing import timed_prefill
 
 
 def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:
@@ -137,13 +137,17 @@ class PocketRunner:
         self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
 
     def prefill(self, ids: list[int]) -> float:
-        return timed_prefill(self.engine, ids, _no_sync, room=1)[0]
+        seconds, run = timed_prefill(self.engine, ids, _no_sync, room=1)
+        run.close()
+        return seconds
 
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        _, logits = timed_prefill(self.engine, ids, _no_sync, room=n + 1)
-        first = int(torch.argmax(logits))
-        seconds, rest = timed_greedy_decode(self.engine, first, len(ids), n, _no_sync)
-        return seconds, [first] + rest
+        """Seconds of n greedy decode steps after a prefill of ids, through the generation loop
+        `pocketllm bench` times, and the tokens: the prefill's, then the steps'."""
+        _, run = timed_prefill(self.engine, ids, _no_sync, room=n)
+        seconds = run.decode(n)
+        run.close()
+        return seconds, run.tokens[0]
 
 
 def llama_bench_tests(cmd: list[str]) -> list[dict]:

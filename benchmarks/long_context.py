@@ -25,12 +25,12 @@ import json
 import platform
 import statistics
 import sys
+import time
 
 import torch
 
 from common import PocketRunner, alternate, decode_weight_bytes, llama_bench_tests, read_bandwidths_gbps, spread
 from pocketllm import compiled
-from pocketllm.engine.timing import timed_greedy_decode
 from pocketllm.inputs import bench_ids
 from pocketllm.layers.attention import kv_block_bytes
 from pocketllm.model_args import parse_dtype
@@ -73,9 +73,15 @@ class PocketDepths:
 
     def decode(self, depth: int) -> float:
         """Seconds of self.steps greedy steps of the depth's sequence, from where it stands."""
-        pos = self.pos[depth]
-        seconds, chosen = timed_greedy_decode(self.engine, self.token[depth], pos, self.steps, lambda: None, slot=self.depths.index(depth))
-        self.token[depth], self.pos[depth] = chosen[-1], pos + self.steps
+        # Each depth's sequence is held in its own slot between runs, out of the others' passes,
+        # which the generation loop's scheduler (every sequence it runs in every pass) does not
+        # do: the steps go to the engine's decode row here, the call its decode steps make.
+        pos, slot, token = self.pos[depth], self.depths.index(depth), self.token[depth]
+        t0 = time.perf_counter()
+        for step in range(self.steps):
+            token = self.engine.greedy_row(slot, pos + step, token)
+        seconds = time.perf_counter() - t0
+        self.token[depth], self.pos[depth] = token, pos + self.steps
         return seconds
 
     def run(self, rep: int) -> dict[int, float]:

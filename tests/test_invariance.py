@@ -90,11 +90,14 @@ class Recorder:
         self._run = engine.run_packed
 
     def __enter__(self):
+        # A lone greedy decode row returns its token alone: here it returns its logits too.
         self.engine.run_packed = self.run_packed
+        self.engine.greedy_row = lambda slot, pos, token: int(torch.argmax(self.run_packed([(slot, pos, torch.tensor([token]))])[0]))
         return self
 
     def __exit__(self, *exc):
         del self.engine.run_packed
+        del self.engine.greedy_row
 
     def run_packed(self, spans, all_logits=False):
         out = self._run(spans, all_logits)

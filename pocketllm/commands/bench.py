@@ -85,6 +85,7 @@ def format_result(r: dict) -> str:
         *([f"decode_tokens_per_s_per_sequence={r['decode_tokens_per_s_per_sequence']:.2f}"] if "batch" in r else []),
         f"slices={r['slices']}",
         f"collectives={r['collectives']}",
+        *([f"decode_step={r['decode_step']}"] if "decode_step" in r else []),
     ]
     return " ".join(parts)
 

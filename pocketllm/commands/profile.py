@@ -77,7 +77,8 @@ def _prepare(run, plan):
 def _timed_prefill(engine, ids: list[int], sync) -> tuple[float, int]:
     """prefill_seconds of one timed prefill from a fresh sequence, and its pass's block id."""
     with engine.tagged(timed=True):
-        wall, _ = timed_prefill(engine, ids, sync)
+        wall, timed = timed_prefill(engine, ids, sync)
+        timed.close()
     return wall, engine.last_pass.index
 
 

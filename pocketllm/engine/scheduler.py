@@ -41,6 +41,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,9 @@ class Request:
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()  # eos ids unless ignore_eos, and stop_token_ids
     preempted: int = 0  # times its blocks were taken back and it was recomputed
+    # Given every prompt position's fp32 logits [rows, V] as the passes read them (generate
+    # --logits-out); None: only each pass's last rows are computed.
+    prompt_logits: Callable[[torch.Tensor], None] | None = None
 
     def tokens(self, end: int) -> list[int]:
         """Its first `end` positions' ids: the prompt, then the tokens chosen."""
@@ -121,19 +125,27 @@ class Scheduler:
     """Rank 0's side: submit and cancel from any thread, step from one."""
 
     def __init__(
-        self, engine, max_running: int, max_len: int, prefill_budget: int = DEFAULT_PREFILL_BUDGET, kv_blocks: int | None = None, prefix_cache_bytes: int = 0
+        self, engine, max_running: int, max_len: int, prefill_budget: int = DEFAULT_PREFILL_BUDGET, kv_blocks: int | None = None, prefix_cache_bytes: int = 0,
+        lockstep: bool = False,
     ):
         """kv_blocks: the KV pool's size in blocks (Engine.reserve_slots: default, and at most,
         what max_running sequences of max_len fill). prefix_cache_bytes: what the prefix cache's
-        copies of GDN state may take (0: no prefix caching); its KV blocks are the pool's."""
+        copies of GDN state may take (0: no prefix caching); its KV blocks are the pool's.
+        lockstep: every rank runs a scheduler of its own on the same requests (generate, the
+        timed runs), so no plan is sent: a sampled token is drawn on rank 0 and broadcast, and a
+        prompt is read in as few passes as the budget allows (no cache entry needs a pass to end
+        at a chunk's end; the engine cuts the chunks inside the pass, with the same bits)."""
         if max_running < 1 or max_len < 1 or prefill_budget < 1:
             raise ValueError(f"max_running, max_len and prefill_budget must be >= 1, got {max_running}, {max_len}, {prefill_budget}")
+        if lockstep and prefix_cache_bytes:
+            raise ValueError("a lockstep scheduler keeps no prefix cache")
         self.engine, self.max_running, self.max_len, self.prefill_budget = engine, max_running, max_len, prefill_budget
+        self.lockstep = lockstep
         self.vocab = engine.cfg.vocab_size
         self.invariant, self.chunk = engine.invariant, engine.prefill_chunk
         engine.reserve_slots(max_running, max_len, kv_blocks)
         self.blocks = engine.blocks
-        self.plan = plan_for(engine, max_running, prefill_budget)
+        self.plan = None if lockstep else plan_for(engine, max_running, prefill_budget)
         self._ops: list[tuple[int, int, int, int]] = []  # run here, not yet sent to the other ranks
         self._replay_left = REPLAY_ROWS  # replayed rows this pass may still take
         self.preemptions = 0
@@ -150,16 +162,17 @@ class Scheduler:
         self.last_rows = self.last_spans = 0  # the last step's pass: its rows, and the spans they came in
         self._last_broadcast = time.monotonic()
 
-    def submit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=()) -> Request:
+    def submit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=(), prompt_logits=None) -> Request:
         """Queue a request; it runs from the next step on. ValueError (one line) for what cannot
-        run: an empty prompt, a token id outside the vocab, more positions than a slot holds."""
+        run: an empty prompt, a token id outside the vocab, more positions than a slot holds.
+        prompt_logits: Request.prompt_logits."""
         problem = request_problem(prompt, max_new_tokens, self.vocab, self.max_len)
         if problem:
             raise ValueError(problem)
         with self._lock:
             if self.closed:
                 raise ValueError("the scheduler is closed")
-            req = Request(next(self._ids), list(prompt), max_new_tokens, sampling, tuple(eos_ids))
+            req = Request(next(self._ids), list(prompt), max_new_tokens, sampling, tuple(eos_ids), prompt_logits=prompt_logits)
             req.generator = torch.Generator().manual_seed(sampling.seed)
             req.stop_ids = sampling.stop_ids(req.eos_ids)
             self._incoming.append(req)
@@ -203,13 +216,16 @@ class Scheduler:
         if not spans:
             return events
         self._broadcast(spans)
-        logits = run_plan(self.engine, [], [(slot, start, torch.tensor(ids, dtype=torch.long)) for slot, start, ids in spans])
-        greedy = torch.argmax(logits, dim=-1).tolist()
+        direct = self._direct_row(spans, fed)
+        if direct is None:
+            logits = self._run(spans, fed)
+            greedy = torch.argmax(logits, dim=-1).tolist()
         # A request's spans are consecutive (replayed rows are one span each): its last one's
         # logits are the ones that may choose a token.
         ends = {id(req): i for i, req in enumerate(fed)}
         for req, (_, _, rows) in zip(fed, spans):
             req.fed += len(rows)
+        chosen = []
         for i, req in enumerate(fed):
             if ends[id(req)] != i:
                 continue
@@ -217,12 +233,22 @@ class Scheduler:
                 self._cache(req)
             if req.fed < req.length:
                 continue  # a chunk before the last, or a replayed row: its logits choose nothing
-            if req.sampling.plain_greedy:
+            if direct is not None:
+                token = direct
+            elif req.sampling.plain_greedy:
                 token = greedy[i]
             else:
                 token, logprob = choose(logits[i], req.sampling, req.prompt, req.output, req.eos_ids, req.generator)
                 if logprob is not None:
                     req.logprobs.append(logprob)
+            chosen.append([req, token])
+        if self.lockstep and tp().world > 1 and any(not req.sampling.plain_greedy for req, _ in chosen):
+            # Every rank drew from the same logits; rank 0's draws are the ones every rank keeps.
+            drawn = torch.tensor([token for _, token in chosen], dtype=torch.long, device=self.engine.device)
+            broadcast_(drawn)
+            for pair, token in zip(chosen, drawn.tolist()):
+                pair[1] = token
+        for req, token in chosen:
             req.output.append(token)
             events.append((req, token))
             if token in req.stop_ids:
@@ -230,6 +256,33 @@ class Scheduler:
             elif len(req.output) >= req.max_new_tokens:
                 self._finish(req, "length")
         return events
+
+    def _direct_row(self, spans: list, fed: list[Request]) -> int | None:
+        """The greedy token of a pass that is one sequence's decode row, where nothing but its
+        argmax is read: the engine's greedy_row, which takes it straight to the decode-step
+        backend where there is one. None: the pass runs as a whole (_run)."""
+        if len(spans) != 1:
+            return None
+        (slot, start, ids), req = spans[0], fed[0]
+        if len(ids) != 1 or start == 0 or start + 1 != req.length or not req.sampling.plain_greedy or req.prompt_logits is not None:
+            return None
+        return self.engine.greedy_row(slot, start, ids[0])
+
+    def _run(self, spans: list, fed: list[Request]) -> torch.Tensor:
+        """The pass: the logits of each span's last row [len(spans), V], after handing every
+        prompt row's logits to the requests that keep them."""
+        tensors = [(slot, start, torch.tensor(ids, dtype=torch.long)) for slot, start, ids in spans]
+        keep = [req.prompt_logits is not None and start < len(req.prompt) for req, (_, start, _) in zip(fed, spans)]
+        if not any(keep):
+            return run_plan(self.engine, [], tensors)
+        every = self.engine.run_packed(tensors, all_logits=True)
+        ends, row = [], 0
+        for req, (_, start, ids), kept in zip(fed, spans, keep):
+            if kept:
+                req.prompt_logits(every[row : row + min(len(ids), len(req.prompt) - start)])
+            row += len(ids)
+            ends.append(row - 1)
+        return every[ends]
 
     def _schedule(self, events: list) -> tuple[list[tuple[int, int, list[int]]], list[Request]]:
         """This pass's spans and the requests they feed. The running sequences first, preempting
@@ -318,6 +371,10 @@ class Scheduler:
         for req in requests:
             if req.prefilling(True):
                 end = min(len(req.prompt), (req.fed // self.chunk + 1) * self.chunk)
+                if self.lockstep and end < len(req.prompt):
+                    # As many of its chunks as the budget holds (the engine cuts them in the pass).
+                    reach = req.fed + max(budget, end - req.fed)
+                    end = len(req.prompt) if reach >= len(req.prompt) else max(end, reach // self.chunk * self.chunk)
                 # Past the budget only as the pass's first chunk (a chunk bigger than the budget).
                 if end - req.fed > budget and budget < self.prefill_budget:
                     continue
@@ -420,7 +477,7 @@ class Scheduler:
     def _broadcast(self, spans: list) -> None:
         """Send the other ranks the plan: the operations since the last one, and the spans."""
         ops, self._ops = self._ops, []
-        if tp().world > 1:
+        if tp().world > 1 and not self.lockstep:
             self.plan.send(ops, spans)
             self._last_broadcast = time.monotonic()
 
@@ -445,7 +502,7 @@ class Scheduler:
             self._finish(req, "cancelled")
         self.waiting.clear()
         self._incoming.clear()
-        if tp().world > 1:
+        if tp().world > 1 and not self.lockstep:
             self.plan.close()
             broadcast_(self.plan.buf)
 

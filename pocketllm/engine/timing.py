@@ -1,45 +1,70 @@
 """The timed units every measuring command is built from: a device-synchronised prefill, a run of
 greedy decode steps, the two together as the resident bench times them, and the warm-up before
-them. Commands and benchmarks share these, so every figure times the same thing."""
+them. Each runs fresh sequences through the generation loop users run (the Scheduler's step, in
+lockstep on every rank), so every figure times what generate and serve run."""
 
 from __future__ import annotations
 
 import time
 
-import torch
+from pocketllm.engine.scheduler import Scheduler
 
 
-def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, torch.Tensor]:
-    """Seconds of one prefill of `ids` from a fresh sequence (the engine's slot 0) with `room`
-    positions left after it, device-synchronised at both ends, and its last row's logits [V]."""
-    engine.reserve_slots(1, len(ids) + room)
-    prompt = torch.tensor(ids, dtype=torch.long)
-    sync()
-    t0 = time.perf_counter()
-    logits = engine.run_packed([(0, 0, prompt)])[0]
-    sync()
-    return time.perf_counter() - t0, logits
+class TimedRun:
+    """Fresh greedy sequences of `prompts`, each with room for `new_tokens` tokens after the first:
+    `prefill()` reads every prompt in one pass (which chooses each sequence's first token), then
+    each `decode(steps)` runs that many decode steps of them all (one row per sequence a pass)."""
+
+    def __init__(self, engine, prompts: list[list[int]], new_tokens: int, sync):
+        self.engine, self.sync = engine, sync
+        longest = max(len(p) for p in prompts)
+        self.sched = Scheduler(engine, len(prompts), longest + new_tokens + 1, prefill_budget=sum(len(p) for p in prompts), lockstep=True)
+        self.requests = [self.sched.submit(p, new_tokens + 1) for p in prompts]
+        self.collectives, self.slices = 0, 1
+
+    def prefill(self) -> float:
+        """Seconds of the prefill pass, device-synchronised at both ends."""
+        self.sync()
+        t0 = time.perf_counter()
+        self.sched.step()
+        self.sync()
+        seconds = time.perf_counter() - t0
+        if any(len(r.output) != 1 for r in self.requests):
+            raise RuntimeError("a timed prefill did not read every prompt in one pass")
+        self.collectives, self.slices = sum(self.engine.last_collectives.values()), self.engine.last_slices
+        return seconds
+
+    def decode(self, steps: int) -> float:
+        """Seconds of `steps` decode steps, device-synchronised at both ends."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.sched.step()
+        self.sync()
+        return time.perf_counter() - t0
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each sequence's tokens so far: the prefill's, then one per decode step."""
+        return [r.output for r in self.requests]
+
+    def close(self) -> None:
+        self.sched.close()
 
 
-def timed_greedy_decode(engine, token: int, pos: int, steps: int, sync, slot: int = 0) -> tuple[float, list[int]]:
-    """Seconds of `steps` greedy decode steps of `slot`'s sequence fed from `token` at position
-    `pos`, device-synchronised at both ends, and the tokens they chose."""
-    chosen = []
-    sync()
-    t0 = time.perf_counter()
-    for step in range(steps):
-        token = engine.greedy_row(slot, pos + step, token)
-        chosen.append(token)
-    sync()
-    return time.perf_counter() - t0, chosen
+def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, TimedRun]:
+    """Seconds of one prefill of `ids` from a fresh sequence with `room` decode steps left after
+    it, and the run, to go on decoding (TimedRun.decode)."""
+    run = TimedRun(engine, [ids], room, sync)
+    return run.prefill(), run
 
 
 def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
     """One timed prefill and `new_tokens` timed greedy decode steps from a fresh sequence."""
-    prefill_s, logits = timed_prefill(engine, ids, sync, room=new_tokens)
-    collectives = sum(engine.last_collectives.values())
-    slices = engine.last_slices
-    decode_s, _ = timed_greedy_decode(engine, int(torch.argmax(logits)), len(ids), new_tokens, sync)
+    prefill_s, run = timed_prefill(engine, ids, sync, room=new_tokens)
+    direct = engine.direct_steps
+    decode_s = run.decode(new_tokens)
+    run.close()
     return {
         "prefill_seconds": prefill_s,
         "prefill_tokens": len(ids),
@@ -47,9 +72,15 @@ def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
         "decode_seconds": decode_s,
         "decode_tokens": new_tokens,
         "decode_tokens_per_s": new_tokens / decode_s,
-        "slices": slices,
-        "collectives": collectives,
+        "slices": run.slices,
+        "collectives": run.collectives,
+        "decode_step": _decode_path(engine.direct_steps - direct, new_tokens),
     }
+
+
+def _decode_path(direct: int, steps: int) -> str:
+    """What ran the timed decode steps: the decode-step backend for every one, or the layers."""
+    return "direct" if direct == steps else "layers" if direct == 0 else f"direct-{direct}-of-{steps}"
 
 
 def warm_up(engine, ids: list[int], rows: list[int], sync, warmup_tokens: int | None = None) -> None:
@@ -68,23 +99,10 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict
     """One timed prefill of every prompt packed into one pass, from fresh sequences, then
     `new_tokens` timed greedy decode steps of them all, one row per sequence per pass."""
     batch, length = len(prompts), len(prompts[0])
-    engine.reserve_slots(batch, length + new_tokens)
-    spans = [(slot, 0, torch.tensor(ids, dtype=torch.long)) for slot, ids in enumerate(prompts)]
-    sync()
-    t0 = time.perf_counter()
-    logits = engine.run_packed(spans)
-    sync()
-    prefill_s = time.perf_counter() - t0
-    collectives = sum(engine.last_collectives.values())
-    slices = engine.last_slices
-    tokens = torch.argmax(logits, dim=-1)
-    sync()
-    t0 = time.perf_counter()
-    for step in range(new_tokens):
-        logits = engine.run_packed([(slot, length + step, tokens[slot : slot + 1]) for slot in range(batch)])
-        tokens = torch.argmax(logits, dim=-1)
-    sync()
-    decode_s = time.perf_counter() - t0
+    run = TimedRun(engine, prompts, new_tokens, sync)
+    prefill_s = run.prefill()
+    decode_s = run.decode(new_tokens)
+    run.close()
     return {
         "batch": batch,
         "prefill_seconds": prefill_s,
@@ -94,8 +112,8 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict
         "decode_tokens": batch * new_tokens,
         "decode_tokens_per_s": batch * new_tokens / decode_s,
         "decode_tokens_per_s_per_sequence": new_tokens / decode_s,
-        "slices": slices,
-        "collectives": collectives,
+        "slices": run.slices,
+        "collectives": run.collectives,
     }
 
 
