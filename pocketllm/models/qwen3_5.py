@@ -107,8 +107,8 @@ class Qwen35ForCausalLM(nn.Module):
             pick = slice(last[0], last[0] + 1) if len(last) == 1 else last
             rows, rows_x = h[pick], x[pick]
             # The last rows are each their sequence's own: each gets the bits it gets alone (and a
-            # decode row the compiled final norm the layers' norms use: torch's, right after the
-            # last GEMV streamed its weight, took several times as long).
+            # decode row the compiled final norm the layers' norms use, which finds the row where
+            # torch's would fetch its own state again after the last GEMV swept the caches).
             alone = (Part(0, len(last), True),) if ctx.invariant or ctx.one_row else None
             with scope("norms", "final"):
                 rows = self._final_norm(rows, rows_x, alone)
