@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     system = ids(args.system, 0)
     users = [ids(args.user, k + 1) for k in range(args.turns)]
-    settings = {"caching on": 64 * engine.gdn_state_bytes(), "caching off": 0}
+    settings = {"caching on": 64 * engine.slots.sequence_bytes(), "caching off": 0}
     # One untimed chat warms the kernels at every shape.
     turn_ttfts(Scheduler(engine, 1, max_len), system, users, args.answer)
     got = {name: [[] for _ in users] for name in settings}

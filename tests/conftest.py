@@ -326,9 +326,9 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
         seen.extend(ops)
         if not spans:
             return  # more of this step's operations follow in the next plan
-        assert follower.blocks.free == leader.blocks.free and follower.blocks.holders == leader.blocks.holders
-        assert [t.held for t in follower.blocks.tables] == [t.held for t in leader.blocks.tables]
-        assert {k: (c.length, c.blocks) for k, c in follower.cached.items()} == {k: (c.length, c.blocks) for k, c in leader.cached.items()}
+        assert follower.slots.blocks.free == leader.slots.blocks.free and follower.slots.blocks.holders == leader.slots.blocks.holders
+        assert [t.held for t in follower.slots.blocks.tables] == [t.held for t in leader.slots.blocks.tables]
+        assert {k: (c.length, c.blocks) for k, c in follower.slots.cached.items()} == {k: (c.length, c.blocks) for k, c in leader.slots.cached.items()}
         plan.run_plan(follower, [], spans)
 
     monkeypatch.setattr(scheduler, "tp", lambda: TPState(0, 2))

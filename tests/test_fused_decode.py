@@ -106,7 +106,7 @@ def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
         a, b = fast.run_packed(spans), plain.run_packed(spans)
         # Logits of a random tiny model are O(1): allow a few bf16 roundings of their range.
         assert (a - b).abs().max().item() <= 8 * BF16_ULP * b.abs().max().item()
-    assert [t.held for t in fast.blocks.tables] == [[0, 2], [1, 3]]
+    assert [t.held for t in fast.slots.blocks.tables] == [[0, 2], [1, 3]]
     for slot in (0, 1):
         for sa, sb in zip(fast.slots[slot], plain.slots[slot]):
             if hasattr(sa, "recurrent"):

@@ -142,6 +142,6 @@ def test_a_requests_every_logits_row_is_the_same_alone_batched_preempted_and_cac
     with Recorder(engine) as rec:
         # The long prompts twice: the second run starts from their chunk ends.
         again = [i for i, n in enumerate(LENGTHS) if n > CHUNK]
-        outputs = rec.run(PROMPTS + [PROMPTS[i] for i in again], params + [params[i] for i in again], max_running=3, prefix_cache_bytes=64 * engine.gdn_state_bytes())
+        outputs = rec.run(PROMPTS + [PROMPTS[i] for i in again], params + [params[i] for i in again], max_running=3, prefix_cache_bytes=64 * engine.slots.sequence_bytes())
         assert rec.sched.prefix.hits >= 2 and outputs[len(PROMPTS) :] == [outputs[i] for i in again]
         same(rec, outputs[: len(PROMPTS)])

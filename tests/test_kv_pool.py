@@ -90,7 +90,7 @@ def test_an_engine_pass_past_the_pool_is_refused_and_a_pool_must_hold_one_sequen
         engine.run_packed([(1, 0, torch.tensor(prompts[1]))])
     # A span from position 0 frees what its slot held first: the same slot can start again.
     engine.run_packed([(0, 0, torch.tensor(prompts[1]))])
-    assert engine.blocks.num_used == 3
+    assert engine.slots.blocks.num_used == 3
 
 
 def test_the_other_ranks_take_and_free_the_same_blocks(engine, prompts, alone, monkeypatch):

@@ -53,7 +53,7 @@ def drain(sched: Scheduler, prompt: list[int]):
 
 def entries(engine, n: int) -> int:
     """A prefix cache budget of n entries."""
-    return n * engine.gdn_state_bytes()
+    return n * engine.slots.sequence_bytes()
 
 
 @pytest.mark.parametrize("length", [107, 128], ids=["partial-block", "whole-blocks"])
@@ -64,11 +64,11 @@ def test_a_restored_slot_runs_on_exactly_as_the_cached_sequence(engine, length):
     seq = ids(length + 40, 12)
     engine.reserve_slots(3, 300)
     feed(engine, seq[:length], slot=0)
-    engine.snapshot(0, 7, length)
+    engine.slots.snapshot(0, 7, length)
     want = feed(engine, seq[length:], length, slot=0)
-    engine.restore(1, 7)
+    engine.slots.restore(1, 7)
     torch.testing.assert_close(feed(engine, seq[length:], length, slot=1), want, atol=0, rtol=0)
-    engine.blocks.adopt(2, engine.cached[7].blocks)
+    engine.slots.blocks.adopt(2, engine.slots.cached[7].blocks)
     assert not torch.equal(feed(engine, seq[length:], length, slot=2), want)
 
 
@@ -81,13 +81,13 @@ def test_a_chat_turn_starts_at_the_last_chunk_end_of_the_history(engine):
     assert drain(sched, turn1).output == reply
     # Its prompt's chunk ends; not where it stopped (150 + 7 positions, the last 7 decode rows,
     # which a cold run of the next turn computes as a prompt).
-    assert sorted(c.length for c in engine.cached.values()) == [64, 128]
+    assert sorted(c.length for c in engine.slots.cached.values()) == [64, 128]
     got = drain(sched, turn2)
     usage = sched.kv_usage()
     assert (usage.prefix_hits, usage.prefix_misses, usage.prefix_hit_tokens) == (1, 1, 128)
     assert got.output == cold
     # turn2's own chunk ends are cached as it reads them: its first two are turn1's.
-    assert sorted(c.length for c in engine.cached.values()) == [64, 128]
+    assert sorted(c.length for c in engine.slots.cached.values()) == [64, 128]
 
 
 def test_without_invariance_a_chat_turn_starts_where_the_last_one_stopped(variant_engine):
@@ -100,7 +100,7 @@ def test_without_invariance_a_chat_turn_starts_where_the_last_one_stopped(varian
     assert drain(sched, turn1).output == reply
     # It stopped after 100 + 7 positions (its last token was never fed): 107 is 43 rows into its
     # second block, which a hit copies.
-    assert [c.length for c in engine.cached.values()] == [107]
+    assert [c.length for c in engine.slots.cached.values()] == [107]
     got = drain(sched, turn2)
     usage = sched.kv_usage()
     assert (usage.prefix_hits, usage.prefix_misses, usage.prefix_hit_tokens) == (1, 1, 107)
@@ -113,7 +113,7 @@ def test_a_long_prompt_is_cached_at_its_chunk_ends(engine):
     cold = [generate(engine, p, NEW) for p in (long, branch, long)]
     sched = Scheduler(engine, 2, 400, prefill_budget=64, prefix_cache_bytes=entries(engine, 8))
     assert drain(sched, long).output == cold[0]
-    assert sorted(c.length for c in engine.cached.values()) == [64, 128, 192]
+    assert sorted(c.length for c in engine.slots.cached.values()) == [64, 128, 192]
     # The branch shares 150 tokens: the longest cached prefix of them ends at the chunk end
     # 128, two whole blocks and nothing to copy.
     assert drain(sched, branch).output == cold[1] and sched.kv_usage().prefix_hit_tokens == 128
@@ -141,11 +141,11 @@ def test_cached_blocks_go_back_before_a_running_request_is_preempted(engine):
     # 64 and 128) hold 2 of its 4 blocks when the long one needs all 4.
     sched = Scheduler(engine, 2, 200, kv_blocks=blocks_for(200), prefix_cache_bytes=entries(engine, 4))
     drain(sched, short)
-    assert sched.blocks.num_used == 2 and len(engine.cached) == 2
+    assert sched.blocks.num_used == 2 and len(engine.slots.cached) == 2
     usage = sched.kv_usage()
     assert (usage.blocks_used, usage.prefix_blocks) == (0, 2)
     assert drain(sched, long).output == cold
-    assert sched.preemptions == 0 and sorted(c.length for c in engine.cached.values()) == [64, 128]
+    assert sched.preemptions == 0 and sorted(c.length for c in engine.slots.cached.values()) == [64, 128]
     assert all(c.tokens == tuple(long[: c.length]) for c in sched.prefix.entries.values())
 
 

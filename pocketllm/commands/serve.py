@@ -159,7 +159,7 @@ def _prefix_cache_bytes(engine, t: Task, budget_blocks: int) -> int:
         budget = int(PREFIX_CACHE_FRACTION * (t.kv_cache_gib * 2**30 if t.kv_cache_gib else default))
     else:
         budget = int(PREFIX_CACHE_FRACTION * budget_blocks * per_block)
-    entry = engine.gdn_state_bytes()
+    entry = engine.slots.sequence_bytes()
     say(f"prefix cache: up to {budget // max(1, entry)} prefixes ({entry / 2**20:.2f} MiB of Gated DeltaNet state each, {budget / 2**20:.0f} MiB)")
     return budget
 

@@ -29,13 +29,13 @@ DEFAULT_PREFILL_BUDGET = 1024
 def apply(engine, ops: list[tuple[int, int, int, int]]) -> None:
     for code, a, b, c in ops:
         if code == RELEASE:
-            engine.release(a)
+            engine.slots.release(a)
         elif code == SNAPSHOT:
-            engine.snapshot(a, b, c)
+            engine.slots.snapshot(a, b, c)
         elif code == RESTORE:
-            engine.restore(a, b, bool(c))
+            engine.slots.restore(a, b, bool(c))
         elif code == EVICT:
-            engine.evict(a)
+            engine.slots.evict(a)
         else:
             raise RuntimeError(f"unknown plan operation {code}")
 

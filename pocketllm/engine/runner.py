@@ -11,14 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm import host_memory
-from pocketllm.config import FULL, ModelConfig
+from pocketllm.config import ModelConfig
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.distributed.state import group_pids
 from pocketllm.engine import decode_step
-from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
-from pocketllm.layers.cache import CachedPrefix, GDNState, PagedKV
+from pocketllm.engine.slots import Slots
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops.gated_delta import GdnKernel
@@ -85,15 +84,8 @@ class Engine:
         self.prefill_chunk = PREFILL_CHUNK
         self.model.bind_kernels(self.kernels)
         self._choose_step()
-        # The sequences run (reserve_slots): one state list per slot (per layer its GDNState, or
-        # its PagedKV: the layer's KV pool with the slot's block table), and the pool's blocks.
-        self.slots: list = []
-        self.slot_capacity = 0
-        self.blocks: BlockAllocator | None = None
-        self.pools: list = []  # the full-attention layers' KVPools
-        self._pool_blocks = 0  # blocks the pools have room for
-        self._gdn_states: list[dict] = []  # per slot allocated, its GDNState by layer index
-        self.cached: dict[int, CachedPrefix] = {}  # prefix cache entries by id (rank 0 chooses them)
+        # The sequences' state: their slots, the KV pool and the prefix cache's entries.
+        self.slots = Slots(self.model, device)
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
         # Objects with before_pass(info) / after_pass(info), called around every pass. A hook whose
         # watches_layers is False only records where the run is: a decode row still goes straight
@@ -129,31 +121,9 @@ class Engine:
             self._warmup, self._timed = saved
 
     def reserve_slots(self, count: int, max_len: int, kv_blocks: int | None = None) -> None:
-        """Room for `count` sequences of up to `max_len` positions each, run by run_packed (one
-        sequence is one slot): per slot its Gated DeltaNet state, and one KV pool of `kv_blocks`
-        blocks for them all (default, and at most, what `count` sequences of `max_len` fill; at
-        least what one fills), every block free. The memory is allocated once: a later call
-        asking for no more reuses it, with fresh bookkeeping of exactly the blocks asked for."""
-        one, every = blocks_for(max_len), count * blocks_for(max_len)
-        blocks = every if kv_blocks is None else min(kv_blocks, every)
-        if blocks < one:
-            raise ValueError(f"a KV pool of {blocks} blocks cannot hold one sequence of {max_len} positions ({one} blocks)")
-        full = [i for i, layer in enumerate(self.model.layers) if layer.kind == FULL]
-        # The old state goes before new is allocated.
-        self.slots, self.cached = [], {}
-        if blocks > self._pool_blocks:
-            self.pools = []
-            self.pools = [self.model.layers[i].mixer.allocate_pool(blocks) for i in full]
-            self._pool_blocks = blocks
-        while len(self._gdn_states) < count:
-            self._gdn_states.append({i: layer.mixer.allocate_state() for i, layer in enumerate(self.model.layers) if i not in full})
-        self.blocks = BlockAllocator(blocks, count, max_len, self.device)
-        pools = dict(zip(full, self.pools))
-        self.slots = [
-            [PagedKV(pools[i], table) if i in pools else gdn[i] for i in range(len(self.model.layers))]
-            for table, gdn in zip(self.blocks.tables, self._gdn_states)
-        ]
-        self.slot_capacity = max_len
+        """Room for `count` sequences of up to `max_len` positions each (Slots.reserve), the
+        rotary table for them, and the few-row kernels their decode steps run."""
+        self.slots.reserve(count, max_len, kv_blocks)
         self.model.rotary.reserve(max_len)
         # A decode step of `count` sequences has `count` rows: the few-row kernels for every
         # power of two up to it, measured (or read from this machine's cache) once.
@@ -164,55 +134,6 @@ class Engine:
             for choice in new:
                 if self.say is not None:
                     self.say(choice.describe())
-
-    def release(self, slot: int) -> None:
-        """Free the KV blocks of the sequence in `slot` (it ended, or waits to be run again)."""
-        self.blocks.release(slot)
-
-    def gdn_state_bytes(self) -> int:
-        """What one sequence's Gated DeltaNet state takes: a prefix cache entry's copy of it."""
-        return sum(layer.mixer.state_bytes() for layer in self.model.layers if layer.kind != FULL)
-
-    def snapshot(self, slot: int, entry: int, length: int) -> None:
-        """Keep the first `length` positions of the sequence in `slot`, which has run exactly that
-        many, as prefix cache entry `entry`: its KV blocks, held (not copied), and a copy of its
-        GDN state. The positions in those blocks never change: the sequence only appends."""
-        blocks = self.blocks.tables[slot].held[: blocks_for(length, self.blocks.block_size)]
-        self.blocks.hold(blocks)
-        gdn = [(s.conv.clone(), s.recurrent.clone()) for s in self.slots[slot] if isinstance(s, GDNState)]
-        self.cached[entry] = CachedPrefix(length, list(blocks), gdn)
-
-    def restore(self, slot: int, entry: int, take: bool = False) -> None:
-        """Start the sequence in `slot` (released) from prefix cache entry `entry`, as if it had
-        run the entry's positions: their whole blocks shared, a last partial block copied into one
-        of its own (it will write its next positions there), the GDN state copied. take: the
-        entry is forgotten here, and its partial block, which nothing else holds, becomes the
-        sequence's own without a copy (for when the pool has no block to copy it into)."""
-        cached, bs = self.cached[entry], self.blocks.block_size
-        whole = cached.length // bs
-        if take:
-            self.blocks.adopt(slot, cached.blocks)
-            self.evict(entry)
-        else:
-            self.blocks.adopt(slot, cached.blocks[:whole])
-            if cached.length % bs:
-                self.blocks.grow(slot, cached.length)
-                own, source = self.blocks.tables[slot].held[-1], cached.blocks[whole]
-                for pool in self.pools:
-                    pool.k[own] = pool.k[source]
-                    pool.v[own] = pool.v[source]
-        for state, (conv, recurrent) in zip([s for s in self.slots[slot] if isinstance(s, GDNState)], cached.gdn):
-            state.conv.copy_(conv)
-            state.recurrent.copy_(recurrent)
-
-    def evict(self, entry: int) -> None:
-        """Forget prefix cache entry `entry`; blocks nothing else holds become free."""
-        self.blocks.drop(self.cached.pop(entry).blocks)
-
-    def forget_cached(self) -> None:
-        """Forget every prefix cache entry (a new scheduler starts with an empty cache)."""
-        for entry in list(self.cached):
-            self.evict(entry)
 
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
     # ops of a decode step.
@@ -238,14 +159,9 @@ class Engine:
         chunk = self.prefill_chunk if self.invariant else 0
         for slot, start, ids in spans:
             rows = ids.shape[0]
-            if start + rows > self.slot_capacity:
-                raise RuntimeError(f"sequence of {start + rows} positions exceeds the {self.slot_capacity} reserved per slot")
             if start == 0:
-                for state in self.slots[slot]:
-                    if isinstance(state, GDNState):
-                        state.reset()
-                self.blocks.release(slot)
-            self.blocks.grow(slot, start + rows)
+                self.slots.begin(slot)
+            self.slots.grow(slot, start + rows)
             pieces += [(slot, start + a, b - a) for a, b in chunk_bounds(start, rows, chunk)]
             total += rows
             last.append(total - 1)
@@ -284,9 +200,7 @@ class Engine:
         after a step has swept the caches costs several times the step's own Python."""
         if self.step is None or pos <= 0 or recording() or any(getattr(h, "watches_layers", True) for h in self.hooks):
             return None
-        if pos + 1 > self.slot_capacity:
-            raise RuntimeError(f"sequence of {pos + 1} positions exceeds the {self.slot_capacity} reserved per slot")
-        self.blocks.grow(slot, pos + 1)
+        self.slots.grow(slot, pos + 1)
         kind = "warmup" if self._warmup else "decode"
         info = PassInfo(self._passes, kind, 1, self.policy.slices_for_rows(1), self._timed, {}, direct=True)
         self._passes += 1

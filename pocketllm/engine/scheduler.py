@@ -144,12 +144,13 @@ class Scheduler:
         self.vocab = engine.cfg.vocab_size
         self.invariant, self.chunk = engine.invariant, engine.prefill_chunk
         engine.reserve_slots(max_running, max_len, kv_blocks)
-        self.blocks = engine.blocks
+        self.slots = engine.slots
+        self.blocks = engine.slots.blocks
         self.plan = None if lockstep else plan_for(engine, max_running, prefill_budget)
         self._ops: list[tuple[int, int, int, int]] = []  # run here, not yet sent to the other ranks
         self._replay_left = REPLAY_ROWS  # replayed rows this pass may still take
         self.preemptions = 0
-        entries = prefix_cache_bytes // max(1, engine.gdn_state_bytes())
+        entries = prefix_cache_bytes // max(1, engine.slots.sequence_bytes())
         self.prefix = PrefixCache(entries, self.blocks.block_size) if entries > 0 else None
         self.free_slots = list(range(max_running))
         self.running: list[Request] = []
@@ -433,8 +434,7 @@ class Scheduler:
 
     def _takeable(self, hit) -> bool:
         """Whether `hit` ends inside a block that only it holds."""
-        blocks = self.engine.cached[hit.id].blocks
-        return hit.length % self.blocks.block_size != 0 and self.blocks.holders[blocks[-1]] == 1
+        return self.slots.sole_holder_of_last_block(hit.id)
 
     def _evict(self, entry_id: int) -> None:
         self.prefix.remove(entry_id)
@@ -445,7 +445,7 @@ class Scheduler:
         until `short` blocks are freed (or none is left to forget); the blocks freed."""
         if self.prefix is None or short <= 0:
             return 0
-        before, holders = self.blocks.num_free, self.blocks.holders
+        before = self.blocks.num_free
         progress = True
         # Again while it frees something: a prefix's blocks may be held by a longer one too.
         while progress and self.blocks.num_free - before < short:
@@ -453,7 +453,7 @@ class Scheduler:
             for entry_id in list(self.prefix.entries):
                 if self.blocks.num_free - before >= short:
                     break
-                if (keep is None or entry_id != keep.id) and any(holders[b] == 1 for b in self.engine.cached[entry_id].blocks):
+                if (keep is None or entry_id != keep.id) and self.slots.frees_a_block(entry_id):
                     self._evict(entry_id)
                     progress = True
         return self.blocks.num_free - before

@@ -73,6 +73,10 @@ class GatedAttention(nn.Module):
         # cache like a weight, and its memory is taken as pages are first written either way.
         return KVPool(host_memory.zeros(shape, self._dtype, self._device), host_memory.zeros(shape, self._dtype, self._device))
 
+    def state_bytes(self) -> int:
+        """What a sequence's own state of this layer takes: nothing, its KV blocks are the pool's."""
+        return 0
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. `cache` holds this layer's PagedKV of each sequence of
         the pass (ctx.segments)."""

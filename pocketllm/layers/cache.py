@@ -3,6 +3,10 @@ fp32 recurrent state (fixed-size). A full-attention layer keeps its keys and val
 fixed-size blocks shared by every sequence: a sequence holds the blocks its block table lists, so
 KV memory is taken as positions are written, not reserved for the longest sequence up front.
 
+Each layer's state of a sequence answers for itself what the engine's slots ask of it (reset for
+a new sequence, save and load for the prefix cache, bytes for its budget), so nothing above
+checks which kind of state a layer has.
+
 The layout (what the compiled decode kernel and the torch path both read): per layer, K and V
 pools each [num_blocks, Hkv_local, KV_BLOCK_SIZE, D], contiguous; position p of a sequence is row
 p % KV_BLOCK_SIZE of block table[p // KV_BLOCK_SIZE] (one table per sequence, the same block ids in
@@ -30,6 +34,18 @@ class GDNState:
         self.conv.zero_()
         self.recurrent.zero_()
 
+    def save(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the state, to go on from later (load)."""
+        return self.conv.clone(), self.recurrent.clone()
+
+    def load(self, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.conv.copy_(saved[0])
+        self.recurrent.copy_(saved[1])
+
+    def bytes(self) -> int:
+        """What save() copies."""
+        return self.conv.nbytes + self.recurrent.nbytes
+
 
 @dataclass
 class KVPool:
@@ -41,6 +57,10 @@ class KVPool:
     @property
     def block_size(self) -> int:
         return self.k.shape[2]
+
+    def copy_block(self, to: int, source: int) -> None:
+        self.k[to] = self.k[source]
+        self.v[to] = self.v[source]
 
 
 class BlockTable:
@@ -63,13 +83,28 @@ class PagedKV:
     pool: KVPool
     table: BlockTable
 
+    # The sequence's KV positions live in pool blocks its table holds: the block allocator frees
+    # and shares them (a cached prefix holds its blocks rather than copying them), so a new
+    # sequence, a snapshot and a restore have nothing of this layer's own to do.
+    def reset(self) -> None:
+        pass
+
+    def save(self) -> None:
+        return None
+
+    def load(self, saved: None) -> None:
+        pass
+
+    def bytes(self) -> int:
+        return 0
+
 
 @dataclass
 class CachedPrefix:
     """A prefix of some sequence kept for later ones that start with the same tokens: the KV
-    blocks of its positions (held, shared with whoever else holds them) and every Gated DeltaNet
-    layer's conv and recurrent state after its last position."""
+    blocks of its positions (held, shared with whoever else holds them) and every layer's saved
+    state after its last position (a Gated DeltaNet layer's conv and recurrent state)."""
 
     length: int
     blocks: list[int]
-    gdn: list[tuple[torch.Tensor, torch.Tensor]]
+    saved: list

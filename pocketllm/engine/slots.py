@@ -1,0 +1,124 @@
+"""The hybrid model's per-sequence state in one place: the slots a pass runs its sequences in, each
+slot's state per layer (a Gated DeltaNet layer's conv and recurrent state, a full-attention
+layer's view of the shared KV pool through the slot's block table), the KV block pool's
+bookkeeping and the prefix cache's entries. Everything that reserves, grows, releases, snapshots,
+restores or evicts a sequence's state goes through here; each layer's state answers for itself
+(layers/cache.py), so nothing checks which kind a layer keeps."""
+
+from __future__ import annotations
+
+from pocketllm.config import FULL
+from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
+from pocketllm.layers.cache import CachedPrefix, PagedKV
+
+
+class Slots:
+    def __init__(self, model, device):
+        self.model, self.device = model, device
+        self.states: list[list] = []  # per slot, its state of every layer
+        self.capacity = 0  # positions a slot holds
+        self.blocks: BlockAllocator | None = None
+        self.pools: list = []  # the full-attention layers' KVPools
+        self._pool_blocks = 0  # blocks the pools have room for
+        self._own: list[dict] = []  # per slot allocated, its layers' own state by layer index
+        self.cached: dict[int, CachedPrefix] = {}  # prefix cache entries by id (rank 0 chooses them)
+
+    def __getitem__(self, slot: int) -> list:
+        return self.states[slot]
+
+    def reserve(self, count: int, max_len: int, kv_blocks: int | None = None) -> None:
+        """Room for `count` sequences of up to `max_len` positions each: per slot its layers'
+        own state, and one KV pool of `kv_blocks` blocks for them all (default, and at most,
+        what `count` sequences of `max_len` fill; at least what one fills), every block free. The
+        memory is allocated once: a later call asking for no more reuses it, with fresh
+        bookkeeping of exactly the blocks asked for."""
+        one, every = blocks_for(max_len), count * blocks_for(max_len)
+        blocks = every if kv_blocks is None else min(kv_blocks, every)
+        if blocks < one:
+            raise ValueError(f"a KV pool of {blocks} blocks cannot hold one sequence of {max_len} positions ({one} blocks)")
+        layers = self.model.layers
+        full = [i for i, layer in enumerate(layers) if layer.kind == FULL]
+        # The old state goes before new is allocated.
+        self.states, self.cached = [], {}
+        if blocks > self._pool_blocks:
+            self.pools = []
+            self.pools = [layers[i].mixer.allocate_pool(blocks) for i in full]
+            self._pool_blocks = blocks
+        while len(self._own) < count:
+            self._own.append({i: layer.mixer.allocate_state() for i, layer in enumerate(layers) if i not in full})
+        self.blocks = BlockAllocator(blocks, count, max_len, self.device)
+        pools = dict(zip(full, self.pools))
+        self.states = [
+            [PagedKV(pools[i], table) if i in pools else own[i] for i in range(len(layers))]
+            for table, own in zip(self.blocks.tables, self._own)
+        ]
+        self.capacity = max_len
+
+    def begin(self, slot: int) -> None:
+        """A new sequence in `slot`: every layer's state cleared, its KV blocks freed."""
+        for state in self.states[slot]:
+            state.reset()
+        self.blocks.release(slot)
+
+    def grow(self, slot: int, end: int) -> None:
+        """Room in `slot` for its sequence's positions up to `end` (RuntimeError past the slot's
+        capacity, or when the pool lacks the blocks: the caller makes room first)."""
+        if end > self.capacity:
+            raise RuntimeError(f"sequence of {end} positions exceeds the {self.capacity} reserved per slot")
+        self.blocks.grow(slot, end)
+
+    def release(self, slot: int) -> None:
+        """Free the KV blocks of the sequence in `slot` (it ended, or waits to be run again)."""
+        self.blocks.release(slot)
+
+    def sequence_bytes(self) -> int:
+        """What one sequence's own state takes: what a prefix cache entry copies of it."""
+        return sum(layer.mixer.state_bytes() for layer in self.model.layers)
+
+    def snapshot(self, slot: int, entry: int, length: int) -> None:
+        """Keep the first `length` positions of the sequence in `slot`, which has run exactly that
+        many, as prefix cache entry `entry`: its KV blocks, held (not copied), and a copy of every
+        layer's own state. The positions in those blocks never change: the sequence only appends."""
+        blocks = self.blocks.tables[slot].held[: blocks_for(length, self.blocks.block_size)]
+        self.blocks.hold(blocks)
+        self.cached[entry] = CachedPrefix(length, list(blocks), [state.save() for state in self.states[slot]])
+
+    def restore(self, slot: int, entry: int, take: bool = False) -> None:
+        """Start the sequence in `slot` (released) from prefix cache entry `entry`, as if it had
+        run the entry's positions: their whole blocks shared, a last partial block copied into one
+        of its own (it will write its next positions there), every layer's own state copied.
+        take: the entry is forgotten here, and its partial block, which nothing else holds,
+        becomes the sequence's own without a copy (for when the pool has no block to copy it
+        into)."""
+        cached, bs = self.cached[entry], self.blocks.block_size
+        whole = cached.length // bs
+        if take:
+            self.blocks.adopt(slot, cached.blocks)
+            self.evict(entry)
+        else:
+            self.blocks.adopt(slot, cached.blocks[:whole])
+            if cached.length % bs:
+                self.blocks.grow(slot, cached.length)
+                own, source = self.blocks.tables[slot].held[-1], cached.blocks[whole]
+                for pool in self.pools:
+                    pool.copy_block(own, source)
+        for state, saved in zip(self.states[slot], cached.saved):
+            state.load(saved)
+
+    def evict(self, entry: int) -> None:
+        """Forget prefix cache entry `entry`; blocks nothing else holds become free."""
+        self.blocks.drop(self.cached.pop(entry).blocks)
+
+    def forget_cached(self) -> None:
+        """Forget every prefix cache entry (a new scheduler starts with an empty cache)."""
+        for entry in list(self.cached):
+            self.evict(entry)
+
+    def sole_holder_of_last_block(self, entry: int) -> bool:
+        """Whether prefix cache entry `entry` ends inside a block that only it holds."""
+        cached = self.cached[entry]
+        return cached.length % self.blocks.block_size != 0 and self.blocks.holders[cached.blocks[-1]] == 1
+
+    def frees_a_block(self, entry: int) -> bool:
+        """Whether forgetting entry `entry` would free any block (one only it holds)."""
+        return any(self.blocks.holders[b] == 1 for b in self.cached[entry].blocks)
