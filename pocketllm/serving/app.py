@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pocketllm.serving.admission import Admission, encode, off_loop
 from pocketllm.serving.chat_template import ChatTemplate
 from pocketllm.serving.engine_client import EngineClient
 from pocketllm.serving.errors import ApiError, bad, error_body
@@ -46,6 +48,7 @@ class Served:
 
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="pocketllm", docs_url=None, redoc_url=None, openapi_url=None)
+    admission = Admission.of(served.tokenizer, served.limits.max_len)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
@@ -78,26 +81,28 @@ def build_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
-        gen = parse_completion(body, served.limits, _encoder(served.tokenizer))
+        body = await _json(request, admission)
+        encoder = _encoder(served.tokenizer, functools.partial(admission.check_text, param="prompt"))
+        gen = await off_loop(parse_completion, body, served.limits, encoder)
         return await _answer(served, request, gen, "cmpl", CompletionShape(served.tokenizer, gen))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         if served.chat_template is None:
             raise ApiError(404, "this model has no chat template (tokenizer_config.json's chat_template): use /v1/completions", code="no_chat_template")
-        body = await _json(request)
-        gen = parse_chat(body, served.limits, _renderer(served))
+        body = await _json(request, admission)
+        renderer = _renderer(served, functools.partial(admission.check_text, param="messages"))
+        gen = await off_loop(parse_chat, body, served.limits, renderer)
         return await _answer(served, request, gen, "chatcmpl", ChatShape(served.tokenizer, gen))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
         render = _renderer(served) if served.chat_template is not None else None
-        return tokenize(await _json(request), served.limits, served.tokenizer, render)
+        return await off_loop(_respond, tokenize, await _json(request, admission), served.limits, served.tokenizer, render)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
-        return detokenize(await _json(request), served.limits, served.tokenizer)
+        return await off_loop(_respond, detokenize, await _json(request, admission), served.limits, served.tokenizer)
 
     return app
 
@@ -120,28 +125,53 @@ class ApiKeyCheck:
         await JSONResponse(body, status_code=401)(scope, receive, send)
 
 
-async def _json(request: Request):
-    raw = await request.body()
+async def _json(request: Request, admission: Admission):
+    """The body parsed; one over the admission's limit is refused as soon as that is known: from
+    its Content-Length, or once as much has arrived (the server discards the rest as it comes)."""
+    limit = admission.body_limit
+    declared = request.headers.get("content-length", "")
+    if limit is not None and declared.isdigit() and int(declared) > limit:
+        raise admission.too_large(int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise admission.too_large(None)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad(f"the request body is not valid JSON: {exc}") from None
 
 
-def _encoder(tokenizer):
-    def encode(text: str, add_special_tokens: bool, empty_ok: bool = False) -> list[int]:
-        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+def _respond(route, *args) -> JSONResponse:
+    """route(*args)'s answer as JSON, written where it is computed: the ids of a long text take a
+    while to write, which the event loop would otherwise spend."""
+    return JSONResponse(route(*args))
+
+
+def _encoder(tokenizer, check=None):
+    """encode(text, add_special_tokens) for the request parsers, called in a worker thread;
+    check(text) first refuses a text too long to fit."""
+
+    def encoder(text: str, add_special_tokens: bool, empty_ok: bool = False) -> list[int]:
+        if check is not None:
+            check(text)
+        ids = encode(tokenizer, text, add_special_tokens)
         if not ids and not empty_ok:
             raise bad("the prompt encodes to no tokens", "prompt")
         return ids
 
-    return encode
+    return encoder
 
 
-def _renderer(served: Served):
+def _renderer(served: Served, check=None):
+    """The chat template applied and its text encoded, as _encoder; check(text) sees the rendered text."""
+
     def render(messages, add_generation_prompt: bool, template_kwargs: dict, add_special_tokens: bool) -> list[int]:
         text = served.chat_template.render(messages, add_generation_prompt, template_kwargs)
-        return _encoder(served.tokenizer)(text, add_special_tokens, empty_ok=True)
+        return _encoder(served.tokenizer, check)(text, add_special_tokens, empty_ok=True)
 
     return render
 

@@ -4,6 +4,7 @@ check that their tokenizer counts as the server's does."""
 
 from __future__ import annotations
 
+from pocketllm.serving.admission import encode
 from pocketllm.serving.errors import bad
 from pocketllm.serving.protocol import Limits, check_message, check_model, flag, is_int, known_fields
 
@@ -34,7 +35,7 @@ def tokenize(body, limits: Limits, tokenizer, render) -> dict:
         prompt = fields.get("prompt")
         if not isinstance(prompt, str):
             raise bad("prompt (a string) or messages is required", "prompt")
-        ids = tokenizer.encode(prompt, add_special_tokens=flag(fields, "add_special_tokens", True)).ids
+        ids = encode(tokenizer, prompt, flag(fields, "add_special_tokens", True))
     strs = [tokenizer.id_to_token(t) for t in ids] if flag(fields, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": limits.max_len, "tokens": ids, "token_strs": strs}
 
