@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_plan
 from pocketllm.distributed.state import tp
-from pocketllm.engine.kv_blocks import DEFAULT_KV_FRACTION, blocks_for, default_budget_bytes, pool_blocks, ranks_sharing_memory
+from pocketllm.engine.kv_blocks import blocks_for
 from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET
-from pocketllm.engine.prefix_cache import PREFIX_CACHE_FRACTION
+from pocketllm.engine.slots import DEFAULT_KV_FRACTION, PREFIX_CACHE_FRACTION, pool_blocks, prefix_cache_bytes
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
 from pocketllm.layers.attention import kv_block_bytes
@@ -151,14 +151,7 @@ def _prefix_cache_bytes(engine, t: Task, budget_blocks: int) -> int:
     if not t.enable_prefix_caching:
         say("prefix cache: off")
         return 0
-    per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
-    if per_block == 0:
-        # No full-attention layer, so no KV budget to take a fraction of: the default share of
-        # the free memory.
-        default = default_budget_bytes(engine.device, ranks_sharing_memory(engine.device, tp().world))
-        budget = int(PREFIX_CACHE_FRACTION * (t.kv_cache_gib * 2**30 if t.kv_cache_gib else default))
-    else:
-        budget = int(PREFIX_CACHE_FRACTION * budget_blocks * per_block)
+    budget = prefix_cache_bytes(engine, t.kv_cache_gib, budget_blocks)
     entry = engine.slots.sequence_bytes()
     say(f"prefix cache: up to {budget // max(1, entry)} prefixes ({entry / 2**20:.2f} MiB of Gated DeltaNet state each, {budget / 2**20:.0f} MiB)")
     return budget

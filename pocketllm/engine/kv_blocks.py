@@ -1,23 +1,15 @@
-"""The KV block pool's bookkeeping: which blocks are free, which each slot's sequence holds, and how
-big the pool is. A block may be held more than once (by sequences, and by the prefix cache's
-entries, which share the blocks of a cached prefix): it is free when nothing holds it. Every rank
+"""The KV block pool's bookkeeping: which blocks are free and which each slot's sequence holds. A
+block may be held more than once (by sequences, and by the prefix cache's entries, which share the
+blocks of a cached prefix): it is free when nothing holds it. Every rank
 keeps its own allocator over its own pool; the ranks run the same calls in the same order (rank
-0's plan says what to release, cache and restore), so their tables list the same block ids."""
+0's plan says what to release, cache and restore), so their tables list the same block ids. How
+big the pool may be is the slots' memory budget (engine/slots.py)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from pocketllm.distributed.state import all_gather_cat, tp
-from pocketllm.layers.attention import kv_block_bytes
 from pocketllm.layers.cache import KV_BLOCK_SIZE, BlockTable
-
-# The default KV pool budget: this fraction of the memory free once the weights are loaded (host
-# memory on a CPU, shared by the ranks on the host; the device's own on CUDA/NPU), leaving the rest
-# for activations, the per-sequence Gated DeltaNet state and whatever else runs there.
-DEFAULT_KV_FRACTION = 0.5
 
 
 def blocks_for(positions: int, block_size: int = KV_BLOCK_SIZE) -> int:
@@ -85,42 +77,3 @@ class BlockAllocator:
         if blocks:
             table.ids[table.count : table.count + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             table.held.extend(blocks)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory free for the pool right now: the device's on CUDA/NPU, MemAvailable on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "npu":
-        return torch.npu.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def default_budget_bytes(device: torch.device, ranks_sharing: int) -> int:
-    """DEFAULT_KV_FRACTION of the free memory, split between the ranks that share it."""
-    return int(DEFAULT_KV_FRACTION * free_memory_bytes(device) / max(1, ranks_sharing))
-
-
-def ranks_sharing_memory(device: torch.device, world: int) -> int:
-    """How many ranks draw on this rank's memory: the host's ranks on a CPU, one on a device."""
-    if device.type != "cpu":
-        return 1
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
-def pool_blocks(engine, gib: float | None = None) -> int:
-    """The KV pool's size in blocks under a budget of `gib` GiB per rank (default
-    DEFAULT_KV_FRACTION of the memory free now), the same on every rank: the fewest any rank
-    can hold. Every rank calls it."""
-    per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
-    if per_block == 0:
-        # No full-attention layer: blocks cost nothing, and the pool is as big as it is asked.
-        return 2**62
-    if gib is not None:
-        return int(gib * 2**30) // per_block
-    budget = default_budget_bytes(engine.device, ranks_sharing_memory(engine.device, tp().world))
-    return int(all_gather_cat(torch.tensor([budget // per_block], dtype=torch.float64)).min())

@@ -16,10 +16,6 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# serve's budget for the cache's copies of Gated DeltaNet state, as a fraction of the KV pool's
-# bytes (on top of the pool; the cached prefixes' KV blocks are the pool's own).
-PREFIX_CACHE_FRACTION = 0.25
-
 
 @dataclass(eq=False)
 class Entry:

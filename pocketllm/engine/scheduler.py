@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pocketllm.distributed.state import broadcast_, tp
-from pocketllm.engine.kv_blocks import blocks_for, pool_blocks
+from pocketllm.engine.kv_blocks import blocks_for
 from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, plan_for, run_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.sampling import SamplingParams, choose
+from pocketllm.engine.slots import pool_blocks
 from pocketllm.inputs import request_problem
 
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never

@@ -1,15 +1,30 @@
 """The hybrid model's per-sequence state in one place: the slots a pass runs its sequences in, each
 slot's state per layer (a Gated DeltaNet layer's conv and recurrent state, a full-attention
 layer's view of the shared KV pool through the slot's block table), the KV block pool's
-bookkeeping and the prefix cache's entries. Everything that reserves, grows, releases, snapshots,
+bookkeeping, the prefix cache's entries, and the memory budget they share (the pool's blocks, the
+prefix cache's copies of sequence state). Everything that reserves, grows, releases, snapshots,
 restores or evicts a sequence's state goes through here; each layer's state answers for itself
 (layers/cache.py), so nothing checks which kind a layer keeps."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from pocketllm.config import FULL
+from pocketllm.distributed.state import all_gather_cat, tp
 from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
+from pocketllm.layers.attention import kv_block_bytes
 from pocketllm.layers.cache import CachedPrefix, PagedKV
+
+# The default KV pool budget: this fraction of the memory free once the weights are loaded (host
+# memory on a CPU, shared by the ranks on the host; the device's own on CUDA/NPU), leaving the rest
+# for activations, the per-sequence Gated DeltaNet state and whatever else runs there.
+DEFAULT_KV_FRACTION = 0.5
+# The prefix cache's copies of Gated DeltaNet state may take this fraction of the KV cache's budget
+# (on top of the pool: the cached prefixes' KV blocks are the pool's own).
+PREFIX_CACHE_FRACTION = 0.25
 
 
 class Slots:
@@ -122,3 +137,53 @@ class Slots:
     def frees_a_block(self, entry: int) -> bool:
         """Whether forgetting entry `entry` would free any block (one only it holds)."""
         return any(self.blocks.holders[b] == 1 for b in self.cached[entry].blocks)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for the pool right now: the device's on CUDA/NPU, MemAvailable on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "npu":
+        return torch.npu.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def default_budget_bytes(device: torch.device, ranks_sharing: int) -> int:
+    """DEFAULT_KV_FRACTION of the free memory, split between the ranks that share it."""
+    return int(DEFAULT_KV_FRACTION * free_memory_bytes(device) / max(1, ranks_sharing))
+
+
+def ranks_sharing_memory(device: torch.device, world: int) -> int:
+    """How many ranks draw on this rank's memory: the host's ranks on a CPU, one on a device."""
+    if device.type != "cpu":
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def pool_blocks(engine, gib: float | None = None) -> int:
+    """The KV pool's size in blocks under a budget of `gib` GiB per rank (default
+    DEFAULT_KV_FRACTION of the memory free now), the same on every rank: the fewest any rank
+    can hold. Every rank calls it."""
+    per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
+    if per_block == 0:
+        # No full-attention layer: blocks cost nothing, and the pool is as big as it is asked.
+        return 2**62
+    if gib is not None:
+        return int(gib * 2**30) // per_block
+    budget = default_budget_bytes(engine.device, ranks_sharing_memory(engine.device, tp().world))
+    return int(all_gather_cat(torch.tensor([budget // per_block], dtype=torch.float64)).min())
+
+
+def prefix_cache_bytes(engine, kv_cache_gib: float | None, budget_blocks: int) -> int:
+    """The prefix cache's budget for copies of sequence state: PREFIX_CACHE_FRACTION of the KV
+    cache's budget (--kv-cache-gib, or the blocks the default budget holds, uncapped by the
+    pool's size), or of the default share of the free memory for a model with no KV blocks."""
+    per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
+    if per_block == 0:
+        default = default_budget_bytes(engine.device, ranks_sharing_memory(engine.device, tp().world))
+        return int(PREFIX_CACHE_FRACTION * (kv_cache_gib * 2**30 if kv_cache_gib else default))
+    return int(PREFIX_CACHE_FRACTION * budget_blocks * per_block)
