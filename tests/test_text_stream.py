@@ -32,12 +32,23 @@ def test_generate_streams_every_token_as_it_comes(tiny_ckpt, capsys, monkeypatch
     from pocketllm.commands import generate as command
     from pocketllm.engine.runner import Engine
 
-    decodes, fed, shown = [], [], []
-    real_run, real_step, real_finish = Engine.run_packed, command.TextStream.__call__, command.TextStream.finish
+    decodes, fed, shown, rows = [], [], [], []
+    real_run, real_row = Engine.run_packed, Engine.greedy_row
+    real_step, real_finish = command.TextStream.__call__, command.TextStream.finish
 
     def run(self, spans, **kw):
-        decodes.extend(start for _, start, _ in spans if start > 0)
+        if not rows:
+            decodes.extend(start for _, start, _ in spans if start > 0)
         return real_run(self, spans, **kw)
+
+    def row(self, slot, pos, token):
+        # A greedy decode row, straight to the step or through a pass (counted once).
+        decodes.append(pos)
+        rows.append(pos)
+        try:
+            return real_row(self, slot, pos, token)
+        finally:
+            rows.pop()
 
     def step(self, token):
         fed.append((token, len(decodes)))
@@ -48,6 +59,7 @@ def test_generate_streams_every_token_as_it_comes(tiny_ckpt, capsys, monkeypatch
         real_finish(self, tokens)
 
     monkeypatch.setattr(Engine, "run_packed", run)
+    monkeypatch.setattr(Engine, "greedy_row", row)
     monkeypatch.setattr(command.TextStream, "__call__", step)
     monkeypatch.setattr(command.TextStream, "finish", finish)
     # --device cpu: this process is the rank, and must not bind a GPU it cannot unbind.
