@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
+from pocketllm.ops.gated_delta.naive import gated_delta_rule_reference
 
 P = inspect.Parameter
 
@@ -123,7 +123,7 @@ class FlaStandIn:
         scale = K**-0.5 if a["scale"] is None else a["scale"]
         outs, finals = [], []
         for b in range(B):
-            out, final = gated_delta_rule_recurrent(
+            out, final = gated_delta_rule_reference(
                 q[b].float() * scale, k[b].float(), v[b], g[b].float(), beta[b].float(), None if h0 is None else h0[b].float()
             )
             outs.append(out)
@@ -177,7 +177,7 @@ class NpuStandIn:
         outs, finals, start = [], [], 0
         for b, n in enumerate(lengths.tolist()):
             s = slice(start, start + n)
-            out, final = gated_delta_rule_recurrent(
+            out, final = gated_delta_rule_reference(
                 q[s].float() * a["scale"], k[s].float(), v[s].float(), g[s], beta[s].float(), h0[b].transpose(-1, -2).float()
             )
             outs.append(out)

@@ -20,7 +20,7 @@ from pocketllm.distributed.rendezvous import wait_seconds
 from pocketllm.distributed.policy import resolve_ceiling, resolve_policy
 from pocketllm.model_args import add_rank_args
 from pocketllm.ops.gated_delta import plan_gdn_kernel
-from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
+from pocketllm.ops.gated_delta.recurrent import gated_delta_rule_recurrent
 from pocketllm.profiling.options import profile_options
 
 

@@ -1,5 +1,5 @@
-"""The gated delta rule kernels against a float64 per-token reference (the seam that picks a
-device kernel: test_gdn_kernels.py)."""
+"""The gated delta rule kernels, and the fp32 references the other tests hold kernels to (naive.py),
+against a float64 per-token reference (the seam that picks a device kernel: test_gdn_kernels.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pocketllm.bench import gdn_bench
 from pocketllm.ops.gated_delta import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
-    gated_delta_step_,
+    gated_delta_step_torch_,
 )
+from pocketllm.ops.gated_delta.naive import gated_delta_rule_reference, gated_delta_step_reference_
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -62,7 +63,7 @@ def test_kernels_match_float64_reference(T, Hk, Hv, with_state):
     q, k, v, g, beta, state = make_inputs(T, Hk, Hv, Dk, Dv)
     initial = state.clone() if with_state else None
     ref_out, ref_state = reference_f64(q, k, v, g, beta, initial)
-    for kernel in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
+    for kernel in (gated_delta_rule_reference, gated_delta_rule_recurrent, gated_delta_rule_chunked):
         out, final = kernel(q, k, v, g, beta, initial)
         assert out.shape == (T, Hv, Dv) and out.dtype == v.dtype
         assert final.shape == (Hv, Dk, Dv) and final.dtype == torch.float32
@@ -124,12 +125,12 @@ def test_strided_inputs_as_the_layer_passes_them():
     qs, ks, vs = qs.view(T, Hk, Dk), ks.view(T, Hk, Dk), vs.view(T, Hv, Dv)
     assert not qs.is_contiguous()
     ref_out, ref_state = reference_f64(q, k, v, g, beta, state)
-    for kernel in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
+    for kernel in (gated_delta_rule_reference, gated_delta_rule_recurrent, gated_delta_rule_chunked):
         out, final = kernel(qs, ks, vs, g, beta, state)
         assert_close_rel(out, ref_out)
         assert_close_rel(final, ref_state)
     S = state.clone()
-    out = gated_delta_step_(qs[:1], ks[:1], vs[:1], g[:1], beta[:1], S)
+    out = gated_delta_step_torch_(qs[:1], ks[:1], vs[:1], g[:1], beta[:1], S)
     assert_close_rel(out[0], reference_f64(q[:1], k[:1], v[:1], g[:1], beta[:1], state)[0][0])
 
 
@@ -139,7 +140,7 @@ def test_step_updates_state_in_place_and_matches_recurrence():
     S = state.clone()
     ptr = S.data_ptr()
     for t in range(20):
-        out = gated_delta_step_(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], S)
+        out = gated_delta_step_torch_(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], S)
         assert out.shape == (1, 6, 16) and out.dtype == torch.float32
         assert_close_rel(out[0], ref_out[t], tol=1e-6)
     assert S.data_ptr() == ptr
@@ -149,13 +150,13 @@ def test_step_updates_state_in_place_and_matches_recurrence():
 def test_bf16_inputs_keep_fp32_state():
     q, k, v, g, beta, state = make_inputs(70, 2, 4, 32, 16, dtype=torch.bfloat16)
     ref_out, ref_state = reference_f64(q, k, v, g, beta, state)
-    for kernel in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
+    for kernel in (gated_delta_rule_reference, gated_delta_rule_recurrent, gated_delta_rule_chunked):
         out, final = kernel(q, k, v, g, beta, state)
         assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
         assert_close_rel(out.float(), ref_out, tol=1e-2)
         assert_close_rel(final, ref_state)
     S = state.clone()
-    out = gated_delta_step_(q[:1], k[:1], v[:1], g[:1], beta[:1], S)
+    out = gated_delta_step_torch_(q[:1], k[:1], v[:1], g[:1], beta[:1], S)
     # The step returns its fp32 result unrounded; the layer rounds it to the model dtype.
     assert out.shape == (1, 4, 16) and out.dtype == torch.float32 and S.dtype == torch.float32
     assert_close_rel(out[0], ref_out[0], tol=1e-2)
@@ -163,8 +164,22 @@ def test_bf16_inputs_keep_fp32_state():
 
 def test_step_rejects_non_fp32_state():
     q, k, v, g, beta, state = make_inputs(1, 1, 2, 8, 8)
-    with pytest.raises(ValueError, match="float32"):
-        gated_delta_step_(q, k, v, g, beta, state.bfloat16())
+    for step in (gated_delta_step_torch_, gated_delta_step_reference_):
+        with pytest.raises(ValueError, match="float32"):
+            step(q, k, v, g, beta, state.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_step_matches_the_plain_reference_step(dtype):
+    q, k, v, g, beta, state = make_inputs(20, 2, 6, 32, 16, dtype=dtype)
+    mine, ref = state.clone(), state.clone()
+    for t in range(20):
+        s = slice(t, t + 1)
+        out = gated_delta_step_torch_(q[s], k[s], v[s], g[s], beta[s], mine)
+        want = gated_delta_step_reference_(q[s], k[s], v[s], g[s], beta[s], ref)
+        assert out.dtype == want.dtype == torch.float32 and out.shape == want.shape == (1, 6, 16)
+        assert_close_rel(out, want, tol=1e-5)
+    assert_close_rel(mine, ref, tol=1e-5)
 
 
 def test_chunked_matches_transformers():

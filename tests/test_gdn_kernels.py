@@ -24,7 +24,8 @@ from kernel_stand_ins import (
     shape_of,
 )
 from conftest import main_in_process, usage_error_in_process
-from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_
+from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_torch_
+from pocketllm.ops.gated_delta.naive import gated_delta_step_reference_
 from pocketllm.ops.gated_delta.backends import CHOICES, KernelChoice, choose_gdn_kernel, probe, select_gdn_kernel
 from pocketllm.ops.gated_delta.fla_adapter import fla_decode_step_, fla_prefill
 from numerics import assert_close_rel
@@ -73,7 +74,7 @@ def test_fla_decode_step_advances_the_state_through_its_signature(fla, Hk, Hv):
     v = v.to(torch.bfloat16)
     mine, ref = state.clone(), state.clone()
     out = fla_decode_step_(q, k, v, g, beta, mine)
-    ref_out = gated_delta_step_(q, k, v, g, beta, ref)
+    ref_out = gated_delta_step_reference_(q, k, v, g, beta, ref)
     assert_close_rel(out, ref_out, tol=3e-2)
     assert_close_rel(mine, ref, tol=3e-2)
     (name, call), = fla.calls
@@ -85,7 +86,7 @@ def test_npu_prefill_through_its_schema_keeps_the_state_fp32_where_it_can(monkey
     op = NpuStandIn(takes_fp32_state)
     install_torch_npu(monkeypatch, op)
     kernel, why = backends._npu_kernel(KernelChoice("npu", "test"), CPU, torch.bfloat16)
-    assert why is None and kernel.decode_step_ is gated_delta_step_
+    assert why is None and kernel.decode_step_ is gated_delta_step_torch_
     assert ("fp32 state" in kernel.reason) == takes_fp32_state, kernel.reason
     op.calls.clear()
     q, k, v, g, beta, state = make_inputs(40, 2, 4, 16, 8)
@@ -116,9 +117,9 @@ def test_probe_catches_a_kernel_that_ignores_beta():
     def no_beta(q, k, v, g, beta, initial_state=None):
         return gated_delta_rule_chunked(q, k, v, g, torch.ones_like(beta), initial_state)
 
-    why = probe(no_beta, gated_delta_step_, CPU, torch.float32)
+    why = probe(no_beta, gated_delta_step_torch_, CPU, torch.float32)
     assert why is not None and why.startswith("disagrees with the reference: prefill out")
-    assert probe(gated_delta_rule_chunked, gated_delta_step_, CPU, torch.float32) is None
+    assert probe(gated_delta_rule_chunked, gated_delta_step_torch_, CPU, torch.float32) is None
 
 
 def _planned(monkeypatch, name: str):

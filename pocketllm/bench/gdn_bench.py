@@ -26,7 +26,7 @@ from pocketllm.device import DeviceInfo
 from pocketllm.model_args import parse_dtype
 from pocketllm.ops.gated_delta.backends import select_gdn_kernel
 from pocketllm.ops.gated_delta.chunked import DEFAULT_CHUNK_SIZE, gated_delta_rule_chunked, matmul_flops
-from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent
+from pocketllm.ops.gated_delta.recurrent import gated_delta_rule_recurrent
 from pocketllm.run_plan import DevicePlan
 
 # Worst relative error (max |diff| / max |reference|) accepted between kernels, per input dtype.

@@ -17,8 +17,8 @@ from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
 from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_step_
 from pocketllm.ops.fused import decode_ops
-from pocketllm.ops.fused import kernels as compiled_kernels
-from pocketllm.ops.gated_delta import gated_delta_step_, select_gdn_kernel
+from pocketllm.ops.fused import kernels as fused_kernels
+from pocketllm.ops.gated_delta import gated_delta_step_torch_, select_gdn_kernel
 from pocketllm.ops.norms import l2_normalize
 from pocketllm.profiling.scopes import scope
 
@@ -61,7 +61,7 @@ class GatedDeltaNet(nn.Module):
         self.kernel = select_gdn_kernel(device, dtype)
         # The compiled decode block replaces only the CPU torch recurrence, not a device kernel.
         ops = decode_ops(dtype, torch.device(device))
-        self.compiled_decode = ops.gdn_decode if self.kernel.decode_step_ is gated_delta_step_ else None
+        self.compiled_decode = ops.gdn_decode if self.kernel.decode_step_ is gated_delta_step_torch_ else None
         self._dtype, self._device = dtype, device
         self.neg_a: torch.Tensor | None = None
         self.conv_taps: torch.Tensor | None = None
@@ -111,7 +111,7 @@ class GatedDeltaNet(nn.Module):
             if seq.one_row:
                 mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
             elif rows_compiled:
-                mixed = compiled_kernels.conv_silu_rows(mixed, self.conv_taps, state.conv)
+                mixed = fused_kernels.conv_silu_rows(mixed, self.conv_taps, state.conv)
             else:
                 mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
         kd = self.hk * self.dk
@@ -133,7 +133,7 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent.copy_(final)
         with scope("norms", "gated"):
             if rows_compiled:
-                out = compiled_kernels.rms_norm_gated_rows(out.to(proj.dtype).contiguous(), z.view(t, self.hv, self.dv), self.norm.weight, self.norm.eps)
+                out = fused_kernels.rms_norm_gated_rows(out.to(proj.dtype).contiguous(), z.view(t, self.hv, self.dv), self.norm.weight, self.norm.eps)
             else:
                 out = self.norm(out.to(proj.dtype), z.view(t, self.hv, self.dv))
         return out.reshape(t, self.hv * self.dv)

@@ -13,8 +13,8 @@ import torch
 
 from pocketllm.layers.context import Part
 from pocketllm.ops.fused import TORCH_OPS, DecodeOps
-from pocketllm.ops.fused import kernels as compiled
-from pocketllm.ops.fused.reference import silu_mul_reference
+from pocketllm.ops.fused import kernels as fused_kernels
+from pocketllm.ops.fused.torch_forms import silu_mul_torch
 from pocketllm.ops.row_blocks import by_row_blocks
 
 
@@ -33,12 +33,12 @@ def add_rms_norm(ops: DecodeOps, part: Part, h: torch.Tensor, x: torch.Tensor | 
         # A prompt segment's rows: the compiled rows form splits them over the threads (it treats
         # every row alone, so a row's bits do not depend on the segment's other rows either).
         if ops.compiled and rows > 1:
-            return compiled.add_rms_norm_rows(h.contiguous(), None if x is None else x.contiguous(), scale, eps)
+            return fused_kernels.add_rms_norm_rows(h.contiguous(), None if x is None else x.contiguous(), scale, eps)
         return TORCH_OPS.add_rms_norm(h, x, scale, eps)
     if rows == 1:
         return ops.add_rms_norm(h, x, scale, eps)
     if ops.compiled:
-        return compiled.add_rms_norm_rows(h.contiguous(), None if x is None else x.contiguous(), scale, eps)
+        return fused_kernels.add_rms_norm_rows(h.contiguous(), None if x is None else x.contiguous(), scale, eps)
     h_out, y = _each_row(lambda hr, xr: ops.add_rms_norm(hr, xr, scale, eps), h, x)
     return (h if x is None else h_out), y
 
@@ -46,12 +46,12 @@ def add_rms_norm(ops: DecodeOps, part: Part, h: torch.Tensor, x: torch.Tensor | 
 def silu_mul(ops: DecodeOps, part: Part, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not part.alone:
         if ops.compiled and gate.shape[0] > 1:
-            return compiled.silu_mul_rows(gate, up)
-        return by_row_blocks(silu_mul_reference, gate, up)
+            return fused_kernels.silu_mul_rows(gate, up)
+        return by_row_blocks(silu_mul_torch, gate, up)
     if gate.shape[0] == 1:
         return ops.silu_mul(gate, up)
     if ops.compiled:
-        return compiled.silu_mul_rows(gate, up)
+        return fused_kernels.silu_mul_rows(gate, up)
     return _each_row(ops.silu_mul, gate, up)
 
 

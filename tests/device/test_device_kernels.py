@@ -1,6 +1,6 @@
 """The gated delta rule kernels on the device at the model's shapes: the device kernel (fla on
 CUDA, torch_npu's op on Ascend) and the torch chunked kernel against the per-token recurrence run
-on the same device in fp32."""
+on the same device in fp32 (the plain reference, ops/gated_delta/naive.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from device_caps import fla_installed, npu_op_present, on_devices
 from pocketllm.bench.gdn_bench import make_inputs
-from pocketllm.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_
+from pocketllm.ops.gated_delta import gated_delta_rule_chunked
+from pocketllm.ops.gated_delta.naive import gated_delta_rule_reference, gated_delta_step_reference_
 from pocketllm.ops.gated_delta.backends import select_gdn_kernel
 
 # One rank's GDN heads of the 27B model at TP=1 and TP=4, head dim 128 (design.md section 1).
@@ -43,7 +44,7 @@ def test_device_kernel_prefill_matches_the_recurrence_and_the_chunked_kernel(kin
     kernel = _device_kernel(kind)
     q, k, v, g, beta, state = _inputs(kind, T, Hk, Hv, torch.bfloat16)
     out, final = kernel.prefill(q, k, v, g, beta, state)
-    ref_out, ref_final = gated_delta_rule_recurrent(q, k, v.float(), g, beta, state)
+    ref_out, ref_final = gated_delta_rule_reference(q, k, v.float(), g, beta, state)
     chunk_out, chunk_final = gated_delta_rule_chunked(q, k, v.float(), g, beta, state)
     assert final.dtype == torch.float32 and final.shape == state.shape
     for name, err in {"out vs recurrence": _worst(out, ref_out), "state vs recurrence": _worst(final, ref_final),
@@ -60,7 +61,7 @@ def test_device_kernel_decode_advances_the_state_like_the_step(kind, Hk, Hv):
     for t in range(8):
         s = slice(t, t + 1)
         out = kernel.decode_step_(q[s], k[s], v[s], g[s], beta[s], mine)
-        ref_out = gated_delta_step_(q[s], k[s], v[s].float(), g[s], beta[s], ref)
+        ref_out = gated_delta_step_reference_(q[s], k[s], v[s].float(), g[s], beta[s], ref)
         assert _worst(out, ref_out) < 3e-2, t
     assert _worst(mine, ref) < 3e-2
 
@@ -70,7 +71,7 @@ def test_device_kernel_decode_advances_the_state_like_the_step(kind, Hk, Hv):
 def test_torch_chunked_kernel_on_the_device_matches_the_recurrence_in_fp32(kind, Hk, Hv):
     q, k, v, g, beta, state = _inputs(kind, 1000, Hk, Hv, torch.float32)
     out, final = gated_delta_rule_chunked(q, k, v, g, beta, state)
-    ref_out, ref_final = gated_delta_rule_recurrent(q, k, v, g, beta, state)
+    ref_out, ref_final = gated_delta_rule_reference(q, k, v, g, beta, state)
     assert _worst(out, ref_out) < 1e-3 and _worst(final, ref_final) < 1e-3
 
 

@@ -1,7 +1,8 @@
 """The decode step's work between its GEMVs: a norm with its residual add, SiLU-and-multiply, the
 Gated DeltaNet block from conv to gated norm, and gated attention from q/k norm to the output
 gate, each one call per row. Compiled (decode_bf16.c) for bf16 on a CPU, where a decode row's dozens of small torch ops cost more than their arithmetic;
-the torch forms (reference.py) everywhere else. `POCKETLLM_FUSED_DECODE=0` keeps the torch forms."""
+the torch forms (torch_forms.py) everywhere else. `POCKETLLM_FUSED_DECODE=0` keeps the torch forms.
+Both are held to the plain references in reference.py, which only the tests import."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pocketllm.ops.fused import kernels, reference
+from pocketllm.ops.fused import kernels
+from pocketllm.ops.fused.torch_forms import add_rms_norm_torch, silu_mul_torch
 from pocketllm.switches import env_switch
 
 ENV_FUSED = "POCKETLLM_FUSED_DECODE"
@@ -29,7 +31,7 @@ class DecodeOps:
         return f"decode ops: {'compiled' if self.compiled else 'torch'}" + (f" ({self.note})" if self.note else "")
 
 
-TORCH_OPS = DecodeOps(reference.add_rms_norm_reference, reference.silu_mul_reference, None, None, False, "")
+TORCH_OPS = DecodeOps(add_rms_norm_torch, silu_mul_torch, None, None, False, "")
 
 
 def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> DecodeOps:
@@ -44,4 +46,4 @@ def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> Deco
     return DecodeOps(kernels.add_rms_norm, kernels.silu_mul, kernels.gdn_decode, kernels.attention_decode, True, "")
 
 
-__all__ = ["ENV_FUSED", "TORCH_OPS", "DecodeOps", "decode_ops", "kernels", "reference"]
+__all__ = ["ENV_FUSED", "TORCH_OPS", "DecodeOps", "decode_ops", "kernels"]

@@ -1,5 +1,5 @@
 """The compiled forms of the decode step's work between GEMVs (decode_bf16.c, attention_bf16.c), for
-one bf16 row on a CPU; each has the signature of its torch form in reference.py. Each checks its arguments'
+one bf16 row on a CPU; each has the signature of its reference in reference.py. Each checks its arguments'
 dtypes, sizes and strides before passing pointers (pocketllm.ops.native_args): a wrong one raises
 a ValueError naming it."""
 

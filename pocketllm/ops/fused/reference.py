@@ -1,9 +1,9 @@
-"""The torch forms of the fused decode calls, with the same signatures: what pocketllm.ops.fused
-must equal up to fp32 summation order, and what the engine runs where the compiled form cannot
-(another dtype or device, no compiler, or POCKETLLM_FUSED_DECODE=0). The layers' own paths
-(GatedDeltaNet.forward, GatedAttention.forward) do the same work for any number of rows; the
-Gated DeltaNet and attention references here are that work written out for one row, plainly,
-so a test can hold the compiled calls and the layers' paths to them."""
+"""Plain references for the fused decode calls, with the same signatures: what pocketllm.ops.fused's
+compiled calls and the torch forms (torch_forms.py) must equal up to fp32 summation order. Only the
+tests run them. The layers' own paths (GatedDeltaNet.forward, GatedAttention.forward) do the same
+work for any number of rows; the Gated DeltaNet and attention references here are that work
+written out for one row, plainly, so a test can hold the compiled calls and the layers' paths to
+them."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.ops.causal_conv import causal_conv1d_step_
-from pocketllm.ops.gated_delta import gated_delta_step_
+from pocketllm.ops.gated_delta.naive import gated_delta_step_reference_
 from pocketllm.ops.norms import l2_normalize, rms_norm_gated, rms_norm_scaled
 
 
 def add_rms_norm_reference(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + x, rms_norm(h + x) * scale) for rows h, x [T, n]; x None means no add."""
+    """(h + x, rms_norm(h + x) * scale) for rows h, x [T, n]; x None means no add. The norm in
+    fp32, rounded once to h's dtype."""
     if x is not None:
         h = h + x
-    return h, rms_norm_scaled(h, scale, eps)
+    return h, F.rms_norm(h.float(), (h.shape[-1],), scale, eps).to(h.dtype)
 
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -37,7 +38,7 @@ def gdn_decode_reference(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: fl
     q, k = qk[:, :hk] * dk**-0.5, qk[:, hk:]
     beta = torch.sigmoid(b).float()
     g = neg_a * F.softplus(a.float() + dt_bias)
-    out = gated_delta_step_(q, k, v.view(1, hv, dv), g, beta, state)
+    out = gated_delta_step_reference_(q, k, v.view(1, hv, dv), g, beta, state)
     return rms_norm_gated(out.to(proj.dtype), z.view(1, hv, dv), norm_w, eps).reshape(1, hv * dv)
 
 

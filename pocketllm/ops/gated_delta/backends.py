@@ -2,7 +2,7 @@
 
 The choice is made from (device, dtype, POCKETLLM_GDN_KERNEL) and what is installed, before any rank
 starts (choose_gdn_kernel, pure, so every combination is tested on CPU); each rank then probes a
-device kernel once with a tiny call against the per-token reference before trusting it
+device kernel once with a tiny call against the torch per-token forms before trusting it
 (select_gdn_kernel). Unforced: fla on cuda for bf16/fp16, the CANN op on npu for bf16, else the
 torch chunked kernel, which works everywhere. POCKETLLM_GDN_KERNEL=chunk|recurrent|fla|npu (or
 the seed's QWEN_GDN_KERNEL) forces one ('recurrent' runs the per-token loop for prefill too: the
@@ -26,7 +26,7 @@ from pocketllm.errors import UsageError
 from pocketllm.switches import env_setting
 from pocketllm.ops.gated_delta import fla_adapter, npu_adapter
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
-from pocketllm.ops.gated_delta.naive import gated_delta_rule_recurrent, gated_delta_step_
+from pocketllm.ops.gated_delta.recurrent import gated_delta_rule_recurrent, gated_delta_step_torch_
 
 # Also read as the seed's QWEN_GDN_KERNEL (pocketllm.switches.ALIASES).
 ENV = "POCKETLLM_GDN_KERNEL"
@@ -140,7 +140,7 @@ def _worst(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def probe(prefill, decode_step_, device, dtype) -> str | None:
-    """Run a kernel once on a tiny input on `device` against the per-token reference; None when
+    """Run a kernel once on a tiny input on `device` against the torch per-token forms; None when
     it agrees, else why not (its exception's last line, or how far off it was)."""
     q, k, v, g, beta, state = probe_inputs(device, dtype)
     tol = PROBE_TOLERANCE[dtype]
@@ -148,10 +148,10 @@ def probe(prefill, decode_step_, device, dtype) -> str | None:
         out, final = prefill(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], state)
         ref_out, ref_final = gated_delta_rule_recurrent(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], state)
         errors = {"prefill out": _worst(out, ref_out), "prefill state": _worst(final, ref_final)}
-        if decode_step_ is not gated_delta_step_:
+        if decode_step_ is not gated_delta_step_torch_:
             mine, ref = ref_final.clone(), ref_final.clone()
             step = decode_step_(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], mine)
-            ref_step = gated_delta_step_(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], ref)
+            ref_step = gated_delta_step_torch_(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], ref)
             errors |= {"decode out": _worst(step, ref_step), "decode state": _worst(mine, ref)}
     except Exception as exc:  # the probe's purpose: any failure means "do not trust it"
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
@@ -173,17 +173,17 @@ def _npu_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, 
     whys = []
     for state_dtype in (torch.float32, torch.bfloat16):
         prefill = functools.partial(npu_adapter.npu_prefill, state_dtype=state_dtype)
-        why = probe(prefill, gated_delta_step_, device, dtype)
+        why = probe(prefill, gated_delta_step_torch_, device, dtype)
         if why is None:
             state = "fp32 state" if state_dtype == torch.float32 else "state rounded to bf16 per prefill: the op refused fp32"
-            return GdnKernel("npu", f"{choice.reason}, {state}", prefill, gated_delta_step_), None
+            return GdnKernel("npu", f"{choice.reason}, {state}", prefill, gated_delta_step_torch_), None
         whys.append(f"{_dtype_name(state_dtype)} state: {why}")
     return None, "; ".join(whys)
 
 
 def torch_kernel(name: str, reason: str) -> GdnKernel:
     prefill = gated_delta_rule_recurrent if name == "recurrent" else gated_delta_rule_chunked
-    return GdnKernel(name, reason, prefill, gated_delta_step_)
+    return GdnKernel(name, reason, prefill, gated_delta_step_torch_)
 
 
 _selected: dict[tuple, GdnKernel] = {}

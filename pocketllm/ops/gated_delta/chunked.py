@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from pocketllm.ops.gated_delta.naive import check_shapes
+from pocketllm.ops.gated_delta.recurrent import check_shapes
 
 DEFAULT_CHUNK_SIZE = 32
 # Decays below exp(EXP_FLOOR) (about 1e-13, far under fp32 resolution) are not computed as such:

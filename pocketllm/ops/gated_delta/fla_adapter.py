@@ -45,7 +45,7 @@ def fla_prefill(q, k, v, g, beta, initial_state=None):
 
 
 def fla_decode_step_(q, k, v, g, beta, state):
-    """Same contract as gated_delta_step_: out [1, Hv, Dv], `state` advanced in place."""
+    """Same contract as gated_delta_step_torch_: out [1, Hv, Dv], `state` advanced in place."""
     _, recurrent = _ops()
     qb, kb, vb, gb, bb = _batched(q, k, v, g, beta)
     out, final = recurrent(

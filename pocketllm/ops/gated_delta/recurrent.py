@@ -1,5 +1,7 @@
-"""The gated delta rule token by token: the reference every faster kernel is tested against, and
-the decode path (one token, state updated in place).
+"""The gated delta rule token by token in torch: the decode step every torch path runs (one token,
+state updated in place; the compiled decode block takes its place for bf16 on a CPU), and the
+per-token prefill (POCKETLLM_GDN_KERNEL=recurrent) a device kernel's probe is held to. The plain
+references the tests hold these to are in naive.py.
 
 Shapes are one sequence, no batch dim: q, k [T, Hk, Dk] (already l2-normalised, q already scaled
 by Dk**-0.5), v [T, Hv, Dv], g (log decay, <= 0) and beta [T, Hv], state [Hv, Dk, Dv] fp32.
@@ -51,7 +53,7 @@ def _step_f32(q, k, v, decay, beta, state, out, kv_mem) -> None:
     torch.bmm(q[:, None, :], state, out=out[:, None, :])
 
 
-def gated_delta_step_(q, k, v, g, beta, state) -> torch.Tensor:
+def gated_delta_step_torch_(q, k, v, g, beta, state) -> torch.Tensor:
     """Advance `state` ([Hv, Dk, Dv] fp32) by one token in place; return out [1, Hv, Dv] in fp32.
     The caller rounds to its own dtype: an fp32 result is not copied into a v-dtype buffer only to
     be converted again.
@@ -64,7 +66,7 @@ def gated_delta_step_(q, k, v, g, beta, state) -> torch.Tensor:
     pass)."""
     T, _, Hv, Dk, Dv = check_shapes(q, k, v, g, beta, state)
     if T != 1:
-        raise ValueError(f"gated_delta_step_ takes one token; got T={T}")
+        raise ValueError(f"gated_delta_step_torch_ takes one token; got T={T}")
     if state.dtype != torch.float32:
         raise ValueError(f"state must be float32; got {state.dtype}")
     q_v = expand_to_value_heads(q[0], Hv)  # [Hv, Dk]
