@@ -1,5 +1,5 @@
 """The registry's kinds for int8/int4 weights: each family's one-row, few-row and many-row kinds
-hold the reference (never timed) and the candidates of pocketllm.ops.quant, forcing and its
+hold the plain torch form (never timed) and the candidates of pocketllm.ops.quant, forcing and its
 one-line errors (before any rank), a bound quantized projection running the kernel chosen for
 each row count, and torch's int4 layout never held beside the loaded weight unless forced.
 (Each candidate against the reference: test_quant_kernels.py.)"""
@@ -13,7 +13,7 @@ from conftest import usage_error_in_process
 from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops.quant import candidates as qc
-from pocketllm.ops.quant import native
+from pocketllm.ops.quant import native, torch_ops
 from pocketllm.ops.quant.layout import quant_linear_reference, quantize
 from pocketllm.ops.registry import FEW, MANY, ONE, Choice, KernelSet, Monitor, check_forced, choose, kind_for
 from pocketllm.ops.registry import quant_kinds
@@ -44,29 +44,29 @@ def test_each_family_has_every_row_class_with_the_reference_and_the_quant_candid
             kind = kind_for(fmt, rows)
             assert kind is quant_kinds.KINDS[(family, rows)] and kind.setting == f"{family}-{rows}"
             names = [c.name for c in kind.candidates]
-            assert names[0] == "ref" and kind.default == "ref" and not kind.by_name["ref"].measured
+            assert names[0] == "torch" and kind.default == "torch" and not kind.by_name["torch"].measured
             # Every candidate that can run the format is timed; c-int8x only int4's symmetric ones.
             assert set(kind.timed(fmt, cpu)) == {c.name for c in listed if not c.unavailable(fmt, cpu)}
             assert ("c-int8x" in names) == (family == "int4" and rows != MANY)
             assert kind.timed(fmt, cpu) == [n for n in names[1:] if not kind.by_name[n].unavailable(fmt, cpu)]
 
 
-def test_the_reference_candidates_equal_the_reference_past_their_row_blocks(monkeypatch):
-    monkeypatch.setattr(quant_kinds, "REFERENCE_ROWS", 16)
+def test_the_torch_form_equals_the_reference_past_its_row_blocks(monkeypatch):
+    monkeypatch.setattr(torch_ops, "DEQUANT_ROWS", 16)
     qw = int4(out=37)
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     want, got = torch.empty(3, 37, dtype=torch.bfloat16), torch.empty(3, 37, dtype=torch.bfloat16)
     quant_linear_reference(x, qw, want)
-    quant_kinds.reference_rows(x, qw, got)
+    torch_ops.quant_linear_torch(x, qw, got)
     assert torch.equal(got, want)
     one = torch.empty(37, dtype=torch.bfloat16)
-    quant_kinds.reference_one(x[0], qw, one)
+    torch_ops.quant_linear_torch_one(x[0], qw, one)
     assert torch.equal(one, want[0])
 
 
 def test_forcing_a_quantized_kernel_and_its_one_line_errors():
     gemv = quant_kinds.KINDS[("int4", ONE)]
-    with pytest.raises(UsageError, match="POCKETLLM_KERNELS: int4-one-row='int8pack' is not an int4 one-row kernel: use auto, ref, c, c-prefetch, c-prefetch-far, c-ahead, c-int8x, int4pack"):
+    with pytest.raises(UsageError, match="POCKETLLM_KERNELS: int4-one-row='int8pack' is not an int4 one-row kernel: use auto, torch, c, c-prefetch, c-prefetch-far, c-ahead, c-int8x, int4pack"):
         gemv.forced({"POCKETLLM_KERNELS": "int4-one-row=int8pack"})
     with pytest.raises(UsageError, match="POCKETLLM_KERNELS=int4-one-row=c: the compiled quantized kernels run on a CPU"):
         check_forced(["int4-g128"], "cuda", {"POCKETLLM_KERNELS": "int4-one-row=c"})
@@ -74,21 +74,21 @@ def test_forcing_a_quantized_kernel_and_its_one_line_errors():
         check_forced(["int4-g96"], "cpu", {"POCKETLLM_KERNELS": "int4-one-row=c-prefetch"})
     # A forced int8 kernel says nothing about a run that holds int4 weights only.
     check_forced(["int4-g128"], "cpu", {"POCKETLLM_KERNELS": "int8-one-row=int8pack"})
-    forced = choose(gemv, [int4(), int4(out=16)], env={"POCKETLLM_KERNELS": "int4-one-row=ref"})
-    assert forced.how == "forced" and set(forced.by_key.values()) == {"ref"}
+    forced = choose(gemv, [int4(), int4(out=16)], env={"POCKETLLM_KERNELS": "int4-one-row=torch"})
+    assert forced.how == "forced" and set(forced.by_key.values()) == {"torch"}
 
 
 def test_the_cli_refuses_a_bad_quantized_kernel_before_any_rank(no_ranks, capsys, monkeypatch):
     monkeypatch.setenv("POCKETLLM_KERNELS", "int8-many-row=fastest")
-    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--quantize", "int8", "--tp-world", "2", expect=("POCKETLLM_KERNELS: int8-many-row='fastest'", "auto, ref"))
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--quantize", "int8", "--tp-world", "2", expect=("POCKETLLM_KERNELS: int8-many-row='fastest'", "auto, torch"))
 
 
-def test_a_measured_choice_never_times_the_reference(cache_dir):
+def test_a_measured_choice_never_times_the_torch_form(cache_dir):
     weights = [int8(), int8(out=16, seed=1)]
     chosen = choose(quant_kinds.KINDS[("int8", ONE)], weights, env={}, monitor=TOLERANT)
     assert chosen.how == "measured"
     for seconds in chosen.seconds.values():
-        assert "ref" not in seconds and set(seconds) >= {"c", "c-prefetch"}
+        assert "torch" not in seconds and set(seconds) >= {"c", "c-prefetch"}
 
 
 def test_a_bound_quantized_projection_runs_the_kernel_chosen_for_each_row_count():

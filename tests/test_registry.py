@@ -94,7 +94,7 @@ def test_forced_kernels_and_their_one_line_errors():
         ("c", "'c' is not kind=kernel: write, e.g., POCKETLLM_KERNELS=one-row=c-ahead,int8-one-row=c$"),
         ("one-row=", "'one-row=' is not kind=kernel"),
         ("one-row=c,one-row=mv", "names one-row twice: c and mv$"),
-        ("one-row=c,int8-many-row=c-ahead", "int8-many-row='c-ahead' is not an int8 many-row kernel: use auto, ref, "),
+        ("one-row=c,int8-many-row=c-ahead", "int8-many-row='c-ahead' is not an int8 many-row kernel: use auto, torch, "),
     ],
     ids=["bad-kind", "no-kind", "no-kernel", "kind-twice", "bad-kernel-of-another-kind"],
 )

@@ -1,6 +1,8 @@
 """torch's own weight-only quantized matmuls as candidates: `torch._weight_int8pack_mm` (int8
 [out, in] with one scale per row: the layout as loaded) and `aten._weight_int4pack_mm_for_cpu`
-(its own packed int4 layout, made by `_convert_weight_to_int4pack_for_cpu`).
+(its own packed int4 layout, made by `_convert_weight_to_int4pack_for_cpu`); and the plain torch
+form every quantized kind falls back to (quant_linear_torch: the weight dequantized to fp32 a block
+of rows at a time, torch's fp32 GEMM), which runs anywhere torch does.
 
 Both take their scales in the activations' dtype, so `prepare` keeps an fp32 copy (exact for every
 stored dtype) and each call uses it converted to x's dtype, made once per dtype. Scales that are
@@ -16,11 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.ops.quant.layout import QuantizedWeight, unpack_int4
+from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, unpack_int4
 
 # Weight rows converted to torch's int4 layout at a time: the conversion takes int32 values, 4
 # bytes per weight, so a whole 248k-row head at once would need gigabytes.
 CONVERT_ROWS = 1024
+# quant_linear_torch dequantizes to fp32 this many output rows at a time, so its temporary stays
+# small beside the weight (a 27B head is 5 GB in fp32).
+DEQUANT_ROWS = 1024
 PACK_ROWS = 64
 # torch._weight_int8pack_mm reads a row's inputs this many at a time.
 INT8_INPUT_STEP = 16
@@ -117,3 +122,17 @@ def int4pack_mm(x: torch.Tensor, w, out: torch.Tensor) -> None:
     x2 = _check("int4pack", x, out, w.in_features, w.out_features)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, w.group, w.scale_zeros.get(x.dtype))
     out.copy_(y[:, : w.out_features].view_as(out))
+
+
+def quant_linear_torch(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> None:
+    """out [m, out] = x [m, in] @ dequantize(qw)^T in fp32, rounded once to out's dtype, a block of
+    DEQUANT_ROWS output rows at a time: every quantized kind's default, never timed (it
+    dequantizes the weight on every call)."""
+    for r0 in range(0, qw.shape[0], DEQUANT_ROWS):
+        r1 = min(r0 + DEQUANT_ROWS, qw.shape[0])
+        out[:, r0:r1].copy_(x.float() @ dequantize(qw.rows(r0, r1)).t())
+
+
+def quant_linear_torch_one(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> None:
+    """quant_linear_torch of one row: x [in] -> out [out]."""
+    quant_linear_torch(x[None], qw, out[None])

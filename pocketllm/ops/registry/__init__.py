@@ -32,7 +32,7 @@ Adding a kind (e.g. int4 weights at one row)
       when a layer is bound and kept in the layer's bound kernels beside the loaded weight (which
       other row classes' candidates may run); candidates with the same `layout` share one
       prepared form. None: it runs the weight as loaded. sources: files whose text the choice depends on (compiled kernels): part of the
-      cache key. measured=False: never timed (a plain reference far slower than the rest; it runs
+      cache key. measured=False: never timed (a plain torch form far slower than the rest; it runs
       as the default or forced). copies=True: its prepared form is a second copy of the weight in
       another layout; a measured choice of it gives way to the fastest candidate of the loaded
       layout (Choice.runs), so a layer never holds both, unless it is forced.
@@ -60,7 +60,7 @@ Trust (trust.py, choose.py)
 
 from pocketllm.ops.registry import float_kinds, quant_kinds  # noqa: F401 (registers the kinds)
 from pocketllm.ops.registry.choose import NOT_CACHED_BUSY, NOT_CACHED_IMPLAUSIBLE, WASH, Choice, choose, pick
-from pocketllm.ops.registry.kernel_set import BoundKernels, KernelSet, default_kernels, projection_reference
+from pocketllm.ops.registry.kernel_set import BoundKernels, KernelSet, default_kernels
 from pocketllm.ops.registry.kinds import (
     ENV_INVARIANT,
     ENV_KERNELS,
@@ -91,5 +91,5 @@ __all__ = [
     "ENV_INVARIANT", "ENV_KERNELS", "batch_invariant", "FEW", "FEW_MAX", "FEW_ROW", "MANY", "MANY_ROW", "NOT_CACHED_BUSY", "NOT_CACHED_IMPLAUSIBLE", "ONE", "ONE_ROW", "WASH",
     "BoundKernels", "Candidate", "all_kinds", "Choice", "Kind", "KernelSet", "Monitor",
     "check_forced", "choose", "dtype_format", "default_kernels", "few_rows_for", "forced_kernels", "format_family", "kind_for", "one_row", "pick",
-    "projection_reference", "register", "row_class", "weight_format",
+    "register", "row_class", "weight_format",
 ]

@@ -120,7 +120,7 @@ class Candidate:
     layout: str = ""
     # Sources whose text a measured choice depends on (compiled kernels): part of the cache key.
     sources: tuple = ()
-    # False: never timed (a plain reference many times slower than the rest); it runs where it is
+    # False: never timed (a plain torch form many times slower than the rest); it runs where it is
     # the kind's default or forced.
     measured: bool = True
     # True: its prepared form is a second copy of the weight's bytes in another layout, which a

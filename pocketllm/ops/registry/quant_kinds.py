@@ -1,9 +1,9 @@
 """The kinds for int8 and int4 weight-only quantized projections (a QuantizedWeight,
 pocketllm.ops.quant.layout): one row (a decode step), a few rows (a decode step of several
-sequences) and many rows (a prefill) for each family. Every kind has the reference product as a
-candidate (its default, never timed: it dequantizes the weight to fp32 on every call) beside the
-candidates of pocketllm.ops.quant.candidates: the compiled GEMVs, dequantized blocks into torch's
-GEMM, and torch's own int8/int4 pack ops.
+sequences) and many rows (a prefill) for each family. Every kind has the plain torch form
+(ops.quant.torch_ops.quant_linear_torch) as a candidate (its default, never timed: it dequantizes
+the weight to fp32 on every call) beside the candidates of pocketllm.ops.quant.candidates: the
+compiled GEMVs, dequantized blocks into torch's GEMM, and torch's own int8/int4 pack ops.
 
 torch's int4 layout is a second copy of the weight (Candidate.copies): it is timed on the probe
 weights, its copies dropped after, and a measured choice of it gives way to the fastest kernel of
@@ -11,30 +11,13 @@ the loaded layout (Choice.runs) unless forced, so a bound projection never holds
 
 from __future__ import annotations
 
-import torch
-
 from pocketllm.ops.quant import candidates as qc
 from pocketllm.ops.quant import native
-from pocketllm.ops.quant.layout import QuantizedWeight, quant_linear_reference
+from pocketllm.ops.quant.torch_ops import quant_linear_torch, quant_linear_torch_one
 from pocketllm.ops.registry.kinds import FEW, MANY, ONE, Candidate, Kind, register
 
-# The reference dequantizes to fp32: it runs this many output rows at a time, so its temporary
-# stays small beside the weight (a 27B head is 5 GB in fp32).
-REFERENCE_ROWS = 1024
-REFERENCE = "ref"
-
-
-def reference_rows(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> None:
-    """x [m, in] -> out [m, out]: the reference product a block of output rows at a time."""
-    for r0 in range(0, qw.shape[0], REFERENCE_ROWS):
-        r1 = min(r0 + REFERENCE_ROWS, qw.shape[0])
-        quant_linear_reference(x, qw.rows(r0, r1), out[:, r0:r1])
-
-
-def reference_one(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> None:
-    """x [in] -> out [out]."""
-    reference_rows(x[None], qw, out[None])
-
+# Every kind's default: the plain torch form.
+TORCH = "torch"
 
 # The compiled GEMVs' per-row order: one tile function runs one row and a few, each row summed
 # alike (tests/test_quant_kernels.py holds them bit for bit), so a batch-invariant run may choose
@@ -58,24 +41,24 @@ def _of_family(family: str, candidates) -> tuple[Candidate, ...]:
     return tuple(_candidate(c) for c in candidates if (not c.name.endswith("pack") or c.name.startswith(family)) and not (c.rounds_x and family != "int4"))
 
 
-_REF = "the reference product (dequantized, fp32 GEMM; never timed)"
+_TORCH = "the weight dequantized to fp32 by torch a block of rows at a time, torch's fp32 GEMM; never timed"
 KINDS: dict[tuple[str, str], Kind] = {}
 for _family in ("int8", "int4"):
     _isa = (lambda scheme: lambda: native.isa(scheme))(_family)
-    _ref_one = Candidate(REFERENCE, reference_one, _REF, measured=False)
-    _ref_rows = Candidate(REFERENCE, reference_rows, _REF, measured=False)
+    _torch_one = Candidate(TORCH, quant_linear_torch_one, _TORCH, measured=False)
+    _torch_rows = Candidate(TORCH, quant_linear_torch, _TORCH, measured=False)
     # c-int8x is in no prefer list: where it streams no faster than a tile that takes x as it is
     # (a wash), that tile is chosen.
     KINDS[(_family, ONE)] = register(Kind(
-        ONE, _family, ONE, (_ref_one, *_of_family(_family, qc.ONE_ROW)),
-        default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), streams=True, isa=_isa,
+        ONE, _family, ONE, (_torch_one, *_of_family(_family, qc.ONE_ROW)),
+        default=TORCH, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), streams=True, isa=_isa,
     ))
     KINDS[(_family, FEW)] = register(Kind(
-        FEW, _family, FEW, (_ref_rows, *_of_family(_family, qc.FEW_ROW)),
-        default=REFERENCE, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), isa=_isa,
+        FEW, _family, FEW, (_torch_rows, *_of_family(_family, qc.FEW_ROW)),
+        default=TORCH, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), isa=_isa,
     ))
     KINDS[(_family, MANY)] = register(Kind(
-        MANY, _family, MANY, (_ref_rows, *_of_family(_family, qc.MANY_ROW)),
+        MANY, _family, MANY, (_torch_rows, *_of_family(_family, qc.MANY_ROW)),
         # The bf16 blocks round each weight once more than the fp32 ones: a wash keeps fp32's.
-        default=REFERENCE, prefer=("dequant-f32",), probe="widest", isa=_isa,
+        default=TORCH, prefer=("dequant-f32",), probe="widest", isa=_isa,
     ))
