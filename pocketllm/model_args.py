@@ -113,10 +113,12 @@ class ModelPlan:
     # kernel before trusting it, and reports what it runs.
     gdn_kernel: KernelChoice | None = None
 
-    def open_source(self):
+    def open_source(self, device=None):
+        """The weights to load: the checkpoint's reader, or the preset's drawn on `device` (the
+        engine's; default the host)."""
         if self.reader is not None:
             return self.reader
-        return RandomWeights(self.cfg, seed=0)
+        return RandomWeights(self.cfg, seed=0, device=device)
 
     @property
     def model_name(self) -> str:

@@ -162,9 +162,9 @@ def test_random_slice_reads_match_the_full_tensor(monkeypatch):
     # the whole tensor, for every key and for the ranges a fused projection reads.
     calls = []
 
-    def counting(name, shape, seed):
+    def counting(name, shape, seed, device=None):
         calls.append(name)
-        return random_tensor(name, shape, seed)
+        return random_tensor(name, shape, seed, device)
 
     # The slice looks the generator up in its module at read time; the reference values below come
     # from the unpatched function, imported before the patch, and are not counted.

@@ -92,7 +92,7 @@ def _load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         faults = FaultHook(run.fault, renv.rank)
         faults.at("load")
         rss_before = current_rss_mib()
-        engine = Engine(plan.cfg, plan.open_source(), plan.dtype, device.torch_device, plan.policy.policy)
+        engine = Engine(plan.cfg, plan.open_source(device.torch_device), plan.dtype, device.torch_device, plan.policy.policy)
         # What loading cost this rank at its peak, above what the process held before it.
         engine.load_peak_mib = peak_rss_mib() - rss_before
         engine.hooks.append(PassTracker())

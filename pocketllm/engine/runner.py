@@ -15,7 +15,7 @@ from pocketllm.config import ModelConfig
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
-from pocketllm.distributed.state import group_pids
+from pocketllm.distributed.state import group_pids, tp
 from pocketllm.engine import decode_step
 from pocketllm.engine.slots import Slots
 from pocketllm.loader.load import load_weights
@@ -71,7 +71,7 @@ class Engine:
         self.cfg, self.dtype, self.device, self.policy = cfg, dtype, device, policy
         self.model = Qwen35ForCausalLM(cfg, dtype, device)
         # load_weights closes the source after every parameter.
-        self.loaded_bytes = load_weights(self.model, source)
+        self.loaded_bytes = load_weights(self.model, source, progress=tp().rank == 0)
         if device.type == "cpu":
             host_memory.keep_freed_blocks()
         # The kernels the projections run: the one-row kernel per weight shape and the GEMM of

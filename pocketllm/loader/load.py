@@ -6,6 +6,7 @@ import re
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from pocketllm.config import ModelConfig
 from pocketllm.errors import CheckpointError
@@ -76,10 +77,15 @@ def _listing(keys: list[str], n: int) -> str:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source) -> int:
-    """Fill every parameter from its shard sources; returns the bytes read into this rank."""
+def load_weights(model: nn.Module, source, progress: bool = False) -> int:
+    """Fill every parameter from its shard sources, one at a time (the host holds one tensor's
+    part at a time on its way to the device); returns the bytes read into this rank. progress: a
+    bar on stderr counting the parameters' bytes, where stderr is a terminal."""
     loaded = 0
-    for name, param in model.named_parameters():
+    params = list(model.named_parameters())
+    total = sum(p.numel() * p.element_size() for _, p in params)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading", leave=False, dynamic_ncols=True, mininterval=1.0, disable=None if progress else True)
+    for name, param in params:
         for src in param.sources:
             part = src.read(source.get_slice(src.key))
             dest = param.data if src.dest is None else param.data[src.dest[0] : src.dest[1]]
@@ -90,6 +96,8 @@ def load_weights(model: nn.Module, source) -> int:
         # Unmapping after every parameter keeps the file pages this rank touched from adding up
         # to a second copy of its weights; reopening a file costs only its header.
         source.close()
+        bar.update(param.numel() * param.element_size())
+    bar.close()
     for module in model.modules():
         for name, value in list(vars(module).items()):
             if isinstance(value, QuantizedWeight) and hasattr(value, "sources"):

@@ -1,5 +1,8 @@
 """A preset's weights: seeded random tensors behind the same slice interface as a checkpoint, so a
-preset runs the same loading path. Each tensor is a pure function of (seed, name)."""
+preset runs the same loading path. Each tensor is a pure function of (seed, name, device): they are
+generated on the device the engine runs on, where drawing them takes seconds where the host's
+generator takes minutes for the big presets, and a device's generator draws other numbers than
+the host's (a preset on CUDA is other random weights than on a CPU; each is the same run to run)."""
 
 from __future__ import annotations
 
@@ -47,21 +50,24 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Values at the scale a trained checkpoint has, so activations stay in range."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, device=None) -> torch.Tensor:
+    """Values at the scale a trained checkpoint has, so activations stay in range (fp32, on
+    `device`, default the host)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+        return torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen).log_()
     if name.endswith("dt_bias"):
-        return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+        return torch.empty(shape, device=device).uniform_(0.5, 1.5, generator=gen)
+    normal = torch.randn(shape, generator=gen, device=device)
     if name.endswith("linear_attn.norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        return 1.0 + 0.1 * normal
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-        return 0.1 * torch.randn(shape, generator=gen)
+        return 0.1 * normal
     if name.endswith("conv1d.weight"):
-        return 0.3 * torch.randn(shape, generator=gen)
+        return 0.3 * normal
     fan_in = shape[-1]
-    return torch.randn(shape, generator=gen) * (0.5 / fan_in**0.5)
+    return normal * (0.5 / fan_in**0.5)
 
 
 def random_row_blocks(name: str, shape: tuple[int, ...], seed: int, block_rows: int):
@@ -82,8 +88,8 @@ def random_row_blocks(name: str, shape: tuple[int, ...], seed: int, block_rows: 
 
 
 class _RandomSlice:
-    def __init__(self, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype):
-        self.name, self.shape, self.seed, self.dtype = name, shape, seed, dtype
+    def __init__(self, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, device):
+        self.name, self.shape, self.seed, self.dtype, self.device = name, shape, seed, dtype, device
         self._full: torch.Tensor | None = None
 
     def get_shape(self) -> list[int]:
@@ -93,20 +99,21 @@ class _RandomSlice:
         # A fused projection reads several row ranges of one slice: generate the tensor once. The
         # cast is elementwise, so casting only the rows read gives the same values.
         if self._full is None:
-            self._full = random_tensor(self.name, self.shape, self.seed)
+            self._full = random_tensor(self.name, self.shape, self.seed, self.device)
         return self._full[index].to(self.dtype)
 
 
 class RandomWeights:
-    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None):
+        """device: where the tensors are drawn (default the host): the engine's own."""
         self.shapes = expected_shapes(cfg)
-        self.seed, self.dtype = seed, dtype
+        self.seed, self.dtype, self.device = seed, dtype, device
 
     def canonical_keys(self) -> set[str]:
         return set(self.shapes)
 
     def get_slice(self, name: str) -> _RandomSlice:
-        return _RandomSlice(name, self.shapes[name], self.seed, self.dtype)
+        return _RandomSlice(name, self.shapes[name], self.seed, self.dtype, self.device)
 
     def close(self) -> None:
         pass

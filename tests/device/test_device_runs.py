@@ -75,3 +75,17 @@ def test_bench_at_tp2_over_the_device_backend(kind, tmp_path):
     doc = _bench(kind, 2, tmp_path)
     assert doc["settings"]["backend"] == {"cuda": "nccl", "npu": "hccl"}[kind]
     assert doc["collectives"] > 0
+
+
+@on_devices()
+def test_a_presets_weights_are_drawn_on_the_device(kind):
+    # The preset's tensors come from the device's own generator: nothing of their size crosses
+    # the host, and the same seed draws the same tensor twice.
+    from pocketllm.loader.random_weights import RandomWeights
+    from pocketllm.presets import get_preset
+
+    rw = RandomWeights(get_preset("small"), dtype=torch.bfloat16, device=kind)
+    key = "model.layers.0.mlp.gate_proj.weight"
+    a, b = rw.get_slice(key)[:], RandomWeights(get_preset("small"), dtype=torch.bfloat16, device=kind).get_slice(key)[:]
+    assert a.device.type == kind and torch.equal(a, b)
+    assert a.float().std().item() > 0
