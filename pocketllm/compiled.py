@@ -1,8 +1,9 @@
 """Small C kernels built on the machine that runs them, loaded with ctypes.
 
 A kernel is compiled on first use with the system C compiler (`CC`, default `cc`) for this very
-CPU (-march=native), into a private cache directory keyed by its source, the flags, the compiler
-and the CPU, so a later run loads it at once and a machine with another CPU builds its own. Compiled with
+CPU (-march=native; POCKETLLM_ISA narrows it), into a private cache directory keyed by its
+source, the flags, the compiler and the CPU, so a later run loads it at once and a machine with
+another CPU builds its own. Compiled with
 -fopenmp, a kernel's parallel loops join the OpenMP runtime torch has already loaded (the loader
 reuses a library it holds under the same name), so they run on torch's threads instead of a
 second pool that would fight it for the cores. Without a compiler, or when a build fails, the
@@ -23,6 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pocketllm.errors import UsageError
 from pocketllm.switches import env_value
 
 # Where built kernels (and measured choices, pocketllm.ops.gemv) are cached.
@@ -30,8 +32,12 @@ ENV_CACHE_DIR = "POCKETLLM_CACHE_DIR"
 # The kernels' flags: OpenMP for the ones that split work over torch's threads.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # Extra flags that turn the wider instruction sets off, so that every path a kernel source compiles
-# (its #if branches) can be built and checked on one machine: for tests and benchmarks.
+# (its #if branches) can be built and checked on one machine: for tests, benchmarks and ENV_ISA.
 ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
+# Forces one of ISA_FLAGS' builds on every kernel (default native): the narrower x86 paths run,
+# and are tested, on a CPU with wider ones. It only turns paths off, so on a CPU that lacks the
+# named set the kernels are built for what the CPU has.
+ENV_ISA = "POCKETLLM_ISA"
 BUILD_SECONDS = 120
 
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
@@ -68,6 +74,28 @@ def cpu_model() -> str:
     return cpu_identity().split("|", 1)[0] or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The feature flags the CPU reports (avx2, avx512f, avx512_bf16, ...): what tests of one
+    instruction set's paths check before running them."""
+    return set(cpu_identity().rsplit("|", 1)[-1].split())
+
+
+def isa() -> str:
+    """The build POCKETLLM_ISA forces: one of ISA_FLAGS ("native" when unset)."""
+    value = env_value(os.environ, ENV_ISA).strip() or "native"
+    if value not in ISA_FLAGS:
+        raise UsageError(f"{ENV_ISA}={value!r} is not a build of the compiled kernels: use {', '.join(ISA_FLAGS)}")
+    if value != "native" and platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        raise UsageError(f"{ENV_ISA}={value}: the builds other than native are x86's, and this CPU is {platform.machine()}")
+    return value
+
+
+def with_isa(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """flags narrowed to the build POCKETLLM_ISA forces. A caller's own narrower build (a test's
+    ISA_FLAGS entry) stays as narrow: these flags only turn instruction sets off."""
+    return flags + tuple(f for f in ISA_FLAGS[isa()] if f not in flags)
+
+
 def compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -77,6 +105,7 @@ def compiler() -> str | None:
 
 def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     """The built library's path, compiled now if this source was not built here before."""
+    flags = with_isa(flags)
     cc = compiler()
     if cc is None:
         raise BuildError(f"no C compiler (cc, gcc or clang; or $CC) to build {source.name}")
@@ -90,6 +119,7 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
 
 def load(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
     """(the built library, "") or (None, why not), built once per process and cached on disk."""
+    flags = with_isa(flags)
     key = f"{source}|{' '.join(flags)}"
     if key not in _loaded:
         try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pocketllm import compiled
 from pocketllm.config import ModelConfig, check_tp_split, load_config
 from pocketllm.device import DEVICE_HELP
 from pocketllm.distributed.calibration import check_calibration
@@ -146,6 +147,8 @@ def plan_model(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     if world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {world}")
     dtype = parse_dtype(source.dtype)
+    # A bad POCKETLLM_ISA is refused here, before any rank starts.
+    compiled.isa()
     registry.check_forced([registry.dtype_format(dtype)], kind)
     gdn_kernel = plan_gdn_kernel(kind, dtype)
     policy = None

@@ -35,6 +35,7 @@ SETTINGS = {
     "POCKETLLM_BATCH_INVARIANT": "0: faster kernels and passes, under which a request's tokens may depend on what runs beside it",
     "POCKETLLM_KEEP_FREED": "0: leave glibc's malloc settings as they are",
     "POCKETLLM_CACHE_DIR": "where compiled kernels and measured choices are kept",
+    "POCKETLLM_ISA": "build the compiled kernels for at most this x86 set: native (the default), avx512f, avx2 or scalar",
     "POCKETLLM_FAULT": "inject a fault into one rank (tests and benchmarks/fault_timing.py)",
 }
 

@@ -12,6 +12,7 @@ import pytest
 
 import pocketllm
 from pocketllm import compiled
+from pocketllm.errors import UsageError
 
 SOURCES = sorted(Path(pocketllm.__file__).parent.rglob("*.c"))
 # The widest x86 target the compilers of these machines know: AVX-512 BF16, VNNI and AMX.
@@ -48,3 +49,22 @@ def test_editing_a_header_included_through_another_changes_the_digest(tmp_path):
     before = compiled.source_digest(source)
     (tmp_path / "inner.h").write_text("#define K 2\n")
     assert compiled.source_digest(source) != before
+
+
+def test_the_isa_switch_narrows_every_build_and_refuses_a_name_it_does_not_know(monkeypatch):
+    monkeypatch.setenv(compiled.ENV_ISA, "avx3")
+    with pytest.raises(UsageError, match=r"POCKETLLM_ISA='avx3' is not a build of the compiled kernels: use native, avx512f, avx2, scalar"):
+        compiled.load(SOURCES[0])
+    if "avx2" not in compiled.cpu_flags():
+        pytest.skip("this CPU does not report avx2")
+    monkeypatch.setenv(compiled.ENV_ISA, "avx2")
+    assert compiled.with_isa(compiled.FLAGS) == compiled.FLAGS + compiled.ISA_FLAGS["avx2"]
+    # A caller's own narrower build (a test's ISA_FLAGS entry) stays as narrow.
+    scalar = compiled.FLAGS + compiled.ISA_FLAGS["scalar"]
+    assert compiled.with_isa(scalar) == scalar + compiled.ISA_FLAGS["avx2"]
+    if compiled.compiler() is None:
+        pytest.skip("no C compiler here")
+    lib, why = compiled.load(next(s for s in SOURCES if s.name == "gemv_bf16.c"))
+    assert lib is not None, why
+    lib.gemv_bf16_isa.restype = ctypes.c_char_p
+    assert lib.gemv_bf16_isa().decode() == "avx2"

@@ -95,7 +95,8 @@ class Choice:
         shapes = sorted(self.by_key, key=lambda k: -k[0] * k[1])
         parts = ", ".join(f"{o}x{i} {self._shown((o, i))}" for o, i in shapes)
         sources = {s for name in set(self.by_key.values()) for s in self.kind.by_name[name].sources}
-        built = f"; c built for {(self.kind.isa or _isa)()}" if sources else ""
+        forced = f" ({compiled.ENV_ISA}={compiled.isa()})" if compiled.isa() != "native" else ""
+        built = f"; c built for {(self.kind.isa or _isa)()}{forced}" if sources else ""
         return f"{self.label()} ({how}): {parts}{built}"
 
     def _shown(self, key) -> str:
@@ -135,6 +136,10 @@ def cache_key(kind: Kind, fmt: str, key, rows: int, label: str = "") -> str:
     # of them says nothing about this one.
     sources = sorted({s for c in kind.candidates for s in c.sources})
     parts = [compiled.cpu_model(), f"torch {torch.__version__}"]
+    # Builds narrower than the CPU's run other code than a choice measured without them: torch's
+    # own kernels held back by these variables, and POCKETLLM_ISA's.
+    parts += [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(name)]
+    parts += [f"{compiled.ENV_ISA}={compiled.isa()}"] if compiled.isa() != "native" else []
     parts += [f"kernels {compiled.source_digest(s)}" for s in sources]
     parts += [kind.name, fmt, f"{torch.get_num_threads()} threads", label or f"{key[0]}x{key[1]}"]
     return "|".join(parts + ([f"{rows} rows"] if rows > 1 else []))
