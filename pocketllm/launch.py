@@ -3,7 +3,7 @@ start N ranks of the same command (re-run with the rank and the run plan in the 
 whole cores, on one NUMA node where the ranks fit per node: pocketllm/topology.py), rendezvous
 through a fresh private directory, watch them, and stop them all when one fails or the launcher
 gets SIGINT/SIGTERM. Its last line names the failure that ended the run
-(pocketllm/failures.py); what each rank runs is pocketllm/rank.py. Under torchrun, or with ranks
+(pocketllm/rank_failures.py); what each rank runs is pocketllm/rank.py. Under torchrun, or with ranks
 started by hand, no launcher runs: each process is one rank.
 
 torch.distributed.elastic's process starting (multiprocessing.start_processes) and error files
@@ -19,7 +19,7 @@ they would lose what tests/test_faults.py and benchmarks/fault_timing.py measure
 - the right rank named: elastic reports the failure with the smallest error-file timestamp, in
   whole seconds, and a rank killed by a signal gets the time its end was noticed; a rank that lost
   its peer often fails first, so here the failure least likely to follow from another's is named
-  (failures.first_failure) from one-line reports, where an error file holds a traceback.
+  (rank_failures.first_failure) from one-line reports, where an error file holds a traceback.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from pocketllm import failures, topology
+from pocketllm import rank_failures, topology
 from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus
 from pocketllm.distributed import rendezvous, waiting
 from pocketllm.errors import UsageError
@@ -88,7 +88,7 @@ def spawn_local_ranks(run: RunPlan, forward_signals: bool = False) -> int:
         for rank, cpus in enumerate(shares):
             env = dict(
                 os.environ,
-                **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), failures.ENV_REPORT: failures.report_path(rdzv_dir, rank)},
+                **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), rank_failures.ENV_REPORT: rank_failures.report_path(rdzv_dir, rank)},
                 **{ENV_PLAN: plan_json},
             )
             if cpus is not None:
@@ -109,7 +109,7 @@ def spawn_local_ranks(run: RunPlan, forward_signals: bool = False) -> int:
             print(f"pocketllm: error: got {outcome}; stopped every rank", file=sys.stderr, flush=True)
             return 128 + getattr(signal, outcome)
         rank, stopped = outcome
-        line, status = failures.failed_rank_line(rank, procs[rank].returncode, failures.read_report(rdzv_dir, rank), stopped)
+        line, status = rank_failures.failed_rank_line(rank, procs[rank].returncode, rank_failures.read_report(rdzv_dir, rank), stopped)
         print(line, file=sys.stderr, flush=True)
         return status
     finally:
@@ -166,10 +166,10 @@ def _pidfds(procs: list[subprocess.Popen]) -> dict[int, int]:
 
 
 def _first_failure(procs: list[subprocess.Popen], failed: list[int], rdzv_dir: str) -> tuple[int, bool]:
-    """The rank to name (failures.first_failure), given a moment to finish exiting so its own exit
+    """The rank to name (rank_failures.first_failure), given a moment to finish exiting so its own exit
     status is reported. Returns the rank and whether it was still running after that moment."""
-    reports = {r: failures.read_report(rdzv_dir, r) for r in range(len(procs))}
-    rank = failures.first_failure([p.returncode for p in procs], failed, reports)
+    reports = {r: rank_failures.read_report(rdzv_dir, r) for r in range(len(procs))}
+    rank = rank_failures.first_failure([p.returncode for p in procs], failed, reports)
     try:
         procs[rank].wait(timeout=ROOT_CAUSE_WAIT_SECONDS)
     except subprocess.TimeoutExpired:

@@ -1,5 +1,5 @@
 """What one rank does around a command's work: find its place in the run, join the process group,
-take rank 0's checked inputs, and end with one line if anything fails (pocketllm/failures.py words
+take rank 0's checked inputs, and end with one line if anything fails (pocketllm/rank_failures.py words
 it). The ranks are started by pocketllm's launcher (pocketllm/launch.py), by torchrun, or by hand,
 one process per rank, meeting at `--rendezvous-file FILE`.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from pocketllm import failures
+from pocketllm import rank_failures
 from pocketllm.distributed import collective, rendezvous, waiting
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
@@ -57,13 +57,13 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
 
 def join_group(renv: RankEnv, backend: str, timeout_s: float) -> None:
     set_tp(renv.rank, renv.world)
-    failures.set_timeout(timeout_s)
+    rank_failures.set_timeout(timeout_s)
     if renv.world == 1:
         return
     waiting.configure(backend)
-    failures.set_place("the rendezvous")
+    rank_failures.set_place("the rendezvous")
     rendezvous.join_group(backend, renv.rank, renv.world, timeout_s, renv.file_store, renv.id_path)
-    failures.set_place("loading")
+    rank_failures.set_place("loading")
 
 
 def setup_collective(renv: RankEnv, choice: str, backend: str) -> None:
@@ -71,9 +71,9 @@ def setup_collective(renv: RankEnv, choice: str, backend: str) -> None:
     checked inputs; its waits honour the same --dist-timeout as the group's."""
     if renv.world == 1:
         return
-    failures.set_place("setting up the all-reduce")
-    collective.setup(choice, backend, renv.rank, renv.world, failures.timeout())
-    failures.set_place("loading")
+    rank_failures.set_place("setting up the all-reduce")
+    collective.setup(choice, backend, renv.rank, renv.world, rank_failures.timeout())
+    rank_failures.set_place("loading")
 
 
 def leave_group() -> None:
@@ -101,11 +101,11 @@ def checked_on_rank0(renv: RankEnv, check, join):
             raise UsageError(verdict[1]) from None
         raise
     if renv.world > 1:
-        failures.set_place("sharing rank 0's checked inputs")
+        rank_failures.set_place("sharing rank 0's checked inputs")
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
         verdict = box[0]
-        failures.set_place("loading")
+        rank_failures.set_place("loading")
     ok, value = verdict
     if not ok:
         raise (UsageError if renv.rank == 0 else RefusedByRank0)(value)
@@ -118,24 +118,24 @@ def run_rank(renv: RankEnv, body) -> int:
     no traceback; other exceptions keep theirs (the launcher still names them). The line is
     written before the group is left: peers notice a rank leave at once, and the launcher must
     already know which rank failed first."""
-    launched = failures.ENV_REPORT in os.environ
+    launched = rank_failures.ENV_REPORT in os.environ
     try:
         return body()
     except RefusedByRank0 as exc:
-        failures.leave_report("usage", str(exc))
+        rank_failures.leave_report("usage", str(exc))
         return 2
     except UsageError as exc:
         if not launched:
             raise
-        failures.leave_report("usage", str(exc))
+        rank_failures.leave_report("usage", str(exc))
         return 2
     except Exception as exc:
-        kind = failures.collective_failure(exc)
+        kind = rank_failures.collective_failure(exc)
         if kind is None:
-            failures.leave_report("exception", traceback.format_exception_only(exc)[-1].strip())
+            rank_failures.leave_report("exception", traceback.format_exception_only(exc)[-1].strip())
             raise
-        line = failures.collective_line(kind)
-        failures.leave_report(kind, line)
+        line = rank_failures.collective_line(kind)
+        rank_failures.leave_report(kind, line)
         if not launched:
             print(f"pocketllm: error: rank {renv.rank}: {line}", file=sys.stderr, flush=True)
         return 1

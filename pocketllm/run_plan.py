@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from pocketllm.errors import UsageError
-from pocketllm.faults import Fault
+from pocketllm.fault_injection import Fault
 from pocketllm.profiling.options import ProfileOptions
 
 # The plan the launcher gives each rank it starts, as RunPlan.to_json writes it.

@@ -162,8 +162,8 @@ def test_a_watched_pass_keeps_the_pass_and_bad_rows_fail_as_in_it(monkeypatch):
 def test_a_hook_that_only_records_where_the_run_is_keeps_the_step(monkeypatch):
     # The pass tracker and the fault hook run under every model command: a decode row still goes
     # straight to the step under them, and they still see each pass, labelled as a pass is.
-    from pocketllm.failures import PassTracker
-    from pocketllm.faults import FaultHook
+    from pocketllm.fault_injection import FaultHook
+    from pocketllm.rank_failures import PassTracker
 
     engine = _engine(monkeypatch, None)
     engine.reserve_slots(1, 40)

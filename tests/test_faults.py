@@ -1,6 +1,6 @@
 """A dead or hung rank ends the whole run: the launcher exits with one line naming the first rank
 that failed and how, within seconds, and no process of the run is left. Faults are injected with
-POCKETLLM_FAULT (see pocketllm/faults.py).
+POCKETLLM_FAULT (see pocketllm/fault_injection.py).
 
 Every run is started with conftest.start, which tags it so that all of its processes (even ones
 the launcher lost) are found by scanning /proc."""
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from conftest import Run, assert_nothing_left, shm_segments, start, tagged
 from pocketllm.errors import UsageError
-from pocketllm.faults import parse_fault
+from pocketllm.fault_injection import parse_fault
 
 # The issue's bound from a rank's death to the launcher's exit.
 STOP_BOUND_S = 5.0
@@ -148,13 +148,13 @@ def test_bad_fault_spec_is_a_usage_error(spec, message):
     ids=["network-error-type", "gloo-timeout", "gloo-peer", "not-a-collective", "not-a-collective-type"],
 )
 def test_collective_failures_are_classified(exc, kind):
-    from pocketllm.failures import collective_failure
+    from pocketllm.rank_failures import collective_failure
 
     assert collective_failure(exc) == kind
 
 
 def test_an_aborted_rank_is_described_as_the_watchdog_would_have_it():
-    from pocketllm.failures import describe_exit
+    from pocketllm.rank_failures import describe_exit
 
     assert "watchdog" in describe_exit(-signal.SIGABRT) and "NCCL" in describe_exit(-signal.SIGABRT)
     assert describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
@@ -175,7 +175,7 @@ def test_an_aborted_rank_is_described_as_the_watchdog_would_have_it():
     ids=["raiser-over-lost-peer", "signal-over-timeout", "earlier-report", "timeout-over-peer"],
 )
 def test_the_rank_named_is_the_one_least_likely_to_have_failed_because_of_another(codes, reports, named):
-    from pocketllm.failures import first_failure
+    from pocketllm.rank_failures import first_failure
 
     failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
     assert first_failure(codes, failed, reports) == named

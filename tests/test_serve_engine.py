@@ -16,7 +16,7 @@ from pocketllm.commands.make_checkpoint import write_byte_tokenizer
 from pocketllm.engine.generate import generate
 from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import Scheduler
-from pocketllm.faults import Fault, FaultHook
+from pocketllm.fault_injection import Fault, FaultHook
 from pocketllm.inputs import load_tokenizer
 from pocketllm.serving.errors import ApiError
 from pocketllm.serving.generation import Usage, pieces

@@ -18,12 +18,12 @@ from pocketllm.distributed import collective, waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
-from pocketllm.failures import PassTracker
-from pocketllm.faults import FaultHook
+from pocketllm.fault_injection import FaultHook
 from pocketllm.launch import ENV_PIN_MAP, spawn_local_ranks
 from pocketllm.model_args import plan_model, say
 from pocketllm.profiling.profiler import attach_profiler
 from pocketllm.rank import checked_on_rank0, join_group, rank_env, run_rank, setup_collective
+from pocketllm.rank_failures import PassTracker
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
 

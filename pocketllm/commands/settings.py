@@ -10,7 +10,7 @@ import os
 from pocketllm.device import device_index, resolve_kind
 from pocketllm.distributed import collective
 from pocketllm.errors import UsageError
-from pocketllm.faults import fault_from_env
+from pocketllm.fault_injection import fault_from_env
 from pocketllm.launch import ENV_CPUS
 from pocketllm.profiling.options import ProfileOptions, phase_requested, profile_options
 from pocketllm.rank import rank_env

@@ -5,7 +5,7 @@ A rank keeps track of where it is (the rendezvous, loading, a pass), so a collec
 can say where; it leaves the launcher a one-line report of how it failed (a JSON file in the run's
 private directory), so the launcher's last line says why, not only that, a rank ended. When
 several ranks have failed the launcher names the one least likely to have failed because of
-another. (pocketllm/faults.py is the other side: it makes ranks fail, for the tests.)
+another. (pocketllm/fault_injection.py is the other side: it makes ranks fail, for the tests.)
 """
 
 from __future__ import annotations
