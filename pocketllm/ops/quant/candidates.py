@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pocketllm.ops.quant import many_rows, native, torch_ops
+from pocketllm.ops.quant import dequant_mm, native, torch_ops
 
 ONE, FEW, MANY = "one-row", "few-row", "many-row"
 # How far ahead of each weight load c-prefetch and c-prefetch-far ask for it: at least this many
@@ -166,11 +166,11 @@ FEW_ROW: tuple[QuantCandidate, ...] = (
 )
 MANY_ROW: tuple[QuantCandidate, ...] = (
     QuantCandidate(
-        "dequant-bf16", MANY, many_rows.dequant_mm_bf16, "blocks of the weight (~4 MiB of bf16) dequantized to bf16 (dequant.c), torch's bf16 GEMM",
+        "dequant-bf16", MANY, dequant_mm.dequant_mm_bf16, "blocks of the weight (~4 MiB of bf16) dequantized to bf16 (dequant.c), torch's bf16 GEMM",
         _ALL + "; each weight rounded to bf16", _compiled_unavailable("dequant"), native.prepare, "checked", _DEQUANT_SOURCES,
     ),
     QuantCandidate(
-        "dequant-f32", MANY, many_rows.dequant_mm_f32, "the same blocks dequantized to fp32, torch's fp32 GEMM",
+        "dequant-f32", MANY, dequant_mm.dequant_mm_f32, "the same blocks dequantized to fp32, torch's fp32 GEMM",
         _ALL, _compiled_unavailable("dequant"), native.prepare, "checked", _DEQUANT_SOURCES,
     ),
     _torch("int8pack", MANY),
