@@ -8,12 +8,33 @@ from pathlib import Path
 import torch
 
 
+def _import_model_without_fla() -> None:
+    """transformers binds fla's kernels in place of its torch forms when it imports the model's
+    module, wherever fla is importable (a GPU machine with the cuda extra), and those Triton
+    kernels take device tensors only: the oracle runs on the CPU, so the module is imported with fla
+    hidden. Only that import is affected: fla stays importable for pocketllm in the same process."""
+    import importlib
+    import sys
+
+    name = "transformers.models.qwen3_5.modeling_qwen3_5"
+    if name in sys.modules:
+        return
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None  # import fla raises ImportError
+    try:
+        importlib.import_module(name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+
+
 def build_hf_model(
     vocab: int = 251, kv_heads: int = 1, tie: bool = False, layers: int = 4, seed: int = 0, max_positions: int = 512,
     hidden: int = 64, head_dim: int = 16,
 ):
     """head_dim sizes the attention heads and the GDN's key and value heads alike; the MLP is
     twice `hidden` wide."""
+    _import_model_without_fla()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)

@@ -64,6 +64,7 @@ def test_a_decode_row_and_a_prompt_chunk_get_the_same_logits_in_any_pass(engine)
     prefill(range(6))
     alone = [engine.run_packed([decode(s)])[0] for s in range(6)]
     chunk_alone = engine.run_packed([(5, 0, torch.tensor(PROMPTS[5]))])[0]
+    long_alone = engine.run_packed([(4, 0, torch.tensor(PROMPTS[4]))])[0]
     prefill(range(6))
     # Five decode rows together, in a shuffled order.
     order = [3, 0, 4, 1, 2]
@@ -74,11 +75,14 @@ def test_a_decode_row_and_a_prompt_chunk_get_the_same_logits_in_any_pass(engine)
     prefill(range(6))
     mixed = engine.run_packed([(5, 0, torch.tensor(PROMPTS[5])), decode(1), decode(3)])
     assert torch.equal(mixed[0], chunk_alone) and torch.equal(mixed[1], alone[1]) and torch.equal(mixed[2], alone[3])
-    prefill([0, 2, 4])
-    mixed = engine.run_packed([decode(0), (5, 0, torch.tensor(PROMPTS[5][:20])), decode(2), (5, 20, torch.tensor(PROMPTS[5][20:])), decode(4)])
-    assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[2], alone[2]) and torch.equal(mixed[4], alone[4])
-    # The prompt read in two spans of one pass, cut at its chunk end, is the prompt read at once.
-    assert torch.equal(mixed[3], chunk_alone)
+    prefill([0, 2, 3])
+    cut = 2 * CHUNK
+    mixed = engine.run_packed([decode(0), (4, 0, torch.tensor(PROMPTS[4][:cut])), decode(2), (4, cut, torch.tensor(PROMPTS[4][cut:])), decode(3)])
+    assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[2], alone[2]) and torch.equal(mixed[4], alone[3])
+    # The prompt read in two spans of one pass, cut at one of its chunk ends (where the scheduler
+    # cuts a prompt), is the prompt read at once. A cut elsewhere ends a segment there, and the
+    # segments' sums are grouped otherwise (the chunked gated delta rule, a GEMM's row count).
+    assert torch.equal(mixed[3], long_alone)
 
 
 class Recorder:

@@ -25,8 +25,9 @@ from pocketllm.ops.registry import KernelSet
 from pocketllm.profiling.scopes import recording
 
 # Batch-invariant, a sequence's prompt rows run in segments that end where its positions reach a
-# multiple of this (and at the prompt's end), whatever else a pass holds and however the caller
-# cut the prompt into passes: what a prompt position gets then depends on that sequence alone.
+# multiple of this (and where the caller's span ends), whatever else a pass holds: what a prompt
+# position gets depends on that sequence alone as long as its spans end on such multiples or at
+# the prompt's end, as the scheduler cuts them.
 # A multiple of the KV block size, so the prefix cache's entries at segment ends hold whole
 # blocks; big enough that a segment's GEMMs run near their full rate, small enough that a chat's
 # next turn, which starts from the last segment end of its history, reads little of it again
