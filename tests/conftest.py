@@ -312,27 +312,27 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
     slot, holders) and prefix cache entries must be rank 0's. Plans carry `max_ops` operations.
     Returns the list the operations seen are added to."""
     from pocketllm.distributed.state import TPState
-    from pocketllm.engine import plan, scheduler
+    from pocketllm.engine import pass_plan, scheduler
 
-    prefill_budget = prefill_budget or plan.DEFAULT_PREFILL_BUDGET
-    monkeypatch.setattr(plan, "MAX_OPS", max_ops)
-    received = plan.plan_for(leader, max_running, prefill_budget)
+    prefill_budget = prefill_budget or pass_plan.DEFAULT_PREFILL_BUDGET
+    monkeypatch.setattr(pass_plan, "MAX_OPS", max_ops)
+    received = pass_plan.pass_plan_for(leader, max_running, prefill_budget)
     seen = []
 
     def broadcast(buf, src=0, idle=False):
         received.buf.copy_(buf)
         ops, spans = received.decode()
-        plan.apply(follower, ops)
+        pass_plan.apply(follower, ops)
         seen.extend(ops)
         if not spans:
             return  # more of this step's operations follow in the next plan
         assert follower.slots.blocks.free == leader.slots.blocks.free and follower.slots.blocks.holders == leader.slots.blocks.holders
         assert [t.held for t in follower.slots.blocks.tables] == [t.held for t in leader.slots.blocks.tables]
         assert {k: (c.length, c.blocks) for k, c in follower.slots.cached.items()} == {k: (c.length, c.blocks) for k, c in leader.slots.cached.items()}
-        plan.run_plan(follower, [], spans)
+        pass_plan.run_pass_plan(follower, [], spans)
 
     monkeypatch.setattr(scheduler, "tp", lambda: TPState(0, 2))
-    monkeypatch.setattr(plan, "broadcast_", broadcast)
+    monkeypatch.setattr(pass_plan, "broadcast_", broadcast)
     return seen
 
 

@@ -14,7 +14,7 @@ from conftest import feed, follow_in_process, tiny_engine
 
 from pocketllm.engine.generate import generate
 from pocketllm.engine.kv_blocks import blocks_for
-from pocketllm.engine.plan import EVICT, RESTORE, SNAPSHOT
+from pocketllm.engine.pass_plan import EVICT, RESTORE, SNAPSHOT
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.scheduler import KVUsage, Scheduler
 from pocketllm.serving.metrics import Metrics, parse

@@ -12,7 +12,7 @@ from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_plan
 from pocketllm.distributed.state import tp
 from pocketllm.engine.kv_blocks import blocks_for
-from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET
+from pocketllm.engine.pass_plan import DEFAULT_PREFILL_BUDGET
 from pocketllm.engine.slots import DEFAULT_KV_FRACTION, PREFIX_CACHE_FRACTION, pool_blocks, prefix_cache_bytes
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
@@ -173,7 +173,7 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _work(run, plan, settings: dict, engine, device) -> int:
-    from pocketllm.engine.plan import follow
+    from pocketllm.engine.pass_plan import follow
     from pocketllm.engine.scheduler import Scheduler
 
     t, ckpt = run.task, run.source.ckpt

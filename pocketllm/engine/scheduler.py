@@ -48,7 +48,7 @@ import torch
 
 from pocketllm.distributed.state import broadcast_, tp
 from pocketllm.engine.kv_blocks import blocks_for
-from pocketllm.engine.plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, plan_for, run_plan
+from pocketllm.engine.pass_plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, pass_plan_for, run_pass_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.engine.slots import pool_blocks
@@ -147,7 +147,7 @@ class Scheduler:
         engine.reserve_slots(max_running, max_len, kv_blocks)
         self.slots = engine.slots
         self.blocks = engine.slots.blocks
-        self.plan = None if lockstep else plan_for(engine, max_running, prefill_budget)
+        self.plan = None if lockstep else pass_plan_for(engine, max_running, prefill_budget)
         self._ops: list[tuple[int, int, int, int]] = []  # run here, not yet sent to the other ranks
         self._replay_left = REPLAY_ROWS  # replayed rows this pass may still take
         self.preemptions = 0
@@ -276,7 +276,7 @@ class Scheduler:
         tensors = [(slot, start, torch.tensor(ids, dtype=torch.long)) for slot, start, ids in spans]
         keep = [req.prompt_logits is not None and start < len(req.prompt) for req, (_, start, _) in zip(fed, spans)]
         if not any(keep):
-            return run_plan(self.engine, [], tensors)
+            return run_pass_plan(self.engine, [], tensors)
         every = self.engine.run_packed(tensors, all_logits=True)
         ends, row = [], 0
         for req, (_, start, ids), kept in zip(fed, spans, keep):

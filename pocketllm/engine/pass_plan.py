@@ -92,7 +92,7 @@ class PassPlan:
 REPLAY_ROWS = 64
 
 
-def plan_for(engine, max_running: int, prefill_budget: int) -> PassPlan:
+def pass_plan_for(engine, max_running: int, prefill_budget: int) -> PassPlan:
     """The plan of a Scheduler of these sizes, on every rank alike: a span per running sequence
     and per replayed row; rows of the prompt chunks (the budget, or one chunk where that is more),
     of the decode rows and of the replayed rows."""
@@ -100,7 +100,7 @@ def plan_for(engine, max_running: int, prefill_budget: int) -> PassPlan:
     return PassPlan(max_running + REPLAY_ROWS, rows, engine.device)
 
 
-def run_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
+def run_pass_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
     """What every rank runs for a plan: its operations in order, then the pass if it has spans (a
     span starting at position 0 begins a new sequence in its slot)."""
     apply(engine, ops)
@@ -111,10 +111,10 @@ def follow(engine, max_running: int, max_len: int, prefill_budget: int = DEFAULT
     """The other ranks' side of a Scheduler made with the same sizes: run each plan rank 0
     broadcasts until it closes the run."""
     engine.reserve_slots(max_running, max_len, kv_blocks)
-    plan = plan_for(engine, max_running, prefill_budget)
+    plan = pass_plan_for(engine, max_running, prefill_budget)
     while True:
         broadcast_(plan.buf, idle=True)
         got = plan.decode()
         if got is None:
             return
-        run_plan(engine, *got)
+        run_pass_plan(engine, *got)
