@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from pocketllm.bench.limits import decode_weight_bytes  # noqa: F401  (the benchmarks import it from here)
 from pocketllm.engine.timing import timed_prefill
 
 
@@ -35,20 +36,6 @@ def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:
             x.sum()
             best[name] = min(best[name], time.perf_counter() - t0)
     return {name: n * 4 / seconds / 1e9 for name, seconds in best.items()}
-
-
-def decode_weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every parameter except the embedding table, of
-    which a step reads one row (a tied head reads it whole, as the head), and every quantized
-    projection weight (values, scales, zero points)."""
-    total = 0
-    # named_parameters lists a tied head's shared weight once.
-    for name, p in model.named_parameters():
-        if "embed" in name and not model.cfg.tie_word_embeddings:
-            total += p.shape[-1] * p.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    return total + sum(w.nbytes for w in model.projection_weights() if not isinstance(w, torch.Tensor))
 
 
 def projection_weights(model) -> list[torch.Tensor]:
@@ -127,11 +114,11 @@ class PocketRunner:
         from pocketllm.distributed.policy import RulePolicy
         from pocketllm.distributed.state import set_tp
         from pocketllm.engine.runner import Engine
-        from pocketllm.model_args import plan_model
+        from pocketllm.model_args import model_plan
         from pocketllm.run_plan import RunPlan, SourcePlan
 
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-        plan = plan_model(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype=name, quantize=quantize)))
+        plan = model_plan(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype=name, quantize=quantize)))
         set_tp(0, 1)
         self.cfg = plan.cfg
         self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())

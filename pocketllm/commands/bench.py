@@ -6,9 +6,11 @@ the seed's name, taking the seed's section 8 rank command as written (docs/seed.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 
+from pocketllm.bench import limits
 from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_with_model, run_settings
 from pocketllm.commands.settings import model_plan, source_plan, tuple_or_none
 from pocketllm.distributed.state import tp
@@ -16,7 +18,7 @@ from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, 
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens
 from pocketllm.inputs import PromptSource, bench_ids, check_ids, prompt_ids
-from pocketllm.model_args import add_model_args, check_out_path
+from pocketllm.model_args import add_model_args, check_out_path, say
 from pocketllm.run_plan import RunPlan
 
 
@@ -30,6 +32,11 @@ def add_arguments(p) -> None:
         "--batch", type=int, default=1, help="sequences run together (default 1); from 2, the prompt's ids are rotated by one per sequence"
     )
     add_warmup_arg(p)
+    p.add_argument(
+        "--limits", action=argparse.BooleanOptionalAction, default=None,
+        help="measure the memory and matmul rates after the run and print each figure's share of the limit they set "
+        "(default: on for a GPU or NPU, off on a CPU)",
+    )
     p.add_argument("--json", help="also write the result and the run's settings to this file")
     seed = p.add_argument_group("the seed's rank command (docs/seed.md)")
     seed.add_argument("--resident-bench", action="store_true", help="the seed's mode flag for what this command always runs")
@@ -46,6 +53,7 @@ class Task:
     batch: int = 1
     warmup_tokens: int | None = None
     json: str | None = None
+    limits: bool | None = None
 
 
 def seed_layers(args) -> int | None:
@@ -102,6 +110,10 @@ def _work(run, plan, ids, engine, device) -> int:
         warm_up_batch(engine, prompts, device.synchronize, t.warmup_tokens)
         with engine.tagged(timed=True):
             result = timed_batch(engine, prompts, new_tokens, device.synchronize)
+    shares = None
+    if (t.limits if t.limits is not None else device.torch_device.type != "cpu") and tp().rank == 0:
+        shares = limits.shares(limits.measure(device.torch_device, engine.dtype, device.synchronize), engine.model, result)
+        say(limits.describe(shares))
     rss = peak_rss_mib_per_rank()
     load_peak = per_rank(engine.load_peak_mib)
     weights = per_rank(engine.loaded_bytes / 2**20)
@@ -123,13 +135,13 @@ def _work(run, plan, ids, engine, device) -> int:
                 "decode_step": engine.describe_step(),
             }
             with open(t.json, "w") as f:
-                json.dump({**result, "settings": settings}, f, indent=2)
+                json.dump({**result, **({"limits": shares} if shares else {}), "settings": settings}, f, indent=2)
     return 0
 
 
 def run(args) -> int:
     prompt = PromptSource(token_ids=tuple_or_none(args.token_ids), token_ids_file=args.token_ids_file, max_new_tokens=args.max_new_tokens)
-    task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json)
+    task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json, args.limits)
     return execute(model_plan(args, task, source=source_plan(args, seed_layers(args))))
 
 
