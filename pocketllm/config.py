@@ -248,7 +248,7 @@ def tp_split_problems(cfg: ModelConfig, world: int) -> list[str]:
 
 
 def check_tp_split(cfg: ModelConfig, world: int) -> None:
-    """world >= 1: plan_model refuses a smaller --tp-world before it gets here."""
+    """world >= 1: model_plan refuses a smaller --tp-world before it gets here."""
     problems = tp_split_problems(cfg, world)
     if problems:
         valid = ", ".join(str(w) for w in valid_world_sizes(cfg, limit=max(64, world)))

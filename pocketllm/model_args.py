@@ -140,7 +140,7 @@ def preset_config(name: str, layers: int | None) -> ModelConfig:
     return cfg if layers is None else cfg.with_layers(layers)
 
 
-def plan_model(run: RunPlan, with_policy: bool = True) -> ModelPlan:
+def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     """The checked plan of the run's model. Without a policy (calibrate, which times slice counts
     under none) the plan's policy is None."""
     source, world, kind = run.source, run.world.size, run.device.kind

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pocketllm.commands.ranked import run_without_model
-from pocketllm.commands.settings import DEFAULT_WORLD, world_only_plan
+from pocketllm.commands.settings import DEFAULT_WORLD, model_free_run_plan
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
 from pocketllm.distributed.state import tp
@@ -88,7 +88,7 @@ def _check(run) -> None:
 
 def run(args) -> int:
     task = Task(args.min_bytes, args.max_bytes, args.factor, args.iters, args.warmup_iters, args.dtype, args.json)
-    return execute(world_only_plan(args, task))
+    return execute(model_free_run_plan(args, task))
 
 
 def execute(run: RunPlan) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pocketllm.bench import limits
 from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_with_model, run_settings
-from pocketllm.commands.settings import model_plan, source_plan, tuple_or_none
+from pocketllm.commands.settings import model_run_plan, source_plan, tuple_or_none
 from pocketllm.distributed.state import tp
 from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, warm_up_batch
 from pocketllm.errors import UsageError
@@ -142,7 +142,7 @@ def _work(run, plan, ids, engine, device) -> int:
 def run(args) -> int:
     prompt = PromptSource(token_ids=tuple_or_none(args.token_ids), token_ids_file=args.token_ids_file, max_new_tokens=args.max_new_tokens)
     task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json, args.limits)
-    return execute(model_plan(args, task, source=source_plan(args, seed_layers(args))))
+    return execute(model_run_plan(args, task, source=source_plan(args, seed_layers(args))))
 
 
 def execute(run: RunPlan) -> int:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_without_model
-from pocketllm.commands.settings import DEFAULT_WORLD, source_plan, world_only_plan
+from pocketllm.commands.settings import DEFAULT_WORLD, model_free_run_plan, source_plan
 from pocketllm.config import LINEAR, ModelConfig
 from pocketllm.distributed import collective
 from pocketllm.distributed.allreduce_bench import max_over_ranks, sweep_sizes
@@ -34,7 +34,7 @@ from pocketllm.distributed.policy import CalibratedPolicy, resolve_ceiling
 from pocketllm.distributed.state import group_pids, tp
 from pocketllm.errors import UsageError
 from pocketllm.flags import parse_positive_list
-from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, plan_model, say
+from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, model_plan, say
 from pocketllm.ops.quant.layout import quantize
 from pocketllm.ops.registry import FEW_MAX, KernelSet
 from pocketllm.run_plan import RunPlan, SlicePlan
@@ -111,7 +111,7 @@ def _prepare(run):
         raise UsageError(f"--reps must be >= 1, got {t.reps}")
     # The calibration measures what a policy would be built from, under none: a pin or a stale
     # calibration in the environment does not apply to it.
-    plan = plan_model(run, with_policy=False)
+    plan = model_plan(run, with_policy=False)
     check_out_path(t.out, "--out")
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
     # applies its own ceiling.
@@ -245,7 +245,7 @@ def _work(run, device, inputs) -> int:
 
 def run(args) -> int:
     task = Task(args.rows, args.pin, args.reps, args.out)
-    return execute(world_only_plan(args, task, source_plan(args), SlicePlan(ceiling=args.comm_overlap_slices)))
+    return execute(model_free_run_plan(args, task, source_plan(args), SlicePlan(ceiling=args.comm_overlap_slices)))
 
 
 def execute(run: RunPlan) -> int:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from pocketllm.commands.ranked import run_with_model
-from pocketllm.commands.settings import model_plan, tuple_or_none
+from pocketllm.commands.settings import model_run_plan, tuple_or_none
 from pocketllm.distributed.state import tp
 from pocketllm.engine.generate import generate
 from pocketllm.engine.sampling import SamplingParams
@@ -155,7 +155,7 @@ def run(args) -> int:
         tuple_or_none(args.prompt), args.prompts_file, tuple_or_none(args.token_ids), args.token_ids_file, args.max_new_tokens
     )
     task = Task(prompt, args.max_running, args.temperature, args.top_p, args.seed, args.ignore_eos, args.logits_out, args.stream)
-    return execute(model_plan(args, task))
+    return execute(model_run_plan(args, task))
 
 
 def execute(run: RunPlan) -> int:

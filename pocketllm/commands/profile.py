@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.commands.ranked import run_with_model, run_settings
-from pocketllm.commands.settings import model_plan, phase_asked, profiling_plan, slice_plan
+from pocketllm.commands.settings import model_run_plan, phase_asked, profiling_plan, slice_plan
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
 from pocketllm.engine.timing import timed_prefill, warm_up
@@ -180,7 +180,7 @@ def run(args) -> int:
     profiling = profiling_plan(args, phase=True, phase_text=phase_asked(args))
     slices = slice_plan(args, pin=None if _slices_given(args, os.environ) else "1")
     task = Task(args.prompt_tokens, args.reps, args.pick, args.warmup_tokens, args.json)
-    return execute(model_plan(args, task, slices=slices, profiling=profiling))
+    return execute(model_run_plan(args, task, slices=slices, profiling=profiling))
 
 
 def execute(run: RunPlan) -> int:

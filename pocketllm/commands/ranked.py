@@ -20,7 +20,7 @@ from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
 from pocketllm.fault_injection import FaultHook
 from pocketllm.launch import ENV_PIN_MAP, spawn_local_ranks
-from pocketllm.model_args import plan_model, say
+from pocketllm.model_args import model_plan, say
 from pocketllm.profiling.profiler import attach_profiler
 from pocketllm.rank import checked_on_rank0, join_group, rank_env, run_rank, setup_collective
 from pocketllm.rank_failures import PassTracker
@@ -77,7 +77,7 @@ def run_on_every_rank(run: RunPlan, renv, check, on_rank, forward_signals: bool 
 
 
 def _checked(run: RunPlan, prepare):
-    plan = plan_model(run)
+    plan = model_plan(run)
     return plan, prepare(run, plan)
 
 

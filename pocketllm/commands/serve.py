@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 
 from pocketllm.commands.ranked import run_with_model
-from pocketllm.commands.settings import model_plan
+from pocketllm.commands.settings import model_run_plan
 from pocketllm.distributed.state import tp
 from pocketllm.engine.kv_blocks import blocks_for
 from pocketllm.engine.pass_plan import DEFAULT_PREFILL_BUDGET
@@ -216,7 +216,7 @@ def run(args) -> int:
     task = Task(
         args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, args.api_key, args.served_model_name
     )
-    return execute(model_plan(args, task))
+    return execute(model_run_plan(args, task))
 
 
 def execute(run: RunPlan) -> int:

@@ -72,8 +72,8 @@ def profiling_plan(args, phase: bool | None = None, phase_text: bool = True) -> 
     )
 
 
-def model_plan(args, task, default_world: int = 1, **replace) -> RunPlan:
-    """The plan of a model command, in the order its checks have always run: the device, the
+def model_run_plan(args, task, default_world: int = 1, **replace) -> RunPlan:
+    """The run plan of a model command, in the order its checks have always run: the device, the
     world, the profiles, the fault; `replace` gives a command's own source, slices or profiling."""
     check_timeout(args)
     device = device_plan(args.device)
@@ -84,8 +84,8 @@ def model_plan(args, task, default_world: int = 1, **replace) -> RunPlan:
     return RunPlan(args.command, device, world, source, slices, profiling, fault_from_env(world.size), task)
 
 
-def world_only_plan(args, task, source: SourcePlan | None = None, slices: SlicePlan | None = None) -> RunPlan:
-    """The plan of a model-free command (allreduce, calibrate): its device and a world of two by
+def model_free_run_plan(args, task, source: SourcePlan | None = None, slices: SlicePlan | None = None) -> RunPlan:
+    """The run plan of a model-free command (allreduce, calibrate): its device and a world of two by
     default; calibrate names its model and slice ceiling too."""
     check_timeout(args)
     device = device_plan(args.device)

@@ -13,7 +13,7 @@ from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
 from pocketllm.commands.progress import row_progress
 from pocketllm.commands.ranked import run_with_model, run_settings
-from pocketllm.commands.settings import model_plan
+from pocketllm.commands.settings import model_run_plan
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
 from pocketllm.distributed.state import tp
@@ -157,7 +157,7 @@ def _work(run, plan, inputs, engine, device) -> int:
 
 def run(args) -> int:
     task = Task(args.rows, args.pin, args.policy, args.reps, args.max_new_tokens, args.warmup_tokens, args.json, args.plot)
-    return execute(model_plan(args, task))
+    return execute(model_run_plan(args, task))
 
 
 def execute(run: RunPlan) -> int:
