@@ -108,9 +108,10 @@ def run_bench_json(bench_args: list[str], env: dict[str, str] | None = None, cwd
 class PocketRunner:
     name = "pocketllm"
 
-    def __init__(self, ckpt: str, dtype: torch.dtype | str, quantize: str | None = None):
+    def __init__(self, ckpt: str | None, dtype: torch.dtype | str, quantize: str | None = None, device: str = "cpu", preset: str | None = None, layers: int | None = None):
         """`quantize`: a --quantize scheme the weights are quantized to at load (None: as stored),
-        planned and checked as the commands plan theirs."""
+        planned and checked as the commands plan theirs. Without a checkpoint, `preset`'s own
+        random weights (cut to `layers`), drawn on `device`."""
         from pocketllm.distributed.policy import RulePolicy
         from pocketllm.distributed.state import set_tp
         from pocketllm.engine.runner import Engine
@@ -118,20 +119,23 @@ class PocketRunner:
         from pocketllm.run_plan import RunPlan, SourcePlan
 
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-        plan = model_plan(RunPlan.one_rank(SourcePlan(ckpt=ckpt, dtype=name, quantize=quantize)))
+        kind = torch.device(device).type
+        plan = model_plan(RunPlan.one_rank(SourcePlan(ckpt=ckpt, preset=preset, layers=layers, dtype=name, quantize=quantize), kind))
         set_tp(0, 1)
         self.cfg = plan.cfg
-        self.engine = Engine(plan.cfg, plan.open_source(), plan.dtype, torch.device("cpu"), RulePolicy())
+        self.device = torch.device(device)
+        self.sync = device_sync(self.device)
+        self.engine = Engine(plan.cfg, plan.open_source(self.device), plan.dtype, self.device, RulePolicy())
 
     def prefill(self, ids: list[int]) -> float:
-        seconds, run = timed_prefill(self.engine, ids, _no_sync, room=1)
+        seconds, run = timed_prefill(self.engine, ids, self.sync, room=1)
         run.close()
         return seconds
 
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
         """Seconds of n greedy decode steps after a prefill of ids, through the generation loop
         `pocketllm bench` times, and the tokens: the prefill's, then the steps'."""
-        _, run = timed_prefill(self.engine, ids, _no_sync, room=n)
+        _, run = timed_prefill(self.engine, ids, self.sync, room=n)
         seconds = run.decode(n)
         run.close()
         return seconds, run.tokens[0]
@@ -148,6 +152,15 @@ def llama_bench_tests(cmd: list[str]) -> list[dict]:
 
 def _no_sync() -> None:
     """CPU ops are synchronous: nothing to wait for around a timing."""
+
+
+def device_sync(device: torch.device):
+    """What waits for `device`'s queued work (nothing on a CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "npu":
+        return lambda: torch.npu.synchronize(device)
+    return _no_sync
 
 
 def alternate(items: list, rep: int) -> list:

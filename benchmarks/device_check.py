@@ -146,7 +146,7 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
     with tempfile.TemporaryDirectory() as tmp:
         out_json = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "pocketllm", "bench", "--device", kind, "--tp-world", str(world), "--preset", preset,
-               "--prompt-tokens", str(tokens), "--max-new-tokens", "16", "--dist-timeout", "120", "--json", str(out_json), *extra]
+               "--prompt-tokens", str(tokens), "--max-new-tokens", "32", "--dist-timeout", "120", "--limits", "--json", str(out_json), *extra]
         for i, flag in enumerate(cmd):
             if flag == "DIR":
                 cmd[i] = str(Path(tmp) / "profile")
@@ -155,17 +155,43 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
             table.add(step, "FAIL", "timed out" if rc is None else f"exit {rc}: {_last_line(err)}", seconds)
             return
         doc = json.loads(out_json.read_text())
-    s = doc["settings"]
-    table.add(step, "pass", f"prefill {doc['prefill_tokens_per_s']:.0f} tok/s, decode {doc['decode_tokens_per_s']:.1f} tok/s, "
-                            f"gdn kernel {s['gdn_kernel']}, backend {s['backend']}", seconds)
+    s, lim = doc["settings"], doc.get("limits", {})
+    shares = (f" ({100 * lim['prefill_share_of_matmul_limit']:.0f}% of the matmul limit)", f" ({100 * lim['decode_share_of_memory_limit']:.0f}% of the memory limit)") if lim else ("", "")
+    table.add(step, "pass", f"prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
+                            f"{doc.get('decode_step', '')} {s['decode_step']}, gdn kernel {s['gdn_kernel']}, backend {s['backend']}", seconds)
+
+
+def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) -> None:
+    """benchmarks/vs_transformers.py on the device: one row with both engines' figures, their
+    ratios and pocketllm's shares of the limits."""
+    step = f"vs_transformers --device {kind} {' '.join(args)}"
+    rc, out, err, seconds = _run([sys.executable, "benchmarks/vs_transformers.py", "--device", kind, *args], timeout)
+    if rc != 0:
+        table.add(step, "FAIL", "timed out" if rc is None else f"exit {rc}: {_last_line(err)}", seconds)
+        return
+    s = json.loads(out.strip().splitlines()[-1])
+    parts = [f"{k.removesuffix('_ratio')} {v:.2f}x" for k, v in s.items() if k.endswith("_ratio")]
+    parts += [f"{k} {v:.0%}" for k, v in s.items() if "share" in k]
+    table.add(step, "pass", "; ".join(parts), seconds)
+    for line in out.strip().splitlines()[:-1]:
+        print(f"    {line}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"), help="what to check (cpu: a dry run of this script)")
     p.add_argument("--quick", action="store_true", help="small shapes only (a dry run's speed)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds each step may take (default 300)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds each step may take at most (default 300)")
+    p.add_argument(
+        "--budget", type=float, default=480,
+        help="seconds the whole check may take (default 480): each step gets what is left, and a step that would start with "
+        "under 20 s left is skipped (the device is lent briefly: the check must end inside its lease)",
+    )
     args = p.parse_args(argv)
+    start = time.monotonic()
+
+    def left(cap: float) -> float:
+        return min(cap, args.budget - (time.monotonic() - start))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     kind, count = detect(args.device)
     if kind is None:
@@ -178,16 +204,26 @@ def main(argv=None) -> int:
     table = Table()
     tokens = 256 if args.quick else 4096
     preset, prompt = ("tiny", 64) if args.quick else ("small", 2048)
+    # The big shapes: the 27B's layers, four of them against transformers, all 64 alone.
+    big, big_prompt = ("small", 256) if args.quick else ("qwen3.8-27b", 4096)
+    vs_small = ["--preset", preset, "--lengths", str(prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2"]
+    vs_big = ["--preset", big, "--layers", "4", "--random-weights", "--lengths", str(big_prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2"]
+    # In the order of what a short lease must not miss.
     steps = [
-        ("tests/device", lambda: device_tests(table, args.timeout * 3)),
-        ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, args.timeout)),
-        ("gdn-bench float32", lambda: gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, args.timeout)),
-        ("bench tp1", lambda: bench(table, kind, 1, preset, prompt, [], args.timeout)),
-        ("bench tp1 host profile", lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], args.timeout)),
+        ("tests/device", lambda: device_tests(table, left(args.timeout * 3))),
+        ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
+        ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
+        ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
+        ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
+        ("bench tp1 host profile", lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], left(args.timeout))),
+        ("gdn-bench float32", lambda: gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, left(args.timeout))),
     ]
     if count >= 2 and kind != "cpu":
-        steps.append(("bench tp2", lambda: bench(table, kind, 2, preset, prompt, [], args.timeout)))
+        steps.append(("bench tp2", lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout))))
     for name, step in steps:
+        if left(args.timeout) < 20:
+            table.add(name, "skip", f"out of the check's --budget of {args.budget:g} s", 0.0)
+            continue
         # A step whose output this script cannot read is a failed step, not the end of the check.
         try:
             step()

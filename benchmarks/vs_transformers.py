@@ -4,11 +4,16 @@ Same checkpoint, dtype and thread count, TP=1, repetitions interleaved (every en
 per rep, the engines' order reversed every other rep). Prints prefill tokens/s at each prompt length
 and decode tokens/s over --decode-tokens, as medians with min..max and as ratios; compares the
 greedy tokens; and prints the weight-streaming limit of a decode step (the weight bytes one step
-reads divided by the machine's measured memory read bandwidth) with pocketllm's share of it, and the
-rate of a step cut down to its GEMVs alone (what no fusion of the rest can beat).
+reads divided by the machine's measured memory rate) with pocketllm's share of it, each prefill's
+share of the matmul limit (its GEMM FLOPs over a measured matmul rate), and on a CPU the rate of a
+step cut down to its GEMVs alone (what no fusion of the rest can beat).
 
-    python benchmarks/vs_transformers.py [--ckpt DIR | --preset small] [--lengths 512,2048]
-        [--decode-tokens 64] [--reps 4] [--dtype bfloat16] [--threads 2]
+On a device (--device cuda), transformers runs with whatever kernels it finds (fla's, where the
+cuda extra installed it). --random-weights skips the checkpoint for big shapes: each engine draws
+its own random weights at the preset's shapes on the device (the speeds compare; the tokens do not).
+
+    python benchmarks/vs_transformers.py [--ckpt DIR | --preset small [--layers N] [--random-weights]]
+        [--device cpu|cuda|npu] [--lengths 512,2048] [--decode-tokens 64] [--reps 4] [--dtype bfloat16] [--threads 2]
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import time
 
 import torch
 
-from common import PocketRunner, alternate, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread, tensor_bytes
+from common import PocketRunner, alternate, checkpoint_dir, decode_weight_bytes, device_sync, gemv_only_step_seconds, projection_weights, spread, tensor_bytes
+from pocketllm.bench import limits
 from pocketllm.model_args import parse_dtype
 
 
@@ -29,6 +35,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
+    p.add_argument("--layers", type=int, help="the preset's first N layers")
+    p.add_argument("--random-weights", action="store_true", help="no checkpoint: each engine's own random weights at the preset's shapes")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=4, help="reps per engine, even so each runs first equally often (default 4)")
@@ -41,41 +50,63 @@ def parse_args(argv=None):
 class HFRunner:
     name = "transformers"
 
-    def __init__(self, ckpt: str, dtype: torch.dtype):
-        from transformers import Qwen3_5ForCausalLM
+    def __init__(self, ckpt: str | None, dtype: torch.dtype, device: str = "cpu", cfg=None):
+        """From the checkpoint, or (ckpt None) random weights at `cfg`'s shapes drawn on the device."""
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-        self.model = Qwen3_5ForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.sync = device_sync(self.device)
+        if ckpt is not None:
+            self.model = Qwen3_5ForCausalLM.from_pretrained(ckpt, dtype=dtype).eval().to(self.device)
+        else:
+            with torch.device(self.device):
+                self.model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**cfg.to_hf_dict()), dtype=dtype).eval()
+
+    def _ids(self, ids) -> torch.Tensor:
+        return torch.tensor([ids], device=self.device)
 
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> float:
+        x = self._ids(ids)
+        self.sync()
         t0 = time.perf_counter()
-        self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        self.model(x, use_cache=True, logits_to_keep=1)
+        self.sync()
         return time.perf_counter() - t0
 
     @torch.no_grad()
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        out = self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        out = self.model(self._ids(ids), use_cache=True, logits_to_keep=1)
         cache = out.cache if hasattr(out, "cache") else out.past_key_values
         token = int(torch.argmax(out.logits[0, -1]))
         tokens = [token]
+        self.sync()
         t0 = time.perf_counter()
         for _ in range(n):
-            out = self.model(torch.tensor([[token]]), cache=cache, use_cache=True)
+            out = self.model(self._ids([token]), cache=cache, use_cache=True)
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
             token = int(torch.argmax(out.logits[0, -1]))
             tokens.append(token)
+        self.sync()
         return time.perf_counter() - t0, tokens
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
     lengths = [int(x) for x in args.lengths.split(",")]
-    ckpt = checkpoint_dir(args)
     from pocketllm.inputs import bench_ids
 
-    runners = [PocketRunner(ckpt, dtype), HFRunner(ckpt, dtype)]
+    if args.random_weights:
+        pocket = PocketRunner(None, dtype, device=args.device, preset=args.preset, layers=args.layers)
+        runners = [pocket, HFRunner(None, dtype, args.device, pocket.cfg)]
+    else:
+        if args.layers is not None and args.ckpt is None:
+            raise SystemExit("--layers cuts a preset for --random-weights; for a checkpoint, write one with make-checkpoint --layers")
+        ckpt = checkpoint_dir(args)
+        runners = [PocketRunner(ckpt, dtype, device=args.device), HFRunner(ckpt, dtype, args.device)]
     vocab = runners[0].engine.cfg.vocab_size
     prompts = {n: bench_ids(n, vocab) for n in lengths}
     decode_prompt = bench_ids(32, vocab)
@@ -98,7 +129,7 @@ def main(argv=None) -> int:
             tokens[r.name] = toks
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
-    print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} (median, min..max)")
+    print(f"device={args.device} threads={args.threads} dtype={args.dtype} reps={args.reps} (median, min..max)")
     print(f"{'measure':<22}{'pocketllm':>26}{'transformers':>26}{'ratio':>8}")
     summary = {}
     for n in lengths:
@@ -110,15 +141,33 @@ def main(argv=None) -> int:
     ratio = statistics.median(a) / statistics.median(b)
     summary["decode_ratio"] = round(ratio, 3)
     print(f"{f'decode tok/s x{args.decode_tokens}':<22}{spread(a):>26}{spread(b):>26}{ratio:>8.2f}")
-    weight_bytes = decode_weight_bytes(runners[0].engine.model)
-    bandwidth = max(read_bandwidths_gbps().values())
-    limit = bandwidth * 1e9 / weight_bytes
+    model = runners[0].engine.model
+    weight_bytes = decode_weight_bytes(model)
+    rates = limits.measure(torch.device(args.device), dtype, runners[0].sync)
+    limit = rates.memory_gbps * 1e9 / weight_bytes
     summary["decode_streaming_limit_tok_s"] = round(limit, 1)
-    summary["decode_fraction_of_limit"] = round(statistics.median(a) / limit, 3)
+    summary["decode_share_of_memory_limit"] = round(statistics.median(a) / limit, 3)
+    summary["transformers_decode_share_of_memory_limit"] = round(statistics.median(b) / limit, 3)
     print(
-        f"decode weight bytes/step={weight_bytes / 2**20:.1f} MiB  read bandwidth={bandwidth:.1f} GB/s  "
-        f"streaming limit={limit:.1f} tok/s  pocketllm at {100 * statistics.median(a) / limit:.0f}% of it"
+        f"decode weight bytes/step={weight_bytes / 2**20:.1f} MiB  memory rate={rates.memory_gbps:.1f} GB/s ({rates.memory_how})  "
+        f"streaming limit={limit:.1f} tok/s  pocketllm at {100 * statistics.median(a) / limit:.0f}% of it, transformers at {100 * statistics.median(b) / limit:.0f}%"
     )
+    for n in lengths:
+        best = limits.prefill_gemm_flops(model, n) / (rates.matmul_tflops * 1e12)
+        summary[f"prefill_{n}_share_of_matmul_limit"] = round(statistics.median(prefill[("pocketllm", n)]) * best / n, 3)
+        print(f"prefill @{n}: GEMMs {limits.prefill_gemm_flops(model, n) / 1e12:.3g} TFLOP at {rates.matmul_tflops:.1f} TFLOP/s ({rates.matmul_how}): "
+              f"pocketllm at {100 * summary[f'prefill_{n}_share_of_matmul_limit']:.0f}% of that limit, transformers at "
+              f"{100 * statistics.median(prefill[('transformers', n)]) * best / n:.0f}%")
+    if args.random_weights:
+        print("greedy tokens: not compared (each engine's own random weights)")
+        print(json.dumps(summary))
+        return 0
+    if args.device != "cpu":
+        same = sum(1 for x, y in zip(tokens["pocketllm"], tokens["transformers"]) if x == y)
+        print(f"greedy tokens: {same}/{len(tokens['pocketllm'])} equal")
+        summary["greedy_tokens_equal"] = same == len(tokens["pocketllm"])
+        print(json.dumps(summary))
+        return 0
     gemv_step = gemv_only_step_seconds(runners[0].engine.model)
     summary["gemv_only_step_tok_s"] = round(1.0 / gemv_step, 1)
     summary["gemv_only_fraction_of_limit"] = round(1.0 / gemv_step / limit, 3)
