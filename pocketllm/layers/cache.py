@@ -46,6 +46,10 @@ class GDNState:
         """What save() copies."""
         return self.conv.nbytes + self.recurrent.nbytes
 
+    def addresses(self) -> dict[str, int]:
+        """Where a compiled decode step finds the state (the fields of step_bf16.c's SeqLayer)."""
+        return {"conv": self.conv.data_ptr(), "state": self.recurrent.data_ptr()}
+
 
 @dataclass
 class KVPool:
@@ -97,6 +101,11 @@ class PagedKV:
 
     def bytes(self) -> int:
         return 0
+
+    def addresses(self) -> dict[str, int]:
+        """Where a compiled decode step finds the pool and the table (step_bf16.c's SeqLayer)."""
+        k = self.pool.k
+        return {"k_pool": k.data_ptr(), "v_pool": self.pool.v.data_ptr(), "table": self.table.ids.data_ptr(), "num_blocks": k.shape[0], "block_size": k.shape[2]}
 
 
 @dataclass

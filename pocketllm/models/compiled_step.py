@@ -16,7 +16,6 @@ import torch
 
 from pocketllm.distributed.state import tp
 from pocketllm.layers.attention import GatedAttention
-from pocketllm.layers.cache import GDNState, PagedKV
 from pocketllm.ops.fused import kernels as fused_kernels
 from pocketllm.ops.fused import step as native
 from pocketllm.switches import env_switch
@@ -115,15 +114,10 @@ class CompiledStep:
             return self._bound[1]
         seq = (native.SeqLayer * len(states))()
         for i, (s, state) in enumerate(zip(seq, states)):
-            if isinstance(state, GDNState):
-                s.conv, s.state = state.conv.data_ptr(), state.recurrent.data_ptr()
-            elif isinstance(state, PagedKV):
-                k = state.pool.k
-                s.k_pool, s.v_pool, s.table = k.data_ptr(), state.pool.v.data_ptr(), state.table.ids.data_ptr()
-                s.num_blocks, s.block_size = k.shape[0], k.shape[2]
+            for field, value in state.addresses().items():
+                setattr(s, field, value)
+            if self.layers[i].full:
                 self._attention_work(i, s.block_size)
-            else:
-                raise TypeError(f"decode step: no compiled form for a layer state of type {type(state).__name__}")
         self._bound = (states, seq)
         return seq
 
