@@ -55,12 +55,12 @@ def run_all(sched: Scheduler, prompts, params=SamplingParams()) -> tuple[list, l
 def test_a_short_pool_admits_by_blocks_and_preempts_without_changing_tokens(engine, prompts, alone, kind):
     assert KV_BLOCK_SIZE == 64  # the lengths above are chosen for it
     sched = Scheduler(engine, max_running=4, max_len=MAX_LEN, kv_blocks=4)
-    assert sched.blocks.num_blocks == 4
+    assert sched.slots.blocks.num_blocks == 4
     requests = [sched.submit(p, NEW, SAMPLED if kind == "sampled" else SamplingParams()) for p in prompts]
     sched.step()
     # 60 (1 block) and 130 (3) fill the pool: 5 waits for blocks though two slots are free.
     assert [r.prompt for r in sched.running] == prompts[:2] and len(sched.free_slots) == 2
-    assert sched.blocks.num_used == 4
+    assert sched.slots.blocks.num_used == 4
     preempted_with_tokens = False
     while sched.has_work:
         before = {r.id: len(r.output) for r in sched.running}
@@ -70,7 +70,7 @@ def test_a_short_pool_admits_by_blocks_and_preempts_without_changing_tokens(engi
     assert sched.preemptions >= 1 and preempted_with_tokens
     assert [r.output for r in requests] == alone[kind]
     assert all(r.finish_reason == "length" for r in requests)
-    assert sched.blocks.num_used == 0 and sorted(sched.free_slots) == [0, 1, 2, 3]
+    assert sched.slots.blocks.num_used == 0 and sorted(sched.free_slots) == [0, 1, 2, 3]
 
 
 def test_a_pool_of_one_sequence_runs_them_one_at_a_time(engine, prompts, alone):

@@ -141,7 +141,7 @@ def test_cached_blocks_go_back_before_a_running_request_is_preempted(engine):
     # 64 and 128) hold 2 of its 4 blocks when the long one needs all 4.
     sched = Scheduler(engine, 2, 200, kv_blocks=blocks_for(200), prefix_cache_bytes=entries(engine, 4))
     drain(sched, short)
-    assert sched.blocks.num_used == 2 and len(engine.slots.cached) == 2
+    assert sched.slots.blocks.num_used == 2 and len(engine.slots.cached) == 2
     usage = sched.kv_usage()
     assert (usage.blocks_used, usage.prefix_blocks) == (0, 2)
     assert drain(sched, long).output == cold

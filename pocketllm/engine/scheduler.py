@@ -146,13 +146,12 @@ class Scheduler:
         self.invariant, self.chunk = engine.invariant, engine.prefill_chunk
         engine.reserve_slots(max_running, max_len, kv_blocks)
         self.slots = engine.slots
-        self.blocks = engine.slots.blocks
         self.plan = None if lockstep else pass_plan_for(engine, max_running, prefill_budget)
         self._ops: list[tuple[int, int, int, int]] = []  # run here, not yet sent to the other ranks
         self._replay_left = REPLAY_ROWS  # replayed rows this pass may still take
         self.preemptions = 0
         entries = prefix_cache_bytes // max(1, engine.slots.sequence_bytes())
-        self.prefix = PrefixCache(entries, self.blocks.block_size) if entries > 0 else None
+        self.prefix = PrefixCache(entries, self.slots.block_size) if entries > 0 else None
         self.free_slots = list(range(max_running))
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -297,16 +296,16 @@ class Scheduler:
             self._replay_left = REPLAY_ROWS
             spans, fed, budget = self._spans(self.running, self.prefill_budget)
             ends = {req.slot: start + len(rows) for req, (_, start, rows) in zip(fed, spans)}
-            need = sum(self.blocks.needed(slot, end) for slot, end in ends.items())
-            self._reclaim(need - self.blocks.num_free)
-            if need <= self.blocks.num_free:
+            need = sum(self.slots.blocks_needed(slot, end) for slot, end in ends.items())
+            self._reclaim(need - self.slots.free_blocks)
+            if need <= self.slots.free_blocks:
                 break
             self._preempt(self.running[-1])
             preempted = True
         if preempted:
             return spans, fed
-        bs = self.blocks.block_size
-        room = self.blocks.num_free - sum(self.blocks.needed(req.slot, req.length) for req in self.running)
+        bs = self.slots.block_size
+        room = self.slots.free_blocks - sum(self.slots.blocks_needed(req.slot, req.length) for req in self.running)
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting[0]
@@ -420,7 +419,7 @@ class Scheduler:
         room under the cache's budget by forgetting the least recently used. Batch-invariant, only
         at the end of one of its prompt's chunks that ends on a multiple of the chunk: what any
         request with this prefix computes there in its own prompt's chunks, bit for bit."""
-        if self.prefix is None or req.fed < self.blocks.block_size or self.closed:
+        if self.prefix is None or req.fed < self.slots.block_size or self.closed:
             return
         if self.invariant and (req.fed > len(req.prompt) or req.fed % self.chunk):
             return
@@ -446,28 +445,28 @@ class Scheduler:
         until `short` blocks are freed (or none is left to forget); the blocks freed."""
         if self.prefix is None or short <= 0:
             return 0
-        before = self.blocks.num_free
+        before = self.slots.free_blocks
         progress = True
         # Again while it frees something: a prefix's blocks may be held by a longer one too.
-        while progress and self.blocks.num_free - before < short:
+        while progress and self.slots.free_blocks - before < short:
             progress = False
             for entry_id in list(self.prefix.entries):
-                if self.blocks.num_free - before >= short:
+                if self.slots.free_blocks - before >= short:
                     break
                 if (keep is None or entry_id != keep.id) and self.slots.frees_a_block(entry_id):
                     self._evict(entry_id)
                     progress = True
-        return self.blocks.num_free - before
+        return self.slots.free_blocks - before
 
     def kv_usage(self) -> KVUsage:
         """The pool's use (read from any thread: a moment's view, not a locked one)."""
-        running = len({b for table in self.blocks.tables for b in list(table.held)})
-        usage = KVUsage(self.blocks.num_blocks, running, self.blocks.block_size, self.preemptions)
+        total, running, used = self.slots.block_use()
+        usage = KVUsage(total, running, self.slots.block_size, self.preemptions)
         if self.prefix is not None:
             usage.prefix_caching = True
             usage.prefix_hits, usage.prefix_misses, usage.prefix_hit_tokens = self.prefix.hits, self.prefix.misses, self.prefix.hit_tokens
             usage.prefix_entries = len(self.prefix.entries)
-            usage.prefix_blocks = max(0, self.blocks.num_used - running)
+            usage.prefix_blocks = max(0, used - running)
         return usage
 
     def keep_alive(self) -> None:

@@ -129,6 +129,24 @@ class Slots:
         for entry in list(self.cached):
             self.evict(entry)
 
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    def blocks_needed(self, slot: int, end: int) -> int:
+        """Blocks the sequence in `slot` lacks to hold positions up to `end`."""
+        return self.blocks.needed(slot, end)
+
+    def block_use(self) -> tuple[int, int, int]:
+        """(blocks in the pool, blocks the sequences hold, blocks held by anything), a moment's
+        view for metrics (read from any thread: not a locked one)."""
+        held = len({b for table in self.blocks.tables for b in list(table.held)})
+        return self.blocks.num_blocks, held, self.blocks.num_used
+
     def sole_holder_of_last_block(self, entry: int) -> bool:
         """Whether prefix cache entry `entry` ends inside a block that only it holds."""
         cached = self.cached[entry]
