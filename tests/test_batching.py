@@ -11,7 +11,8 @@ from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
 
 from pocketllm.engine.generate import generate
 from pocketllm.engine.sampling import SamplingParams
-from pocketllm.engine.scheduler import Scheduler, generate_batch
+from pocketllm.engine.generate import generate_batch
+from pocketllm.engine.scheduler import Scheduler
 
 torch.set_num_threads(2)
 

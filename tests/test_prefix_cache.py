@@ -16,7 +16,8 @@ from pocketllm.engine.generate import generate
 from pocketllm.engine.kv_blocks import blocks_for
 from pocketllm.engine.pass_plan import EVICT, RESTORE, SNAPSHOT
 from pocketllm.engine.prefix_cache import PrefixCache
-from pocketllm.engine.scheduler import KVUsage, Scheduler
+from pocketllm.engine.request import KVUsage
+from pocketllm.engine.scheduler import Scheduler
 from pocketllm.serving.metrics import Metrics, parse
 
 torch.set_num_threads(2)

@@ -12,9 +12,8 @@ from safetensors.torch import save_file
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan, tuple_or_none
 from pocketllm.distributed.state import tp
-from pocketllm.engine.generate import generate
+from pocketllm.engine.generate import generate, generate_batch
 from pocketllm.engine.sampling import SamplingParams
-from pocketllm.engine.scheduler import generate_batch
 from pocketllm.errors import UsageError
 from pocketllm.inputs import PromptSource, load_tokenizer, prompt_list
 from pocketllm.model_args import add_model_args

@@ -1,7 +1,8 @@
-"""Token generation for one prompt, greedy or sampled, through the generation loop every way of
-producing tokens shares (the Scheduler's step), run in lockstep on every rank: each rank feeds the
-same token to the next step, a sampled token being drawn on rank 0 and broadcast, a greedy one
-the argmax of logits every rank holds alike."""
+"""Token generation through the generation loop every way of producing tokens shares (the
+Scheduler's step): one prompt run in lockstep on every rank (each rank feeds the same token to the
+next step, a sampled token being drawn on rank 0 and broadcast, a greedy one the argmax of logits
+every rank holds alike), or several as one continuously batched run that rank 0 schedules and the
+other ranks follow."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from collections.abc import Callable
 
 import torch
 
+from pocketllm.distributed.state import tp
+from pocketllm.engine.pass_plan import follow
 from pocketllm.engine.runner import Engine
 from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import Scheduler
+from pocketllm.engine.slots import pool_blocks
 
 
 def generate(
@@ -44,3 +48,23 @@ def generate(
     if prompt_logits is not None:
         prompt_logits(torch.cat(rows) if len(rows) > 1 else rows[0])
     return req.output[:asked]
+
+
+def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=(), max_running: int | None = None) -> list[list[int]]:
+    """Every prompt's continuation, run as one batch (at most max_running at once); on ranks
+    other than 0 it follows rank 0's passes and returns []."""
+    max_running = min(max_running or len(prompts), len(prompts))
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    # The pool: what max_running sequences of max_len fill, or the default budget if smaller.
+    kv_blocks = pool_blocks(engine)
+    if tp().rank != 0:
+        follow(engine, max_running, max_len, kv_blocks=kv_blocks)
+        return []
+    sched = Scheduler(engine, max_running, max_len, kv_blocks=kv_blocks)
+    try:
+        requests = [sched.submit(p, max_new_tokens, sampling, eos_ids) for p in prompts]
+        while sched.has_work:
+            sched.step()
+    finally:
+        sched.close()
+    return [r.output for r in requests]

@@ -41,85 +41,20 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from pocketllm.distributed.state import broadcast_, tp
 from pocketllm.engine.kv_blocks import blocks_for
-from pocketllm.engine.pass_plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, follow, pass_plan_for, run_pass_plan
+from pocketllm.engine.pass_plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, pass_plan_for, run_pass_plan
 from pocketllm.engine.prefix_cache import PrefixCache
+from pocketllm.engine.request import KVUsage, Request
 from pocketllm.engine.sampling import SamplingParams, choose
-from pocketllm.engine.slots import pool_blocks
 from pocketllm.inputs import request_problem
 
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never
 # reaches the collective timeout however long no request comes.
 KEEP_ALIVE_SECONDS = 1.0
-
-
-@dataclass(eq=False)
-class Request:
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    eos_ids: tuple[int, ...]
-    output: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # a TokenLogprob per output token, when sampling.logprobs asks
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), "cancelled"
-    slot: int | None = None
-    fed: int = 0  # positions of this sequence the engine has run
-    generator: torch.Generator | None = None
-    stop_ids: frozenset[int] = frozenset()  # eos ids unless ignore_eos, and stop_token_ids
-    preempted: int = 0  # times its blocks were taken back and it was recomputed
-    # Given every prompt position's fp32 logits [rows, V] as the passes read them (generate
-    # --logits-out); None: only each pass's last rows are computed.
-    prompt_logits: Callable[[torch.Tensor], None] | None = None
-
-    def tokens(self, end: int) -> list[int]:
-        """Its first `end` positions' ids: the prompt, then the tokens chosen."""
-        n = len(self.prompt)
-        return self.prompt[:end] + self.output[: max(end - n, 0)]
-
-    @property
-    def length(self) -> int:
-        """Positions the sequence has: its prompt and the tokens chosen so far."""
-        return len(self.prompt) + len(self.output)
-
-    def prefilling(self, invariant: bool) -> bool:
-        """Its next rows are a chunk of what it already has, not decode rows: of its prompt
-        (batch-invariant), or of its prompt and tokens so far (after a preemption, otherwise)."""
-        return self.fed < (len(self.prompt) if invariant else max(len(self.prompt), self.length - 1))
-
-    def ids(self, start: int, end: int) -> list[int]:
-        """The ids of its positions start..end-1."""
-        n = len(self.prompt)
-        return self.prompt[start : min(end, n)] + self.output[max(start - n, 0) : max(end - n, 0)]
-
-    def _next_rows(self, budget: int) -> list[int]:
-        """The ids this sequence feeds to its next pass: a chunk of its positions within
-        `budget`, or its last token (POCKETLLM_BATCH_INVARIANT=0)."""
-        end = min(self.length, self.fed + budget) if self.prefilling(False) else self.fed + 1
-        return self.ids(self.fed, end)
-
-
-@dataclass
-class KVUsage:
-    """The KV pool and the prefix cache as /metrics reports them."""
-
-    blocks_total: int
-    blocks_used: int  # held by running requests
-    block_size: int
-    preemptions: int
-    prefix_caching: bool = False
-    prefix_hits: int = 0  # requests started from a cached prefix
-    prefix_misses: int = 0
-    prefix_hit_tokens: int = 0  # positions they did not run
-    prefix_entries: int = 0
-    prefix_blocks: int = 0  # held by cached prefixes alone: given back when requests need them
 
 
 class Scheduler:
@@ -505,23 +440,3 @@ class Scheduler:
         if tp().world > 1 and not self.lockstep:
             self.plan.close()
             broadcast_(self.plan.buf)
-
-
-def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=(), max_running: int | None = None) -> list[list[int]]:
-    """Every prompt's continuation, run as one batch (at most max_running at once); on ranks
-    other than 0 it follows rank 0's passes and returns []."""
-    max_running = min(max_running or len(prompts), len(prompts))
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    # The pool: what max_running sequences of max_len fill, or the default budget if smaller.
-    kv_blocks = pool_blocks(engine)
-    if tp().rank != 0:
-        follow(engine, max_running, max_len, kv_blocks=kv_blocks)
-        return []
-    sched = Scheduler(engine, max_running, max_len, kv_blocks=kv_blocks)
-    try:
-        requests = [sched.submit(p, max_new_tokens, sampling, eos_ids) for p in prompts]
-        while sched.has_work:
-            sched.step()
-    finally:
-        sched.close()
-    return [r.output for r in requests]
