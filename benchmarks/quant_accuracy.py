@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from pocketllm.engine.runner import Engine
 from pocketllm.loader.fp8 import to_fp8_blocks
-from pocketllm.loader.quantized import projection_keys
+from pocketllm.loader.model_tensors import projection_keys
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,6 +19,7 @@ from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, Pol
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.load import validate_source
+from pocketllm.loader.model_tensors import ModelTensor, model_tensors
 from pocketllm.loader.quantized import UNSET, check_split, plan_weights
 from pocketllm.loader.random_weights import RandomWeights
 from pocketllm.ops import registry
@@ -113,13 +114,15 @@ class ModelPlan:
     # The GDN kernel planned for the run's device and dtype; each rank still probes a device
     # kernel before trusting it, and reports what it runs.
     gdn_kernel: KernelChoice | None = None
+    # The model's tensors, listed by the check's one walk down the layers.
+    tensors: tuple[ModelTensor, ...] = ()
 
     def open_source(self, device=None):
         """The weights to load: the checkpoint's reader, or the preset's drawn on `device` (the
         engine's; default the host)."""
         if self.reader is not None:
             return self.reader
-        return RandomWeights(self.cfg, seed=0, device=device)
+        return RandomWeights(self.cfg, seed=0, device=device, tensors=self.tensors)
 
     @property
     def model_name(self) -> str:
@@ -158,27 +161,34 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     if source.ckpt is not None and source.preset is not None:
         raise UsageError("give either --ckpt or --preset, not both")
     requested = UNSET if source.quantize is None else parse_scheme(source.quantize)
+    reader, preset = None, None
     if source.ckpt is not None:
+        # The index and each shard's header, read once: validation below and loading reuse them.
         reader = CheckpointReader(source.ckpt)
-        cfg = load_config(source.ckpt)
-        if source.layers is not None:
-            if source.layers > cfg.num_layers:
-                raise UsageError(f"--layers {source.layers}: the checkpoint has only {cfg.num_layers} layers")
-            cfg = cfg.with_layers(source.layers)
-        cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested))
-        check_tp_split(cfg, world)
-        check_split(cfg, cfg.weights, world)
-        _check_forced_quantized(cfg, kind)
-        validate_source(reader, cfg)
-        reader.close()
-        return ModelPlan(cfg, dtype, _checked_policy(policy, run, cfg), source.ckpt, None, reader, gdn_kernel)
-    preset = source.preset or DEFAULT_PRESET
-    cfg = preset_config(preset, source.layers)
-    cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, None, requested))
+        cfg = checkpoint_config(source.ckpt, source.layers)
+    else:
+        preset = source.preset or DEFAULT_PRESET
+        cfg = preset_config(preset, source.layers)
+    # The one walk down the layers: the weight plan, the split check and validation read its list.
+    tensors = model_tensors(cfg)
+    cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested, tensors))
     check_tp_split(cfg, world)
-    check_split(cfg, cfg.weights, world)
+    check_split(tensors, cfg.weights, world)
     _check_forced_quantized(cfg, kind)
-    return ModelPlan(cfg, dtype, _checked_policy(policy, run, cfg), None, preset, gdn_kernel=gdn_kernel)
+    if reader is not None:
+        validate_source(reader, cfg, tensors)
+        reader.close()
+    return ModelPlan(cfg, dtype, _checked_policy(policy, run, cfg), source.ckpt, preset, reader, gdn_kernel, tensors)
+
+
+def checkpoint_config(ckpt: str, layers: int | None) -> ModelConfig:
+    """The checkpoint's config, cut to `layers` when given: a checkpoint's stack cannot grow."""
+    cfg = load_config(ckpt)
+    if layers is None:
+        return cfg
+    if layers > cfg.num_layers:
+        raise UsageError(f"--layers {layers}: the checkpoint has only {cfg.num_layers} layers")
+    return cfg.with_layers(layers)
 
 
 def _check_forced_quantized(cfg: ModelConfig, kind: str) -> None:

@@ -14,7 +14,7 @@ from conftest import assert_usage_error, cli_env, feed, generated_ids, main_in_p
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
 from pocketllm.engine.runner import Engine
-from pocketllm.loader.quantized import projection_keys
+from pocketllm.loader.model_tensors import projection_keys
 from pocketllm.loader.random_weights import RandomWeights, random_row_blocks, random_tensor
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quantize
 from pocketllm.presets import get_preset
@@ -281,11 +281,12 @@ def test_a_checkpoint_that_left_some_parts_of_a_fused_projection_float_runs_them
     plan = WeightPlan(parse_scheme("int8"), overrides=tuple((k, None) for k in kept))
     want = _logits(dataclasses.replace(cfg, weights=plan), RandomWeights(cfg))
     from pocketllm.config import load_config
+    from pocketllm.loader.model_tensors import model_tensors
     from pocketllm.loader.quantized import UNSET, plan_weights
 
     reader = CheckpointReader(packed)
     loaded = load_config(packed)
-    loaded = dataclasses.replace(loaded, weights=plan_weights(loaded, reader, UNSET))
+    loaded = dataclasses.replace(loaded, weights=plan_weights(loaded, reader, UNSET, model_tensors(loaded)))
     held = []
     got = _logits(loaded, reader, held)
     assert sum(isinstance(w, torch.Tensor) for w in held) == len(kept) // 2  # one float block per GDN layer

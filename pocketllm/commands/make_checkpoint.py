@@ -13,7 +13,8 @@ from pathlib import Path
 from pocketllm.errors import UsageError
 from pocketllm.loader.compressed_tensors import check_host, quantization_config
 from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantized
-from pocketllm.loader.quantized import check_split, projection_keys
+from pocketllm.loader.model_tensors import model_tensors, projections
+from pocketllm.loader.quantized import check_split
 from pocketllm.loader.random_weights import RandomWeights, random_row_blocks
 from pocketllm.loader.stream_writer import Entry
 from pocketllm.model_args import parse_dtype, preset_config
@@ -81,17 +82,18 @@ def run(args) -> int:
     if args.max_shard_mib < 1:
         raise UsageError(f"--max-shard-mib must be >= 1, got {args.max_shard_mib}")
     scheme = parse_scheme(args.quantize) if args.quantize else None
+    model = model_tensors(cfg)
     if scheme is not None:
         check_host()
-        check_split(cfg, WeightPlan(scheme), 1)
+        check_split(model, WeightPlan(scheme), 1)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create ({exc.strerror})") from None
-    source = RandomWeights(cfg, seed=args.seed, dtype=dtype)
+    source = RandomWeights(cfg, seed=args.seed, dtype=dtype, tensors=model)
     tensors = [Entry(name, dtype, tuple(shape)) for name, shape in source.shapes.items()]
-    quantized = {k: scheme for k in projection_keys(cfg)} if scheme is not None else {}
+    quantized = {t.key: scheme for t in projections(model)} if scheme is not None else {}
 
     def blocks(name: str):
         for r0, block in random_row_blocks(name, source.shapes[name], args.seed, BLOCK_ROWS):

@@ -19,7 +19,8 @@ from pocketllm.loader.compressed_tensors import check_host, quantization_config
 from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantized
 from pocketllm.loader.fp8 import SCALE_SUFFIX
 from pocketllm.loader.load import validate_source
-from pocketllm.loader.quantized import UNSET, check_split, plan_weights, projection_keys
+from pocketllm.loader.model_tensors import model_tensors, projections
+from pocketllm.loader.quantized import UNSET, check_split, plan_weights
 from pocketllm.loader.stream_writer import DTYPE_NAMES, Entry
 from pocketllm.quantization import SCHEME_HELP, WeightPlan, parse_scheme
 
@@ -47,8 +48,9 @@ def run(args) -> int:
     if cfg.quantization is not None and cfg.quantization.method != "fp8":
         raise UsageError(f"{src} is already quantized ({cfg.quantization.label}); quantize a float or fp8 checkpoint")
     # The input is checked as a run would load it, then the scheme against the model's shapes.
-    validate_source(reader, dataclasses.replace(cfg, weights=plan_weights(cfg, reader, UNSET)))
-    check_split(cfg, WeightPlan(scheme), 1)
+    model = model_tensors(cfg)
+    validate_source(reader, dataclasses.replace(cfg, weights=plan_weights(cfg, reader, UNSET, model)), model)
+    check_split(model, WeightPlan(scheme), 1)
     if out.resolve() == src.resolve():
         raise UsageError("--out must be another directory than --ckpt")
     try:
@@ -65,7 +67,7 @@ def run(args) -> int:
         tensors.append(Entry(key, TORCH_DTYPES[sl.get_dtype()], tuple(sl.get_shape())))
     reader.close()
     # An fp8 release's unconverted modules (modules_to_not_convert) stay float, as at load.
-    quantized = {reader.to_file_key(k): scheme for k in projection_keys(cfg) if reader.has(k) and (not fp8 or reader.to_file_key(k) in fp8)}
+    quantized = {reader.to_file_key(t.key): scheme for t in projections(model) if reader.has(t.key) and (not fp8 or reader.to_file_key(t.key) in fp8)}
     run_dtype = {"float16": torch.float16, "float32": torch.float32}.get(cfg.checkpoint_dtype, torch.bfloat16)
 
     def blocks(name: str):

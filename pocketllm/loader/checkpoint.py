@@ -25,9 +25,11 @@ class CheckpointReader:
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        # Each shard is opened once to map its keys and stays open for the model check, which
+        # reads its tensors' shapes and dtypes from the same parsed header; close() unmaps them.
+        self._handles: dict[Path, object] = {}
         self.file_of = self._map_keys()
         self.prefix = self._text_prefix()
-        self._handles: dict[Path, object] = {}
         # An fp8 checkpoint's block (config.json's weight_block_size), set by the plan.
         self.fp8_block: tuple[int, int] = (128, 128)
 
@@ -56,11 +58,9 @@ class CheckpointReader:
         keys = self._check_readable(single)
         return {key: single for key in keys}
 
-    @staticmethod
-    def _check_readable(path: Path) -> list[str]:
+    def _check_readable(self, path: Path) -> list[str]:
         try:
-            with safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
+            return list(self._handle(path).keys())
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from None
 
@@ -112,6 +112,10 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return self.to_file_key(name) in self.file_of
+
+    def __getstate__(self) -> dict:
+        # The reader travels to the other ranks with the model plan: its key map, not its files.
+        return {**self.__dict__, "_handles": {}}
 
     def close(self) -> None:
         """Unmap the files: the pages a read touched count in this process's memory until then.

@@ -12,36 +12,39 @@ from pocketllm.config import ModelConfig
 from pocketllm.errors import CheckpointError
 from pocketllm.loader.compressed_tensors import expected_companions
 from pocketllm.loader.fp8 import SCALE_SUFFIX
-from pocketllm.loader.quantized import fill_quantized, for_device, projection_keys
-from pocketllm.loader.random_weights import expected_shapes
+from pocketllm.loader.quantized import fill_quantized, for_device
 from pocketllm.ops.quant.layout import QuantizedWeight
 
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def expected_tensors(source, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], set[str]]]:
-    """Every tensor the checkpoint must hold: name -> (shape, allowed safetensors dtypes). A
-    weight stored packed (compressed-tensors) stands as its packed tensors, an fp8 one as its
-    e4m3 values and block scales."""
-    expected = {k: (shape, FLOAT_DTYPES) for k, shape in expected_shapes(cfg).items()}
+def expected_tensors(source, cfg: ModelConfig, tensors) -> dict[str, tuple[tuple[int, ...], set[str]]]:
+    """Every tensor the checkpoint must hold, from the model's `tensors`
+    (pocketllm.loader.model_tensors): name -> (shape, allowed safetensors dtypes). A weight stored
+    packed (compressed-tensors) stands as its packed tensors, an fp8 one as its e4m3 values and
+    block scales."""
+    expected = {}
     plan, quant = cfg.weights, cfg.quantization
-    for key, (shape, _) in projection_keys(cfg).items():
-        if plan is not None and plan.source == "compressed-tensors" and plan.scheme_for(key) is not None:
-            del expected[key]
+    for t in tensors:
+        key, shape = t.key, t.shape
+        if t.projection and plan is not None and plan.source == "compressed-tensors" and plan.scheme_for(key) is not None:
             expected.update(expected_companions(key, shape, plan.scheme_for(key)))
-        elif quant is not None and quant.method == "fp8" and source.has(key + SCALE_SUFFIX):
+        elif t.projection and quant is not None and quant.method == "fp8" and source.has(key + SCALE_SUFFIX):
             br, bc = quant.block
             expected[key] = (shape, {"F8_E4M3"})
             expected[key + SCALE_SUFFIX] = ((-(-shape[0] // br), -(-shape[1] // bc)), {"F32", "BF16"})
+        else:
+            expected[key] = (shape, FLOAT_DTYPES)
     return expected
 
 
-def validate_source(source, cfg: ModelConfig, max_listed: int = 5) -> None:
+def validate_source(source, cfg: ModelConfig, tensors, max_listed: int = 5) -> None:
     """Missing keys, unexpected keys, shape and dtype mismatches, each named, before any weight is
-    read. Layers beyond a `--layers` cut are not unexpected; a tied head's spare copy is ignored."""
-    expected = expected_tensors(source, cfg)
-    projections = projection_keys(cfg)
+    read; `tensors`: the model's (pocketllm.loader.model_tensors). Layers beyond a `--layers` cut
+    are not unexpected; a tied head's spare copy is ignored."""
+    expected = expected_tensors(source, cfg, tensors)
+    full_shape = {t.key: t.shape for t in tensors}
     present = source.canonical_keys()
 
     def beyond_cut(key: str) -> bool:
@@ -66,7 +69,7 @@ def validate_source(source, cfg: ModelConfig, max_listed: int = 5) -> None:
         dtype = sl.get_dtype()
         if dtype not in dtypes:
             problems.append(f"{key} has dtype {dtype}, expected {' or '.join(sorted(dtypes))}")
-        elif key.endswith("_shape") and (got := sl[:].tolist()) != list(full := projections[key.removesuffix("_shape")][0]):
+        elif key.endswith("_shape") and (got := sl[:].tolist()) != list(full := full_shape[key.removesuffix("_shape")]):
             problems.append(f"{key} says {got}, expected {list(full)}")
     if problems:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(problems[:max_listed]))

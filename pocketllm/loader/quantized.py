@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.config import FULL, ModelConfig
+from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import all_reduce_max
 from pocketllm.errors import CheckpointError, UsageError
 from pocketllm.loader.compressed_tensors import check_host, read_packed
 from pocketllm.loader.fp8 import SCALE_SUFFIX
+from pocketllm.loader.model_tensors import projections
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quantize
 from pocketllm.quantization import WeightPlan, WeightScheme
 
@@ -25,41 +26,16 @@ FP8_DEFAULT = WeightScheme(8)
 UNSET = "unset"
 
 
-def projection_keys(cfg: ModelConfig) -> dict[str, tuple[tuple[int, int], bool]]:
-    """Every weight a run may hold quantized: key -> (full [out, in] shape, row-parallel)."""
-    h, keys = cfg.hidden_size, {}
-    if not cfg.tie_word_embeddings:
-        keys["lm_head.weight"] = ((cfg.vocab_size, h), False)
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}"
-        keys[f"{p}.mlp.gate_proj.weight"] = ((cfg.intermediate_size, h), False)
-        keys[f"{p}.mlp.up_proj.weight"] = ((cfg.intermediate_size, h), False)
-        keys[f"{p}.mlp.down_proj.weight"] = ((h, cfg.intermediate_size), True)
-        if kind == FULL:
-            a, d = f"{p}.self_attn", cfg.head_dim
-            keys[f"{a}.q_proj.weight"] = ((cfg.num_attention_heads * d * 2, h), False)
-            keys[f"{a}.k_proj.weight"] = ((cfg.num_key_value_heads * d, h), False)
-            keys[f"{a}.v_proj.weight"] = ((cfg.num_key_value_heads * d, h), False)
-            keys[f"{a}.o_proj.weight"] = ((h, cfg.num_attention_heads * d), True)
-        else:
-            a, hv = f"{p}.linear_attn", cfg.linear_num_value_heads
-            keys[f"{a}.in_proj_qkv.weight"] = ((cfg.conv_dim, h), False)
-            keys[f"{a}.in_proj_z.weight"] = ((cfg.linear_value_dim, h), False)
-            keys[f"{a}.in_proj_b.weight"] = ((hv, h), False)
-            keys[f"{a}.in_proj_a.weight"] = ((hv, h), False)
-            keys[f"{a}.out_proj.weight"] = ((h, cfg.linear_value_dim), True)
-    return keys
-
-
-def plan_weights(cfg: ModelConfig, source, requested) -> WeightPlan | None:
+def plan_weights(cfg: ModelConfig, source, requested, tensors) -> WeightPlan | None:
     """The run's weight plan. `requested`: the --quantize scheme, None for `none`, UNSET when
-    the flag was not given. A float checkpoint (or preset) is quantized at load as asked; a
-    compressed-tensors one runs as stored; an fp8 one is converted at load (FP8_DEFAULT unless
-    asked otherwise, `none` for floats in the run's dtype)."""
+    the flag was not given; `tensors`: the model's (pocketllm.loader.model_tensors). A float
+    checkpoint (or preset) is quantized at load as asked; a compressed-tensors one runs as stored;
+    an fp8 one is converted at load (FP8_DEFAULT unless asked otherwise, `none` for floats in the
+    run's dtype)."""
     quant = cfg.quantization
     if quant is None:
         return None if requested in (UNSET, None) else WeightPlan(requested)
-    keys = projection_keys(cfg)
+    keys = [t.key for t in projections(tensors)]
     if quant.method == "fp8":
         source.fp8_block = quant.block
         target = FP8_DEFAULT if requested == UNSET else requested
@@ -82,13 +58,14 @@ def plan_weights(cfg: ModelConfig, source, requested) -> WeightPlan | None:
     return WeightPlan(None, "compressed-tensors", tuple(overrides))
 
 
-def check_split(cfg: ModelConfig, plan: WeightPlan | None, world: int) -> None:
+def check_split(tensors, plan: WeightPlan | None, world: int) -> None:
     """Every quantized weight's inputs must split into its groups, and at --tp-world a
     row-parallel shard must hold whole groups (and, packed, whole int32 words): one line naming
-    the first that does not, before any rank starts."""
+    the first of the model's `tensors` that does not, before any rank starts."""
     if plan is None:
         return
-    for key, ((_, cols), row_parallel) in projection_keys(cfg).items():
+    for t in projections(tensors):
+        key, cols, row_parallel = t.key, t.shape[1], t.row_parallel
         scheme = plan.scheme_for(key)
         if scheme is None:
             continue

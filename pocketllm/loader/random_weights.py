@@ -10,44 +10,8 @@ import zlib
 
 import torch
 
-from pocketllm.config import FULL, ModelConfig
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this shape holds, by canonical name."""
-    h, shapes = cfg.hidden_size, {}
-    shapes["model.embed_tokens.weight"] = (cfg.vocab_size, h)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-        for name in ("gate_proj", "up_proj"):
-            shapes[f"{p}.mlp.{name}.weight"] = (cfg.intermediate_size, h)
-        shapes[f"{p}.mlp.down_proj.weight"] = (h, cfg.intermediate_size)
-        if kind == FULL:
-            d = cfg.head_dim
-            shapes[f"{p}.self_attn.q_proj.weight"] = (cfg.num_attention_heads * d * 2, h)
-            shapes[f"{p}.self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, h)
-            shapes[f"{p}.self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, h)
-            shapes[f"{p}.self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
-            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
-            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
-        else:
-            hv = cfg.linear_num_value_heads
-            a = f"{p}.linear_attn"
-            shapes[f"{a}.in_proj_qkv.weight"] = (cfg.conv_dim, h)
-            shapes[f"{a}.in_proj_z.weight"] = (cfg.linear_value_dim, h)
-            shapes[f"{a}.in_proj_b.weight"] = (hv, h)
-            shapes[f"{a}.in_proj_a.weight"] = (hv, h)
-            shapes[f"{a}.conv1d.weight"] = (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)
-            shapes[f"{a}.A_log"] = (hv,)
-            shapes[f"{a}.dt_bias"] = (hv,)
-            shapes[f"{a}.norm.weight"] = (cfg.linear_value_head_dim,)
-            shapes[f"{a}.out_proj.weight"] = (h, cfg.linear_value_dim)
-    return shapes
+from pocketllm.config import ModelConfig
+from pocketllm.loader.model_tensors import model_tensors
 
 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, device=None) -> torch.Tensor:
@@ -104,9 +68,10 @@ class _RandomSlice:
 
 
 class RandomWeights:
-    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None):
-        """device: where the tensors are drawn (default the host): the engine's own."""
-        self.shapes = expected_shapes(cfg)
+    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None, tensors=None):
+        """device: where the tensors are drawn (default the host): the engine's own. tensors: the
+        model's (pocketllm.loader.model_tensors), where the model check has listed them already."""
+        self.shapes = {t.key: t.shape for t in (tensors or model_tensors(cfg))}
         self.seed, self.dtype, self.device = seed, dtype, device
 
     def canonical_keys(self) -> set[str]:
