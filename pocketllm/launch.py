@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import select
 import shutil
 import signal
@@ -43,6 +44,9 @@ from pocketllm.switches import env_switch, env_value
 ENV_RANK = "POCKETLLM_LAUNCH_RANK"
 ENV_WORLD = "POCKETLLM_LAUNCH_WORLD"
 ENV_RDZV = "POCKETLLM_LAUNCH_RDZV"
+# The file holding what the launcher's check returned (the model plan and the command's inputs),
+# which rank 0 shares with the others instead of checking the same inputs again.
+ENV_CHECKED = "POCKETLLM_LAUNCH_CHECKED"
 # The cores of the ranks the launcher starts, as --cpus takes them.
 ENV_CPUS = "POCKETLLM_CPUS"
 # The pinning map, given to rank 0 to print once it runs: after a rank's own checks, so that a
@@ -56,9 +60,10 @@ FORWARDED_SIGNAL_GRACE_SECONDS = 8.0
 ROOT_CAUSE_WAIT_SECONDS = 1.0
 
 
-def spawn_local_ranks(run: RunPlan, forward_signals: bool = False) -> int:
+def spawn_local_ranks(run: RunPlan, forward_signals: bool = False, checked=None) -> int:
     """Start the plan's world of ranks of its command, each given the plan (ENV_PLAN) rather than
-    the command line, and supervise them. When one fails, stop the rest and name the first
+    the command line and `checked`, what the launcher's check of its inputs returned (ENV_CHECKED),
+    and supervise them. When one fails, stop the rest and name the first
     failure; on SIGINT/SIGTERM stop every rank. With forward_signals the first SIGINT/SIGTERM goes
     to rank 0 instead, which ends the run itself (every rank exiting 0 is a clean exit, 0); a
     second signal, or the ranks still running FORWARDED_SIGNAL_GRACE_SECONDS later, stops them
@@ -85,11 +90,12 @@ def spawn_local_ranks(run: RunPlan, forward_signals: bool = False) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        checked_path = _write_checked(rdzv_dir, checked)
         for rank, cpus in enumerate(shares):
             env = dict(
                 os.environ,
                 **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_RDZV: os.path.join(rdzv_dir, "store"), rank_failures.ENV_REPORT: rank_failures.report_path(rdzv_dir, rank)},
-                **{ENV_PLAN: plan_json},
+                **{ENV_PLAN: plan_json, ENV_CHECKED: checked_path},
             )
             if cpus is not None:
                 env[ENV_RANK_CPUS] = topology.format_cpulist(cpus)
@@ -119,6 +125,24 @@ def spawn_local_ranks(run: RunPlan, forward_signals: bool = False) -> int:
         os.close(wake_r)
         os.close(wake_w)
         shutil.rmtree(rdzv_dir, ignore_errors=True)
+
+
+def _write_checked(rdzv_dir: str, checked) -> str:
+    # Pickled, as rank 0 shares it over the process group, into the launcher's private directory:
+    # only this user can write there, and the directory ends with the run.
+    path = os.path.join(rdzv_dir, "checked")
+    with open(path, "wb") as f:
+        pickle.dump(checked, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def launcher_checked(env=os.environ):
+    """(True, what the launcher's check returned) in a rank the launcher started, else (False, None)."""
+    path = env_value(env, ENV_CHECKED)
+    if not path:
+        return False, None
+    with open(path, "rb") as f:
+        return True, pickle.load(f)
 
 
 def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], rdzv_dir: str, forward: bool = False):

@@ -17,7 +17,7 @@ from pocketllm import rank_failures
 from pocketllm.distributed import collective, rendezvous, waiting
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
-from pocketllm.launch import ENV_RANK, ENV_RDZV, ENV_WORLD
+from pocketllm.launch import ENV_RANK, ENV_RDZV, ENV_WORLD, launcher_checked
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,16 @@ class RefusedByRank0(UsageError):
     """Rank 0 found the inputs bad and said so; this rank stops quietly with it."""
 
 
-def checked_on_rank0(renv: RankEnv, check, join):
+def checked_on_rank0(renv: RankEnv, check, join, env=os.environ):
     """Rank 0 runs check(), once, and every rank gets its result (or its one-line error) over the
-    process group that join() sets up, so all ranks run on the same checked inputs or all stop."""
+    process group that join() sets up, so all ranks run on the same checked inputs or all stop.
+    Under the launcher, which ran the same check before it started any rank, rank 0 shares the
+    launcher's result instead of checking again."""
     verdict = None
     if renv.rank == 0:
+        launched, checked = launcher_checked(env) if renv.file_store is not None else (False, None)
         try:
-            verdict = (True, check())
+            verdict = (True, checked if launched else check())
         except UsageError as exc:
             verdict = (False, str(exc))
     try:

@@ -48,6 +48,7 @@ INTERNAL = {
     "POCKETLLM_RANK_CPUS": "the cores the launcher pinned this rank to",
     "POCKETLLM_LAUNCH_PIN_MAP": "the pinning map, for rank 0 to print",
     "POCKETLLM_LAUNCH_PLAN": "the run plan every rank runs on (pocketllm/run_plan.py)",
+    "POCKETLLM_LAUNCH_CHECKED": "the inputs the launcher checked (the model plan and the command's), for rank 0 to share",
 }
 
 # The seed's names, read only when the POCKETLLM_* name is unset or empty: the new name wins.

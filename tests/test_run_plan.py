@@ -58,11 +58,14 @@ def test_the_launcher_resolves_the_device_once_and_its_plan_is_what_a_rank_recei
 
     for mod in [m for name, m in sys.modules.items() if name.startswith("pocketllm") and getattr(m, "resolve_kind", None) is real]:
         monkeypatch.setattr(mod, "resolve_kind", counted)
-    started = []
-    monkeypatch.setattr(ranked, "spawn_local_ranks", lambda run, forward_signals=False: started.append(run) or 0)
+    started, handed = [], []
+    monkeypatch.setattr(ranked, "spawn_local_ranks", lambda run, forward_signals=False, checked=None: started.append(run) or handed.append(checked) or 0)
     argv = ["bench", "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", "8", "--max-new-tokens", "3", "--phase-profile", "--pin-slices", "2"]
     assert main_in_process(*argv) == 0
     (plan,) = started
+    # The ranks are handed the launcher's checked model plan and prompt with the run plan.
+    ((model, ids),) = handed
+    assert model.preset == "tiny" and model.cfg.weights is None and len(ids) == 8
     assert calls == ["auto"]
     assert (plan.command, plan.device.kind, plan.world.size, plan.slices.pin, plan.profiling.phase) == ("bench", "cpu", 2, "2", True)
     assert (plan.task.prompt_tokens, plan.task.prompt.max_new_tokens) == (8, 3)
@@ -76,6 +79,29 @@ def test_a_launched_rank_runs_on_the_plan_not_on_its_command_line(monkeypatch, c
     task = bench.Task(bench.PromptSource(max_new_tokens=3), prompt_tokens=8)
     plan = RunPlan("bench", DevicePlan("cpu", "cpu"), WorldPlan(1), SourcePlan(preset="tiny", dtype="float32"), task=task)
     monkeypatch.setenv(ENV_PLAN, plan.to_json())
+    assert main_in_process("bench") == 0
+    fields = result_fields(capsys.readouterr().out)
+    assert (fields["prefill_tokens"], fields["decode_tokens"]) == ("8", "3")
+
+
+def test_a_launched_rank_0_shares_the_launchers_check_and_checks_nothing_again(monkeypatch, capsys, tmp_path):
+    # The launcher's check() result travels to the ranks (ENV_CHECKED): rank 0 shares it instead
+    # of making the model plan and checking the command's inputs a second time.
+    from pocketllm import launch
+
+    task = bench.Task(bench.PromptSource(max_new_tokens=3), prompt_tokens=8)
+    plan = RunPlan("bench", DevicePlan("cpu", "cpu"), WorldPlan(1), SourcePlan(preset="tiny", dtype="float32"), task=task)
+    checked = ranked._checked(plan, bench._prepare)
+    monkeypatch.setattr(ranked, "model_plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rank 0 checked again")))
+    monkeypatch.setattr(bench, "_prepare", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rank 0 checked again")))
+    for name, value in {
+        launch.ENV_RANK: "0",
+        launch.ENV_WORLD: "1",
+        launch.ENV_RDZV: str(tmp_path / "store"),
+        ENV_PLAN: plan.to_json(),
+        launch.ENV_CHECKED: launch._write_checked(str(tmp_path), checked),
+    }.items():
+        monkeypatch.setenv(name, value)
     assert main_in_process("bench") == 0
     fields = result_fields(capsys.readouterr().out)
     assert (fields["prefill_tokens"], fields["decode_tokens"]) == ("8", "3")

@@ -52,17 +52,19 @@ def place_of(run: RunPlan):
 
 def run_on_every_rank(run: RunPlan, renv, check, on_rank, forward_signals: bool = False) -> int:
     """The sequence every command that runs on ranks shares. With no renv (this process starts the
-    ranks): check(), then start the plan's world of ranks, each given the plan. On a rank: set up
-    the plan's device; rank 0 runs check() once and shares its result, which must pickle, over
-    the group every rank joins; then on_rank(device, checked)."""
+    ranks): check(), then start the plan's world of ranks, each given the plan and check()'s
+    result. On a rank: set up the plan's device; rank 0 shares the launcher's result, or with no
+    launcher runs check() once, over the group every rank joins (so the result must pickle); then
+    on_rank(device, checked)."""
     if renv is None:
-        # The launcher checks everything before it starts a rank: a bad input starts nothing.
-        check()
-        return spawn_local_ranks(run, forward_signals)
+        # The launcher checks everything before it starts a rank: a bad input starts nothing, and
+        # the ranks run on what it checked.
+        return spawn_local_ranks(run, forward_signals, check())
 
     def body() -> int:
         device = setup_device(run.device.kind, run.device.index, renv.local_rank, renv.local_world)
-        # Rank 0 checks the inputs once and shares them, so every rank runs on the same ones.
+        # Rank 0 checks the inputs once (or takes the launcher's check) and shares them, so every
+        # rank runs on the same ones.
         checked = checked_on_rank0(renv, check, lambda: join_group(renv, device.backend, run.world.timeout(device.backend)))
         setup_collective(renv, run.world.collective, device.backend)
         # The launcher's pinning map, which it gives rank 0 alone to print.
