@@ -135,7 +135,7 @@ def test_measured_then_cached_then_measured_for_another_thread_count(cache_dir):
     allowed = ONE_ROW.allowed("bfloat16", torch.device("cpu"), True)
     assert set(allowed) == {"c", "c-prefetch", "c-ahead"}
     for shape, seconds in first.seconds.items():
-        assert set(seconds) == set(ONE_ROW.available("bfloat16", torch.device("cpu")))
+        assert set(seconds) == set(ONE_ROW.timed("bfloat16", torch.device("cpu")))
         assert first.by_key[shape] == pick(ONE_ROW, {n: seconds[n] for n in allowed})
     cache = json.loads((cache_dir / kernel_cache.FILE).read_text())
     assert len(cache) == 2 and all(f"{torch.get_num_threads()} threads" in key for key in cache)

@@ -469,3 +469,12 @@ void gemm_rows_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64
     gemm_rows_bf16(w, x, y, rows, n, m, 0, 0);
 }
 #endif
+
+/* One row on the same tiles (gemv_bf16's signature, so a compiled step calls it as it calls that):
+ * the tile unit sums each output element from its own weight row and x column alone, so a row
+ * gets here the bits it gets as one of several rows of gemm_rows_amx_bf16. */
+void gemv_amx_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch, int64_t ahead) {
+    (void)prefetch;
+    (void)ahead;
+    gemm_rows_amx_bf16(w, x, y, rows, n, 1);
+}

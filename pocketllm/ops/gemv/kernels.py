@@ -51,13 +51,14 @@ SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 _c_gemv = None
 _amx_gemm_rows = None
+_amx_gemv = None
 # The few-row entry points by symbol, all (w, x, y, rows, n, m, a, b): set when the library loads.
 _c_rows: dict[str, object] = {}
 _amx_enabled: bool | None = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv, _amx_gemm_rows
+    global _c_gemv, _amx_gemm_rows, _amx_gemv
     lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
@@ -68,6 +69,9 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         lib.gemm_rows_amx_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
         lib.gemm_rows_wide_bf16.restype = ctypes.c_int
         lib.gemm_rows_wide_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
+        lib.gemv_amx_bf16.restype = None
+        lib.gemv_amx_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
+        _amx_gemv = lib.gemv_amx_bf16
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
         _c_gemv, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_amx_bf16
@@ -191,6 +195,29 @@ def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     if not x.is_contiguous():
         x = x.contiguous()
     _amx_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+
+
+def amx_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """One row on the AMX tiles: each output the bits it gets as one row of amx_rows."""
+    s = w.shape
+    if not (
+        len(s) == 2 and x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and x.numel() == s[1] and out.numel() == s[0]
+        and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
+    ):
+        refuse("gemv_amx_bf16", _gemv_specs(x, w, out))
+    if not x.is_contiguous():
+        x = x.contiguous()
+    _amx_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], 0, 0)
+
+
+def _amx_native(w: torch.Tensor) -> tuple | None:
+    """amx_gemv on `w` as compiled code calls it (ops/fused/step_bf16.c), as compiled_gemv's."""
+    if _compiled_library()[0] is None:
+        return None
+    return "bf16", ctypes.cast(_amx_gemv, ctypes.c_void_p).value, w.data_ptr(), w.shape[0], w.shape[1], 0, 0
+
+
+amx_gemv.native = _amx_native
 
 
 def rows_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

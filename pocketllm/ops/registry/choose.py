@@ -186,9 +186,11 @@ def _read_rate_for(kind: Kind, monitor: Monitor):
     return (lambda: machine_read_rate(monitor)) if kind.streams else None
 
 
-def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Monitor | None = None) -> Choice:
+def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Monitor | None = None, orders: dict | None = None) -> Choice:
     """The kernel of `kind` for each key among `weights` (the model's projection weights of one
-    format, in step order), for passes of `rows` rows (few-row kinds)."""
+    format, in step order), for passes of `rows` rows (few-row kinds). orders: per key, the row
+    order of the one-row kernel a batch-invariant few-row choice must sum like (where any
+    candidate does)."""
     fmt = weight_format(weights[0]) if weights else ""
     keys = list(dict.fromkeys(key_of(kind, w) for w in weights))
     label = probe_label(max(weights, key=lambda t: t.shape[1])) if weights and kind.probe != "stream" else ""
@@ -207,6 +209,11 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
     # Every candidate the kind times is measured (the cache holds them all, whatever the run allows);
     # the choice is made among those this run allows.
     allowed = kind.allowed(fmt, device, batch_invariant(env))
+
+    def allowed_for(key) -> list[str]:
+        like = [n for n in allowed if orders is None or kind.by_name[n].row_order == orders.get(key)]
+        return like or allowed
+
     if len(allowed) <= 1 or device.type != "cpu":
         return Choice(kind, fmt, "default", dict.fromkeys(keys, allowed[0] if allowed else kind.default), rows=rows, probe=label)
     monitor = monitor or Monitor()
@@ -220,7 +227,7 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
         if bad:
             reason = f"re-measured: cached {_name(next(iter(bad)))} implausible ({next(iter(bad.values()))})"
         else:
-            mine = {k: {n: s[n] for n in allowed} for k, s in cached.items()}
+            mine = {k: {n: s[n] for n in allowed_for(k)} for k, s in cached.items()}
             by_key = {k: pick(kind, s) for k, s in mine.items()}
             verdict, disagree = recheck(kind, weights, rows, mine, by_key, monitor)
             if verdict is not None and verdict.disturbed:
@@ -232,7 +239,7 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
     elif any(ck in stored for ck in ckeys.values()):
         reason = "re-measured: cached entry unreadable"
     seconds, verdict, bad = measure_trusted(kind, weights, rows, names, nbytes, monitor)
-    by_key = {k: pick(kind, {n: seconds[k][n] for n in allowed}) for k in keys}
+    by_key = {k: pick(kind, {n: seconds[k][n] for n in allowed_for(k)}) for k in keys}
     if verdict.disturbed or bad:
         # What the cache holds stays: the next load checks it again, on a quieter machine.
         how = NOT_CACHED_BUSY if verdict.disturbed else NOT_CACHED_IMPLAUSIBLE

@@ -12,6 +12,8 @@ _C = (gemv.SOURCE,)
 # The compiled kernels' per-row order: the few-row tile sums each (weight row, x row) pair as the
 # one-row kernel sums that weight row (gemv_bf16.c; tests/test_gemv.py holds them bit for bit).
 _ORDER = "gemv_bf16.c"
+# The AMX tile product's per-row order: the tile unit's, the same for a row whatever the other rows.
+_AMX_ORDER = "amx tiles"
 
 ONE_ROW = register(
     Kind(
@@ -33,6 +35,14 @@ ONE_ROW = register(
                 "c-ahead", gemv.compiled_gemv(0, gemv.AHEAD_BYTES),
                 "the same, each weight row prefetched into every cache level AHEAD_BYTES ahead", gemv.compiled_unavailable, sources=_C,
                 row_order=_ORDER, takes_rows=True,
+            ),
+            # Never measured in: a step of one row streams no faster on the tiles, and a little
+            # slower where a weight's rows are short. Forced, it sums a row as the few-row tile
+            # product does, so a batch-invariant set takes the tiles for every row count
+            # (docs/batching.md, AMX).
+            Candidate(
+                "amx", gemv.amx_gemv, "one row on the AMX tiles, each row summed as by the few-row AMX kernel", gemv.amx_unavailable,
+                sources=_C, row_order=_AMX_ORDER, measured=False,
             ),
         ),
         default="mv",
@@ -77,8 +87,9 @@ FEW_ROW = register(
                 row_order=_ORDER,
             ),
             # A tile product sums 32 products per step in the tile unit's own order: not the
-            # one-row kernel's, so it is chosen only with POCKETLLM_BATCH_INVARIANT=0.
-            Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C),
+            # compiled one-row kernels', so a batch-invariant set takes it only beside the one-row
+            # AMX form (forced), else with POCKETLLM_BATCH_INVARIANT=0.
+            Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C, row_order=_AMX_ORDER),
         ),
         default="mm",
         prefer=("amx", "c", "c-prefetch", "c-ahead", "c-wide", "c-wide2"),

@@ -139,9 +139,14 @@ class KernelSet:
             if kind is None:
                 continue
             have = {c.rows for c in self.choices if c.kind is kind and c.fmt == fmt}
+            # Batch-invariant, each weight's few-row kernel sums like its one-row choice.
+            one = self._find(fmt, ONE)
+            orders = None
+            if self.invariant and one is not None:
+                orders = {key_of(kind, w): one.kind.by_name[one.kernel_for(w)].row_order for w in ws}
             for rows in few_rows_for(count):
                 if rows not in have:
-                    new.append(choose(kind, ws, rows=rows, env=self.env, monitor=self.monitor))
+                    new.append(choose(kind, ws, rows=rows, env=self.env, monitor=self.monitor, orders=orders))
                     self.add(new[-1])
         return new
 

@@ -236,6 +236,28 @@ def forced_kernels(env=os.environ) -> dict[str, str]:
     return {setting: name for setting, name in out.items() if name != "auto"}
 
 
+def _check_beside_one_row(kind: Kind, name: str, env) -> None:
+    """Batch-invariant, a few-row kernel runs only beside a one-row kernel that sums a row as it
+    does: a forced one whose order no measured one-row candidate has needs the one-row kind forced
+    to a kernel of that order too (else it would be set aside at bind, silently)."""
+    order = kind.by_name[name].row_order
+    one = next((k for k in all_kinds() if k.family == kind.family and k.rows == ONE), None)
+    if one is None:
+        return
+    forced = one.forced(env)
+    if forced is not None:
+        # A torch one-row kernel (no row order) runs a batch's rows one at a time anyway.
+        if one.by_name[forced].row_order and one.by_name[forced].row_order != order:
+            raise UsageError(f"{kind.forcing(name)} sums a row otherwise than {one.forcing(forced)}: batch-invariant, they cannot run together")
+        return
+    if not any(c.row_order == order for c in one.candidates if c.measured):
+        same = [c.name for c in one.candidates if c.row_order == order]
+        raise UsageError(
+            f"{kind.forcing(name)}: batch-invariant, it runs only beside a one-row kernel that sums as it does: force "
+            f"{one.setting}={same[0] if same else '...'} too, or set {ENV_INVARIANT}=0"
+        )
+
+
 def check_forced(formats, device_kind: str, env=os.environ) -> None:
     """Every forced kernel names a candidate, and one that cannot run weights of these formats on
     this device is a usage error, before any rank starts; so is a forced few-row kernel whose rows
@@ -251,6 +273,8 @@ def check_forced(formats, device_kind: str, env=os.environ) -> None:
                 f"{kind.forcing(name)}: its rows' sums depend on the other rows of the call, so a request's tokens would depend on "
                 f"what is batched with it; set {ENV_INVARIANT}=0 to run it anyway"
             )
+        if invariant and kind.rows == FEW:
+            _check_beside_one_row(kind, name, env)
         for fmt in formats:
             if format_family(fmt) != kind.family:
                 continue
