@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -241,3 +242,25 @@ def test_bench_ranks_run_on_their_share_of_the_cores(run, tmp_path, capsys):
 def test_a_bad_launcher_switch_is_a_usage_error(switch, capsys, no_ranks, monkeypatch):
     monkeypatch.setenv(switch, "maybe")
     usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--tp-world", "2", expect=f"{switch}='maybe' is not a switch")
+
+
+def test_ranks_on_one_node_share_one_memory_path_and_ranks_on_two_do_not(tmp_path):
+    from pocketllm.distributed.one_host import shared_node
+
+    two = fake_sysfs(tmp_path / "two", *SMT2_TWO_NODES)
+    assert shared_node([[0, 8], [1, 9]], two) == 0
+    assert shared_node([[0, 8], [4, 12]], two) is None
+    assert shared_node([[0, 1], [2, 3]], fake_sysfs(tmp_path / "one", *NO_SMT_ONE_NODE)) == 0
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_on_one_node_say_tp_cannot_pay_there_with_the_measured_all_reduce(tiny_ckpt):
+    from pocketllm.distributed.one_host import shared_node
+
+    if shared_node([[c] for c in allowed_cpus()]) is None:
+        pytest.skip("this host's CPUs lie on several NUMA nodes")
+    r = run_cli("bench", "--ckpt", tiny_ckpt, "--tp-world", 2, "--prompt-tokens", 16, "--max-new-tokens", 2, "--warmup-tokens", 4, "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if "share one memory path" in line]
+    assert len(notes) == 1 and re.search(r"\(\d+ us each here, measured now\)", notes[0]) and "--tp-world 1 decodes at least as fast" in notes[0], notes
+

@@ -14,7 +14,7 @@ import time
 import torch
 
 from pocketllm.device import allowed_cpus, setup_device
-from pocketllm.distributed import collective, waiting
+from pocketllm.distributed import collective, one_host, waiting
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.errors import UsageError
@@ -114,6 +114,9 @@ def _load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         say(engine.describe_step())
         kernel = engine.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
+        note = one_host.finding(plan.cfg, plan.dtype, device.torch_device, cpus_per_rank())
+        if note:
+            say(note)
         profiler = attach_profiler(engine, run.profiling, tp().rank, device.synchronize, device.timing_event)
         return work(run, plan, inputs, engine, device)
     finally:
