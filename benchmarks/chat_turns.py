@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--answer", type=int, default=32, help="tokens of each answer (default 32)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--chunk", type=int, help="the engine's prefill chunk (default: the engine's own)")
     args = p.parse_args(argv)
 
     from pocketllm.distributed.policy import RulePolicy
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
     cfg = get_preset(args.preset)
     dtype = getattr(torch, args.dtype)
     engine = Engine(cfg, RandomWeights(cfg, dtype=dtype), dtype, torch.device("cpu"), RulePolicy())
+    if args.chunk:
+        engine.prefill_chunk = args.chunk
     max_len = args.system + args.turns * (args.user + args.answer)
     vocab = cfg.vocab_size
 
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
             for k, t in enumerate(turn_ttfts(sched, system, users, args.answer)):
                 got[name][k].append(t)
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-    print(f"{args.preset} {args.dtype}, first prompt {args.system} tokens, +{args.user} per turn, {args.answer}-token answers; "
+    print(f"{args.preset} {args.dtype}, prefill chunk {engine.prefill_chunk}, first prompt {args.system} tokens, +{args.user} per turn, {args.answer}-token answers; "
           f"time to first token, ms, median (min..max) of {args.reps} reps")
     print(f"{'turn':<6}{'caching on':>26}{'caching off':>26}{'on/off':>8}")
     for k in range(args.turns):
