@@ -107,23 +107,28 @@ def _rows_specs(x, w, out):
     return specs + [("out", out, _BF16, None if m is None else m * o, True, 2)]
 
 
+def _gemv_call(symbol: str, fn, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, a: int, b: int) -> None:
+    """A checked call of a compiled one-row entry point (w, x, y, rows, n, a, b)."""
+    # One expression of attribute reads on the hot path; refuse() says which argument broke it.
+    s = w.shape
+    if not (
+        len(s) == 2 and x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and x.numel() == s[1] and out.numel() == s[0]
+        and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
+    ):
+        refuse(symbol, _gemv_specs(x, w, out))
+    if not x.is_contiguous():
+        x = x.contiguous()
+    fn(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], a, b)
+
+
 def compiled_gemv(prefetch: int, ahead: int = 0) -> Kernel:
     """The compiled GEMV; `prefetch` nonzero: each weight row is also asked for non-temporally a
     few rows ahead; `ahead` > 0: each 64 bytes of a row asked for into every cache level that many
     bytes before they are read (both 0: the hardware's prefetchers alone)."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        # One expression of attribute reads on the hot path; refuse() says which argument broke it.
-        s = w.shape
-        if not (
-            len(s) == 2 and x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and x.numel() == s[1] and out.numel() == s[0]
-            and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
-        ):
-            refuse("gemv_bf16", _gemv_specs(x, w, out))
-        if not x.is_contiguous():
-            x = x.contiguous()
         # Only ever chosen after unavailable() built the library, which set _c_gemv.
-        _c_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], prefetch, ahead)
+        _gemv_call("gemv_bf16", _c_gemv, x, w, out, prefetch, ahead)
 
     def native(w: torch.Tensor) -> tuple | None:
         """This kernel on `w` as compiled code calls it (ops/fused/step_bf16.c): ("bf16", entry
@@ -199,15 +204,7 @@ def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 
 def amx_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """One row on the AMX tiles: each output the bits it gets as one row of amx_rows."""
-    s = w.shape
-    if not (
-        len(s) == 2 and x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and x.numel() == s[1] and out.numel() == s[0]
-        and w.is_contiguous() and out.is_contiguous() and w.is_cpu and x.is_cpu and out.is_cpu
-    ):
-        refuse("gemv_amx_bf16", _gemv_specs(x, w, out))
-    if not x.is_contiguous():
-        x = x.contiguous()
-    _amx_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], 0, 0)
+    _gemv_call("gemv_amx_bf16", _amx_gemv, x, w, out, 0, 0)
 
 
 def _amx_native(w: torch.Tensor) -> tuple | None:
