@@ -124,7 +124,7 @@ def _work(run, plan, ids, engine, device) -> int:
             settings = {
                 **run_settings(run, plan, device),
                 "policy": plan.policy.policy.describe(),
-                "gdn_kernel": engine.gdn_kernel.name if engine.gdn_kernel else None,
+                "gdn_kernel": engine.model.gdn_kernel.name if engine.model.gdn_kernel else None,
                 "peak_rss_mib_per_rank": rss,
                 "weights_mib_per_rank": weights,
                 "load_peak_rss_over_baseline_mib_per_rank": load_peak,

@@ -112,7 +112,7 @@ def _load_then_work(run: RunPlan, renv, device, checked, work) -> int:
             say(line)
         say(engine.model.decode_ops.describe())
         say(engine.describe_step())
-        kernel = engine.gdn_kernel
+        kernel = engine.model.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
         note = one_host.finding(plan.cfg, plan.dtype, device.torch_device, cpus_per_rank())
         if note:

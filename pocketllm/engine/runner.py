@@ -20,7 +20,6 @@ from pocketllm.engine import decode_step
 from pocketllm.engine.slots import Slots
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
-from pocketllm.ops.gated_delta import GdnKernel
 from pocketllm.ops.registry import KernelSet
 from pocketllm.profiling.scopes import recording
 
@@ -75,10 +74,9 @@ class Engine:
         self.loaded_bytes = load_weights(self.model, source, progress=tp().rank == 0)
         if device.type == "cpu":
             host_memory.keep_freed_blocks()
-        # The kernels the projections run: the one-row kernel per weight shape and the GEMM of
-        # many rows, measured here (or read from this machine's cache and checked). The engine
-        # owns the set; each projection layer is bound to its own kernels from it.
-        # The other ranks measure at the same time: their CPU time is no sign of a busy machine.
+        # The kernels the projections run, measured here (or read from this machine's cache and
+        # checked), each projection bound to its own. The other ranks measure at the same time:
+        # their CPU time is no sign of a busy machine.
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
         # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes.
         self.invariant = self.kernels.invariant
@@ -88,9 +86,8 @@ class Engine:
         # The sequences' state: their slots, the KV pool and the prefix cache's entries.
         self.slots = Slots(self.model, device)
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
-        # Objects with before_pass(info) / after_pass(info), called around every pass. A hook whose
-        # watches_layers is False only records where the run is: a decode row still goes straight
-        # to the step backend under it.
+        # before_pass(info) / after_pass(info) around every pass; a hook whose watches_layers is
+        # False only records where the run is, and a decode row still goes to the step under it.
         self.hooks: list = []
         self.direct_steps = 0  # decode rows the step backend ran
         self.last_pass: PassInfo | None = None
@@ -101,11 +98,6 @@ class Engine:
     @property
     def last_collectives(self) -> dict[str, int]:
         return self.last_pass.collectives if self.last_pass else {}
-
-    @property
-    def gdn_kernel(self) -> GdnKernel | None:
-        """The gated-delta-rule kernel the GDN layers run (one per process), None without any."""
-        return next((m.kernel for m in self.model.modules() if isinstance(getattr(m, "kernel", None), GdnKernel)), None)
 
     @property
     def last_slices(self) -> int:
@@ -195,36 +187,35 @@ class Engine:
 
     def _direct_step(self, slot: int, pos: int) -> PassInfo | None:
         """Where the step backend can run this pass of one sequence's one decode row (the sequence
-        going on, no hook watching the layers, nothing profiled): the pass's bookkeeping done as a
-        pass does it, the hooks told, and the pass's info for _after_direct; else None. A row that
-        goes straight to the backend skips the pass's Python (its context, segments, labels), which
-        after a step has swept the caches costs several times the step's own Python."""
+        going on, no hook watching the layers, nothing profiled): the pass begun as a pass is, for
+        _after_direct to end; else None. Such a row skips the pass's Python (context, segments)."""
         if self.step is None or pos <= 0 or recording() or any(getattr(h, "watches_layers", True) for h in self.hooks):
             return None
         self.slots.grow(slot, pos + 1)
-        kind = "warmup" if self._warmup else "decode"
-        info = PassInfo(self._passes, kind, 1, self.policy.slices_for_rows(1), self._timed, {}, direct=True)
+        return self._begin(1, True, self.policy.slices_for_rows(1), direct=True)
+
+    def _after_direct(self, info: PassInfo) -> None:
+        self._end(info)
+        self.direct_steps += 1
+
+    def _begin(self, rows: int, decode: bool, slices: int, direct: bool = False) -> PassInfo:
+        """A new pass's info, labelled and counted, shown to the hooks."""
+        kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
+        info = PassInfo(self._passes, kind, rows, slices, self._timed, {} if direct else None, direct)
         self._passes += 1
         for hook in self.hooks:
             hook.before_pass(info)
         return info
 
-    def _after_direct(self, info: PassInfo) -> None:
+    def _end(self, info: PassInfo) -> None:
         for hook in self.hooks:
             hook.after_pass(info)
         self.last_pass = info
-        self.direct_steps += 1
 
     def _pass(self, ids: torch.Tensor, ctx, states: list, decode: bool, slices: int, all_logits: bool) -> torch.Tensor:
-        kind = "warmup" if self._warmup else ("decode" if decode else "prefill")
-        info = PassInfo(self._passes, kind, ids.shape[0], slices, self._timed)
-        self._passes += 1
-        for hook in self.hooks:
-            hook.before_pass(info)
+        info = self._begin(ids.shape[0], decode, slices)
         COUNTER.reset()
         logits = self.model(ids, ctx, states, all_logits=all_logits)
         info.collectives = COUNTER.snapshot()
-        for hook in self.hooks:
-            hook.after_pass(info)
-        self.last_pass = info
+        self._end(info)
         return logits

@@ -69,6 +69,11 @@ class Qwen35ForCausalLM(nn.Module):
         linear = (ColumnParallelLinear, RowParallelLinear)
         return [m for m in self.modules() if isinstance(m, linear) and m.blocks is None] + [self.lm_head]
 
+    @property
+    def gdn_kernel(self):
+        """The gated-delta-rule kernel the GDN layers run (one per process), None without any."""
+        return next((layer.mixer.kernel for layer in self.layers if layer.kind != FULL), None)
+
     def projection_weights(self) -> list:
         return [m.weight for m in self.projections()]
 
