@@ -58,7 +58,9 @@ KEEP_ALIVE_SECONDS = 1.0
 
 
 class Scheduler:
-    """Rank 0's side: submit and cancel from any thread, step from one."""
+    """Rank 0's side (every rank's, in lockstep): submit and cancel from any thread, step from one.
+    Its step is the one generation loop: generate, the timed runs and serve all make their tokens
+    through it."""
 
     def __init__(
         self, engine, max_running: int, max_len: int, prefill_budget: int = DEFAULT_PREFILL_BUDGET, kv_blocks: int | None = None, prefix_cache_bytes: int = 0,
