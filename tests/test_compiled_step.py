@@ -134,32 +134,25 @@ def test_a_row_straight_to_the_step_gives_the_passs_logits_and_tokens(monkeypatc
     assert direct_calls == ["logits"] * 20 + ["greedy"] * 20
 
 
-def test_a_watched_pass_keeps_the_pass_and_bad_rows_fail_as_in_it(monkeypatch):
-    engine = _engine(monkeypatch, None)
-    engine.reserve_slots(1, 40)
-    feed(engine, [1, 2, 3])
-    seen = []
+class Recorder:
+    """A pass hook that notes each pass's kind and whether the step ran it. `watches_layers`
+    False: it only records where the run is (as the pass tracker and fault hook do); a hook
+    without the attribute watches the layers."""
 
-    class Hook:
-        def before_pass(self, info):
-            seen.append(info.kind)
+    def __init__(self, watches_layers: bool | None):
+        if watches_layers is not None:
+            self.watches_layers = watches_layers
+        self.seen = []
 
-        def after_pass(self, info):
-            pass
+    def before_pass(self, info):
+        self.seen.append((info.kind, info.direct))
 
-    engine.hooks.append(Hook())
-    engine.greedy_row(0, 3, 4)
-    feed(engine, [5], start=4)
-    assert seen == ["decode", "decode"]
-    engine.hooks.clear()
-    for row in (lambda: engine.greedy_row(0, 5, 1000), lambda: feed(engine, [1000], start=5)):
-        with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
-            row()
-    with pytest.raises(RuntimeError, match="exceeds the 40 reserved per slot"):
-        engine.greedy_row(0, 40, 1)
+    def after_pass(self, info):
+        self.seen.append("after")
 
 
-def test_a_hook_that_only_records_where_the_run_is_keeps_the_step(monkeypatch):
+@pytest.mark.parametrize("watches", [None, False], ids=["watching-the-layers", "recording-only"])
+def test_a_watching_hook_keeps_the_pass_and_a_recording_one_the_step(monkeypatch, watches):
     # The pass tracker and the fault hook run under every model command: a decode row still goes
     # straight to the step under them, and they still see each pass, labelled as a pass is.
     from pocketllm.fault_injection import FaultHook
@@ -168,24 +161,26 @@ def test_a_hook_that_only_records_where_the_run_is_keeps_the_step(monkeypatch):
     engine = _engine(monkeypatch, None)
     engine.reserve_slots(1, 40)
     feed(engine, [1, 2, 3])
-    seen = []
-
-    class Recorder:
-        watches_layers = False
-
-        def before_pass(self, info):
-            seen.append((info.kind, info.direct))
-
-        def after_pass(self, info):
-            seen.append("after")
-
-    engine.hooks += [PassTracker(), FaultHook(None, 0), Recorder()]
+    hook = Recorder(watches)
+    engine.hooks += [PassTracker(), FaultHook(None, 0), hook]
     before = engine.direct_steps
     token = engine.greedy_row(0, 3, 4)
     feed(engine, [token], start=4)
-    assert engine.direct_steps == before + 2
-    assert seen == [("decode", True), "after", ("decode", True), "after"]
-    assert engine.last_pass.kind == "decode" and engine.last_pass.direct
+    direct = watches is False
+    assert engine.direct_steps == before + (2 if direct else 0)
+    assert hook.seen == [("decode", direct), "after"] * 2
+    assert engine.last_pass.kind == "decode" and engine.last_pass.direct == direct
+
+
+def test_bad_rows_fail_alike_on_the_step_and_through_a_pass(monkeypatch):
+    engine = _engine(monkeypatch, None)
+    engine.reserve_slots(1, 40)
+    feed(engine, [1, 2, 3, 4, 5])
+    for row in (lambda: engine.greedy_row(0, 5, 1000), lambda: feed(engine, [1000], start=5)):
+        with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
+            row()
+    with pytest.raises(RuntimeError, match="exceeds the 40 reserved per slot"):
+        engine.greedy_row(0, 40, 1)
 
 
 def test_the_steps_argmax_is_torchs():
