@@ -257,7 +257,7 @@ class Scheduler:
             # when the pool has no block for the copy and nothing else holds it, taken over.
             cost = blocks_for(req.length, bs) - (hit.length // bs if hit else 0)
             room += self._reclaim(cost - room, keep=hit)
-            take = hit is not None and cost > room and self._takeable(hit)
+            take = hit is not None and cost > room and self.slots.sole_holder_of_last_block(hit.id)
             if take:
                 cost -= 1
             if cost > room:
@@ -368,10 +368,6 @@ class Scheduler:
         while self.prefix.full:
             self._evict(next(iter(self.prefix.entries)))
         self._do(SNAPSHOT, req.slot, self.prefix.add(tokens).id, req.fed)
-
-    def _takeable(self, hit) -> bool:
-        """Whether `hit` ends inside a block that only it holds."""
-        return self.slots.sole_holder_of_last_block(hit.id)
 
     def _evict(self, entry_id: int) -> None:
         self.prefix.remove(entry_id)

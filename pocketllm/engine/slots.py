@@ -124,11 +124,6 @@ class Slots:
         """Forget prefix cache entry `entry`; blocks nothing else holds become free."""
         self.blocks.drop(self.cached.pop(entry).blocks)
 
-    def forget_cached(self) -> None:
-        """Forget every prefix cache entry (a new scheduler starts with an empty cache)."""
-        for entry in list(self.cached):
-            self.evict(entry)
-
     @property
     def block_size(self) -> int:
         return self.blocks.block_size

@@ -4,8 +4,9 @@ fixed-size blocks shared by every sequence: a sequence holds the blocks its bloc
 KV memory is taken as positions are written, not reserved for the longest sequence up front.
 
 Each layer's state of a sequence answers for itself what the engine's slots ask of it (reset for
-a new sequence, save and load for the prefix cache, bytes for its budget), so nothing above
-checks which kind of state a layer has.
+a new sequence, save and load for the prefix cache, addresses for the compiled step), so nothing
+above checks which kind of state a layer has; what a save copies is its mixer's state_bytes(),
+known before any state is allocated (the prefix cache's budget needs it first).
 
 The layout (what the compiled decode kernel and the torch path both read): per layer, K and V
 pools each [num_blocks, Hkv_local, KV_BLOCK_SIZE, D], contiguous; position p of a sequence is row
@@ -41,10 +42,6 @@ class GDNState:
     def load(self, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.conv.copy_(saved[0])
         self.recurrent.copy_(saved[1])
-
-    def bytes(self) -> int:
-        """What save() copies."""
-        return self.conv.nbytes + self.recurrent.nbytes
 
     def addresses(self) -> dict[str, int]:
         """Where a compiled decode step finds the state (the fields of step_bf16.c's SeqLayer)."""
@@ -98,9 +95,6 @@ class PagedKV:
 
     def load(self, saved: None) -> None:
         pass
-
-    def bytes(self) -> int:
-        return 0
 
     def addresses(self) -> dict[str, int]:
         """Where a compiled decode step finds the pool and the table (step_bf16.c's SeqLayer)."""
