@@ -114,7 +114,7 @@ def _load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         say(engine.describe_step())
         kernel = engine.model.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
-        note = one_host.finding(plan.cfg, plan.dtype, device.torch_device, cpus_per_rank())
+        note = one_host.finding(plan.cfg, plan.dtype, device.torch_device, cpus_per_rank)
         if note:
             say(note)
         profiler = attach_profiler(engine, run.profiling, tp().rank, device.synchronize, device.timing_event)

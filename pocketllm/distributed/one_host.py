@@ -38,12 +38,13 @@ def all_reduce_seconds(hidden: int, dtype: torch.dtype, device: torch.device) ->
     return statistics.median(times)
 
 
-def finding(cfg, dtype: torch.dtype, device: torch.device, cpus_per_rank: list[list[int]]) -> str | None:
+def finding(cfg, dtype: torch.dtype, device: torch.device, cpus_per_rank) -> str | None:
     """The note rank 0 prints when every rank of a CPU run shares one memory path (every rank
-    calls this: it measures on the group); None where the ranks have memory paths of their own."""
+    calls this: it gathers and measures on the group); None where the ranks have memory paths of
+    their own. cpus_per_rank() gathers each rank's CPUs, asked only of a CPU run of several ranks."""
     if tp().world < 2 or device.type != "cpu":
         return None
-    node = shared_node(cpus_per_rank)
+    node = shared_node(cpus_per_rank())
     # Every rank measures, so each takes the same branch: the node is the same list everywhere.
     if node is None:
         return None
