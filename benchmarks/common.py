@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from pocketllm.bench.limits import decode_weight_bytes  # noqa: F401  (the benchmarks import it from here)
 from pocketllm.engine.timing import timed_prefill
 
 

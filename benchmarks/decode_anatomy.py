@@ -41,10 +41,11 @@ import torch
 
 from pocketllm import host_memory
 from pocketllm.model_args import parse_dtype
+from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm.ops.quant.layout import dequantize
 from pocketllm.ops.registry import ONE, kind_for, weight_format
 from common import (
-    PocketRunner, activation_dtype, checkpoint_dir, decode_weight_bytes, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread,
+    PocketRunner, activation_dtype, checkpoint_dir, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread,
     tensor_bytes,
 )
 

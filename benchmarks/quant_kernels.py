@@ -15,7 +15,6 @@ rate is the best full fp32 sum over 1 GiB (benchmarks/common.py), before and aft
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -26,7 +25,7 @@ from pocketllm import compiled, host_memory
 from pocketllm.config import FULL
 from pocketllm.ops.quant import candidates as qc
 from pocketllm.ops.quant import native
-from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quant_linear_reference, quantize
+from pocketllm.ops.quant.layout import QuantizedWeight, quant_linear_reference, quantize
 from pocketllm.ops.registry import FEW_ROW, ONE_ROW
 from pocketllm.presets import get_preset
 

@@ -37,7 +37,8 @@ import time
 
 import torch
 
-from common import PocketRunner, alternate, decode_weight_bytes, llama_bench_tests, read_bandwidths_gbps, spread
+from common import PocketRunner, alternate, llama_bench_tests, read_bandwidths_gbps, spread
+from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
 

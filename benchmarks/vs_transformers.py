@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from common import PocketRunner, alternate, checkpoint_dir, decode_weight_bytes, device_sync, gemv_only_step_seconds, projection_weights, spread, tensor_bytes
+from common import PocketRunner, alternate, checkpoint_dir, device_sync, gemv_only_step_seconds, projection_weights, spread, tensor_bytes
 from pocketllm.bench import limits
 from pocketllm.model_args import parse_dtype
 
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     summary["decode_ratio"] = round(ratio, 3)
     print(f"{f'decode tok/s x{args.decode_tokens}':<22}{spread(a):>26}{spread(b):>26}{ratio:>8.2f}")
     model = runners[0].engine.model
-    weight_bytes = decode_weight_bytes(model)
+    weight_bytes = limits.decode_weight_bytes(model)
     rates = limits.measure(torch.device(args.device), dtype, runners[0].sync)
     limit = rates.memory_gbps * 1e9 / weight_bytes
     summary["decode_streaming_limit_tok_s"] = round(limit, 1)
