@@ -46,7 +46,7 @@ def generate(
     finally:
         sched.close()
     if prompt_logits is not None:
-        prompt_logits(torch.cat(rows) if len(rows) > 1 else rows[0])
+        prompt_logits(torch.cat(rows))
     return req.output[:asked]
 
 
