@@ -15,7 +15,7 @@ import torch
 
 from pocketllm import compiled
 from pocketllm.layers.cache import BlockTable, KVPool, PagedKV
-from pocketllm.layers.paged_attention import PIECE_BLOCKS, attention_core, cached_attention, decode_attention, gather_kv, write_kv
+from pocketllm.layers.paged_attention import attention_core, cached_attention, decode_attention, gather_kv, write_kv
 from pocketllm.ops.fused import kernels, reference
 
 BF16_ULP = 2**-7
@@ -43,7 +43,7 @@ def paged(pos: int, kv_heads: int, d: int, dtype, seed: int, run: bool = False):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(pool_blocks, kv_heads, BS, d, generator=g).to(dtype)
     v = torch.randn(pool_blocks, kv_heads, BS, d, generator=g).to(dtype)
-    table = BlockTable(blocks + 1, "cpu")
+    table = BlockTable(torch.zeros(blocks + 1, dtype=torch.int32))
     table.ids[:blocks] = torch.tensor(ids, dtype=torch.int32)
     table.held = ids
     return PagedKV(KVPool(k, v), table)
@@ -97,10 +97,10 @@ def test_attention_splits_fill_the_threads_only_for_a_long_cache():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads", GQA, ids=lambda x: str(x))
 def test_torch_decode_attention_reads_the_pool_in_place(dtype, heads, kv_heads):
-    """decode_attention against torch's fused attention over the gathered cache (the form it
-    replaces), with tables out of order, and one run longer than a piece."""
+    """decode_attention against torch's fused attention over the gathered cache, with tables out
+    of order, and one long run of consecutive blocks."""
     d = 64
-    for pos, run in [*((p, False) for p in POSITIONS), ((PIECE_BLOCKS + 3) * BS + 5, True)]:
+    for pos, run in [*((p, False) for p in POSITIONS), (67 * BS + 5, True)]:
         kv = paged(pos, kv_heads, d, dtype, seed=pos)
         q = (3 * torch.randn(heads, d, generator=torch.Generator().manual_seed(pos))).to(dtype)
         keys, values = gather_kv(kv, pos + 1)

@@ -22,7 +22,12 @@ class BlockAllocator:
         # A stack, lowest ids on top: the same calls in the same order give the same ids.
         self.free = list(range(num_blocks - 1, -1, -1))
         self.holders = [0] * num_blocks  # how many tables and cache entries hold each block
-        self.tables = [BlockTable(blocks_for(max_len, block_size), device) for _ in range(slots)]
+        # Every slot's table as one [slots + 1, capacity] tensor (BlockTable rows are views). The
+        # last row, the padding slot's, lists only `num_blocks`: a block past the allocator's, which
+        # the pools hold for the rows a fixed-size step runs beyond its real ones to write into.
+        self.ids = torch.zeros(slots + 1, blocks_for(max_len, block_size), dtype=torch.int32, device=device)
+        self.ids[slots] = num_blocks
+        self.tables = [BlockTable(self.ids[i]) for i in range(slots)]
 
     @property
     def num_free(self) -> int:

@@ -35,7 +35,11 @@ class Slots:
         self.blocks: BlockAllocator | None = None
         self.pools: list = []  # the full-attention layers' KVPools
         self._pool_blocks = 0  # blocks the pools have room for
-        self._own: list[dict] = []  # per slot allocated, its layers' own state by layer index
+        # The layers' own state of every slot, stacked, by layer index (GDNStates): room for the
+        # slots asked for and one more, the padding slot (`padding`).
+        self.stacked: dict = {}
+        self._pool_of: dict = {}  # the KV pool by layer index
+        self.generation = 0  # counts reserves: a step holding these tensors' addresses rebuilds
         self.cached: dict[int, CachedPrefix] = {}  # prefix cache entries by id (rank 0 chooses them)
 
     def __getitem__(self, slot: int) -> list:
@@ -55,19 +59,32 @@ class Slots:
         full = [i for i, layer in enumerate(layers) if layer.kind == FULL]
         # The old state goes before new is allocated.
         self.states, self.cached = [], {}
-        if blocks > self._pool_blocks:
+        # One block more than the allocator hands out: the padding slot's (kv_blocks.py).
+        if blocks + 1 > self._pool_blocks:
             self.pools = []
-            self.pools = [layers[i].mixer.allocate_pool(blocks) for i in full]
-            self._pool_blocks = blocks
-        while len(self._own) < count:
-            self._own.append({i: layer.mixer.allocate_state() for i, layer in enumerate(layers) if i not in full})
+            self.pools = [layers[i].mixer.allocate_pool(blocks + 1) for i in full]
+            self._pool_blocks = blocks + 1
+        if not self.stacked or next(iter(self.stacked.values())).count < count + 1:
+            self.stacked = {}
+            self.stacked = {i: layer.mixer.allocate_states(count + 1) for i, layer in enumerate(layers) if i not in full}
         self.blocks = BlockAllocator(blocks, count, max_len, self.device)
-        pools = dict(zip(full, self.pools))
+        pools = self._pool_of = dict(zip(full, self.pools))
         self.states = [
-            [PagedKV(pools[i], table) if i in pools else own[i] for i in range(len(layers))]
-            for table, own in zip(self.blocks.tables, self._own)
+            [PagedKV(pools[i], table) if i in pools else self.stacked[i].slot(slot) for i in range(len(layers))]
+            for slot, table in enumerate(self.blocks.tables)
         ]
         self.capacity = max_len
+        self.generation += 1
+
+    @property
+    def padding(self) -> int:
+        """The slot a fixed-size step's rows beyond its real ones run in: never a sequence's, its
+        table lists only a block the allocator never hands out, its state is scratch."""
+        return len(self.states)
+
+    def stacked_state(self, layer: int):
+        """Layer `layer`'s state of every slot at once: its GDNStates, or its KV pool."""
+        return self.stacked[layer] if layer in self.stacked else self._pool_of[layer]
 
     def begin(self, slot: int) -> None:
         """A new sequence in `slot`: every layer's state cleared, its KV blocks freed."""

@@ -49,6 +49,22 @@ class GDNState:
 
 
 @dataclass
+class GDNStates:
+    """One Gated DeltaNet layer's state of every slot, stacked (a slot's GDNState is a view of its
+    row): a step of several sequences gathers theirs by slot index, with no per-sequence call."""
+
+    conv: torch.Tensor  # [slots, K-1, C_local]
+    recurrent: torch.Tensor  # [slots, Hv_local, Dk, Dv] fp32
+
+    @property
+    def count(self) -> int:
+        return self.conv.shape[0]
+
+    def slot(self, i: int) -> GDNState:
+        return GDNState(self.conv[i], self.recurrent[i])
+
+
+@dataclass
 class KVPool:
     """One full-attention layer's keys and values, for every sequence."""
 
@@ -66,10 +82,11 @@ class KVPool:
 
 class BlockTable:
     """The KV blocks of one sequence in position order: ids[:count] (int32, on the pool's device,
-    room for the longest sequence a slot holds)."""
+    room for the longest sequence a slot holds; a row of the allocator's table of every slot,
+    where a step of several sequences gathers them by slot index)."""
 
-    def __init__(self, capacity: int, device):
-        self.ids = torch.zeros(capacity, dtype=torch.int32, device=device)
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
         self.held: list[int] = []  # the same ids, as the allocator reads them
 
     @property

@@ -10,7 +10,7 @@ from torch import nn
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
-from pocketllm.layers.cache import GDNState
+from pocketllm.layers.cache import GDNState, GDNStates
 from pocketllm.layers.context import ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
@@ -72,15 +72,16 @@ class GatedDeltaNet(nn.Module):
         self.neg_a = -torch.exp(self.A_log.float())
         self.conv_taps = self.conv_weight[:, 0, :].t().float().contiguous()
 
-    def allocate_state(self) -> GDNState:
+    def allocate_states(self, count: int) -> GDNStates:
+        """The state of `count` slots, stacked."""
         k = self.conv_weight.shape[-1]
-        return GDNState(
-            conv=torch.zeros(k - 1, self.conv_channels, dtype=self._dtype, device=self._device),
-            recurrent=torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=self._device),
+        return GDNStates(
+            conv=torch.zeros(count, k - 1, self.conv_channels, dtype=self._dtype, device=self._device),
+            recurrent=torch.zeros(count, self.hv, self.dk, self.dv, dtype=torch.float32, device=self._device),
         )
 
     def state_bytes(self) -> int:
-        """What allocate_state's state takes."""
+        """What one slot's state takes."""
         conv = (self.conv_weight.shape[-1] - 1) * self.conv_channels * self.conv_weight.element_size()
         return conv + self.hv * self.dk * self.dv * 4
 
