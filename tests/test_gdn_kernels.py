@@ -27,7 +27,7 @@ from conftest import main_in_process, usage_error_in_process
 from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_torch_
 from pocketllm.ops.gated_delta.naive import gated_delta_step_reference_
 from pocketllm.ops.gated_delta.backends import CHOICES, KernelChoice, choose_gdn_kernel, probe, select_gdn_kernel
-from pocketllm.ops.gated_delta.fla_adapter import fla_decode_step_, fla_prefill
+from pocketllm.ops.gated_delta.fla_adapter import fla_decode_rows_, fla_decode_step_, fla_prefill
 from numerics import assert_close_rel
 from test_gated_delta import make_inputs, reference_f64
 
@@ -79,6 +79,23 @@ def test_fla_decode_step_advances_the_state_through_its_signature(fla, Hk, Hv):
     assert_close_rel(mine, ref, tol=3e-2)
     (name, call), = fla.calls
     assert name == "fused_recurrent_gated_delta_rule" and call["gk"] is None and call["beta"] is not None
+
+
+@pytest.mark.parametrize("Hk, Hv", HEADS)
+def test_fla_decode_rows_advance_each_sequence_from_its_own_state_through_its_signature(fla, Hk, Hv):
+    # Three sequences' tokens, each with its own state: fla's batch is the sequences.
+    q, k, v, g, beta, _ = make_inputs(3, Hk, Hv, 16, 8)
+    v = v.to(torch.bfloat16)
+    states = torch.randn(3, Hv, 16, 8, generator=torch.Generator().manual_seed(5)) * 0.1
+    mine = states.clone()
+    out = fla_decode_rows_(q, k, v, g, beta, mine)
+    for b in range(3):
+        ref = states[b].clone()
+        ref_out = gated_delta_step_reference_(q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1], beta[b : b + 1], ref)
+        assert_close_rel(out[b : b + 1], ref_out, tol=3e-2)
+        assert_close_rel(mine[b], ref, tol=3e-2)
+    (name, call), = fla.calls
+    assert name == "fused_recurrent_gated_delta_rule" and call["q"].shape[:2] == (3, 1) and call["initial_state"].shape[0] == 3
 
 
 @pytest.mark.parametrize("takes_fp32_state", [True, False], ids=["fp32-state", "bf16-state-only"])
@@ -155,7 +172,9 @@ def test_a_passing_device_kernel_is_probed_once_and_kept(monkeypatch, fla):
     _planned(monkeypatch, "fla")
     first = select_gdn_kernel(CPU, torch.bfloat16, env={})
     calls = len(fla.calls)
-    assert first.name == "fla" and first.prefill is fla_prefill and first.decode_step_ is fla_decode_step_ and calls == 2
+    # The probe: a prefill, a decode step and a decode of two sequences' rows.
+    assert first.name == "fla" and first.prefill is fla_prefill and first.decode_step_ is fla_decode_step_ and calls == 3
+    assert first.decode_rows_ is fla_decode_rows_
     assert select_gdn_kernel(CPU, torch.bfloat16, env={}) is first and len(fla.calls) == calls
 
 

@@ -2,9 +2,9 @@
 values into the sequence's blocks, and reading them back for its rows' attention.
 
 What each kind of pass reads: rows starting a sequence attend to their own keys and values alone,
-so nothing is read back; a decode row reads the pool in place, one matmul per run of consecutive
-blocks and KV head (the pool is [blocks, Hkv, block_size, D], so a run of one head is a strided
-batch of blocks, no copy); rows continuing a sequence (a prefill chunk after the first, a prompt
+so nothing is read back; decode rows (one per sequence) gather the blocks their tables list and
+mask the positions past their own, shapes set by the tables, not the data, so the same form runs
+in a captured decode step; rows continuing a sequence (a prefill chunk after the first, a prompt
 after a cached prefix) gather the cache into one tensor for torch's fused attention, a copy of
 the cache that costs a small part of the attention itself once the rows are many. The compiled
 bf16 decode kernel (pocketllm/ops/fused) reads the same layout."""
@@ -14,11 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pocketllm.layers.cache import PagedKV
-
-# At most this many consecutive blocks go into one matmul of a decode row; a pool in bf16 or fp16
-# is widened to fp32 a piece at a time, so the widened copy stays this small.
-PIECE_BLOCKS = 64
+from pocketllm.layers.cache import KVPool, PagedKV
 
 
 def _flat_rows(kv: PagedKV, start: int, end: int) -> torch.Tensor:
@@ -71,44 +67,40 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     return attention_core(q.transpose(0, 1), keys, values, start, scale).transpose(0, 1)
 
 
-def block_runs(ids: list[int], positions: int, block_size: int) -> list[tuple[int, int, int]]:
-    """(first block id, blocks, positions) of each run of consecutive block ids that holds positions
-    0..positions-1 in order, at most PIECE_BLOCKS blocks each."""
-    runs: list[tuple[int, int, int]] = []
-    for i in range(-(-positions // block_size)):
-        rows = min(block_size, positions - i * block_size)
-        if runs and ids[i] == runs[-1][0] + runs[-1][1] and runs[-1][1] < PIECE_BLOCKS:
-            first, n, held = runs[-1]
-            runs[-1] = (first, n + 1, held + rows)
-        else:
-            runs.append((ids[i], 1, rows))
-    return runs
-
-
 def decode_attention(q: torch.Tensor, kv: PagedKV, pos: int, scale: float) -> torch.Tensor:
-    """One row at position pos: q [H, D] over positions 0..pos, read from the pool in place; the
-    scores, softmax and sums in fp32; [H, D] in q's dtype."""
-    pool = kv.pool
-    bs, hkv, d = pool.block_size, pool.k.shape[1], pool.k.shape[3]
-    g = q.shape[0] // hkv
-    q_t = q.float().view(hkv, g, d).transpose(1, 2)  # [Hkv, D, G]
-    runs = block_runs(kv.table.held, pos + 1, bs)
-    scores = torch.empty(hkv, g, pos + 1, dtype=torch.float32, device=q.device)
-    at = 0
-    for first, n, rows in runs:
-        keys = pool.k[first : first + n].float()  # [n, Hkv, bs, D], a view for an fp32 pool
-        for h in range(hkv):
-            s = torch.bmm(keys[:, h], q_t[h].expand(n, d, g))  # [n, bs, G]
-            scores[h, :, at : at + rows] = s.view(n * bs, g)[:rows].t()
-        at += rows
-    probs = torch.softmax(scores.mul_(scale), dim=-1)
-    out = torch.zeros(hkv, g, d, dtype=torch.float32, device=q.device)
-    at = 0
-    for first, n, rows in runs:
-        values = pool.v[first : first + n].float()
-        # Positions past pos in the last block weigh nothing.
-        p = F.pad(probs[:, :, at : at + rows], (0, n * bs - rows)).view(hkv, g, n, bs)
-        for h in range(hkv):
-            out[h] += torch.bmm(p[h].transpose(0, 1), values[:, h]).sum(0)  # [n, G, bs] @ [n, bs, D] -> [G, D]
-        at += rows
-    return out.view(hkv * g, d).to(q.dtype)
+    """One row at position pos: q [H, D] over positions 0..pos of the sequence's blocks; [H, D] in
+    q's dtype. One sequence's case of decode_attention_rows, over its table's whole capacity as a
+    step of several sequences reads it (a row's sums change with the positions they run over, so
+    the two read alike to get alike bits)."""
+    at = torch.tensor([pos], device=q.device)
+    return decode_attention_rows(q[None], kv.pool, kv.table.ids[None], at, scale)[0]
+
+
+def write_kv_rows(pool: KVPool, tables: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One position of each of B sequences: keys and values [B, Hkv, D] at positions pos [B]
+    (long) into the blocks each sequence's table row (tables [B, M] int32) lists. Nothing in it is
+    sized by the data or branches on it: a captured decode step runs it as it is."""
+    heads, bs, d = pool.k.shape[1], pool.block_size, pool.k.shape[-1]
+    block = tables.gather(1, (pos // bs)[:, None]).long()  # [B, 1]
+    rows = ((block * heads + torch.arange(heads, device=pos.device)[None, :]) * bs + (pos % bs)[:, None]).flatten()
+    pool.k.view(-1, d)[rows] = k.reshape(-1, d)
+    pool.v.view(-1, d)[rows] = v.reshape(-1, d)
+
+
+def decode_attention_rows(q: torch.Tensor, pool: KVPool, tables: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row of each of B sequences: q [B, H, D] at positions pos [B] (long) over positions
+    0..pos of the blocks each table row (tables [B, M] int32) lists; [B, H, D] in q's dtype. The
+    scores, softmax and sums in fp32, over all M blocks of every row with the positions past a
+    row's own masked out: the shapes are the table's, not the data's, so a captured decode step
+    runs it as it is, and what a row gets does not depend on the rows beside it (its sums do
+    depend on M: a step and the layers read the slots' tables whole)."""
+    b, h, d = q.shape
+    hkv, bs, m = pool.k.shape[1], pool.block_size, tables.shape[1]
+    ids = tables.long()
+    # [B, M, Hkv, bs, D] -> [B, Hkv, M * bs, D]: each head's positions in order.
+    keys = pool.k[ids].transpose(1, 2).reshape(b, hkv, m * bs, d).float()
+    values = pool.v[ids].transpose(1, 2).reshape(b, hkv, m * bs, d).float()
+    scores = torch.matmul(q.float().view(b, hkv, h // hkv, d), keys.transpose(-1, -2))  # [B, Hkv, G, M * bs]
+    past = torch.arange(m * bs, device=q.device)[None, :] > pos[:, None]
+    probs = torch.softmax(scores.mul_(scale).masked_fill_(past[:, None, None, :], float("-inf")), dim=-1)
+    return torch.matmul(probs, values).view(b, h, d).to(q.dtype)

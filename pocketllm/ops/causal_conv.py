@@ -45,15 +45,22 @@ def _conv_silu_blocked(window: torch.Tensor, taps: torch.Tensor, t: int) -> torc
 
 def causal_conv1d_step_(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """One token: x [1, C]. Sums in fp32 in the blocked prefill's order, so a decoded token gets
-    the bits a prefill would give it. Shifts the state in place, allocating nothing state-sized."""
+    the bits a prefill would give it. Shifts the state in place, allocating nothing state-sized.
+    One sequence's case of causal_conv1d_rows_step_."""
+    return causal_conv1d_rows_step_(x, taps, state[None])
+
+
+def causal_conv1d_rows_step_(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token of each of B sequences: x [B, C], state [B, K-1, C] (each row its sequence's
+    window, shifted in place): the same ops on every row, what a step of several sequences runs."""
     k = taps.shape[0]
-    out = x[0].float() * taps[k - 1]
+    out = x.float() * taps[k - 1]
     for i in range(k - 1):
-        out.addcmul_(state[i], taps[i])
+        out.addcmul_(state[:, i], taps[i])
     for i in range(k - 2):
-        state[i].copy_(state[i + 1])
-    state[k - 2].copy_(x[0])
-    return F.silu(out.to(x.dtype)).unsqueeze(0)
+        state[:, i].copy_(state[:, i + 1])
+    state[:, k - 2].copy_(x)
+    return F.silu(out.to(x.dtype))
 
 
 def causal_conv1d_reference(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

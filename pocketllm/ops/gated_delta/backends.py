@@ -26,7 +26,7 @@ from pocketllm.errors import UsageError
 from pocketllm.switches import env_setting
 from pocketllm.ops.gated_delta import fla_adapter, npu_adapter
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
-from pocketllm.ops.gated_delta.recurrent import gated_delta_rule_recurrent, gated_delta_step_torch_
+from pocketllm.ops.gated_delta.recurrent import gated_delta_rows_torch_, gated_delta_rule_recurrent, gated_delta_step_torch_
 
 # Also read as the seed's QWEN_GDN_KERNEL (pocketllm.switches.ALIASES).
 ENV = "POCKETLLM_GDN_KERNEL"
@@ -51,12 +51,15 @@ class KernelChoice:
 class GdnKernel:
     """prefill(q, k, v, g, beta, initial_state) -> (out [T, Hv, Dv], final_state [Hv, Dk, Dv] fp32);
     decode_step_(q, k, v, g, beta, state) -> out [1, Hv, Dv] (fp32 or v's dtype; the layer rounds
-    it to its own), advancing `state` in place."""
+    it to its own), advancing `state` in place; decode_rows_ the same for one token of each of B
+    sequences (q, k [B, Hk, Dk], state [B, Hv, Dk, Dv]: gated_delta_rows_torch_'s contract), what
+    a decode step of several sequences runs."""
 
     name: str
     reason: str
     prefill: Callable
     decode_step_: Callable
+    decode_rows_: Callable = gated_delta_rows_torch_
 
     def describe(self) -> str:
         return f"{self.name} ({self.reason})"
@@ -139,7 +142,7 @@ def _worst(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
-def probe(prefill, decode_step_, device, dtype) -> str | None:
+def probe(prefill, decode_step_, device, dtype, decode_rows_=gated_delta_rows_torch_) -> str | None:
     """Run a kernel once on a tiny input on `device` against the torch per-token forms; None when
     it agrees, else why not (its exception's last line, or how far off it was)."""
     q, k, v, g, beta, state = probe_inputs(device, dtype)
@@ -153,6 +156,14 @@ def probe(prefill, decode_step_, device, dtype) -> str | None:
             step = decode_step_(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], mine)
             ref_step = gated_delta_step_torch_(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], ref)
             errors |= {"decode out": _worst(step, ref_step), "decode state": _worst(mine, ref)}
+        if decode_rows_ is not gated_delta_rows_torch_:
+            # Two sequences' last tokens as one call, each from its own state.
+            rows = lambda x: torch.stack((x[-1], x[-2]))  # noqa: E731
+            mine = torch.stack((ref_final, state)).contiguous()
+            ref = mine.clone()
+            step = decode_rows_(rows(q), rows(k), rows(v), rows(g), rows(beta), mine)
+            ref_step = gated_delta_rows_torch_(rows(q), rows(k), rows(v), rows(g), rows(beta), ref)
+            errors |= {"decode rows out": _worst(step, ref_step), "decode rows state": _worst(mine, ref)}
     except Exception as exc:  # the probe's purpose: any failure means "do not trust it"
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
     bad = {name: e for name, e in errors.items() if not e <= tol}
@@ -162,10 +173,10 @@ def probe(prefill, decode_step_, device, dtype) -> str | None:
 
 
 def _fla_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:
-    why = probe(fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, device, dtype)
+    why = probe(fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, device, dtype, fla_adapter.fla_decode_rows_)
     if why is not None:
         return None, why
-    return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_), None
+    return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, fla_adapter.fla_decode_rows_), None
 
 
 def _npu_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:

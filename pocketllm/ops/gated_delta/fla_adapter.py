@@ -54,3 +54,15 @@ def fla_decode_step_(q, k, v, g, beta, state):
     # fla returns the new state rather than updating it; the caller owns `state`.
     state.copy_(final[0])
     return out[0]
+
+
+def fla_decode_rows_(q, k, v, g, beta, state):
+    """Same contract as gated_delta_rows_torch_: one token of each of B sequences (fla's batch is
+    the sequences, each one token long), out [B, Hv, Dv], `state` [B, Hv, Dk, Dv] advanced in place."""
+    _, recurrent = _ops()
+    out, final = recurrent(
+        q.to(v.dtype)[:, None], k.to(v.dtype)[:, None], v[:, None], g=g.float()[:, None], beta=beta.to(v.dtype)[:, None],
+        scale=1.0, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False,
+    )
+    state.copy_(final)
+    return out[:, 0]

@@ -56,27 +56,36 @@ def _step_f32(q, k, v, decay, beta, state, out, kv_mem) -> None:
 def gated_delta_step_torch_(q, k, v, g, beta, state) -> torch.Tensor:
     """Advance `state` ([Hv, Dk, Dv] fp32) by one token in place; return out [1, Hv, Dv] in fp32.
     The caller rounds to its own dtype: an fp32 result is not copied into a v-dtype buffer only to
-    be converted again.
+    be converted again. One sequence's case of gated_delta_rows_torch_."""
+    T, _, Hv, Dk, Dv = check_shapes(q, k, v, g, beta, state)
+    if T != 1:
+        raise ValueError(f"gated_delta_step_torch_ takes one token; got T={T}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"state must be float32; got {state.dtype}")
+    return gated_delta_rows_torch_(q, k, v, g, beta, state[None])
+
+
+def gated_delta_rows_torch_(q, k, v, g, beta, state) -> torch.Tensor:
+    """One token of each of B sequences: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv], state
+    [B, Hv, Dk, Dv] fp32, advanced in place; out [B, Hv, Dv] fp32. No branch on the data and
+    nothing sized by it: a captured decode step runs it as it is.
 
     The same arithmetic as the recurrence, reordered so the state is read once before it is
     updated: with S' = decay S + k (x) delta, k^T (decay S) = decay k^T S and q^T S' = decay q^T S
     + (q . k) delta, so k^T S and q^T S come from one batched product on the old state, where the
     recurrence reads the state twice more. The update is torch's scale in place and its rank-1
     update in place (torch has no one op for the two; the compiled decode block does both in one
-    pass)."""
-    T, _, Hv, Dk, Dv = check_shapes(q, k, v, g, beta, state)
-    if T != 1:
-        raise ValueError(f"gated_delta_step_torch_ takes one token; got T={T}")
-    if state.dtype != torch.float32:
-        raise ValueError(f"state must be float32; got {state.dtype}")
-    q_v = expand_to_value_heads(q[0], Hv)  # [Hv, Dk]
-    k_v = expand_to_value_heads(k[0], Hv)  # [Hv, Dk]
-    decay = g[0].float().exp()[:, None]  # [Hv, 1]
-    ks, qs = torch.bmm(torch.stack((k_v, q_v), dim=1), state).unbind(1)  # [Hv, Dv] each
-    delta = (v[0].float() - decay * ks).mul_(beta[0].float()[:, None])
+    pass). Each sequence's rows are the same ops on the same shapes whatever B is."""
+    b, hv, dk, dv = state.shape
+    q_v = expand_to_value_heads(q, hv).reshape(b * hv, dk)
+    k_v = expand_to_value_heads(k, hv).reshape(b * hv, dk)
+    flat = state.view(b * hv, dk, dv)
+    decay = g.float().exp().reshape(b * hv, 1)
+    ks, qs = torch.bmm(torch.stack((k_v, q_v), dim=1), flat).unbind(1)  # [B*Hv, Dv] each
+    delta = (v.float().reshape(b * hv, dv) - decay * ks).mul_(beta.float().reshape(b * hv, 1))
     out = (decay * qs).addcmul_((q_v * k_v).sum(-1, keepdim=True), delta)
-    state.mul_(decay[:, :, None]).baddbmm_(k_v[:, :, None], delta[:, None, :])
-    return out[None]
+    flat.mul_(decay[:, :, None]).baddbmm_(k_v[:, :, None], delta[:, None, :])
+    return out.view(b, hv, dv)
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
