@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from pocketllm.ops.row_blocks import block_rows, uses_row_blocks
 
 
-def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor, row_blocks: bool = True) -> torch.Tensor:
     """x [T, C]; taps [K, C] fp32 (the conv weight, one row per tap, oldest input first); state
     [K-1, C] holds the inputs before x and is advanced in place. Returns silu(conv(x)) [T, C] in
-    x's dtype, the conv summed in fp32 and rounded once before the silu, as conv1d does."""
+    x's dtype, the conv summed in fp32 and rounded once before the silu, as conv1d does.
+    row_blocks False (a device's pass shape, forced on a CPU): conv1d whole, as on a device."""
     k = taps.shape[0]
     window = torch.cat((state.to(x.dtype), x), dim=0)  # [T+K-1, C]
     state.copy_(window[window.shape[0] - (k - 1) :])
@@ -19,7 +20,7 @@ def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Ten
     # stays in cache, at every length: torch's CPU conv1d was at best level with them and at most
     # lengths far slower, on every machine measured (docs/measuring.md, figures behind the code's
     # choices). A device runs conv1d as one kernel.
-    if uses_row_blocks(x):
+    if row_blocks and uses_row_blocks(x):
         return _conv_silu_blocked(window, taps, x.shape[0])
     weight = taps.t().to(x.dtype).unsqueeze(1)  # [C, 1, K], exact: the taps came from x's dtype
     out = F.conv1d(window.t().unsqueeze(0), weight, groups=weight.shape[0])[0]  # [C, T]

@@ -25,11 +25,12 @@ def uses_row_blocks(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
-def by_row_blocks(fn, x: torch.Tensor, *rows_like: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def by_row_blocks(fn, x: torch.Tensor, *rows_like: torch.Tensor, out_dtype: torch.dtype | None = None, row_blocks: bool = True) -> torch.Tensor:
     """fn(x, *rows_like) computed on row blocks of x (and of the tensors that share its rows)
-    into one output of x's shape: the same values, since fn treats every row alone."""
+    into one output of x's shape: the same values, since fn treats every row alone. row_blocks
+    False (a device's pass shape, layers.context.PassShape, forced on a CPU): fn over all rows."""
     # A decode row (the per-token path) returns before any block arithmetic.
-    if x.shape[0] == 1 or not uses_row_blocks(x):
+    if x.shape[0] == 1 or not row_blocks or not uses_row_blocks(x):
         return fn(x, *rows_like)
     step = block_rows(x)
     if x.shape[0] <= step:

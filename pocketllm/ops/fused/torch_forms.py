@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from pocketllm.ops.norms import rms_norm_scaled
 
 
-def add_rms_norm_torch(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + x, rms_norm(h + x) * scale) for rows h, x [T, n]; x None means no add."""
+def add_rms_norm_torch(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float, row_blocks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + x, rms_norm(h + x) * scale) for rows h, x [T, n]; x None means no add. row_blocks:
+    as ops.norms.rms_norm_scaled's."""
     if x is not None:
         h = h + x
-    return h, rms_norm_scaled(h, scale, eps)
+    return h, rms_norm_scaled(h, scale, eps, row_blocks)
 
 
 def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
