@@ -1,0 +1,41 @@
+"""A pass's keys and values into a sequence's paged KV blocks (layers.paged_attention.write_kv's
+contract, on the tensors: pools [blocks, Hkv, block_size, D], the sequence's block table). The
+torch form builds the flat row index of every (head, position) and scatters twice; here one
+program per (position, head) copies that row of k and of v to where the table says. A copy: the
+bits are the inputs'."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .arith import launch_options
+
+
+@triton.jit
+def _kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, table_ptr, start, n, heads, block_size, k_row, k_head, v_row, v_head,
+            BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    pos = start + t
+    block = tl.load(table_ptr + pos // block_size).to(tl.int64)
+    dst = ((block * heads + h) * block_size + pos % block_size) * n + cols
+    tl.store(k_pool_ptr + dst, tl.load(k_ptr + t * k_row + h * k_head + cols, mask=mask), mask=mask)
+    tl.store(v_pool_ptr + dst, tl.load(v_ptr + t * v_row + h * v_head + cols, mask=mask), mask=mask)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (last dim contiguous) of positions start..start+T-1 into k_pool, v_pool
+    [blocks, Hkv, block_size, D] (contiguous, k's dtype) at the blocks table (int32) lists."""
+    t, heads, n = k.shape
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or k_pool.shape[1] != heads or k_pool.shape[3] != n \
+            or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1 or k_pool.dtype != k.dtype or v_pool.dtype != v.dtype:
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, pools {tuple(k_pool.shape)}: k and v must be [T, Hkv, D] "
+                         f"rows of contiguous [blocks, Hkv, block_size, D] pools of their dtype")
+    if t:
+        block = triton.next_power_of_2(n)
+        _kernel[(t, heads)](k, v, k_pool, v_pool, table, start, n, heads, k_pool.shape[2], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                            BLOCK=block, **launch_options(block))
