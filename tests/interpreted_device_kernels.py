@@ -1,0 +1,135 @@
+"""The device prefill kernels (pocketllm/ops/device/kernels) on CPU under Triton's interpreter:
+each against its torch form and the plain references at odd shapes in bf16 and fp32, inputs taken
+as the strided views a layer hands them; a row's bits the same in a call of one row as in a call of
+67. Runs only in a process started with TRITON_INTERPRET=1 (tests/triton_on_cpu.py says why):
+test_device_ops.py runs it so, and so can a developer:
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/interpreted_device_kernels.py
+
+tests/device/test_device_ops_on_cuda.py makes the same comparisons with the kernels compiled, on CUDA."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton.runtime.interpreter import InterpretedFunction
+
+from device_op_cases import CASES, ROW_SHAPES, TOL_ULPS, conv_inputs, gen, ulps
+from pocketllm.ops.causal_conv import causal_conv1d_reference
+from pocketllm.ops.device import kernels, torch_forms
+from pocketllm.ops.fused.reference import add_rms_norm_reference, silu_mul_reference
+from pocketllm.ops.norms import rms_norm_gated_reference, rms_norm_zero_centred_reference
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("run this file with TRITON_INTERPRET=1 from the start of the process (tests/test_device_ops.py does)")
+
+for _module in pkgutil.iter_modules(kernels.__path__):
+    importlib.import_module(f"{kernels.__name__}.{_module.name}")
+
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+SHAPES = [pytest.param(rows, width, id=f"T{rows}-n{width}") for rows, width in ROW_SHAPES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
+def test_the_kernels_are_interpreted(case):
+    assert isinstance(getattr(kernels, case.module)._kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", SHAPES)
+def test_kernel_matches_its_torch_form(case, dtype, rows, width):
+    mine, theirs = case.make(dtype, rows, width), case.make(dtype, rows, width)
+    mine = case.outputs(case.kernel(kernels)(*mine), mine)
+    theirs = case.outputs(case.torch_form(*theirs), theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.is_contiguous()
+        case.check(a, b)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.rows_of], ids=lambda c: c.op)
+def test_a_row_gets_the_same_bits_alone_as_among_67(case):
+    # One dtype: what could make a row's bits depend on the others is the order of its sums.
+    args = case.make(torch.bfloat16, 67, 130)
+    launch = case.kernel(kernels)
+    together = case.outputs(launch(*args), args)
+    for r in (0, 33, 66):
+        one = [a[r : r + 1] if i in case.rows_of else a for i, a in enumerate(args)]
+        for out_all, out_one in zip(together, case.outputs(launch(*one), one), strict=True):
+            assert torch.equal(out_all[r : r + 1], out_one), f"row {r}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_over_a_prompt_in_one_call_equals_it_in_chunks(dtype):
+    """A conv row depends on the K-1 rows before it: one call over 67 rows, and the same rows as
+    calls of 1, 2 and 64 rows carrying the state, give the same bits and the same final state."""
+    x, taps, state = conv_inputs(dtype, 67, 130)
+    conv = kernels.causal_conv.causal_conv1d_prefill_
+    whole_state, chunk_state = state.clone(), state.clone()
+    whole = conv(x, taps, whole_state)
+    chunks = torch.cat([conv(x[a:b], taps, chunk_state) for a, b in ((0, 1), (1, 3), (3, 67))])
+    assert torch.equal(whole, chunks) and torch.equal(whole_state, chunk_state)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 67])
+def test_conv_advances_the_state_as_the_torch_form(rows):
+    """Fewer rows than K-1 keep part of the old state; the new state is the window's tail."""
+    x, taps, state = conv_inputs(torch.bfloat16, rows, 96)
+    mine, theirs = state.clone(), state.clone()
+    kernels.causal_conv.causal_conv1d_prefill_(x, taps, mine)
+    torch_forms.causal_conv1d_prefill_(x, taps, theirs)
+    assert torch.equal(mine, theirs)
+
+
+# Against the plain references (ops/norms.py, ops/fused/reference.py, ops/causal_conv.py), which
+# compute differently from the torch forms: at most one ulp more.
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_match_the_references(dtype):
+    g = gen(20)
+    h, x = (torch.randn(3, 130, generator=g).to(dtype) for _ in range(2))
+    w = (torch.randn(130, generator=g) * 0.1).to(dtype)
+    scale = 1.0 + w.float()
+    total, out = kernels.add_rms_norm.add_rms_norm(h, x, scale, 1e-6)
+    ref_total, ref_out = add_rms_norm_reference(h, x, scale, 1e-6)
+    assert torch.equal(total, ref_total) and ulps(out, ref_out) <= TOL_ULPS["add_rms_norm"][dtype] + 1
+    _, out = kernels.add_rms_norm.add_rms_norm(h, None, scale, 1e-6)
+    assert ulps(out, rms_norm_zero_centred_reference(h, w, 1e-6)) <= TOL_ULPS["rms_norm"][dtype] + 1
+    xs, z = (torch.randn(3, 2, 130, generator=g).to(dtype) for _ in range(2))
+    gated = kernels.gated_norm.rms_norm_gated(xs, z, w, 1e-6)
+    assert ulps(gated, rms_norm_gated_reference(xs, z, w, 1e-6)) <= TOL_ULPS["rms_norm_gated"][dtype] + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_and_conv_match_the_references(dtype):
+    g = gen(21)
+    gate, up = (torch.randn(3, 130, generator=g).to(dtype) for _ in range(2))
+    assert ulps(kernels.silu_mul.silu_mul(gate, up), silu_mul_reference(gate, up)) <= TOL_ULPS["silu_mul"][dtype]
+    x, taps, state = conv_inputs(dtype, 67, 130)
+    ref_state = state.clone()
+    out, ref = kernels.causal_conv.causal_conv1d_prefill_(x, taps, state), causal_conv1d_reference(x, taps, ref_state)
+    if dtype == torch.bfloat16:
+        assert ulps(out, ref) <= 1
+    else:
+        assert (out - ref).abs().max() <= 1e-6 * ref.abs().max()
+    assert torch.equal(state, ref_state)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gates_match_float64_far_into_both_tails(dtype):
+    """a + dt_bias from -30 to 30 (softplus's log1p tail and its threshold at 20), against float64
+    from the same fp32 sum a + dt_bias (whose rounding alone moves the far tail by ~16 ulps)."""
+    g_ = gen(22)
+    a = torch.linspace(-30, 30, 67 * 6).view(67, 6).to(dtype)
+    b = (torch.randn(67, 6, generator=g_) * 4).to(dtype)
+    neg_a, dt_bias = -torch.rand(6, generator=g_) - 0.1, (torch.randn(6, generator=g_) * 0.5).to(dtype)
+    g, beta = kernels.gdn_gates.gdn_gates(a, b, neg_a, dt_bias)
+    ref_g = neg_a.double() * F.softplus((a.float() + dt_bias).double())
+    assert ulps(beta.to(dtype), torch.sigmoid(b.double()).to(dtype)) <= 2
+    assert ulps(g, ref_g.float()) <= 4

@@ -1,0 +1,93 @@
+"""The device prefill ops on CPU: their kernels under Triton's interpreter (interpreted_device_kernels.py,
+in a process of its own) and compiled for a GPU (sm_90); the custom ops one op each to a
+dispatch-mode counter, equal to the torch forms off CUDA, their fake forms as torch checks them;
+the selector; the torch forms of rope and the KV write equal to the layers' own.
+tests/device/test_device_ops_on_cuda.py runs the kernels on CUDA."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from device_op_cases import CASES, gen, kv_inputs
+from triton_on_cpu import REPO, compiled_for_gpu, run_interpreted
+from pocketllm.layers.cache import KVPool, PagedKV
+from pocketllm.layers.paged_attention import write_kv
+from pocketllm.layers.rotary import apply_rotary
+from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, device_ops, kernels, torch_forms
+from pocketllm.profiling.op_count import count_ops
+
+
+def test_the_kernels_under_the_interpreter():
+    """Every test of interpreted_device_kernels.py passes, none skipped (its output on failure)."""
+    run = run_interpreted(REPO / "tests" / "interpreted_device_kernels.py")
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    assert run.returncode == 0 and re.fullmatch(r"\d+ passed in .*", summary), run.stdout[-6000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
+def test_each_kernel_compiles_for_a_gpu(case, tmp_path, monkeypatch):
+    """The interpreter runs some things the compiler refuses: compile each launch for sm_90."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    import importlib
+
+    module = importlib.import_module(f"{kernels.__name__}.{case.module}")
+    compiled = []
+    for dtype in (torch.bfloat16, torch.float32):
+        compiled += compiled_for_gpu(module, case.kernel(kernels), *case.make(dtype, 3, 130))
+    assert compiled and all(k.asm["cubin"] for k in compiled)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
+def test_each_custom_op_is_one_op_and_the_torch_form_off_cuda(case):
+    mine, theirs = case.make(torch.bfloat16, 3, 96), case.make(torch.bfloat16, 3, 96)
+    result, count = count_ops(getattr(CUSTOM_OPS, case.field), *mine)
+    assert count.kernels == {f"pocketllm::{case.op}": 1}, count.ops
+    for a, b in zip(case.outputs(result, mine), case.outputs(case.torch_form(*theirs), theirs), strict=True):
+        assert torch.equal(a, b)
+    _, torch_count = count_ops(getattr(TORCH_OPS, case.field), *case.make(torch.bfloat16, 3, 96))
+    assert torch_count.total_kernels() >= 1 and not any(name.startswith("pocketllm::") for name in torch_count.ops)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
+def test_each_custom_op_passes_torchs_opcheck(case):
+    """The schema and the fake (shape-only) form against the real outputs: what torch.compile and
+    a CUDA graph capture rely on."""
+    op = getattr(torch.ops.pocketllm, case.op).default
+    torch.library.opcheck(op, case.op_args(case.make(torch.float32, 3, 96)), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_every_custom_op_in_one_graph():
+    """fullgraph: no op breaks the graph (each traced by its fake form); the same bits as eager."""
+    mine = {case.op: case.make(torch.bfloat16, 3, 96) for case in CASES}
+    theirs = {case.op: case.make(torch.bfloat16, 3, 96) for case in CASES}
+
+    def every_op(args):
+        return [case.outputs(getattr(CUSTOM_OPS, case.field)(*args[case.op]), args[case.op]) for case in CASES]
+
+    compiled = torch.compile(every_op, backend="aot_eager", fullgraph=True)(mine)
+    for got, expected in zip(compiled, every_op(theirs), strict=True):
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_device_ops_picks_the_kernels_on_cuda_only():
+    assert device_ops(torch.device("cpu")) is TORCH_OPS and TORCH_OPS.describe() == "prefill ops: torch"
+    assert device_ops(torch.device("cuda")) is CUSTOM_OPS and CUSTOM_OPS.describe() == "prefill ops: triton"
+    assert device_ops(torch.device("meta")).describe() == "prefill ops: torch (no Triton kernels for meta)"
+
+
+def test_the_torch_forms_of_rope_and_kv_write_are_the_layers_bit_for_bit():
+    g = gen(30)
+    q = torch.randn(67, 3, 2 * 96, generator=g).to(torch.bfloat16)[..., :96]
+    cos, sin = torch.randn(67, 24, generator=g), torch.randn(67, 24, generator=g)
+    assert torch.equal(torch_forms.apply_rotary_torch(q, cos, sin), apply_rotary(q, cos, sin))
+    k_pool, v_pool, table, start, k, v = kv_inputs(torch.bfloat16, 67, 96)
+    # write_kv reads the sequence's table as .ids.
+    kv = PagedKV(KVPool(k_pool.clone(), v_pool.clone()), SimpleNamespace(ids=table))
+    write_kv(kv, start, k, v)
+    torch_forms.write_kv_torch(k_pool, v_pool, table, start, k, v)
+    assert torch.equal(kv.pool.k, k_pool) and torch.equal(kv.pool.v, v_pool)

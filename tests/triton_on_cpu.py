@@ -1,0 +1,78 @@
+"""Triton on a machine without a GPU, for the tests: a kernel compiled for a GPU target (Triton's
+compiler and its bundled ptxas need no GPU), so a kernel that the interpreter runs but the
+compiler refuses fails on CPU too; and a test file run under Triton's interpreter.
+
+Triton 3.9 decides at decoration whether a jit function is compiled or interpreted, from
+TRITON_INTERPRET, and its own library functions (tl.sum, tl.sigmoid, ...) are decorated when triton
+is first imported: setting the variable later, even before a kernel module is first imported,
+leaves tl.sum compiled and the interpreted kernel fails calling it. So the interpreter tests run
+in a process of their own that has the variable from the start, and nothing else in the suite's
+process sees it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.compiler
+from triton.backends.compiler import GPUTarget
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(test_file: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m pytest -q test_file` in a new process with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def compiled_for_gpu(module, launcher, *args, arch: int = 90) -> list:
+    """Run launcher(*args) with module._kernel recording its launches instead of running, then
+    compile each launch's kernel for NVIDIA sm_{arch} with the launch's arguments' types and
+    options; the compiled kernels (their .asm holds ttir .. ptx, cubin). As Triton's launcher
+    does, an int argument equal to 1 is a constant."""
+    kernel, recorder = module._kernel, _Recorder()
+    module._kernel = recorder
+    try:
+        launcher(*args)
+    finally:
+        module._kernel = kernel
+    compiled = []
+    for positional, keywords in recorder.launches:
+        options = {name: keywords.pop(name) for name in _OPTIONS if name in keywords}
+        bound = dict(zip([p.name for p in kernel.params], positional)) | keywords
+        signature, constants = {}, {}
+        for param in kernel.params:
+            value = bound[param.name]
+            if param.is_constexpr or (type(value) is int and value == 1):
+                signature[param.name], constants[param.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = "*" + _TYPES[value.dtype]
+            elif type(value) is int:
+                signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            elif type(value) is float:
+                signature[param.name] = "fp32"
+            else:
+                raise TypeError(f"{param.name}: no Triton type for {value!r}")
+        source = triton.compiler.ASTSource(kernel, signature, constants)
+        compiled.append(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options))
+    return compiled
