@@ -18,15 +18,16 @@ from pocketllm.distributed.policy import SlicePolicy
 from pocketllm.distributed.state import group_pids, tp
 from pocketllm.engine import decode_step
 from pocketllm.engine.slots import Slots
+from pocketllm.layers.context import PassShape
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops.registry import KernelSet
 from pocketllm.profiling.scopes import recording
 
-# Batch-invariant, a sequence's prompt rows run in segments that end where its positions reach a
-# multiple of this (and where the caller's span ends), whatever else a pass holds: what a prompt
-# position gets depends on that sequence alone as long as its spans end on such multiples or at
-# the prompt's end, as the scheduler cuts them.
+# Batch-invariant on a CPU (PassShape.invariant_cuts), a sequence's prompt rows run in segments
+# that end where its positions reach a multiple of this (and where the caller's span ends),
+# whatever else a pass holds: what a prompt position gets depends on that sequence alone as long
+# as its spans end on such multiples or at the prompt's end, as the scheduler cuts them.
 # A multiple of the KV block size, so the prefix cache's entries at segment ends hold whole
 # blocks; big enough that a segment's GEMMs run near their full rate, small enough that a chat's
 # next turn, which starts from the last segment end of its history, reads little of it again
@@ -44,6 +45,18 @@ def chunk_bounds(start: int, rows: int, chunk: int) -> list[tuple[int, int]]:
         b = min(rows, (start + a) // chunk * chunk + chunk - start)
         out.append((a, b))
         a = b
+    return out
+
+
+def whole_sequences(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(slot, start, rows) pieces with each run of one slot's consecutive positions joined into
+    one: a sequence's rows in a device's pass are one segment, its mixers' one call."""
+    out: list[tuple[int, int, int]] = []
+    for slot, start, rows in pieces:
+        if out and out[-1][0] == slot and out[-1][1] + out[-1][2] == start:
+            out[-1] = (slot, out[-1][1], out[-1][2] + rows)
+        else:
+            out.append((slot, start, rows))
     return out
 
 
@@ -81,6 +94,10 @@ class Engine:
         # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes.
         self.invariant = self.kernels.invariant
         self.prefill_chunk = PREFILL_CHUNK
+        # How a pass's rows are cut into calls and which forms they take: the CPU's shape (batch-
+        # invariant cuts, row blocks, compiled C forms) or a device's (whole sequences, whole
+        # rows); a test may force DEVICE_PASS on a CPU.
+        self.pass_shape = PassShape.for_device(device)
         self.model.bind_kernels(self.kernels)
         self._choose_step()
         # The sequences' state: their slots, the KV pool and the prefix cache's entries.
@@ -139,8 +156,9 @@ class Engine:
         The slot's sequence gets the KV blocks its new positions need from the pool
         (RuntimeError if the pool lacks them: the caller makes room first). Returns the
         fp32 logits of each span's last row [len(spans), V], or of every row [rows, V] with
-        all_logits. Batch-invariant, a span's rows run in segments cut at multiples of
-        prefill_chunk positions."""
+        all_logits. Batch-invariant on a CPU, a span's rows run in segments cut at multiples of
+        prefill_chunk positions; on a device, each sequence's consecutive rows run as one segment
+        (self.pass_shape)."""
         if len(spans) == 1 and not all_logits and spans[0][2].shape[0] == 1:
             slot, start, ids = spans[0]
             info = self._direct_step(slot, start)
@@ -149,7 +167,9 @@ class Engine:
                 self._after_direct(info)
                 return logits
         total, pieces, last = 0, [], []
-        chunk = self.prefill_chunk if self.invariant else 0
+        shape = self.pass_shape
+        cut = self.invariant and shape.invariant_cuts
+        chunk = self.prefill_chunk if cut else 0
         for slot, start, ids in spans:
             rows = ids.shape[0]
             if start == 0:
@@ -158,10 +178,12 @@ class Engine:
             pieces += [(slot, start + a, b - a) for a, b in chunk_bounds(start, rows, chunk)]
             total += rows
             last.append(total - 1)
+        if shape.whole_sequences:
+            pieces = whole_sequences(pieces)
         slices = self.policy.slices_for_rows(total)
         # A pass's label (profiles, hooks): decode steps only, whatever kernels its rows take.
         decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
-        ctx = self.model.context([(start, rows) for _, start, rows in pieces], slices, tuple(last), self.invariant, self.policy.slices_for_rows)
+        ctx = self.model.context([(start, rows) for _, start, rows in pieces], slices, tuple(last), cut, self.policy.slices_for_rows, shape)
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
         return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
 

@@ -100,8 +100,8 @@ class GatedAttention(nn.Module):
         q_gate = q_gate.view(t, self.heads, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
         with scope("norms", "qk"):
-            q = self.q_norm(q)  # [T, H, D]
-            k = self.k_norm(k.view(t, self.kv_heads, d))
+            q = self.q_norm(q, seq.cpu_forms)  # [T, H, D]
+            k = self.k_norm(k.view(t, self.kv_heads, d), seq.cpu_forms)
         with scope("rope"):
             q = apply_rotary(q, seq.cos, seq.sin)
             k = apply_rotary(k, seq.cos, seq.sin)

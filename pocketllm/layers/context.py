@@ -11,6 +11,49 @@ import torch
 from pocketllm.ops.registry import one_row
 
 
+@dataclass(frozen=True)
+class PassShape:
+    """How a pass's rows are cut into calls and which forms the calls take: the CPU's shape or a
+    device's, chosen once from the device the engine runs on (for_device; a test may force either).
+
+    The CPU's shape serves batch invariance and the CPU's caches. Batch-invariant (the default,
+    POCKETLLM_BATCH_INVARIANT), a sequence's prompt rows run in segments cut at multiples of the
+    prefill chunk and each segment's projections, norms and activation in calls of their own, so a
+    prompt position's bits do not depend on how its prompt was cut into passes or on what else a
+    pass holds (docs/batching.md); the row-wise ops go by cache-sized row blocks or their compiled
+    C rows forms.
+
+    A device's shape serves the device: a sequence's consecutive rows in a pass are one segment
+    (its token mixer's one call, the gated delta rule's one call per layer), and the projections,
+    norms with their residual adds and the activation run once over all the pass's rows, in the
+    torch forms whole (no row blocks, no compiled C forms: CPU cache measures). It makes no batch-
+    invariant cuts, and promises no batch invariance: cuBLAS-like GEMMs pick their kernels by the
+    call's shape, so a row's bits may change with the pass's other rows and with where a prompt was
+    cut into passes. What it promises: the model's arithmetic within the dtype's rounding (fp32
+    logits close to the CPU shape's, tests/test_device_pass_shape.py), the same passes giving the
+    same results where the device's kernels are deterministic."""
+
+    name: str
+    # Batch-invariant runs cut prompt rows at multiples of the prefill chunk, each segment (and a
+    # pass's run of decode rows) in calls of its own (parts_of).
+    invariant_cuts: bool
+    # Consecutive spans of one sequence in a pass run as one segment.
+    whole_sequences: bool
+    # The row-wise ops may take the CPU's cache measures: row blocks, compiled C rows forms.
+    cpu_forms: bool
+
+    @staticmethod
+    def for_device(device: torch.device | str) -> PassShape:
+        """The shape of passes on `device` (a torch.device, or its name: "npu" is one without
+        torch_npu imported): the CPU's on a CPU, a device's anywhere else."""
+        kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+        return CPU_PASS if kind == "cpu" else DEVICE_PASS
+
+
+CPU_PASS = PassShape("cpu", invariant_cuts=True, whole_sequences=False, cpu_forms=True)
+DEVICE_PASS = PassShape("device", invariant_cuts=False, whole_sequences=True, cpu_forms=False)
+
+
 @dataclass
 class Segment:
     """One sequence's rows in a pass: a pass packs its sequences' rows one after another."""
@@ -20,6 +63,7 @@ class Segment:
     rows: int
     cos: torch.Tensor  # [rows, rotary_dim/2] for its own positions
     sin: torch.Tensor
+    cpu_forms: bool = True  # its mixer's row-wise ops may take row blocks and compiled C forms (PassShape)
 
     @property
     def one_row(self) -> bool:
@@ -41,6 +85,7 @@ class Part:
     alone: bool
     slices: int = 1  # the slice count of its row-parallel projections
     many: bool = False
+    cpu_forms: bool = True  # its norms and activation may take row blocks and compiled C forms (PassShape)
 
     @property
     def rows(self) -> slice:
@@ -51,13 +96,14 @@ class Part:
         return kernels.alone if self.alone else kernels.many if self.many else kernels
 
 
-def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: bool, slices_for: Callable[[int], int]) -> tuple[Part, ...]:
+def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: bool, slices_for: Callable[[int], int], cpu_forms: bool = True) -> tuple[Part, ...]:
     """How a pass's rows are cut into calls. Batch-invariant: every prompt segment alone, and the
     single rows of consecutive one-row segments together, so nothing a row gets depends on the
     other sequences of the pass; `slices_for(rows)` slices a segment by its own rows. Otherwise
-    one part of all the rows, taking the forms its row count takes."""
+    one part of all the rows, taking the forms its row count takes (and, without cpu_forms, the
+    torch forms whole: a device's pass)."""
     if not invariant:
-        return (Part(0, rows, one_row(rows), slices),)
+        return (Part(0, rows, one_row(rows), slices, cpu_forms=cpu_forms),)
     parts: list[Part] = []
     for s in segments:
         if s.one_row and parts and parts[-1].alone:
@@ -81,6 +127,7 @@ class ForwardContext:
     # The row each span of the pass ends on (its logits are the ones returned).
     last: tuple[int, ...]
     invariant: bool  # parts cut by parts_of(invariant=True)
+    shape: PassShape = CPU_PASS
 
     @property
     def one_row(self) -> bool:

@@ -107,19 +107,19 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         # A prompt segment's conv and gated norm take the compiled rows forms where the decode
         # block is compiled (bf16 on a CPU): the same roundings, split over the threads.
-        rows_compiled = self.compiled_decode is not None and not seq.one_row
+        rows_compiled = self.compiled_decode is not None and not seq.one_row and seq.cpu_forms
         with scope("gdn_conv"):
             if seq.one_row:
                 mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
             elif rows_compiled:
                 mixed = fused_kernels.conv_silu_rows(mixed, self.conv_taps, state.conv)
             else:
-                mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
+                mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv, seq.cpu_forms)
         kd = self.hk * self.dk
         qk, v = mixed.split((2 * kd, self.hv * self.dv), dim=-1)
         with scope("norms", "lin.qk_l2"):
             # q and k are adjacent channels: one normalisation over both halves the op count.
-            qk = l2_normalize(qk.view(t, 2 * self.hk, self.dk))
+            qk = l2_normalize(qk.view(t, 2 * self.hk, self.dk), row_blocks=seq.cpu_forms)
             q, k = qk[:, : self.hk] * self.dk**-0.5, qk[:, self.hk :]
         v = v.view(t, self.hv, self.dv)
         with scope("gates", "lin"):
@@ -136,5 +136,5 @@ class GatedDeltaNet(nn.Module):
             if rows_compiled:
                 out = fused_kernels.rms_norm_gated_rows(out.to(proj.dtype).contiguous(), z.view(t, self.hv, self.dv), self.norm.weight, self.norm.eps)
             else:
-                out = self.norm(out.to(proj.dtype), z.view(t, self.hv, self.dv))
+                out = self.norm(out.to(proj.dtype), z.view(t, self.hv, self.dv), seq.cpu_forms)
         return out.reshape(t, self.hv * self.dv)

@@ -9,7 +9,7 @@ from torch import nn
 
 from pocketllm.config import FULL, ModelConfig
 from pocketllm.layers import row_forms
-from pocketllm.layers.context import ForwardContext, Part, Segment, parts_of
+from pocketllm.layers.context import CPU_PASS, ForwardContext, Part, PassShape, Segment, parts_of
 from pocketllm.layers.attention import GatedAttention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.gdn import GatedDeltaNet
@@ -82,20 +82,21 @@ class Qwen35ForCausalLM(nn.Module):
         for m in self.projections():
             m.kernels = kernels.bind(m.weight)
 
-    def context(self, spans: list[tuple[int, int]], slices: int, last: tuple[int, ...], invariant: bool, slices_for) -> ForwardContext:
+    def context(self, spans: list[tuple[int, int]], slices: int, last: tuple[int, ...], invariant: bool, slices_for, shape: PassShape = CPU_PASS) -> ForwardContext:
         """The context of a pass packing its segments' rows one after another: spans are (start
         position, rows) per segment (a sequence's rows may be several consecutive segments);
         `last`: the row each of the caller's spans ends on.
         invariant: every prompt segment's rows in calls of their own, sliced by
-        `slices_for(rows)`, and the single rows together, each as it is alone (context.parts_of)."""
+        `slices_for(rows)`, and the single rows together, each as it is alone (context.parts_of).
+        shape: the forms the row-wise work takes (PassShape.cpu_forms)."""
         segments, row0 = [], 0
         for start, rows in spans:
             cos, sin = self.rotary.cos_sin(start, rows)
-            segments.append(Segment(row0, start, rows, cos, sin))
+            segments.append(Segment(row0, start, rows, cos, sin, shape.cpu_forms))
             row0 += rows
         segments = tuple(segments)
-        parts = parts_of(segments, row0, slices, invariant, slices_for)
-        return ForwardContext(slices, segments, row0, parts, tuple(last), invariant)
+        parts = parts_of(segments, row0, slices, invariant, slices_for, shape.cpu_forms)
+        return ForwardContext(slices, segments, row0, parts, tuple(last), invariant, shape=shape)
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
         """ids [T] -> fp32 logits of each span's last row [S, V] (ctx.last), or of every row
@@ -116,7 +117,7 @@ class Qwen35ForCausalLM(nn.Module):
             # torch's would fetch its own state again after the last GEMV swept the caches).
             alone = (Part(0, len(last), True),) if ctx.invariant or ctx.one_row else None
             with scope("norms", "final"):
-                rows = self._final_norm(rows, rows_x, alone)
+                rows = self._final_norm(rows, rows_x, alone, ctx.shape.cpu_forms)
             with scope("lm_head"):
                 logits = self.lm_head(rows, alone)
                 if all_logits:
@@ -128,8 +129,8 @@ class Qwen35ForCausalLM(nn.Module):
                     logits = every
         return logits
 
-    def _final_norm(self, h: torch.Tensor, x: torch.Tensor, parts) -> torch.Tensor:
-        """The final norm of the residual stream h + x."""
+    def _final_norm(self, h: torch.Tensor, x: torch.Tensor, parts, row_blocks: bool = True) -> torch.Tensor:
+        """The final norm of the residual stream h + x (by parts: as they say)."""
         if parts is None:
-            return self.norm(h + x)
+            return self.norm(h + x, row_blocks)
         return row_forms.add_rms_norm_parts(self.decode_ops, parts, h, x, self.norm.scale, self.norm.eps)[1]

@@ -1,0 +1,170 @@
+"""The device's pass shape, forced on a CPU (tiny preset, fp32, in process at TP=1): a prefill pass
+issues the same ops per layer whatever the prompt's length (no 256-row segments, no row blocks),
+each token mixer runs once per sequence over all of its rows in the pass, and the logits are the
+CPU shape's within fp32 rounding. The ops are counted by a dispatch mode over the torch forms a
+device runs (layers/context.py: PassShape)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_engine
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pocketllm.config import FULL
+from pocketllm.layers import attention
+from pocketllm.layers.context import CPU_PASS, DEVICE_PASS, PassShape
+
+torch.set_num_threads(2)
+
+# The most aten ops that may launch work (views not counted) one layer of a device-shaped prefill
+# issues, whatever the prompt's length: what the torch forms issue now, fp32, the first layer one
+# op fewer (no residual add). A GDN layer: two residual adds with their norms (4), 4 GEMMs with
+# their outputs (8), the conv (window, state, conv1d, SiLU), the q/k l2 norm and q's scale (6),
+# the gates (4), the gated delta rule as one call (fla's is one on a device) and its state copy,
+# the gated norm (4), SiLU-and-multiply (2). Attention: the same adds, norms, GEMMs and SiLU-and-
+# multiply (14), the q/k norms (2), rope (14), the KV write (9 index ops, 2 index_puts), SDPA, the
+# output gate (2). Each fused kernel registered as a pocketllm:: custom op counts as one op:
+# tighten these as they replace torch forms.
+GDN_LAYER_OPS = 34
+ATTENTION_LAYER_OPS = 44
+# 70 rows: one 256-row chunk; 600 and 1100: three and five.
+LENGTHS = (70, 600, 1100)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = tiny_engine(torch.float32)
+    engine.reserve_slots(2, 1200)
+    return engine
+
+
+@pytest.fixture
+def device_shaped(engine, monkeypatch):
+    monkeypatch.setattr(engine, "pass_shape", DEVICE_PASS)
+    return engine
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    return (torch.arange(n) * 37 + 11 * seed + 5) % 1000
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops issued that may launch work (views, which only describe a tensor, not
+    counted), but those of a call it takes as one (while paused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and not func.is_view:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclasses.dataclass
+class PassCount:
+    ops: list[int]  # per layer
+    mixer_rows: list[list[int]]  # per layer, the rows of each gated-delta or attention call
+
+
+def count_pass(engine, spans) -> PassCount:
+    """The ops each layer of one pass issues and the rows each of its mixer calls gets."""
+    layers = engine.model.layers
+    counter = OpCounter()
+    got = PassCount([0] * len(layers), [[] for _ in layers])
+    at = [0, 0]  # the layer running, the count where it began
+
+    def begin(i):
+        at[:] = [i, counter.ops]
+
+    def end(i):
+        got.ops[i] = counter.ops - at[1]
+
+    def one_call(fn):
+        def call(q, *args, **kwargs):
+            got.mixer_rows[at[0]].append(q.shape[0])
+            counter.ops += 1
+            counter.paused = True
+            try:
+                return fn(q, *args, **kwargs)
+            finally:
+                counter.paused = False
+
+        return call
+
+    def attended(q, *args, **kwargs):
+        got.mixer_rows[at[0]].append(q.shape[0])
+        return cached_attention(q, *args, **kwargs)
+
+    cached_attention = attention.cached_attention
+    hooks = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "cached_attention", attended)
+        for i, layer in enumerate(layers):
+            if layer.kind != FULL:
+                patch.setattr(layer.mixer, "kernel", dataclasses.replace(layer.mixer.kernel, prefill=one_call(layer.mixer.kernel.prefill)))
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: begin(i)))
+            hooks.append(layer.register_forward_hook(lambda m, a, out, i=i: end(i)))
+        try:
+            with counter:
+                engine.run_packed(spans)
+        finally:
+            for h in hooks:
+                h.remove()
+    return got
+
+
+def bound(engine, i: int) -> int:
+    return ATTENTION_LAYER_OPS if engine.model.layers[i].kind == FULL else GDN_LAYER_OPS
+
+
+def test_the_pass_shape_is_chosen_by_the_device():
+    assert PassShape.for_device("cpu") is CPU_PASS and PassShape.for_device(torch.device("cpu")) is CPU_PASS
+    for device in ("cuda", "cuda:1", "npu", torch.device("meta")):
+        assert PassShape.for_device(device) is DEVICE_PASS
+    assert CPU_PASS.invariant_cuts and CPU_PASS.cpu_forms and not CPU_PASS.whole_sequences
+    assert not DEVICE_PASS.invariant_cuts and not DEVICE_PASS.cpu_forms and DEVICE_PASS.whole_sequences
+    assert tiny_engine(torch.float32).pass_shape is CPU_PASS
+
+
+def test_a_device_shaped_prefill_issues_the_same_ops_per_layer_at_any_prompt_length(device_shaped):
+    counts = {n: count_pass(device_shaped, [(0, 0, prompt(n))]) for n in LENGTHS}
+    for n, c in counts.items():
+        # One call of each mixer over all the prompt's rows.
+        assert c.mixer_rows == [[n]] * len(c.ops), n
+        for i, ops in enumerate(c.ops):
+            assert ops <= bound(device_shaped, i), f"layer {i} ({device_shaped.model.layers[i].kind}) issued {ops} ops for {n} rows"
+    assert counts[70].ops == counts[600].ops == counts[1100].ops, {n: c.ops for n, c in counts.items()}
+
+
+def test_a_device_shaped_pass_runs_each_mixer_once_per_sequence(device_shaped):
+    # Sequence 0 in two consecutive spans (its positions 0..300 and 300..600, three chunks' worth
+    # in all), then sequence 1: one call per sequence, of all its rows.
+    a, b = prompt(600), prompt(90, 1)
+    c = count_pass(device_shaped, [(0, 0, a[:300]), (0, 300, a[300:]), (1, 0, b)])
+    assert c.mixer_rows == [[600, 90]] * len(c.ops)
+
+
+def test_the_cpu_shape_cuts_a_prompt_into_chunks_where_the_device_shape_does_not(engine):
+    # What the counts above tell apart: the CPU's batch-invariant pass runs a 600-row prompt as
+    # three segments, and its ops grow with them.
+    c = count_pass(engine, [(0, 0, prompt(600))])
+    assert c.mixer_rows == [[256, 256, 88]] * len(c.ops)
+    short = count_pass(engine, [(0, 0, prompt(70))])
+    assert all(long > one for long, one in zip(c.ops, short.ops))
+
+
+def test_a_device_shaped_pass_gives_the_cpu_shaped_logits(engine, monkeypatch):
+    ids = prompt(600)
+    cpu = engine.run_packed([(0, 0, ids)], all_logits=True)
+    monkeypatch.setattr(engine, "pass_shape", DEVICE_PASS)
+    device = engine.run_packed([(0, 0, ids)], all_logits=True)
+    # The same arithmetic, summed in another order (the conv whole, the gated delta rule's chunks
+    # not restarted at 256-row segment ends).
+    torch.testing.assert_close(device, cpu, atol=5e-5, rtol=1e-5)
+    assert torch.equal(device.argmax(-1), cpu.argmax(-1))
