@@ -4,20 +4,23 @@ fast from outside them, with the same bits, and the engine's one shortcut (Engin
 is the only caller. The backend is chosen here, once per set of bound kernels, and rank 0 prints
 the choice.
 
-A backend is a class built from the model (`backend(model)`) with a `why_not(model)` that says why
-it cannot run that model's step ("" when it can), and two calls per token:
-`logits(token, pos, states) -> fp32 [vocab]` and `greedy(token, pos, states) -> int` (the
-argmax of those logits, torch.argmax's choice). On a CPU the backend is the compiled C step; a
-device backend (a captured CUDA graph of the same step) goes beside it in BACKENDS."""
+A backend is a class built from the engine (`backend(engine)`: its model, slots and pass shape)
+with a `why_not(model)` that says why it cannot run that model's step ("" when it can, None when
+it is for another kind of device), and two
+calls per token of one sequence: `logits(token, pos, slot) -> fp32 [vocab]` and `greedy(token,
+pos, slot) -> int` (the argmax of those logits, torch.argmax's choice); a backend that runs
+several sequences' rows at once also has `rows(tokens, positions, slots) -> fp32 [n, vocab]`. On a
+CUDA device the backend is the step captured as CUDA graphs; on a CPU, the compiled C step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pocketllm.models.compiled_step import CompiledStep
+from pocketllm.models.graph_step import GraphStep
 
 # Tried in order; the first that can run the model's step is taken. (name, class)
-BACKENDS = (("one compiled call", CompiledStep),)
+BACKENDS = (("cuda graph", GraphStep), ("one compiled call", CompiledStep))
 
 
 @dataclass
@@ -31,15 +34,18 @@ class StepChoice:
 
     def describe(self) -> str:
         """The line rank 0 prints."""
-        return f"decode step: {self.name}" if self.backend is not None else f"decode step: layer by layer ({self.note})"
+        if self.backend is None:
+            return f"decode step: layer by layer ({self.note})"
+        return f"decode step: {self.backend.describe() if hasattr(self.backend, 'describe') else self.name}"
 
 
-def choose(model) -> StepChoice:
-    """The first backend that can run the model's decode step, built; else why none can."""
+def choose(engine) -> StepChoice:
+    """The first backend that can run the engine's model's decode step, built; else why none can."""
     notes = []
     for name, backend in BACKENDS:
-        why = backend.why_not(model)
-        if not why:
-            return StepChoice(backend(model), name)
-        notes.append(why)
-    return StepChoice(None, "layer by layer", "; ".join(notes))
+        why = backend.why_not(engine.model)
+        if why == "":
+            return StepChoice(backend(engine), name)
+        if why is not None:  # None: a backend for another kind of device
+            notes.append(why)
+    return StepChoice(None, "layer by layer", "; ".join(notes) or "no step backend for this device")

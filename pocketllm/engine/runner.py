@@ -99,9 +99,9 @@ class Engine:
         # rows); a test may force DEVICE_PASS on a CPU.
         self.pass_shape = PassShape.for_device(device)
         self.model.bind_kernels(self.kernels)
-        self._choose_step()
         # The sequences' state: their slots, the KV pool and the prefix cache's entries.
         self.slots = Slots(self.model, device)
+        self._choose_step()
         self.say = None  # where the engine reports a choice it makes after loading (rank 0's stderr)
         # before_pass(info) / after_pass(info) around every pass; a hook whose watches_layers is
         # False only records where the run is, and a decode row still goes to the step under it.
@@ -144,6 +144,9 @@ class Engine:
             for choice in new:
                 if self.say is not None:
                     self.say(choice.describe())
+        if hasattr(self.step, "prepare"):
+            # A captured step is captured now, for these slots, not on the first request.
+            self.step.prepare()
 
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
     # ops of a decode step.
@@ -163,7 +166,13 @@ class Engine:
             slot, start, ids = spans[0]
             info = self._direct_step(slot, start)
             if info is not None:
-                logits = self.step.logits(int(ids[0]), start, self.slots[slot]).view(1, -1)
+                logits = self.step.logits(int(ids[0]), start, slot).view(1, -1)
+                self._after_direct(info)
+                return logits
+        if len(spans) > 1 and not all_logits and hasattr(self.step, "rows") and all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans):
+            info = self._direct_rows([(slot, start) for slot, start, _ in spans])
+            if info is not None:
+                logits = self.step.rows([int(ids[0]) for _, _, ids in spans], [start for _, start, _ in spans], [slot for slot, _, _ in spans])
                 self._after_direct(info)
                 return logits
         total, pieces, last = 0, [], []
@@ -194,13 +203,13 @@ class Engine:
         info = self._direct_step(slot, pos)
         if info is None:
             return int(torch.argmax(self.run_packed([(slot, pos, torch.tensor([token], dtype=torch.long))])[0]))
-        token = self.step.greedy(token, pos, self.slots[slot])
+        token = self.step.greedy(token, pos, slot)
         self._after_direct(info)
         return token
 
     def _choose_step(self) -> None:
         """The decode-step backend for the kernels the projections are bound to now."""
-        self.step_choice = decode_step.choose(self.model)
+        self.step_choice = decode_step.choose(self)
         self.step = self.step_choice.backend
 
     def describe_step(self) -> str:
@@ -216,9 +225,18 @@ class Engine:
         self.slots.grow(slot, pos + 1)
         return self._begin(1, True, self.policy.slices_for_rows(1), direct=True)
 
+    def _direct_rows(self, rows: list[tuple[int, int]]) -> PassInfo | None:
+        """_direct_step for a pass of several sequences' decode rows, (slot, position) each, where
+        the step backend runs them together."""
+        if recording() or any(getattr(h, "watches_layers", True) for h in self.hooks):
+            return None
+        for slot, pos in rows:
+            self.slots.grow(slot, pos + 1)
+        return self._begin(len(rows), True, self.policy.slices_for_rows(len(rows)), direct=True)
+
     def _after_direct(self, info: PassInfo) -> None:
         self._end(info)
-        self.direct_steps += 1
+        self.direct_steps += info.rows
 
     def _begin(self, rows: int, decode: bool, slices: int, direct: bool = False) -> PassInfo:
         """A new pass's info, labelled and counted, shown to the hooks."""

@@ -11,10 +11,10 @@ from pocketllm import host_memory
 from pocketllm.config import FULL, ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import KV_BLOCK_SIZE, KVPool, PagedKV
-from pocketllm.layers.context import ForwardContext, Segment, per_sequence
+from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
-from pocketllm.layers.paged_attention import cached_attention, write_kv
+from pocketllm.layers.paged_attention import cached_attention, decode_attention_rows, write_kv, write_kv_rows
 from pocketllm.layers.rotary import apply_rotary
 from pocketllm.ops.fused import decode_ops
 from pocketllm.profiling.scopes import scope
@@ -79,36 +79,57 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. `cache` holds this layer's PagedKV of each sequence of
-        the pass (ctx.segments)."""
+        the pass (ctx.segments), or for a pass of decode rows (ctx.decode_rows) its KV pool."""
         with scope("projections", "full.in"):
             qkv = self.qkv_proj(x, ctx)
+        if ctx.decode_rows is not None:
+            return self.o_proj(self._attend_rows(qkv, ctx.decode_rows, cache[0]), ctx)
         return self.o_proj(per_sequence(self._attend, qkv, ctx, cache), ctx)
 
     def _attend(self, qkv: torch.Tensor, seq: Segment, kv: PagedKV) -> torch.Tensor:
         """One sequence's projected rows [T, q+k+v local] -> the gated output [T, heads*D],
         writing its keys and values into its blocks."""
-        t, d = qkv.shape[0], self.head_dim
         if seq.one_row and self.compiled_decode is not None:
             # One call from the q/k norms to the output gate: the same as the path below (the
             # tests compare them) up to fp32 summation order.
             with scope("attention_decode"):
                 return self.compiled_decode(
                     qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, seq.cos[0], seq.sin[0], kv.pool.k, kv.pool.v,
-                    kv.table.ids, seq.start, self.heads, self.kv_heads, d, self.scale,
+                    kv.table.ids, seq.start, self.heads, self.kv_heads, self.head_dim, self.scale,
                 )
-        q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
-        q_gate = q_gate.view(t, self.heads, 2 * d)
-        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
-        with scope("norms", "qk"):
-            q = self.q_norm(q, seq.cpu_forms)  # [T, H, D]
-            k = self.k_norm(k.view(t, self.kv_heads, d), seq.cpu_forms)
-        with scope("rope"):
-            q = apply_rotary(q, seq.cos, seq.sin)
-            k = apply_rotary(k, seq.cos, seq.sin)
-        v = v.view(t, self.kv_heads, d)
+        q, k, v, gate = self._heads(qkv, seq.cos, seq.sin)
         with scope("kv_write"):
             write_kv(kv, seq.start, k, v)
         with scope("full_attention"):
             out = cached_attention(q, k, v, kv, seq.start, self.scale)
+        return self._gated(out, gate)
+
+    def _attend_rows(self, qkv: torch.Tensor, rows: DecodeRows, pool: KVPool) -> torch.Tensor:
+        """A decode row of each of B sequences [B, q+k+v local] -> [B, heads*D], each row's key
+        and value written into its sequence's blocks: the rows _attend takes one by one, in one
+        call of each op, the same ops on each row."""
+        q, k, v, gate = self._heads(qkv, rows.cos, rows.sin)
+        with scope("kv_write"):
+            write_kv_rows(pool, rows.tables, rows.pos, k, v)
+        with scope("full_attention"):
+            out = decode_attention_rows(q, pool, rows.tables, rows.pos, self.scale)
+        return self._gated(out, gate)
+
+    def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rows [T, q+k+v local] -> q [T, H, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv,
+        D], the output gate [T, H*D]."""
+        t, d = qkv.shape[0], self.head_dim
+        q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
+        q_gate = q_gate.view(t, self.heads, 2 * d)
+        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
+        with scope("norms", "qk"):
+            q = self.q_norm(q)  # [T, H, D]
+            k = self.k_norm(k.view(t, self.kv_heads, d))
+        with scope("rope"):
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+        return q, k, v.view(t, self.kv_heads, d), gate
+
+    def _gated(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         with scope("gates", "full"):
-            return out.reshape(t, self.heads * d) * torch.sigmoid(gate)
+            return out.reshape(gate.shape) * torch.sigmoid(gate)

@@ -116,6 +116,20 @@ def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: b
 
 
 @dataclass
+class DecodeRows:
+    """A pass of B decode rows, one per sequence, described by tensors alone (a fixed-size step's
+    buffers): each mixer runs all of them in one call on its state of every slot (GDNStates, or
+    the KV pool), gathered by slot. Nothing in such a pass is sized by the data or branches on
+    it, so a captured step replays it."""
+
+    pos: torch.Tensor  # [B] long: each row's position
+    slots: torch.Tensor  # [B] long: each row's slot
+    tables: torch.Tensor  # [B, M] int32: each row's slot's block table
+    cos: torch.Tensor  # [B, rotary_dim/2]: each row's rotary row
+    sin: torch.Tensor
+
+
+@dataclass
 class ForwardContext:
     """A pass over one or more sequences. Each token mixer runs once per segment on its rows
     with that sequence's own state; projections, norms and the MLP run part by part (`parts`)."""
@@ -127,6 +141,8 @@ class ForwardContext:
     # The row each span of the pass ends on (its logits are the ones returned).
     last: tuple[int, ...]
     invariant: bool  # parts cut by parts_of(invariant=True)
+    # A pass of decode rows described by tensors (segments then empty), or None.
+    decode_rows: DecodeRows | None = None
     shape: PassShape = CPU_PASS
 
     @property

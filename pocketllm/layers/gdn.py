@@ -11,11 +11,11 @@ from torch import nn
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
 from pocketllm.layers.cache import GDNState, GDNStates
-from pocketllm.layers.context import ForwardContext, Segment, per_sequence
+from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
-from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_step_
+from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_rows_step_, causal_conv1d_step_
 from pocketllm.ops.fused import decode_ops
 from pocketllm.ops.fused import kernels as fused_kernels
 from pocketllm.ops.gated_delta import gated_delta_step_torch_, select_gdn_kernel
@@ -90,7 +90,40 @@ class GatedDeltaNet(nn.Module):
         the pass (ctx.segments)."""
         with scope("projections", "lin.in"):
             proj = self.in_proj(x, ctx)
+        if ctx.decode_rows is not None:
+            return self.out_proj(self._mix_rows(proj, ctx.decode_rows, state[0], ctx.shape.cpu_forms), ctx)
         return self.out_proj(per_sequence(self._mix, proj, ctx, state), ctx)
+
+    def _mix_rows(self, proj: torch.Tensor, rows: DecodeRows, states: GDNStates, cpu_forms: bool) -> torch.Tensor:
+        """A decode row of each of B sequences [B, in_local] -> [B, hv*dv], each sequence's state
+        (its slot's row of `states`) gathered, advanced and put back: the rows _mix takes one by
+        one through its torch path, in one call of each op, the same ops on each row."""
+        conv, recurrent = states.conv[rows.slots], states.recurrent[rows.slots]
+        mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
+        with scope("gdn_conv"):
+            mixed = causal_conv1d_rows_step_(mixed, self.conv_taps, conv)
+        q, k, v, g, beta = self._heads_and_gates(mixed, b, a, cpu_forms)
+        with scope("gated_delta"):
+            out = self.kernel.decode_rows_(q, k, v, g, beta, recurrent)
+        states.conv.index_copy_(0, rows.slots, conv)
+        states.recurrent.index_copy_(0, rows.slots, recurrent)
+        with scope("norms", "gated"):
+            out = self.norm(out.to(proj.dtype), z.view(z.shape[0], self.hv, self.dv), cpu_forms)
+        return out.reshape(z.shape[0], self.hv * self.dv)
+
+    def _heads_and_gates(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, cpu_forms: bool):
+        """The conv's output rows [T, conv channels] and the gate inputs -> q, k [T, hk, dk] l2-
+        normalised (q scaled by dk**-0.5), v [T, hv, dv], the log decay g and beta [T, hv] fp32."""
+        t, kd = mixed.shape[0], self.hk * self.dk
+        qk, v = mixed.split((2 * kd, self.hv * self.dv), dim=-1)
+        with scope("norms", "lin.qk_l2"):
+            # q and k are adjacent channels: one normalisation over both halves the op count.
+            qk = l2_normalize(qk.view(t, 2 * self.hk, self.dk), row_blocks=cpu_forms)
+            q, k = qk[:, : self.hk] * self.dk**-0.5, qk[:, self.hk :]
+        with scope("gates", "lin"):
+            beta = torch.sigmoid(b).float()
+            g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        return q, k, v.view(t, self.hv, self.dv), g, beta
 
     def _mix(self, proj: torch.Tensor, seq: Segment, state: GDNState) -> torch.Tensor:
         """One sequence's projected rows [T, in_local] -> the gated norm's output [T, hv*dv],
@@ -115,16 +148,7 @@ class GatedDeltaNet(nn.Module):
                 mixed = fused_kernels.conv_silu_rows(mixed, self.conv_taps, state.conv)
             else:
                 mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv, seq.cpu_forms)
-        kd = self.hk * self.dk
-        qk, v = mixed.split((2 * kd, self.hv * self.dv), dim=-1)
-        with scope("norms", "lin.qk_l2"):
-            # q and k are adjacent channels: one normalisation over both halves the op count.
-            qk = l2_normalize(qk.view(t, 2 * self.hk, self.dk), row_blocks=seq.cpu_forms)
-            q, k = qk[:, : self.hk] * self.dk**-0.5, qk[:, self.hk :]
-        v = v.view(t, self.hv, self.dv)
-        with scope("gates", "lin"):
-            beta = torch.sigmoid(b).float()
-            g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        q, k, v, g, beta = self._heads_and_gates(mixed, b, a, seq.cpu_forms)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
             if seq.one_row:

@@ -36,6 +36,11 @@ class RotaryEmbedding:
         self.reserve(end)
         return self._cos[start:end], self._sin[start:end]
 
+    def rows(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, rotary_dim/2] of positions pos [B] (long, within the reserved table):
+        a gather a captured step can run, where cos_sin slices by a Python int."""
+        return self._cos[pos], self._sin[pos]
+
     def row_addresses(self, pos: int) -> tuple[int, int]:
         """The addresses of position pos's cos and sin rows in the table (grown to it if need
         be): for compiled code fed a position without a torch op on the way."""

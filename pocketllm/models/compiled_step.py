@@ -30,8 +30,11 @@ def _proj(layer, keep: list) -> native.Proj:
     return native.Proj(_KINDS[kind], fn, w, rows, n, a, b)
 
 
-def why_not(model, env=os.environ) -> str:
-    """Why the model's decode steps cannot run as one call ("" when they can)."""
+def why_not(model, env=os.environ) -> str | None:
+    """Why the model's decode steps cannot run as one call ("" when they can; None off a CPU,
+    where the question does not arise)."""
+    if model.embed.weight.device.type != "cpu":
+        return None
     if not env_switch(env, ENV_STEP, default=True):
         return f"{ENV_STEP}=0"
     if tp().world != 1:
@@ -53,7 +56,8 @@ class CompiledStep:
 
     why_not = staticmethod(why_not)
 
-    def __init__(self, model):
+    def __init__(self, engine):
+        model, self.slots = engine.model, engine.slots
         self.keep: list = []  # what the description's pointers point into
         cfg, keep = model.cfg, self.keep
         threads = torch.get_num_threads()
@@ -127,20 +131,20 @@ class CompiledStep:
         l = self.layers[i]
         l.attn_work = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, max(1, self.threads)).data_ptr()
 
-    def logits(self, token: int, pos: int, states: list) -> torch.Tensor:
+    def logits(self, token: int, pos: int, slot: int) -> torch.Tensor:
         """The model's forward for one sequence's decode row, fed a token id at position pos, its
         rotary row read from the model's table: fp32 logits [vocab], with no torch op on the way
         but their allocation."""
         logits = torch.empty(self.vocab_rows, dtype=torch.float32)
-        self._run(token, pos, *self.rotary.row_addresses(pos), states, logits.data_ptr())
+        self._run(token, pos, *self.rotary.row_addresses(pos), self.slots[slot], logits.data_ptr())
         return logits
 
-    def greedy(self, token: int, pos: int, states: list) -> int:
+    def greedy(self, token: int, pos: int, slot: int) -> int:
         """The same step's argmax, found in C over logits it keeps for that: no torch op at all.
         Python's part of a step runs on caches the step's weights have just swept, where each
         torch op costs several times what it does warm (docs/decode.md)."""
         out = self._greedy_logits.data_ptr()
-        self._run(token, pos, *self.rotary.row_addresses(pos), states, out)
+        self._run(token, pos, *self.rotary.row_addresses(pos), self.slots[slot], out)
         return native.argmax_at(out, self.vocab_rows)
 
     def _run(self, token: int, pos: int, cos: int, sin: int, states: list, logits: int) -> None:

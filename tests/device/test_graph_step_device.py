@@ -1,0 +1,56 @@
+"""The decode step captured as CUDA graphs (pocketllm.models.graph_step) on a CUDA device, against
+the layers' path on the same device: the engine chooses it and says so, every bucket's replay
+gives the layers' logits within rounding and their greedy tokens, sequences joining and leaving
+between steps, and the sequences' state is left as the layers leave it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_caps import cuda_count
+
+pytestmark = pytest.mark.skipif(cuda_count() == 0, reason="no CUDA device")
+
+PROMPTS = [[(7 * i + 3) % 1000 for i in range(n)] for n in (60, 5, 130)]
+
+
+def _engine(monkeypatch, dtype, graphs: bool):
+    from pocketllm.distributed.policy import RulePolicy
+    from pocketllm.distributed.state import set_tp
+    from pocketllm.engine.runner import Engine
+    from pocketllm.loader.random_weights import RandomWeights
+    from pocketllm.presets import get_preset
+
+    monkeypatch.setenv("POCKETLLM_CUDA_GRAPH", "1" if graphs else "0")
+    set_tp(0, 1)
+    cfg = get_preset("tiny")
+    device = torch.device("cuda", 0)
+    engine = Engine(cfg, RandomWeights(cfg, dtype=dtype, device=device), dtype, device, RulePolicy())
+    engine.reserve_slots(4, 200)
+    for slot, prompt in enumerate(PROMPTS):
+        engine.run_packed([(slot, 0, torch.tensor(prompt))])
+    return engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_captured_steps_give_the_layers_tokens(monkeypatch, dtype):
+    layers, graphs = _engine(monkeypatch, dtype, False), _engine(monkeypatch, dtype, True)
+    assert layers.step is None and layers.describe_step().startswith("decode step: layer by layer (POCKETLLM_CUDA_GRAPH=0")
+    assert graphs.describe_step() == "decode step: cuda graph (B buckets 1,2,4)", graphs.describe_step()
+    pos, tokens = [len(p) for p in PROMPTS], [11, 12, 13]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    for step in range(12):
+        live = [0, 1, 2] if step < 6 else [0, 2] if step < 10 else [1]
+        spans = [(s, pos[s], torch.tensor([tokens[s]])) for s in live]
+        want = layers.run_packed(spans)
+        direct = graphs.direct_steps
+        got = graphs.run_packed(spans)
+        assert graphs.direct_steps == direct + len(live)
+        torch.testing.assert_close(got, want, **tol)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), f"step {step}"
+        for s, row in zip(live, want):
+            tokens[s], pos[s] = int(torch.argmax(row)), pos[s] + 1
+    assert graphs.greedy_row(1, pos[1], tokens[1]) == layers.greedy_row(1, pos[1], tokens[1])
+    for a, b in zip(layers.slots.stacked.values(), graphs.slots.stacked.values()):
+        torch.testing.assert_close(a.recurrent[:3], b.recurrent[:3], **tol)

@@ -1,0 +1,124 @@
+"""The decode step over fixed buffers (pocketllm.models.graph_step), the step a CUDA device captures
+as a graph per batch-size bucket, run uncaptured on a CPU: the layers' bits for one sequence, their
+tokens for several, the sequences' state left as the layers leave it, and nothing in it a capture
+cannot hold (a sync, an op sized by the data)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import feed, tiny_engine
+
+from pocketllm.models.graph_step import GraphStep, buckets_for
+
+PROMPTS = [[(7 * i + 3) % 1000 for i in range(n)] for n in (60, 5, 130)]
+
+
+def _engines(dtype, monkeypatch):
+    # The torch forms on both sides (a bf16 CPU run would take the compiled decode ops' path).
+    monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
+    layers, fixed = tiny_engine(dtype), tiny_engine(dtype)
+    for engine in (layers, fixed):
+        engine.reserve_slots(4, 200)
+        for slot, prompt in enumerate(PROMPTS):
+            feed(engine, prompt, slot=slot)
+    assert layers.step is None, "the CPU's fp32 / torch-forms run has no step backend of its own"
+    fixed.step = GraphStep(fixed, capture=False)
+    return layers, fixed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_fixed_step_gives_the_layers_bits_for_one_sequence(dtype, monkeypatch):
+    # One sequence's decode rows, bucket 1, across a KV block end (64): the layers' logits bit for
+    # bit, its state and KV left as theirs, and the greedy row's token theirs.
+    layers, fixed = _engines(dtype, monkeypatch)
+    pos, token = len(PROMPTS[0]), 11
+    for step in range(8):
+        want = feed(layers, [token], start=pos)
+        direct = fixed.direct_steps
+        got = feed(fixed, [token], start=pos).clone()
+        assert fixed.direct_steps == direct + 1, "the row did not go to the step"
+        assert torch.equal(got, want), f"step {step}: {(got - want).abs().max()}"
+        token, pos = int(torch.argmax(want)), pos + 1
+    assert fixed.greedy_row(0, pos, token) == layers.greedy_row(0, pos, token)
+    _assert_same_state(layers, fixed, torch.equal)
+    assert fixed.step.buckets == (1, 2, 4) and buckets_for(5) == (1, 2, 4, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_fixed_step_of_several_sequences_gives_the_layers_tokens(dtype, monkeypatch):
+    # Three rows (bucket 4, one padding row), then two, then one, each sequence at its own position
+    # across KV block ends (64, 128). Each row's logits are the layers' within rounding, not bit
+    # for bit: the layers run each sequence's gates alone, and a CPU's elementwise kernels round a
+    # transcendental op (softplus) by where an element falls in their vector loop, which moves
+    # with the rows beside it (a device's kernels compute every element alike).
+    layers, fixed = _engines(dtype, monkeypatch)
+    pos = [len(p) for p in PROMPTS]
+    tokens = [11, 12, 13]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    for step in range(12):
+        live = [0, 1, 2] if step < 6 else [0, 2] if step < 10 else [1]
+        spans = [(s, pos[s], torch.tensor([tokens[s]])) for s in live]
+        want = layers.run_packed(spans)
+        direct = fixed.direct_steps
+        got = fixed.run_packed(spans).clone()
+        assert fixed.direct_steps == direct + len(live), "the rows did not go to the step"
+        torch.testing.assert_close(got, want, **tol)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), f"step {step}"
+        for s, row in zip(live, want):
+            tokens[s] = int(torch.argmax(row))
+            pos[s] += 1
+    _assert_same_state(layers, fixed, lambda a, b: torch.testing.assert_close(a, b, **tol) is None)
+
+
+def _assert_same_state(layers, fixed, same) -> None:
+    """The sequences' GDN state and KV blocks as the layers leave them."""
+    for a, b in zip(layers.slots.stacked.values(), fixed.slots.stacked.values()):
+        assert same(a.recurrent[:3], b.recurrent[:3]) and same(a.conv[:3], b.conv[:3])
+    held = [blk for t in layers.slots.blocks.tables for blk in t.held]
+    for a, b in zip(layers.slots.pools, fixed.slots.pools):
+        assert same(a.k[held], b.k[held]) and same(a.v[held], b.v[held])
+
+
+class _Ops(TorchDispatchMode):
+    """Every op a step issues, with its argument shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+# What would stop a capture or make a replay wrong: a read back to the host, or an output sized by
+# the data.
+SYNCS = ("_local_scalar_dense", "aten.item", "nonzero", "masked_select", "unique", "aten.equal")
+
+
+def test_the_fixed_step_issues_the_same_ops_whatever_the_rows_hold(monkeypatch):
+    _, fixed = _engines(torch.float32, monkeypatch)
+    step = fixed.step
+    seen = []
+    for tokens, positions, slots in (([1, 2, 3], [60, 5, 130], [0, 1, 2]), ([900, 4, 5], [63, 64, 131], [2, 0, 1])):
+        step.rows(tokens, positions, slots)  # builds the buffers on the first call
+        with torch.inference_mode():
+            step.inputs[:, :3] = torch.tensor([tokens, positions, slots])
+            with _Ops() as ops:
+                step._forward(4)
+        seen.append(ops.ops)
+        bad = [op for op, _ in ops.ops if any(s in op for s in SYNCS)]
+        assert not bad, f"ops a captured step cannot hold: {bad}"
+    assert seen[0] == seen[1]
+
+
+def test_a_bad_token_or_too_many_rows_is_refused_before_the_step_runs(monkeypatch):
+    _, fixed = _engines(torch.float32, monkeypatch)
+    with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
+        fixed.step.rows([1000], [60], [0])
+    with pytest.raises(ValueError, match="a step of 5 rows"):
+        fixed.step.rows([1] * 5, [60] * 5, [0, 1, 2, 3, 0])
