@@ -1,23 +1,19 @@
 """The device prefill ops on CPU: their kernels under Triton's interpreter (interpreted_device_kernels.py,
 in a process of its own) and compiled for a GPU (sm_90); the custom ops one op each to a
 dispatch-mode counter, equal to the torch forms off CUDA, their fake forms as torch checks them;
-the selector; the torch forms of rope and the KV write equal to the layers' own.
+the selector.
 tests/device/test_device_ops_on_cuda.py runs the kernels on CUDA."""
 
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from device_op_cases import CASES, gen, kv_inputs
+from device_op_cases import CASES
 from triton_on_cpu import REPO, compiled_for_gpu, run_interpreted
-from pocketllm.layers.cache import KVPool, PagedKV
-from pocketllm.layers.paged_attention import write_kv
-from pocketllm.layers.rotary import apply_rotary
-from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, device_ops, kernels, torch_forms
+from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, device_ops, kernels
 from pocketllm.profiling.op_count import count_ops
 
 
@@ -80,14 +76,3 @@ def test_device_ops_picks_the_kernels_on_cuda_only():
     assert device_ops(torch.device("meta")).describe() == "prefill ops: torch (no Triton kernels for meta)"
 
 
-def test_the_torch_forms_of_rope_and_kv_write_are_the_layers_bit_for_bit():
-    g = gen(30)
-    q = torch.randn(67, 3, 2 * 96, generator=g).to(torch.bfloat16)[..., :96]
-    cos, sin = torch.randn(67, 24, generator=g), torch.randn(67, 24, generator=g)
-    assert torch.equal(torch_forms.apply_rotary_torch(q, cos, sin), apply_rotary(q, cos, sin))
-    k_pool, v_pool, table, start, k, v = kv_inputs(torch.bfloat16, 67, 96)
-    # write_kv reads the sequence's table as .ids.
-    kv = PagedKV(KVPool(k_pool.clone(), v_pool.clone()), SimpleNamespace(ids=table))
-    write_kv(kv, start, k, v)
-    torch_forms.write_kv_torch(k_pool, v_pool, table, start, k, v)
-    assert torch.equal(kv.pool.k, k_pool) and torch.equal(kv.pool.v, v_pool)

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pocketllm.config import FULL
 from pocketllm.layers import attention
 from pocketllm.layers.context import CPU_PASS, DEVICE_PASS, PassShape
+from pocketllm.ops.device import CUSTOM_OPS
 
 torch.set_num_threads(2)
 
@@ -30,6 +31,13 @@ torch.set_num_threads(2)
 # tighten these as they replace torch forms.
 GDN_LAYER_OPS = 34
 ATTENTION_LAYER_OPS = 44
+# The same with the device's fused ops (ops/device: the custom ops, Triton kernels on CUDA, one op
+# each): a GDN layer's two residual adds with their norms, conv, q/k l2 norm, gates, gated norm and
+# SiLU-and-multiply one op each (7), its GEMMs (8), the gated delta rule and its state copy (2);
+# attention's adds and norms, q/k norms, rope, KV write and SiLU-and-multiply one op each (8), its
+# GEMMs (8), SDPA, the output gate (2).
+FUSED_GDN_LAYER_OPS = 17
+FUSED_ATTENTION_LAYER_OPS = 19
 # 70 rows: one 256-row chunk; 600 and 1100: three and five.
 LENGTHS = (70, 600, 1100)
 
@@ -140,6 +148,19 @@ def test_a_device_shaped_prefill_issues_the_same_ops_per_layer_at_any_prompt_len
         for i, ops in enumerate(c.ops):
             assert ops <= bound(device_shaped, i), f"layer {i} ({device_shaped.model.layers[i].kind}) issued {ops} ops for {n} rows"
     assert counts[70].ops == counts[600].ops == counts[1100].ops, {n: c.ops for n, c in counts.items()}
+
+
+def test_with_the_devices_fused_ops_a_layer_issues_a_few_ops_at_any_prompt_length(device_shaped, monkeypatch):
+    # The custom ops a CUDA device runs as Triton kernels, here running their torch forms.
+    for m in device_shaped.model.modules():
+        if hasattr(m, "device_ops"):
+            monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
+        if hasattr(m, "decode_ops"):
+            monkeypatch.setattr(m, "decode_ops", dataclasses.replace(m.decode_ops, device=CUSTOM_OPS))
+    counts = {n: count_pass(device_shaped, [(0, 0, prompt(n))]).ops for n in (70, 600)}
+    for i, layer in enumerate(device_shaped.model.layers):
+        most = FUSED_ATTENTION_LAYER_OPS if layer.kind == FULL else FUSED_GDN_LAYER_OPS
+        assert counts[70][i] == counts[600][i] <= most, counts
 
 
 def test_a_device_shaped_pass_runs_each_mixer_once_per_sequence(device_shaped):

@@ -73,4 +73,4 @@ z = gated_delta_step_reference_(q, k, v, g, beta, s)
 """
     uses = _references_used(ast.parse(source))
     assert len(uses) == 7, uses
-    assert _references_used(ast.parse("from pocketllm.ops.fused.torch_forms import silu_mul_torch\nreferenced = 1\n")) == []
+    assert _references_used(ast.parse("from pocketllm.ops.rowwise import silu_mul_torch\nreferenced = 1\n")) == []

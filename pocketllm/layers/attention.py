@@ -15,8 +15,8 @@ from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, per_se
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.paged_attention import cached_attention, decode_attention_rows, write_kv, write_kv_rows
-from pocketllm.layers.rotary import apply_rotary
 from pocketllm.ops.fused import decode_ops
+from pocketllm.ops.rotary import apply_rotary
 from pocketllm.profiling.scopes import scope
 
 
@@ -65,7 +65,10 @@ class GatedAttention(nn.Module):
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj.weight", cfg.num_attention_heads * d, hidden, "full.out", dtype, device, cfg.weights)
         self.scale = d**-0.5
         self._dtype, self._device = dtype, device
-        self.compiled_decode = decode_ops(dtype, torch.device(device)).attention_decode
+        ops = decode_ops(dtype, torch.device(device))
+        self.compiled_decode = ops.attention_decode
+        # What a device's pass shape runs between the projections (Triton kernels on CUDA).
+        self.device_ops = ops.device
 
     def allocate_pool(self, num_blocks: int, block_size: int = KV_BLOCK_SIZE) -> KVPool:
         shape = (num_blocks, self.kv_heads, block_size, self.head_dim)
@@ -83,7 +86,7 @@ class GatedAttention(nn.Module):
         with scope("projections", "full.in"):
             qkv = self.qkv_proj(x, ctx)
         if ctx.decode_rows is not None:
-            return self.o_proj(self._attend_rows(qkv, ctx.decode_rows, cache[0]), ctx)
+            return self.o_proj(self._attend_rows(qkv, ctx.decode_rows, cache[0], ctx.shape.cpu_forms), ctx)
         return self.o_proj(per_sequence(self._attend, qkv, ctx, cache), ctx)
 
     def _attend(self, qkv: torch.Tensor, seq: Segment, kv: PagedKV) -> torch.Tensor:
@@ -97,37 +100,45 @@ class GatedAttention(nn.Module):
                     qkv, self.q_norm.scale, self.k_norm.scale, self.q_norm.eps, seq.cos[0], seq.sin[0], kv.pool.k, kv.pool.v,
                     kv.table.ids, seq.start, self.heads, self.kv_heads, self.head_dim, self.scale,
                 )
-        q, k, v, gate = self._heads(qkv, seq.cos, seq.sin)
+        q, k, v, gate = self._heads(qkv, seq.cos, seq.sin, seq.cpu_forms)
         with scope("kv_write"):
-            write_kv(kv, seq.start, k, v)
+            if seq.cpu_forms:
+                write_kv(kv, seq.start, k, v)
+            else:
+                self.device_ops.write_kv(kv.pool.k, kv.pool.v, kv.table.ids, seq.start, k, v)
         with scope("full_attention"):
             out = cached_attention(q, k, v, kv, seq.start, self.scale)
         return self._gated(out, gate)
 
-    def _attend_rows(self, qkv: torch.Tensor, rows: DecodeRows, pool: KVPool) -> torch.Tensor:
+    def _attend_rows(self, qkv: torch.Tensor, rows: DecodeRows, pool: KVPool, cpu_forms: bool) -> torch.Tensor:
         """A decode row of each of B sequences [B, q+k+v local] -> [B, heads*D], each row's key
         and value written into its sequence's blocks: the rows _attend takes one by one, in one
         call of each op, the same ops on each row."""
-        q, k, v, gate = self._heads(qkv, rows.cos, rows.sin)
+        q, k, v, gate = self._heads(qkv, rows.cos, rows.sin, cpu_forms)
         with scope("kv_write"):
             write_kv_rows(pool, rows.tables, rows.pos, k, v)
         with scope("full_attention"):
             out = decode_attention_rows(q, pool, rows.tables, rows.pos, self.scale)
         return self._gated(out, gate)
 
-    def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_forms: bool):
         """Rows [T, q+k+v local] -> q [T, H, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv,
         D], the output gate [T, H*D]."""
         t, d = qkv.shape[0], self.head_dim
         q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
         q_gate = q_gate.view(t, self.heads, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
+        k = k.view(t, self.kv_heads, d)
+        # A device's pass: one kernel each (Triton on CUDA); a CPU's: the torch forms.
         with scope("norms", "qk"):
-            q = self.q_norm(q)  # [T, H, D]
-            k = self.k_norm(k.view(t, self.kv_heads, d))
+            if cpu_forms:
+                q, k = self.q_norm(q), self.k_norm(k)  # [T, H, D], [T, Hkv, D]
+            else:
+                q = self.device_ops.add_rms_norm(q, None, self.q_norm.scale, self.q_norm.eps)[1]
+                k = self.device_ops.add_rms_norm(k, None, self.k_norm.scale, self.k_norm.eps)[1]
         with scope("rope"):
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+            rope = apply_rotary if cpu_forms else self.device_ops.apply_rotary
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         return q, k, v.view(t, self.kv_heads, d), gate
 
     def _gated(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

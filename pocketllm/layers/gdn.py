@@ -22,6 +22,9 @@ from pocketllm.ops.gated_delta import gated_delta_step_torch_, select_gdn_kernel
 from pocketllm.ops.norms import l2_normalize
 from pocketllm.profiling.scopes import scope
 
+# HF's l2norm epsilon for q and k.
+L2_EPS = 1e-6
+
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, dtype, device):
@@ -62,6 +65,8 @@ class GatedDeltaNet(nn.Module):
         # The compiled decode block replaces only the CPU torch recurrence, not a device kernel.
         ops = decode_ops(dtype, torch.device(device))
         self.compiled_decode = ops.gdn_decode if self.kernel.decode_step_ is gated_delta_step_torch_ else None
+        # What a device's pass shape runs between the projections (Triton kernels on CUDA).
+        self.device_ops = ops.device
         self._dtype, self._device = dtype, device
         self.neg_a: torch.Tensor | None = None
         self.conv_taps: torch.Tensor | None = None
@@ -108,17 +113,29 @@ class GatedDeltaNet(nn.Module):
         states.conv.index_copy_(0, rows.slots, conv)
         states.recurrent.index_copy_(0, rows.slots, recurrent)
         with scope("norms", "gated"):
-            out = self.norm(out.to(proj.dtype), z.view(z.shape[0], self.hv, self.dv), cpu_forms)
+            out = self._gated_norm(out.to(proj.dtype), z.view(z.shape[0], self.hv, self.dv), cpu_forms)
         return out.reshape(z.shape[0], self.hv * self.dv)
+
+    def _gated_norm(self, out: torch.Tensor, z: torch.Tensor, cpu_forms: bool) -> torch.Tensor:
+        if cpu_forms:
+            return self.norm(out, z)
+        return self.device_ops.rms_norm_gated(out, z, self.norm.weight, self.norm.eps)
 
     def _heads_and_gates(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, cpu_forms: bool):
         """The conv's output rows [T, conv channels] and the gate inputs -> q, k [T, hk, dk] l2-
         normalised (q scaled by dk**-0.5), v [T, hv, dv], the log decay g and beta [T, hv] fp32."""
         t, kd = mixed.shape[0], self.hk * self.dk
         qk, v = mixed.split((2 * kd, self.hv * self.dv), dim=-1)
+        qk = qk.view(t, 2 * self.hk, self.dk)
+        if not cpu_forms:
+            with scope("norms", "lin.qk_l2"):
+                q, k = self.device_ops.qk_l2_norm(qk, self.hk, self.dk**-0.5, L2_EPS)
+            with scope("gates", "lin"):
+                g, beta = self.device_ops.gdn_gates(a, b, self.neg_a, self.dt_bias)
+            return q, k, v.view(t, self.hv, self.dv), g, beta
         with scope("norms", "lin.qk_l2"):
             # q and k are adjacent channels: one normalisation over both halves the op count.
-            qk = l2_normalize(qk.view(t, 2 * self.hk, self.dk), row_blocks=cpu_forms)
+            qk = l2_normalize(qk, L2_EPS)
             q, k = qk[:, : self.hk] * self.dk**-0.5, qk[:, self.hk :]
         with scope("gates", "lin"):
             beta = torch.sigmoid(b).float()
@@ -146,8 +163,10 @@ class GatedDeltaNet(nn.Module):
                 mixed = causal_conv1d_step_(mixed, self.conv_taps, state.conv)
             elif rows_compiled:
                 mixed = fused_kernels.conv_silu_rows(mixed, self.conv_taps, state.conv)
+            elif seq.cpu_forms:
+                mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
             else:
-                mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv, seq.cpu_forms)
+                mixed = self.device_ops.causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
         q, k, v, g, beta = self._heads_and_gates(mixed, b, a, seq.cpu_forms)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
@@ -160,5 +179,5 @@ class GatedDeltaNet(nn.Module):
             if rows_compiled:
                 out = fused_kernels.rms_norm_gated_rows(out.to(proj.dtype).contiguous(), z.view(t, self.hv, self.dv), self.norm.weight, self.norm.eps)
             else:
-                out = self.norm(out.to(proj.dtype), z.view(t, self.hv, self.dv), seq.cpu_forms)
+                out = self._gated_norm(out.to(proj.dtype), z.view(t, self.hv, self.dv), seq.cpu_forms)
         return out.reshape(t, self.hv * self.dv)

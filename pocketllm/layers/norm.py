@@ -23,11 +23,11 @@ class RMSNorm(nn.Module):
         # 1 + w in fp32: the weight never changes after loading.
         self.scale = 1.0 + self.weight.float()
 
-    def forward(self, x: torch.Tensor, row_blocks: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm takes a None scale as "no scale": fail instead of silently dropping 1 + w.
         if self.scale is None:
             raise RuntimeError("RMSNorm used before after_loading(): its fp32 scale is not made yet")
-        return rms_norm_scaled(x, self.scale, self.eps, row_blocks)
+        return rms_norm_scaled(x, self.scale, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -36,5 +36,5 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = sharded_param((dim,), [ShardSource(key, (dim,), read_all)], dtype, device)
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor, row_blocks: bool = True) -> torch.Tensor:
-        return rms_norm_gated(x, z, self.weight, self.eps, row_blocks)
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return rms_norm_gated(x, z, self.weight, self.eps)

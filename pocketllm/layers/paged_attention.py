@@ -15,29 +15,17 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.layers.cache import KVPool, PagedKV
-
-
-def _flat_rows(kv: PagedKV, start: int, end: int) -> torch.Tensor:
-    """The rows of positions start..end-1 of every head in the pool viewed as [blocks * Hkv *
-    block_size, D]: [Hkv, end - start]."""
-    heads, bs = kv.pool.k.shape[1], kv.pool.block_size
-    device = kv.table.ids.device
-    pos = torch.arange(start, end, device=device)
-    head0 = kv.table.ids[pos // bs].long() * (heads * bs) + pos % bs
-    return head0[None, :] + bs * torch.arange(heads, device=device)[:, None]
+from pocketllm.ops.paged_kv import flat_rows, write_kv_torch
 
 
 def write_kv(kv: PagedKV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Keys and values [T, Hkv, D] of positions start..start+T-1 into the sequence's blocks."""
-    rows = _flat_rows(kv, start, start + k.shape[0])
-    d = k.shape[-1]
-    kv.pool.k.view(-1, d)[rows] = k.transpose(0, 1)
-    kv.pool.v.view(-1, d)[rows] = v.transpose(0, 1)
+    write_kv_torch(kv.pool.k, kv.pool.v, kv.table.ids, start, k, v)
 
 
 def gather_kv(kv: PagedKV, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions 0..end-1 from the sequence's blocks, [Hkv, end, D] each."""
-    rows = _flat_rows(kv, 0, end)
+    rows = flat_rows(kv.table.ids, kv.pool.k.shape[1], kv.pool.block_size, 0, end)
     d = kv.pool.k.shape[-1]
     return kv.pool.k.view(-1, d)[rows], kv.pool.v.view(-1, d)[rows]
 

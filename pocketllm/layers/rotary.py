@@ -1,5 +1,5 @@
-"""Partial NeoX rotary embedding: the first `rotary_dim` dims of each head rotate as two halves.
-Text-only positions make the checkpoint's mRoPE the plain 1-D rotation."""
+"""The rotary table: cos and sin per position for the partial NeoX rotation (ops/rotary.py rotates
+the rows). Text-only positions make the checkpoint's mRoPE the plain 1-D rotation."""
 
 from __future__ import annotations
 
@@ -53,13 +53,3 @@ def rotary_table(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, 
     pos = torch.arange(positions, dtype=torch.float32, device=inv_freq.device)
     freqs = torch.outer(pos, inv_freq)
     return freqs.cos(), freqs.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, rd/2]. Rotates in fp32, returns x's dtype."""
-    half = cos.shape[-1]
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
-    c, s = cos[:, None, :], sin[:, None, :]
-    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, xf[..., 2 * half :]), dim=-1)
-    return rotated.to(x.dtype)

@@ -4,7 +4,8 @@ gets alone (the compiled ops row by row where they apply, else the torch forms r
 prompt segment's rows in the compiled rows forms split over the threads where they apply, else the
 torch forms by row blocks. One part of one row is a decode step
 alone; one part of many rows, a prefill alone. A part without cpu_forms (a device's pass,
-layers.context.PassShape) takes the torch forms over all its rows at once."""
+layers.context.PassShape) takes the device's forms (ops/device: Triton kernels on CUDA) over all
+its rows at once."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from pocketllm.layers.context import Part
 from pocketllm.ops.fused import DecodeOps
 from pocketllm.ops.fused import kernels as fused_kernels
-from pocketllm.ops.fused.torch_forms import add_rms_norm_torch, silu_mul_torch
+from pocketllm.ops.rowwise import add_rms_norm_torch, silu_mul_torch
 from pocketllm.ops.row_blocks import by_row_blocks
 
 
@@ -30,12 +31,15 @@ def _each_row(op, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def add_rms_norm(ops: DecodeOps, part: Part, h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, eps: float):
     """(h + x, rms_norm(h + x) * scale) on one part's rows h, x (x None: no add)."""
     rows = h.shape[0]
+    if not part.cpu_forms:
+        # A device's pass: one call over all the part's rows (a Triton kernel on CUDA).
+        return ops.device.add_rms_norm(h, x, scale, eps)
     if not part.alone:
         # A prompt segment's rows: the compiled rows form splits them over the threads (it treats
         # every row alone, so a row's bits do not depend on the segment's other rows either).
-        if ops.compiled and rows > 1 and part.cpu_forms:
+        if ops.compiled and rows > 1:
             return fused_kernels.add_rms_norm_rows(h.contiguous(), None if x is None else x.contiguous(), scale, eps)
-        return add_rms_norm_torch(h, x, scale, eps, part.cpu_forms)
+        return add_rms_norm_torch(h, x, scale, eps)
     if rows == 1:
         return ops.add_rms_norm(h, x, scale, eps)
     if ops.compiled:
@@ -45,10 +49,12 @@ def add_rms_norm(ops: DecodeOps, part: Part, h: torch.Tensor, x: torch.Tensor | 
 
 
 def silu_mul(ops: DecodeOps, part: Part, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not part.cpu_forms:
+        return ops.device.silu_mul(gate, up)
     if not part.alone:
-        if ops.compiled and gate.shape[0] > 1 and part.cpu_forms:
+        if ops.compiled and gate.shape[0] > 1:
             return fused_kernels.silu_mul_rows(gate, up)
-        return by_row_blocks(silu_mul_torch, gate, up, row_blocks=part.cpu_forms)
+        return by_row_blocks(silu_mul_torch, gate, up)
     if gate.shape[0] == 1:
         return ops.silu_mul(gate, up)
     if ops.compiled:

@@ -129,8 +129,10 @@ class Qwen35ForCausalLM(nn.Module):
                     logits = every
         return logits
 
-    def _final_norm(self, h: torch.Tensor, x: torch.Tensor, parts, row_blocks: bool = True) -> torch.Tensor:
+    def _final_norm(self, h: torch.Tensor, x: torch.Tensor, parts, cpu_forms: bool = True) -> torch.Tensor:
         """The final norm of the residual stream h + x (by parts: as they say)."""
         if parts is None:
-            return self.norm(h + x, row_blocks)
+            if not cpu_forms:
+                return self.decode_ops.device.add_rms_norm(h, x, self.norm.scale, self.norm.eps)[1]
+            return self.norm(h + x)
         return row_forms.add_rms_norm_parts(self.decode_ops, parts, h, x, self.norm.scale, self.norm.eps)[1]

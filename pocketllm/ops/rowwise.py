@@ -1,8 +1,8 @@
-"""The torch forms of the fused decode calls that run in production: a norm with its residual add
-and SiLU-and-multiply, with the compiled calls' signatures. The engine runs them where the compiled
-form cannot (another dtype or device, no compiler, or POCKETLLM_FUSED_DECODE=0) and on a prompt's
-rows where the compiled rows forms do not apply. The plain references the tests hold both forms to
-are in reference.py."""
+"""The torch forms of a norm with its residual add and of SiLU-and-multiply, with the compiled
+decode calls' signatures (ops/fused): what runs where the compiled form cannot (another dtype or
+device, no compiler, or POCKETLLM_FUSED_DECODE=0), on a prompt's rows where the compiled rows forms
+do not apply, and what the device kernels (ops/device) are held to. The plain references the tests
+hold them to are in ops/fused/reference.py."""
 
 from __future__ import annotations
 
