@@ -122,3 +122,28 @@ def test_a_bad_token_or_too_many_rows_is_refused_before_the_step_runs(monkeypatc
         fixed.step.rows([1000], [60], [0])
     with pytest.raises(ValueError, match="a step of 5 rows"):
         fixed.step.rows([1] * 5, [60] * 5, [0, 1, 2, 3, 0])
+
+
+def test_a_step_backend_that_cannot_get_ready_leaves_the_layers_path_saying_why(monkeypatch):
+    from pocketllm.engine import decode_step
+
+    class Broken:
+        why_not = staticmethod(lambda model: "")
+
+        def __init__(self, engine):
+            pass
+
+        def prepare(self):
+            raise RuntimeError("capture failed\nat some depth")
+
+    monkeypatch.setattr(decode_step, "BACKENDS", (("cuda graph", Broken),))
+    engine = tiny_engine(torch.float32)
+    said = []
+    engine.say = said.append
+    assert isinstance(engine.step, Broken)
+    engine.reserve_slots(2, 100)
+    assert engine.step is None
+    assert said[-1] == engine.describe_step() == "decode step: layer by layer (cuda graph failed: RuntimeError: capture failed)"
+    # The layers' path serves the rows the backend would have.
+    feed(engine, [1, 2, 3])
+    assert feed(engine, [4], start=3).shape == (1000,) and engine.direct_steps == 0

@@ -39,6 +39,12 @@ class StepChoice:
         return f"decode step: {self.backend.describe() if hasattr(self.backend, 'describe') else self.name}"
 
 
+def failed(choice: StepChoice, exc: Exception) -> StepChoice:
+    """The layers' path after `choice`'s backend failed to get ready (its exception's first line)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return StepChoice(None, "layer by layer", f"{choice.name} failed: {type(exc).__name__}: {first}".rstrip(": "))
+
+
 def choose(engine) -> StepChoice:
     """The first backend that can run the engine's model's decode step, built; else why none can."""
     notes = []

@@ -145,8 +145,15 @@ class Engine:
                 if self.say is not None:
                     self.say(choice.describe())
         if hasattr(self.step, "prepare"):
-            # A captured step is captured now, for these slots, not on the first request.
-            self.step.prepare()
+            # A captured step is captured now, for these slots, not on the first request; one
+            # that cannot be leaves the layers' path, saying why.
+            try:
+                self.step.prepare()
+            except Exception as exc:  # any failure to capture or check the step: do not trust it
+                self.step_choice = decode_step.failed(self.step_choice, exc)
+                self.step = None
+                if self.say is not None:
+                    self.say(self.describe_step())
 
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
     # ops of a decode step.

@@ -28,6 +28,9 @@ ENV_GRAPH = "POCKETLLM_CUDA_GRAPH"
 # The batch sizes a step is captured for (and the slots' count, when not one of them): a pass of
 # n rows replays the smallest bucket of at least n rows.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The most a replay may differ from the step run uncaptured, relative to the largest logit (the
+# same kernels on the same inputs: a difference is a capture that holds a stale value).
+REPLAY_TOLERANCE = 1e-3
 
 
 def why_not(model, env=os.environ) -> str | None:
@@ -148,3 +151,22 @@ class GraphStep:
             with torch.cuda.graph(graph, pool=pool):
                 self.out[bucket] = self._forward(bucket)
             self.graphs[bucket] = graph
+        why = self.replay_disagrees(self.buckets[0])
+        if why:
+            raise RuntimeError(why)
+
+    def replay_disagrees(self, bucket: int) -> str:
+        """Why a replay of `bucket`'s graph differs from the same step run uncaptured ("" when it
+        agrees): a capture that baked in a value it should read from a buffer shows here. Both run
+        the padding slot from a cleared state."""
+        def clear():
+            for states in self.slots.stacked.values():
+                states.slot(self.slots.padding).reset()
+
+        clear()
+        eager = self._forward(bucket).clone()
+        clear()
+        self.graphs[bucket].replay()
+        torch.cuda.synchronize(self.device)
+        err = ((self.out[bucket] - eager).abs().max() / eager.abs().max().clamp_min(1e-30)).item()
+        return "" if err <= REPLAY_TOLERANCE else f"a replay of the captured step differs from the step run uncaptured by {err:.1e} of its largest logit"
