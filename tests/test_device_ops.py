@@ -6,6 +6,7 @@ tests/device/test_device_ops_on_cuda.py runs the kernels on CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from device_op_cases import CASES
 from triton_on_cpu import REPO, compiled_for_gpu, run_interpreted
-from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, device_ops, kernels
+from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, _probed, device_ops, kernels, probe
 from pocketllm.profiling.op_count import count_ops
 
 
@@ -70,9 +71,25 @@ def test_torch_compile_traces_every_custom_op_in_one_graph():
             assert torch.equal(a, b)
 
 
-def test_device_ops_picks_the_kernels_on_cuda_only():
+def test_device_ops_picks_the_kernels_on_cuda_only_where_they_pass_their_probe(monkeypatch):
     assert device_ops(torch.device("cpu")) is TORCH_OPS and TORCH_OPS.describe() == "prefill ops: torch"
-    assert device_ops(torch.device("cuda")) is CUSTOM_OPS and CUSTOM_OPS.describe() == "prefill ops: triton"
     assert device_ops(torch.device("meta")).describe() == "prefill ops: torch (no Triton kernels for meta)"
+    # The probe, run here on CPU (the custom ops run their torch forms off CUDA): each op agrees;
+    # a kernel that computes something else, or does not run, is named.
+    cpu = torch.device("cpu")
+    assert probe.disagreement(CUSTOM_OPS, TORCH_OPS, cpu) is None
+    wrong = dataclasses.replace(CUSTOM_OPS, silu_mul=lambda gate, up: gate * up)
+    assert probe.disagreement(wrong, TORCH_OPS, cpu).startswith("silu_mul differs from its torch form by ")
+
+    def fails(*args):
+        raise RuntimeError("PTX compile failed\nat depth")
+
+    assert probe.disagreement(dataclasses.replace(CUSTOM_OPS, apply_rotary=fails), TORCH_OPS, cpu) == "apply_rotary: RuntimeError: PTX compile failed"
+    # On CUDA the kernels where they agree there, else the torch forms saying why.
+    for why, want in ((None, "prefill ops: triton"), ("silu_mul differs", "prefill ops: torch (a kernel failed its probe: silu_mul differs)")):
+        _probed.cache_clear()
+        monkeypatch.setattr(probe, "disagreement", lambda ops, ref, device, _why=why: _why)
+        assert device_ops(torch.device("cuda")).describe() == want
+    _probed.cache_clear()
 
 

@@ -11,12 +11,13 @@ rows forms) are chosen in ops/fused and layers/row_forms.py."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, replace
 
 import torch
 
-from pocketllm.ops.device import library, torch_forms
+from pocketllm.ops.device import library, probe, torch_forms
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,23 @@ def triton_missing() -> str | None:
 
 
 def device_ops(device: torch.device) -> DeviceOps:
-    """The custom ops (Triton kernels) on CUDA where Triton imports, else the torch forms."""
+    """The custom ops (Triton kernels) on CUDA where Triton imports and every kernel passes its
+    probe there (probe.py), else the torch forms, saying why."""
     device = torch.device(device)
     if device.type != "cuda":
         return TORCH_OPS if device.type == "cpu" else replace(TORCH_OPS, note=f"no Triton kernels for {device.type}")
+    return _probed(device)
+
+
+@functools.cache
+def _probed(device: torch.device) -> DeviceOps:
+    """CUSTOM_OPS where they run and agree on `device` (once per process and device), else the
+    torch forms with the reason."""
     why = triton_missing()
-    if why is not None:
-        return replace(TORCH_OPS, note=why)
-    return CUSTOM_OPS
+    if why is None:
+        why = probe.disagreement(CUSTOM_OPS, TORCH_OPS, device)
+        why = None if why is None else f"a kernel failed its probe: {why}"
+    return CUSTOM_OPS if why is None else replace(TORCH_OPS, note=why)
 
 
 __all__ = ["CUSTOM_OPS", "TORCH_OPS", "DeviceOps", "device_ops", "triton_missing"]
