@@ -111,6 +111,9 @@ def _load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         for line in engine.kernels.describe():
             say(line)
         say(engine.model.decode_ops.describe())
+        if engine.pass_shape.cpu_forms is False:
+            # A device's pass: what runs between its GEMMs (Triton kernels, or why not).
+            say(engine.model.decode_ops.device.describe())
         say(engine.describe_step())
         kernel = engine.model.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
