@@ -111,7 +111,7 @@ def _load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         for line in engine.kernels.describe():
             say(line)
         say(engine.model.decode_ops.describe())
-        if engine.pass_shape.cpu_forms is False:
+        if not engine.pass_shape.cpu_forms:
             # A device's pass: what runs between its GEMMs (Triton kernels, or why not).
             say(engine.model.decode_ops.device.describe())
         say(engine.describe_step())
