@@ -1,0 +1,56 @@
+"""`pocketllm serve --device cuda` against the real OpenAI client: it decodes on the captured graphs
+(its stderr says so), a request alone gets `pocketllm generate --device cuda`'s tokens, and eight
+concurrent requests (one pass of eight decode rows, bucket 8) each complete in full, the answers
+the same when the load is repeated. A device promises no batch invariance (docs/devices.md), so
+the concurrent answers are not held to the lone ones."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+from pathlib import Path
+
+import pytest
+
+from device_caps import cuda_count
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import generated_ids, run_cli  # noqa: E402
+from test_serve import MODEL, NEW, PROMPTS, serving, text_ckpt  # noqa: E402, F401  (text_ckpt: a fixture)
+
+pytestmark = pytest.mark.skipif(cuda_count() == 0, reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def cuda_server(text_ckpt, tmp_path_factory):  # noqa: F811
+    yield from serving(text_ckpt, 1, tmp_path_factory.mktemp("serve-cuda"), "--device", "cuda", "--max-running", 8)
+
+
+def _complete(server, prompt: str) -> tuple[list[int], str | None]:
+    r = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, extra_body={"return_token_ids": True})
+    return r.choices[0].model_extra["token_ids"], r.choices[0].finish_reason
+
+
+@pytest.mark.timeout(300)
+def test_serve_on_cuda_decodes_on_the_graphs(cuda_server, text_ckpt, tokenizer):  # noqa: F811
+    assert "decode step: cuda graph (B buckets 1,2,4,8)" in cuda_server.run.stderr, cuda_server.run.stderr
+    alone = {p: _complete(cuda_server, p) for p in PROMPTS}
+    for prompt, (ids, reason) in alone.items():
+        r = run_cli("generate", "--ckpt", text_ckpt, "--device", "cuda", "--token-ids", ",".join(map(str, tokenizer.encode(prompt).ids)),
+                    "--max-new-tokens", NEW, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert (ids, reason) == (generated_ids(r.stdout), "length"), prompt
+    load = PROMPTS * 2
+    answers = []
+    for _ in range(2):
+        with concurrent.futures.ThreadPoolExecutor(len(load)) as pool:
+            answers.append(list(pool.map(lambda p: _complete(cuda_server, p), load)))
+    assert all(len(ids) == NEW and reason == "length" for ids, reason in answers[0])
+    assert answers[0] == answers[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_ckpt):  # noqa: F811
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(text_ckpt / "tokenizer.json"))
