@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.layers.cache import KVPool, PagedKV
-from pocketllm.ops.paged_kv import flat_rows, write_kv_torch
+from pocketllm.ops.paged_kv import decode_attention_rows_torch, flat_rows, write_kv_torch
 
 
 def write_kv(kv: PagedKV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -77,18 +77,7 @@ def write_kv_rows(pool: KVPool, tables: torch.Tensor, pos: torch.Tensor, k: torc
 
 def decode_attention_rows(q: torch.Tensor, pool: KVPool, tables: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
     """One row of each of B sequences: q [B, H, D] at positions pos [B] (long) over positions
-    0..pos of the blocks each table row (tables [B, M] int32) lists; [B, H, D] in q's dtype. The
-    scores, softmax and sums in fp32, over all M blocks of every row with the positions past a
-    row's own masked out: the shapes are the table's, not the data's, so a captured decode step
-    runs it as it is, and what a row gets does not depend on the rows beside it (its sums do
-    depend on M: a step and the layers read the slots' tables whole)."""
-    b, h, d = q.shape
-    hkv, bs, m = pool.k.shape[1], pool.block_size, tables.shape[1]
-    ids = tables.long()
-    # [B, M, Hkv, bs, D] -> [B, Hkv, M * bs, D]: each head's positions in order.
-    keys = pool.k[ids].transpose(1, 2).reshape(b, hkv, m * bs, d).float()
-    values = pool.v[ids].transpose(1, 2).reshape(b, hkv, m * bs, d).float()
-    scores = torch.matmul(q.float().view(b, hkv, h // hkv, d), keys.transpose(-1, -2))  # [B, Hkv, G, M * bs]
-    past = torch.arange(m * bs, device=q.device)[None, :] > pos[:, None]
-    probs = torch.softmax(scores.mul_(scale).masked_fill_(past[:, None, None, :], float("-inf")), dim=-1)
-    return torch.matmul(probs, values).view(b, h, d).to(q.dtype)
+    0..pos of the blocks each table row (tables [B, M] int32) lists; [B, H, D] in q's dtype.
+    ops/paged_kv.decode_attention_rows_torch on the pool's tensors: every block of the tables
+    read, the positions past a row's own masked, shapes set by the tables, not the data."""
+    return decode_attention_rows_torch(q, pool.k, pool.v, tables, pos, scale)

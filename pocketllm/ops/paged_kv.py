@@ -1,6 +1,7 @@
 """Where a sequence's positions live in a paged KV pool ([blocks, Hkv, block_size, D]; position p
-is row p % block_size of block table[p // block_size]), and writing a pass's keys and values
-there: the one form the layers' attention and the device's KV-write kernel are held to."""
+is row p % block_size of block table[p // block_size]), writing a pass's keys and values there and
+reading them back for a decode row of each of several sequences: the one form the layers'
+attention and the device's KV-write and decode-attention kernels are held to."""
 
 from __future__ import annotations
 
@@ -22,3 +23,23 @@ def write_kv_torch(k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tens
     d = k.shape[-1]
     k_pool.view(-1, d)[rows] = k.transpose(0, 1)
     v_pool.view(-1, d)[rows] = v.transpose(0, 1)
+
+
+def decode_attention_rows_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, pos: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    """One row of each of B sequences: q [B, H, D] at positions pos [B] (long) over positions
+    0..pos of the blocks each table row (tables [B, M] int32) lists in the pools; [B, H, D] in
+    q's dtype. The scores, softmax and sums in fp32, over all M blocks of every row with the
+    positions past a row's own masked out: the shapes are the table's, not the data's, so a
+    captured decode step runs it as it is, and what a row gets does not depend on the rows beside
+    it (its sums do depend on M: a step and the layers read the slots' tables whole)."""
+    b, h, d = q.shape
+    hkv, bs, m = k_pool.shape[1], k_pool.shape[2], tables.shape[1]
+    ids = tables.long()
+    # [B, M, Hkv, bs, D] -> [B, Hkv, M * bs, D]: each head's positions in order.
+    keys = k_pool[ids].transpose(1, 2).reshape(b, hkv, m * bs, d).float()
+    values = v_pool[ids].transpose(1, 2).reshape(b, hkv, m * bs, d).float()
+    scores = torch.matmul(q.float().view(b, hkv, h // hkv, d), keys.transpose(-1, -2))  # [B, Hkv, G, M * bs]
+    past = torch.arange(m * bs, device=q.device)[None, :] > pos[:, None]
+    probs = torch.softmax(scores.mul_(scale).masked_fill_(past[:, None, None, :], float("-inf")), dim=-1)
+    return torch.matmul(probs, values).view(b, h, d).to(q.dtype)
