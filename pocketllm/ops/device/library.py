@@ -164,6 +164,21 @@ def _(k_pool, v_pool, table, start, k, v):
     return None
 
 
+@torch.library.custom_op("pocketllm::decode_attention_rows", mutates_args=())
+def decode_attention_rows_op(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, pos: Tensor, scale: float) -> Tensor:
+    return torch_forms.decode_attention_rows_torch(q, k_pool, v_pool, tables, pos, scale)
+
+
+@decode_attention_rows_op.register_kernel("cuda")
+def _(q, k_pool, v_pool, tables, pos, scale):
+    return _kernel("decode_attention", "decode_attention_rows")(q, k_pool, v_pool, tables, pos, scale)
+
+
+@decode_attention_rows_op.register_fake
+def _(q, k_pool, v_pool, tables, pos, scale):
+    return _new(q)
+
+
 def add_rms_norm(h: Tensor, x: Tensor | None, scale: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """add_rms_norm_torch's signature over the two ops: x None is the norm alone, h returned."""
     if x is None:

@@ -33,6 +33,8 @@ def _inputs(device, gen: torch.Generator) -> dict[str, tuple]:
         "causal_conv1d_prefill_": (randn(ROWS, WIDTH), randn(4, WIDTH, dtype=torch.float32), randn(3, WIDTH)),
         "apply_rotary": (heads, cos, sin),
         "write_kv": (pool(), pool(), table, 14, randn(ROWS, 2, D), randn(ROWS, 2, D)),
+        "decode_attention_rows": (randn(2, HEADS, D), randn(blocks, 2, block_size, D), randn(blocks, 2, block_size, D),
+                                  torch.stack((table, table.flip(0))), torch.tensor([0, 40], device=device), D**-0.5),
     }
 
 
