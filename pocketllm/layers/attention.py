@@ -118,7 +118,11 @@ class GatedAttention(nn.Module):
         with scope("kv_write"):
             write_kv_rows(pool, rows.tables, rows.pos, k, v)
         with scope("full_attention"):
-            out = decode_attention_rows(q, pool, rows.tables, rows.pos, self.scale)
+            if cpu_forms:
+                out = decode_attention_rows(q, pool, rows.tables, rows.pos, self.scale)
+            else:
+                # A device's step: one kernel (Triton on CUDA) reading only the positions each row holds.
+                out = self.device_ops.decode_attention_rows(q, pool.k, pool.v, rows.tables, rows.pos, self.scale)
         return self._gated(out, gate)
 
     def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_forms: bool):
