@@ -70,6 +70,38 @@ def kv_inputs(dtype, rows: int, width: int, device="cpu"):
     return k_pool, v_pool, table, 5, k, v
 
 
+# Decode attention rows: 6 query heads over 2 KV heads, blocks of 16 positions, 6 blocks a table;
+# a row's position cycles through 0, a block's last, the next block's first and several blocks in.
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_BLOCK, ATTN_TABLE = 6, 2, 16, 6
+ATTN_POSITIONS = (0, 15, 16, 71, 95, 40)
+
+
+def decode_attention_inputs(dtype, rows: int, width: int, device="cpu", block_size: int = ATTN_BLOCK):
+    """q [rows, 6, D] (D = width, at most 256: a head's width; wider stands for the 27B's 256) at
+    the cycled positions, over pools whose every table lists its blocks out of order."""
+    g = gen(12)
+    d = min(width, 256)
+    m = -(-ATTN_TABLE * ATTN_BLOCK // block_size)
+    k_pool, v_pool = (_randn(g, rows * m + 3, ATTN_KV_HEADS, block_size, d, dtype=dtype, device=device) for _ in range(2))
+    tables = torch.randperm(rows * m + 3, generator=g)[: rows * m].view(rows, m).to(torch.int32).to(device)
+    pos = torch.tensor([ATTN_POSITIONS[r % len(ATTN_POSITIONS)] for r in range(rows)], device=device)
+    q = _randn(g, rows, ATTN_HEADS, 2 * d, dtype=dtype, device=device)[..., :d]
+    return q, k_pool, v_pool, tables, pos, d**-0.5
+
+
+def only_what_rows_hold(k_pool, v_pool, tables, pos):
+    """Copies of the pools with NaN at every position that no row's positions 0..pos cover: what
+    a kernel that reads only those positions must not see."""
+    block_size = k_pool.shape[2]
+    held = torch.zeros(k_pool.shape[0], block_size, dtype=torch.bool, device=k_pool.device)
+    for b, p in enumerate(pos.tolist()):
+        at = torch.arange(p + 1, device=k_pool.device)
+        held[tables[b, at // block_size].long(), at % block_size] = True
+    held = held[:, None, :, None].expand(k_pool.shape)
+    nan = torch.tensor(float("nan"), dtype=k_pool.dtype, device=k_pool.device)
+    return tuple(torch.where(held, pool, nan) for pool in (k_pool, v_pool))
+
+
 def _add_rms_norm(dtype, rows, width, device="cpu"):
     g = gen(1)
     h = _randn(g, rows, width, dtype=dtype, device=device)
@@ -173,5 +205,8 @@ CASES = [
          {torch.bfloat16: 1, torch.float32: 1}, rows_of=(0, 1, 2)),
     Case("write_kv_torch", "write_kv", "write_kv", kv_inputs, "kv_write", torch_forms.write_kv_torch,
          {torch.bfloat16: 0, torch.float32: 0}, outputs=lambda result, args: (args[0], args[1])),
+    # An online softmax over tiles against one softmax over every position: fp32 sums in another order.
+    Case("decode_attention_rows_torch", "decode_attention_rows", "decode_attention_rows", decode_attention_inputs,
+         "decode_attention", torch_forms.decode_attention_rows_torch, {torch.bfloat16: 1}, rows_of=(0, 3, 4), fp32_rel=1e-5),
 ]
 TOL_ULPS = {case.op: case.tol_ulps for case in CASES}

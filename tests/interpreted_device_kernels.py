@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
-from device_op_cases import CASES, ROW_SHAPES, TOL_ULPS, conv_inputs, gen, ulps
+from device_op_cases import CASES, ROW_SHAPES, TOL_ULPS, conv_inputs, decode_attention_inputs, gen, only_what_rows_hold, ulps
 from pocketllm.ops.causal_conv import causal_conv1d_reference
 from pocketllm.ops.device import kernels, torch_forms
 from pocketllm.ops.fused.reference import add_rms_norm_reference, silu_mul_reference
@@ -133,3 +133,39 @@ def test_gates_match_float64_far_into_both_tails(dtype):
     ref_g = neg_a.double() * F.softplus((a.float() + dt_bias).double())
     assert ulps(beta.to(dtype), torch.sigmoid(b.double()).to(dtype)) <= 2
     assert ulps(g, ref_g.float()) <= 4
+
+
+# Decode attention: the torch form gathers every block a row's table lists and masks the positions
+# past its own; the kernel must read only positions 0..pos of each row. Its pools here hold NaN at
+# every other position (the torch form's, clean, would turn NaN itself: 0 * NaN).
+ATTENTION = next(case for case in CASES if case.op == "decode_attention_rows")
+ATTENTION_ROWS = [pytest.param(p, id="pos" + "-".join(map(str, p))) for p in ((0, 15, 16), (71,), (95, 17, 40))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 80])
+@pytest.mark.parametrize("positions", ATTENTION_ROWS)
+def test_decode_attention_reads_only_the_positions_a_row_holds(dtype, d, positions):
+    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(dtype, len(positions), d)
+    pos = torch.tensor(positions)
+    theirs = torch_forms.decode_attention_rows_torch(q, k_pool, v_pool, tables, pos, scale)
+    mine = kernels.decode_attention.decode_attention_rows(q, *only_what_rows_hold(k_pool, v_pool, tables, pos), tables, pos, scale)
+    ATTENTION.check(mine, theirs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_tiles_inside_a_block_of_64(dtype):
+    """The engine's blocks of 64 positions, read in tiles of 32: a tile's first position inside a block."""
+    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(dtype, 5, 32, block_size=64)
+    pos = torch.tensor([31, 32, 63, 64, 95])
+    theirs = torch_forms.decode_attention_rows_torch(q, k_pool, v_pool, tables, pos, scale)
+    mine = kernels.decode_attention.decode_attention_rows(q, *only_what_rows_hold(k_pool, v_pool, tables, pos), tables, pos, scale)
+    ATTENTION.check(mine, theirs)
+
+
+def test_decode_attention_bits_do_not_depend_on_the_tables_width():
+    """The torch form's sums run over all M blocks of a table; the kernel's over what a row holds."""
+    q, k_pool, v_pool, tables, pos, scale = decode_attention_inputs(torch.bfloat16, 3, 80)
+    wider = torch.cat((tables, tables[:, :3]), dim=1)
+    launch = kernels.decode_attention.decode_attention_rows
+    assert torch.equal(launch(q, k_pool, v_pool, tables, pos, scale), launch(q, k_pool, v_pool, wider, pos, scale))

@@ -38,6 +38,18 @@ def test_each_kernel_compiles_for_a_gpu(case, tmp_path, monkeypatch):
     assert compiled and all(k.asm["cubin"] for k in compiled)
 
 
+def test_decode_attention_compiles_for_the_27b_heads_within_shared_memory(tmp_path, monkeypatch):
+    """The engine's blocks of 64 positions and the 27B's heads (24 query heads over 4 KV heads of
+    256) in bf16 for sm_90: the shared memory a program takes within the 227 KiB sm_90 allows."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from pocketllm.ops.device.kernels import decode_attention
+
+    q, pool = torch.randn(8, 24, 256).bfloat16(), torch.randn(40, 4, 64, 256).bfloat16()
+    tables, pos = torch.arange(40, dtype=torch.int32).view(8, 5), torch.full((8,), 300)
+    (kernel,) = compiled_for_gpu(decode_attention, decode_attention.decode_attention_rows, q, pool, pool.clone(), tables, pos, 256**-0.5)
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
 def test_each_custom_op_is_one_op_and_the_torch_form_off_cuda(case):
     mine, theirs = case.make(torch.bfloat16, 3, 96), case.make(torch.bfloat16, 3, 96)
