@@ -38,10 +38,10 @@ def _inputs(device, gen: torch.Generator) -> dict[str, tuple]:
     }
 
 
-def _outputs(result, args) -> list[torch.Tensor]:
+def _outputs(result, inputs: tuple) -> list[torch.Tensor]:
     """What an op gives: its returns, and the tensors it writes in place."""
     if result is None:  # the KV write: its pools
-        return [args[0], args[1]]
+        return [inputs[0], inputs[1]]
     outs = list(result) if isinstance(result, tuple) else [result]
     return [t for t in outs if isinstance(t, torch.Tensor)]
 
