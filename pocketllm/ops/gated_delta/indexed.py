@@ -1,0 +1,61 @@
+"""The gated delta rule's decode step of B sequences on the layer's stacked state, each sequence's
+state at its slot's row, advanced in place: what a decode step of several sequences runs
+(layers/gdn.py's decode rows, in the captured CUDA-graph step).
+
+gated_delta_rows_indexed_torch_ is the torch form: it gathers the rows (a copy), advances them
+with gated_delta_rows_torch_ and puts them back (another copy). pocketllm::gated_delta_rows_indexed_
+is the same as a torch custom op: on CUDA the Triton kernel that reads and writes each slot's state
+in place (ops/device/kernels/gated_delta_rows.py), elsewhere the torch form; to torch it is one
+opaque op that mutates `state`, with a fake form so torch.compile and a CUDA graph capture trace
+it. The kernel module is imported on the first CUDA call, so registering the op needs no Triton.
+
+Shapes: q, k [B, Hk, Dk] (l2-normalised, q scaled by Dk**-0.5), v [B, Hv, Dv], g, beta [B, Hv],
+state [S, Hv, Dk, Dv] fp32, slots [B] long, distinct except that rows may repeat a slot whose
+result does not matter (a captured step's padding slot); out [B, Hv, Dv] fp32."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from pocketllm.ops.gated_delta.recurrent import gated_delta_rows_torch_
+
+
+def gated_delta_rows_indexed_torch_(q, k, v, g, beta, state, slots) -> Tensor:
+    """Gather the slots' rows of `state`, advance them by gated_delta_rows_torch_, put them back."""
+    rows = state[slots]
+    out = gated_delta_rows_torch_(q, k, v, g, beta, rows)
+    state.index_copy_(0, slots, rows)
+    return out
+
+
+def gathered(decode_rows_: Callable) -> Callable:
+    """A decode_rows_ on gathered state ([B, Hv, Dk, Dv], gated_delta_rows_torch_'s contract, as
+    fla's) as the indexed form: gather, advance, put back."""
+
+    def decode_rows_indexed_(q, k, v, g, beta, state, slots):
+        rows = state[slots]
+        out = decode_rows_(q, k, v, g, beta, rows)
+        state.index_copy_(0, slots, rows)
+        return out
+
+    return decode_rows_indexed_
+
+
+@torch.library.custom_op("pocketllm::gated_delta_rows_indexed_", mutates_args=("state",))
+def gated_delta_rows_indexed_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slots: Tensor) -> Tensor:
+    return gated_delta_rows_indexed_torch_(q, k, v, g, beta, state, slots)
+
+
+@gated_delta_rows_indexed_op.register_kernel("cuda")
+def _(q, k, v, g, beta, state, slots):
+    module = importlib.import_module("pocketllm.ops.device.kernels.gated_delta_rows")
+    return module.gated_delta_rows_indexed_(q, k, v, g, beta, state, slots)
+
+
+@gated_delta_rows_indexed_op.register_fake
+def _(q, k, v, g, beta, state, slots):
+    return v.new_empty(v.shape, dtype=torch.float32)
