@@ -101,17 +101,18 @@ class GatedDeltaNet(nn.Module):
 
     def _mix_rows(self, proj: torch.Tensor, rows: DecodeRows, states: GDNStates, cpu_forms: bool) -> torch.Tensor:
         """A decode row of each of B sequences [B, in_local] -> [B, hv*dv], each sequence's state
-        (its slot's row of `states`) gathered, advanced and put back: the rows _mix takes one by
-        one through its torch path, in one call of each op, the same ops on each row."""
-        conv, recurrent = states.conv[rows.slots], states.recurrent[rows.slots]
+        its slot's row of `states`: the conv window gathered, advanced and put back, the recurrent
+        state advanced where it is by the kernel (on CUDA in place, else gathered and put back).
+        The rows _mix takes one by one through its torch path, in one call of each op, the same
+        ops on each row."""
+        conv = states.conv[rows.slots]
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
             mixed = causal_conv1d_rows_step_(mixed, self.conv_taps, conv)
         q, k, v, g, beta = self._heads_and_gates(mixed, b, a, cpu_forms)
         with scope("gated_delta"):
-            out = self.kernel.decode_rows_(q, k, v, g, beta, recurrent)
+            out = self.kernel.decode_rows_indexed_(q, k, v, g, beta, states.recurrent, rows.slots)
         states.conv.index_copy_(0, rows.slots, conv)
-        states.recurrent.index_copy_(0, rows.slots, recurrent)
         with scope("norms", "gated"):
             out = self._gated_norm(out.to(proj.dtype), z.view(z.shape[0], self.hv, self.dv), cpu_forms)
         return out.reshape(z.shape[0], self.hv * self.dv)

@@ -8,6 +8,10 @@ torch chunked kernel, which works everywhere. POCKETLLM_GDN_KERNEL=chunk|recurre
 the seed's QWEN_GDN_KERNEL) forces one ('recurrent' runs the per-token loop for prefill too: the
 seed's ablation); a forced kernel this machine cannot run is a usage error. Decode never takes a chunked path.
 
+On CUDA a decode step of several sequences runs the Triton kernel that advances each sequence's
+state in place at its slot's row of the stacked state (ops/gated_delta/indexed.py), whichever
+kernel runs prefill, once it passes its own probe (with_triton_decode_rows).
+
 The fla and npu adapters are contract-tested on CPU against stand-ins bound to those libraries'
 signatures (tests/test_gdn_kernels.py); they have not yet run on a device.
 """
@@ -17,15 +21,17 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from pocketllm.errors import UsageError
 from pocketllm.switches import env_setting
+from pocketllm.ops.device import triton_missing
 from pocketllm.ops.gated_delta import fla_adapter, npu_adapter
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
+from pocketllm.ops.gated_delta.indexed import gated_delta_rows_indexed_op, gated_delta_rows_indexed_torch_, gathered
 from pocketllm.ops.gated_delta.recurrent import gated_delta_rows_torch_, gated_delta_rule_recurrent, gated_delta_step_torch_
 
 # Also read as the seed's QWEN_GDN_KERNEL (pocketllm.switches.ALIASES).
@@ -52,14 +58,18 @@ class GdnKernel:
     """prefill(q, k, v, g, beta, initial_state) -> (out [T, Hv, Dv], final_state [Hv, Dk, Dv] fp32);
     decode_step_(q, k, v, g, beta, state) -> out [1, Hv, Dv] (fp32 or v's dtype; the layer rounds
     it to its own), advancing `state` in place; decode_rows_ the same for one token of each of B
-    sequences (q, k [B, Hk, Dk], state [B, Hv, Dk, Dv]: gated_delta_rows_torch_'s contract), what
-    a decode step of several sequences runs."""
+    sequences (q, k [B, Hk, Dk], state [B, Hv, Dk, Dv]: gated_delta_rows_torch_'s contract);
+    decode_rows_indexed_(q, k, v, g, beta, state, slots) the same on the layer's stacked state
+    [S, Hv, Dk, Dv], each sequence's state at its slot's row advanced in place
+    (ops/gated_delta/indexed.py), what a decode step of several sequences runs: on CUDA the Triton
+    kernel that reads and writes the rows in place, else decode_rows_ on the gathered rows."""
 
     name: str
     reason: str
     prefill: Callable
     decode_step_: Callable
     decode_rows_: Callable = gated_delta_rows_torch_
+    decode_rows_indexed_: Callable = gated_delta_rows_indexed_torch_
 
     def describe(self) -> str:
         return f"{self.name} ({self.reason})"
@@ -142,6 +152,11 @@ def _worst(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
+def _first_line(exc: Exception) -> str:
+    """An exception as its type and its message's first line."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+
+
 def probe(prefill, decode_step_, device, dtype, decode_rows_=gated_delta_rows_torch_) -> str | None:
     """Run a kernel once on a tiny input on `device` against the torch per-token forms; None when
     it agrees, else why not (its exception's last line, or how far off it was)."""
@@ -165,18 +180,54 @@ def probe(prefill, decode_step_, device, dtype, decode_rows_=gated_delta_rows_to
             ref_step = gated_delta_rows_torch_(rows(q), rows(k), rows(v), rows(g), rows(beta), ref)
             errors |= {"decode rows out": _worst(step, ref_step), "decode rows state": _worst(mine, ref)}
     except Exception as exc:  # the probe's purpose: any failure means "do not trust it"
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+        return _first_line(exc)
     bad = {name: e for name, e in errors.items() if not e <= tol}
     if bad:
         return "disagrees with the reference: " + ", ".join(f"{n} {e:.1e}" for n, e in bad.items()) + f" (tolerance {tol:.0e})"
     return None
 
 
+def probe_indexed(decode_rows_indexed_, device, dtype) -> str | None:
+    """Run a decode_rows_indexed_ once on `device` against the torch form: three sequences' rows
+    at slots out of order in a stack of four, the fourth left as it was bit for bit. None when it
+    agrees, else why not."""
+    try:
+        q, k, v, g, beta, state = probe_inputs(device, dtype)
+        mine = torch.stack([state * scale for scale in (1.0, -0.5, 0.25, 2.0)])
+        ref, slots = mine.clone(), torch.tensor([2, 0, 3], device=device)
+        out = decode_rows_indexed_(q[:3], k[:3], v[:3], g[:3], beta[:3], mine, slots)
+        ref_out = gated_delta_rows_indexed_torch_(q[:3], k[:3], v[:3], g[:3], beta[:3], ref, slots)
+        errors = {"decode rows out": _worst(out, ref_out), "decode rows state": _worst(mine, ref)}
+        if not torch.equal(mine[1], ref[1]):
+            return "changed a slot outside the step's rows"
+    except Exception as exc:  # any failure means "do not trust it"
+        return _first_line(exc)
+    tol = PROBE_TOLERANCE[torch.float32]
+    bad = {name: e for name, e in errors.items() if not e <= tol}
+    if bad:
+        return "disagrees with the reference: " + ", ".join(f"{n} {e:.1e}" for n, e in bad.items()) + f" (tolerance {tol:.0e})"
+    return None
+
+
+def with_triton_decode_rows(kernel: GdnKernel, device, dtype, op=gated_delta_rows_indexed_op) -> GdnKernel:
+    """`kernel` with the Triton decode of several sequences on the stacked state in place (the
+    custom op `op`) once it passes its probe on `device`; else `kernel` as it is (decode_rows_ on
+    the gathered rows), its reason saying why. Whichever kernel runs prefill (fla's too)."""
+    why = triton_missing()
+    if why is None:
+        failed = probe_indexed(op, device, dtype)
+        why = None if failed is None else f"the triton kernel failed its probe ({failed})"
+    if why is not None:
+        return replace(kernel, reason=f"{kernel.reason}; decode rows gathered: {why}")
+    return replace(kernel, reason=f"{kernel.reason}; decode rows: triton, state in place", decode_rows_indexed_=op)
+
+
 def _fla_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:
     why = probe(fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, device, dtype, fla_adapter.fla_decode_rows_)
     if why is not None:
         return None, why
-    return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, fla_adapter.fla_decode_rows_), None
+    rows = fla_adapter.fla_decode_rows_
+    return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, rows, gathered(rows)), None
 
 
 def _npu_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:
@@ -219,5 +270,7 @@ def select_gdn_kernel(device, dtype: torch.dtype, env=os.environ) -> GdnKernel:
             kernel = torch_kernel("chunk", f"torch chunked kernel: {choice.name} failed its probe ({why})")
     else:
         kernel = torch_kernel(choice.name, choice.reason)
+    if device.type == "cuda":
+        kernel = with_triton_decode_rows(kernel, device, dtype)
     _selected[key] = kernel
     return kernel
