@@ -1,7 +1,7 @@
 """The device prefill kernels (pocketllm/ops/device/kernels) on CPU under Triton's interpreter:
 each against its torch form and the plain references at odd shapes in bf16 and fp32, inputs taken
 as the strided views a layer hands them; a row's bits the same in a call of one row as in a call of
-67. Runs only in a process started with TRITON_INTERPRET=1 (tests/triton_on_cpu.py says why):
+21. Runs only in a process started with TRITON_INTERPRET=1 (tests/triton_on_cpu.py says why):
 test_device_ops.py runs it so, and so can a developer:
 
     TRITON_INTERPRET=1 python -m pytest -q tests/interpreted_device_kernels.py
@@ -53,12 +53,14 @@ def test_kernel_matches_its_torch_form(case, dtype, rows, width):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.rows_of], ids=lambda c: c.op)
-def test_a_row_gets_the_same_bits_alone_as_among_67(case):
-    # One dtype: what could make a row's bits depend on the others is the order of its sums.
-    args = case.make(torch.bfloat16, 67, 130)
+def test_a_row_gets_the_same_bits_alone_as_among_many(case):
+    # One dtype: what could make a row's bits depend on the others is the order of its sums. (A
+    # kernel's program count grows with the rows, not its per-row work: 21 rows show what 67 would,
+    # in a third of the interpreter's time.)
+    args = case.make(torch.bfloat16, 21, 130)
     launch = case.kernel(kernels)
     together = case.outputs(launch(*args), args)
-    for r in (0, 33, 66):
+    for r in (0, 10, 20):
         one = [a[r : r + 1] if i in case.rows_of else a for i, a in enumerate(args)]
         for out_all, out_one in zip(together, case.outputs(launch(*one), one), strict=True):
             assert torch.equal(out_all[r : r + 1], out_one), f"row {r}"

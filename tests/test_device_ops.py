@@ -19,8 +19,11 @@ from pocketllm.profiling.op_count import count_ops
 
 
 def test_the_kernels_under_the_interpreter():
-    """Every test of interpreted_device_kernels.py passes, none skipped (its output on failure)."""
-    run = run_interpreted(REPO / "tests" / "interpreted_device_kernels.py")
+    """Every test of the interpreted files (tests/interpreted_*.py: these kernels, the gated delta
+    rule's decode rows) passes, none skipped (their output on failure)."""
+    files = sorted((REPO / "tests").glob("interpreted_*.py"))
+    assert len(files) >= 2, files
+    run = run_interpreted(*files)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert run.returncode == 0 and re.fullmatch(r"\d+ passed in .*", summary), run.stdout[-6000:] + run.stderr[-3000:]
 

@@ -1,5 +1,6 @@
 """The gated delta rule's decode step of B sequences on the stacked state, on CPU: its Triton kernel
-under the interpreter (interpreted_gated_delta_rows.py, in a process of its own) and compiled for
+under the interpreter (interpreted_gated_delta_rows.py, run with the other interpreted files by
+test_device_ops.py) and compiled for
 a GPU (sm_90); the custom op pocketllm::gated_delta_rows_indexed_ one op, the torch form off CUDA,
 its fake form as torch checks it; the GDN kernel seam that gives it to the layers (the torch form
 on CPU, the op on CUDA once its probe passes); a decode step whose recurrence is the op, one op per
@@ -7,27 +8,18 @@ layer, with the torch form's bits. tests/device/test_gated_delta_rows_on_cuda.py
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 import pocketllm.ops.gated_delta.backends as backends
 from conftest import feed, tiny_engine
 from gated_delta_rows_cases import MODEL, SMALL, rows_inputs, untouched
-from triton_on_cpu import REPO, compiled_for_gpu, run_interpreted
+from triton_on_cpu import compiled_for_gpu
 from pocketllm.ops.gated_delta.indexed import gated_delta_rows_indexed_op, gated_delta_rows_indexed_torch_, gathered
 from pocketllm.ops.gated_delta.recurrent import gated_delta_rows_torch_
 from pocketllm.profiling.op_count import count_ops
 
 CPU = torch.device("cpu")
 OP = "pocketllm::gated_delta_rows_indexed_"
-
-
-def test_the_kernel_under_the_interpreter():
-    """Every test of interpreted_gated_delta_rows.py passes, none skipped (its output on failure)."""
-    run = run_interpreted(REPO / "tests" / "interpreted_gated_delta_rows.py")
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    assert run.returncode == 0 and re.fullmatch(r"\d+ passed in .*", summary), run.stdout[-6000:] + run.stderr[-3000:]
 
 
 def test_the_kernel_compiles_for_a_gpu(tmp_path, monkeypatch):

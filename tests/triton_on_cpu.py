@@ -24,10 +24,11 @@ from triton.backends.compiler import GPUTarget
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_interpreted(test_file: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`python -m pytest -q test_file` in a new process with TRITON_INTERPRET=1."""
+def run_interpreted(*test_files: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m pytest -q test_files...` in one new process with TRITON_INTERPRET=1 (one start of
+    torch and Triton for all of them)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, test_files)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
