@@ -100,11 +100,24 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def device_tests(table: Table, timeout: float) -> None:
-    """tests/device under pytest, one row per test, read from its JUnit XML."""
+# The device tests that hold each Triton kernel to its torch form case by case (dozens of kernel
+# variants to compile on a cold cache): run after the figures, so a short lease gets those first.
+# The engine's own device tests (runs, oracle, graphs, serve, the GDN kernels) run before.
+KERNEL_CASES = ("test_device_ops_on_cuda.py", "test_gated_delta_rows_on_cuda.py", "test_decode_attention_on_cuda.py")
+
+
+def device_test_files(kernel_cases: bool) -> list[str]:
+    """tests/device's files: the kernel case files, or every other one."""
+    files = sorted(Path("tests/device").glob("test_*.py"))
+    return [str(f) for f in files if (f.name in KERNEL_CASES) == kernel_cases]
+
+
+def device_tests(table: Table, timeout: float, kernel_cases: bool = False) -> None:
+    """tests/device under pytest (its kernel case files, or the rest), one row per test, read from
+    its JUnit XML."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "device.xml"
-        rc, out, err, seconds = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/device"], timeout)
+        rc, out, err, seconds = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *device_test_files(kernel_cases)], timeout)
         if not xml.exists():
             why = "timed out" if rc is None else f"exit {rc}"
             table.add("tests/device", "FAIL", f"pytest {why}: {_last_line(err or out)}", seconds)
@@ -210,10 +223,13 @@ def main(argv=None) -> int:
     vs_big = ["--preset", big, "--layers", "4", "--random-weights", "--lengths", str(big_prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2"]
     # In the order of what a short lease must not miss.
     steps = [
-        ("tests/device", lambda: device_tests(table, left(args.timeout * 3))),
+        ("tests/device", lambda: device_tests(table, left(args.timeout))),
         ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
         ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
         ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
+        # Eight sequences' decode rows a step: the captured graphs' bucket 8 on a GPU.
+        ("bench batch 8", lambda: bench(table, kind, 1, preset, prompt, ["--batch", "8"], left(args.timeout))),
+        ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), kernel_cases=True)),
         ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
         ("bench tp1 host profile", lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], left(args.timeout))),
         ("gdn-bench float32", lambda: gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, left(args.timeout))),
