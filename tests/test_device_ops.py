@@ -87,8 +87,8 @@ def test_torch_compile_traces_every_custom_op_in_one_graph():
 
 
 def test_device_ops_picks_the_kernels_on_cuda_only_where_they_pass_their_probe(monkeypatch):
-    assert device_ops(torch.device("cpu")) is TORCH_OPS and TORCH_OPS.describe() == "prefill ops: torch"
-    assert device_ops(torch.device("meta")).describe() == "prefill ops: torch (no Triton kernels for meta)"
+    assert device_ops(torch.device("cpu")) is TORCH_OPS and TORCH_OPS.describe() == "device ops: torch"
+    assert device_ops(torch.device("meta")).describe() == "device ops: torch (no Triton kernels for meta)"
     # The probe, run here on CPU (the custom ops run their torch forms off CUDA): each op agrees;
     # a kernel that computes something else, or does not run, is named.
     cpu = torch.device("cpu")
@@ -101,7 +101,7 @@ def test_device_ops_picks_the_kernels_on_cuda_only_where_they_pass_their_probe(m
 
     assert probe.disagreement(dataclasses.replace(CUSTOM_OPS, apply_rotary=fails), TORCH_OPS, cpu) == "apply_rotary: RuntimeError: PTX compile failed"
     # On CUDA the kernels where they agree there, else the torch forms saying why.
-    for why, want in ((None, "prefill ops: triton"), ("silu_mul differs", "prefill ops: torch (a kernel failed its probe: silu_mul differs)")):
+    for why, want in ((None, "device ops: triton"), ("silu_mul differs", "device ops: torch (a kernel failed its probe: silu_mul differs)")):
         _probed.cache_clear()
         monkeypatch.setattr(probe, "disagreement", lambda ops, ref, device, _why=why: _why)
         assert device_ops(torch.device("cuda")).describe() == want

@@ -37,7 +37,7 @@ class DeviceOps:
     note: str
 
     def describe(self) -> str:
-        return f"prefill ops: {'triton' if self.kernels else 'torch'}" + (f" ({self.note})" if self.note else "")
+        return f"device ops: {'triton' if self.kernels else 'torch'}" + (f" ({self.note})" if self.note else "")
 
 
 TORCH_OPS = DeviceOps(
