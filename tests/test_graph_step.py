@@ -95,9 +95,10 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# What would stop a capture or make a replay wrong: a read back to the host, or an output sized by
-# the data.
-SYNCS = ("_local_scalar_dense", "aten.item", "nonzero", "masked_select", "unique", "aten.equal")
+# What would stop a capture or make a replay wrong: a read back to the host, an output sized by
+# the data, or a tensor made from Python data inside the step (lift_fresh: on a device, a copy
+# from the host that a capture cannot hold, or holds with the values of the step it captured).
+SYNCS = ("_local_scalar_dense", "aten.item", "nonzero", "masked_select", "unique", "aten.equal", "lift_fresh")
 
 
 def test_the_fixed_step_issues_the_same_ops_whatever_the_rows_hold(monkeypatch):

@@ -108,9 +108,10 @@ class Qwen35ForCausalLM(nn.Module):
                 h, x = self.embed(ids), None
             for i, layer in enumerate(self.layers):
                 h, x = layer(h, x, ctx, [seq[i] for seq in states])
-            # One sequence's last row as a view; several gathered. The last layer's residual add
-            # is the final norm's.
-            pick = slice(last[0], last[0] + 1) if len(last) == 1 else last
+            # Consecutive last rows (one sequence's, or every row of a pass of decode rows) as a
+            # view; others gathered. The last layer's residual add is the final norm's.
+            consecutive = last == list(range(last[0], last[0] + len(last)))
+            pick = slice(last[0], last[-1] + 1) if consecutive else last
             rows, rows_x = h[pick], x[pick]
             # The last rows are each their sequence's own: each gets the bits it gets alone (and a
             # decode row the compiled final norm the layers' norms use, which finds the row where
