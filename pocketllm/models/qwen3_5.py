@@ -116,7 +116,7 @@ class Qwen35ForCausalLM(nn.Module):
             # The last rows are each their sequence's own: each gets the bits it gets alone (and a
             # decode row the compiled final norm the layers' norms use, which finds the row where
             # torch's would fetch its own state again after the last GEMV swept the caches).
-            alone = (Part(0, len(last), True),) if ctx.invariant or ctx.one_row else None
+            alone = (Part(0, len(last), True, cpu_forms=ctx.shape.cpu_forms),) if ctx.invariant or ctx.one_row else None
             with scope("norms", "final"):
                 rows = self._final_norm(rows, rows_x, alone, ctx.shape.cpu_forms)
             with scope("lm_head"):
