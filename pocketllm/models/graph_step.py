@@ -6,7 +6,7 @@ Python; replaying a captured step issues them all at once.
 The step is the model's own forward, in its pass of decode rows (layers.context.DecodeRows): token
 ids, positions and slots in buffers of the bucket's size, each row's block table gathered from the
 slots' table of every slot, its rotary row from the model's table, each mixer's state of every
-slot gathered by slot index inside the step. Nothing in it allocates outside the graph's pool,
+slot read and written by slot index inside the step. Nothing in it allocates outside the graph's pool,
 synchronises or branches on data, so the same step runs captured on CUDA and uncaptured anywhere
 (a CPU test compares it with the layers' pass). Rows beyond a bucket's real ones run in the slots'
 padding slot, which no sequence holds.
