@@ -101,6 +101,7 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict
     batch, length = len(prompts), len(prompts[0])
     run = TimedRun(engine, prompts, new_tokens, sync)
     prefill_s = run.prefill()
+    direct = engine.direct_steps
     decode_s = run.decode(new_tokens)
     run.close()
     return {
@@ -114,6 +115,8 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict
         "decode_tokens_per_s_per_sequence": new_tokens / decode_s,
         "slices": run.slices,
         "collectives": run.collectives,
+        # Decode rows the step backend ran (a backend that runs several sequences' rows at once).
+        "decode_step": _decode_path(engine.direct_steps - direct, batch * new_tokens),
     }
 
 
