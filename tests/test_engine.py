@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import feed
+from conftest import feed, tiny_engine
 
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp
@@ -194,3 +194,29 @@ def test_warm_up_runs_each_timed_length_under_the_timed_slice_policy(engine, cap
         engine.hooks.remove(passes)
     lengths = [16, 24] if cap else [16, 32]
     assert passes.seen == [p for n in lengths for p in [("warmup", n, 3), ("warmup", 1, 3), ("warmup", 1, 3)]]
+
+
+def test_warming_up_the_shapes_runs_their_passes_and_leaves_the_slot_free():
+    # What serve runs on a device before its first request: two prompts (16 and 17 rows) and a
+    # decode row, untimed, in slot 0, which then holds nothing.
+    engine = tiny_engine(torch.float32)
+    engine.reserve_slots(2, 64)
+    seen = []
+
+    class Watch:
+        watches_layers = False
+
+        def before_pass(self, info):
+            seen.append((info.kind, info.rows))
+
+        def after_pass(self, info):
+            pass
+
+    engine.hooks.append(Watch())
+    engine.warm_up_shapes()
+    assert seen == [("warmup", 16), ("warmup", 17), ("warmup", 1)]
+    assert engine.slots.free_blocks == engine.slots.blocks.num_blocks
+    # The slot runs a new sequence as any fresh one does.
+    fresh = tiny_engine(torch.float32)
+    fresh.reserve_slots(2, 64)
+    assert torch.equal(feed(engine, [1, 2, 3]), feed(fresh, [1, 2, 3]))

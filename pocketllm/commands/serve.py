@@ -188,6 +188,10 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     scheduler = Scheduler(
         engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes
     )
+    if device.torch_device.type != "cpu" and tp().world == 1:
+        # The device's kernels compiled before the first request, not on it (a CPU's are built
+        # and measured at load; with several ranks the passes would have to be planned for all).
+        engine.warm_up_shapes()
     # The HTTP side (routes, tokenizer, JSON) runs in a process of its own, so that it never holds
     # this process's GIL while a pass runs.
     proc, link = start_http({

@@ -155,6 +155,18 @@ class Engine:
                 if self.say is not None:
                     self.say(self.describe_step())
 
+    def warm_up_shapes(self, slot: int = 0) -> None:
+        """One untimed pass of each row-count class a device's kernels compile for (Triton
+        specializes an integer argument that is 1 or a multiple of 16): a prompt of 16 rows, one of
+        17, and a decode row, in `slot`, which is left free. On a device, so that a server's first
+        request does not wait for compiles (the decode graphs are captured when the slots are
+        reserved). Every rank runs it alike."""
+        with self.tagged(warmup=True):
+            for rows in (16, 17):
+                logits = self.run_packed([(slot, 0, torch.zeros(rows, dtype=torch.long))])
+            self.run_packed([(slot, 17, torch.argmax(logits, dim=-1).cpu())])
+        self.slots.begin(slot)
+
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
     # ops of a decode step.
     @torch.inference_mode()
