@@ -216,6 +216,12 @@ def test_warming_up_the_shapes_runs_their_passes_and_leaves_the_slot_free():
     engine.warm_up_shapes()
     assert seen == [("warmup", 16), ("warmup", 17), ("warmup", 1)]
     assert engine.slots.free_blocks == engine.slots.blocks.num_blocks
+    # A slot too short for them gets what fits: a prompt and a decode row within its positions.
+    seen.clear()
+    engine.reserve_slots(2, 9)
+    engine.warm_up_shapes()
+    assert seen == [("warmup", 8), ("warmup", 1)] and engine.slots.free_blocks == engine.slots.blocks.num_blocks
+    engine.reserve_slots(2, 64)
     # The slot runs a new sequence as any fresh one does.
     fresh = tiny_engine(torch.float32)
     fresh.reserve_slots(2, 64)

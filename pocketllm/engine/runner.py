@@ -161,10 +161,13 @@ class Engine:
         17, and a decode row, in `slot`, which is left free. On a device, so that a server's first
         request does not wait for compiles (the decode graphs are captured when the slots are
         reserved). Every rank runs it alike."""
+        # Each prompt leaves room for the decode row after it in a slot of the reserved length.
+        lengths = [rows for rows in (16, 17) if rows < self.slots.capacity] or [max(1, self.slots.capacity - 1)]
         with self.tagged(warmup=True):
-            for rows in (16, 17):
+            for rows in lengths:
                 logits = self.run_packed([(slot, 0, torch.zeros(rows, dtype=torch.long))])
-            self.run_packed([(slot, 17, torch.argmax(logits, dim=-1).cpu())])
+            if lengths[-1] < self.slots.capacity:
+                self.run_packed([(slot, lengths[-1], torch.argmax(logits, dim=-1).cpu())])
         self.slots.begin(slot)
 
     # inference_mode, not no_grad: no version counters or view tracking on the hundreds of small
