@@ -174,7 +174,7 @@ def test_a_passing_device_kernel_is_probed_once_and_kept(monkeypatch, fla):
     calls = len(fla.calls)
     # The probe: a prefill, a decode step and a decode of two sequences' rows.
     assert first.name == "fla" and first.prefill is fla_prefill and first.decode_step_ is fla_decode_step_ and calls == 3
-    assert first.decode_rows_ is fla_decode_rows_
+    assert first.decode_rows_indexed_.args == (fla_decode_rows_,)  # fla's rows, gathered and put back
     assert select_gdn_kernel(CPU, torch.bfloat16, env={}) is first and len(fla.calls) == calls
 
 

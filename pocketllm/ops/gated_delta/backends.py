@@ -57,18 +57,16 @@ class KernelChoice:
 class GdnKernel:
     """prefill(q, k, v, g, beta, initial_state) -> (out [T, Hv, Dv], final_state [Hv, Dk, Dv] fp32);
     decode_step_(q, k, v, g, beta, state) -> out [1, Hv, Dv] (fp32 or v's dtype; the layer rounds
-    it to its own), advancing `state` in place; decode_rows_ the same for one token of each of B
-    sequences (q, k [B, Hk, Dk], state [B, Hv, Dk, Dv]: gated_delta_rows_torch_'s contract);
-    decode_rows_indexed_(q, k, v, g, beta, state, slots) the same on the layer's stacked state
-    [S, Hv, Dk, Dv], each sequence's state at its slot's row advanced in place
+    it to its own), advancing `state` in place; decode_rows_indexed_(q, k, v, g, beta, state,
+    slots) the same for one token of each of B sequences (q, k [B, Hk, Dk]) on the layer's stacked
+    state [S, Hv, Dk, Dv], each sequence's state at its slot's row advanced
     (ops/gated_delta/indexed.py), what a decode step of several sequences runs: on CUDA the Triton
-    kernel that reads and writes the rows in place, else decode_rows_ on the gathered rows."""
+    kernel that reads and writes the rows in place, else a rows form on the gathered rows."""
 
     name: str
     reason: str
     prefill: Callable
     decode_step_: Callable
-    decode_rows_: Callable = gated_delta_rows_torch_
     decode_rows_indexed_: Callable = gated_delta_rows_indexed_torch_
 
     def describe(self) -> str:
@@ -211,7 +209,7 @@ def probe_indexed(decode_rows_indexed_, device, dtype) -> str | None:
 
 def with_triton_decode_rows(kernel: GdnKernel, device, dtype, op=gated_delta_rows_indexed_op) -> GdnKernel:
     """`kernel` with the Triton decode of several sequences on the stacked state in place (the
-    custom op `op`) once it passes its probe on `device`; else `kernel` as it is (decode_rows_ on
+    custom op `op`) once it passes its probe on `device`; else `kernel` as it is (its rows form on
     the gathered rows), its reason saying why. Whichever kernel runs prefill (fla's too)."""
     why = triton_missing()
     if why is None:
@@ -226,8 +224,8 @@ def _fla_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, 
     why = probe(fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, device, dtype, fla_adapter.fla_decode_rows_)
     if why is not None:
         return None, why
-    rows = fla_adapter.fla_decode_rows_
-    return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, rows, gathered(rows)), None
+    rows = gathered(fla_adapter.fla_decode_rows_)
+    return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, rows), None
 
 
 def _npu_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:

@@ -15,6 +15,7 @@ result does not matter (a captured step's padding slot); out [B, Hv, Dv] fp32.""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
@@ -24,25 +25,23 @@ from torch import Tensor
 from pocketllm.ops.gated_delta.recurrent import gated_delta_rows_torch_
 
 
-def gated_delta_rows_indexed_torch_(q, k, v, g, beta, state, slots) -> Tensor:
-    """Gather the slots' rows of `state`, advance them by gated_delta_rows_torch_, put them back."""
+def _advance_gathered(decode_rows_: Callable, q, k, v, g, beta, state, slots) -> Tensor:
+    """Gather the slots' rows of `state`, advance them by decode_rows_ (on gathered state
+    [B, Hv, Dk, Dv], gated_delta_rows_torch_'s contract), put them back."""
     rows = state[slots]
-    out = gated_delta_rows_torch_(q, k, v, g, beta, rows)
+    out = decode_rows_(q, k, v, g, beta, rows)
     state.index_copy_(0, slots, rows)
     return out
 
 
+def gated_delta_rows_indexed_torch_(q, k, v, g, beta, state, slots) -> Tensor:
+    """The torch form: gated_delta_rows_torch_ on the gathered rows, put back."""
+    return _advance_gathered(gated_delta_rows_torch_, q, k, v, g, beta, state, slots)
+
+
 def gathered(decode_rows_: Callable) -> Callable:
-    """A decode_rows_ on gathered state ([B, Hv, Dk, Dv], gated_delta_rows_torch_'s contract, as
-    fla's) as the indexed form: gather, advance, put back."""
-
-    def decode_rows_indexed_(q, k, v, g, beta, state, slots):
-        rows = state[slots]
-        out = decode_rows_(q, k, v, g, beta, rows)
-        state.index_copy_(0, slots, rows)
-        return out
-
-    return decode_rows_indexed_
+    """A decode_rows_ on gathered state (fla's) as the indexed form: gather, advance, put back."""
+    return functools.partial(_advance_gathered, decode_rows_)
 
 
 @torch.library.custom_op("pocketllm::gated_delta_rows_indexed_", mutates_args=("state",))
