@@ -191,7 +191,9 @@ class Engine:
                 logits = self.step.logits(int(ids[0]), start, slot).view(1, -1)
                 self._after_direct(info)
                 return logits
-        if len(spans) > 1 and not all_logits and hasattr(self.step, "rows") and all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans):
+        # A pass of decode steps only (its label for profiles and hooks too).
+        decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
+        if len(spans) > 1 and decode and not all_logits and hasattr(self.step, "rows"):
             info = self._direct_rows([(slot, start) for slot, start, _ in spans])
             if info is not None:
                 logits = self.step.rows([int(ids[0]) for _, _, ids in spans], [start for _, start, _ in spans], [slot for slot, _, _ in spans])
@@ -212,8 +214,6 @@ class Engine:
         if shape.whole_sequences:
             pieces = whole_sequences(pieces)
         slices = self.policy.slices_for_rows(total)
-        # A pass's label (profiles, hooks): decode steps only, whatever kernels its rows take.
-        decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
         ctx = self.model.context([(start, rows) for _, start, rows in pieces], slices, tuple(last), cut, self.policy.slices_for_rows, shape)
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
         return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
@@ -242,14 +242,13 @@ class Engine:
         """Where the step backend can run this pass of one sequence's one decode row (the sequence
         going on, no hook watching the layers, nothing profiled): the pass begun as a pass is, for
         _after_direct to end; else None. Such a row skips the pass's Python (context, segments)."""
-        if self.step is None or pos <= 0 or recording() or any(getattr(h, "watches_layers", True) for h in self.hooks):
+        if self.step is None or pos <= 0:
             return None
-        self.slots.grow(slot, pos + 1)
-        return self._begin(1, True, self.policy.slices_for_rows(1), direct=True)
+        return self._direct_rows([(slot, pos)])
 
     def _direct_rows(self, rows: list[tuple[int, int]]) -> PassInfo | None:
-        """_direct_step for a pass of several sequences' decode rows, (slot, position) each, where
-        the step backend runs them together."""
+        """_direct_step for a pass of decode rows, (slot, position) each, which the step backend
+        runs together."""
         if recording() or any(getattr(h, "watches_layers", True) for h in self.hooks):
             return None
         for slot, pos in rows:
