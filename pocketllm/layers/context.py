@@ -26,7 +26,8 @@ class PassShape:
     A device's shape serves the device: a sequence's consecutive rows in a pass are one segment
     (its token mixer's one call, the gated delta rule's one call per layer), and the projections,
     norms with their residual adds and the activation run once over all the pass's rows, in the
-    torch forms whole (no row blocks, no compiled C forms: CPU cache measures). It makes no batch-
+    device's forms (ops/device: Triton kernels on CUDA; no row blocks, no compiled C forms: CPU
+    cache measures). It makes no batch-
     invariant cuts, and promises no batch invariance: cuBLAS-like GEMMs pick their kernels by the
     call's shape, so a row's bits may change with the pass's other rows and with where a prompt was
     cut into passes. What it promises: the model's arithmetic within the dtype's rounding (fp32
@@ -101,7 +102,7 @@ def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: b
     single rows of consecutive one-row segments together, so nothing a row gets depends on the
     other sequences of the pass; `slices_for(rows)` slices a segment by its own rows. Otherwise
     one part of all the rows, taking the forms its row count takes (and, without cpu_forms, the
-    torch forms whole: a device's pass)."""
+    device's forms over all of them: a device's pass)."""
     if not invariant:
         return (Part(0, rows, one_row(rows), slices, cpu_forms=cpu_forms),)
     parts: list[Part] = []
@@ -119,7 +120,7 @@ def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: b
 class DecodeRows:
     """A pass of B decode rows, one per sequence, described by tensors alone (a fixed-size step's
     buffers): each mixer runs all of them in one call on its state of every slot (GDNStates, or
-    the KV pool), gathered by slot. Nothing in such a pass is sized by the data or branches on
+    the KV pool), read and written by slot. Nothing in such a pass is sized by the data or branches on
     it, so a captured step replays it."""
 
     pos: torch.Tensor  # [B] long: each row's position
