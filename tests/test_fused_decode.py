@@ -114,6 +114,53 @@ def test_decode_steps_with_and_without_the_compiled_ops(monkeypatch, head_dim):
                 assert_within_ulps(sa.conv, sb.conv, 1)
 
 
+@pytest.mark.parametrize("isa", ["avx512f", "avx2"])
+def test_a_narrower_build_gives_the_native_builds_bits(isa):
+    # The element-wise loops (SiLU's exp, the roundings, the norms) run vectorized on every x86
+    # path, so an AVX2 or AVX-512F build computes each element as the widest build does: the same
+    # bits, NaN, infinities and the exp clamp's edges included. (Built for what the CPU has where
+    # it lacks the named set: then the two builds are one.)
+    from pocketllm import compiled
+
+    assert isa in compiled.ISA_FLAGS
+    torch.manual_seed(0)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 88.5, -87.5, 1e-30, -0.0, 3e38])
+
+    def with_specials(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[: specials.numel()] = specials.to(t.dtype)
+        return t
+
+    n, rows = 1001, 5
+    gate_up = with_specials((torch.randn(rows, 2 * n) * 6).to(torch.bfloat16))
+    h, x = (torch.randn(rows, n) * 3).to(torch.bfloat16), with_specials(torch.randn(rows, n).to(torch.bfloat16))
+    scale = 1 + 0.1 * torch.randn(n)
+    hk, hv, dk, dv, k = 2, 4, 32, 24, 4
+    conv = 2 * hk * dk + hv * dv
+    proj = with_specials((torch.randn(1, conv + hv * dv + 2 * hv) * 2).to(torch.bfloat16))
+    taps, neg_a, dt_bias = torch.randn(k, conv), -torch.rand(hv), torch.randn(hv).to(torch.bfloat16)
+    norm_w, state0, conv0 = (1 + 0.1 * torch.randn(dv)).to(torch.bfloat16), torch.randn(hv, dk, dv) * 0.1, torch.randn(k - 1, conv).to(torch.bfloat16)
+
+    def run(lib) -> list[torch.Tensor]:
+        silu = torch.empty(rows, n, dtype=torch.bfloat16)
+        lib.silu_mul_rows_bf16(gate_up.data_ptr(), gate_up.data_ptr() + n * 2, 2 * n, n, rows, silu.data_ptr())
+        h_out, y = torch.empty_like(h), torch.empty_like(h)
+        lib.add_rms_norm_rows_bf16(h.data_ptr(), x.data_ptr(), scale.data_ptr(), 1e-6, n, rows, h_out.data_ptr(), y.data_ptr())
+        state, conv_state, out = state0.clone(), conv0.clone(), torch.empty(1, hv * dv, dtype=torch.bfloat16)
+        work = kernels.gdn_work(hk, hv, dk, dv)
+        lib.gdn_decode_bf16(
+            proj.data_ptr(), taps.data_ptr(), conv_state.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), 1e-6,
+            state.data_ptr(), out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),
+        )
+        return [t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32) for t in (silu, h_out, y, out, state, conv_state)]
+
+    native, why = kernels._load("decode_bf16.c")
+    narrow, narrow_why = kernels._load("decode_bf16.c", isa)
+    assert native is not None and narrow is not None, why or narrow_why
+    for name, got, want in zip(("silu_mul", "norm residual", "norm", "gdn output", "gdn state", "conv state"), run(narrow), run(native)):
+        assert torch.equal(got, want), f"{isa}: {name} differs from the native build's"
+
+
 def test_the_compiled_ops_refuse_bad_arguments():
     kernels.library()
     bf, f32 = torch.bfloat16, torch.float32

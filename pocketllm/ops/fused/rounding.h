@@ -15,13 +15,29 @@ static inline uint16_t to_bf(float f) { return f32_to_bf16(f); }
 /* bf16 rounding of an fp32 value, kept as fp32. */
 static inline float rbf(float f) { return bf(to_bf(f)); }
 
+/* c ? a : b as a blend of bits. A float select written with ?: is a branch GCC will not vectorize
+ * without AVX-512's masks while a comparison may trap (the default -ftrapping-math), so on AVX2
+ * every loop over exp_fast ran scalar; a comparison's value and bit operations vectorize as a
+ * compare and a blend. A NaN compares false, as with ?:. */
+static inline float select_f32(int c, float a, float b) {
+    uint32_t ua, ub;
+    memcpy(&ua, &a, 4);
+    memcpy(&ub, &b, 4);
+    const uint32_t m = -(uint32_t)c;
+    const uint32_t r = (ua & m) | (ub & ~m);
+    float f;
+    memcpy(&f, &r, 4);
+    return f;
+}
+
 /* exp(x) within about 2 ulp of fp32, as straight-line arithmetic so that a loop over it
  * vectorizes (a call to the C library's expf does not, and those calls were almost all of a
  * decode row's SiLU-and-multiply: docs/measuring.md, figures behind the code's choices): 2^n
  * exp(r) with |r| <= ln2 / 2, n rounded to nearest by the 1.5 * 2^23 trick, exp(r) by a degree-7
  * polynomial (Cephes' coefficients), 2^n put in the exponent field. */
 static inline float exp_fast(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    x = select_f32(x < -87.0f, -87.0f, x);
+    x = select_f32(x > 88.0f, 88.0f, x);
     const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float y = 1.9875691500e-4f;
