@@ -21,7 +21,7 @@ from pocketllm.fault_injection import parse_fault
 
 # The bound from a rank's death to the launcher's exit.
 STOP_BOUND_S = 5.0
-HANG_TIMEOUT_S = 3
+HANG_TIMEOUT_S = 2
 PROMPT = ",".join(str((7 * i + 3) % 997) for i in range(40))
 
 
