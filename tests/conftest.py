@@ -1,7 +1,8 @@
 """Shared test helpers: run the CLI as a user would (a fresh process, short timeouts), check its
 one-line usage errors (from a fresh process, or from a call in this one that must start no rank)
 and its generated ids, find a free port, start a run whose processes can all be found again (start,
-assert_nothing_left), and copy the tiny checkpoint for a test to break."""
+assert_nothing_left), and copy the tiny checkpoint for a test to break; and --shard, which shares
+a run's tests out over processes started side by side."""
 
 from __future__ import annotations
 
@@ -32,6 +33,25 @@ REPO = Path(__file__).resolve().parents[1]
 # private_cache sets); every CLI call a test makes, in a subprocess or in this process, runs
 # without them.
 UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) if name != "POCKETLLM_CACHE_DIR")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard", metavar="K/N", default=None,
+        help="run every Nth collected test from the Kth (0-based), the others deselected: N processes "
+        "given K = 0..N-1 run each test once between them (tests/triton_on_cpu.py runs the interpreted files so)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    k, n = (int(v) for v in spec.split("/"))
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--shard {spec}: K must be in 0..N-1")
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
+    items[:] = items[k::n]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,12 +20,19 @@ from pocketllm.profiling.op_count import count_ops
 
 def test_the_kernels_under_the_interpreter():
     """Every test of the interpreted files (tests/interpreted_*.py: these kernels, the gated delta
-    rule's decode rows) passes, none skipped (their output on failure)."""
+    rule's decode rows) passes, none skipped (their output on failure), each in one of the
+    processes that share them out."""
     files = sorted((REPO / "tests").glob("interpreted_*.py"))
     assert len(files) >= 2, files
-    run = run_interpreted(*files)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    assert run.returncode == 0 and re.fullmatch(r"\d+ passed in .*", summary), run.stdout[-6000:] + run.stderr[-3000:]
+    passed, collected = 0, set()
+    for run in run_interpreted(*files):
+        summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+        m = re.fullmatch(r"(\d+) passed(?:, (\d+) deselected)? in .*", summary)
+        assert run.returncode == 0 and m, run.stdout[-6000:] + run.stderr[-3000:]
+        passed += int(m[1])
+        collected.add(int(m[1]) + int(m[2] or 0))
+    # Each process collected the same tests, and between them ran every one.
+    assert len(collected) == 1 and passed == collected.pop(), (passed, collected)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)

@@ -6,7 +6,7 @@ Triton 3.9 decides at decoration whether a jit function is compiled or interpret
 TRITON_INTERPRET, and its own library functions (tl.sum, tl.sigmoid, ...) are decorated when triton
 is first imported: setting the variable later, even before a kernel module is first imported,
 leaves tl.sum compiled and the interpreted kernel fails calling it. So the interpreter tests run
-in a process of their own that has the variable from the start, and nothing else in the suite's
+in processes of their own that have the variable from the start, and nothing else in the suite's
 process sees it."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,12 +25,30 @@ from triton.backends.compiler import GPUTarget
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_interpreted(*test_files: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`python -m pytest -q test_files...` in one new process with TRITON_INTERPRET=1 (one start of
-    torch and Triton for all of them)."""
+def run_interpreted(*test_files: Path, processes: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """`python -m pytest -q test_files...` with TRITON_INTERPRET=1 in `processes` new processes
+    running side by side (the interpreter keeps about one core busy), each given its share of the
+    tests (conftest.py's --shard K/N); their results, shard by shard."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, test_files)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--shard={k}/{processes}", *map(str, test_files)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        )
+        for k in range(processes)
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
 
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
