@@ -1,11 +1,12 @@
-"""tests/test_invariance.py again on the narrower x86 paths, each in a fresh process: pocketllm's
-compiled kernels built for AVX-512 without BF16 or for AVX2 (POCKETLLM_ISA), and torch's own
-kernels held to the same set (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, read once when torch
-starts), so that a CPU with wider paths also checks what a Skylake or an AVX2-only CPU runs. A set
-the CPU does not report is skipped, and so is the one the CPU's own build is (the suite's own run
-of tests/test_invariance.py covers it). The kernels are forced, not measured: the compiled
-one-row and few-row kernels (the batch-invariant ones) and torch's GEMM in the weight's dtype,
-whose rows on these paths need not get the same bits in calls of other row counts."""
+"""tests/test_invariance.py again on the narrower x86 paths, each in a fresh process (side by side
+with the other's): pocketllm's compiled kernels built for AVX-512 without BF16 or for AVX2
+(POCKETLLM_ISA), and torch's own kernels held to the same set (ATEN_CPU_CAPABILITY,
+ONEDNN_MAX_CPU_ISA, read once when torch starts), so that a CPU with wider paths also checks what a
+Skylake or an AVX2-only CPU runs. A set the CPU does not report is skipped, and so is the one the
+CPU's own build is (the suite's own run of tests/test_invariance.py covers it). The kernels are
+forced, not measured: the compiled one-row and few-row kernels (the batch-invariant ones) and
+torch's GEMM in the weight's dtype, whose rows on these paths need not get the same bits in calls of
+other row counts."""
 
 from __future__ import annotations
 
@@ -26,16 +27,40 @@ NARROWER = {
 KERNELS = "one-row=c,few-row=c,many-row=mm"
 
 
-@pytest.mark.parametrize("isa", list(NARROWER))
-def test_the_invariance_tests_pass_on_a_narrower_build(isa):
-    flag, torch_env = NARROWER[isa]
+def why_not(isa: str) -> str | None:
+    """Why this machine does not run the check on this build, or None."""
+    flag, _ = NARROWER[isa]
     if flag not in compiled.cpu_flags():
-        pytest.skip(f"this CPU does not report {flag}")
+        return f"this CPU does not report {flag}"
     if compiled.compiler() is None:
-        pytest.skip("no C compiler here")
+        return "no C compiler here"
     if gemv.compiled_isa() == isa:
-        pytest.skip(f"the kernels' own build here is {isa}: tests/test_invariance.py runs it")
-    env = cli_env(**torch_env, **{compiled.ENV_ISA: isa, "POCKETLLM_KERNELS": KERNELS})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_invariance.py"]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        return f"the kernels' own build here is {isa}: tests/test_invariance.py runs it"
+    return None
+
+
+@pytest.fixture(scope="module")
+def narrower_runs():
+    """tests/test_invariance.py in a fresh process per build this machine checks, all started at
+    once. Each runs torch's two threads (test_invariance.py sets them); their OpenMP threads wait
+    passively, so that processes side by side do not spin against each other for the cores."""
+    procs = {}
+    for isa, (_, torch_env) in NARROWER.items():
+        if why_not(isa) is None:
+            env = cli_env(**torch_env, **{compiled.ENV_ISA: isa, "POCKETLLM_KERNELS": KERNELS, "OMP_WAIT_POLICY": "PASSIVE"})
+            cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_invariance.py"]
+            procs[isa] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("isa", list(NARROWER))
+def test_the_invariance_tests_pass_on_a_narrower_build(isa, narrower_runs):
+    reason = why_not(isa)
+    if reason is not None:
+        pytest.skip(reason)
+    out, err = narrower_runs[isa].communicate(timeout=240)
+    assert narrower_runs[isa].returncode == 0, out[-4000:] + err[-2000:]
