@@ -69,9 +69,42 @@ def test_stale_file_is_refused_then_cleared(tmp_path):
     assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
 
 
+@pytest.fixture(scope="module")
+def lone_ranks(tmp_path_factory):
+    """The runs below that end on their own at the rendezvous, each one process that stops there:
+    a rank 1 whose rank 0 never comes, a rank 0 whose directory is not writable, and a torchrun
+    rank 0 whose MASTER_PORT is taken. Each spends about a second of one core starting torch, so
+    they are started together, the first time a test asks for one; each test checks its own."""
+    tmp_path = tmp_path_factory.mktemp("lone")
+    if os.geteuid() == 0:
+        # Permission bits do not stop root; sysfs refuses new files to everyone.
+        directory = "/sys"
+    else:
+        directory = tmp_path / "ro"
+        directory.mkdir(mode=0o500)
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    runs = {
+        "no-rank0": hand_started(1, tmp_path / "run.id", tmp_path, attempts=20),
+        "unwritable": (hand_started(0, f"{directory}/run.id", tmp_path), directory),
+        "port-in-use": (start(*ARGS, tmp_path=tmp_path, env=torchrun), port),
+    }
+    try:
+        yield runs
+    finally:
+        busy.close()
+        for run in (runs["no-rank0"], runs["unwritable"][0], runs["port-in-use"][0]):
+            if run.proc.poll() is None:
+                run.proc.kill()
+                run.wait()
+
+
 @pytest.mark.timeout(30)
-def test_missing_rank0_is_waited_for_a_bounded_time(tmp_path):
-    rank1 = hand_started(1, tmp_path / "run.id", tmp_path, attempts=20)
+def test_missing_rank0_is_waited_for_a_bounded_time(lone_ranks):
+    rank1 = lone_ranks["no-rank0"]
     message = one_line_error(rank1)
     assert "no rank 0 created --rendezvous-file" in message and "within 0.2 s" in message, message
     assert rank1.ended - rank1.started < 15
@@ -79,31 +112,17 @@ def test_missing_rank0_is_waited_for_a_bounded_time(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_unwritable_directory_is_named(tmp_path):
-    if os.geteuid() == 0:
-        # Permission bits do not stop root; sysfs refuses new files to everyone.
-        directory = "/sys"
-    else:
-        directory = tmp_path / "ro"
-        directory.mkdir(mode=0o500)
-    run = hand_started(0, f"{directory}/run.id", tmp_path)
+def test_unwritable_directory_is_named(lone_ranks):
+    run, directory = lone_ranks["unwritable"]
     message = one_line_error(run)
     assert f"directory {directory} is not writable" in message, message
     assert_nothing_left(run)
 
 
 @pytest.mark.timeout(30)
-def test_port_in_use_is_named(tmp_path):
-    busy = socket.socket()
-    busy.bind(("0.0.0.0", 0))
-    busy.listen()
-    port = busy.getsockname()[1]
-    try:
-        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        run = start(*ARGS, tmp_path=tmp_path, env=env)
-        message = one_line_error(run)
-    finally:
-        busy.close()
+def test_port_in_use_is_named(lone_ranks):
+    run, port = lone_ranks["port-in-use"]
+    message = one_line_error(run)
     assert f"MASTER_PORT {port} is already in use" in message, message
     assert_nothing_left(run)
 
