@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_usage_error, free_port, main_in_process, run_cli, usage_error_in_process
+from conftest import free_port, main_in_process, start, usage_error_in_process, usage_line
 
 CASES = {
     "negative-id": (["--token-ids", "1,-2,3"], "token id -2 at position 1 is outside the vocab [0, 1000)"),
@@ -33,16 +33,34 @@ def test_bad_generate_input(case, capsys, no_ranks):
     usage_error_in_process(capsys, "generate", "--preset", "tiny", "--tp-world", "2", *args, expect=message)
 
 
-def test_missing_token_ids_file(tmp_path):
+@pytest.fixture(scope="module")
+def real_processes(tmp_path_factory):
+    """The two cases below, each a real `python -m pocketllm` that spends about a second of one
+    core starting torch, started together the first time a test asks; each test waits for its own."""
+    tmp_path = tmp_path_factory.mktemp("real")
+    runs = {
+        "missing-token-ids-file": start("generate", "--preset", "tiny", "--token-ids-file", tmp_path / "none.txt", tmp_path=tmp_path),
+        "bad-flag-value": start("bench", "--prompt-tokens", "many", tmp_path=tmp_path),
+    }
+    yield runs
+    for run in runs.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.wait()
+
+
+def test_missing_token_ids_file(real_processes):
     # In a real process at one rank: that process is the rank and checks the input itself, and the
     # UsageError it raises must still end as one line and exit 2 from `python -m pocketllm`.
-    assert_usage_error(run_cli("generate", "--preset", "tiny", "--token-ids-file", tmp_path / "none.txt"), "none.txt: cannot read")
+    run = real_processes["missing-token-ids-file"]
+    usage_line(run.wait(), run.stderr, ["none.txt: cannot read"])
 
 
-def test_bad_flag_value_is_one_line():
+def test_bad_flag_value_is_one_line(real_processes):
     # In a real process: argparse rejects the value and exits from inside parse_args, a path that
     # does not go through main()'s UsageError handling.
-    assert_usage_error(run_cli("bench", "--prompt-tokens", "many"), "--prompt-tokens", "'many'")
+    run = real_processes["bad-flag-value"]
+    usage_line(run.wait(), run.stderr, ["--prompt-tokens", "'many'"])
 
 
 def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path, capsys):
