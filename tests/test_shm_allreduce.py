@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import assert_usage_error, cli_env, free_port, run_cli, shm_segments, usage_error_in_process
+from conftest import free_port, shm_segments, start, usage_error_in_process, usage_line
 from test_overlap import check_overlapped_equals_serial
 from pocketllm.distributed import collective
 from pocketllm.distributed.shm import segment
@@ -217,13 +217,14 @@ def test_a_segment_left_by_a_dead_rank_0_is_removed_by_the_next_run():
 
 @pytest.mark.timeout(120)
 def test_without_a_compiler_auto_falls_back_to_gloo_and_shm_is_refused(tmp_path):
-    # No compiler on PATH and an empty cache: auto notes it in one line and runs on gloo.
-    env = cli_env(PATH=str(tmp_path), POCKETLLM_CACHE_DIR=str(tmp_path / "cache"), CC="")
+    # No compiler on PATH and an empty cache: auto notes it in one line and runs on gloo; shm
+    # asked for by name is refused. The two runs share nothing, so they run side by side.
+    no_compiler = {"PATH": str(tmp_path), "POCKETLLM_CACHE_DIR": str(tmp_path / "cache"), "CC": ""}
     out = tmp_path / "r.json"
-    r = run_cli("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 8, "--max-new-tokens", 1, "--json", out, env=env)
-    assert r.returncode == 0, r.stderr
+    bench = start("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 8, "--max-new-tokens", 1, "--json", out, tmp_path=tmp_path, env=no_compiler)
+    refused = start("allreduce", "--tp-world", 2, "--max-bytes", "2K", "--collective", "shm", tmp_path=tmp_path, env=no_compiler)
+    assert bench.wait() == 0, bench.stderr
     assert json.loads(out.read_text())["settings"]["collective"] == "gloo"
-    notes = [line for line in r.stderr.splitlines() if line.startswith("all-reduce:")]
+    notes = [line for line in bench.stderr.splitlines() if line.startswith("all-reduce:")]
     assert notes == ["all-reduce: gloo (shm unavailable: no C compiler (cc, gcc or clang; or $CC) to build allreduce.c)"]
-    r = run_cli("allreduce", "--tp-world", 2, "--max-bytes", "2K", "--collective", "shm", env=env)
-    assert_usage_error(r, "--collective shm: no C compiler")
+    usage_line(refused.wait(), refused.stderr, ["--collective shm: no C compiler"])
