@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from device_op_cases import CASES
-from triton_on_cpu import REPO, compiled_for_gpu, run_interpreted
+from triton_on_cpu import REPO, compiled_for_gpu, compiled_for_gpu_all, run_interpreted
 from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, _probed, device_ops, kernels, probe
 from pocketllm.profiling.op_count import count_ops
 
@@ -42,9 +42,7 @@ def test_each_kernel_compiles_for_a_gpu(case, tmp_path, monkeypatch):
     import importlib
 
     module = importlib.import_module(f"{kernels.__name__}.{case.module}")
-    compiled = []
-    for dtype in (torch.bfloat16, torch.float32):
-        compiled += compiled_for_gpu(module, case.kernel(kernels), *case.make(dtype, 3, 130))
+    compiled = compiled_for_gpu_all(module, [(case.kernel(kernels), case.make(dtype, 3, 130)) for dtype in (torch.bfloat16, torch.float32)])
     assert compiled and all(k.asm["cubin"] for k in compiled)
 
 

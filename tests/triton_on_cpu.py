@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -70,13 +71,21 @@ def compiled_for_gpu(module, launcher, *args, arch: int = 90) -> list:
     compile each launch's kernel for NVIDIA sm_{arch} with the launch's arguments' types and
     options; the compiled kernels (their .asm holds ttir .. ptx, cubin). As Triton's launcher
     does, an int argument equal to 1 is a constant."""
+    return compiled_for_gpu_all(module, [(launcher, args)], arch=arch)
+
+
+def compiled_for_gpu_all(module, calls, arch: int = 90) -> list:
+    """compiled_for_gpu of several calls [(launcher, args), ...] of one module's kernel: every
+    launch recorded first, then all compiled on threads side by side (Triton's MLIR passes and
+    ptxas run outside the GIL); the compiled kernels in launch order."""
     kernel, recorder = module._kernel, _Recorder()
     module._kernel = recorder
     try:
-        launcher(*args)
+        for launcher, args in calls:
+            launcher(*args)
     finally:
         module._kernel = kernel
-    compiled = []
+    sources = []
     for positional, keywords in recorder.launches:
         options = {name: keywords.pop(name) for name in _OPTIONS if name in keywords}
         bound = dict(zip([p.name for p in kernel.params], positional)) | keywords
@@ -93,6 +102,8 @@ def compiled_for_gpu(module, launcher, *args, arch: int = 90) -> list:
                 signature[param.name] = "fp32"
             else:
                 raise TypeError(f"{param.name}: no Triton type for {value!r}")
-        source = triton.compiler.ASTSource(kernel, signature, constants)
-        compiled.append(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options))
-    return compiled
+        sources.append((triton.compiler.ASTSource(kernel, signature, constants), options))
+    if not sources:
+        return []
+    with ThreadPoolExecutor(min(len(sources), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda so: triton.compile(so[0], target=GPUTarget("cuda", arch, 32), options=so[1]), sources))
