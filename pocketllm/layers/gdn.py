@@ -65,6 +65,7 @@ class GatedDeltaNet(nn.Module):
         # The compiled decode block replaces only the CPU torch recurrence, not a device kernel.
         ops = decode_ops(dtype, torch.device(device))
         self.compiled_decode = ops.gdn_decode if self.kernel.decode_step_ is gated_delta_step_torch_ else None
+        self.compiled_decode_rows = ops.gdn_decode_rows if self.compiled_decode is not None else None
         # What a device's pass shape runs between the projections (Triton kernels on CUDA).
         self.device_ops = ops.device
         self._dtype, self._device = dtype, device
@@ -97,7 +98,42 @@ class GatedDeltaNet(nn.Module):
             proj = self.in_proj(x, ctx)
         if ctx.decode_rows is not None:
             return self.out_proj(self._mix_rows(proj, ctx.decode_rows, state[0], ctx.shape.cpu_forms), ctx)
-        return self.out_proj(per_sequence(self._mix, proj, ctx, state), ctx)
+        return self.out_proj(self._mix_segments(proj, ctx, state), ctx)
+
+    def _mix_segments(self, proj: torch.Tensor, ctx: ForwardContext, state: list) -> torch.Tensor:
+        """per_sequence's _mix, except that each run of consecutive decode rows of distinct
+        sequences goes through the compiled block in one call (gdn_decode_rows: each row the bits
+        it gets alone), where the block is compiled: one call and one split of the heads over the
+        threads per layer instead of one per sequence."""
+        if self.compiled_decode_rows is None or len(ctx.segments) == 1:
+            return per_sequence(self._mix, proj, ctx, state)
+        outs: list[torch.Tensor] = []
+        run: list[tuple[Segment, GDNState]] = []
+
+        def close_run() -> None:
+            if len(run) == 1:
+                outs.append(self._mix(proj[run[0][0].row0 : run[0][0].row0 + 1], *run[0]))
+            elif run:
+                row0 = run[0][0].row0
+                with scope("gdn_decode"):
+                    outs.append(self.compiled_decode_rows(
+                        proj[row0 : row0 + len(run)], self.conv_taps, [st.conv for _, st in run], self.neg_a, self.dt_bias,
+                        self.norm.weight, self.norm.eps, [st.recurrent for _, st in run], self.hk, self.hv, self.dk, self.dv,
+                    ))
+            run.clear()
+
+        for seg, st in zip(ctx.segments, state):
+            joins = seg.one_row and seg.rows == 1 and seg.cpu_forms
+            # A sequence's consecutive rows (a replay of its decode rows) share its state: each
+            # must see the step before it, so the run ends before the second.
+            if not joins or any(st is other for _, other in run):
+                close_run()
+            if joins:
+                run.append((seg, st))
+            else:
+                outs.append(self._mix(proj[seg.row0 : seg.row0 + seg.rows], seg, st))
+        close_run()
+        return torch.cat(outs)
 
     def _mix_rows(self, proj: torch.Tensor, rows: DecodeRows, states: GDNStates, cpu_forms: bool) -> torch.Tensor:
         """A decode row of each of B sequences [B, in_local] -> [B, hv*dv], each sequence's state

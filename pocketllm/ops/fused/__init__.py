@@ -25,6 +25,7 @@ class DecodeOps:
     add_rms_norm: object
     silu_mul: object
     gdn_decode: object | None  # None: the layer runs its torch path
+    gdn_decode_rows: object | None  # several sequences' decode rows in one call (None: one by one)
     attention_decode: object | None
     compiled: bool
     note: str
@@ -36,7 +37,7 @@ class DecodeOps:
         return f"decode ops: {'compiled' if self.compiled else 'torch'}" + (f" ({self.note})" if self.note else "")
 
 
-TORCH_OPS = DecodeOps(add_rms_norm_torch, silu_mul_torch, None, None, False, "")
+TORCH_OPS = DecodeOps(add_rms_norm_torch, silu_mul_torch, None, None, None, False, "")
 
 
 def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> DecodeOps:
@@ -50,7 +51,7 @@ def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> Deco
     lib, why = kernels.library()
     if lib is None:
         return replace(TORCH_OPS, note=why)
-    return DecodeOps(kernels.add_rms_norm, kernels.silu_mul, kernels.gdn_decode, kernels.attention_decode, True, "")
+    return DecodeOps(kernels.add_rms_norm, kernels.silu_mul, kernels.gdn_decode, kernels.gdn_decode_rows, kernels.attention_decode, True, "")
 
 
 __all__ = ["ENV_FUSED", "TORCH_OPS", "DecodeOps", "decode_ops", "kernels"]

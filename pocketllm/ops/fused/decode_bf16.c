@@ -83,15 +83,18 @@ static inline void conv_sums(const uint16_t *x, int64_t xstride, int64_t r, int6
  * taps: [K, conv_ch] fp32; conv_state: [K-1, conv_ch] bf16, advanced in place
  * neg_a: [hv] fp32 (-exp(A_log)); dt_bias: [hv] bf16; norm_w: [dv] bf16
  * state: [hv, dk, dv] fp32, advanced in place; out: [hv*dv] bf16
- * work: fp32 scratch of conv_ch + 2*hv + hv*dv floats. */
-void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_state, const float *neg_a, const uint16_t *dt_bias,
-                     const uint16_t *norm_w, float eps, float *state, uint16_t *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
-                     int64_t kernel, float *work) {
-    const int64_t kd = hk * dk, vd = hv * dv, conv_ch = 2 * kd + vd;
-    const uint16_t *z = proj + conv_ch, *b = z + vd, *a = b + hv;
-    float *mixed = work, *beta = work + conv_ch, *g = beta + hv, *o = g + hv;
+ * work: fp32 scratch of conv_ch + 2*hv + hv*dv floats (gdn_work_floats).
+ * In three parts, which the several-row form below runs for each row as this one does: the
+ * row's conv and gates, each value head's recurrence, the gated norm. */
+static inline int64_t gdn_work_floats(int64_t hk, int64_t hv, int64_t dk, int64_t dv) { return 2 * hk * dk + 2 * hv * dv + 2 * hv; }
 
-    /* Causal conv step: its sums in fp32, rounded, SiLU, rounded; the window moves on by one. */
+/* The conv step (its sums in fp32, rounded, SiLU, rounded; the window moves on by one), q and k
+ * l2-normalised per head in fp32 (q then scaled by dk^-0.5), beta and the log decay g, into work. */
+static void gdn_row_inputs(const uint16_t *proj, const float *taps, uint16_t *conv_state, const float *neg_a, const uint16_t *dt_bias,
+                           int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel, float *work) {
+    const int64_t kd = hk * dk, vd = hv * dv, conv_ch = 2 * kd + vd;
+    const uint16_t *b = proj + conv_ch + vd, *a = b + hv;
+    float *mixed = work, *beta = work + conv_ch, *g = beta + hv;
     conv_sums(proj, conv_ch, 0, conv_ch, taps, kernel, conv_state, mixed);
     if (kernel > 1) {
         memmove(conv_state, conv_state + conv_ch, (size_t)((kernel - 2) * conv_ch) * sizeof(uint16_t));
@@ -99,7 +102,6 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
     }
 #pragma omp simd
     for (int64_t c = 0; c < conv_ch; c++) mixed[c] = rbf(silu(rbf(mixed[c])));
-    /* q and k l2-normalised per head in fp32; q then scaled by dk^-0.5. */
     const float qscale = (float)(1.0 / sqrt((double)dk));
     for (int64_t h = 0; h < 2 * hk; h++) {
         float *x = mixed + h * dk, s = 0.0f;
@@ -112,60 +114,100 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
         beta[h] = rbf(sigmoid(bf(b[h])));
         g[h] = neg_a[h] * softplus(bf(a[h]) + bf(dt_bias[h]));
     }
-    const float *q = mixed, *k = mixed + kd, *v = mixed + 2 * kd;
+}
+
+/* Value head j's recurrence: its output into work's o, its state [dk, dv] advanced in place.
+ * Two passes over the head's fp32 state, the most a step can do with it: one read of the old
+ * state for k^T S and q^T S together, then one read-write for S' = decay S + k (x) delta. With
+ * that S', k^T (decay S) = decay k^T S and q^T S' = decay q^T S + (q . k) delta. */
+static void gdn_head(float *work, float *state, int64_t j, int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
+    const int64_t kd = hk * dk, vd = hv * dv, conv_ch = 2 * kd + vd;
+    const float *q = work, *k = work + kd, *v = work + 2 * kd, *beta = work + conv_ch, *g = beta + hv;
+    float *o = work + conv_ch + 2 * hv;
     const int64_t group = hv / hk;
-    /* Two passes over each head's fp32 state, the most a step can do with it: one read of the old
-     * state for k^T S and q^T S together, then one read-write for S' = decay S + k (x) delta. With
-     * that S', k^T (decay S) = decay k^T S and q^T S' = decay q^T S + (q . k) delta. */
-#pragma omp parallel for schedule(static) if (hv * dk * dv >= GDN_PARALLEL_MIN)
-    for (int64_t j = 0; j < hv; j++) {
-        const float *qj = q + (j / group) * dk, *kj = k + (j / group) * dk;
-        float *S = state + j * dk * dv, *oj = o + j * dv;
-        float ks[dv > 0 ? dv : 1], qs[dv > 0 ? dv : 1], delta[dv > 0 ? dv : 1];
-        const float decay = expf(g[j]);
-        float qk = 0.0f;
-        for (int64_t i = 0; i < dk; i++) qk += qj[i] * kj[i];
-        for (int64_t e = 0; e < dv; e++) ks[e] = 0.0f, qs[e] = 0.0f;
-        /* Four rows a pass over ks and qs: they live in memory (dv is not a constant), and one
-         * row at a time their loads and stores, not the state's, were the loop's cost. */
-        int64_t i = 0;
-        for (; i + 4 <= dk; i += 4) {
-            const float *r0 = S + i * dv, *r1 = r0 + dv, *r2 = r1 + dv, *r3 = r2 + dv;
-            const float k0 = kj[i], k1 = kj[i + 1], k2 = kj[i + 2], k3 = kj[i + 3];
-            const float q0 = qj[i], q1 = qj[i + 1], q2 = qj[i + 2], q3 = qj[i + 3];
-            /* The state streams from memory once a step: its lines are asked for ahead, a few
-             * rows at a time (the hardware's prefetch alone left the read well below the memory's
-             * rate). */
-            for (int64_t off = 0; off < 4 * dv; off += 16) __builtin_prefetch(r0 + GDN_PREFETCH_ROWS * dv + off, 0, 3);
+    const float *qj = q + (j / group) * dk, *kj = k + (j / group) * dk;
+    float *S = state + j * dk * dv, *oj = o + j * dv;
+    float ks[dv > 0 ? dv : 1], qs[dv > 0 ? dv : 1], delta[dv > 0 ? dv : 1];
+    const float decay = expf(g[j]);
+    float qk = 0.0f;
+    for (int64_t i = 0; i < dk; i++) qk += qj[i] * kj[i];
+    for (int64_t e = 0; e < dv; e++) ks[e] = 0.0f, qs[e] = 0.0f;
+    /* Four rows a pass over ks and qs: they live in memory (dv is not a constant), and one row at
+     * a time their loads and stores, not the state's, were the loop's cost. */
+    int64_t i = 0;
+    for (; i + 4 <= dk; i += 4) {
+        const float *r0 = S + i * dv, *r1 = r0 + dv, *r2 = r1 + dv, *r3 = r2 + dv;
+        const float k0 = kj[i], k1 = kj[i + 1], k2 = kj[i + 2], k3 = kj[i + 3];
+        const float q0 = qj[i], q1 = qj[i + 1], q2 = qj[i + 2], q3 = qj[i + 3];
+        /* The state streams from memory once a step: its lines are asked for ahead, a few rows at
+         * a time (the hardware's prefetch alone left the read well below the memory's rate). */
+        for (int64_t off = 0; off < 4 * dv; off += 16) __builtin_prefetch(r0 + GDN_PREFETCH_ROWS * dv + off, 0, 3);
 #pragma omp simd
-            for (int64_t e = 0; e < dv; e++) {
-                ks[e] += (k0 * r0[e] + k1 * r1[e]) + (k2 * r2[e] + k3 * r3[e]);
-                qs[e] += (q0 * r0[e] + q1 * r1[e]) + (q2 * r2[e] + q3 * r3[e]);
-            }
-        }
-        for (; i < dk; i++) {
-            const float *row = S + i * dv, ki = kj[i], qi = qj[i];
-#pragma omp simd
-            for (int64_t e = 0; e < dv; e++) {
-                ks[e] += ki * row[e];
-                qs[e] += qi * row[e];
-            }
-        }
         for (int64_t e = 0; e < dv; e++) {
-            delta[e] = (v[j * dv + e] - decay * ks[e]) * beta[j];
-            oj[e] = decay * qs[e] + qk * delta[e];
-        }
-        for (int64_t i = 0; i < dk; i++) {
-            float *row = S + i * dv;
-            const float ki = kj[i];
-            for (int64_t e = 0; e < dv; e++) row[e] = decay * row[e] + ki * delta[e];
+            ks[e] += (k0 * r0[e] + k1 * r1[e]) + (k2 * r2[e] + k3 * r3[e]);
+            qs[e] += (q0 * r0[e] + q1 * r1[e]) + (q2 * r2[e] + q3 * r3[e]);
         }
     }
-    /* The output rounded to bf16 (as the torch path hands it to the norm), then the gated norm
-     * per value head in place. */
+    for (; i < dk; i++) {
+        const float *row = S + i * dv, ki = kj[i], qi = qj[i];
+#pragma omp simd
+        for (int64_t e = 0; e < dv; e++) {
+            ks[e] += ki * row[e];
+            qs[e] += qi * row[e];
+        }
+    }
+    for (int64_t e = 0; e < dv; e++) {
+        delta[e] = (v[j * dv + e] - decay * ks[e]) * beta[j];
+        oj[e] = decay * qs[e] + qk * delta[e];
+    }
+    for (i = 0; i < dk; i++) {
+        float *row = S + i * dv;
+        const float ki = kj[i];
+        for (int64_t e = 0; e < dv; e++) row[e] = decay * row[e] + ki * delta[e];
+    }
+}
+
+/* The heads' output rounded to bf16 (as the torch path hands it to the norm), then the gated norm
+ * per value head in place. */
+static void gdn_row_output(const uint16_t *proj, const float *work, const uint16_t *norm_w, float eps, int64_t hk, int64_t hv, int64_t dk,
+                           int64_t dv, uint16_t *out) {
+    const int64_t vd = hv * dv, conv_ch = 2 * hk * dk + vd;
+    const uint16_t *z = proj + conv_ch;
+    const float *o = work + conv_ch + 2 * hv;
 #pragma omp simd
     for (int64_t e = 0; e < vd; e++) out[e] = to_bf(o[e]);
     for (int64_t j = 0; j < hv; j++) gated_norm_row(out + j * dv, z + j * dv, norm_w, eps, dv, out + j * dv);
+}
+
+void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_state, const float *neg_a, const uint16_t *dt_bias,
+                     const uint16_t *norm_w, float eps, float *state, uint16_t *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+                     int64_t kernel, float *work) {
+    gdn_row_inputs(proj, taps, conv_state, neg_a, dt_bias, hk, hv, dk, dv, kernel, work);
+#pragma omp parallel for schedule(static) if (hv * dk * dv >= GDN_PARALLEL_MIN)
+    for (int64_t j = 0; j < hv; j++) gdn_head(work, state, j, hk, hv, dk, dv);
+    gdn_row_output(proj, work, norm_w, eps, hk, hv, dk, dv, out);
+}
+
+/* gdn_decode_bf16 for the decode rows of `rows` sequences in one call (a decode step of several
+ * sequences): row r's in-projection at proj + r * proj_stride, its conv window and state at
+ * conv_states[r] and states[r] (each its own sequence's: no two rows may share one), its output at
+ * out + r * hv * dv, its scratch at work + r * gdn_work_floats. Each row goes through the parts
+ * gdn_decode_bf16 runs, so it gets the bits it gets alone; the rows' heads are split over the
+ * threads together, in one parallel region. */
+void gdn_decode_rows_bf16(const uint16_t *proj, int64_t proj_stride, int64_t rows, const float *taps, uint16_t *const *conv_states,
+                          const float *neg_a, const uint16_t *dt_bias, const uint16_t *norm_w, float eps, float *const *states, uint16_t *out,
+                          int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel, float *work) {
+    const int64_t floats = gdn_work_floats(hk, hv, dk, dv), vd = hv * dv;
+#pragma omp parallel if (rows * hv * dk * dv >= GDN_PARALLEL_MIN)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            gdn_row_inputs(proj + r * proj_stride, taps, conv_states[r], neg_a, dt_bias, hk, hv, dk, dv, kernel, work + r * floats);
+#pragma omp for schedule(static)
+        for (int64_t rj = 0; rj < rows * hv; rj++) gdn_head(work + (rj / hv) * floats, states[rj / hv], rj % hv, hk, hv, dk, dv);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) gdn_row_output(proj + r * proj_stride, work + r * floats, norm_w, eps, hk, hv, dk, dv, out + r * vd);
+    }
 }
 
 /* add_rms_norm_bf16 and silu_mul_bf16 on each of `rows` rows, each row by the one-row call, so a

@@ -20,6 +20,7 @@ _SIGNATURES = {
         "add_rms_norm_bf16": ([_P, _P, _P, _F, _I, _P, _P], None),
         "silu_mul_bf16": ([_P, _P, _P, _I], None),
         "gdn_decode_bf16": ([_P, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P], None),
+        "gdn_decode_rows_bf16": ([_P, _I, _I, _P, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _I, _P], None),
         "add_rms_norm_rows_bf16": ([_P, _P, _P, _F, _I, _I, _P, _P], None),
         "silu_mul_rows_bf16": ([_P, _P, _I, _I, _I, _P], None),
         "conv_silu_rows_bf16": ([_P, _I, _I, _I, _P, _I, _P, _P], None),
@@ -128,10 +129,55 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
     return out
 
 
-def gdn_work(hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
-    """gdn_decode_bf16's fp32 scratch: it depends on the shape alone, so it is made once per shape
-    and reused by every call (a process runs its passes one at a time)."""
-    floats = 2 * hk * dk + hv * dv + 2 * hv + hv * dv
+def gdn_decode_rows(proj, taps, conv_states, neg_a, dt_bias, norm_w, eps: float, states, hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
+    """gdn_decode for the decode rows of several sequences in one call: proj [B, in] (rows may be a
+    view's, a stride apart), conv_states and states B tensors, each row's own (as gdn_decode takes
+    them) -> [B, hv*dv]. Each row gets the bits gdn_decode gives it alone."""
+    conv = 2 * hk * dk + hv * dv
+    k, width = taps.shape[0], conv + hv * dv + 2 * hv
+    if not (
+        proj.dtype is _BF16 and proj.dim() == 2 and proj.is_cpu
+        and taps.dtype is _F32 and taps.numel() == k * conv and taps.is_contiguous() and taps.is_cpu
+        and neg_a.dtype is _F32 and neg_a.numel() == hv and neg_a.is_contiguous() and neg_a.is_cpu
+        and dt_bias.dtype is _BF16 and dt_bias.numel() == hv and dt_bias.is_contiguous() and dt_bias.is_cpu
+        and norm_w.dtype is _BF16 and norm_w.numel() == dv and norm_w.is_contiguous() and norm_w.is_cpu
+    ):
+        refuse("gdn_decode_rows_bf16", [
+            ("proj", proj, _BF16, None, False, 2), ("taps", taps, _F32, k * conv, True, 2), ("neg_a", neg_a, _F32, hv, True, None),
+            ("dt_bias", dt_bias, _BF16, hv, True, None), ("norm_w", norm_w, _BF16, dv, True, None),
+        ])
+    rows = proj.shape[0]
+    if proj.shape[1] != width or proj.stride(1) != 1:
+        raise ValueError(f"gdn_decode_rows_bf16: proj has shape {tuple(proj.shape)} and strides {proj.stride()} where rows of {width} contiguous values are needed")
+    if len(conv_states) != rows or len(states) != rows:
+        raise ValueError(f"gdn_decode_rows_bf16: {rows} rows of proj, {len(conv_states)} conv states and {len(states)} states")
+    for i, (c, st) in enumerate(zip(conv_states, states)):
+        if not (
+            c.dtype is _BF16 and c.numel() == (k - 1) * conv and c.is_contiguous() and c.is_cpu
+            and st.dtype is _F32 and st.numel() == hv * dk * dv and st.is_contiguous() and st.is_cpu
+        ):
+            refuse("gdn_decode_rows_bf16", [(f"conv_states[{i}]", c, _BF16, (k - 1) * conv, True, None), (f"states[{i}]", st, _F32, hv * dk * dv, True, None)])
+    conv_ptrs = [c.data_ptr() for c in conv_states]
+    state_ptrs = [st.data_ptr() for st in states]
+    # The rows advance their states at once: two rows on one state would race, and each must
+    # see the other's step (a sequence's rows run one after another, through gdn_decode).
+    if len(set(state_ptrs)) != rows or len(set(conv_ptrs)) != rows:
+        raise ValueError("gdn_decode_rows_bf16: two rows share a state; a sequence's rows run one at a time")
+    out = torch.empty(rows, hv * dv, dtype=proj.dtype)
+    work = gdn_work(hk, hv, dk, dv, rows)
+    pointers = torch.tensor(conv_ptrs + state_ptrs, dtype=torch.int64)
+    _lib.gdn_decode_rows_bf16(
+        proj.data_ptr(), proj.stride(0), rows, taps.data_ptr(), pointers.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
+        norm_w.data_ptr(), eps, pointers.data_ptr() + rows * 8, out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),
+    )
+    return out
+
+
+def gdn_work(hk: int, hv: int, dk: int, dv: int, rows: int = 1) -> torch.Tensor:
+    """gdn_decode_bf16's fp32 scratch (of `rows` rows: gdn_decode_rows_bf16's): it depends on the
+    shape alone, so it is made once per shape and reused by every call (a process runs its passes
+    one at a time)."""
+    floats = (2 * hk * dk + hv * dv + 2 * hv + hv * dv) * rows
     work = _gdn_work.get(floats)
     if work is None:
         work = _gdn_work[floats] = torch.empty(floats, dtype=torch.float32)

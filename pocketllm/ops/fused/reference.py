@@ -42,6 +42,15 @@ def gdn_decode_reference(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: fl
     return rms_norm_gated(out.to(proj.dtype), z.view(1, hv, dv), norm_w, eps).reshape(1, hv * dv)
 
 
+def gdn_decode_rows_reference(proj, taps, conv_states, neg_a, dt_bias, norm_w, eps: float, states, hk: int, hv: int, dk: int, dv: int) -> torch.Tensor:
+    """The block for several sequences' decode rows: proj [B, in] -> [B, hv*dv], row r advancing
+    conv_states[r] and states[r]."""
+    return torch.cat([
+        gdn_decode_reference(proj[r : r + 1], taps, c, neg_a, dt_bias, norm_w, eps, st, hk, hv, dk, dv)
+        for r, (c, st) in enumerate(zip(conv_states, states))
+    ])
+
+
 def attention_decode_reference(qkv, q_scale, k_scale, eps: float, cos, sin, k_pool, v_pool, table, pos: int, heads: int, kv_heads: int,
                                head_dim: int, scale: float) -> torch.Tensor:
     """Gated attention of one row at position pos: qkv [1, H*2d (query and gate interleaved per
