@@ -38,9 +38,16 @@ UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) 
 def pytest_addoption(parser):
     parser.addoption(
         "--shard", metavar="K/N", default=None,
-        help="run every Nth collected test from the Kth (0-based), the others deselected: N processes "
-        "given K = 0..N-1 run each test once between them (tests/triton_on_cpu.py runs the interpreted files so)",
+        help="run shard K (0-based) of N of the collected tests, the others deselected: N processes given "
+        "K = 0..N-1 run each test once between them (tests/triton_on_cpu.py runs the interpreted files so)",
     )
+
+
+def _shard_of(i: int, n: int) -> int:
+    """Item i's shard: dealt out 0, 1, .., n-1, then back n-1, .., 0, and again, so that neighbours
+    in a parametrization (often alike in cost, or alternating) are spread evenly."""
+    r = i % (2 * n)
+    return r if r < n else 2 * n - 1 - r
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,8 +57,8 @@ def pytest_collection_modifyitems(config, items):
     k, n = (int(v) for v in spec.split("/"))
     if not 0 <= k < n:
         raise pytest.UsageError(f"--shard {spec}: K must be in 0..N-1")
-    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
-    items[:] = items[k::n]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if _shard_of(i, n) != k])
+    items[:] = [item for i, item in enumerate(items) if _shard_of(i, n) == k]
 
 
 @pytest.fixture(scope="session", autouse=True)
