@@ -1,7 +1,8 @@
 """tests/test_invariance.py again on the narrower x86 paths, each in a fresh process (side by side
 with the other's): pocketllm's compiled kernels built for AVX-512 without BF16 or for AVX2
-(POCKETLLM_ISA), and torch's own kernels held to the same set (ATEN_CPU_CAPABILITY,
-ONEDNN_MAX_CPU_ISA, read once when torch starts), so that a CPU with wider paths also checks what a
+(POCKETLLM_ISA), and torch's own kernels held to the same set (ATEN_CPU_CAPABILITY, oneDNN's
+ONEDNN_MAX_CPU_ISA and MKL's MKL_ENABLE_INSTRUCTIONS for the fp32 GEMM, read once when torch
+starts), so that a CPU with wider paths also checks what a
 Skylake or an AVX2-only CPU runs. A set the CPU does not report is skipped, and so is the one the
 CPU's own build is (the suite's own run of tests/test_invariance.py covers it). The kernels are
 forced, not measured: the compiled one-row and few-row kernels (the batch-invariant ones) and
@@ -21,8 +22,8 @@ from pocketllm.ops.gemv import kernels as gemv
 
 # The build's name -> the CPU flag it needs and torch's variables for the same set.
 NARROWER = {
-    "avx512f": ("avx512f", {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}),
-    "avx2": ("avx2", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+    "avx512f": ("avx512f", {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}),
+    "avx2": ("avx2", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
 }
 KERNELS = "one-row=c,few-row=c,many-row=mm"
 

@@ -131,6 +131,11 @@ def pick(kind: Kind, seconds: dict[str, float]) -> str:
     return min(seconds, key=seconds.get)
 
 
+# What holds torch's CPU kernels to a narrower instruction set than the CPU's: its own kernels,
+# oneDNN's (the bf16 GEMM) and MKL's (the fp32 GEMM, which ignores the other two).
+TORCH_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def cache_key(kind: Kind, fmt: str, key, rows: int, label: str = "") -> str:
     # The compiled kernels' source is part of the key: a choice measured against another version
     # of them says nothing about this one.
@@ -138,7 +143,7 @@ def cache_key(kind: Kind, fmt: str, key, rows: int, label: str = "") -> str:
     parts = [compiled.cpu_model(), f"torch {torch.__version__}"]
     # Builds narrower than the CPU's run other code than a choice measured without them: torch's
     # own kernels held back by these variables, and POCKETLLM_ISA's.
-    parts += [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(name)]
+    parts += [f"{name}={os.environ[name]}" for name in TORCH_ISA_VARIABLES if os.environ.get(name)]
     parts += [f"{compiled.ENV_ISA}={compiled.isa()}"] if compiled.isa() != "native" else []
     parts += [f"kernels {compiled.source_digest(s)}" for s in sources]
     parts += [kind.name, fmt, f"{torch.get_num_threads()} threads", label or f"{key[0]}x{key[1]}"]
