@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from device_op_cases import CASES
-from triton_on_cpu import REPO, compiled_for_gpu, compiled_for_gpu_all, run_interpreted
+from triton_on_cpu import REPO, compile_for_gpu, recorded_launches, run_interpreted
 from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, _probed, device_ops, kernels, probe
 from pocketllm.profiling.op_count import count_ops
 
@@ -35,26 +35,60 @@ def test_the_kernels_under_the_interpreter():
     assert len(collected) == 1 and passed == collected.pop(), (passed, collected)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
-def test_each_kernel_compiles_for_a_gpu(case, tmp_path, monkeypatch):
-    """The interpreter runs some things the compiler refuses: compile each launch for sm_90."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    import importlib
-
-    module = importlib.import_module(f"{kernels.__name__}.{case.module}")
-    compiled = compiled_for_gpu_all(module, [(case.kernel(kernels), case.make(dtype, 3, 130)) for dtype in (torch.bfloat16, torch.float32)])
-    assert compiled and all(k.asm["cubin"] for k in compiled)
-
-
-def test_decode_attention_compiles_for_the_27b_heads_within_shared_memory(tmp_path, monkeypatch):
-    """The engine's blocks of 64 positions and the 27B's heads (24 query heads over 4 KV heads of
-    256) in bf16 for sm_90: the shared memory a program takes within the 227 KiB sm_90 allows."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+def _27b_decode_attention():
+    """decode_attention_rows' module and a call of it at the 27B's heads (the test below says why)."""
     from pocketllm.ops.device.kernels import decode_attention
 
     q, pool = torch.randn(8, 24, 256).bfloat16(), torch.randn(40, 4, 64, 256).bfloat16()
     tables, pos = torch.arange(40, dtype=torch.int32).view(8, 5), torch.full((8,), 300)
-    (kernel,) = compiled_for_gpu(decode_attention, decode_attention.decode_attention_rows, q, pool, pool.clone(), tables, pos, 256**-0.5)
+    return decode_attention, [(decode_attention.decode_attention_rows, (q, pool, pool.clone(), tables, pos, 256**-0.5))]
+
+
+@pytest.fixture(scope="module")
+def for_sm90(tmp_path_factory):
+    """What the two tests below compile for sm_90 (every kernel's bf16 and fp32 launches, the 27B's
+    decode attention), all compiled together on threads side by side into a fresh Triton cache:
+    name -> its compiled kernels, any of which may be the exception its compile (or recording its
+    launches) raised, for that name's test to raise."""
+    import importlib
+
+    calls = {"27b-decode-attention": _27b_decode_attention()}
+    for case in CASES:
+        module = importlib.import_module(f"{kernels.__name__}.{case.module}")
+        calls[case.op] = module, [(case.kernel(kernels), case.make(dtype, 3, 130)) for dtype in (torch.bfloat16, torch.float32)]
+    launches = []
+    for name, (module, module_calls) in calls.items():
+        try:
+            launches += [(name, launch) for launch in recorded_launches(module, module_calls)]
+        except Exception as exc:
+            launches.append((name, exc))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton-sm90")))
+        done = iter(compile_for_gpu([launch for _, launch in launches if not isinstance(launch, Exception)], keep_errors=True))
+    compiled = {name: [] for name in calls}
+    for name, launch in launches:
+        compiled[name].append(launch if isinstance(launch, Exception) else next(done))
+    return compiled
+
+
+def compiled_or_raise(compiled: list) -> list:
+    for k in compiled:
+        if isinstance(k, Exception):
+            raise k
+    return compiled
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
+def test_each_kernel_compiles_for_a_gpu(case, for_sm90):
+    """The interpreter runs some things the compiler refuses: compile each launch for sm_90."""
+    compiled = compiled_or_raise(for_sm90[case.op])
+    assert compiled and all(k.asm["cubin"] for k in compiled)
+
+
+def test_decode_attention_compiles_for_the_27b_heads_within_shared_memory(for_sm90):
+    """The engine's blocks of 64 positions and the 27B's heads (24 query heads over 4 KV heads of
+    256) in bf16 for sm_90: the shared memory a program takes within the 227 KiB sm_90 allows."""
+    (kernel,) = compiled_or_raise(for_sm90["27b-decode-attention"])
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 

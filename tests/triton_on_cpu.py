@@ -76,8 +76,13 @@ def compiled_for_gpu(module, launcher, *args, arch: int = 90) -> list:
 
 def compiled_for_gpu_all(module, calls, arch: int = 90) -> list:
     """compiled_for_gpu of several calls [(launcher, args), ...] of one module's kernel: every
-    launch recorded first, then all compiled on threads side by side (Triton's MLIR passes and
-    ptxas run outside the GIL); the compiled kernels in launch order."""
+    launch recorded first, then all compiled side by side (compile_for_gpu)."""
+    return compile_for_gpu(recorded_launches(module, calls), arch)
+
+
+def recorded_launches(module, calls) -> list:
+    """The launches of calls [(launcher, args), ...] of module's kernel, recorded one call at a
+    time with module._kernel standing in, each as what triton.compile takes: (source, options)."""
     kernel, recorder = module._kernel, _Recorder()
     module._kernel = recorder
     try:
@@ -85,7 +90,7 @@ def compiled_for_gpu_all(module, calls, arch: int = 90) -> list:
             launcher(*args)
     finally:
         module._kernel = kernel
-    sources = []
+    launches = []
     for positional, keywords in recorder.launches:
         options = {name: keywords.pop(name) for name in _OPTIONS if name in keywords}
         bound = dict(zip([p.name for p in kernel.params], positional)) | keywords
@@ -102,8 +107,25 @@ def compiled_for_gpu_all(module, calls, arch: int = 90) -> list:
                 signature[param.name] = "fp32"
             else:
                 raise TypeError(f"{param.name}: no Triton type for {value!r}")
-        sources.append((triton.compiler.ASTSource(kernel, signature, constants), options))
-    if not sources:
+        launches.append((triton.compiler.ASTSource(kernel, signature, constants), options))
+    return launches
+
+
+def compile_for_gpu(launches, arch: int = 90, keep_errors: bool = False) -> list:
+    """Each recorded launch compiled for NVIDIA sm_{arch}, on threads side by side (Triton's MLIR
+    passes and ptxas run outside the GIL); the compiled kernels in launch order. With keep_errors,
+    a launch whose compile raises gives its exception in its place."""
+
+    def one(launch):
+        source, options = launch
+        try:
+            return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        except Exception as exc:
+            if not keep_errors:
+                raise
+            return exc
+
+    if not launches:
         return []
-    with ThreadPoolExecutor(min(len(sources), os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda so: triton.compile(so[0], target=GPUTarget("cuda", arch, 32), options=so[1]), sources))
+    with ThreadPoolExecutor(min(len(launches), os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, launches))
