@@ -13,11 +13,12 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import cli_env, main_in_process, result_fields, run_cli, shm_segments, usage_error_in_process
+from conftest import cli_env, main_in_process, result_fields, shm_segments, usage_error_in_process
 from pocketllm import launch, topology
 from pocketllm.device import allowed_cpus
 from pocketllm.errors import UsageError
@@ -191,31 +192,45 @@ def bench_args(run: str, out) -> list:
 
 @pytest.fixture(scope="module")
 def tp2_bench(tmp_path_factory):
-    """A TP=2 run of BENCH_RUNS, started the first time a test of this module asks for it and
-    kept for the others: (its completed process, its --json settings, /dev/shm's pocketllm
-    segments before it and after it)."""
+    """The TP=2 runs of BENCH_RUNS this machine makes, all started the first time a test of this
+    module asks for one (the one-core run keeps one core busy for seconds, leaving the other to
+    the rest), each test then waiting for its own: get(run) gives (its completed process, its
+    --json settings or None), and segments() /dev/shm's pocketllm segments before the runs and
+    after every one of them has ended."""
+    mine = allowed_cpus()
+    before = shm_segments()
+    procs, outs = {}, {}
+    for run, (world, env, extra) in BENCH_RUNS.items():
+        if world == 1 or ("--cpus" in extra and len(mine) < 2):
+            continue
+        outs[run] = tmp_path_factory.mktemp(run) / "r.json"
+        preexec = (lambda: os.sched_setaffinity(0, mine[:1])) if "one-core" in run else None
+        cmd = [sys.executable, "-m", "pocketllm", *map(str, bench_args(run, outs[run]))]
+        procs[run] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(**env), preexec_fn=preexec)
     done = {}
 
     def get(run: str):
         if run not in done:
-            out = tmp_path_factory.mktemp(run) / "r.json"
-            env = cli_env(**BENCH_RUNS[run][1])
-            before = shm_segments()
-            if "one-core" in run:
-                one = allowed_cpus()[:1]
-                r = run_cli(*bench_args(run, out), env=env, preexec_fn=lambda: os.sched_setaffinity(0, one))
-            else:
-                r = run_cli(*bench_args(run, out), env=env)
-            settings = json.loads(out.read_text())["settings"] if r.returncode == 0 else None
-            done[run] = r, settings, before, shm_segments()
+            out, err = procs[run].communicate(timeout=120)
+            r = subprocess.CompletedProcess(procs[run].args, procs[run].returncode, out, err)
+            done[run] = r, json.loads(outs[run].read_text())["settings"] if r.returncode == 0 else None
         return done[run]
 
-    return get
+    def segments():
+        for run in procs:
+            get(run)
+        return before, shm_segments()
+
+    yield get, segments
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("run", list(BENCH_RUNS))
-def test_bench_ranks_run_on_their_share_of_the_cores(run, tmp_path, capsys, tp2_bench):
+def test_bench_ranks_run_on_their_share_of_the_cores(run, tmp_path, capsys, request):
     world, env, extra = BENCH_RUNS[run]
     mine = allowed_cpus()
     if "--cpus" in extra and len(mine) < 2:
@@ -229,9 +244,12 @@ def test_bench_ranks_run_on_their_share_of_the_cores(run, tmp_path, capsys, tp2_
         settings = json.loads(out.read_text())["settings"]
         segments_after = shm_segments()
     else:
-        r, settings, segments, segments_after = tp2_bench(run)
+        # Asked for here, not as a parameter: the TP=2 runs start after this process's own run.
+        get, both_segments = request.getfixturevalue("tp2_bench")
+        r, settings = get(run)
         stdout, stderr = r.stdout, r.stderr
         assert r.returncode == 0, stderr
+        segments, segments_after = both_segments()
     maps = [line for line in stderr.splitlines() if line.startswith("pocketllm: pinned ")]
     if world == 1:
         assert settings["cpus_per_rank"] == [mine]
@@ -286,7 +304,8 @@ def test_ranks_on_one_node_share_one_memory_path_and_ranks_on_two_do_not(tmp_pat
 def test_two_ranks_on_one_node_say_tp_cannot_pay_there_with_the_measured_all_reduce(tp2_bench):
     # The one-core bench run's ranks share one core, so one NUMA node on any host: rank 0 must
     # print the note once, with the all-reduce it timed on the run's own collective.
-    r, _, _, _ = tp2_bench("tp2-one-core-gloo-blocking-serial")
+    get, _ = tp2_bench
+    r, _ = get("tp2-one-core-gloo-blocking-serial")
     assert r.returncode == 0, r.stderr
     notes = [line for line in r.stderr.splitlines() if "share one memory path" in line]
     assert len(notes) == 1 and re.search(r"\(\d+ us each here, measured now\)", notes[0]) and "--tp-world 1 decodes at least as fast" in notes[0], notes
