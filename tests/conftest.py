@@ -166,6 +166,16 @@ def generated_ids(stdout: str) -> list[int]:
     return [int(t) for t in lines[0].split("=", 1)[1].split(",") if t]
 
 
+def end_process(code: int = 0) -> None:
+    """End a process a test started (a spawned rank, a script) once its work and checks are done,
+    without the interpreter's teardown: torch's is most of such a process's exit time, and
+    pocketllm registers nothing to run at exit (no atexit handler or finalizer) and leaves no
+    thread to wait for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def shm_segments() -> set[str]:
     """The shared-memory all-reduce's segments in /dev/shm (each run unlinks its own at setup)."""
     from pocketllm.distributed.shm import segment

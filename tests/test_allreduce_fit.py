@@ -135,7 +135,11 @@ def work(run, device, inputs):
         f.write(str(inputs))
     return 0
 
-sys.exit(run_without_model(run, prepare, work))
+code = run_without_model(run, prepare, work)
+# Without the interpreter's teardown of torch (conftest.end_process says why).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
 """
 
 

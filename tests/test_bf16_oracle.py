@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import end_process, free_port
 from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
 
 PROMPT = [(11 * i + 7) % 250 for i in range(40)]
@@ -60,6 +60,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, tokens: list[int], out: s
         torch.save(result, out)
     collective.close()
     dist.destroy_process_group()
+    end_process()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port, shm_segments, start, usage_error_in_process, usage_line
+from conftest import end_process, free_port, shm_segments, start, usage_error_in_process, usage_line
 from test_overlap import check_overlapped_equals_serial
 from pocketllm.distributed import collective
 from pocketllm.distributed.shm import segment
@@ -184,6 +184,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         _check_lost_peers(rank)
     collective.close()
     dist.destroy_process_group()
+    end_process()
 
 
 @pytest.mark.timeout(120)
