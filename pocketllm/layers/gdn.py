@@ -109,6 +109,7 @@ class GatedDeltaNet(nn.Module):
             return per_sequence(self._mix, proj, ctx, state)
         outs: list[torch.Tensor] = []
         run: list[tuple[Segment, GDNState]] = []
+        in_run: set[int] = set()  # the run's states, by identity
 
         def close_run() -> None:
             if len(run) == 1:
@@ -121,15 +122,17 @@ class GatedDeltaNet(nn.Module):
                         self.norm.weight, self.norm.eps, [st.recurrent for _, st in run], self.hk, self.hv, self.dk, self.dv,
                     ))
             run.clear()
+            in_run.clear()
 
         for seg, st in zip(ctx.segments, state):
             joins = seg.one_row and seg.rows == 1 and seg.cpu_forms
             # A sequence's consecutive rows (a replay of its decode rows) share its state: each
             # must see the step before it, so the run ends before the second.
-            if not joins or any(st is other for _, other in run):
+            if not joins or id(st) in in_run:
                 close_run()
             if joins:
                 run.append((seg, st))
+                in_run.add(id(st))
             else:
                 outs.append(self._mix(proj[seg.row0 : seg.row0 + seg.rows], seg, st))
         close_run()
