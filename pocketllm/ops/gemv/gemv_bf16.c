@@ -206,6 +206,31 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead
     for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
     return s;
 }
+/* dot1 of four consecutive weight rows against one x, each row summed exactly as dot1 sums it.
+ * dot1's one sum per row is a chain of two FMAs per sixteen inputs, so a row alone waits on FMA
+ * latency (about 32 bytes per 8-10 cycles), below a memory's rate on two cores; four independent
+ * chains hide it, and x is widened once for the four. */
+#define DOT_GROUP 4
+static void dot_group(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead, float o[DOT_GROUP]) {
+    __m256 a[DOT_GROUP];
+    for (int r = 0; r < DOT_GROUP; r++) a[r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + STEP <= n; i += STEP) {
+        if (ahead && (i & 31) == 0)
+            for (int r = 0; r < DOT_GROUP; r++) _mm_prefetch((const char *)(w + r * n + i) + ahead, _MM_HINT_T0);
+        __m256i xv = load_w(x + i);
+        __m256 xe = even_f(xv), xo = odd_f(xv);
+        for (int r = 0; r < DOT_GROUP; r++) {
+            __m256i wv = load_w(w + r * n + i);
+            a[r] = _mm256_fmadd_ps(odd_f(wv), xo, _mm256_fmadd_ps(even_f(wv), xe, a[r]));
+        }
+    }
+    for (int r = 0; r < DOT_GROUP; r++) {
+        float s = hsum(a[r]);
+        for (int64_t k = i; k < n; k++) s += bf16_to_f32(w[r * n + k]) * bf16_to_f32(x[k]);
+        o[r] = s;
+    }
+}
 /* Two weight rows against up to four x rows, x widened to fp32 beforehand in the same even/odd
  * halves (widen_x): each weight load feeds up to eight products, so the weight streams once for
  * four sequences; each pair summed as dot1 sums a row. Eight accumulators, four widened weight
@@ -272,13 +297,35 @@ const char *gemv_bf16_isa(void) { return "scalar"; }
  * the memory's rate (a core that streams alone well below what two do), this is what reaches it.
  * Which runs faster in a step depends on the CPU; each is a candidate. */
 #define ONE_ROW_AHEAD 2
+static inline void prefetch_row(const uint16_t *w, int64_t r, int64_t rows, int64_t n) {
+    if (r < rows)
+        for (int64_t off = 0; off < n * 2; off += 64) __builtin_prefetch((const char *)(w + r * n) + off, 0, 0);
+}
 void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch, int64_t ahead) {
+#ifdef DOT_GROUP
+    /* A thread's range in groups of DOT_GROUP rows (dot_group: each row's bits are dot1's), the
+     * rows past the last whole group one at a time. */
+    const int64_t groups = (rows + DOT_GROUP - 1) / DOT_GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = g * DOT_GROUP;
+        if (prefetch) /* the next group's rows, as a row alone asks for one ONE_ROW_AHEAD ahead */
+            for (int64_t r = r0 + DOT_GROUP; r < r0 + 2 * DOT_GROUP; r++) prefetch_row(w, r, rows, n);
+        if (r0 + DOT_GROUP <= rows) {
+            float o[DOT_GROUP];
+            dot_group(w + r0 * n, n, x, ahead, o);
+            for (int r = 0; r < DOT_GROUP; r++) y[r0 + r] = f32_to_bf16(o[r]);
+        } else {
+            for (int64_t r = r0; r < rows; r++) y[r] = f32_to_bf16(dot1(w + r * n, n, x, ahead));
+        }
+    }
+#else
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        if (prefetch && r + ONE_ROW_AHEAD < rows)
-            for (int64_t off = 0; off < n * 2; off += 64) __builtin_prefetch((const char *)(w + (r + ONE_ROW_AHEAD) * n) + off, 0, 0);
+        if (prefetch) prefetch_row(w, r + ONE_ROW_AHEAD, rows, n);
         y[r] = f32_to_bf16(dot1(w + r * n, n, x, ahead));
     }
+#endif
 }
 
 #if defined(HAS_TILE) || defined(HAS_WIDE)
