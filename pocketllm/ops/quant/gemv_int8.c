@@ -160,9 +160,13 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* Eight weights at a time sign-extended and converted to fp32, x widened to fp32 once per call.
- * Two weight rows against four x rows: eight accumulators. */
-#define TILE_R 2
+ * Two weight rows against four x rows: eight accumulators. One x row goes against four weight rows:
+ * each sum is one chain of FMAs, which alone waits on their latency (8 bytes of weight per FMA),
+ * below a memory's rate on two cores; four chains hide it. Each (weight row, x row) is summed by
+ * the same operations in either shape. */
+#define TILE_R 4
 #define TILE_C 4
+#define FEW_TILE_R 2
 #define X_ELEM float
 const char *q8_isa(void) { return "avx2"; }
 static int64_t x_stride(int64_t n) { return n; }
@@ -223,6 +227,10 @@ static inline void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C
 }
 #endif
 
+#ifndef FEW_TILE_R
+#define FEW_TILE_R TILE_R
+#endif
+
 #define TILE_Q struct q8
 #include "run_tile.h"
 #undef TILE_Q
@@ -260,8 +268,8 @@ int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t 
     X_ELEM *xw = scratch((size_t)(m * xs) * sizeof(X_ELEM));
     if (xw == NULL) return -1;
     for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * xs);
-    const int64_t tile_bytes = TILE_R * n;
+    const int64_t tr = m == 1 ? TILE_R : FEW_TILE_R, tile_bytes = tr * n;
     struct q8_call k = {{wt->w, rows, n, whole_tiles(prefetch, tile_bytes), into_all, xw, xs}, wt, y};
-    run_tiles(&k, q8_tile, rows, m, TILE_R, TILE_C, wt->w, tile_bytes, k.q.pf_bytes);
+    run_tiles(&k, q8_tile, rows, m, tr, TILE_C, wt->w, tile_bytes, k.q.pf_bytes);
     return 0;
 }
