@@ -86,7 +86,8 @@ static inline void conv_sums(const uint16_t *x, int64_t xstride, int64_t r, int6
  * work: fp32 scratch of conv_ch + 2*hv + hv*dv floats (gdn_work_floats).
  * In three parts, which the several-row form below runs for each row as this one does: the
  * row's conv and gates, each value head's recurrence, the gated norm. */
-static inline int64_t gdn_work_floats(int64_t hk, int64_t hv, int64_t dk, int64_t dv) { return 2 * hk * dk + 2 * hv * dv + 2 * hv; }
+/* Exported: the Python side sizes the scratch it passes by it (kernels.gdn_work). */
+int64_t gdn_work_floats(int64_t hk, int64_t hv, int64_t dk, int64_t dv) { return 2 * hk * dk + 2 * hv * dv + 2 * hv; }
 
 /* The conv step (its sums in fp32, rounded, SiLU, rounded; the window moves on by one), q and k
  * l2-normalised per head in fp32 (q then scaled by dk^-0.5), beta and the log decay g, into work. */

@@ -25,6 +25,7 @@ _SIGNATURES = {
         "silu_mul_rows_bf16": ([_P, _P, _I, _I, _I, _P], None),
         "conv_silu_rows_bf16": ([_P, _I, _I, _I, _P, _I, _P, _P], None),
         "rms_norm_gated_rows_bf16": ([_P, _P, _I, _I, _P, _F, _I, _I, _P], None),
+        "gdn_work_floats": ([_I, _I, _I, _I], _I),
     },
     "attention_bf16.c": {
         "attention_decode_bf16": ([_P, _P, _P, _F, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
@@ -177,7 +178,7 @@ def gdn_work(hk: int, hv: int, dk: int, dv: int, rows: int = 1) -> torch.Tensor:
     """gdn_decode_bf16's fp32 scratch (of `rows` rows: gdn_decode_rows_bf16's): it depends on the
     shape alone, so it is made once per shape and reused by every call (a process runs its passes
     one at a time)."""
-    floats = (2 * hk * dk + hv * dv + 2 * hv + hv * dv) * rows
+    floats = _lib.gdn_work_floats(hk, hv, dk, dv) * rows
     work = _gdn_work.get(floats)
     if work is None:
         work = _gdn_work[floats] = torch.empty(floats, dtype=torch.float32)
