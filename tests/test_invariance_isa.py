@@ -2,12 +2,11 @@
 with the other's): pocketllm's compiled kernels built for AVX-512 without BF16 or for AVX2
 (POCKETLLM_ISA), and torch's own kernels held to the same set (ATEN_CPU_CAPABILITY, oneDNN's
 ONEDNN_MAX_CPU_ISA and MKL's MKL_ENABLE_INSTRUCTIONS for the fp32 GEMM, read once when torch
-starts), so that a CPU with wider paths also checks what a
-Skylake or an AVX2-only CPU runs. A set the CPU does not report is skipped, and so is the one the
-CPU's own build is (the suite's own run of tests/test_invariance.py covers it). The kernels are
-forced, not measured: the compiled one-row and few-row kernels (the batch-invariant ones) and
-torch's GEMM in the weight's dtype, whose rows on these paths need not get the same bits in calls of
-other row counts."""
+starts), so that a CPU with wider paths also checks what a Skylake or an AVX2-only CPU runs. A
+set the CPU does not report is skipped, and so is the one the CPU's own build is (the suite's own
+run of tests/test_invariance.py covers it). The kernels are forced, not measured: the compiled
+one-row and few-row kernels (the batch-invariant ones) and torch's GEMM in the weight's dtype,
+whose rows on these paths need not get the same bits in calls of other row counts."""
 
 from __future__ import annotations
 
