@@ -209,15 +209,22 @@ static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead
 /* dot1 of four consecutive weight rows against one x, each row summed exactly as dot1 sums it.
  * dot1's one sum per row is a chain of two FMAs per sixteen inputs, so a row alone waits on FMA
  * latency (about 32 bytes per 8-10 cycles), below a memory's rate on two cores; four independent
- * chains hide it, and x is widened once for the four. */
+ * chains hide it, and x is widened once for the four. `ahead` is each row's distance as dot1 has
+ * it, along the rows this lane of the group reads next (row r, then r + DOT_GROUP, ...): a plain
+ * byte offset past a short row's end would land in the rows the group is reading already. */
 #define DOT_GROUP 4
 static void dot_group(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead, float o[DOT_GROUP]) {
     __m256 a[DOT_GROUP];
     for (int r = 0; r < DOT_GROUP; r++) a[r] = _mm256_setzero_ps();
+    /* Where the prefetch is: `groups` groups on, input `at` of the row. */
+    int64_t groups = ahead / 2 / n, at = ahead / 2 % n;
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
-        if (ahead && (i & 31) == 0)
-            for (int r = 0; r < DOT_GROUP; r++) _mm_prefetch((const char *)(w + r * n + i) + ahead, _MM_HINT_T0);
+        if (ahead && (i & 31) == 0) {
+            const uint16_t *p = w + groups * DOT_GROUP * n + at;
+            for (int r = 0; r < DOT_GROUP; r++) _mm_prefetch((const char *)(p + r * n), _MM_HINT_T0);
+            if ((at += 32) >= n) at -= n, groups++;
+        }
         __m256i xv = load_w(x + i);
         __m256 xe = even_f(xv), xo = odd_f(xv);
         for (int r = 0; r < DOT_GROUP; r++) {
