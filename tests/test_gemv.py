@@ -122,6 +122,7 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     assert lib is not None, why
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gemv_bf16.argtypes, lib.gemm_rows_bf16.argtypes = [p, p, p, i64, i64, i64, i64], [p, p, p, i64, i64, i64, i64, i64]
+    lib.gemm_rows_next_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i64]
     lib.gemm_rows_wide_bf16.argtypes, lib.gemm_rows_wide_bf16.restype = [p, p, p, i64, i64, i64, i64, i64], ctypes.c_int
     lib.gemv_bf16_isa.restype = ctypes.c_char_p
     lib_isa = lib.gemv_bf16_isa().decode()
@@ -145,6 +146,8 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
                 batch = torch.empty(m, out_f, dtype=torch.bfloat16)
                 lib.gemm_rows_bf16(w.data_ptr(), x.data_ptr(), batch.data_ptr(), out_f, n, m, prefetch, ahead)
                 assert torch.equal(batch, singles[:m]), f"{isa} {out_f}x{n}: {m} rows differ from one row at a time"
+                lib.gemm_rows_next_bf16(w.data_ptr(), x.data_ptr(), batch.data_ptr(), out_f, n, m, prefetch, ahead)
+                assert torch.equal(batch, singles[:m]), f"{isa} {out_f}x{n}: {m} rows with the next block's prefetch differ from one row at a time"
                 for wrows in (1, 2):
                     wide = torch.full((m, out_f), float("nan"), dtype=torch.bfloat16)
                     # Built where the tile is (the AVX-512 paths); elsewhere it says so and writes nothing.
@@ -175,7 +178,7 @@ def test_the_compiled_gemv_refuses_bad_arguments(name):
     torch.testing.assert_close(out.float(), w.float() @ strided.float(), atol=0.05, rtol=0.02)
 
 
-@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "c-wide", "c-wide2", "amx"])
+@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "c-next", "c-wide", "c-wide2", "amx"])
 def test_the_compiled_few_row_kernels_refuse_bad_arguments(name):
     if FEW_ROW.by_name[name].unavailable("bfloat16", CPU):
         pytest.skip(FEW_ROW.by_name[name].unavailable("bfloat16", CPU))

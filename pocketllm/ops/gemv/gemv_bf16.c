@@ -395,6 +395,18 @@ void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t r
 #endif
 }
 
+/* gemm_rows_bf16 with each `ahead` prefetch reaching into the next block of weight rows: row r of
+ * the next block at the same input, `ahead` bytes on. Above four x rows a block is read in several
+ * passes over x, and only the first reads memory: a prefetch inside the block's own rows finds
+ * them already read in the later passes, so the memory idles while they run; one block on keeps it
+ * streaming through every pass. Where no tile is compiled, gemm_rows_bf16 as it is. */
+void gemm_rows_next_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t prefetch, int64_t ahead) {
+#ifdef HAS_TILE
+    ahead += TILE_ROWS * n * (int64_t)sizeof(uint16_t);
+#endif
+    gemm_rows_bf16(w, x, y, rows, n, m, prefetch, ahead);
+}
+
 /* Y [m, rows] = X [m, n] W^T with the wide tile: `wrows` (1, or 2 where WIDE_ROWS_MAX allows)
  * weight rows at a time against up to eight x rows, `ahead` as for gemv_bf16. Returns 0 where this
  * build has no wide tile of `wrows` rows (nothing written). */

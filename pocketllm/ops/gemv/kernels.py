@@ -67,6 +67,8 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.gemm_rows_amx_bf16.restype = None
         lib.gemm_rows_amx_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
+        lib.gemm_rows_next_bf16.restype = None
+        lib.gemm_rows_next_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.gemm_rows_wide_bf16.restype = ctypes.c_int
         lib.gemm_rows_wide_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.gemv_amx_bf16.restype = None
@@ -75,7 +77,7 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
         _c_gemv, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_amx_bf16
-        _c_rows.update(gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16)
+        _c_rows.update(gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_next_bf16=lib.gemm_rows_next_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16)
     return lib, why
 
 
@@ -88,6 +90,9 @@ PREFETCH_BYTES = 256
 AHEAD_BYTES = 4096
 # The wide few-row tiles' distances: one weight row at a time keeps a single stream per thread and
 # needs less lead than the four-row tile; two rows at a time, more (docs/batching.md has the sweep).
+# How far into the next block of weight rows c-next asks, on top of the block itself (the sweep of
+# 0 / 512 / 2048 / 8192 is in docs/batching.md).
+NEXT_AHEAD_BYTES = 2048
 WIDE_AHEAD_BYTES = 2048
 WIDE2_AHEAD_BYTES = 16384
 
@@ -167,6 +172,13 @@ def compiled_rows(prefetch: int, ahead: int = 0) -> Kernel:
     """The compiled few-row GEMM, prefetching each weight row `prefetch` bytes ahead
     non-temporally, or `ahead` bytes ahead into every cache level."""
     return _rows_kernel("gemm_rows_bf16", prefetch, ahead)
+
+
+def compiled_rows_next(ahead: int) -> Kernel:
+    """The compiled few-row GEMM, each weight row's prefetch reaching into the next block of rows
+    (the same row of it, `ahead` bytes on), so the memory keeps streaming while a block is read
+    again for more x rows."""
+    return _rows_kernel("gemm_rows_next_bf16", 0, ahead)
 
 
 def compiled_wide_rows(wrows: int, ahead: int) -> Kernel:

@@ -77,6 +77,11 @@ FEW_ROW = register(
                 row_order=_ORDER,
             ),
             Candidate(
+                "c-next", gemv.compiled_rows_next(gemv.NEXT_AHEAD_BYTES),
+                "the same, each weight row's prefetch reaching into the next block of rows, so memory streams through every pass over x",
+                gemv.compiled_unavailable, sources=_C, row_order=_ORDER,
+            ),
+            Candidate(
                 "c-wide", gemv.compiled_wide_rows(1, gemv.WIDE_AHEAD_BYTES),
                 "the same with each thread's weight rows streamed one at a time against up to eight x rows",
                 gemv.wide_unavailable(1), sources=_C, row_order=_ORDER,
@@ -92,7 +97,7 @@ FEW_ROW = register(
             Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C, row_order=_AMX_ORDER),
         ),
         default="mm",
-        prefer=("amx", "c", "c-prefetch", "c-ahead", "c-wide", "c-wide2"),
+        prefer=("amx", "c", "c-prefetch", "c-ahead", "c-next", "c-wide", "c-wide2"),
     )
 )
 
