@@ -295,8 +295,9 @@ const char *gemv_bf16_isa(void) { return "scalar"; }
  * at a time: the weight is then a single sequential stream per thread, which the hardware
  * prefetchers follow at the memory's rate. Four rows at a time, sharing each load of x, read four
  * streams 2n bytes apart, which they follow less well: well below that rate (docs/decode.md, one
- * row: one stream per thread). Each row is summed exactly as the few-row product below sums it
- * (dot1). prefetch > 0: each row is also asked for non-temporally ONE_ROW_AHEAD rows ahead, so
+ * row: one stream per thread). The AVX2 build is the exception: there a row alone waits on its
+ * one chain of FMAs, so it reads four rows at a time (dot_group), and its `ahead` prefetch keeps
+ * the four streams fed. Each row is summed exactly as the few-row product below sums it (dot1). prefetch > 0: each row is also asked for non-temporally ONE_ROW_AHEAD rows ahead, so
  * that the weight, read once per step, passes by the outer caches instead of evicting what the
  * work after the GEMV runs on (the interpreter, the next small op's data). ahead > 0: each 64
  * bytes of a row are asked for into every cache level `ahead` bytes before they are read, so more

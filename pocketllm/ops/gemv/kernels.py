@@ -88,11 +88,11 @@ PREFETCH_BYTES = 256
 # How far ahead c-ahead asks for each weight row into every cache level: far enough that many more
 # lines are in flight than one core's hardware prefetchers keep (docs/decode.md has the sweep).
 AHEAD_BYTES = 4096
-# The wide few-row tiles' distances: one weight row at a time keeps a single stream per thread and
-# needs less lead than the four-row tile; two rows at a time, more (docs/batching.md has the sweep).
 # How far into the next block of weight rows c-next asks, on top of the block itself (the sweep of
 # 0 / 512 / 2048 / 8192 is in docs/batching.md).
 NEXT_AHEAD_BYTES = 2048
+# The wide few-row tiles' distances: one weight row at a time keeps a single stream per thread and
+# needs less lead than the four-row tile; two rows at a time, more (docs/batching.md has the sweep).
 WIDE_AHEAD_BYTES = 2048
 WIDE2_AHEAD_BYTES = 16384
 
