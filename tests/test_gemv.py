@@ -122,6 +122,7 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     assert lib is not None, why
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gemv_bf16.argtypes, lib.gemm_rows_bf16.argtypes = [p, p, p, i64, i64, i64, i64], [p, p, p, i64, i64, i64, i64, i64]
+    lib.gemv_bf16_group.argtypes = [p, p, p, i64, i64, i64, i64]
     lib.gemm_rows_next_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i64]
     lib.gemm_rows_wide_bf16.argtypes, lib.gemm_rows_wide_bf16.restype = [p, p, p, i64, i64, i64, i64, i64], ctypes.c_int
     lib.gemv_bf16_isa.restype = ctypes.c_char_p
@@ -142,6 +143,11 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
             rows_reference(x, w, want)
             terms = x.float().abs() @ w.float().abs().t()
             assert bool(((singles.float() - want.float()).abs() <= 2**-7 * terms).all()), isa
+            # The four-rows-at-a-time one-row form (AVX2; elsewhere the same entry as one row).
+            grouped = torch.full((16, out_f), float("nan"), dtype=torch.bfloat16)
+            for r in range(16):
+                lib.gemv_bf16_group(w.data_ptr(), x[r].data_ptr(), grouped[r].data_ptr(), out_f, n, prefetch, ahead)
+            assert torch.equal(grouped, singles), f"{isa} {out_f}x{n}: four weight rows at a time differ from one at a time"
             for m in range(2, 17):
                 batch = torch.empty(m, out_f, dtype=torch.bfloat16)
                 lib.gemm_rows_bf16(w.data_ptr(), x.data_ptr(), batch.data_ptr(), out_f, n, m, prefetch, ahead)
@@ -157,20 +163,23 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
                         assert torch.equal(wide, singles[:m]), f"{isa} {out_f}x{n}: wide tile of {wrows} at {m} rows differs from one row at a time"
 
 
-@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead"])
+@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "c-group"])
 def test_the_compiled_gemv_refuses_bad_arguments(name):
+    if ONE_ROW.by_name[name].unavailable("bfloat16", CPU):
+        pytest.skip(ONE_ROW.by_name[name].unavailable("bfloat16", CPU))
     run = ONE_ROW.by_name[name].run
+    symbol = "gemv_bf16_group" if name == "c-group" else "gemv_bf16"
     w, x, out = torch.randn(12, 32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16), torch.empty(12, dtype=torch.bfloat16)
     run(x, w, out)
-    with pytest.raises(ValueError, match=r"gemv_bf16: x must be bfloat16, got float32"):
+    with pytest.raises(ValueError, match=rf"{symbol}: x must be bfloat16, got float32"):
         run(x.float(), w, out)
-    with pytest.raises(ValueError, match=r"gemv_bf16: x has shape \(31,\) \(31 elements\) where 32 are needed"):
+    with pytest.raises(ValueError, match=rf"{symbol}: x has shape \(31,\) \(31 elements\) where 32 are needed"):
         run(x[:31], w, out)
-    with pytest.raises(ValueError, match=r"gemv_bf16: out has shape \(11,\)"):
+    with pytest.raises(ValueError, match=rf"{symbol}: out has shape \(11,\)"):
         run(x, w, out[:11])
-    with pytest.raises(ValueError, match=r"gemv_bf16: w must be contiguous"):
+    with pytest.raises(ValueError, match=rf"{symbol}: w must be contiguous"):
         run(x, torch.randn(32, 12, dtype=torch.bfloat16).t(), out)
-    with pytest.raises(ValueError, match=r"gemv_bf16: w must have 2 dimensions"):
+    with pytest.raises(ValueError, match=rf"{symbol}: w must have 2 dimensions"):
         run(x, w.reshape(-1), out)
     # A strided x is copied, not refused: it is only read.
     strided = torch.randn(64, dtype=torch.bfloat16)[::2]

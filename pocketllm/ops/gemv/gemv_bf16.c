@@ -295,24 +295,36 @@ const char *gemv_bf16_isa(void) { return "scalar"; }
  * at a time: the weight is then a single sequential stream per thread, which the hardware
  * prefetchers follow at the memory's rate. Four rows at a time, sharing each load of x, read four
  * streams 2n bytes apart, which they follow less well: well below that rate (docs/decode.md, one
- * row: one stream per thread). The AVX2 build is the exception: there a row alone waits on its
- * one chain of FMAs, so it reads four rows at a time (dot_group), and its `ahead` prefetch keeps
- * the four streams fed. Each row is summed exactly as the few-row product below sums it (dot1). prefetch > 0: each row is also asked for non-temporally ONE_ROW_AHEAD rows ahead, so
- * that the weight, read once per step, passes by the outer caches instead of evicting what the
- * work after the GEMV runs on (the interpreter, the next small op's data). ahead > 0: each 64
- * bytes of a row are asked for into every cache level `ahead` bytes before they are read, so more
- * lines are on their way than the hardware prefetchers keep in flight; where those run short of
- * the memory's rate (a core that streams alone well below what two do), this is what reaches it.
- * Which runs faster in a step depends on the CPU; each is a candidate. */
+ * row: one stream per thread). The AVX2 build also has the four-row form (gemv_bf16_group): there
+ * a row alone waits on its one chain of FMAs, which on some cores (an Intel Xeon) is below the
+ * memory's rate and on others (an AMD Zen 4) is not, while the four streams read slower there;
+ * both are candidates, measured on the machine that runs. Each row is summed exactly as the
+ * few-row product below sums it (dot1). prefetch > 0: each row is also asked for non-temporally
+ * ONE_ROW_AHEAD rows ahead, so that the weight, read once per step, passes by the outer caches
+ * instead of evicting what the work after the GEMV runs on (the interpreter, the next small op's
+ * data). ahead > 0: each 64 bytes of a row are asked for into every cache level `ahead` bytes
+ * before they are read, so more lines are on their way than the hardware prefetchers keep in
+ * flight; where those run short of the memory's rate (a core that streams alone well below what
+ * two do), this is what reaches it. Which runs faster in a step depends on the CPU; each is a
+ * candidate. */
 #define ONE_ROW_AHEAD 2
 static inline void prefetch_row(const uint16_t *w, int64_t r, int64_t rows, int64_t n) {
     if (r < rows)
         for (int64_t off = 0; off < n * 2; off += 64) __builtin_prefetch((const char *)(w + r * n) + off, 0, 0);
 }
 void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch, int64_t ahead) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (prefetch) prefetch_row(w, r + ONE_ROW_AHEAD, rows, n);
+        y[r] = f32_to_bf16(dot1(w + r * n, n, x, ahead));
+    }
+}
+
+/* gemv_bf16 four rows at a time (dot_group: each row's bits are dot1's), where the build has the
+ * four-row form (AVX2); elsewhere it is gemv_bf16. A thread's range goes in groups of DOT_GROUP
+ * rows, the rows past the last whole group one at a time. */
+void gemv_bf16_group(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t prefetch, int64_t ahead) {
 #ifdef DOT_GROUP
-    /* A thread's range in groups of DOT_GROUP rows (dot_group: each row's bits are dot1's), the
-     * rows past the last whole group one at a time. */
     const int64_t groups = (rows + DOT_GROUP - 1) / DOT_GROUP;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -328,11 +340,7 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, 
         }
     }
 #else
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        if (prefetch) prefetch_row(w, r + ONE_ROW_AHEAD, rows, n);
-        y[r] = f32_to_bf16(dot1(w + r * n, n, x, ahead));
-    }
+    gemv_bf16(w, x, y, rows, n, prefetch, ahead);
 #endif
 }
 

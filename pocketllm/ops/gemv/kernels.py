@@ -50,6 +50,7 @@ SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 
 _c_gemv = None
+_c_gemv_group = None
 _amx_gemm_rows = None
 _amx_gemv = None
 # The few-row entry points by symbol, all (w, x, y, rows, n, m, a, b): set when the library loads.
@@ -58,11 +59,13 @@ _amx_enabled: bool | None = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv, _amx_gemm_rows, _amx_gemv
+    global _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv
     lib, why = compiled.load(SOURCE)
     if lib is not None and _c_gemv is None:
         lib.gemv_bf16.restype = None
         lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
+        lib.gemv_bf16_group.restype = None
+        lib.gemv_bf16_group.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
         lib.gemm_rows_bf16.restype = None
         lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
         lib.gemm_rows_amx_bf16.restype = None
@@ -77,6 +80,7 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
         _c_gemv, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_amx_bf16
+        _c_gemv_group = lib.gemv_bf16_group
         _c_rows.update(gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_next_bf16=lib.gemm_rows_next_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16)
     return lib, why
 
@@ -126,24 +130,42 @@ def _gemv_call(symbol: str, fn, x: torch.Tensor, w: torch.Tensor, out: torch.Ten
     fn(w.data_ptr(), x.data_ptr(), out.data_ptr(), s[0], s[1], a, b)
 
 
-def compiled_gemv(prefetch: int, ahead: int = 0) -> Kernel:
+def compiled_gemv(prefetch: int, ahead: int = 0, group: bool = False) -> Kernel:
     """The compiled GEMV; `prefetch` nonzero: each weight row is also asked for non-temporally a
     few rows ahead; `ahead` > 0: each 64 bytes of a row asked for into every cache level that many
-    bytes before they are read (both 0: the hardware's prefetchers alone)."""
+    bytes before they are read (both 0: the hardware's prefetchers alone); `group`: four weight
+    rows at a time (gemv_bf16_group, built where GROUP_ISAS says), each row's bits the same."""
+    symbol = "gemv_bf16_group" if group else "gemv_bf16"
+
+    def entry():
+        # Only ever called after unavailable() built the library, which set both.
+        return _c_gemv_group if group else _c_gemv
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        # Only ever chosen after unavailable() built the library, which set _c_gemv.
-        _gemv_call("gemv_bf16", _c_gemv, x, w, out, prefetch, ahead)
+        _gemv_call(symbol, entry(), x, w, out, prefetch, ahead)
 
     def native(w: torch.Tensor) -> tuple | None:
         """This kernel on `w` as compiled code calls it (ops/fused/step_bf16.c): ("bf16", entry
         point, weight address, rows, n, prefetch, ahead)."""
         if _compiled_library()[0] is None:
             return None
-        return "bf16", ctypes.cast(_c_gemv, ctypes.c_void_p).value, w.data_ptr(), w.shape[0], w.shape[1], prefetch, ahead
+        return "bf16", ctypes.cast(entry(), ctypes.c_void_p).value, w.data_ptr(), w.shape[0], w.shape[1], prefetch, ahead
 
     run.native = native
     return run
+
+
+# The builds whose one-row GEMV also has the four-rows-at-a-time form (gemv_bf16.c DOT_GROUP).
+GROUP_ISAS = ("avx2",)
+
+
+def group_unavailable(fmt: str, device: torch.device) -> str:
+    """Why the four-row one-row GEMV cannot run here ("" when it can)."""
+    why = compiled_unavailable(fmt, device)
+    if why:
+        return why
+    isa = compiled_isa()
+    return "" if isa in GROUP_ISAS else f"no four-row GEMV in the {isa} build (only {', '.join(GROUP_ISAS)})"
 
 
 def _rows_ok(x, w, out) -> bool:

@@ -36,6 +36,16 @@ ONE_ROW = register(
                 "the same, each weight row prefetched into every cache level AHEAD_BYTES ahead", gemv.compiled_unavailable, sources=_C,
                 row_order=_ORDER, takes_rows=True,
             ),
+            Candidate(
+                "c-group", gemv.compiled_gemv(0, group=True),
+                "the same four weight rows at a time against one x, each row summed as alone (the AVX2 build)", gemv.group_unavailable,
+                sources=_C, row_order=_ORDER, takes_rows=True,
+            ),
+            Candidate(
+                "c-group-ahead", gemv.compiled_gemv(0, gemv.AHEAD_BYTES, group=True),
+                "the same, each weight row prefetched into every cache level AHEAD_BYTES ahead", gemv.group_unavailable, sources=_C,
+                row_order=_ORDER, takes_rows=True,
+            ),
             # Never measured in: a step of one row streams no faster on the tiles, and a little
             # slower where a weight's rows are short. Forced, it sums a row as the few-row tile
             # product does, so a batch-invariant set takes the tiles for every row count
@@ -52,7 +62,7 @@ ONE_ROW = register(
         # prefetches cost nothing where the memory is what limits (where the candidates tie), and
         # where a core's own prefetchers limit (one thread, or a host whose memory is idle for a
         # moment), which a load-time measurement may not meet, it is the faster.
-        prefer=("c-ahead", "c", "c-prefetch"),
+        prefer=("c-ahead", "c", "c-prefetch", "c-group-ahead", "c-group"),
         streams=True,
     )
 )
