@@ -32,7 +32,7 @@ def built():
     """Every library and instruction-set variant, built side by side (each is a compiler run)."""
     # dequant.c is plain C the compiler vectorizes: only its native build runs. The int8-x source
     # has no path that tells AVX-512 BF16 from AVX-512F: those two builds are one.
-    jobs = [(name, isa) for name in native.SOURCES for isa in {"dequant": ["native"], "int4-int8x": INT8X_VARIANTS}.get(name, VARIANTS)]
+    jobs = [(name, isa) for name in native.SOURCES for isa in {"dequant": ["native"], "int4-int8x": INT8X_VARIANTS, "int8-int8x": INT8X_VARIANTS}.get(name, VARIANTS)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: native.library(*job), jobs))
     for (name, isa), (lib, why) in zip(jobs, results):
@@ -64,7 +64,8 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
     names = [c.name for c in qc.available(row_class, fmt)]
     expected = {qc.ONE: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.FEW: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
     expected |= {"int8pack"} if fmt == "int8" else {"int4pack"}
-    if row_class != qc.MANY and fmt.startswith("int4") and not fmt.endswith("asym") and not native.int8x_unavailable():
+    scheme = qc.parse_format(fmt)[0]
+    if row_class != qc.MANY and not fmt.endswith("asym") and not native.int8x_unavailable(scheme=scheme):
         expected |= {"c-int8x"}
     assert set(names) == expected
     group = qc.parse_format(fmt)[1]
@@ -106,17 +107,18 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
 
 
 @pytest.mark.parametrize("variant", INT8X_VARIANTS)
-@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128", "int8"])
 def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
-    # Where the variant's build has AVX-512 VNNI or AVX2; elsewhere (plain C) its kernel refuses with the reason.
-    group = qc.parse_format(fmt)[1]
+    # Where the variant's build has AVX-512 VNNI (int4) or AVX2; elsewhere (plain C) its kernel
+    # refuses with the reason.
+    scheme, group, _ = qc.parse_format(fmt)
     cols = WIDTHS[group][0]
     qw = weight(fmt, 13, cols)
     x = torch.randn(16, cols, dtype=torch.bfloat16)
     prefetch, into_all = qc.INT8X_PREFETCH
     run = native.gemv(prefetch, variant, into_all, int8_x=True)
-    if native.int8x_unavailable(variant):
-        with pytest.raises(RuntimeError, match="neither AVX-512 VNNI nor AVX2"):
+    if native.int8x_unavailable(variant, scheme):
+        with pytest.raises(RuntimeError, match="AVX2"):
             run(x[0], qw, torch.empty(13, dtype=torch.bfloat16))
         return
     singles = torch.empty(16, 13, dtype=torch.bfloat16)

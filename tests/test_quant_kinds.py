@@ -45,9 +45,11 @@ def test_each_family_has_every_row_class_with_the_reference_and_the_quant_candid
             assert kind is quant_kinds.KINDS[(family, rows)] and kind.setting == f"{family}-{rows}"
             names = [c.name for c in kind.candidates]
             assert names[0] == "torch" and kind.default == "torch" and not kind.by_name["torch"].measured
-            # Every candidate that can run the format is timed; c-int8x only int4's symmetric ones.
+            # Every candidate that can run the format is timed; c-int8x only int8's and int4's
+            # symmetric ones.
             assert set(kind.timed(fmt, cpu)) == {c.name for c in listed if not c.unavailable(fmt, cpu)}
-            assert ("c-int8x" in names) == (family == "int4" and rows != MANY)
+            assert ("c-int8x" in names) == (rows != MANY)
+            assert ("c-int8x" in kind.timed(fmt, cpu)) == (rows != MANY and not fmt.endswith("asym"))
             assert kind.timed(fmt, cpu) == [n for n in names[1:] if not kind.by_name[n].unavailable(fmt, cpu)]
 
 

@@ -11,7 +11,7 @@ order (and the roundings their notes state) is layout.quant_linear_reference.
 | name | rows | what |
 |---|---|---|
 | c, c-prefetch, c-prefetch-far, c-ahead | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
-| c-int8x | one, few | symmetric int4 against x rounded to int8 (gemv_int4_int8x.c): equals layout.quant_linear_int8x_reference instead |
+| c-int8x | one, few | int8 or symmetric int4 against x rounded to int8 (gemv_int8_int8x.c, gemv_int4_int8x.c): equals layout.quant_linear_int8x_reference instead |
 | int8pack | one, few, many | torch._weight_int8pack_mm |
 | int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
 | dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
@@ -74,8 +74,8 @@ def parse_format(fmt: str) -> tuple[str, int | None, bool] | None:
 
 
 def _compiled_unavailable(part: str):
-    """part "gemv": the scheme's GEMV library; "dequant": dequant.c; "int8x": gemv_int4_int8x.c
-    (symmetric int4 only)."""
+    """part "gemv": the scheme's GEMV library; "dequant": dequant.c; "int8x": the scheme's int8-x
+    kernel (int8, or symmetric int4)."""
 
     def why(fmt: str, device: torch.device) -> str:
         parsed = parse_format(fmt)
@@ -84,12 +84,12 @@ def _compiled_unavailable(part: str):
         if device.type != "cpu":
             return "the compiled quantized kernels run on a CPU"
         scheme, group, symmetric = parsed
-        if part == "int8x" and (scheme != "int4" or not symmetric):
-            return "c-int8x takes symmetric int4 weights"
+        if part == "int8x" and not symmetric:
+            return "c-int8x takes int8 or symmetric int4 weights"
         if scheme == "int4" and not native.int4_group_ok(group):
             return f"the compiled int4 kernels take groups of 32 or a multiple of 64, not {group}"
         if part == "int8x":
-            return native.unavailable("int4-int8x") or native.int8x_unavailable()
+            return native.unavailable(f"{scheme}-int8x") or native.int8x_unavailable(scheme=scheme)
         return native.unavailable(scheme if part == "gemv" else "dequant")
 
     return why
@@ -128,9 +128,9 @@ def _int8x(rows: str) -> QuantCandidate:
     prefetch, into_all = INT8X_PREFETCH
     return QuantCandidate(
         "c-int8x", rows, native.gemv(prefetch, into_all=into_all, int8_x=True),
-        "symmetric int4 against each x row rounded to int8 per 32 inputs, integer dot products: AVX-512 VNNI, else AVX2 (ops/quant/gemv_int4_int8x.c)",
-        "int4 symmetric; g32 or a multiple of 64; x rounded to int8", _compiled_unavailable("int8x"), native.prepare, "checked",
-        (native.SOURCES["int4-int8x"],), rounds_x=True,
+        "int8 or symmetric int4 against each x row rounded to int8 per 32 inputs, integer dot products: AVX2 (ops/quant/gemv_int8_int8x.c), AVX-512 VNNI or AVX2 for int4 (gemv_int4_int8x.c)",
+        "int8; int4 symmetric, g32 or a multiple of 64; x rounded to int8", _compiled_unavailable("int8x"), native.prepare, "checked",
+        (native.SOURCES["int4-int8x"], native.SOURCES["int8-int8x"]), rounds_x=True,
     )
 
 

@@ -235,13 +235,6 @@ static inline void tile(const struct q8 *q, int64_t r0, int64_t c0, int R, int C
 #include "run_tile.h"
 #undef TILE_Q
 
-/* The weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
-struct q8_weight {
-    const int8_t *w; /* [rows, n] */
-    const void *s;   /* [rows], dtype `kind` */
-    int64_t kind, rows, n;
-};
-
 /* Tile (r0, c0) of q8_gemm's call: its outputs times their rows' scales. */
 struct q8_call {
     struct q8 q;

@@ -142,21 +142,24 @@ def quant_linear_reference(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tens
     out.copy_(x.float() @ dequantize(qw).t())
 
 
-# The blocks of inputs x is quantized over where a kernel multiplies int8 x (gemv_int4_int8x.c).
+# The blocks of inputs x is quantized over where a kernel multiplies int8 x (gemv_int4_int8x.c,
+# gemv_int8_int8x.c).
 X_BLOCK = 32
 
 
 def quantize_x_int8(x: torch.Tensor) -> torch.Tensor:
-    """x [..., in] (in a multiple of X_BLOCK) -> the fp32 values an int8-x kernel multiplies: per
-    block of X_BLOCK inputs, scale = its largest |x| / 127, each input rint(x * 127 / largest)
+    """x [..., in] -> the fp32 values an int8-x kernel multiplies: per block of X_BLOCK inputs (the
+    last one padded with zeros), scale = its largest |x| / 127, each input rint(x * 127 / largest)
     times that scale, computed in fp32 as the kernel computes them."""
-    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // X_BLOCK, X_BLOCK)
+    n = x.shape[-1]
+    xf = torch.nn.functional.pad(x.float(), (0, -n % X_BLOCK))
+    xf = xf.reshape(*x.shape[:-1], xf.shape[-1] // X_BLOCK, X_BLOCK)
     big = xf.abs().amax(dim=-1, keepdim=True)
     # Divisions of two tensors: torch takes `127.0 / t` as a reciprocal times 127, which rounds
     # differently from the kernel's one division.
     c127 = torch.full_like(big, 127.0)
     inv = torch.where(big > 0, c127 / big, torch.zeros_like(big))
-    return (torch.round(xf * inv) * (big / c127)).reshape(x.shape)
+    return (torch.round(xf * inv) * (big / c127)).reshape(*x.shape[:-1], -1)[..., :n]
 
 
 def quant_linear_int8x_reference(x: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> None:

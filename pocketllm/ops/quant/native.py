@@ -22,7 +22,10 @@ from pocketllm import compiled
 from pocketllm.ops.quant.layout import QuantizedWeight
 
 HERE = Path(__file__).parent
-SOURCES = {"int4": HERE / "gemv_int4.c", "int8": HERE / "gemv_int8.c", "dequant": HERE / "dequant.c", "int4-int8x": HERE / "gemv_int4_int8x.c"}
+SOURCES = {
+    "int4": HERE / "gemv_int4.c", "int8": HERE / "gemv_int8.c", "dequant": HERE / "dequant.c",
+    "int4-int8x": HERE / "gemv_int4_int8x.c", "int8-int8x": HERE / "gemv_int8_int8x.c",
+}
 # The scale dtypes the kernels read as stored, by the code quant.h gives them.
 SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -33,6 +36,8 @@ _SIGNATURES = {
     "q4_dequant": (None, [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]),
     "q8_dequant": (None, [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
     "q4x_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "q8x_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "q8x_isa": (ctypes.c_char_p, []),
     "q4_isa": (ctypes.c_char_p, []),
     "q4x_isa": (ctypes.c_char_p, []),
     "q8_isa": (ctypes.c_char_p, []),
@@ -60,17 +65,17 @@ def unavailable(name: str, isa: str = "native") -> str:
 
 
 def isa(scheme: str, variant: str = "native") -> str:
-    """The instruction set the scheme's GEMV (or "int4-int8x") was built for, or why it was not."""
+    """The instruction set the scheme's GEMV (or "int4-int8x", "int8-int8x") was built for, or why it was not."""
     lib, why = library(scheme, variant)
     if lib is None:
         return f"unavailable: {why}"
-    fn = {"int4": "q4_isa", "int8": "q8_isa", "int4-int8x": "q4x_isa"}[scheme]
+    fn = {"int4": "q4_isa", "int8": "q8_isa", "int4-int8x": "q4x_isa", "int8-int8x": "q8x_isa"}[scheme]
     return getattr(lib, fn)().decode()
 
 
-def int8x_unavailable(variant: str = "native") -> str:
-    """Why gemv_int4_int8x.c's kernel cannot run here ("" when it can)."""
-    what = isa("int4-int8x", variant)
+def int8x_unavailable(variant: str = "native", scheme: str = "int4") -> str:
+    """Why the scheme's int8-x kernel (gemv_int4_int8x.c, gemv_int8_int8x.c) cannot run here ("" when it can)."""
+    what = isa(f"{scheme}-int8x", variant)
     return what if what.startswith("unavailable") else ""
 
 
@@ -218,11 +223,11 @@ def blocked_product(x: torch.Tensor, w: CompiledWeight, out: torch.Tensor, block
 
 
 def _function(scheme: str, variant: str, int8_x: bool):
-    source = "int4-int8x" if int8_x else scheme
+    source = f"{scheme}-int8x" if int8_x else scheme
     lib, why = library(source, variant)
     if lib is None:
         raise RuntimeError(why)
-    return getattr(lib, {"int4": "q4_gemm", "int8": "q8_gemm", "int4-int8x": "q4x_gemm"}[source])
+    return getattr(lib, {"int4": "q4_gemm", "int8": "q8_gemm", "int4-int8x": "q4x_gemm", "int8-int8x": "q8x_gemm"}[source])
 
 
 def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False):
@@ -230,8 +235,8 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
     bytes ahead (0: none), non-temporally or, `into_all`, into every cache level: run(x, w, out), x [in] or [m, in],
     w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
     fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
-    which multiplies the reference's very weights. `int8_x`: gemv_int4_int8x.c's kernel, which
-    rounds bf16 x to int8 first (symmetric int4 weights only)."""
+    which multiplies the reference's very weights. `int8_x`: the scheme's int8-x kernel
+    (gemv_int4_int8x.c for symmetric int4, gemv_int8_int8x.c), which rounds bf16 x to int8 first."""
     name = f"quantized GEMV ({variant}{', int8 x' if int8_x else ''})"
     fns = {}  # scheme -> its C function, looked up (and built) on the first call
 
@@ -246,8 +251,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
             blocked_product(x, w, out, torch.float32, variant)
             return
         fn = fn_for(w.scheme)
-        # An int8-x call on int8 weights would read them as nibbles: refused before the C.
-        rc = -3 if int8_x and w.scheme != "int4" else fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
+        rc = fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
         if rc != 0:
             _failed(name, rc, w, m, variant)
 
@@ -266,9 +270,9 @@ def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str) -> None
     """The one error a compiled GEMV's return code `rc` stands for (checked off the hot path)."""
     if rc == -1:
         raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
-    if w.scheme != "int4" or w.qw.zeros is not None:
-        raise ValueError(f"{name}: takes symmetric int4 weights, got {w.scheme}{' with zero points' if w.scheme == 'int4' else ''}")
-    raise RuntimeError(f"{name}: {isa('int4-int8x', variant)}")
+    if w.scheme == "int4" and w.qw.zeros is not None:
+        raise ValueError(f"{name}: takes symmetric int4 weights, got int4 with zero points")
+    raise RuntimeError(f"{name}: {isa(f'{w.scheme}-int8x', variant)}")
 
 
 def dequantize_rows(w, r0: int, r1: int, block: torch.Tensor, variant: str = "native") -> None:

@@ -130,6 +130,13 @@ static inline __m512i lane_groups(int64_t group) {
 }
 #endif
 
+/* An int8 weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
+struct q8_weight {
+    const int8_t *w; /* [rows, n] */
+    const void *s;   /* [rows], dtype `kind` */
+    int64_t kind, rows, n;
+};
+
 /* An int4 weight as the Python side describes it once (pocketllm/ops/quant/native.py). */
 struct q4_weight {
     const uint8_t *w; /* [rows, n/2] */

@@ -36,9 +36,8 @@ def _candidate(c: qc.QuantCandidate) -> Candidate:
 
 
 def _of_family(family: str, candidates) -> tuple[Candidate, ...]:
-    # Each family's kinds hold the candidates that can run it (torch's pack ops are per scheme,
-    # the int8-x tiles int4's).
-    return tuple(_candidate(c) for c in candidates if (not c.name.endswith("pack") or c.name.startswith(family)) and not (c.rounds_x and family != "int4"))
+    # Each family's kinds hold the candidates that can run it (torch's pack ops are per scheme).
+    return tuple(_candidate(c) for c in candidates if not c.name.endswith("pack") or c.name.startswith(family))
 
 
 _TORCH = "the weight dequantized to fp32 by torch a block of rows at a time, torch's fp32 GEMM; never timed"

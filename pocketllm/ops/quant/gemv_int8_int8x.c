@@ -1,0 +1,141 @@
+/* Y = X W^T for int8 weights (one scale per row, the layout of gemv_int8.c) and a few bf16 rows X,
+ * with each x row first quantized to int8 as gemv_int4_int8x.c does it: blocks of 32 inputs,
+ * scale = the block's largest |x| / 127, each input rint(x * 127 / largest). A block's 32 products
+ * are then an exact integer sum (AVX2: vpsignb moves each weight's sign onto x, vpmaddubsw then
+ * vpmaddwd sum the bytes), converted once and multiplied by the block's scale, where gemv_int8.c's
+ * AVX2 tile widens every weight to fp32 and runs out of instructions before a fast memory runs out
+ * of bytes. The reference is layout.quant_linear_int8x_reference, which rounds x the same way.
+ *
+ * One weight row at a time against up to four x rows: a thread's weight is then one sequential
+ * stream, which the hardware prefetchers follow (four rows at a time read four streams, slower on
+ * some cores: docs/quantization.md). A row's blocks go alternately into two fp32 sums, so the
+ * FMA chain is not what limits one row alone; every (weight row, x row) pair is summed by the same
+ * operations in a one-row and a few-row call, so their rows agree bit for bit.
+ *
+ * Built where the compiler targets AVX2 (AVX-512 builds included); elsewhere q8x_isa says why not
+ * and q8x_gemm returns -2.
+ */
+#include <stdint.h>
+
+#include "quant.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <math.h>
+
+#define TILE_R 1
+#define TILE_C 4
+const char *q8x_isa(void) { return "avx2"; }
+
+/* One x row's int8 form: the inputs padded with zeros to whole blocks, then one fp32 scale per
+ * block, the whole padded to 64 bytes. */
+static inline int64_t blocks(int64_t n) { return (n + 31) / 32; }
+static inline int64_t xq_bytes(int64_t n) { return (blocks(n) * 36 + 63) / 64 * 64; }
+
+static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
+    float *scale = (float *)(out + blocks(n) * 32);
+    for (int64_t b = 0; b < blocks(n); b++) {
+        float v[32], big = 0.f;
+        for (int i = 0; i < 32; i++) {
+            v[i] = b * 32 + i < n ? bf16_to_f32(x[b * 32 + i]) : 0.f;
+            const float a = v[i] < 0.f ? -v[i] : v[i];
+            big = a > big ? a : big;
+        }
+        const float inv = big > 0.f ? 127.f / big : 0.f;
+        for (int i = 0; i < 32; i++) out[b * 32 + i] = (int8_t)rintf(v[i] * inv);
+        scale[b] = big / 127.f;
+    }
+}
+
+struct q8v {
+    const int8_t *w;
+    int64_t rows, n;
+    const int8_t *xq; /* the x rows' int8 form (quantize_x), xq_bytes(n) apart */
+};
+
+/* Block b of weight row r: 32 bytes, zeros past the row's end (they meet x's zero padding). */
+static inline __m256i block(const struct q8v *q, int64_t r, int64_t b) {
+    const int8_t *p = q->w + r * q->n + b * 32;
+    const int64_t left = q->n - b * 32;
+    if (left >= 32) return _mm256_loadu_si256((const __m256i *)p);
+    int8_t tail[32] = {0};
+    memcpy(tail, p, (size_t)left);
+    return _mm256_loadu_si256((const __m256i *)tail);
+}
+
+/* The exact integer products of one block: weight v against x bytes xv, eight int32 lanes. */
+static inline __m256 block_sum(__m256i v, __m256i xv) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v)), _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q8v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    (void)R;
+    const int64_t nb = blocks(q->n), xbytes = xq_bytes(q->n);
+    const int8_t *xq = q->xq + c0 * xbytes;
+    __m256 a0[TILE_C], a1[TILE_C];
+    UNROLL for (int c = 0; c < C; c++) a0[c] = a1[c] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const __m256i v0 = block(q, r0, b), v1 = block(q, r0, b + 1);
+        UNROLL for (int c = 0; c < C; c++) {
+            const int8_t *xs = xq + c * xbytes;
+            const float *d = (const float *)(xs + nb * 32) + b;
+            a0[c] = _mm256_fmadd_ps(block_sum(v0, _mm256_loadu_si256((const __m256i *)(xs + b * 32))), _mm256_broadcast_ss(d), a0[c]);
+            a1[c] = _mm256_fmadd_ps(block_sum(v1, _mm256_loadu_si256((const __m256i *)(xs + b * 32 + 32))), _mm256_broadcast_ss(d + 1), a1[c]);
+        }
+    }
+    if (b < nb) { /* an odd last block goes into the first sum */
+        const __m256i v0 = block(q, r0, b);
+        UNROLL for (int c = 0; c < C; c++) {
+            const int8_t *xs = xq + c * xbytes;
+            a0[c] = _mm256_fmadd_ps(block_sum(v0, _mm256_loadu_si256((const __m256i *)(xs + b * 32))), _mm256_broadcast_ss((const float *)(xs + nb * 32) + b), a0[c]);
+        }
+    }
+    UNROLL for (int c = 0; c < C; c++) {
+        const __m256 a = _mm256_add_ps(a0[c], a1[c]);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        o[0][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+}
+
+#define TILE_Q struct q8v
+#include "run_tile.h"
+#undef TILE_Q
+
+/* Tile (r0, c0) of q8x_gemm's call: its outputs times their row's scale. */
+struct q8x_call {
+    struct q8v q;
+    const struct q8_weight *wt;
+    uint16_t *y;
+};
+static void q8x_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
+    const struct q8x_call *k = ctx;
+    float o[TILE_R][TILE_C];
+    run_tile(&k->q, r0, c0, R, C, o);
+    const float s = scale_at(k->wt->s, k->wt->kind, r0);
+    UNROLL for (int c = 0; c < C; c++) k->y[(c0 + c) * k->wt->rows + r0] = f32_to_bf16(o[0][c] * s);
+}
+
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch and into_all are q8_gemm's arguments,
+ * unused: a single stream per thread is what the hardware prefetchers follow, and a software
+ * prefetch on top measured slower. Returns 0, or -1 when x's scratch could not be allocated
+ * (nothing written). */
+int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+    (void)prefetch, (void)into_all;
+    const int64_t rows = wt->rows, n = wt->n, xbytes = xq_bytes(n);
+    int8_t *xq = scratch((size_t)(m * xbytes));
+    if (xq == NULL) return -1;
+    for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
+    struct q8x_call k = {{wt->w, rows, n, xq}, wt, y};
+    run_tiles(&k, q8x_tile, rows, m, TILE_R, TILE_C, wt->w, n, 0);
+    return 0;
+}
+
+#else
+const char *q8x_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2"; }
+int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)into_all;
+    return -2;
+}
+#endif
