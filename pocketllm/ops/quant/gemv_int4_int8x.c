@@ -187,9 +187,13 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
     int64_t g = 0, into = 0;
     for (int64_t e = 0; e < q->n; e += 128) {
         const int64_t gh[2] = {g, q->group == 32 ? g + 2 : g + (into + 64 >= q->group)};
+        /* Each row's scales for a half, read again for the second half only where its group differs. */
+        __m256 sw[TILE_R];
         for (int h = 0; h < 2; h++) {
             const int64_t i0 = e + 64 * h, left = (q->n - i0) / 2; /* weight bytes left in the row */
             if (left <= 0) break;
+            if (h == 0 || q->group == 32 || gh[1] != gh[0])
+                UNROLL for (int r = 0; r < R; r++) sw[r] = half_scales(q, (r0 + r) * q->ng + gh[h], i0 + 32 < q->n);
             UNROLL for (int r = 0; r < R; r++) {
                 const uint8_t *p = q->w + (r0 + r) * nb + i0 / 2;
                 if (pf && h == 0) prefetch_weight((const char *)p + pf, q->pf_all);
@@ -202,7 +206,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
                     v = _mm256_loadu_si256((const __m256i *)tail);
                 }
                 const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                const __m256 sw = half_scales(q, (r0 + r) * q->ng + gh[h], i0 + 32 < q->n);
+
                 UNROLL for (int c = 0; c < C; c++) {
                     const int8_t *xs = xq + c * xbytes + e * 2;
                     const __m256i xe = _mm256_loadu_si256((const __m256i *)(xs + 32 * h)), xo = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
@@ -210,7 +214,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
                     __m256i t = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
                     t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h)));
                     const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_loadu_ps((const float *)(xs + 192) + 8 * h));
-                    acc[r][c] = _mm256_fmadd_ps(f, sw, acc[r][c]);
+                    acc[r][c] = _mm256_fmadd_ps(f, sw[r], acc[r][c]);
                 }
             }
         }
