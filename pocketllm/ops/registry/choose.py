@@ -165,6 +165,13 @@ def _valid(entry, names: list[str]) -> dict | None:
     return picked if all(math.isfinite(s) and s > 0 for s in picked.values()) else None
 
 
+def _lacking(entry, names: list[str]) -> list[str]:
+    """The candidates `names` an otherwise well-formed entry holds no time for."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), dict):
+        return []
+    return [n for n in names if n not in entry["seconds"]]
+
+
 _read_rate: float | None = None
 
 
@@ -242,7 +249,10 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
             key, why = next(iter(disagree.items()))
             reason = f"re-measured: cached {_name(key)} disagreed ({why})"
     elif any(ck in stored for ck in ckeys.values()):
-        reason = "re-measured: cached entry unreadable"
+        # An entry written before a candidate could run here (a kernel added, or one whose
+        # unavailability has gone) is whole but short of it: say which, not that it is broken.
+        lacking = sorted({n for ck in ckeys.values() for n in _lacking(stored.get(ck), names)})
+        reason = f"re-measured: cached entry lacks {', '.join(lacking)}" if lacking else "re-measured: cached entry unreadable"
     seconds, verdict, bad = measure_trusted(kind, weights, rows, names, nbytes, monitor)
     by_key = {k: pick(kind, {n: seconds[k][n] for n in allowed_for(k)}) for k in keys}
     if verdict.disturbed or bad:
