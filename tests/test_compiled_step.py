@@ -24,6 +24,9 @@ COMPILED = {"POCKETLLM_KERNELS": "one-row=c-prefetch,int8-one-row=c-ahead,int4-o
 def _engine(monkeypatch, scheme: str | None):
     for name, value in COMPILED.items():
         monkeypatch.setenv(name, value)
+    if scheme == "int8-int8x":  # int8 weights against int8 x (ops/quant/gemv_int8_int8x.c)
+        monkeypatch.setenv("POCKETLLM_KERNELS", COMPILED["POCKETLLM_KERNELS"].replace("int8-one-row=c-ahead", "int8-one-row=c-int8x"))
+        scheme = "int8"
     cfg = get_preset("tiny")
     if scheme:
         cfg = dataclasses.replace(cfg, weights=WeightPlan(parse_scheme(scheme)))
@@ -37,7 +40,7 @@ def _decode(engine, prompt: list[int], steps: list[int]) -> tuple[list[torch.Ten
     return logits, [s.recurrent.clone() for s in engine.slots[0] if hasattr(s, "recurrent")]
 
 
-@pytest.mark.parametrize("scheme", [None, "int8", "int4-g32"])
+@pytest.mark.parametrize("scheme", [None, "int8", "int8-int8x", "int4-g32"])
 def test_a_step_as_one_call_gives_the_layers_bits(monkeypatch, scheme):
     # Attention splits the cache over both threads from a few positions on (as it does past
     # thousands at the real sizes), and the steps cross KV blocks. The step is described under one
