@@ -125,6 +125,10 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
             if c.name in qc.GEMV_PREFETCH:  # the compiled candidate built for --isa (the registry's is native)
                 prefetch, into_all = qc.GEMV_PREFETCH[c.name]
                 run = native.gemv(prefetch, isa, into_all)
+            elif c.name == "c-int8x-4":
+                if native.isa("int8-int8x", isa) not in native.INT8X_FOUR_ISAS:
+                    continue  # no such tile in the --isa build
+                run = native.gemv(0, isa, int8_x=True, four=True)
             elif c.rounds_x:
                 prefetch, into_all = qc.INT8X_PREFETCH
                 run = native.gemv(prefetch, isa, into_all, int8_x=True)

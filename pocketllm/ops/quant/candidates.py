@@ -12,6 +12,7 @@ order (and the roundings their notes state) is layout.quant_linear_reference.
 |---|---|---|
 | c, c-prefetch, c-prefetch-far, c-ahead | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
 | c-int8x | one, few | int8 or symmetric int4 against x rounded to int8 (gemv_int8_int8x.c, gemv_int4_int8x.c): equals layout.quant_linear_int8x_reference instead |
+| c-int8x-4 | few | int8 c-int8x four weight rows a tile (AVX-512 VNNI), the same bits |
 | int8pack | one, few, many | torch._weight_int8pack_mm |
 | int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
 | dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
@@ -134,6 +135,25 @@ def _int8x(rows: str) -> QuantCandidate:
     )
 
 
+def _int8x_four_unavailable(fmt: str, device: torch.device) -> str:
+    why = _compiled_unavailable("int8x")(fmt, device)
+    if why:
+        return why
+    if fmt != "int8":
+        return "c-int8x-4 takes int8 weights"
+    what = native.isa("int8-int8x")
+    return "" if what in native.INT8X_FOUR_ISAS else f"no four-row int8-x tile in the {what} build"
+
+
+# c-int8x's few-row form four weight rows at a time: each x load then serves four rows, which pays
+# where a step's x rows outgrow L1 (wide layers) and costs where they do not; the same bits.
+_INT8X_FOUR = QuantCandidate(
+    "c-int8x-4", FEW, native.gemv(0, int8_x=True, four=True),
+    "c-int8x four int8 weight rows at a time against up to four x rows (AVX-512 VNNI, ops/quant/gemv_int8_int8x.c)",
+    "int8; x rounded to int8", _int8x_four_unavailable, native.prepare, "checked", (native.SOURCES["int8-int8x"],), rounds_x=True,
+)
+
+
 def _torch(name: str, rows: str) -> QuantCandidate:
     if name == "int8pack":
         return QuantCandidate(
@@ -161,6 +181,7 @@ FEW_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c-prefetch-far", FEW, "the same, PREFETCH_FAR_BYTES ahead"),
     _gemv("c-ahead", FEW, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level"),
     _int8x(FEW),
+    _INT8X_FOUR,
     _torch("int8pack", FEW),
     _torch("int4pack", FEW),
 )

@@ -6,25 +6,109 @@
  * AVX2 tile widens every weight to fp32 and runs out of instructions before a fast memory runs out
  * of bytes. The reference is layout.quant_linear_int8x_reference, which rounds x the same way.
  *
- * One weight row at a time against up to four x rows: a thread's weight is then one sequential
- * stream, which the hardware prefetchers follow (four rows at a time read four streams, slower on
+ * One weight row at a time against up to four x rows (AVX2; AVX-512 below): a thread's weight is
+ * then one sequential stream, which the hardware prefetchers follow (four rows at a time read four streams, slower on
  * some cores: docs/quantization.md). A row's blocks go alternately into two fp32 sums, so the
  * FMA chain is not what limits one row alone; every (weight row, x row) pair is summed by the same
  * operations in a one-row and a few-row call, so their rows agree bit for bit.
  *
- * Built where the compiler targets AVX2 (AVX-512 builds included); elsewhere q8x_isa says why not
- * and q8x_gemm returns -2.
+ * With AVX-512 VNNI (and BW, VL) the same sums take 64 weights at a time: vpabsb, x negated under
+ * the mask of the negative weights, one vpdpbusd into sixteen int32 lanes (two blocks' eight each),
+ * one conversion and one FMA against the two blocks' scales, one sum per pair: a row alone has
+ * 64 bytes per FMA's latency, enough. Else AVX2 as above; elsewhere q8x_isa says why not and
+ * q8x_gemm returns -2.
  */
 #include <stdint.h>
 
 #include "quant.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define INT8X_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INT8X_AVX2
+#endif
+
+#if defined(INT8X_AVX512) || defined(INT8X_AVX2)
 #include <immintrin.h>
 #include <math.h>
 
-#define TILE_R 1
 #define TILE_C 4
+
+struct q8v {
+    const int8_t *w;
+    int64_t rows, n;
+    const int8_t *xq; /* the x rows' int8 form (quantize_x), xq_bytes(n) apart */
+};
+
+/* Block b (32 inputs) of x rounded: `out` its int8 values, returns its scale. */
+static float round_block(const uint16_t *x, int64_t n, int64_t b, int8_t *out) {
+    float v[32], big = 0.f;
+    for (int i = 0; i < 32; i++) {
+        v[i] = b * 32 + i < n ? bf16_to_f32(x[b * 32 + i]) : 0.f;
+        const float a = v[i] < 0.f ? -v[i] : v[i];
+        big = a > big ? a : big;
+    }
+    const float inv = big > 0.f ? 127.f / big : 0.f;
+    for (int i = 0; i < 32; i++) out[i] = (int8_t)rintf(v[i] * inv);
+    return big / 127.f;
+}
+#endif
+
+#ifdef INT8X_AVX512
+/* One weight row at a time (one stream per thread), or four (q8x_gemm4: each x load serves four
+ * weight rows, which pays where the x rows outgrow L1 and costs where they do not: a candidate). */
+#define TILE_R 4
+const char *q8x_isa(void) { return "avx512_vnni"; }
+
+/* One x row's int8 form, per 64 inputs (zeros past n): the 64 values, then sixteen fp32 scales,
+ * the first block's for lanes 0-7 and the second's for 8-15, as vpdpbusd's lanes lie. */
+static inline int64_t steps(int64_t n) { return (n + 63) / 64; }
+static inline int64_t xq_bytes(int64_t n) { return steps(n) * 128; }
+
+static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
+    for (int64_t st = 0; st < steps(n); st++) {
+        int8_t *o = out + st * 128;
+        float *scale = (float *)(o + 64);
+        for (int h = 0; h < 2; h++) {
+            const float d = round_block(x, n, 2 * st + h, o + 32 * h);
+            for (int k = 0; k < 8; k++) scale[8 * h + k] = d;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const struct q8v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    const int64_t ns = steps(q->n), xbytes = xq_bytes(q->n);
+    const int8_t *xq = q->xq + c0 * xbytes, *w = q->w + r0 * q->n;
+    __m512 acc[TILE_R][TILE_C];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t st = 0; st < ns; st++) {
+        const int64_t left = q->n - st * 64;
+        const __mmask64 in = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        __m512i xv[TILE_C];
+        __m512 xd[TILE_C];
+        UNROLL for (int c = 0; c < C; c++) {
+            const int8_t *xs = xq + c * xbytes + st * 128;
+            xv[c] = _mm512_loadu_si512((const void *)xs);
+            xd[c] = _mm512_loadu_ps((const float *)(xs + 64));
+        }
+        UNROLL for (int r = 0; r < R; r++) {
+            const __m512i v = _mm512_maskz_loadu_epi8(in, w + r * q->n + st * 64);
+            const __mmask64 neg = _mm512_movepi8_mask(v);
+            const __m512i av = _mm512_abs_epi8(v);
+            UNROLL for (int c = 0; c < C; c++) {
+                const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), av, _mm512_mask_sub_epi8(xv[c], neg, _mm512_setzero_si512(), xv[c]));
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), xd[c], acc[r][c]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int c = 0; c < C; c++) o[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+#endif
+
+#ifdef INT8X_AVX2
+#define TILE_R 1
 const char *q8x_isa(void) { return "avx2"; }
 
 /* One x row's int8 form: the inputs padded with zeros to whole blocks, then one fp32 scale per
@@ -34,24 +118,8 @@ static inline int64_t xq_bytes(int64_t n) { return (blocks(n) * 36 + 63) / 64 * 
 
 static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
     float *scale = (float *)(out + blocks(n) * 32);
-    for (int64_t b = 0; b < blocks(n); b++) {
-        float v[32], big = 0.f;
-        for (int i = 0; i < 32; i++) {
-            v[i] = b * 32 + i < n ? bf16_to_f32(x[b * 32 + i]) : 0.f;
-            const float a = v[i] < 0.f ? -v[i] : v[i];
-            big = a > big ? a : big;
-        }
-        const float inv = big > 0.f ? 127.f / big : 0.f;
-        for (int i = 0; i < 32; i++) out[b * 32 + i] = (int8_t)rintf(v[i] * inv);
-        scale[b] = big / 127.f;
-    }
+    for (int64_t b = 0; b < blocks(n); b++) scale[b] = round_block(x, n, b, out + b * 32);
 }
-
-struct q8v {
-    const int8_t *w;
-    int64_t rows, n;
-    const int8_t *xq; /* the x rows' int8 form (quantize_x), xq_bytes(n) apart */
-};
 
 /* Block b of weight row r: 32 bytes, zeros past the row's end (they meet x's zero padding). */
 static inline __m256i block(const struct q8v *q, int64_t r, int64_t b) {
@@ -98,6 +166,9 @@ static inline __attribute__((always_inline)) void tile(const struct q8v *q, int6
         o[0][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
     }
 }
+#endif
+
+#if defined(INT8X_AVX512) || defined(INT8X_AVX2)
 
 #define TILE_Q struct q8v
 #include "run_tile.h"
@@ -113,29 +184,45 @@ static void q8x_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
     const struct q8x_call *k = ctx;
     float o[TILE_R][TILE_C];
     run_tile(&k->q, r0, c0, R, C, o);
-    const float s = scale_at(k->wt->s, k->wt->kind, r0);
-    UNROLL for (int c = 0; c < C; c++) k->y[(c0 + c) * k->wt->rows + r0] = f32_to_bf16(o[0][c] * s);
+    UNROLL for (int r = 0; r < R; r++) {
+        const float s = scale_at(k->wt->s, k->wt->kind, r0 + r);
+        UNROLL for (int c = 0; c < C; c++) k->y[(c0 + c) * k->wt->rows + r0 + r] = f32_to_bf16(o[r][c] * s);
+    }
 }
 
-/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch and into_all are q8_gemm's arguments,
- * unused: a single stream per thread is what the hardware prefetchers follow, and a software
- * prefetch on top measured slower. Returns 0, or -1 when x's scratch could not be allocated
- * (nothing written). */
-int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)prefetch, (void)into_all;
+static int q8x_run(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t tr) {
     const int64_t rows = wt->rows, n = wt->n, xbytes = xq_bytes(n);
     int8_t *xq = scratch((size_t)(m * xbytes));
     if (xq == NULL) return -1;
     for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
     struct q8x_call k = {{wt->w, rows, n, xq}, wt, y};
-    run_tiles(&k, q8x_tile, rows, m, TILE_R, TILE_C, wt->w, n, 0);
+    run_tiles(&k, q8x_tile, rows, m, tr, TILE_C, wt->w, tr * n, 0);
     return 0;
 }
 
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r], one weight row at a time. prefetch and into_all
+ * are q8_gemm's arguments, unused: a single stream per thread is what the hardware prefetchers
+ * follow, and a software prefetch on top measured slower. Returns 0, or -1 when x's scratch could
+ * not be allocated (nothing written). */
+int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+    (void)prefetch, (void)into_all;
+    return q8x_run(wt, x, y, m, 1);
+}
+
+/* The same four weight rows at a time where the build has that tile (AVX-512 VNNI); -2 elsewhere.
+ * Each output's bits are q8x_gemm's. */
+int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+    (void)prefetch, (void)into_all;
+    return TILE_R >= 4 ? q8x_run(wt, x, y, m, 4) : -2;
+}
+
 #else
-const char *q8x_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2"; }
+const char *q8x_isa(void) { return "unavailable: the CPU (or the compiler) has neither AVX-512 VNNI nor AVX2"; }
 int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
     (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)into_all;
     return -2;
+}
+int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+    return q8x_gemm(wt, x, y, m, prefetch, into_all);
 }
 #endif

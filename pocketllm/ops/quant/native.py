@@ -37,6 +37,7 @@ _SIGNATURES = {
     "q8_dequant": (None, [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]),
     "q4x_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q8x_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "q8x_gemm4": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q8x_isa": (ctypes.c_char_p, []),
     "q4_isa": (ctypes.c_char_p, []),
     "q4x_isa": (ctypes.c_char_p, []),
@@ -222,26 +223,35 @@ def blocked_product(x: torch.Tensor, w: CompiledWeight, out: torch.Tensor, block
             out2[:, o0:o1] = xc @ blk.t()
 
 
-def _function(scheme: str, variant: str, int8_x: bool):
+def _function(scheme: str, variant: str, int8_x: bool, four: bool = False):
     source = f"{scheme}-int8x" if int8_x else scheme
     lib, why = library(source, variant)
     if lib is None:
         raise RuntimeError(why)
+    if four:
+        if source != "int8-int8x":
+            raise ValueError(f"the four-row int8-x tile takes int8 weights, got {scheme}")
+        return lib.q8x_gemm4
     return getattr(lib, {"int4": "q4_gemm", "int8": "q8_gemm", "int4-int8x": "q4x_gemm", "int8-int8x": "q8x_gemm"}[source])
 
 
-def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False):
+# The int8-x builds with the four-weight-row tile (gemv_int8_int8x.c q8x_gemm4).
+INT8X_FOUR_ISAS = ("avx512_vnni",)
+
+
+def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False, four: bool = False):
     """The compiled one-row/few-row kernel for either scheme, each weight load prefetched `prefetch`
     bytes ahead (0: none), non-temporally or, `into_all`, into every cache level: run(x, w, out), x [in] or [m, in],
     w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
     fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
     which multiplies the reference's very weights. `int8_x`: the scheme's int8-x kernel
-    (gemv_int4_int8x.c for symmetric int4, gemv_int8_int8x.c), which rounds bf16 x to int8 first."""
-    name = f"quantized GEMV ({variant}{', int8 x' if int8_x else ''})"
+    (gemv_int4_int8x.c for symmetric int4, gemv_int8_int8x.c), which rounds bf16 x to int8 first;
+    with `four`, int8's four-weight-row tile (the same bits)."""
+    name = f"quantized GEMV ({variant}{', int8 x' if int8_x else ''}{', four rows' if four else ''})"
     fns = {}  # scheme -> its C function, looked up (and built) on the first call
 
     def fn_for(scheme: str):
-        return fns.get(scheme) or fns.setdefault(scheme, _function(scheme, variant, int8_x))
+        return fns.get(scheme) or fns.setdefault(scheme, _function(scheme, variant, int8_x, four))
 
     def run(x, w, out) -> None:
         if type(w) is not CompiledWeight:
@@ -253,7 +263,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         fn = fn_for(w.scheme)
         rc = fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
         if rc != 0:
-            _failed(name, rc, w, m, variant)
+            _failed(name, rc, w, m, variant, four)
 
     def native(w) -> tuple | None:
         """This kernel on a prepared weight as compiled code calls it (ops/fused/step_bf16.c, bf16
@@ -266,10 +276,12 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
     return run
 
 
-def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str) -> None:
+def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str, four: bool = False) -> None:
     """The one error a compiled GEMV's return code `rc` stands for (checked off the hot path)."""
     if rc == -1:
         raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
+    if four and isa("int8-int8x", variant) not in INT8X_FOUR_ISAS:
+        raise RuntimeError(f"{name}: no four-row int8-x tile in the {isa('int8-int8x', variant)} build")
     if w.scheme == "int4" and w.qw.zeros is not None:
         raise ValueError(f"{name}: takes symmetric int4 weights, got int4 with zero points")
     raise RuntimeError(f"{name}: {isa(f'{w.scheme}-int8x', variant)}")
