@@ -22,12 +22,6 @@
 
 #include "quant.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define INT8X_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define INT8X_AVX2
-#endif
-
 #if defined(INT8X_AVX512) || defined(INT8X_AVX2)
 #include <immintrin.h>
 #include <math.h>

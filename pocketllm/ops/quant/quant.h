@@ -60,6 +60,14 @@ static inline void prefetch_start(const void *from, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)from + b, 0, 0);
 }
 
+/* The path the int8-x kernels (x rounded to int8: gemv_int4_int8x.c, gemv_int8_int8x.c) compile:
+ * byte dot products with AVX-512 VNNI, else with AVX2, else none. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define INT8X_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INT8X_AVX2
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
