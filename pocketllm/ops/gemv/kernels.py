@@ -49,6 +49,7 @@ def mm_one_row(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
 
 
+_configured = None  # the library object whose entry points the names below hold
 _c_gemv = None
 _c_gemv_group = None
 _amx_gemm_rows = None
@@ -59,9 +60,12 @@ _amx_enabled: bool | None = None
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv
+    global _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv, _configured
     lib, why = compiled.load(SOURCE)
-    if lib is not None and _c_gemv is None:
+    # Each library object once: a process whose build changes (another POCKETLLM_ISA or cache
+    # directory, as tests run) gets a new one, whose entry points then take over.
+    if lib is not None and lib is not _configured:
+        _configured = lib
         lib.gemv_bf16.restype = None
         lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
         lib.gemv_bf16_group.restype = None
