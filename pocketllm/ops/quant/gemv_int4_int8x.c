@@ -26,7 +26,6 @@
 
 #if defined(INT8X_AVX512) || defined(INT8X_AVX2)
 #include <immintrin.h>
-#include <math.h>
 
 /* One x row's int8 form, per 128 inputs: 64 bytes of even inputs, 64 of odd ones, 16 lane starts
  * (int32) and 16 lane scales (fp32); n padded to 128 with zeros. */
@@ -131,31 +130,25 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
 #define TILE_C 2
 const char *q4x_isa(void) { return "avx2"; }
 
-/* The layout above in plain C (the compiler vectorizes its loops), rounding as the AVX-512 form:
- * rintf in the default to-nearest-even mode. */
+/* The layout above in plain C, each block rounded by quant.h's round_x_block (as the AVX-512 form
+ * rounds). */
 static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
     for (int64_t st = 0; st < (n + 127) / 128; st++) {
         int8_t *xe = out + st * 256, *xo = xe + 64;
         int32_t *start = (int32_t *)(xe + 128);
         float *scale = (float *)(xe + 192);
         for (int b = 0; b < 4; b++) {
-            const int64_t i0 = st * 128 + b * 32;
-            float v[32], big = 0.f;
-            for (int i = 0; i < 32; i++) {
-                v[i] = i0 + i < n ? bf16_to_f32(x[i0 + i]) : 0.f;
-                const float a = v[i] < 0.f ? -v[i] : v[i];
-                big = a > big ? a : big;
-            }
-            const float inv = big > 0.f ? 127.f / big : 0.f;
+            int8_t q[32];
+            const float d = round_x_block(x, n, st * 4 + b, q);
             for (int l = 0; l < 4; l++) {
                 int32_t sum = 0;
                 for (int j = 0; j < 4; j++) {
-                    const int8_t e = (int8_t)rintf(v[8 * l + 2 * j] * inv), o = (int8_t)rintf(v[8 * l + 2 * j + 1] * inv);
+                    const int8_t e = q[8 * l + 2 * j], o = q[8 * l + 2 * j + 1];
                     xe[16 * b + 4 * l + j] = e, xo[16 * b + 4 * l + j] = o;
                     sum += e + o;
                 }
                 start[4 * b + l] = -8 * sum;
-                scale[4 * b + l] = big / 127.f;
+                scale[4 * b + l] = d;
             }
         }
     }
@@ -201,7 +194,6 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
                     v = _mm256_loadu_si256((const __m256i *)tail);
                 }
                 const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-
                 UNROLL for (int c = 0; c < C; c++) {
                     const int8_t *xs = xq + c * xbytes + e * 2;
                     const __m256i xe = _mm256_loadu_si256((const __m256i *)(xs + 32 * h)), xo = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));

@@ -24,7 +24,6 @@
 
 #if defined(INT8X_AVX512) || defined(INT8X_AVX2)
 #include <immintrin.h>
-#include <math.h>
 
 #define TILE_C 4
 
@@ -34,18 +33,6 @@ struct q8v {
     const int8_t *xq; /* the x rows' int8 form (quantize_x), xq_bytes(n) apart */
 };
 
-/* Block b (32 inputs) of x rounded: `out` its int8 values, returns its scale. */
-static float round_block(const uint16_t *x, int64_t n, int64_t b, int8_t *out) {
-    float v[32], big = 0.f;
-    for (int i = 0; i < 32; i++) {
-        v[i] = b * 32 + i < n ? bf16_to_f32(x[b * 32 + i]) : 0.f;
-        const float a = v[i] < 0.f ? -v[i] : v[i];
-        big = a > big ? a : big;
-    }
-    const float inv = big > 0.f ? 127.f / big : 0.f;
-    for (int i = 0; i < 32; i++) out[i] = (int8_t)rintf(v[i] * inv);
-    return big / 127.f;
-}
 #endif
 
 #ifdef INT8X_AVX512
@@ -64,7 +51,7 @@ static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
         int8_t *o = out + st * 128;
         float *scale = (float *)(o + 64);
         for (int h = 0; h < 2; h++) {
-            const float d = round_block(x, n, 2 * st + h, o + 32 * h);
+            const float d = round_x_block(x, n, 2 * st + h, o + 32 * h);
             for (int k = 0; k < 8; k++) scale[8 * h + k] = d;
         }
     }
@@ -112,7 +99,7 @@ static inline int64_t xq_bytes(int64_t n) { return (blocks(n) * 36 + 63) / 64 * 
 
 static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
     float *scale = (float *)(out + blocks(n) * 32);
-    for (int64_t b = 0; b < blocks(n); b++) scale[b] = round_block(x, n, b, out + b * 32);
+    for (int64_t b = 0; b < blocks(n); b++) scale[b] = round_x_block(x, n, b, out + b * 32);
 }
 
 /* Block b of weight row r: 32 bytes, zeros past the row's end (they meet x's zero padding). */

@@ -68,6 +68,24 @@ static inline void prefetch_start(const void *from, int64_t bytes) {
 #define INT8X_AVX2
 #endif
 
+#if defined(INT8X_AVX512) || defined(INT8X_AVX2)
+#include <math.h>
+/* Block b (inputs 32b..32b+31, zeros past n) of a bf16 x row rounded as the int8-x kernels take
+ * it (layout.quantize_x_int8 is the reference): out[i] = rint(x * 127 / largest |x|) in the
+ * default to-nearest-even mode; returns the block's scale, largest / 127. */
+static inline float round_x_block(const uint16_t *x, int64_t n, int64_t b, int8_t out[32]) {
+    float v[32], big = 0.f;
+    for (int i = 0; i < 32; i++) {
+        v[i] = b * 32 + i < n ? bf16_to_f32(x[b * 32 + i]) : 0.f;
+        const float a = v[i] < 0.f ? -v[i] : v[i];
+        big = a > big ? a : big;
+    }
+    const float inv = big > 0.f ? 127.f / big : 0.f;
+    for (int i = 0; i < 32; i++) out[i] = (int8_t)rintf(v[i] * inv);
+    return big / 127.f;
+}
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
