@@ -126,7 +126,7 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
                 prefetch, into_all = qc.GEMV_PREFETCH[c.name]
                 run = native.gemv(prefetch, isa, into_all)
             elif c.name == "c-int8x-4":
-                if native.isa("int8-int8x", isa) not in native.INT8X_FOUR_ISAS:
+                if native.int8x_four_unavailable(isa):
                     continue  # no such tile in the --isa build
                 run = native.gemv(0, isa, int8_x=True, four=True)
             elif c.rounds_x:

@@ -127,6 +127,8 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     lib.gemm_rows_wide_bf16.argtypes, lib.gemm_rows_wide_bf16.restype = [p, p, p, i64, i64, i64, i64, i64], ctypes.c_int
     lib.gemv_bf16_isa.restype = ctypes.c_char_p
     lib_isa = lib.gemv_bf16_isa().decode()
+    # The grouped one-row form is the AVX2 build's (there one row alone waits on its FMA chain).
+    assert (lib.gemv_bf16_group_rows() > 1) == (lib_isa == "avx2"), lib_isa
     torch.manual_seed(1)
     # Random rows rarely show a different order after the bf16 rounding; rows whose sum cancels
     # 2^24 against -2^24 in one vector lane, beside a 1 in the next element, always do.

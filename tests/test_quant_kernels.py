@@ -67,7 +67,7 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
     scheme = qc.parse_format(fmt)[0]
     if row_class != qc.MANY and not fmt.endswith("asym") and not native.int8x_unavailable(scheme=scheme):
         expected |= {"c-int8x"}
-    if row_class == qc.FEW and fmt == "int8" and native.isa("int8-int8x") in native.INT8X_FOUR_ISAS:
+    if row_class == qc.FEW and fmt == "int8" and not native.int8x_four_unavailable():
         expected |= {"c-int8x-4"}
     assert set(names) == expected
     group = qc.parse_format(fmt)[1]
@@ -134,7 +134,7 @@ def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
     if scheme == "int8":
         # Four weight rows a tile (13 rows: three whole tiles and one row) where the build has it.
         four = native.gemv(0, variant, int8_x=True, four=True)
-        if native.isa("int8-int8x", variant) not in native.INT8X_FOUR_ISAS:
+        if native.int8x_four_unavailable(variant):
             with pytest.raises(RuntimeError, match="no four-row int8-x tile"):
                 four(x[:2].contiguous(), qw, torch.empty(2, 13, dtype=torch.bfloat16))
             return

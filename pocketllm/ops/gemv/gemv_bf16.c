@@ -344,6 +344,15 @@ void gemv_bf16_group(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t 
 #endif
 }
 
+/* The weight rows gemv_bf16_group takes at a time in this build (1: it is gemv_bf16). */
+int gemv_bf16_group_rows(void) {
+#ifdef DOT_GROUP
+    return DOT_GROUP;
+#else
+    return 1;
+#endif
+}
+
 #if defined(HAS_TILE) || defined(HAS_WIDE)
 /* x's m rows widened to fp32 in the per-thread scratch, where this build's tiles read them so
  * (NULL where they read x as it is); *failed set when the scratch could not grow. */

@@ -83,6 +83,7 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
         _amx_gemv = lib.gemv_amx_bf16
         lib.amx_bf16_enable.restype = ctypes.c_int
         lib.gemv_bf16_isa.restype = ctypes.c_char_p
+        lib.gemv_bf16_group_rows.restype = ctypes.c_int
         _c_gemv, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_amx_bf16
         _c_gemv_group = lib.gemv_bf16_group
         _c_rows.update(gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_next_bf16=lib.gemm_rows_next_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16)
@@ -138,7 +139,7 @@ def compiled_gemv(prefetch: int, ahead: int = 0, group: bool = False) -> Kernel:
     """The compiled GEMV; `prefetch` nonzero: each weight row is also asked for non-temporally a
     few rows ahead; `ahead` > 0: each 64 bytes of a row asked for into every cache level that many
     bytes before they are read (both 0: the hardware's prefetchers alone); `group`: four weight
-    rows at a time (gemv_bf16_group, built where GROUP_ISAS says), each row's bits the same."""
+    rows at a time (gemv_bf16_group, where the build has that form), each row's bits the same."""
     symbol = "gemv_bf16_group" if group else "gemv_bf16"
 
     def entry():
@@ -159,17 +160,20 @@ def compiled_gemv(prefetch: int, ahead: int = 0, group: bool = False) -> Kernel:
     return run
 
 
-# The builds whose one-row GEMV also has the four-rows-at-a-time form (gemv_bf16.c DOT_GROUP).
-GROUP_ISAS = ("avx2",)
+def group_rows() -> int:
+    """The weight rows the built one-row GEMV's grouped form takes at a time (1: the build has no
+    such form; 0: no library)."""
+    lib, _ = _compiled_library()
+    return lib.gemv_bf16_group_rows() if lib is not None else 0
 
 
 def group_unavailable(fmt: str, device: torch.device) -> str:
-    """Why the four-row one-row GEMV cannot run here ("" when it can)."""
+    """Why the grouped one-row GEMV cannot run here ("" when it can): it is built where one row
+    alone waits on its chain of FMAs (the AVX2 build)."""
     why = compiled_unavailable(fmt, device)
     if why:
         return why
-    isa = compiled_isa()
-    return "" if isa in GROUP_ISAS else f"no four-row GEMV in the {isa} build (only {', '.join(GROUP_ISAS)})"
+    return "" if group_rows() > 1 else f"no grouped one-row GEMV in the {compiled_isa()} build"
 
 
 def _rows_ok(x, w, out) -> bool:

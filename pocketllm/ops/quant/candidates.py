@@ -141,8 +141,7 @@ def _int8x_four_unavailable(fmt: str, device: torch.device) -> str:
         return why
     if fmt != "int8":
         return "c-int8x-4 takes int8 weights"
-    what = native.isa("int8-int8x")
-    return "" if what in native.INT8X_FOUR_ISAS else f"no four-row int8-x tile in the {what} build"
+    return native.int8x_four_unavailable()
 
 
 # c-int8x's few-row form four weight rows at a time: each x load then serves four rows, which pays

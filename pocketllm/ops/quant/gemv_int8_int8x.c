@@ -190,6 +190,9 @@ int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t
     return q8x_run(wt, x, y, m, 1);
 }
 
+/* The weight rows the build's tile takes at a time (q8x_gemm4 needs four). */
+int q8x_tile_rows(void) { return TILE_R; }
+
 /* The same four weight rows at a time where the build has that tile (AVX-512 VNNI); -2 elsewhere.
  * Each output's bits are q8x_gemm's. */
 int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
@@ -206,4 +209,5 @@ int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t
 int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
     return q8x_gemm(wt, x, y, m, prefetch, into_all);
 }
+int q8x_tile_rows(void) { return 0; }
 #endif

@@ -39,6 +39,7 @@ _SIGNATURES = {
     "q8x_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q8x_gemm4": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q8x_isa": (ctypes.c_char_p, []),
+    "q8x_tile_rows": (ctypes.c_int, []),
     "q4_isa": (ctypes.c_char_p, []),
     "q4x_isa": (ctypes.c_char_p, []),
     "q8_isa": (ctypes.c_char_p, []),
@@ -235,8 +236,12 @@ def _function(scheme: str, variant: str, int8_x: bool, four: bool = False):
     return getattr(lib, {"int4": "q4_gemm", "int8": "q8_gemm", "int4-int8x": "q4x_gemm", "int8-int8x": "q8x_gemm"}[source])
 
 
-# The int8-x builds with the four-weight-row tile (gemv_int8_int8x.c q8x_gemm4).
-INT8X_FOUR_ISAS = ("avx512_vnni",)
+def int8x_four_unavailable(variant: str = "native") -> str:
+    """Why int8's four-weight-row int8-x tile (q8x_gemm4) cannot run here ("" when it can)."""
+    lib, why = library("int8-int8x", variant)
+    if lib is None:
+        return why
+    return "" if lib.q8x_tile_rows() >= 4 else f"no four-row int8-x tile in the {isa('int8-int8x', variant)} build"
 
 
 def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False, four: bool = False):
@@ -280,8 +285,8 @@ def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str, four: b
     """The one error a compiled GEMV's return code `rc` stands for (checked off the hot path)."""
     if rc == -1:
         raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
-    if four and isa("int8-int8x", variant) not in INT8X_FOUR_ISAS:
-        raise RuntimeError(f"{name}: no four-row int8-x tile in the {isa('int8-int8x', variant)} build")
+    if four and int8x_four_unavailable(variant):
+        raise RuntimeError(f"{name}: {int8x_four_unavailable(variant)}")
     if w.scheme == "int4" and w.qw.zeros is not None:
         raise ValueError(f"{name}: takes symmetric int4 weights, got int4 with zero points")
     raise RuntimeError(f"{name}: {isa(f'{w.scheme}-int8x', variant)}")
