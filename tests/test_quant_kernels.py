@@ -32,7 +32,10 @@ def built():
     """Every library and instruction-set variant, built side by side (each is a compiler run)."""
     # dequant.c is plain C the compiler vectorizes: only its native build runs. The int8-x source
     # has no path that tells AVX-512 BF16 from AVX-512F: those two builds are one.
-    jobs = [(name, isa) for name in native.SOURCES for isa in {"dequant": ["native"], "int4-int8x": INT8X_VARIANTS, "int8-int8x": INT8X_VARIANTS}.get(name, VARIANTS)]
+    jobs = [
+        (name, isa) for name in native.SOURCES
+        for isa in {"dequant": ["native"], "int4-int8x": INT8X_VARIANTS, "int8-int8x": INT8X_VARIANTS, "int8x-many": INT8X_VARIANTS}.get(name, VARIANTS)
+    ]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: native.library(*job), jobs))
     for (name, isa), (lib, why) in zip(jobs, results):
@@ -69,6 +72,8 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
         expected |= {"c-int8x"}
     if row_class == qc.FEW and fmt == "int8" and not native.int8x_four_unavailable():
         expected |= {"c-int8x-4"}
+    if row_class == qc.MANY and not native.int8x_many_unavailable():
+        expected |= {"c-int8x-gemm"}
     assert set(names) == expected
     group = qc.parse_format(fmt)[1]
     narrow, wide = WIDTHS[group]
@@ -85,7 +90,7 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
                 got = torch.full((*x.shape[:-1], 37), float("nan"), dtype=torch.bfloat16)
                 cand.run(x, prepared, got)
                 # Exact products in fp32: the compiled GEMVs and the fp32 dequantization.
-                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "c-int8x", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
+                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "c-int8x", "c-int8x-gemm", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
                 check(got, x, qw, tight, f"{cand.name} {fmt} {cols} inputs, {scale_dtype} scales, {rows} rows", cand.rounds_x)
 
 
@@ -142,6 +147,31 @@ def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
             batch = torch.empty(m, 13, dtype=torch.bfloat16)
             four(x[:m].contiguous(), qw, batch)
             assert torch.equal(batch, singles[:m]), f"{variant} {fmt}: {m} rows four weight rows a tile differ from one row at a time"
+
+
+@pytest.mark.parametrize("variant", INT8X_VARIANTS)
+@pytest.mark.parametrize("fmt", ["int4-g32-asym", "int4-g128", "int8"])
+def test_int8_x_gemm_rows_do_not_depend_on_the_pass(fmt, variant):
+    # A prompt's rows must come out the same whichever pass they are read in: each row alone, and
+    # at every offset of calls of 2..19 rows (around the tile's four x rows and the weight's
+    # eight-row groups: 21 weight rows end mid-group), equals the 19-row call bit for bit.
+    scheme, group, _ = qc.parse_format(fmt)
+    cols = WIDTHS[group][1]
+    qw = weight(fmt, 21, cols)
+    x = torch.randn(19, cols, dtype=torch.bfloat16)
+    run = native.gemv(0, variant, many=True)
+    if native.int8x_many_unavailable(variant):
+        with pytest.raises(RuntimeError, match="AVX2"):
+            run(x, qw, torch.empty(19, 21, dtype=torch.bfloat16))
+        return
+    whole = torch.empty(19, 21, dtype=torch.bfloat16)
+    run(x, qw, whole)
+    check(whole, x, qw, tight=True, label=f"{variant} {fmt}", rounds_x=True)
+    for m in (1, 2, 3, 5, 8, 11):
+        for c0 in range(0, 19 - m + 1, 3):
+            part = torch.empty(m, 21, dtype=torch.bfloat16)
+            run(x[c0 : c0 + m].contiguous(), qw, part)
+            assert torch.equal(part, whole[c0 : c0 + m]), f"{variant} {fmt}: rows {c0}:{c0 + m} differ from the whole call's"
 
 
 def test_int8_x_rounding_is_the_references():

@@ -16,6 +16,7 @@ order (and the roundings their notes state) is layout.quant_linear_reference.
 | int8pack | one, few, many | torch._weight_int8pack_mm |
 | int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
 | dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
+| c-int8x-gemm | many | int8 or int4 against x rounded to int8, eight weight rows a vector (gemm_int8x.c): equals layout.quant_linear_int8x_reference |
 """
 
 from __future__ import annotations
@@ -153,6 +154,24 @@ _INT8X_FOUR = QuantCandidate(
 )
 
 
+def _int8x_gemm_unavailable(fmt: str, device: torch.device) -> str:
+    if parse_format(fmt) is None:
+        return "the compiled quantized kernels take int8 or int4 weights"
+    if device.type != "cpu":
+        return "the compiled quantized kernels run on a CPU"
+    return native.int8x_many_unavailable()
+
+
+# A prefill's GEMM with x rounded to int8 as c-int8x rounds it: the GEMV tiles' per-row scale work
+# is shared by eight weight rows here, and a weight load by four x rows (gemm_int8x.c).
+_INT8X_GEMM = QuantCandidate(
+    "c-int8x-gemm", MANY, native.gemv(0, many=True),
+    "int8 or int4 against each x row rounded to int8 per 32 inputs: eight weight rows a vector, laid out per call, byte dot products (AVX2, ops/quant/gemm_int8x.c)",
+    "int8; int4 g32 or a multiple of 64, symmetric or asymmetric; x rounded to int8", _int8x_gemm_unavailable, native.prepare, "checked",
+    (native.SOURCES["int8x-many"],), rounds_x=True,
+)
+
+
 def _torch(name: str, rows: str) -> QuantCandidate:
     if name == "int8pack":
         return QuantCandidate(
@@ -193,6 +212,7 @@ MANY_ROW: tuple[QuantCandidate, ...] = (
         "dequant-f32", MANY, dequant_mm.dequant_mm_f32, "the same blocks dequantized to fp32, torch's fp32 GEMM",
         _ALL, _compiled_unavailable("dequant"), native.prepare, "checked", _DEQUANT_SOURCES,
     ),
+    _INT8X_GEMM,
     _torch("int8pack", MANY),
     _torch("int4pack", MANY),
 )

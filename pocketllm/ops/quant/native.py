@@ -25,6 +25,7 @@ HERE = Path(__file__).parent
 SOURCES = {
     "int4": HERE / "gemv_int4.c", "int8": HERE / "gemv_int8.c", "dequant": HERE / "dequant.c",
     "int4-int8x": HERE / "gemv_int4_int8x.c", "int8-int8x": HERE / "gemv_int8_int8x.c",
+    "int8x-many": HERE / "gemm_int8x.c",
 }
 # The scale dtypes the kernels read as stored, by the code quant.h gives them.
 SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -39,6 +40,9 @@ _SIGNATURES = {
     "q8x_gemm": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q8x_gemm4": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q8x_isa": (ctypes.c_char_p, []),
+    "q4x_many": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "q8x_many": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "q4x_many_isa": (ctypes.c_char_p, []),
     "q8x_tile_rows": (ctypes.c_int, []),
     "q4_isa": (ctypes.c_char_p, []),
     "q4x_isa": (ctypes.c_char_p, []),
@@ -224,7 +228,12 @@ def blocked_product(x: torch.Tensor, w: CompiledWeight, out: torch.Tensor, block
             out2[:, o0:o1] = xc @ blk.t()
 
 
-def _function(scheme: str, variant: str, int8_x: bool, four: bool = False):
+def _function(scheme: str, variant: str, int8_x: bool, four: bool = False, many: bool = False):
+    if many:
+        lib, why = library("int8x-many", variant)
+        if lib is None:
+            raise RuntimeError(why)
+        return lib.q4x_many if scheme == "int4" else lib.q8x_many
     source = f"{scheme}-int8x" if int8_x else scheme
     lib, why = library(source, variant)
     if lib is None:
@@ -244,19 +253,29 @@ def int8x_four_unavailable(variant: str = "native") -> str:
     return "" if lib.q8x_tile_rows() >= 4 else f"no four-row int8-x tile in the {isa('int8-int8x', variant)} build"
 
 
-def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False, four: bool = False):
+def int8x_many_unavailable(variant: str = "native") -> str:
+    """Why the many-row int8-x GEMM (gemm_int8x.c) cannot run here ("" when it can)."""
+    lib, why = library("int8x-many", variant)
+    if lib is None:
+        return why
+    what = lib.q4x_many_isa().decode()
+    return what if what.startswith("unavailable") else ""
+
+
+def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False, four: bool = False, many: bool = False):
     """The compiled one-row/few-row kernel for either scheme, each weight load prefetched `prefetch`
     bytes ahead (0: none), non-temporally or, `into_all`, into every cache level: run(x, w, out), x [in] or [m, in],
     w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
     fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
     which multiplies the reference's very weights. `int8_x`: the scheme's int8-x kernel
     (gemv_int4_int8x.c for symmetric int4, gemv_int8_int8x.c), which rounds bf16 x to int8 first;
-    with `four`, int8's four-weight-row tile (the same bits)."""
-    name = f"quantized GEMV ({variant}{', int8 x' if int8_x else ''}{', four rows' if four else ''})"
+    with `four`, int8's four-weight-row tile (the same bits); with `many`, the many-row int8-x GEMM
+    (gemm_int8x.c: int8 or int4 with or without zero points, x rounded as int8_x rounds it)."""
+    name = f"quantized {'GEMM' if many else 'GEMV'} ({variant}{', int8 x' if int8_x or many else ''}{', four rows' if four else ''})"
     fns = {}  # scheme -> its C function, looked up (and built) on the first call
 
     def fn_for(scheme: str):
-        return fns.get(scheme) or fns.setdefault(scheme, _function(scheme, variant, int8_x, four))
+        return fns.get(scheme) or fns.setdefault(scheme, _function(scheme, variant, int8_x, four, many))
 
     def run(x, w, out) -> None:
         if type(w) is not CompiledWeight:
@@ -268,7 +287,7 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
         fn = fn_for(w.scheme)
         rc = fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
         if rc != 0:
-            _failed(name, rc, w, m, variant, four)
+            _failed(name, rc, w, m, variant, four, many)
 
     def native(w) -> tuple | None:
         """This kernel on a prepared weight as compiled code calls it (ops/fused/step_bf16.c, bf16
@@ -281,10 +300,12 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
     return run
 
 
-def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str, four: bool = False) -> None:
+def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str, four: bool = False, many: bool = False) -> None:
     """The one error a compiled GEMV's return code `rc` stands for (checked off the hot path)."""
     if rc == -1:
         raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
+    if many:
+        raise RuntimeError(f"{name}: {int8x_many_unavailable(variant) or f'returned {rc}'}")
     if four and int8x_four_unavailable(variant):
         raise RuntimeError(f"{name}: {int8x_four_unavailable(variant)}")
     if w.scheme == "int4" and w.qw.zeros is not None:
