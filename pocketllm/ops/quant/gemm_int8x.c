@@ -34,7 +34,17 @@
 #define MR 4 /* x rows a tile takes: four sums in 16 bits and four in fp32, in registers */
 #define GROUPS 2 /* groups of eight weight rows laid out at a time, each x tile then runs against all */
 
+/* Byte dot products into 32-bit lanes where the CPU has them (AVX-512 VNNI with VL, or AVX-VNNI):
+ * one vpdpbusd for a vpmaddubsw, its 16-bit sum and the vpmaddwd after; the same exact sums. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+const char *q4x_many_isa(void) { return "avx512_vnni (256-bit)"; }
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+const char *q4x_many_isa(void) { return "avx_vnni"; }
+#else
 const char *q4x_many_isa(void) { return "avx2"; }
+#endif
 
 /* One x row's form: per block of 32 inputs, its 16 even inputs then its 16 odd ones (the order a
  * weight vector's low and high nibbles hold them), then every block's scale, then every block's sum
@@ -105,6 +115,7 @@ static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wp, int
     const int64_t nb = n / 32, ng = n / group, per_group = group / 32;
     const float *sw = (const float *)(wp + nb * 256), *zf = sw + ng * 8;
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones; /* the vpmaddwd path's */
     UNROLL for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     int64_t g = 0, in_group = 0;
     for (int64_t b = 0; b < nb; b++) {
@@ -115,13 +126,21 @@ static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wp, int
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
             UNROLL for (int c = 0; c < C; c++) {
                 const __m256i xv = _mm256_set1_epi32(dword_at(xq + c * xbytes + 32 * b + 4 * t));
+#ifdef DPBUSD
+                s16[c] = DPBUSD(s16[c], wv, xv); /* 32-bit sums here */
+#else
                 s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(wv, xv));
+#endif
             }
         }
         const __m256 s = _mm256_loadu_ps(sw + 8 * g), z = _mm256_loadu_ps(zf + 8 * g);
         UNROLL for (int c = 0; c < C; c++) {
             const float *dx = (const float *)(xq + c * xbytes + nb * 32);
+#ifdef DPBUSD
+            __m256 f = _mm256_cvtepi32_ps(s16[c]);
+#else
             __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], ones));
+#endif
             f = _mm256_fnmadd_ps(z, _mm256_set1_ps(dx[nb + b]), f);
             acc[c] = _mm256_fmadd_ps(f, _mm256_mul_ps(s, _mm256_set1_ps(dx[b])), acc[c]);
         }
@@ -181,6 +200,7 @@ static void lay_out_q8(const struct q8_weight *wt, int64_t r0, uint8_t *out) {
 static inline __attribute__((always_inline)) void tile_q8(const uint8_t *wp, int64_t n, const int8_t *xq, int64_t xbytes, int C, __m256 acc[MR]) {
     const int64_t nb = blocks(n);
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones; /* the vpmaddwd path's */
     UNROLL for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = wp + b * 256;
@@ -190,7 +210,11 @@ static inline __attribute__((always_inline)) void tile_q8(const uint8_t *wp, int
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * t)), aw = _mm256_abs_epi8(wv);
             UNROLL for (int c = 0; c < C; c++) {
                 const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(dword_at(xq + c * xbytes + 32 * b + 4 * t)), wv);
+#ifdef DPBUSD
+                s32[c] = DPBUSD(s32[c], aw, xv);
+#else
                 s32[c] = _mm256_add_epi32(s32[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+#endif
             }
         }
         UNROLL for (int c = 0; c < C; c++) {
