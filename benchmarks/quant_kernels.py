@@ -123,15 +123,19 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
                 continue
             run = c.run
             if c.name in qc.GEMV_PREFETCH:  # the compiled candidate built for --isa (the registry's is native)
-                prefetch, into_all = qc.GEMV_PREFETCH[c.name]
-                run = native.gemv(prefetch, isa, into_all)
+                prefetch, where = qc.GEMV_PREFETCH[c.name]
+                run = native.gemv(prefetch, isa, where)
             elif c.name == "c-int8x-4":
                 if native.int8x_four_unavailable(isa):
                     continue  # no such tile in the --isa build
                 run = native.gemv(0, isa, int8_x=True, four=True)
+            elif c.name == "c-int8x-gemm":
+                if native.int8x_many_unavailable(isa):
+                    continue
+                run = native.gemv(0, isa, many=True)
             elif c.rounds_x:
-                prefetch, into_all = qc.INT8X_PREFETCH
-                run = native.gemv(prefetch, isa, into_all, int8_x=True)
+                prefetch, where = qc.INT8X_PREFETCH[c.name]
+                run = native.gemv(prefetch, isa, where, int8_x=True)
             if c.layout not in prepared:
                 prepared[c.layout] = [c.prepare(w) if c.prepare else w for w in weights]
             runs[c.name] = (run, prepared[c.layout], qbytes)

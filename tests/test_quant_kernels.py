@@ -65,11 +65,12 @@ def check(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, tight: bool, 
 @pytest.mark.parametrize("row_class", [qc.ONE, qc.FEW, qc.MANY])
 def test_every_candidate_matches_the_reference(fmt, row_class):
     names = [c.name for c in qc.available(row_class, fmt)]
-    expected = {qc.ONE: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.FEW: {"c", "c-prefetch", "c-prefetch-far", "c-ahead"}, qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
+    tiles = {"c", "c-prefetch", "c-prefetch-far", "c-ahead", "c-l2"}
+    expected = {qc.ONE: set(tiles), qc.FEW: set(tiles), qc.MANY: {"dequant-bf16", "dequant-f32"}}[row_class]
     expected |= {"int8pack"} if fmt == "int8" else {"int4pack"}
     scheme = qc.parse_format(fmt)[0]
     if row_class != qc.MANY and not fmt.endswith("asym") and not native.int8x_unavailable(scheme=scheme):
-        expected |= {"c-int8x"}
+        expected |= {"c-int8x"} | ({"c-int8x-l2"} if scheme == "int4" else set())
     if row_class == qc.FEW and fmt == "int8" and not native.int8x_four_unavailable():
         expected |= {"c-int8x-4"}
     if row_class == qc.MANY and not native.int8x_many_unavailable():
@@ -90,7 +91,7 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
                 got = torch.full((*x.shape[:-1], 37), float("nan"), dtype=torch.bfloat16)
                 cand.run(x, prepared, got)
                 # Exact products in fp32: the compiled GEMVs and the fp32 dequantization.
-                tight = cand.name in ("c", "c-prefetch", "c-prefetch-far", "c-ahead", "c-int8x", "c-int8x-gemm", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
+                tight = cand.name in (*tiles, "c-int8x", "c-int8x-l2", "c-int8x-gemm", "dequant-f32") or (cand.name == "int8pack" and scale_dtype == torch.bfloat16)
                 check(got, x, qw, tight, f"{cand.name} {fmt} {cols} inputs, {scale_dtype} scales, {rows} rows", cand.rounds_x)
 
 
@@ -101,8 +102,8 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(fmt, variant):
     cols = WIDTHS[group][0]
     qw = weight(fmt, 13, cols)
     x = torch.randn(16, cols, dtype=torch.bfloat16)
-    for prefetch, into_all in qc.GEMV_PREFETCH.values():
-        run = native.gemv(prefetch, variant, into_all)
+    for prefetch, where in qc.GEMV_PREFETCH.values():
+        run = native.gemv(prefetch, variant, where)
         singles = torch.empty(16, 13, dtype=torch.bfloat16)
         for i in range(16):
             run(x[i].clone(), qw, singles[i])
@@ -122,8 +123,8 @@ def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
     cols = WIDTHS[group][0]
     qw = weight(fmt, 13, cols)
     x = torch.randn(16, cols, dtype=torch.bfloat16)
-    prefetch, into_all = qc.INT8X_PREFETCH
-    run = native.gemv(prefetch, variant, into_all, int8_x=True)
+    prefetch, where = qc.INT8X_PREFETCH["c-int8x" if scheme == "int8" else "c-int8x-l2"]
+    run = native.gemv(prefetch, variant, where, int8_x=True)
     if native.int8x_unavailable(variant, scheme):
         with pytest.raises(RuntimeError, match="AVX2"):
             run(x[0], qw, torch.empty(13, dtype=torch.bfloat16))

@@ -68,7 +68,7 @@ def test_the_torch_form_equals_the_reference_past_its_row_blocks(monkeypatch):
 
 def test_forcing_a_quantized_kernel_and_its_one_line_errors():
     gemv = quant_kinds.KINDS[("int4", ONE)]
-    with pytest.raises(UsageError, match="POCKETLLM_KERNELS: int4-one-row='int8pack' is not an int4 one-row kernel: use auto, torch, c, c-prefetch, c-prefetch-far, c-ahead, c-int8x, int4pack"):
+    with pytest.raises(UsageError, match="POCKETLLM_KERNELS: int4-one-row='int8pack' is not an int4 one-row kernel: use auto, torch, c, c-prefetch, c-prefetch-far, c-ahead, c-l2, c-int8x, c-int8x-l2, int4pack"):
         gemv.forced({"POCKETLLM_KERNELS": "int4-one-row=int8pack"})
     with pytest.raises(UsageError, match="POCKETLLM_KERNELS=int4-one-row=c: the compiled quantized kernels run on a CPU"):
         check_forced(["int4-g128"], "cuda", {"POCKETLLM_KERNELS": "int4-one-row=c"})

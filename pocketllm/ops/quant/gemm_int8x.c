@@ -299,29 +299,29 @@ static int run_many(const struct many_call *k, const uint16_t *x, uint16_t *y, i
     return failed ? -1 : 0;
 }
 
-/* y [m, rows] = x [m, n] W^T for int4 (q4x_many) or int8 (q8x_many) weights. prefetch and into_all
+/* y [m, rows] = x [m, n] W^T for int4 (q4x_many) or int8 (q8x_many) weights. prefetch and where
  * are the GEMVs' arguments, unused: the weights are read from the thread's laid-out copy. Returns
  * 0; -1 when a buffer could not be allocated (nothing written). */
-int q4x_many(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)prefetch, (void)into_all;
+int q4x_many(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)prefetch, (void)where;
     const struct many_call k = {wt, wt->rows, wt->n, wt->group, group_bytes_q4(wt->n, wt->n / wt->group), lay_q4};
     return run_many(&k, x, y, m);
 }
 
-int q8x_many(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)prefetch, (void)into_all;
+int q8x_many(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)prefetch, (void)where;
     const struct many_call k = {wt, wt->rows, wt->n, 0, group_bytes_q8(wt->n), lay_q8};
     return run_many(&k, x, y, m);
 }
 
 #else
 const char *q4x_many_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2 with FMA"; }
-int q4x_many(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)into_all;
+int q4x_many(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)where;
     return -2;
 }
-int q8x_many(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)into_all;
+int q8x_many(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)where;
     return -2;
 }
 #endif

@@ -27,7 +27,7 @@ struct q4 {
     const uint8_t *z;
     int64_t rows, n, group, ng;
     int64_t pf_bytes;  /* how far ahead of each weight load its prefetch reaches (0: none) */
-    int64_t pf_all;    /* that prefetch into every cache level, not non-temporally (prefetch_weight) */
+    int64_t pf_where;  /* where that prefetch puts the lines (quant.h prefetch_weight) */
     const void *x;     /* the x rows as the tile reads them (prepare_x) */
     int64_t xstride;   /* elements between two of them */
     const float *xsum; /* [m, ng] each group's sum of x, where the zero term needs it */
@@ -139,7 +139,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
         __m512 sc[TILE_R];
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
-            if (pf) prefetch_weight((const char *)p + pf, q->pf_all);
+            if (pf) prefetch_weight((const char *)p + pf, q->pf_where);
             __m512i v = _mm512_maskz_loadu_epi8(m, p);
             /* (v >> 4k) & 0x0f | 0x4300: the ternary logic's truth table 0xea is A & B | C. */
             nib[r][0] = (__m512bh)_mm512_ternarylogic_epi32(v, low, exp128, 0xea);
@@ -233,7 +233,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
                     if (b < sleft) _mm_prefetch(snext + b, _MM_HINT_T0);
                     if (b < zleft) _mm_prefetch(znext + b, _MM_HINT_T0);
                     /* With no prefetch asked for (pf 0), the line about to be read: a no-op. */
-                    UNROLL for (int r = 0; r < R; r++) prefetch_weight((const char *)row[r] + pf + b, q->pf_all);
+                    UNROLL for (int r = 0; r < R; r++) prefetch_weight((const char *)row[r] + pf + b, q->pf_where);
                 }
                 UNROLL for (int r = 0; r < R; r++) {
                     __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row[r] + b)));
@@ -297,7 +297,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
         for (int64_t e = g * q->group; e < (g + 1) * q->group; e += 16) {
             UNROLL for (int r = 0; r < R; r++) {
                 const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
-                if (pf && (e & 127) == 0) prefetch_weight((const char *)p + pf, q->pf_all);
+                if (pf && (e & 127) == 0) prefetch_weight((const char *)p + pf, q->pf_where);
                 __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
                 __m256 fl = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), zero[r]));
                 __m256 fh = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), zero[r]));
@@ -387,12 +387,11 @@ static void q4_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
 }
 
 /* y [m, rows] = x [m, n] W^T. prefetch: at least how many bytes ahead of each weight load it is
- * prefetched from, 0 for none; into_all: into every cache level rather than non-temporally
- * (prefetch_weight). Returns 0, or -1 when the scratch for x could not be allocated (nothing
+ * prefetched from, 0 for none; where: where those lines go (quant.h prefetch_weight). Returns 0, or -1 when the scratch for x could not be allocated (nothing
  * written). */
-int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+int q4_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
     const int64_t rows = wt->rows, n = wt->n, group = wt->group;
-    struct q4_call k = {{wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, into_all, NULL, x_stride(n), NULL}, y, m};
+    struct q4_call k = {{wt->w, wt->s, wt->kind, wt->z, rows, n, group, n / group, prefetch, where, NULL, x_stride(n), NULL}, y, m};
     size_t xbytes = ((size_t)(m * k.q.xstride) * sizeof(X_ELEM) + 63) & ~(size_t)63;
     size_t sbytes = ZERO_TERM_NEEDED(wt->z) ? (size_t)(m * k.q.ng) * sizeof(float) : 0;
     char *buf = scratch(xbytes + sbytes);

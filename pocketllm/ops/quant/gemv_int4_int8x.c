@@ -35,7 +35,7 @@ struct q4v {
     const uint8_t *w;
     const void *s;
     int64_t kind, rows, n, group, ng;
-    int64_t pf_bytes, pf_all; /* as gemv_int4.c's */
+    int64_t pf_bytes, pf_where; /* as gemv_int4.c's */
     const int8_t *xq;         /* the x rows' int8 form (quantize_x), xq_bytes(n) apart */
 };
 
@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
         __m512 sw[TILE_R];
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = q->w + (r0 + r) * nb + e / 2;
-            if (pf) prefetch_weight((const char *)p + pf, q->pf_all);
+            if (pf) prefetch_weight((const char *)p + pf, q->pf_where);
             __m512i v = _mm512_maskz_loadu_epi8(m, p);
             lo[r] = _mm512_and_si512(v, low);
             hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
                 UNROLL for (int r = 0; r < R; r++) sw[r] = half_scales(q, (r0 + r) * q->ng + gh[h], i0 + 32 < q->n);
             UNROLL for (int r = 0; r < R; r++) {
                 const uint8_t *p = q->w + (r0 + r) * nb + i0 / 2;
-                if (pf && h == 0) prefetch_weight((const char *)p + pf, q->pf_all);
+                if (pf && h == 0) prefetch_weight((const char *)p + pf, q->pf_where);
                 __m256i v;
                 if (left >= 32) {
                     v = _mm256_loadu_si256((const __m256i *)p);
@@ -233,24 +233,24 @@ static void q4x_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
         UNROLL for (int c = 0; c < C; c++) k->y[(c0 + c) * k->q.rows + r0 + r] = f32_to_bf16(o[r][c]);
 }
 
-/* y [m, rows] = x [m, n] W^T, as q4_gemm in gemv_int4.c (prefetch, into_all the same). Returns 0;
+/* y [m, rows] = x [m, n] W^T, as q4_gemm in gemv_int4.c (prefetch, where the same). Returns 0;
  * -1 when x's scratch could not be allocated; -2 for weights with zero points (nothing written). */
-int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
     if (wt->z != NULL) return -2;
     const int64_t rows = wt->rows, n = wt->n, xbytes = xq_bytes(n);
     int8_t *xq = scratch((size_t)(m * xbytes));
     if (xq == NULL) return -1;
     for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
     const int64_t tile_bytes = TILE_R * (n / 2);
-    struct q4x_call k = {{wt->w, wt->s, wt->kind, rows, n, wt->group, n / wt->group, whole_tiles(prefetch, tile_bytes), into_all, xq}, y};
+    struct q4x_call k = {{wt->w, wt->s, wt->kind, rows, n, wt->group, n / wt->group, whole_tiles(prefetch, tile_bytes), where, xq}, y};
     run_tiles(&k, q4x_tile, rows, m, TILE_R, TILE_C, wt->w, tile_bytes, k.q.pf_bytes);
     return 0;
 }
 
 #else
 const char *q4x_isa(void) { return "unavailable: the CPU (or the compiler) has neither AVX-512 VNNI nor AVX2"; }
-int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)into_all;
+int q4x_gemm(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)where;
     return -2;
 }
 #endif

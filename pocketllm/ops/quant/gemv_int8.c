@@ -22,7 +22,7 @@ struct q8 {
     const int8_t *w;
     int64_t rows, n;
     int64_t pf_bytes; /* how far ahead of each weight load its prefetch reaches (0: none) */
-    int64_t pf_all;   /* that prefetch into every cache level, not non-temporally (prefetch_weight) */
+    int64_t pf_where;  /* where that prefetch puts the lines (quant.h prefetch_weight) */
     const void *x; /* the x rows as the tile reads them */
     int64_t xstride; /* elements between two of them */
 };
@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
         __m512bh nib[TILE_R][4];
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if (pf) prefetch_weight((const char *)p + pf, q->pf_all);
+            if (pf) prefetch_weight((const char *)p + pf, q->pf_where);
             __m512i v = _mm512_maskz_loadu_epi8(m, p);
             /* Low nibbles: (v >> 8k) & 0x0f | 0x4300 (truth table 0xea: A & B | C); high nibbles:
              * (v >> 4 + 8k) & 0x0f ^ 0x4508 (0x6a: A & B ^ C), the xor flipping the sign bit. */
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
     for (; e + 16 <= q->n; e += 16) {
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if (pf && (e & 63) == 0) prefetch_weight((const char *)p + pf, q->pf_all);
+            if (pf && (e & 63) == 0) prefetch_weight((const char *)p + pf, q->pf_where);
             __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
             UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(f, _mm512_loadu_ps(x + c * q->xstride + e), acc[r][c]);
         }
@@ -186,7 +186,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
         __m256 f[TILE_R];
         UNROLL for (int r = 0; r < R; r++) {
             const int8_t *p = q->w + (r0 + r) * q->n + e;
-            if (pf && (e & 63) == 0) prefetch_weight((const char *)p + pf, q->pf_all);
+            if (pf && (e & 63) == 0) prefetch_weight((const char *)p + pf, q->pf_where);
             f[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
         }
         UNROLL for (int c = 0; c < C; c++) {
@@ -252,17 +252,17 @@ static void q8_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
         UNROLL for (int c = 0; c < C; c++) k->y[(c0 + c) * wt->rows + r0 + r] = f32_to_bf16(o[r][c] * scale_at(wt->s, wt->kind, r0 + r));
 }
 
-/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch and into_all as for q4_gemm (at
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r]. prefetch and where as for q4_gemm (at
  * least that many bytes ahead, in whole tiles). Returns 0, or -1 when the scratch for x could not
  * be allocated (nothing written). */
-int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
+int q8_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
     const int64_t rows = wt->rows, n = wt->n;
     const int64_t xs = x_stride(n);
     X_ELEM *xw = scratch((size_t)(m * xs) * sizeof(X_ELEM));
     if (xw == NULL) return -1;
     for (int64_t c = 0; c < m; c++) prepare_x(x + c * n, n, xw + c * xs);
     const int64_t tr = m == 1 ? TILE_R : FEW_TILE_R, tile_bytes = tr * n;
-    struct q8_call k = {{wt->w, rows, n, whole_tiles(prefetch, tile_bytes), into_all, xw, xs}, wt, y};
+    struct q8_call k = {{wt->w, rows, n, whole_tiles(prefetch, tile_bytes), where, xw, xs}, wt, y};
     run_tiles(&k, q8_tile, rows, m, tr, TILE_C, wt->w, tile_bytes, k.q.pf_bytes);
     return 0;
 }

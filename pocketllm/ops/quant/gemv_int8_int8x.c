@@ -181,12 +181,12 @@ static int q8x_run(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, i
     return 0;
 }
 
-/* y [m, rows] = x [m, n] W^T, row r scaled by s[r], one weight row at a time. prefetch and into_all
+/* y [m, rows] = x [m, n] W^T, row r scaled by s[r], one weight row at a time. prefetch and where
  * are q8_gemm's arguments, unused: a single stream per thread is what the hardware prefetchers
  * follow, and a software prefetch on top measured slower. Returns 0, or -1 when x's scratch could
  * not be allocated (nothing written). */
-int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)prefetch, (void)into_all;
+int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)prefetch, (void)where;
     return q8x_run(wt, x, y, m, 1);
 }
 
@@ -195,19 +195,19 @@ int q8x_tile_rows(void) { return TILE_R; }
 
 /* The same four weight rows at a time where the build has that tile (AVX-512 VNNI); -2 elsewhere.
  * Each output's bits are q8x_gemm's. */
-int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)prefetch, (void)into_all;
+int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)prefetch, (void)where;
     return TILE_R >= 4 ? q8x_run(wt, x, y, m, 4) : -2;
 }
 
 #else
 const char *q8x_isa(void) { return "unavailable: the CPU (or the compiler) has neither AVX-512 VNNI nor AVX2"; }
-int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)into_all;
+int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)where;
     return -2;
 }
-int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t into_all) {
-    return q8x_gemm(wt, x, y, m, prefetch, into_all);
+int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    return q8x_gemm(wt, x, y, m, prefetch, where);
 }
 int q8x_tile_rows(void) { return 0; }
 #endif

@@ -262,9 +262,14 @@ def int8x_many_unavailable(variant: str = "native") -> str:
     return what if what.startswith("unavailable") else ""
 
 
-def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x: bool = False, four: bool = False, many: bool = False):
+# Where a compiled kernel's weight prefetch puts the lines (quant.h prefetch_weight): past the
+# outer caches, into every cache level, or into L2 and beyond but not L1.
+NON_TEMPORAL, ALL_LEVELS, L2 = 0, 1, 2
+
+
+def gemv(prefetch: int, variant: str = "native", where: int = NON_TEMPORAL, int8_x: bool = False, four: bool = False, many: bool = False):
     """The compiled one-row/few-row kernel for either scheme, each weight load prefetched `prefetch`
-    bytes ahead (0: none), non-temporally or, `into_all`, into every cache level: run(x, w, out), x [in] or [m, in],
+    bytes ahead (0: none) to `where` (NON_TEMPORAL, ALL_LEVELS or L2): run(x, w, out), x [in] or [m, in],
     w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
     fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
     which multiplies the reference's very weights. `int8_x`: the scheme's int8-x kernel
@@ -285,16 +290,16 @@ def gemv(prefetch: int, variant: str = "native", into_all: bool = False, int8_x:
             blocked_product(x, w, out, torch.float32, variant)
             return
         fn = fn_for(w.scheme)
-        rc = fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, int(into_all))
+        rc = fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, where)
         if rc != 0:
             _failed(name, rc, w, m, variant, four, many)
 
     def native(w) -> tuple | None:
         """This kernel on a prepared weight as compiled code calls it (ops/fused/step_bf16.c, bf16
-        x): ("quant", entry point, the weight's description, rows, n, prefetch, into_all)."""
+        x): ("quant", entry point, the weight's description, rows, n, prefetch, where)."""
         if type(w) is not CompiledWeight:
             return None
-        return "quant", ctypes.cast(fn_for(w.scheme), ctypes.c_void_p).value, w.address, w.out_features, w.in_features, prefetch, int(into_all)
+        return "quant", ctypes.cast(fn_for(w.scheme), ctypes.c_void_p).value, w.address, w.out_features, w.in_features, prefetch, where
 
     run.native = native
     return run

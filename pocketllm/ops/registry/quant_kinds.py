@@ -46,15 +46,15 @@ for _family in ("int8", "int4"):
     _isa = (lambda scheme: lambda: native.isa(scheme))(_family)
     _torch_one = Candidate(TORCH, quant_linear_torch_one, _TORCH, measured=False)
     _torch_rows = Candidate(TORCH, quant_linear_torch, _TORCH, measured=False)
-    # c-int8x is in no prefer list: where it streams no faster than a tile that takes x as it is
+    # c-int8x (and c-int8x-l2) is in no prefer list: where it streams no faster than a tile that takes x as it is
     # (a wash), that tile is chosen.
     KINDS[(_family, ONE)] = register(Kind(
         ONE, _family, ONE, (_torch_one, *_of_family(_family, qc.ONE_ROW)),
-        default=TORCH, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), streams=True, isa=_isa,
+        default=TORCH, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c", "c-l2"), streams=True, isa=_isa,
     ))
     KINDS[(_family, FEW)] = register(Kind(
         FEW, _family, FEW, (_torch_rows, *_of_family(_family, qc.FEW_ROW)),
-        default=TORCH, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c"), isa=_isa,
+        default=TORCH, prefer=("c-prefetch", "c-prefetch-far", "c-ahead", "c", "c-l2"), isa=_isa,
     ))
     KINDS[(_family, MANY)] = register(Kind(
         MANY, _family, MANY, (_torch_rows, *_of_family(_family, qc.MANY_ROW)),
