@@ -6,11 +6,12 @@
  * The GEMVs' tiles keep a weight row's inputs along a vector's lanes and sum the lanes at the end;
  * with many x rows that costs a conversion, a multiply and an FMA per (weight row, x row, block of
  * inputs), and the tiles ran a prefill no faster than dequantized blocks through an fp32 GEMM.
- * Here a vector's eight 32-bit lanes are eight weight rows instead: each group of eight rows is
- * first laid out (into a per-thread buffer, once per call) as a block's eight vectors of four
- * inputs per row. Against one x row, a block is then eight vpmaddubsw of a weight vector by x's
- * four inputs broadcast and one conversion and FMA for all eight rows: the scale work is shared by
- * eight rows, and each weight vector, loaded once, serves MR x rows. int4 keeps each nibble in a
+ * Here a vector's 32-bit lanes are weight rows instead (eight with AVX2, sixteen with AVX-512
+ * VNNI): each group of LANES rows is first laid out (into a per-thread buffer, once per call) as a
+ * block's eight vectors of four inputs per row. Against one x row, a block is then eight byte dot
+ * products of a weight vector by x's four inputs broadcast and one conversion and FMA for all the
+ * group's rows: the scale work is shared by LANES rows, and each weight vector, loaded once,
+ * serves MR x rows. int4 keeps each nibble in a
  * byte of its own and sums a block's products in 16 bits (at most 8 * 2 * 15 * 127: no
  * saturation), then one vpmaddwd; int8 moves each weight's sign onto x (vpsignb) and widens every
  * vpmaddubsw (two do not fit 16 bits).
@@ -21,8 +22,8 @@
  * the row's scale at the end). Every pair is summed so whatever the tile or call around it: a
  * row's outputs do not depend on the other rows of the pass.
  *
- * Built where the compiler targets AVX2 with FMA; elsewhere q4x_many_isa says why not and both
- * entry points return -2.
+ * Built where the compiler targets AVX2 with FMA (VNNI where it has it, 512-bit with AVX-512
+ * VNNI); elsewhere int8x_many_isa says why not and both entry points return -2.
  */
 #include <stdint.h>
 
@@ -31,20 +32,64 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define MR 4 /* x rows a tile takes: four sums in 16 bits and four in fp32, in registers */
-#define GROUPS 2 /* groups of eight weight rows laid out at a time, each x tile then runs against all */
+#define MR 4 /* x rows a tile takes (run_tile's cases): their integer and fp32 sums stay in registers */
+#define GROUPS 2 /* groups of LANES weight rows laid out at a time, each x tile then runs against all */
 
-/* Byte dot products into 32-bit lanes where the CPU has them (AVX-512 VNNI with VL, or AVX-VNNI):
- * one vpdpbusd for a vpmaddubsw, its 16-bit sum and the vpmaddwd after; the same exact sums. */
+/* The vector a tile works in: sixteen 32-bit lanes (weight rows) with AVX-512 VNNI, else eight.
+ * Byte dot products into 32-bit lanes where the CPU has them (AVX-512 VNNI, or AVX-VNNI): one
+ * vpdpbusd for a vpmaddubsw, its 16-bit sum and the vpmaddwd after; the same exact sums. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define LANES 16
+typedef __m512i vec_i;
+typedef __m512 vec_f;
+#define V_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define V_STORE(p, v) _mm512_storeu_si512((void *)(p), v)
+#define V_BCAST(d) _mm512_set1_epi32(d)
+#define V_ZERO_I() _mm512_setzero_si512()
+#define V_ZERO() _mm512_setzero_ps()
+#define V_LOADF(p) _mm512_loadu_ps(p)
+#define V_STOREF(p, v) _mm512_storeu_ps(p, v)
+#define V_SET1F(f) _mm512_set1_ps(f)
+#define V_CVT(v) _mm512_cvtepi32_ps(v)
+#define V_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_FNMADD(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_ABS8(w) _mm512_abs_epi8(w)
+/* x with each byte negated where the weight's byte is negative (vpsignb has no 512-bit form; where
+ * the weight is zero its magnitude zeroes the product anyway). */
+#define V_SIGN8(x, w) _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x)
+#define DPBUSD(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+const char *int8x_many_isa(void) { return "avx512_vnni"; }
+#else
+#define LANES 8
+typedef __m256i vec_i;
+typedef __m256 vec_f;
+#define V_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define V_BCAST(d) _mm256_set1_epi32(d)
+#define V_ZERO_I() _mm256_setzero_si256()
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOADF(p) _mm256_loadu_ps(p)
+#define V_STOREF(p, v) _mm256_storeu_ps(p, v)
+#define V_SET1F(f) _mm256_set1_ps(f)
+#define V_CVT(v) _mm256_cvtepi32_ps(v)
+#define V_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_FNMADD(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_ABS8(w) _mm256_abs_epi8(w)
+#define V_SIGN8(x, w) _mm256_sign_epi8(x, w)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-const char *q4x_many_isa(void) { return "avx512_vnni (256-bit)"; }
+const char *int8x_many_isa(void) { return "avx512_vnni (256-bit)"; }
 #elif defined(__AVXVNNI__)
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-const char *q4x_many_isa(void) { return "avx_vnni"; }
+const char *int8x_many_isa(void) { return "avx_vnni"; }
 #else
-const char *q4x_many_isa(void) { return "avx2"; }
+const char *int8x_many_isa(void) { return "avx2"; }
 #endif
+#endif
+/* A block's bytes for one group of LANES weight rows: eight vectors of LANES dwords. */
+#define BLOCK_BYTES (32 * LANES)
 
 /* One x row's form: per block of 32 inputs, its 16 even inputs then its 16 odd ones (the order a
  * weight vector's low and high nibbles hold them), then every block's scale, then every block's sum
@@ -67,39 +112,43 @@ static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
     }
 }
 
-/* Eight int4 weight rows from r0 (rows past the weight's end as zeros) laid out for tile_q4: per block,
- * eight vectors of 32 bytes, vector t lane r holding row r's four inputs of x's dword t (the low
- * nibbles of the row's bytes 4t..4t+3 for t < 4, the high nibbles of bytes 4(t-4).. after); then
- * per group the eight rows' scales and zero points as fp32. */
-static inline int64_t group_bytes_q4(int64_t n, int64_t ng) { return (n / 32) * 256 + ng * 64; }
+/* LANES int4 weight rows from r0 (rows past the weight's end as zeros) laid out for tile_q4: per
+ * block, eight vectors of LANES dwords, vector t lane r holding row r's four inputs of x's dword t
+ * (the low nibbles of the row's bytes 4t..4t+3 for t < 4, the high nibbles of bytes 4(t-4).. after),
+ * each nibble a byte; then per group the rows' scales and zero points as fp32. Built eight rows
+ * (32 bytes of each vector) at a time. */
+static inline int64_t group_bytes_q4(int64_t n, int64_t ng) { return (n / 32) * BLOCK_BYTES + ng * 8 * LANES; }
 
 static void lay_out_q4(const struct q4_weight *wt, int64_t r0, uint8_t *out) {
     const int64_t nbytes = wt->n / 2, nb = wt->n / 32, ng = wt->n / wt->group;
-    const int valid = (int)min64(8, wt->rows - r0);
     const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        __m128i v[8];
-        for (int r = 0; r < 8; r++) v[r] = r < valid ? _mm_loadu_si128((const __m128i *)(wt->w + (r0 + r) * nbytes + 16 * b)) : _mm_setzero_si128();
-        /* Rows r and r + 4 in one vector's halves, then a 4 x 4 transpose of dwords in each half:
-         * P[d] lane r = row r's bytes 4d..4d+3. */
-        __m256i a[4], t[4], p[4];
-        for (int k = 0; k < 4; k++) a[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(v[k]), v[k + 4], 1);
-        t[0] = _mm256_unpacklo_epi32(a[0], a[1]), t[1] = _mm256_unpackhi_epi32(a[0], a[1]);
-        t[2] = _mm256_unpacklo_epi32(a[2], a[3]), t[3] = _mm256_unpackhi_epi32(a[2], a[3]);
-        p[0] = _mm256_unpacklo_epi64(t[0], t[2]), p[1] = _mm256_unpackhi_epi64(t[0], t[2]);
-        p[2] = _mm256_unpacklo_epi64(t[1], t[3]), p[3] = _mm256_unpackhi_epi64(t[1], t[3]);
-        uint8_t *o = out + b * 256;
-        for (int d = 0; d < 4; d++) {
-            _mm256_storeu_si256((__m256i *)(o + 32 * d), _mm256_and_si256(p[d], low));
-            _mm256_storeu_si256((__m256i *)(o + 128 + 32 * d), _mm256_and_si256(_mm256_srli_epi16(p[d], 4), low));
+    for (int h = 0; h < LANES / 8; h++) {
+        const int valid = (int)min64(8, wt->rows - r0 - 8 * h);
+        for (int64_t b = 0; b < nb; b++) {
+            __m128i v[8];
+            for (int r = 0; r < 8; r++) v[r] = r < valid ? _mm_loadu_si128((const __m128i *)(wt->w + (r0 + 8 * h + r) * nbytes + 16 * b)) : _mm_setzero_si128();
+            /* Rows r and r + 4 in one vector's halves, then a 4 x 4 transpose of dwords in each
+             * half: P[d] lane r = row r's bytes 4d..4d+3. */
+            __m256i a[4], t[4], p[4];
+            for (int k = 0; k < 4; k++) a[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(v[k]), v[k + 4], 1);
+            t[0] = _mm256_unpacklo_epi32(a[0], a[1]), t[1] = _mm256_unpackhi_epi32(a[0], a[1]);
+            t[2] = _mm256_unpacklo_epi32(a[2], a[3]), t[3] = _mm256_unpackhi_epi32(a[2], a[3]);
+            p[0] = _mm256_unpacklo_epi64(t[0], t[2]), p[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+            p[2] = _mm256_unpacklo_epi64(t[1], t[3]), p[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+            uint8_t *o = out + b * BLOCK_BYTES + 32 * h;
+            for (int d = 0; d < 4; d++) {
+                _mm256_storeu_si256((__m256i *)(o + 4 * LANES * d), _mm256_and_si256(p[d], low));
+                _mm256_storeu_si256((__m256i *)(o + 4 * LANES * (d + 4)), _mm256_and_si256(_mm256_srli_epi16(p[d], 4), low));
+            }
         }
     }
-    float *sw = (float *)(out + nb * 256), *zf = sw + ng * 8;
+    float *sw = (float *)(out + nb * BLOCK_BYTES), *zf = sw + ng * LANES;
+    const int valid = (int)min64(LANES, wt->rows - r0);
     for (int64_t g = 0; g < ng; g++)
-        for (int r = 0; r < 8; r++) {
+        for (int r = 0; r < LANES; r++) {
             const int64_t i = (r0 + r) * ng + g;
-            sw[8 * g + r] = r < valid ? scale_at(wt->s, wt->kind, i) : 0.f;
-            zf[8 * g + r] = r >= valid ? 0.f : wt->z != NULL ? (float)wt->z[i] : 8.f;
+            sw[LANES * g + r] = r < valid ? scale_at(wt->s, wt->kind, i) : 0.f;
+            zf[LANES * g + r] = r >= valid ? 0.f : wt->z != NULL ? (float)wt->z[i] : 8.f;
         }
 }
 
@@ -109,107 +158,112 @@ static inline int32_t dword_at(const int8_t *p) {
     return v;
 }
 
-/* x rows c0..c0+C (their forms xbytes apart from xq) against one laid-out group of eight weight
+/* x rows c0..c0+C (their forms xbytes apart from xq) against one laid-out group of LANES weight
  * rows: acc[c] lane r is x row c's product with weight row r. */
-static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wp, int64_t n, int64_t group, const int8_t *xq, int64_t xbytes, int C, __m256 acc[MR]) {
+static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wp, int64_t n, int64_t group, const int8_t *xq, int64_t xbytes, int C, vec_f acc[MR]) {
     const int64_t nb = n / 32, ng = n / group, per_group = group / 32;
-    const float *sw = (const float *)(wp + nb * 256), *zf = sw + ng * 8;
+    const float *sw = (const float *)(wp + nb * BLOCK_BYTES), *zf = sw + ng * LANES;
+#ifndef DPBUSD
     const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones; /* the vpmaddwd path's */
-    UNROLL for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+#endif
+    UNROLL for (int c = 0; c < C; c++) acc[c] = V_ZERO();
     int64_t g = 0, in_group = 0;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = wp + b * 256;
-        __m256i s16[MR];
-        UNROLL for (int c = 0; c < C; c++) s16[c] = _mm256_setzero_si256();
+        const uint8_t *w = wp + b * BLOCK_BYTES;
+        vec_i sums[MR]; /* 32-bit sums with vpdpbusd, 16-bit ones without */
+        UNROLL for (int c = 0; c < C; c++) sums[c] = V_ZERO_I();
         UNROLL for (int t = 0; t < 8; t++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
+            const vec_i wv = V_LOAD(w + 4 * LANES * t);
             UNROLL for (int c = 0; c < C; c++) {
-                const __m256i xv = _mm256_set1_epi32(dword_at(xq + c * xbytes + 32 * b + 4 * t));
+                const vec_i xv = V_BCAST(dword_at(xq + c * xbytes + 32 * b + 4 * t));
 #ifdef DPBUSD
-                s16[c] = DPBUSD(s16[c], wv, xv); /* 32-bit sums here */
+                sums[c] = DPBUSD(sums[c], wv, xv);
 #else
-                s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(wv, xv));
+                sums[c] = _mm256_add_epi16(sums[c], _mm256_maddubs_epi16(wv, xv));
 #endif
             }
         }
-        const __m256 s = _mm256_loadu_ps(sw + 8 * g), z = _mm256_loadu_ps(zf + 8 * g);
+        const vec_f s = V_LOADF(sw + LANES * g), z = V_LOADF(zf + LANES * g);
         UNROLL for (int c = 0; c < C; c++) {
             const float *dx = (const float *)(xq + c * xbytes + nb * 32);
 #ifdef DPBUSD
-            __m256 f = _mm256_cvtepi32_ps(s16[c]);
+            vec_f f = V_CVT(sums[c]);
 #else
-            __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[c], ones));
+            vec_f f = V_CVT(_mm256_madd_epi16(sums[c], ones));
 #endif
-            f = _mm256_fnmadd_ps(z, _mm256_set1_ps(dx[nb + b]), f);
-            acc[c] = _mm256_fmadd_ps(f, _mm256_mul_ps(s, _mm256_set1_ps(dx[b])), acc[c]);
+            f = V_FNMADD(z, V_SET1F(dx[nb + b]), f);
+            acc[c] = V_FMADD(f, V_MUL(s, V_SET1F(dx[b])), acc[c]);
         }
         if (++in_group == per_group) in_group = 0, g++;
     }
 }
 
-/* Eight int8 weight rows from r0 (rows past the end as zeros) laid out for tile_q8: per block,
- * eight vectors of 32 signed bytes, vector t lane r holding row r's four inputs of x's dword t;
- * then the eight rows' scales as fp32. */
-static inline int64_t group_bytes_q8(int64_t n) { return blocks(n) * 256 + 32; }
+/* LANES int8 weight rows from r0 (rows past the end as zeros) laid out for tile_q8: per block,
+ * eight vectors of LANES dwords of signed bytes, vector t lane r holding row r's four inputs of
+ * x's dword t; then the rows' scales as fp32. Built eight rows at a time. */
+static inline int64_t group_bytes_q8(int64_t n) { return blocks(n) * BLOCK_BYTES + 4 * LANES; }
 
 static void lay_out_q8(const struct q8_weight *wt, int64_t r0, uint8_t *out) {
     const int64_t nb = blocks(wt->n);
-    const int valid = (int)min64(8, wt->rows - r0);
     /* In each 16-byte half: its even bytes, then its odd ones; the row's dwords are then x's
      * dwords 0, 1, 4, 5, 2, 3, 6, 7. */
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     static const int slot[8] = {0, 1, 4, 5, 2, 3, 6, 7};
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i v[8], t[8], u[8];
-        const int64_t left = wt->n - 32 * b;
-        for (int r = 0; r < 8; r++) {
-            const int8_t *p = wt->w + (r0 + r) * wt->n + 32 * b;
-            if (r >= valid) {
-                v[r] = _mm256_setzero_si256();
-            } else if (left >= 32) {
-                v[r] = _mm256_loadu_si256((const __m256i *)p);
-            } else { /* a row's last inputs: zeros past its end meet x's zero padding */
-                int8_t tail[32] = {0};
-                memcpy(tail, p, (size_t)left);
-                v[r] = _mm256_loadu_si256((const __m256i *)tail);
+    for (int h = 0; h < LANES / 8; h++) {
+        const int valid = (int)min64(8, wt->rows - r0 - 8 * h);
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i v[8], t[8], u[8];
+            const int64_t left = wt->n - 32 * b;
+            for (int r = 0; r < 8; r++) {
+                const int8_t *p = wt->w + (r0 + 8 * h + r) * wt->n + 32 * b;
+                if (r >= valid) {
+                    v[r] = _mm256_setzero_si256();
+                } else if (left >= 32) {
+                    v[r] = _mm256_loadu_si256((const __m256i *)p);
+                } else { /* a row's last inputs: zeros past its end meet x's zero padding */
+                    int8_t tail[32] = {0};
+                    memcpy(tail, p, (size_t)left);
+                    v[r] = _mm256_loadu_si256((const __m256i *)tail);
+                }
+                v[r] = _mm256_shuffle_epi8(v[r], split);
             }
-            v[r] = _mm256_shuffle_epi8(v[r], split);
-        }
-        /* An 8 x 8 transpose of dwords: vector j lane r = row r's dword j. */
-        for (int h = 0; h < 8; h += 4) {
-            t[h] = _mm256_unpacklo_epi32(v[h], v[h + 1]), t[h + 1] = _mm256_unpackhi_epi32(v[h], v[h + 1]);
-            t[h + 2] = _mm256_unpacklo_epi32(v[h + 2], v[h + 3]), t[h + 3] = _mm256_unpackhi_epi32(v[h + 2], v[h + 3]);
-            u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]), u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
-            u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]), u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
-        }
-        uint8_t *o = out + b * 256;
-        for (int j = 0; j < 4; j++) {
-            _mm256_storeu_si256((__m256i *)(o + 32 * slot[j]), _mm256_permute2x128_si256(u[j], u[j + 4], 0x20));
-            _mm256_storeu_si256((__m256i *)(o + 32 * slot[j + 4]), _mm256_permute2x128_si256(u[j], u[j + 4], 0x31));
+            /* An 8 x 8 transpose of dwords: vector j lane r = row r's dword j. */
+            for (int k = 0; k < 8; k += 4) {
+                t[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]), t[k + 1] = _mm256_unpackhi_epi32(v[k], v[k + 1]);
+                t[k + 2] = _mm256_unpacklo_epi32(v[k + 2], v[k + 3]), t[k + 3] = _mm256_unpackhi_epi32(v[k + 2], v[k + 3]);
+                u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]), u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+                u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]), u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+            }
+            uint8_t *o = out + b * BLOCK_BYTES + 32 * h;
+            for (int j = 0; j < 4; j++) {
+                _mm256_storeu_si256((__m256i *)(o + 4 * LANES * slot[j]), _mm256_permute2x128_si256(u[j], u[j + 4], 0x20));
+                _mm256_storeu_si256((__m256i *)(o + 4 * LANES * slot[j + 4]), _mm256_permute2x128_si256(u[j], u[j + 4], 0x31));
+            }
         }
     }
-    float *sw = (float *)(out + nb * 256);
-    for (int r = 0; r < 8; r++) sw[r] = r < valid ? scale_at(wt->s, wt->kind, r0 + r) : 0.f;
+    float *sw = (float *)(out + nb * BLOCK_BYTES);
+    const int valid = (int)min64(LANES, wt->rows - r0);
+    for (int r = 0; r < LANES; r++) sw[r] = r < valid ? scale_at(wt->s, wt->kind, r0 + r) : 0.f;
 }
 
-/* tile for int8 weights: vpsignb moves each weight's sign onto x, vpmaddubsw multiplies the
- * weights' magnitudes by it (a pair's sum at most 2 * 128 * 127: no saturation, but two do not fit
- * 16 bits), vpmaddwd widens each to 32 bits. The block's sum, converted, times the block's x scale
+/* tile for int8 weights: each weight's sign moved onto x, the weights' magnitudes times that
+ * (vpmaddubsw: a pair's sum at most 2 * 128 * 127, no saturation, but two do not fit 16 bits, so
+ * each is widened by vpmaddwd; or vpdpbusd). The block's sum, converted, times the block's x scale
  * goes into the fp32 sum; the row's one weight scale multiplies it at the end. */
-static inline __attribute__((always_inline)) void tile_q8(const uint8_t *wp, int64_t n, const int8_t *xq, int64_t xbytes, int C, __m256 acc[MR]) {
+static inline __attribute__((always_inline)) void tile_q8(const uint8_t *wp, int64_t n, const int8_t *xq, int64_t xbytes, int C, vec_f acc[MR]) {
     const int64_t nb = blocks(n);
+#ifndef DPBUSD
     const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones; /* the vpmaddwd path's */
-    UNROLL for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+#endif
+    UNROLL for (int c = 0; c < C; c++) acc[c] = V_ZERO();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = wp + b * 256;
-        __m256i s32[MR];
-        UNROLL for (int c = 0; c < C; c++) s32[c] = _mm256_setzero_si256();
+        const uint8_t *w = wp + b * BLOCK_BYTES;
+        vec_i s32[MR];
+        UNROLL for (int c = 0; c < C; c++) s32[c] = V_ZERO_I();
         UNROLL for (int t = 0; t < 8; t++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * t)), aw = _mm256_abs_epi8(wv);
+            const vec_i wv = V_LOAD(w + 4 * LANES * t), aw = V_ABS8(wv);
             UNROLL for (int c = 0; c < C; c++) {
-                const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(dword_at(xq + c * xbytes + 32 * b + 4 * t)), wv);
+                const vec_i xv = V_SIGN8(V_BCAST(dword_at(xq + c * xbytes + 32 * b + 4 * t)), wv);
 #ifdef DPBUSD
                 s32[c] = DPBUSD(s32[c], aw, xv);
 #else
@@ -219,22 +273,22 @@ static inline __attribute__((always_inline)) void tile_q8(const uint8_t *wp, int
         }
         UNROLL for (int c = 0; c < C; c++) {
             const float *dx = (const float *)(xq + c * xbytes + nb * 32);
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[c]), _mm256_set1_ps(dx[b]), acc[c]);
+            acc[c] = V_FMADD(V_CVT(s32[c]), V_SET1F(dx[b]), acc[c]);
         }
     }
-    const __m256 s = _mm256_loadu_ps((const float *)(wp + nb * 256));
-    UNROLL for (int c = 0; c < C; c++) acc[c] = _mm256_mul_ps(acc[c], s);
+    const vec_f s = V_LOADF((const float *)(wp + nb * BLOCK_BYTES));
+    UNROLL for (int c = 0; c < C; c++) acc[c] = V_MUL(acc[c], s);
 }
 
 /* A laid-out group against x rows with the x row count a constant, so the sums stay in
  * registers (group 0: int8). */
-static void run_tile(const uint8_t *wp, int64_t n, int64_t group, const int8_t *xq, int64_t xbytes, int C, __m256 acc[MR]) {
-#define CASE(c)                                              \
-    case c:                                                  \
-        if (group)                                           \
-            tile_q4(wp, n, group, xq, xbytes, c, acc);          \
-        else                                                 \
-            tile_q8(wp, n, xq, xbytes, c, acc);              \
+static void run_tile(const uint8_t *wp, int64_t n, int64_t group, const int8_t *xq, int64_t xbytes, int C, vec_f acc[MR]) {
+#define CASE(c)                                        \
+    case c:                                            \
+        if (group)                                     \
+            tile_q4(wp, n, group, xq, xbytes, c, acc); \
+        else                                           \
+            tile_q8(wp, n, xq, xbytes, c, acc);        \
         break;
     switch (C) {
         CASE(4)
@@ -262,7 +316,7 @@ static int run_many(const struct many_call *k, const uint16_t *x, uint16_t *y, i
     if (xq == NULL) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
-    const int64_t units = (rows + 8 * GROUPS - 1) / (8 * GROUPS);
+    const int64_t units = (rows + LANES * GROUPS - 1) / (LANES * GROUPS);
     int failed = 0;
 #pragma omp parallel
     {
@@ -276,18 +330,18 @@ static int run_many(const struct many_call *k, const uint16_t *x, uint16_t *y, i
             int64_t u0, u1;
             thread_units(units, &u0, &u1);
             for (int64_t u = u0; u < u1; u++) {
-                const int64_t r0 = u * 8 * GROUPS;
-                const int groups = (int)min64(GROUPS, (rows - r0 + 7) / 8);
-                for (int j = 0; j < groups; j++) k->lay(k->wt, r0 + 8 * j, wp + j * k->gbytes);
+                const int64_t r0 = u * LANES * GROUPS;
+                const int groups = (int)min64(GROUPS, (rows - r0 + LANES - 1) / LANES);
+                for (int j = 0; j < groups; j++) k->lay(k->wt, r0 + LANES * j, wp + j * k->gbytes);
                 for (int64_t c0 = 0; c0 < m; c0 += MR) {
                     const int C = (int)min64(MR, m - c0);
                     for (int j = 0; j < groups; j++) {
-                        __m256 acc[MR];
+                        vec_f acc[MR];
                         run_tile(wp + j * k->gbytes, n, k->group, xq + c0 * xbytes, xbytes, C, acc);
-                        const int64_t rj = r0 + 8 * j, valid = min64(8, rows - rj);
+                        const int64_t rj = r0 + LANES * j, valid = min64(LANES, rows - rj);
                         for (int c = 0; c < C; c++) {
-                            float o[8];
-                            _mm256_storeu_ps(o, acc[c]);
+                            float o[LANES];
+                            V_STOREF(o, acc[c]);
                             for (int r = 0; r < valid; r++) y[(c0 + c) * rows + rj + r] = f32_to_bf16(o[r]);
                         }
                     }
@@ -315,7 +369,7 @@ int q8x_many(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t
 }
 
 #else
-const char *q4x_many_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2 with FMA"; }
+const char *int8x_many_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2 with FMA"; }
 int q4x_many(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
     (void)wt, (void)x, (void)y, (void)m, (void)prefetch, (void)where;
     return -2;

@@ -42,7 +42,7 @@ _SIGNATURES = {
     "q8x_isa": (ctypes.c_char_p, []),
     "q4x_many": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "q8x_many": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64]),
-    "q4x_many_isa": (ctypes.c_char_p, []),
+    "int8x_many_isa": (ctypes.c_char_p, []),
     "q8x_tile_rows": (ctypes.c_int, []),
     "q4_isa": (ctypes.c_char_p, []),
     "q4x_isa": (ctypes.c_char_p, []),
@@ -258,7 +258,7 @@ def int8x_many_unavailable(variant: str = "native") -> str:
     lib, why = library("int8x-many", variant)
     if lib is None:
         return why
-    what = lib.q4x_many_isa().decode()
+    what = lib.int8x_many_isa().decode()
     return what if what.startswith("unavailable") else ""
 
 
