@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wp, int
 /* LANES int8 weight rows from r0 (rows past the end as zeros) laid out for tile_q8: per block,
  * eight vectors of LANES dwords of signed bytes, vector t lane r holding row r's four inputs of
  * x's dword t; then the rows' scales as fp32. Built eight rows at a time. */
-static inline int64_t group_bytes_q8(int64_t n) { return blocks(n) * BLOCK_BYTES + 4 * LANES; }
+static inline int64_t group_bytes_q8(int64_t n) { return blocks(n) * BLOCK_BYTES + 64; /* the scales, a line */ }
 
 static void lay_out_q8(const struct q8_weight *wt, int64_t r0, uint8_t *out) {
     const int64_t nb = blocks(wt->n);
