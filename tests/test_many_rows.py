@@ -33,11 +33,34 @@ def test_every_kernel_matches_the_reference(name, shape, dtype):
     want = torch.empty(t, o, dtype=dtype)
     many_rows.gemm_reference(x, w, want)
     got = torch.full((t, o), float("nan"), dtype=dtype)
+    why = MANY_ROW.by_name[name].unavailable("bfloat16", torch.device("cpu"))
+    if why and dtype == torch.bfloat16:  # a compiled kernel this build lacks refuses with the reason
+        with pytest.raises(RuntimeError, match="AVX2"):
+            MANY_ROW.by_name[name].run(x, w, got)
+        return
     MANY_ROW.by_name[name].run(x, w, got)
     # Sums in another order: within one rounding of the output dtype, relative to the terms.
     scale = (x.float().abs() @ w.float().abs().t()).max().item()
     tol = 2 * torch.finfo(dtype).eps * max(scale, 1.0)
     assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+@pytest.mark.skipif(bool(many_rows.c_f32_unavailable("bfloat16", torch.device("cpu"))), reason="no AVX2 with FMA: c-f32 is not built here")
+def test_the_compiled_gemm_gives_a_row_the_same_bits_in_any_call():
+    # A prompt's rows must not depend on how it was cut into passes: each row alone and the rows
+    # of calls of 2..13 at every offset (around the six-row tile, past one 256-input block, 150
+    # weight rows ending mid-panel) equal the 19-row call bit for bit.
+    torch.manual_seed(1)
+    x, w = torch.randn(19, 300, dtype=torch.bfloat16), torch.randn(150, 300, dtype=torch.bfloat16)
+    whole = torch.empty(19, 150, dtype=torch.bfloat16)
+    many_rows.c_f32(x, w, whole)
+    for m in (1, 2, 5, 6, 7, 13):
+        for c0 in range(0, 19 - m + 1, 4):
+            part = torch.empty(m, 150, dtype=torch.bfloat16)
+            many_rows.c_f32(x[c0 : c0 + m].contiguous(), w, part)
+            assert torch.equal(part, whole[c0 : c0 + m]), (m, c0)
+    with pytest.raises(ValueError, match="c-f32: out must be a contiguous 2-d CPU tensor of shape"):
+        many_rows.c_f32(x, w, torch.empty(19, 149, dtype=torch.bfloat16))
 
 
 def test_a_bound_projection_runs_the_many_row_kernel_chosen_for_its_format():
@@ -56,7 +79,7 @@ def test_measured_then_cached_then_forced(monkeypatch, tmp_path):
     monkeypatch.setattr(measure, "PROBE_ROWS", 32)
     weights = [torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)]
     first = choose(MANY_ROW, weights, env={}, monitor=TOLERANT)
-    assert first.how == "measured" and set(first.seconds["probe"]) == set(MANY_ROW.by_name)
+    assert first.how == "measured" and set(first.seconds["probe"]) == set(MANY_ROW.timed("bfloat16", torch.device("cpu")))
     assert first.by_key["probe"] == pick(MANY_ROW, first.seconds["probe"])
     # The probe is cut from the widest weight.
     assert first.probe == "32x96 @ 96x64"

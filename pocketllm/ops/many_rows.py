@@ -3,13 +3,20 @@ weight's dtype, or the weight widened to fp32 a block of rows at a time into tor
 
 torch's bf16/fp16 GEMM is fast where the CPU multiplies bf16 itself (AVX-512 BF16, AMX); where it
 does not (an AVX2 CPU), the same call can run several times slower than the fp32 GEMM on the same
-cores, and the fp32 GEMM on a widened copy is the faster way to the same fp32 sums. Which holds is
-measured by the kernel registry (pocketllm.ops.registry); POCKETLLM_KERNELS=many-row=NAME forces one.
+cores, and the fp32 GEMM on a widened copy is the faster way to the same fp32 sums; faster still,
+the compiled GEMM of many_rows_bf16.c widens the weight as it packs it for its own fp32 tile
+(c_f32). Which holds is measured by the kernel registry (pocketllm.ops.registry);
+POCKETLLM_KERNELS=many-row=NAME forces one.
 """
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import torch
+
+from pocketllm import compiled
 
 # Weight rows widened at a time: beyond a few hundred the fp32 GEMM gains nothing, and the block's
 # fp32 copy stays small.
@@ -31,3 +38,49 @@ def mm_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     for o0 in range(0, w.shape[0], BLOCK_ROWS):
         o1 = min(o0 + BLOCK_ROWS, w.shape[0])
         out[:, o0:o1] = xf @ w[o0:o1].float().t()
+
+
+SOURCE = Path(__file__).with_name("many_rows_bf16.c")
+_configured = None
+
+
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    global _configured
+    lib, why = compiled.load(SOURCE)
+    if lib is not None and lib is not _configured:
+        lib.gemm_bf16_f32.restype = ctypes.c_int
+        lib.gemm_bf16_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        lib.gemm_f32_isa.restype = ctypes.c_char_p
+        _configured = lib
+    return lib, why
+
+
+def c_f32_unavailable(fmt: str, device: torch.device) -> str:
+    """Why c_f32 cannot run weights of `fmt` on `device` ("" when it can)."""
+    if device.type != "cpu" or fmt != "bfloat16":
+        return "the compiled fp32 GEMM takes bf16 weights on a CPU"
+    lib, why = _library()
+    if lib is None:
+        return why
+    isa = lib.gemm_f32_isa().decode()
+    return isa if isa.startswith("unavailable") else ""
+
+
+def c_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ w^T for bf16 x [m, in], w [out, in], out [m, out]: fp32 products and sums, one
+    chain per output in input order, each rounded once (many_rows_bf16.c). Other dtypes run
+    mm_f32, the same sums through torch."""
+    if not (x.dtype is w.dtype is out.dtype is torch.bfloat16):
+        mm_f32(x, w, out)
+        return
+    for name, t, shape in (("x", x, None), ("w", w, (w.shape[0], x.shape[-1])), ("out", out, (x.shape[0], w.shape[0]))):
+        if t.dim() != 2 or not t.is_cpu or not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape):
+            raise ValueError(f"c-f32: {name} must be a contiguous 2-d CPU tensor{'' if shape is None else f' of shape {shape}'}, got {tuple(t.shape)}")
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"c-f32: {why}")
+    rc = lib.gemm_bf16_f32(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+    if rc == -1:
+        raise MemoryError(f"c-f32: no memory for x widened to fp32 ({x.shape[0]} x {x.shape[1]})")
+    if rc != 0:
+        raise RuntimeError(f"c-f32: {lib.gemm_f32_isa().decode()}")

@@ -120,6 +120,10 @@ MANY_ROW = register(
                 "mm-f32", many_rows.mm_f32, "the weight widened to fp32 a block of rows at a time, torch's fp32 GEMM",
                 lambda fmt, device: "" if device.type == "cpu" and fmt in ("bfloat16", "float16") else "widening to fp32 is for bf16/fp16 weights on a CPU",
             ),
+            Candidate(
+                "c-f32", many_rows.c_f32, "bf16 weights widened to fp32 as they are packed, a compiled 6 x 16 fp32 FMA tile (ops/many_rows_bf16.c, AVX2)",
+                many_rows.c_f32_unavailable, sources=(many_rows.SOURCE,),
+            ),
         ),
         default="mm",
         # The widened GEMM allocates a block of fp32 per call: a wash keeps torch's own.
