@@ -41,6 +41,7 @@ ENV_ISA = "POCKETLLM_ISA"
 BUILD_SECONDS = 120
 
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
+_typed: set[tuple[str, int]] = set()  # (library key, id of a signature table) already applied
 
 
 class BuildError(Exception):
@@ -117,8 +118,10 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     return target
 
 
-def load(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
-    """(the built library, "") or (None, why not), built once per process and cached on disk."""
+def load(source: Path, flags: tuple[str, ...] = FLAGS, signatures: dict | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """(the built library, "") or (None, why not), built once per process and cached on disk.
+    `signatures` ({function: (restype, argtypes)}) are set on the functions the library has, once
+    per library and table."""
     flags = with_isa(flags)
     key = f"{source}|{' '.join(flags)}"
     if key not in _loaded:
@@ -129,6 +132,12 @@ def load(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | No
             _loaded[key] = None, str(e)
         except OSError as e:
             _loaded[key] = None, f"could not load the build of {source.name}: {e}"
+    lib = _loaded[key][0]
+    if lib is not None and signatures and (key, id(signatures)) not in _typed:
+        for fn, (restype, argtypes) in signatures.items():
+            if hasattr(lib, fn):
+                getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
+        _typed.add((key, id(signatures)))
     return _loaded[key]
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from pocketllm import compiled
+from pocketllm.ops.gemv.kernels import rows_ok, rows_specs
+from pocketllm.ops.native_args import refuse
 
 # Weight rows widened at a time: beyond a few hundred the fp32 GEMM gains nothing, and the block's
 # fp32 copy stays small.
@@ -41,18 +43,14 @@ def mm_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 
 
 SOURCE = Path(__file__).with_name("many_rows_bf16.c")
-_configured = None
+_SIGNATURES = {
+    "gemm_bf16_f32": (ctypes.c_int, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3),
+    "gemm_f32_isa": (ctypes.c_char_p, []),
+}
 
 
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    global _configured
-    lib, why = compiled.load(SOURCE)
-    if lib is not None and lib is not _configured:
-        lib.gemm_bf16_f32.restype = ctypes.c_int
-        lib.gemm_bf16_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        lib.gemm_f32_isa.restype = ctypes.c_char_p
-        _configured = lib
-    return lib, why
+    return compiled.load(SOURCE, signatures=_SIGNATURES)
 
 
 def c_f32_unavailable(fmt: str, device: torch.device) -> str:
@@ -73,9 +71,10 @@ def c_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     if not (x.dtype is w.dtype is out.dtype is torch.bfloat16):
         mm_f32(x, w, out)
         return
-    for name, t, shape in (("x", x, None), ("w", w, (w.shape[0], x.shape[-1])), ("out", out, (x.shape[0], w.shape[0]))):
-        if t.dim() != 2 or not t.is_cpu or not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape):
-            raise ValueError(f"c-f32: {name} must be a contiguous 2-d CPU tensor{'' if shape is None else f' of shape {shape}'}, got {tuple(t.shape)}")
+    if not rows_ok(x, w, out):
+        refuse("c-f32", rows_specs(x, w, out))
+    if not x.is_contiguous():
+        x = x.contiguous()
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"c-f32: {why}")

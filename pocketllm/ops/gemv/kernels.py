@@ -59,33 +59,29 @@ _c_rows: dict[str, object] = {}
 _amx_enabled: bool | None = None
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "gemv_bf16": (None, [_P, _P, _P] + [_I] * 4),
+    "gemv_bf16_group": (None, [_P, _P, _P] + [_I] * 4),
+    "gemm_rows_bf16": (None, [_P, _P, _P] + [_I] * 5),
+    "gemm_rows_amx_bf16": (None, [_P, _P, _P] + [_I] * 3),
+    "gemm_rows_next_bf16": (None, [_P, _P, _P] + [_I] * 5),
+    "gemm_rows_wide_bf16": (ctypes.c_int, [_P, _P, _P] + [_I] * 5),
+    "gemv_amx_bf16": (None, [_P, _P, _P] + [_I] * 4),
+    "amx_bf16_enable": (ctypes.c_int, None),
+    "gemv_bf16_isa": (ctypes.c_char_p, None),
+    "gemv_bf16_group_rows": (ctypes.c_int, None),
+}
+
+
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     global _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv, _configured
-    lib, why = compiled.load(SOURCE)
+    lib, why = compiled.load(SOURCE, signatures=_SIGNATURES)
     # Each library object once: a process whose build changes (another POCKETLLM_ISA or cache
     # directory, as tests run) gets a new one, whose entry points then take over.
     if lib is not None and lib is not _configured:
         _configured = lib
-        lib.gemv_bf16.restype = None
-        lib.gemv_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
-        lib.gemv_bf16_group.restype = None
-        lib.gemv_bf16_group.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
-        lib.gemm_rows_bf16.restype = None
-        lib.gemm_rows_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-        lib.gemm_rows_amx_bf16.restype = None
-        lib.gemm_rows_amx_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
-        lib.gemm_rows_next_bf16.restype = None
-        lib.gemm_rows_next_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-        lib.gemm_rows_wide_bf16.restype = ctypes.c_int
-        lib.gemm_rows_wide_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-        lib.gemv_amx_bf16.restype = None
-        lib.gemv_amx_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
-        _amx_gemv = lib.gemv_amx_bf16
-        lib.amx_bf16_enable.restype = ctypes.c_int
-        lib.gemv_bf16_isa.restype = ctypes.c_char_p
-        lib.gemv_bf16_group_rows.restype = ctypes.c_int
-        _c_gemv, _amx_gemm_rows = lib.gemv_bf16, lib.gemm_rows_amx_bf16
-        _c_gemv_group = lib.gemv_bf16_group
+        _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv = lib.gemv_bf16, lib.gemv_bf16_group, lib.gemm_rows_amx_bf16, lib.gemv_amx_bf16
         _c_rows.update(gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_next_bf16=lib.gemm_rows_next_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16)
     return lib, why
 
@@ -114,7 +110,8 @@ def _gemv_specs(x, w, out):
     return [("w", w, _BF16, None, True, 2), ("x", x, _BF16, n, False, None), ("out", out, _BF16, o, True, None)]
 
 
-def _rows_specs(x, w, out):
+def rows_specs(x, w, out):
+    """refuse()'s specs for a compiled GEMM of many rows: x [m, n], w [rows, n], out [m, rows]."""
     n, o = (w.shape[1], w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else (None, None)
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
     specs = [("w", w, _BF16, None, True, 2), ("x", x, _BF16, None if m is None else m * n, False, 2)]
@@ -176,7 +173,9 @@ def group_unavailable(fmt: str, device: torch.device) -> str:
     return "" if group_rows() > 1 else f"no grouped one-row GEMV in the {compiled_isa()} build"
 
 
-def _rows_ok(x, w, out) -> bool:
+def rows_ok(x, w, out) -> bool:
+    """Whether bf16 x [m, n], w [rows, n], out [m, rows] on the CPU (w and out contiguous) can go
+    to a compiled GEMM of many rows: one expression of attribute reads."""
     return (
         x.dtype is _BF16 and w.dtype is _BF16 and out.dtype is _BF16 and w.dim() == 2 and x.dim() == 2 and out.dim() == 2
         and x.shape[1] == w.shape[1] and out.shape[0] == x.shape[0] and out.shape[1] == w.shape[0]
@@ -188,8 +187,8 @@ def _rows_kernel(symbol: str, a: int, b: int) -> Kernel:
     """A checked call of the compiled few-row entry point `symbol` with its two settings a, b."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        if not _rows_ok(x, w, out):
-            refuse(symbol, _rows_specs(x, w, out))
+        if not rows_ok(x, w, out):
+            refuse(symbol, rows_specs(x, w, out))
         if not x.is_contiguous():
             x = x.contiguous()
         # Only ever chosen after unavailable() built the library, which filled _c_rows.
@@ -237,8 +236,8 @@ def wide_unavailable(wrows: int):
 
 
 def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    if not _rows_ok(x, w, out):
-        refuse("gemm_rows_amx_bf16", _rows_specs(x, w, out))
+    if not rows_ok(x, w, out):
+        refuse("gemm_rows_amx_bf16", rows_specs(x, w, out))
     if not x.is_contiguous():
         x = x.contiguous()
     _amx_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])

@@ -48,21 +48,9 @@ _SIGNATURES = {
     "q4x_isa": (ctypes.c_char_p, []),
     "q8_isa": (ctypes.c_char_p, []),
 }
-_libs: dict[tuple[str, str], tuple[ctypes.CDLL | None, str]] = {}
-
-
 def library(name: str, isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
     """(the built library of SOURCES[name] for `isa`, "") or (None, why not)."""
-    key = (name, isa)
-    if key not in _libs:
-        lib, why = compiled.load(SOURCES[name], compiled.FLAGS + compiled.ISA_FLAGS[isa])
-        if lib is not None:
-            for fn, (restype, argtypes) in _SIGNATURES.items():
-                if hasattr(lib, fn):
-                    getattr(lib, fn).restype = restype
-                    getattr(lib, fn).argtypes = argtypes
-        _libs[key] = lib, why
-    return _libs[key]
+    return compiled.load(SOURCES[name], compiled.FLAGS + compiled.ISA_FLAGS[isa], _SIGNATURES)
 
 
 def unavailable(name: str, isa: str = "native") -> str:
