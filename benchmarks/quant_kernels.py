@@ -121,21 +121,10 @@ def bench_set(preset: str, shapes, fmts, rows: int, reps: int, isa: str, names, 
         for c in qc.available(row_class, fmt) if fmt else ():
             if names and c.name not in names:
                 continue
-            run = c.run
-            if c.name in qc.GEMV_PREFETCH:  # the compiled candidate built for --isa (the registry's is native)
-                prefetch, where = qc.GEMV_PREFETCH[c.name]
-                run = native.gemv(prefetch, isa, where)
-            elif c.name == "c-int8x-4":
-                if native.int8x_four_unavailable(isa):
-                    continue  # no such tile in the --isa build
-                run = native.gemv(0, isa, int8_x=True, four=True)
-            elif c.name == "c-int8x-gemm":
-                if native.int8x_many_unavailable(isa):
-                    continue
-                run = native.gemv(0, isa, many=True)
-            elif c.rounds_x:
-                prefetch, where = qc.INT8X_PREFETCH[c.name]
-                run = native.gemv(prefetch, isa, where, int8_x=True)
+            # A compiled candidate as built for --isa (the registry's is native); none: that build lacks it.
+            run = c.built_for(isa) if c.built_for else c.run
+            if run is None:
+                continue
             if c.layout not in prepared:
                 prepared[c.layout] = [c.prepare(w) if c.prepare else w for w in weights]
             runs[c.name] = (run, prepared[c.layout], qbytes)
@@ -181,9 +170,12 @@ def errors(fmts, scale_dtype, isa: str) -> None:
               f"rounding the reference to bf16: max {worst(rounded - ref, ref):.2e}, RMS {rms(rounded - ref, ref):.2e}")
         for row_class in (qc.ONE, qc.FEW, qc.MANY):
             for c in qc.available(row_class, fmt) if fmt else ():
-                if c.name in qc.GEMV_PREFETCH and c.name != "c":  # the same sums as c
+                # Candidates that differ from another only in their prefetch give its sums.
+                if (c.name in qc.GEMV_PREFETCH and c.name != "c") or c.name == "c-int8x-l2":
                     continue
-                run = native.gemv(0, isa) if c.name == "c" else c.run
+                run = c.built_for(isa) if c.built_for else c.run
+                if run is None:
+                    continue
                 prep = c.prepare(qw) if c.prepare else qw
                 got = torch.empty(rows, out_f, dtype=torch.bfloat16)
                 if row_class == qc.ONE:

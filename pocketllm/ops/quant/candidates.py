@@ -63,6 +63,9 @@ class QuantCandidate:
     # True: it rounds bf16 x to int8 first (layout.quantize_x_int8), so its reference is
     # layout.quant_linear_int8x_reference and its rows' bits are not the other tiles'.
     rounds_x: bool = False
+    # A compiled kernel: the same kernel built for another of native.library's instruction-set
+    # variants (for benchmarks and tests on one machine), None where that build lacks it.
+    built_for: Callable[[str], Callable | None] | None = None
 
 
 def parse_format(fmt: str) -> tuple[str, int | None, bool] | None:
@@ -79,7 +82,7 @@ def parse_format(fmt: str) -> tuple[str, int | None, bool] | None:
 
 def _compiled_unavailable(part: str):
     """part "gemv": the scheme's GEMV library; "dequant": dequant.c; "int8x": the scheme's int8-x
-    kernel (int8, or symmetric int4)."""
+    kernel (int8, or symmetric int4); "many": the many-row int8-x GEMM (gemm_int8x.c)."""
 
     def why(fmt: str, device: torch.device) -> str:
         parsed = parse_format(fmt)
@@ -94,6 +97,8 @@ def _compiled_unavailable(part: str):
             return f"the compiled int4 kernels take groups of 32 or a multiple of 64, not {group}"
         if part == "int8x":
             return native.unavailable(f"{scheme}-int8x") or native.int8x_unavailable(scheme=scheme)
+        if part == "many":
+            return native.int8x_many_unavailable()
         return native.unavailable(scheme if part == "gemv" else "dequant")
 
     return why
@@ -120,7 +125,7 @@ def _gemv(name: str, rows: str, what: str) -> QuantCandidate:
     prefetch, where = GEMV_PREFETCH[name]
     return QuantCandidate(
         name, rows, native.gemv(prefetch, where=where), what, _ALL, _compiled_unavailable("gemv"), native.prepare, "checked",
-        _GEMV_SOURCES,
+        _GEMV_SOURCES, built_for=lambda isa: native.gemv(prefetch, isa, where),
     )
 
 
@@ -130,24 +135,29 @@ def _gemv(name: str, rows: str, what: str) -> QuantCandidate:
 INT8X_PREFETCH = {"c-int8x": (PREFETCH_BYTES, native.ALL_LEVELS), "c-int8x-l2": (PREFETCH_BYTES, native.L2)}
 
 
-def _int4_only(why_not):
-    def why(fmt: str, device: torch.device) -> str:
-        return why_not(fmt, device) or ("" if fmt.startswith("int4") else "c-int8x-l2 is c-int8x for int4 weights: int8's prefetches nothing")
-
-    return why
-
-
-def _int8x(rows: str, name: str = "c-int8x") -> QuantCandidate:
+def _int8x(rows: str, name: str, what: str, unavailable) -> QuantCandidate:
     prefetch, where = INT8X_PREFETCH[name]
-    what = (
-        "int8 or symmetric int4 against each x row rounded to int8 per 32 inputs, integer dot products: AVX2 (ops/quant/gemv_int8_int8x.c), AVX-512 VNNI or AVX2 for int4 (gemv_int4_int8x.c)"
-        if name == "c-int8x" else "int4 c-int8x, each weight load prefetched into L2, not L1"
-    )
-    unavailable = _compiled_unavailable("int8x")
     return QuantCandidate(
-        name, rows, native.gemv(prefetch, where=where, int8_x=True), what,
-        "int8; int4 symmetric, g32 or a multiple of 64; x rounded to int8", unavailable if name == "c-int8x" else _int4_only(unavailable),
-        native.prepare, "checked", (native.SOURCES["int4-int8x"], native.SOURCES["int8-int8x"]), rounds_x=True,
+        name, rows, native.gemv(prefetch, where=where, int8_x=True), what, "int8; int4 symmetric, g32 or a multiple of 64; x rounded to int8",
+        unavailable, native.prepare, "checked", (native.SOURCES["int4-int8x"], native.SOURCES["int8-int8x"]), rounds_x=True,
+        built_for=lambda isa: native.gemv(prefetch, isa, where, int8_x=True),
+    )
+
+
+_INT8X_WHAT = (
+    "int8 or symmetric int4 against each x row rounded to int8 per 32 inputs, integer dot products: AVX2 "
+    "(ops/quant/gemv_int8_int8x.c), AVX-512 VNNI or AVX2 for int4 (gemv_int4_int8x.c)"
+)
+
+
+def _int8x_int4_only(fmt: str, device: torch.device) -> str:
+    return _compiled_unavailable("int8x")(fmt, device) or ("" if fmt.startswith("int4") else "c-int8x-l2 is c-int8x for int4 weights: int8's prefetches nothing")
+
+
+def _int8x_pair(rows: str) -> tuple[QuantCandidate, QuantCandidate]:
+    return (
+        _int8x(rows, "c-int8x", _INT8X_WHAT, _compiled_unavailable("int8x")),
+        _int8x(rows, "c-int8x-l2", "int4 c-int8x, each weight load prefetched into L2, not L1", _int8x_int4_only),
     )
 
 
@@ -166,24 +176,18 @@ _INT8X_FOUR = QuantCandidate(
     "c-int8x-4", FEW, native.gemv(0, int8_x=True, four=True),
     "c-int8x four int8 weight rows at a time against up to four x rows (AVX-512 VNNI, ops/quant/gemv_int8_int8x.c)",
     "int8; x rounded to int8", _int8x_four_unavailable, native.prepare, "checked", (native.SOURCES["int8-int8x"],), rounds_x=True,
+    built_for=lambda isa: None if native.int8x_four_unavailable(isa) else native.gemv(0, isa, int8_x=True, four=True),
 )
 
 
-def _int8x_gemm_unavailable(fmt: str, device: torch.device) -> str:
-    if parse_format(fmt) is None:
-        return "the compiled quantized kernels take int8 or int4 weights"
-    if device.type != "cpu":
-        return "the compiled quantized kernels run on a CPU"
-    return native.int8x_many_unavailable()
-
-
 # A prefill's GEMM with x rounded to int8 as c-int8x rounds it: the GEMV tiles' per-row scale work
-# is shared by eight weight rows here, and a weight load by four x rows (gemm_int8x.c).
+# is shared by a vector's worth of weight rows here, and a weight load by four x rows (gemm_int8x.c).
 _INT8X_GEMM = QuantCandidate(
     "c-int8x-gemm", MANY, native.gemv(0, many=True),
-    "int8 or int4 against each x row rounded to int8 per 32 inputs: eight weight rows a vector, laid out per call, byte dot products (AVX2, ops/quant/gemm_int8x.c)",
-    "int8; int4 g32 or a multiple of 64, symmetric or asymmetric; x rounded to int8", _int8x_gemm_unavailable, native.prepare, "checked",
+    "int8 or int4 against each x row rounded to int8 per 32 inputs: eight (AVX2) or sixteen (AVX-512 VNNI) weight rows a vector, laid out per call, byte dot products (ops/quant/gemm_int8x.c)",
+    "int8; int4 g32 or a multiple of 64, symmetric or asymmetric; x rounded to int8", _compiled_unavailable("many"), native.prepare, "checked",
     (native.SOURCES["int8x-many"],), rounds_x=True,
+    built_for=lambda isa: None if native.int8x_many_unavailable(isa) else native.gemv(0, isa, many=True),
 )
 
 
@@ -205,8 +209,7 @@ ONE_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c-prefetch-far", ONE, "the same, PREFETCH_FAR_BYTES ahead"),
     _gemv("c-ahead", ONE, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level"),
     _gemv("c-l2", ONE, "the same, into L2 and beyond, not L1"),
-    _int8x(ONE),
-    _int8x(ONE, "c-int8x-l2"),
+    *_int8x_pair(ONE),
     _torch("int8pack", ONE),
     _torch("int4pack", ONE),
 )
@@ -216,8 +219,7 @@ FEW_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c-prefetch-far", FEW, "the same, PREFETCH_FAR_BYTES ahead"),
     _gemv("c-ahead", FEW, "the same, each weight load prefetched PREFETCH_BYTES ahead into every cache level"),
     _gemv("c-l2", FEW, "the same, into L2 and beyond, not L1"),
-    _int8x(FEW),
-    _int8x(FEW, "c-int8x-l2"),
+    *_int8x_pair(FEW),
     _INT8X_FOUR,
     _torch("int8pack", FEW),
     _torch("int4pack", FEW),

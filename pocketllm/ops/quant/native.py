@@ -59,18 +59,23 @@ def unavailable(name: str, isa: str = "native") -> str:
 
 
 def isa(scheme: str, variant: str = "native") -> str:
-    """The instruction set the scheme's GEMV (or "int4-int8x", "int8-int8x") was built for, or why it was not."""
+    """The instruction set the scheme's GEMV (or "int4-int8x", "int8-int8x", "int8x-many") was built for, or why it was not."""
     lib, why = library(scheme, variant)
     if lib is None:
         return f"unavailable: {why}"
-    fn = {"int4": "q4_isa", "int8": "q8_isa", "int4-int8x": "q4x_isa", "int8-int8x": "q8x_isa"}[scheme]
+    fn = {"int4": "q4_isa", "int8": "q8_isa", "int4-int8x": "q4x_isa", "int8-int8x": "q8x_isa", "int8x-many": "int8x_many_isa"}[scheme]
     return getattr(lib, fn)().decode()
+
+
+def _unbuilt(source: str, variant: str) -> str:
+    """Why SOURCES[source]'s kernel is not in its `variant` build ("" when it is)."""
+    what = isa(source, variant)
+    return what if what.startswith("unavailable") else ""
 
 
 def int8x_unavailable(variant: str = "native", scheme: str = "int4") -> str:
     """Why the scheme's int8-x kernel (gemv_int4_int8x.c, gemv_int8_int8x.c) cannot run here ("" when it can)."""
-    what = isa(f"{scheme}-int8x", variant)
-    return what if what.startswith("unavailable") else ""
+    return _unbuilt(f"{scheme}-int8x", variant)
 
 
 def int4_group_ok(group: int) -> bool:
@@ -243,11 +248,7 @@ def int8x_four_unavailable(variant: str = "native") -> str:
 
 def int8x_many_unavailable(variant: str = "native") -> str:
     """Why the many-row int8-x GEMM (gemm_int8x.c) cannot run here ("" when it can)."""
-    lib, why = library("int8x-many", variant)
-    if lib is None:
-        return why
-    what = lib.int8x_many_isa().decode()
-    return what if what.startswith("unavailable") else ""
+    return _unbuilt("int8x-many", variant)
 
 
 # Where a compiled kernel's weight prefetch puts the lines (quant.h prefetch_weight): past the
