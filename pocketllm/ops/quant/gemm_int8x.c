@@ -300,15 +300,13 @@ static void run_tile(const uint8_t *wp, int64_t n, int64_t group, const int8_t *
 #undef CASE
 }
 
-/* The call: the weight in either scheme, its laid-out groups' size and how to lay one out. */
+/* The call: the weight in either scheme (group 0: int8's q8_weight, else int4's q4_weight) and
+ * its laid-out groups' size. */
 struct many_call {
     const void *wt;
-    int64_t rows, n, group; /* group 0: int8 */
+    int64_t rows, n, group;
     int64_t gbytes;
-    void (*lay)(const void *wt, int64_t r0, uint8_t *out);
 };
-static void lay_q4(const void *wt, int64_t r0, uint8_t *out) { lay_out_q4(wt, r0, out); }
-static void lay_q8(const void *wt, int64_t r0, uint8_t *out) { lay_out_q8(wt, r0, out); }
 
 static int run_many(const struct many_call *k, const uint16_t *x, uint16_t *y, int64_t m) {
     const int64_t rows = k->rows, n = k->n, xbytes = x_bytes(n);
@@ -332,7 +330,12 @@ static int run_many(const struct many_call *k, const uint16_t *x, uint16_t *y, i
             for (int64_t u = u0; u < u1; u++) {
                 const int64_t r0 = u * LANES * GROUPS;
                 const int groups = (int)min64(GROUPS, (rows - r0 + LANES - 1) / LANES);
-                for (int j = 0; j < groups; j++) k->lay(k->wt, r0 + LANES * j, wp + j * k->gbytes);
+                for (int j = 0; j < groups; j++) {
+                    if (k->group)
+                        lay_out_q4(k->wt, r0 + LANES * j, wp + j * k->gbytes);
+                    else
+                        lay_out_q8(k->wt, r0 + LANES * j, wp + j * k->gbytes);
+                }
                 for (int64_t c0 = 0; c0 < m; c0 += MR) {
                     const int C = (int)min64(MR, m - c0);
                     for (int j = 0; j < groups; j++) {
@@ -358,13 +361,13 @@ static int run_many(const struct many_call *k, const uint16_t *x, uint16_t *y, i
  * 0; -1 when a buffer could not be allocated (nothing written). */
 int q4x_many(const struct q4_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
     (void)prefetch, (void)where;
-    const struct many_call k = {wt, wt->rows, wt->n, wt->group, group_bytes_q4(wt->n, wt->n / wt->group), lay_q4};
+    const struct many_call k = {wt, wt->rows, wt->n, wt->group, group_bytes_q4(wt->n, wt->n / wt->group)};
     return run_many(&k, x, y, m);
 }
 
 int q8x_many(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
     (void)prefetch, (void)where;
-    const struct many_call k = {wt, wt->rows, wt->n, 0, group_bytes_q8(wt->n), lay_q8};
+    const struct many_call k = {wt, wt->rows, wt->n, 0, group_bytes_q8(wt->n)};
     return run_many(&k, x, y, m);
 }
 
