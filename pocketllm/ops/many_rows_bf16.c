@@ -18,12 +18,10 @@
 
 #include "bf16.h"
 #include "scratch.h"
+#include "threads.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define MR 6       /* x rows a tile takes */
 #define NR 16      /* weight rows a tile takes: two vectors */
@@ -108,12 +106,9 @@ int gemm_bf16_f32(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t row
         }
 #pragma omp barrier
         if (!failed) {
-#ifdef _OPENMP
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-            const int64_t t = 0, nt = 1;
-#endif
-            for (int64_t u = units * t / nt; u < units * (t + 1) / nt; u++) {
+            int64_t u0, u1;
+            thread_units(units, &u0, &u1);
+            for (int64_t u = u0; u < u1; u++) {
                 const int64_t r0 = u * unit, panels = (rows - r0 + NR - 1) / NR < PANELS ? (rows - r0 + NR - 1) / NR : PANELS;
                 memset(acc, 0, (size_t)(m * ldc) * sizeof(float));
                 for (int64_t k0 = 0; k0 < n; k0 += KC) {

@@ -8,6 +8,7 @@
 
 #include "../bf16.h"
 #include "../scratch.h"
+#include "../threads.h"
 
 /* The scale dtype codes the Python side passes (kernels.SCALE_KINDS). */
 enum { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
@@ -89,22 +90,6 @@ static inline float round_x_block(const uint16_t *x, int64_t n, int64_t b, int8_
     return big / 127.f;
 }
 #endif
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-/* This thread's contiguous share [u0, u1) of `units` tiles (all of them outside a parallel
- * region): the split schedule(static) makes, written out so a thread knows where its part starts. */
-static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {
-#ifdef _OPENMP
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int64_t t = 0, nt = 1;
-#endif
-    *u0 = units * t / nt;
-    *u1 = units * (t + 1) / nt;
-}
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 

@@ -1,0 +1,20 @@
+/* How the C kernels under pocketllm/ops split work over the OpenMP threads torch already runs. */
+#ifndef POCKETLLM_THREADS_H
+#define POCKETLLM_THREADS_H
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* This thread's contiguous share [u0, u1) of `units` tiles (all of them outside a parallel
+ * region): the split schedule(static) makes, written out so a thread knows where its part starts. */
+static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    *u0 = units * t / nt;
+    *u1 = units * (t + 1) / nt;
+}
+#endif
