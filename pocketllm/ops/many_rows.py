@@ -66,11 +66,7 @@ def c_f32_unavailable(fmt: str, device: torch.device) -> str:
 
 def c_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """out = x @ w^T for bf16 x [m, in], w [out, in], out [m, out]: fp32 products and sums, one
-    chain per output in input order, each rounded once (many_rows_bf16.c). Other dtypes run
-    mm_f32, the same sums through torch."""
-    if not (x.dtype is w.dtype is out.dtype is torch.bfloat16):
-        mm_f32(x, w, out)
-        return
+    chain per output in input order, each rounded once (many_rows_bf16.c)."""
     if not rows_ok(x, w, out):
         refuse("c-f32", rows_specs(x, w, out))
     if not x.is_contiguous():
