@@ -314,9 +314,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4 *q, int64
     }
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) {
-            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            o[r][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+            o[r][c] = hsum8(acc[r][c]);
         }
 }
 

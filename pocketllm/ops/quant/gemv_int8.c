@@ -196,9 +196,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8 *q, int64
     }
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) {
-            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            float t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+            float t = hsum8(acc[r][c]);
             for (int64_t k = e; k < q->n; k++) t += (float)q->w[(r0 + r) * q->n + k] * x[c * q->xstride + k];
             o[r][c] = t;
         }

@@ -141,10 +141,7 @@ static inline __attribute__((always_inline)) void tile(const struct q8v *q, int6
         }
     }
     UNROLL for (int c = 0; c < C; c++) {
-        const __m256 a = _mm256_add_ps(a0[c], a1[c]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        o[0][c] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        o[0][c] = hsum8(_mm256_add_ps(a0[c], a1[c]));
     }
 }
 #endif
