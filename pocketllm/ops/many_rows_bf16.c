@@ -100,12 +100,7 @@ int gemm_bf16_f32(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t row
     {
         float *wp = aligned_alloc(64, (size_t)PANELS * KC * NR * sizeof(float));
         float *acc = aligned_alloc(64, (size_t)((m * ldc * sizeof(float) + 63) / 64 * 64));
-        if (wp == NULL || acc == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
+        if (every_thread(wp != NULL && acc != NULL, &failed)) {
             int64_t u0, u1;
             thread_units(units, &u0, &u1);
             for (int64_t u = u0; u < u1; u++) {

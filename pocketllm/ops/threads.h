@@ -17,4 +17,18 @@ static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {
     *u0 = units * t / nt;
     *u1 = units * (t + 1) / nt;
 }
+
+/* Inside a parallel region: whether every thread's `ok` (its own buffers allocated) holds, the
+ * same answer on all of them, so a call fails whole rather than part-written. */
+static inline int every_thread(int ok, int *failed) {
+    if (!ok) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp barrier
+    int f;
+#pragma omp atomic read
+    f = *failed;
+    return !f;
+}
 #endif

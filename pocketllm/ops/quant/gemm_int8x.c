@@ -319,12 +319,7 @@ static int run_many(const struct many_call *k, const uint16_t *x, uint16_t *y, i
 #pragma omp parallel
     {
         uint8_t *wp = aligned_alloc(64, (size_t)(GROUPS * k->gbytes));
-        if (wp == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
+        if (every_thread(wp != NULL, &failed)) {
             int64_t u0, u1;
             thread_units(units, &u0, &u1);
             for (int64_t u = u0; u < u1; u++) {
