@@ -183,7 +183,10 @@ const char *gemv_bf16_isa(void) { return "avx512f"; }
 /* Sixteen bf16 per 256-bit load, widened as two halves without a shuffle: shifting each 32-bit
  * lane left by 16 gives its even element as fp32, masking off its low half gives its odd one.
  * x is split the same way, so even elements meet even ones; a widening load (vpmovzxwd) per eight
- * elements cost so many more instructions that the loop ran short of memory bandwidth. */
+ * elements cost so many more instructions that the loop ran short of memory bandwidth. Even and
+ * odd products go to two sums per pair, added, then reduced (as the AVX-512 path above): with one
+ * sum a row waits on a chain of two FMA latencies per sixteen inputs, which held one row below
+ * the memory's rate (docs/decode.md). */
 #define STEP 16
 static inline __m256 even_f(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 static inline __m256 odd_f(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
@@ -194,28 +197,32 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* A pair's two sums reduced, then the inputs past the last whole STEP added one at a time. */
+static inline float finish(__m256 ae, __m256 ao, const uint16_t *w, const uint16_t *x, int64_t i, int64_t n) {
+    float s = hsum(_mm256_add_ps(ae, ao));
+    for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
+    return s;
+}
 static float dot1(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead) {
-    __m256 a = _mm256_setzero_ps();
+    __m256 ae = _mm256_setzero_ps(), ao = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
         if (ahead && (i & 31) == 0) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
         __m256i xv = load_w(x + i), wv = load_w(w + i);
-        a = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), _mm256_fmadd_ps(even_f(wv), even_f(xv), a));
+        ae = _mm256_fmadd_ps(even_f(wv), even_f(xv), ae);
+        ao = _mm256_fmadd_ps(odd_f(wv), odd_f(xv), ao);
     }
-    float s = hsum(a);
-    for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
-    return s;
+    return finish(ae, ao, w, x, i, n);
 }
-/* dot1 of four consecutive weight rows against one x, each row summed exactly as dot1 sums it.
- * dot1's one sum per row is a chain of two FMAs per sixteen inputs, so a row alone waits on FMA
- * latency (about 32 bytes per 8-10 cycles), below a memory's rate on two cores; four independent
- * chains hide it, and x is widened once for the four. `ahead` is each row's distance as dot1 has
- * it, along the rows this lane of the group reads next (row r, then r + DOT_GROUP, ...): a plain
- * byte offset past a short row's end would land in the rows the group is reading already. */
+/* dot1 of four consecutive weight rows against one x, each row summed exactly as dot1 sums it,
+ * x widened once for the four: where one row's stream runs short of the memory's rate, four
+ * streams may not (a candidate, measured). `ahead` is each row's distance as dot1 has it, along
+ * the rows this lane of the group reads next (row r, then r + DOT_GROUP, ...): a plain byte
+ * offset past a short row's end would land in the rows the group is reading already. */
 #define DOT_GROUP 4
 static void dot_group(const uint16_t *w, int64_t n, const uint16_t *x, int64_t ahead, float o[DOT_GROUP]) {
-    __m256 a[DOT_GROUP];
-    for (int r = 0; r < DOT_GROUP; r++) a[r] = _mm256_setzero_ps();
+    __m256 ae[DOT_GROUP], ao[DOT_GROUP];
+    for (int r = 0; r < DOT_GROUP; r++) ae[r] = ao[r] = _mm256_setzero_ps();
     /* Where the prefetch is: `groups` groups on, input `at` of the row. */
     int64_t groups = ahead / 2 / n, at = ahead / 2 % n;
     int64_t i = 0;
@@ -229,22 +236,19 @@ static void dot_group(const uint16_t *w, int64_t n, const uint16_t *x, int64_t a
         __m256 xe = even_f(xv), xo = odd_f(xv);
         for (int r = 0; r < DOT_GROUP; r++) {
             __m256i wv = load_w(w + r * n + i);
-            a[r] = _mm256_fmadd_ps(odd_f(wv), xo, _mm256_fmadd_ps(even_f(wv), xe, a[r]));
+            ae[r] = _mm256_fmadd_ps(even_f(wv), xe, ae[r]);
+            ao[r] = _mm256_fmadd_ps(odd_f(wv), xo, ao[r]);
         }
     }
-    for (int r = 0; r < DOT_GROUP; r++) {
-        float s = hsum(a[r]);
-        for (int64_t k = i; k < n; k++) s += bf16_to_f32(w[r * n + k]) * bf16_to_f32(x[k]);
-        o[r] = s;
-    }
+    for (int r = 0; r < DOT_GROUP; r++) o[r] = finish(ae[r], ao[r], w + r * n, x, i, n);
 }
-/* Two weight rows against up to four x rows, x widened to fp32 beforehand in the same even/odd
+/* One weight row against up to four x rows, x widened to fp32 beforehand in the same even/odd
  * halves (widen_x): each weight load feeds up to eight products, so the weight streams once for
- * four sequences; each pair summed as dot1 sums a row. Eight accumulators, four widened weight
- * halves and two x halves fill fourteen of the sixteen registers. Inlined into calls with a
- * constant `cols`. */
+ * four sequences; each pair summed as dot1 sums a row. Eight sums, two widened weight halves and
+ * x read by the FMAs: two weight rows would need sixteen sums, all the registers. Inlined into
+ * calls with a constant `cols`. */
 #define HAS_TILE 1
-#define TILE_ROWS 2
+#define TILE_ROWS 1
 #define WIDENS_X 1
 #define X_STRIDE(n) (n)
 static void widen_x(const uint16_t *x, int64_t n, float *xw) {
@@ -254,30 +258,21 @@ static void widen_x(const uint16_t *x, int64_t n, float *xw) {
             xw[i + STEP / 2 + j] = bf16_to_f32(x[i + 2 * j + 1]);
         }
 }
-static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[2][4], int64_t pf, int64_t ahead) {
-    __m256 a[2][4];
-    for (int r = 0; r < 2; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[1][4], int64_t pf, int64_t ahead) {
+    __m256 ae[4], ao[4];
+    for (int c = 0; c < 4; c++) ae[c] = ao[c] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + STEP <= n; i += STEP) {
-        if (pf && (i & 31) == 0)
-            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + pf, _MM_HINT_NTA);
-        if (ahead && (i & 31) == 0)
-            for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(w + r * n + i) + ahead, _MM_HINT_T0);
-        __m256i w0 = load_w(w + i), w1 = load_w(w + n + i);
-        __m256 w0e = even_f(w0), w0o = odd_f(w0), w1e = even_f(w1), w1o = odd_f(w1);
+        if (pf && (i & 31) == 0) _mm_prefetch((const char *)(w + i) + pf, _MM_HINT_NTA);
+        if (ahead && (i & 31) == 0) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
+        __m256i wv = load_w(w + i);
+        __m256 we = even_f(wv), wo = odd_f(wv);
         for (int c = 0; c < cols; c++) {
-            __m256 xe = _mm256_loadu_ps(xw + c * X_STRIDE(n) + i), xo = _mm256_loadu_ps(xw + c * X_STRIDE(n) + i + STEP / 2);
-            a[0][c] = _mm256_fmadd_ps(w0o, xo, _mm256_fmadd_ps(w0e, xe, a[0][c]));
-            a[1][c] = _mm256_fmadd_ps(w1o, xo, _mm256_fmadd_ps(w1e, xe, a[1][c]));
+            ae[c] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xw + c * X_STRIDE(n) + i), ae[c]);
+            ao[c] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xw + c * X_STRIDE(n) + i + STEP / 2), ao[c]);
         }
     }
-    for (int r = 0; r < 2; r++)
-        for (int c = 0; c < cols; c++) {
-            float s = hsum(a[r][c]);
-            for (int64_t k = i; k < n; k++) s += bf16_to_f32(w[r * n + k]) * bf16_to_f32(x[c * n + k]);
-            o[r][c] = s;
-        }
+    for (int c = 0; c < cols; c++) o[0][c] = finish(ae[c], ao[c], w, x + c * n, i, n);
 }
 const char *gemv_bf16_isa(void) { return "avx2"; }
 
