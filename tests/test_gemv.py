@@ -125,6 +125,7 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     lib.gemv_bf16_group.argtypes = [p, p, p, i64, i64, i64, i64]
     lib.gemm_rows_next_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i64]
     lib.gemm_rows_wide_bf16.argtypes, lib.gemm_rows_wide_bf16.restype = [p, p, p, i64, i64, i64, i64, i64], ctypes.c_int
+    lib.gemm_rows_blocked_bf16.argtypes, lib.gemm_rows_blocked_bf16.restype = [p, p, p, i64, i64, i64, i64, i64], ctypes.c_int
     lib.gemv_bf16_isa.restype = ctypes.c_char_p
     lib_isa = lib.gemv_bf16_isa().decode()
     # The grouped one-row form is the AVX2 build's (there one row alone waits on its FMA chain).
@@ -134,7 +135,8 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
     # 2^24 against -2^24 in one vector lane, beside a 1 in the next element, always do.
     cancel = torch.randn(9, 67)
     cancel[:, 0], cancel[:, 1], cancel[:, 32] = 2.0**24, 1.0, -(2.0**24)
-    cases = [(torch.randn(out_f, n), torch.randn(16, n)) for out_f, n in ((13, 1000), (64, 256), (7, 33))] + [(cancel, torch.ones(16, 67))]
+    # 300 x 1000: several blocks of weight rows per thread for the blocked form.
+    cases = [(torch.randn(out_f, n), torch.randn(16, n)) for out_f, n in ((13, 1000), (64, 256), (7, 33), (300, 1000))] + [(cancel, torch.ones(16, 67))]
     for w, x in cases:
         (out_f, n), w, x = w.shape, w.bfloat16(), x.bfloat16()
         for prefetch, ahead in ((0, 0), (gemv.PREFETCH_BYTES, 0), (0, gemv.AHEAD_BYTES)):
@@ -163,6 +165,14 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
                     assert bool(built) == (wrows in gemv.WIDE_ROWS.get(lib_isa, ())), f"{isa} ({lib_isa}): wide tile of {wrows} rows built: {built}"
                     if built:
                         assert torch.equal(wide, singles[:m]), f"{isa} {out_f}x{n}: wide tile of {wrows} at {m} rows differs from one row at a time"
+                # The blocked form (the AVX2 build), its x in blocks as the kernel takes them and in
+                # the smallest, so sums cross many blocks of inputs.
+                for x_bytes in (gemv.BLOCKED_X_BYTES, 1):
+                    blocked = torch.full((m, out_f), float("nan"), dtype=torch.bfloat16)
+                    built = lib.gemm_rows_blocked_bf16(w.data_ptr(), x.data_ptr(), blocked.data_ptr(), out_f, n, m, x_bytes, int(prefetch > 0))
+                    assert built == (1 if lib_isa in gemv.BLOCKED_BUILDS else 0), f"{isa} ({lib_isa}): blocked form returned {built}"
+                    if built:
+                        assert torch.equal(blocked, singles[:m]), f"{isa} {out_f}x{n}: blocked at {m} rows, x blocks of {x_bytes} bytes, differs from one row at a time"
 
 
 @pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "c-group"])
@@ -189,7 +199,7 @@ def test_the_compiled_gemv_refuses_bad_arguments(name):
     torch.testing.assert_close(out.float(), w.float() @ strided.float(), atol=0.05, rtol=0.02)
 
 
-@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "c-next", "c-wide", "c-wide2", "amx"])
+@pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "c-next", "c-wide", "c-wide2", "c-blocked", "amx"])
 def test_the_compiled_few_row_kernels_refuse_bad_arguments(name):
     if FEW_ROW.by_name[name].unavailable("bfloat16", CPU):
         pytest.skip(FEW_ROW.by_name[name].unavailable("bfloat16", CPU))

@@ -67,6 +67,7 @@ _SIGNATURES = {
     "gemm_rows_amx_bf16": (None, [_P, _P, _P] + [_I] * 3),
     "gemm_rows_next_bf16": (None, [_P, _P, _P] + [_I] * 5),
     "gemm_rows_wide_bf16": (ctypes.c_int, [_P, _P, _P] + [_I] * 5),
+    "gemm_rows_blocked_bf16": (ctypes.c_int, [_P, _P, _P] + [_I] * 5),
     "gemv_amx_bf16": (None, [_P, _P, _P] + [_I] * 4),
     "amx_bf16_enable": (ctypes.c_int, None),
     "gemv_bf16_isa": (ctypes.c_char_p, None),
@@ -82,7 +83,10 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     if lib is not None and lib is not _configured:
         _configured = lib
         _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv = lib.gemv_bf16, lib.gemv_bf16_group, lib.gemm_rows_amx_bf16, lib.gemv_amx_bf16
-        _c_rows.update(gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_next_bf16=lib.gemm_rows_next_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16)
+        _c_rows.update(
+            gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_next_bf16=lib.gemm_rows_next_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16,
+            gemm_rows_blocked_bf16=lib.gemm_rows_blocked_bf16,
+        )
     return lib, why
 
 
@@ -100,6 +104,9 @@ NEXT_AHEAD_BYTES = 2048
 # needs less lead than the four-row tile; two rows at a time, more (docs/batching.md has the sweep).
 WIDE_AHEAD_BYTES = 2048
 WIDE2_AHEAD_BYTES = 16384
+# How much of x's rows (widened to fp32) the blocked few-row GEMM runs a block of weight rows over
+# at a time: half of a 32 KiB L1, so the weight's lines and the sums fit beside it.
+BLOCKED_X_BYTES = 16384
 
 
 _BF16 = torch.bfloat16
@@ -214,6 +221,37 @@ def compiled_wide_rows(wrows: int, ahead: int) -> Kernel:
     """The compiled few-row GEMM with the wide tile: `wrows` (1 or 2) weight rows at a time against
     up to eight x rows, each weight row prefetched `ahead` bytes ahead into every cache level."""
     return _rows_kernel("gemm_rows_wide_bf16", wrows, ahead)
+
+
+def compiled_blocked_rows(x_bytes: int) -> Kernel:
+    """The compiled few-row GEMM blocked for the caches (gemm_rows_blocked_bf16, the same bits as
+    gemm_rows_bf16): a block of weight rows at a time against `x_bytes` of x at a time, the next
+    block of rows asked for into L2 meanwhile. Where its buffer cannot grow, gemm_rows_bf16."""
+
+    def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        if not rows_ok(x, w, out):
+            refuse("gemm_rows_blocked_bf16", rows_specs(x, w, out))
+        if not x.is_contiguous():
+            x = x.contiguous()
+        args = (w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
+        if _c_rows["gemm_rows_blocked_bf16"](*args, x_bytes, 1) != 1:
+            _c_rows["gemm_rows_bf16"](*args, 0, 0)
+
+    return run
+
+
+# The builds with the blocked few-row GEMM (gemv_bf16.c HAS_BLOCKED).
+BLOCKED_BUILDS = ("avx2",)
+
+
+def blocked_unavailable(fmt: str, device: torch.device) -> str:
+    """Why the blocked few-row GEMM cannot run here ("" when it can): it is built on the AVX2 path,
+    whose tile reads each x row from memory operands and so wants them in L1."""
+    why = compiled_unavailable(fmt, device)
+    if why:
+        return why
+    isa = compiled_isa()
+    return "" if isa in BLOCKED_BUILDS else f"no blocked few-row GEMM in the {isa} build"
 
 
 # The builds with a wide tile, and the weight rows at a time each takes (gemv_bf16.c WIDE_ROWS_MAX).

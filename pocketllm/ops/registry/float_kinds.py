@@ -101,13 +101,18 @@ FEW_ROW = register(
                 "the same two weight rows at a time, prefetched WIDE2_AHEAD_BYTES ahead", gemv.wide_unavailable(2), sources=_C,
                 row_order=_ORDER,
             ),
+            Candidate(
+                "c-blocked", gemv.compiled_blocked_rows(gemv.BLOCKED_X_BYTES),
+                "the same blocked for the caches: a block of weight rows against x a block of inputs at a time, the next block asked for into L2 (the AVX2 build)",
+                gemv.blocked_unavailable, sources=_C, row_order=_ORDER,
+            ),
             # A tile product sums 32 products per step in the tile unit's own order: not the
             # compiled one-row kernels', so a batch-invariant set takes it only beside the one-row
             # AMX form (forced), else with POCKETLLM_BATCH_INVARIANT=0.
             Candidate("amx", gemv.amx_rows, "the same on AMX tiles, where the CPU has them", gemv.amx_unavailable, sources=_C, row_order=_AMX_ORDER),
         ),
         default="mm",
-        prefer=("amx", "c", "c-prefetch", "c-ahead", "c-next", "c-wide", "c-wide2"),
+        prefer=("amx", "c", "c-prefetch", "c-ahead", "c-next", "c-wide", "c-wide2", "c-blocked"),
     )
 )
 
