@@ -165,14 +165,14 @@ def test_few_rows_equal_one_row_bit_for_bit_on_every_path(isa):
                     assert bool(built) == (wrows in gemv.WIDE_ROWS.get(lib_isa, ())), f"{isa} ({lib_isa}): wide tile of {wrows} rows built: {built}"
                     if built:
                         assert torch.equal(wide, singles[:m]), f"{isa} {out_f}x{n}: wide tile of {wrows} at {m} rows differs from one row at a time"
-                # The blocked form (the AVX2 build), its x in blocks as the kernel takes them and in
-                # the smallest, so sums cross many blocks of inputs.
-                for x_bytes in (gemv.BLOCKED_X_BYTES, 1):
+                # The blocked form (AVX2, AVX-512 without BF16), its blocks as the kernel takes them
+                # and the smallest, so sums cross many blocks of inputs and rows many blocks.
+                for x_bytes, block_rows in ((gemv.BLOCKED_X_BYTES, gemv.BLOCKED_ROWS), (1, 1), (1, 5)):
                     blocked = torch.full((m, out_f), float("nan"), dtype=torch.bfloat16)
-                    built = lib.gemm_rows_blocked_bf16(w.data_ptr(), x.data_ptr(), blocked.data_ptr(), out_f, n, m, x_bytes, int(prefetch > 0))
+                    built = lib.gemm_rows_blocked_bf16(w.data_ptr(), x.data_ptr(), blocked.data_ptr(), out_f, n, m, x_bytes, block_rows)
                     assert built == (1 if lib_isa in gemv.BLOCKED_BUILDS else 0), f"{isa} ({lib_isa}): blocked form returned {built}"
                     if built:
-                        assert torch.equal(blocked, singles[:m]), f"{isa} {out_f}x{n}: blocked at {m} rows, x blocks of {x_bytes} bytes, differs from one row at a time"
+                        assert torch.equal(blocked, singles[:m]), f"{isa} {out_f}x{n}: blocked at {m} rows, blocks of {x_bytes} x bytes and {block_rows} rows, differs from one row at a time"
 
 
 @pytest.mark.parametrize("name", ["c", "c-prefetch", "c-ahead", "c-group"])

@@ -11,6 +11,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../bf16.h"
 #include "../scratch.h"
@@ -178,6 +179,32 @@ static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, i
     }
     for (int c = 0; c < cols; c++) o[0][c] = _mm512_reduce_add_ps(_mm512_add_ps(ae[c], ao[c]));
 }
+/* The wide tile over inputs k0..k1 only, its sums carried in `acc` (even, odd per x row) from one
+ * block of inputs to the next (gemm_rows_blocked_bf16); pf > 0: each 64 bytes of the row also
+ * asked for into L2 pf bytes on. */
+#define HAS_BLOCKED 1
+#define BLOCK_COLS 8
+typedef __m512 acc_t;
+#define BLOCK_END(n) (n) /* masked loads take the last part-vector */
+static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, int64_t k0, int64_t k1, int64_t n, const float *xw, int cols, acc_t *acc, int64_t pf) {
+    const int64_t xs = X_STRIDE(n);
+    __m512 ae[BLOCK_COLS], ao[BLOCK_COLS];
+    for (int c = 0; c < cols; c++) ae[c] = acc[2 * c], ao[c] = acc[2 * c + 1];
+    for (int64_t i = k0; i < k1; i += STEP) {
+        if (pf) _mm_prefetch((const char *)(w + i) + pf, _MM_HINT_T1);
+        __m512i wv = load_w(w + i, n - i);
+        __m512 we = even_f(wv), wo = odd_f(wv);
+        for (int c = 0; c < cols; c++) {
+            ae[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xw + c * xs + i), ae[c]);
+            ao[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xw + c * xs + i + STEP / 2), ao[c]);
+        }
+    }
+    for (int c = 0; c < cols; c++) acc[2 * c] = ae[c], acc[2 * c + 1] = ao[c];
+}
+static inline float finish_pair(const acc_t *a, const uint16_t *w, const uint16_t *x, int64_t n) {
+    (void)w, (void)x, (void)n;
+    return _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+}
 const char *gemv_bf16_isa(void) { return "avx512f"; }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -279,7 +306,10 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
  * previous block of inputs to the next: each pair still summed exactly as dot1 sums it. pf > 0:
  * each 64 bytes of the row also asked for into L2 pf bytes on (the next block of rows). */
 #define HAS_BLOCKED 1
-static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, int64_t k0, int64_t k1, int64_t n, const float *xw, int cols, __m256 *acc, int64_t pf) {
+#define BLOCK_COLS 4
+typedef __m256 acc_t;
+#define BLOCK_END(n) ((n) / STEP * STEP) /* finish_pair adds the rest */
+static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, int64_t k0, int64_t k1, int64_t n, const float *xw, int cols, acc_t *acc, int64_t pf) {
     __m256 ae[4], ao[4];
     for (int c = 0; c < cols; c++) ae[c] = acc[2 * c], ao[c] = acc[2 * c + 1];
     for (int64_t i = k0; i < k1; i += STEP) {
@@ -292,6 +322,9 @@ static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, in
         }
     }
     for (int c = 0; c < cols; c++) acc[2 * c] = ae[c], acc[2 * c + 1] = ao[c];
+}
+static inline float finish_pair(const acc_t *a, const uint16_t *w, const uint16_t *x, int64_t n) {
+    return finish(a[0], a[1], w, x, BLOCK_END(n), n);
 }
 const char *gemv_bf16_isa(void) { return "avx2"; }
 
@@ -439,33 +472,33 @@ void gemm_rows_next_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int6
     gemm_rows_bf16(w, x, y, rows, n, m, prefetch, ahead);
 }
 
-/* Y [m, rows] = X [m, n] W^T as gemm_rows_bf16 (the same bits), blocked for the caches: with
- * eight x rows widened to fp32 the tile's x no longer stays in L1 from one weight row to the next
- * (32 KiB at n = 1024), and each of its loads went to L2. Here each thread takes a block of
- * consecutive weight rows (about 80 KiB of them, in L2) and runs it over x a block of inputs at a
- * time (`x_bytes` of x's fp32 rows, in L1), every weight row of the block against every x row,
- * the sums carried across input blocks (tile_acc); while it does, the next block of rows is
- * asked for into L2 (prefetch nonzero). Returns 0 where this build has no such form (nothing
- * written), -1 where its buffer could not grow (nothing written). */
+/* Y [m, rows] = X [m, n] W^T as gemm_rows_bf16 (the same bits), blocked for the caches, in the
+ * builds whose tiles read x widened to fp32 (AVX2, AVX-512 without BF16): with eight x rows so
+ * widened a tile's x no longer stays in L1 from one weight row to the next (32 KiB at n = 1024),
+ * and each of its loads went to L2. Here each thread takes a block of `rb` consecutive weight rows
+ * and runs it over x a block of inputs at a time (`x_bytes` of x's fp32 rows, in L1), one weight
+ * row at a time against BLOCK_COLS x rows, the sums carried across input blocks (tile_acc); the
+ * rows' parts for one block of inputs are read from memory by the first pass over x and from the
+ * caches by the others, and meanwhile the next block of rows is asked for into L2. Returns 0 where this build has no such form (nothing written), -1 where its buffer
+ * could not grow (nothing written). */
 #ifdef HAS_BLOCKED
-int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t x_bytes, int64_t prefetch) {
-    const int64_t nf = n / STEP * STEP;
+int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t x_bytes, int64_t rb) {
+    const int64_t end = BLOCK_END(n), xs = X_STRIDE(n);
     int64_t kb = x_bytes / (m * (int64_t)sizeof(float)) / STEP * STEP;
     if (kb < 4 * STEP) kb = 4 * STEP;
-    int64_t rb = 81920 / (2 * n);
-    rb = rb < 4 ? 4 : rb > 64 ? 64 : rb;
+    if (rb < 1) rb = 1;
     /* x widened, then each thread's sums: one buffer, as scratch() is one per thread. */
 #ifdef _OPENMP
     const int threads = omp_get_max_threads();
 #else
     const int threads = 1;
 #endif
-    const size_t xs = (size_t)(m * n) * sizeof(float), per = (size_t)(rb * m * 2) * sizeof(__m256);
-    char *buf = scratch(xs + 64 + per * (size_t)threads);
+    const size_t xbytes = (size_t)(m * xs) * sizeof(float), per = (size_t)(rb * m * 2) * sizeof(acc_t);
+    char *buf = scratch(xbytes + 64 + per * (size_t)threads);
     if (buf == NULL) return -1;
     float *xw = (float *)buf;
-    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * n);
-    __m256 *sums = (__m256 *)(buf + (xs + 63) / 64 * 64);
+    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * xs);
+    acc_t *sums = (acc_t *)(buf + (xbytes + 63) / 64 * 64);
 #pragma omp parallel num_threads(threads)
     {
         int64_t r0, r1;
@@ -475,39 +508,44 @@ int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, in
 #else
         const int t = 0;
 #endif
-        __m256 *acc = sums + (size_t)t * (size_t)(rb * m * 2);
+        acc_t *acc = sums + (size_t)t * (size_t)(rb * m * 2);
         for (int64_t b0 = r0; b0 < r1; b0 += rb) {
             const int64_t be = b0 + rb < r1 ? b0 + rb : r1;
-            for (int64_t j = 0; j < (be - b0) * m * 2; j++) acc[j] = _mm256_setzero_ps();
-            const int64_t pf = prefetch ? (be - b0) * n * (int64_t)sizeof(uint16_t) : 0;
-            for (int64_t k0 = 0; k0 < nf; k0 += kb) {
-                const int64_t k1 = k0 + kb < nf ? k0 + kb : nf;
-                for (int64_t c0 = 0; c0 < m; c0 += 4) {
-                    const int cols = m - c0 < 4 ? (int)(m - c0) : 4;
+            memset(acc, 0, (size_t)((be - b0) * m * 2) * sizeof(acc_t));
+            const int64_t pf = (be - b0) * n * (int64_t)sizeof(uint16_t);
+            for (int64_t k0 = 0; k0 < end; k0 += kb) {
+                const int64_t k1 = k0 + kb < end ? k0 + kb : end;
+                for (int64_t c0 = 0; c0 < m; c0 += BLOCK_COLS) {
+                    const int cols = m - c0 < BLOCK_COLS ? (int)(m - c0) : BLOCK_COLS;
                     for (int64_t r = b0; r < be; r++) {
-                        __m256 *a = acc + ((r - b0) * m + c0) * 2;
+                        acc_t *a = acc + ((r - b0) * m + c0) * 2;
                         const int64_t p = c0 == 0 ? pf : 0; /* the first pass over these rows reads memory */
+                        const float *xc = xw + c0 * xs;
+                        /* Constant column counts, so the sums stay in registers. */
                         switch (cols) {
-                        case 4: tile_acc(w + r * n, k0, k1, n, xw + c0 * n, 4, a, p); break;
-                        case 3: tile_acc(w + r * n, k0, k1, n, xw + c0 * n, 3, a, p); break;
-                        case 2: tile_acc(w + r * n, k0, k1, n, xw + c0 * n, 2, a, p); break;
-                        default: tile_acc(w + r * n, k0, k1, n, xw + c0 * n, 1, a, p); break;
+#if BLOCK_COLS >= 8
+                        case 8: tile_acc(w + r * n, k0, k1, n, xc, 8, a, p); break;
+                        case 7: tile_acc(w + r * n, k0, k1, n, xc, 7, a, p); break;
+                        case 6: tile_acc(w + r * n, k0, k1, n, xc, 6, a, p); break;
+                        case 5: tile_acc(w + r * n, k0, k1, n, xc, 5, a, p); break;
+#endif
+                        case 4: tile_acc(w + r * n, k0, k1, n, xc, 4, a, p); break;
+                        case 3: tile_acc(w + r * n, k0, k1, n, xc, 3, a, p); break;
+                        case 2: tile_acc(w + r * n, k0, k1, n, xc, 2, a, p); break;
+                        default: tile_acc(w + r * n, k0, k1, n, xc, 1, a, p); break;
                         }
                     }
                 }
             }
             for (int64_t r = b0; r < be; r++)
-                for (int64_t c = 0; c < m; c++) {
-                    const __m256 *a = acc + ((r - b0) * m + c) * 2;
-                    y[c * rows + r] = f32_to_bf16(finish(a[0], a[1], w + r * n, x + c * n, nf, n));
-                }
+                for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(finish_pair(acc + ((r - b0) * m + c) * 2, w + r * n, x + c * n, n));
         }
     }
     return 1;
 }
 #else
-int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t x_bytes, int64_t prefetch) {
-    (void)w, (void)x, (void)y, (void)rows, (void)n, (void)m, (void)x_bytes, (void)prefetch;
+int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t x_bytes, int64_t rb) {
+    (void)w, (void)x, (void)y, (void)rows, (void)n, (void)m, (void)x_bytes, (void)rb;
     return 0;
 }
 #endif

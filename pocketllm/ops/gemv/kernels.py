@@ -105,8 +105,10 @@ NEXT_AHEAD_BYTES = 2048
 WIDE_AHEAD_BYTES = 2048
 WIDE2_AHEAD_BYTES = 16384
 # How much of x's rows (widened to fp32) the blocked few-row GEMM runs a block of weight rows over
-# at a time: half of a 32 KiB L1, so the weight's lines and the sums fit beside it.
+# at a time: half of a 32 KiB L1, so the weight's lines and the sums fit beside it; and the weight
+# rows in a block (the sweep of 4 to 64 rows at the 27B and small widths is in docs/batching.md).
 BLOCKED_X_BYTES = 16384
+BLOCKED_ROWS = 32
 
 
 _BF16 = torch.bfloat16
@@ -223,9 +225,9 @@ def compiled_wide_rows(wrows: int, ahead: int) -> Kernel:
     return _rows_kernel("gemm_rows_wide_bf16", wrows, ahead)
 
 
-def compiled_blocked_rows(x_bytes: int) -> Kernel:
+def compiled_blocked_rows(x_bytes: int, rows: int) -> Kernel:
     """The compiled few-row GEMM blocked for the caches (gemm_rows_blocked_bf16, the same bits as
-    gemm_rows_bf16): a block of weight rows at a time against `x_bytes` of x at a time, the next
+    gemm_rows_bf16): `rows` weight rows at a time against `x_bytes` of x at a time, the next
     block of rows asked for into L2 meanwhile. Where its buffer cannot grow, gemm_rows_bf16."""
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -234,19 +236,19 @@ def compiled_blocked_rows(x_bytes: int) -> Kernel:
         if not x.is_contiguous():
             x = x.contiguous()
         args = (w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
-        if _c_rows["gemm_rows_blocked_bf16"](*args, x_bytes, 1) != 1:
+        if _c_rows["gemm_rows_blocked_bf16"](*args, x_bytes, rows) != 1:
             _c_rows["gemm_rows_bf16"](*args, 0, 0)
 
     return run
 
 
 # The builds with the blocked few-row GEMM (gemv_bf16.c HAS_BLOCKED).
-BLOCKED_BUILDS = ("avx2",)
+BLOCKED_BUILDS = ("avx2", "avx512f")
 
 
 def blocked_unavailable(fmt: str, device: torch.device) -> str:
-    """Why the blocked few-row GEMM cannot run here ("" when it can): it is built on the AVX2 path,
-    whose tile reads each x row from memory operands and so wants them in L1."""
+    """Why the blocked few-row GEMM cannot run here ("" when it can): it is built where the tiles
+    read x widened to fp32 (AVX2, AVX-512 without BF16), which at eight x rows outgrows L1."""
     why = compiled_unavailable(fmt, device)
     if why:
         return why

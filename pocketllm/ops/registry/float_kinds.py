@@ -102,8 +102,8 @@ FEW_ROW = register(
                 row_order=_ORDER,
             ),
             Candidate(
-                "c-blocked", gemv.compiled_blocked_rows(gemv.BLOCKED_X_BYTES),
-                "the same blocked for the caches: a block of weight rows against x a block of inputs at a time, the next block asked for into L2 (the AVX2 build)",
+                "c-blocked", gemv.compiled_blocked_rows(gemv.BLOCKED_X_BYTES, gemv.BLOCKED_ROWS),
+                "the same blocked for the caches: a block of weight rows against x a block of inputs at a time, the next block asked for into L2 (AVX2, AVX-512 without BF16)",
                 gemv.blocked_unavailable, sources=_C, row_order=_ORDER,
             ),
             # A tile product sums 32 products per step in the tile unit's own order: not the
