@@ -22,6 +22,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from pocketllm.errors import UsageError
@@ -41,7 +42,9 @@ ENV_ISA = "POCKETLLM_ISA"
 BUILD_SECONDS = 120
 
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
-_typed: set[tuple[str, int]] = set()  # (library key, id of a signature table) already applied
+# Held while a load records its library and sets its signatures: tests build several variants
+# from threads, and two keys' builds may finish together.
+_lock = threading.Lock()
 
 
 class BuildError(Exception):
@@ -127,17 +130,25 @@ def load(source: Path, flags: tuple[str, ...] = FLAGS, signatures: dict | None =
     if key not in _loaded:
         try:
             path = build(source, flags)
-            _loaded[key] = ctypes.CDLL(str(path)), ""
+            result = ctypes.CDLL(str(path)), ""
         except BuildError as e:
-            _loaded[key] = None, str(e)
+            result = None, str(e)
         except OSError as e:
-            _loaded[key] = None, f"could not load the build of {source.name}: {e}"
+            result = None, f"could not load the build of {source.name}: {e}"
+        with _lock:
+            # Where another thread loaded the same key meanwhile, its library object is the one.
+            _loaded.setdefault(key, result)
     lib = _loaded[key][0]
-    if lib is not None and signatures and (key, id(signatures)) not in _typed:
-        for fn, (restype, argtypes) in signatures.items():
-            if hasattr(lib, fn):
-                getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
-        _typed.add((key, id(signatures)))
+    # The tables applied are kept on the library object: a key loaded again (a fresh _loaded, as
+    # tests make) is a new object whose functions carry no types yet.
+    if lib is not None and signatures and id(signatures) not in vars(lib).get("_pocketllm_typed", ()):
+        with _lock:
+            typed = vars(lib).setdefault("_pocketllm_typed", set())
+            if id(signatures) not in typed:
+                for fn, (restype, argtypes) in signatures.items():
+                    if hasattr(lib, fn):
+                        getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
+                typed.add(id(signatures))
     return _loaded[key]
 
 

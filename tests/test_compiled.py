@@ -51,6 +51,27 @@ def test_editing_a_header_included_through_another_changes_the_digest(tmp_path):
     assert compiled.source_digest(source) != before
 
 
+def test_a_library_loaded_from_threads_at_once_is_one_object_with_its_signatures(monkeypatch, tmp_path):
+    # Tests build a source's variants from threads, and under POCKETLLM_ISA two variants are one
+    # build: every caller must get the one library object, its functions typed (an untyped
+    # function returning a pointer hands back an int, and an untyped pointer argument is cut).
+    monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "_loaded", {})
+    source = tmp_path / "named.c"
+    source.write_text('const char *named(void) { return "named"; }\n')
+    signatures = {"named": (ctypes.c_char_p, [])}
+    with ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda _: compiled.load(source, compiled.FLAGS, signatures), range(4)))
+    libs = {id(lib) for lib, _ in loaded}
+    assert len(libs) == 1, loaded
+    assert all(lib.named() == b"named" for lib, _ in loaded)
+    # Loaded again into a fresh table (a new library object), it is typed again.
+    monkeypatch.setattr(compiled, "_loaded", {})
+    lib, why = compiled.load(source, compiled.FLAGS, signatures)
+    assert lib is not None and id(lib) not in libs, why
+    assert lib.named() == b"named"
+
+
 def test_the_isa_switch_narrows_every_build_and_refuses_a_name_it_does_not_know(monkeypatch):
     monkeypatch.setenv(compiled.ENV_ISA, "avx3")
     with pytest.raises(UsageError, match=r"POCKETLLM_ISA='avx3' is not a build of the compiled kernels: use native, avx512f, avx2, scalar"):
