@@ -6,6 +6,23 @@
 #include <omp.h>
 #endif
 
+/* The most threads a parallel region here starts, and this thread's index in its team (1 and 0
+ * outside OpenMP): for a buffer with one part per thread. */
+static inline int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* This thread's contiguous share [u0, u1) of `units` tiles (all of them outside a parallel
  * region): the split schedule(static) makes, written out so a thread knows where its part starts. */
 static inline void thread_units(int64_t units, int64_t *u0, int64_t *u1) {

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "../bf16.h"
+#include "../prefetch.h"
 #include "../scratch.h"
 #include "../threads.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -158,40 +159,20 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < cols; c++) o[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(ae[r][c], ao[r][c]));
 }
-/* The wide tile (see the BF16 path): one weight row at a time against up to eight x rows, its
- * widened halves feeding sixteen sums, each pair's two added and reduced as dot1's. */
-#define HAS_WIDE 1
-#define WIDE_COLS 8
-#define WIDE_ROWS_MAX 1
-static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int wrows, int cols, float o[2][WIDE_COLS], int64_t ahead) {
-    (void)x, (void)wrows;
-    const int64_t xs = X_STRIDE(n);
-    __m512 ae[WIDE_COLS], ao[WIDE_COLS];
-    for (int c = 0; c < WIDE_COLS; c++) ae[c] = ao[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += STEP) {
-        if (ahead) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
-        __m512i wv = load_w(w + i, n - i);
-        __m512 we = even_f(wv), wo = odd_f(wv);
-        for (int c = 0; c < cols; c++) {
-            ae[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xw + c * xs + i), ae[c]);
-            ao[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xw + c * xs + i + STEP / 2), ao[c]);
-        }
-    }
-    for (int c = 0; c < cols; c++) o[0][c] = _mm512_reduce_add_ps(_mm512_add_ps(ae[c], ao[c]));
-}
-/* The wide tile over inputs k0..k1 only, its sums carried in `acc` (even, odd per x row) from one
- * block of inputs to the next (gemm_rows_blocked_bf16); pf > 0: each 64 bytes of the row also
- * asked for into L2 pf bytes on. */
+/* One weight row against up to eight x rows over inputs k0..k1, its widened halves feeding
+ * sixteen sums carried in `acc` (even, odd per x row) from one block of inputs to the next, each
+ * pair's two reduced at the end as dot1's (finish_pair). pf > 0: each 64 bytes of the row also
+ * asked for pf bytes ahead, `where` as prefetch_weight. */
 #define HAS_BLOCKED 1
 #define BLOCK_COLS 8
 typedef __m512 acc_t;
 #define BLOCK_END(n) (n) /* masked loads take the last part-vector */
-static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, int64_t k0, int64_t k1, int64_t n, const float *xw, int cols, acc_t *acc, int64_t pf) {
+static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, int64_t k0, int64_t k1, int64_t n, const float *xw, int cols, acc_t *acc, int64_t pf, int where) {
     const int64_t xs = X_STRIDE(n);
     __m512 ae[BLOCK_COLS], ao[BLOCK_COLS];
     for (int c = 0; c < cols; c++) ae[c] = acc[2 * c], ao[c] = acc[2 * c + 1];
     for (int64_t i = k0; i < k1; i += STEP) {
-        if (pf) _mm_prefetch((const char *)(w + i) + pf, _MM_HINT_T1);
+        if (pf) prefetch_weight((const char *)(w + i) + pf, where);
         __m512i wv = load_w(w + i, n - i);
         __m512 we = even_f(wv), wo = odd_f(wv);
         for (int c = 0; c < cols; c++) {
@@ -204,6 +185,17 @@ static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, in
 static inline float finish_pair(const acc_t *a, const uint16_t *w, const uint16_t *x, int64_t n) {
     (void)w, (void)x, (void)n;
     return _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+}
+/* The wide tile (see the BF16 path): tile_acc over the whole row, `ahead` into every level. */
+#define HAS_WIDE 1
+#define WIDE_COLS BLOCK_COLS
+#define WIDE_ROWS_MAX 1
+static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int wrows, int cols, float o[2][WIDE_COLS], int64_t ahead) {
+    (void)wrows;
+    acc_t acc[2 * WIDE_COLS];
+    for (int c = 0; c < cols; c++) acc[2 * c] = acc[2 * c + 1] = _mm512_setzero_ps();
+    tile_acc(w, 0, BLOCK_END(n), n, xw, cols, acc, ahead, PF_ALL_LEVELS);
+    for (int c = 0; c < cols; c++) o[0][c] = finish_pair(acc + 2 * c, w, x + c * n, n);
 }
 const char *gemv_bf16_isa(void) { return "avx512f"; }
 
@@ -286,13 +278,19 @@ static void widen_x(const uint16_t *x, int64_t n, float *xw) {
             xw[i + STEP / 2 + j] = bf16_to_f32(x[i + 2 * j + 1]);
         }
 }
-static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[1][4], int64_t pf, int64_t ahead) {
-    __m256 ae[4], ao[4];
-    for (int c = 0; c < 4; c++) ae[c] = ao[c] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + STEP <= n; i += STEP) {
-        if (pf && (i & 31) == 0) _mm_prefetch((const char *)(w + i) + pf, _MM_HINT_NTA);
-        if (ahead && (i & 31) == 0) _mm_prefetch((const char *)(w + i) + ahead, _MM_HINT_T0);
+/* The tile over inputs k0..k1 (whole STEPs), its sums carried in `acc` (even, odd per x row)
+ * from one block of inputs to the next (gemm_rows_blocked_bf16), each pair reduced at the end as
+ * dot1 reduces a row (finish_pair). pf > 0: each 64 bytes of the row also asked for pf bytes
+ * ahead, `where` as prefetch_weight. */
+#define HAS_BLOCKED 1
+#define BLOCK_COLS 4
+typedef __m256 acc_t;
+#define BLOCK_END(n) ((n) / STEP * STEP) /* finish_pair adds the rest */
+static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, int64_t k0, int64_t k1, int64_t n, const float *xw, int cols, acc_t *acc, int64_t pf, int where) {
+    __m256 ae[BLOCK_COLS], ao[BLOCK_COLS];
+    for (int c = 0; c < cols; c++) ae[c] = acc[2 * c], ao[c] = acc[2 * c + 1];
+    for (int64_t i = k0; i < k1; i += STEP) {
+        if (pf && (i & 31) == 0) prefetch_weight((const char *)(w + i) + pf, where);
         __m256i wv = load_w(w + i);
         __m256 we = even_f(wv), wo = odd_f(wv);
         for (int c = 0; c < cols; c++) {
@@ -300,31 +298,18 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_
             ao[c] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xw + c * X_STRIDE(n) + i + STEP / 2), ao[c]);
         }
     }
-    for (int c = 0; c < cols; c++) o[0][c] = finish(ae[c], ao[c], w, x + c * n, i, n);
-}
-/* The tile over inputs k0..k1 only, its sums carried in `acc` (even, odd per x row) from the
- * previous block of inputs to the next: each pair still summed exactly as dot1 sums it. pf > 0:
- * each 64 bytes of the row also asked for into L2 pf bytes on (the next block of rows). */
-#define HAS_BLOCKED 1
-#define BLOCK_COLS 4
-typedef __m256 acc_t;
-#define BLOCK_END(n) ((n) / STEP * STEP) /* finish_pair adds the rest */
-static inline __attribute__((always_inline)) void tile_acc(const uint16_t *w, int64_t k0, int64_t k1, int64_t n, const float *xw, int cols, acc_t *acc, int64_t pf) {
-    __m256 ae[4], ao[4];
-    for (int c = 0; c < cols; c++) ae[c] = acc[2 * c], ao[c] = acc[2 * c + 1];
-    for (int64_t i = k0; i < k1; i += STEP) {
-        if (pf && (i & 31) == 0) _mm_prefetch((const char *)(w + i) + pf, _MM_HINT_T1);
-        __m256i wv = load_w(w + i);
-        __m256 we = even_f(wv), wo = odd_f(wv);
-        for (int c = 0; c < cols; c++) {
-            ae[c] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xw + c * n + i), ae[c]);
-            ao[c] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xw + c * n + i + STEP / 2), ao[c]);
-        }
-    }
     for (int c = 0; c < cols; c++) acc[2 * c] = ae[c], acc[2 * c + 1] = ao[c];
 }
 static inline float finish_pair(const acc_t *a, const uint16_t *w, const uint16_t *x, int64_t n) {
     return finish(a[0], a[1], w, x, BLOCK_END(n), n);
+}
+/* gemm_rows_bf16's tile: tile_acc over the whole row, prefetching non-temporally (pf) or into
+ * every level (ahead), as its callers ask. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, int64_t n, const uint16_t *x, const float *xw, int cols, float o[1][BLOCK_COLS], int64_t pf, int64_t ahead) {
+    acc_t acc[2 * BLOCK_COLS];
+    for (int c = 0; c < cols; c++) acc[2 * c] = acc[2 * c + 1] = _mm256_setzero_ps();
+    tile_acc(w, 0, BLOCK_END(n), n, xw, cols, acc, pf ? pf : ahead, pf ? PF_NON_TEMPORAL : PF_ALL_LEVELS);
+    for (int c = 0; c < cols; c++) o[0][c] = finish_pair(acc + 2 * c, w, x + c * n, n);
 }
 const char *gemv_bf16_isa(void) { return "avx2"; }
 
@@ -402,11 +387,13 @@ int gemv_bf16_group_rows(void) {
 
 #if defined(HAS_TILE) || defined(HAS_WIDE)
 /* x's m rows widened to fp32 in the per-thread scratch, where this build's tiles read them so
- * (NULL where they read x as it is); *failed set when the scratch could not grow. */
-static float *widen_rows(const uint16_t *x, int64_t n, int64_t m, int *failed) {
+ * (NULL where they read x as it is), with `extra` bytes after them (64-byte aligned, at
+ * widened_bytes); *failed set when the scratch could not grow. */
+static inline size_t widened_bytes(int64_t n, int64_t m) { return ((size_t)(m * X_STRIDE(n)) * sizeof(float) + 63) / 64 * 64; }
+static float *widen_rows(const uint16_t *x, int64_t n, int64_t m, size_t extra, int *failed) {
     *failed = 0;
 #if WIDENS_X
-    float *xw = scratch((size_t)(m * X_STRIDE(n)) * sizeof(float));
+    float *xw = scratch(widened_bytes(n, m) + extra);
     if (xw == NULL) {
         *failed = 1;
         return NULL;
@@ -414,7 +401,7 @@ static float *widen_rows(const uint16_t *x, int64_t n, int64_t m, int *failed) {
     for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * X_STRIDE(n));
     return xw;
 #else
-    (void)x, (void)n, (void)m;
+    (void)x, (void)n, (void)m, (void)extra;
     return NULL;
 #endif
 }
@@ -428,7 +415,7 @@ static float *widen_rows(const uint16_t *x, int64_t n, int64_t m, int *failed) {
 void gemm_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t prefetch, int64_t ahead) {
 #ifdef HAS_TILE
     int failed;
-    float *xw = widen_rows(x, n, m, &failed);
+    float *xw = widen_rows(x, n, m, 0, &failed);
     if (failed) {
         for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, prefetch, ahead);
         return;
@@ -479,36 +466,30 @@ void gemm_rows_next_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int6
  * and runs it over x a block of inputs at a time (`x_bytes` of x's fp32 rows, in L1), one weight
  * row at a time against BLOCK_COLS x rows, the sums carried across input blocks (tile_acc); the
  * rows' parts for one block of inputs are read from memory by the first pass over x and from the
- * caches by the others, and meanwhile the next block of rows is asked for into L2. Returns 0 where this build has no such form (nothing written), -1 where its buffer
- * could not grow (nothing written). */
+ * caches by the others, and meanwhile the next block of rows is asked for into L2. Where its
+ * buffer cannot grow, gemm_rows_bf16 (the same bits). Returns 1; 0 where this build has no such
+ * form (nothing written). */
 #ifdef HAS_BLOCKED
 int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t x_bytes, int64_t rb) {
     const int64_t end = BLOCK_END(n), xs = X_STRIDE(n);
     int64_t kb = x_bytes / (m * (int64_t)sizeof(float)) / STEP * STEP;
     if (kb < 4 * STEP) kb = 4 * STEP;
     if (rb < 1) rb = 1;
-    /* x widened, then each thread's sums: one buffer, as scratch() is one per thread. */
-#ifdef _OPENMP
-    const int threads = omp_get_max_threads();
-#else
-    const int threads = 1;
-#endif
-    const size_t xbytes = (size_t)(m * xs) * sizeof(float), per = (size_t)(rb * m * 2) * sizeof(acc_t);
-    char *buf = scratch(xbytes + 64 + per * (size_t)threads);
-    if (buf == NULL) return -1;
-    float *xw = (float *)buf;
-    for (int64_t c = 0; c < m; c++) widen_x(x + c * n, n, xw + c * xs);
-    acc_t *sums = (acc_t *)(buf + (xbytes + 63) / 64 * 64);
+    /* Each thread's sums after x: one buffer, as scratch() is one per thread. */
+    const int threads = max_threads();
+    const int64_t per = rb * m * 2;
+    int failed;
+    float *xw = widen_rows(x, n, m, (size_t)(per * threads) * sizeof(acc_t), &failed);
+    if (failed) {
+        gemm_rows_bf16(w, x, y, rows, n, m, 0, 0);
+        return 1;
+    }
+    acc_t *sums = (acc_t *)((char *)xw + widened_bytes(n, m));
 #pragma omp parallel num_threads(threads)
     {
         int64_t r0, r1;
         thread_units(rows, &r0, &r1);
-#ifdef _OPENMP
-        const int t = omp_get_thread_num();
-#else
-        const int t = 0;
-#endif
-        acc_t *acc = sums + (size_t)t * (size_t)(rb * m * 2);
+        acc_t *acc = sums + thread_index() * per;
         for (int64_t b0 = r0; b0 < r1; b0 += rb) {
             const int64_t be = b0 + rb < r1 ? b0 + rb : r1;
             memset(acc, 0, (size_t)((be - b0) * m * 2) * sizeof(acc_t));
@@ -524,15 +505,15 @@ int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, in
                         /* Constant column counts, so the sums stay in registers. */
                         switch (cols) {
 #if BLOCK_COLS >= 8
-                        case 8: tile_acc(w + r * n, k0, k1, n, xc, 8, a, p); break;
-                        case 7: tile_acc(w + r * n, k0, k1, n, xc, 7, a, p); break;
-                        case 6: tile_acc(w + r * n, k0, k1, n, xc, 6, a, p); break;
-                        case 5: tile_acc(w + r * n, k0, k1, n, xc, 5, a, p); break;
+                        case 8: tile_acc(w + r * n, k0, k1, n, xc, 8, a, p, PF_L2); break;
+                        case 7: tile_acc(w + r * n, k0, k1, n, xc, 7, a, p, PF_L2); break;
+                        case 6: tile_acc(w + r * n, k0, k1, n, xc, 6, a, p, PF_L2); break;
+                        case 5: tile_acc(w + r * n, k0, k1, n, xc, 5, a, p, PF_L2); break;
 #endif
-                        case 4: tile_acc(w + r * n, k0, k1, n, xc, 4, a, p); break;
-                        case 3: tile_acc(w + r * n, k0, k1, n, xc, 3, a, p); break;
-                        case 2: tile_acc(w + r * n, k0, k1, n, xc, 2, a, p); break;
-                        default: tile_acc(w + r * n, k0, k1, n, xc, 1, a, p); break;
+                        case 4: tile_acc(w + r * n, k0, k1, n, xc, 4, a, p, PF_L2); break;
+                        case 3: tile_acc(w + r * n, k0, k1, n, xc, 3, a, p, PF_L2); break;
+                        case 2: tile_acc(w + r * n, k0, k1, n, xc, 2, a, p, PF_L2); break;
+                        default: tile_acc(w + r * n, k0, k1, n, xc, 1, a, p, PF_L2); break;
                         }
                     }
                 }
@@ -558,7 +539,7 @@ int gemm_rows_blocked_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, in
 int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t wrows, int64_t ahead) {
     if (wrows < 1 || wrows > WIDE_ROWS_MAX) return 0;
     int failed;
-    float *xw = widen_rows(x, n, m, &failed);
+    float *xw = widen_rows(x, n, m, 0, &failed);
     if (failed) {
         for (int64_t c = 0; c < m; c++) gemv_bf16(w, x + c * n, y + c * rows, rows, n, 0, ahead);
         return 1;

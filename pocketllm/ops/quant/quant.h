@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../bf16.h"
+#include "../prefetch.h"
 #include "../scratch.h"
 #include "../threads.h"
 
@@ -43,21 +44,6 @@ static inline float scale_at(const void *s, int64_t kind, int64_t i) {
 
 /* A prefetch in plain C too (a hint: it never faults). */
 static inline void prefetch_line(const char *p) { __builtin_prefetch(p); }
-
-/* A weight line asked for ahead of its load: non-temporally (where 0: it passes by the outer
- * caches, which keep what the rest of a decode step runs on), into every cache level (1: more
- * lines in flight where a core's prefetchers fall short of the memory's rate), or into L2 and the
- * outer caches but not L1 (2: the line waits in L2 for its load, and L1's few fill buffers stay
- * free for the loads of a tile's rows). Which streams faster is measured: each is a candidate
- * (ops/quant/candidates.py). */
-static inline void prefetch_weight(const void *p, int64_t where) {
-    if (where == 1)
-        __builtin_prefetch(p, 0, 3);
-    else if (where == 2)
-        __builtin_prefetch(p, 0, 2);
-    else
-        __builtin_prefetch(p, 0, 0);
-}
 
 /* The first `bytes` of a thread's part of the weight asked for at once: its loop's prefetch runs
  * that far ahead, so without this the part's first lines would each wait on memory. */
