@@ -170,8 +170,7 @@ def errors(fmts, scale_dtype, isa: str) -> None:
               f"rounding the reference to bf16: max {worst(rounded - ref, ref):.2e}, RMS {rms(rounded - ref, ref):.2e}")
         for row_class in (qc.ONE, qc.FEW, qc.MANY):
             for c in qc.available(row_class, fmt) if fmt else ():
-                # Candidates that differ from another only in their prefetch give its sums.
-                if (c.name in qc.GEMV_PREFETCH and c.name != "c") or c.name == "c-int8x-l2":
+                if c.name in qc.PREFETCH_ONLY:  # another's sums
                     continue
                 run = c.built_for(isa) if c.built_for else c.run
                 if run is None:

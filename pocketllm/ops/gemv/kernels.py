@@ -173,13 +173,22 @@ def group_rows() -> int:
     return lib.gemv_bf16_group_rows() if lib is not None else 0
 
 
-def group_unavailable(fmt: str, device: torch.device) -> str:
-    """Why the grouped one-row GEMV cannot run here ("" when it can): it is built where one row
-    alone waits on its chain of FMAs (the AVX2 build)."""
-    why = compiled_unavailable(fmt, device)
-    if why:
-        return why
-    return "" if group_rows() > 1 else f"no grouped one-row GEMV in the {compiled_isa()} build"
+def _built_where(what: str, built) -> Callable[[str, torch.device], str]:
+    """A candidate's unavailable(fmt, device) for a form only some builds have: why the compiled
+    kernels cannot run, else whether built(isa) holds for the build that loaded."""
+
+    def unavailable(fmt: str, device: torch.device) -> str:
+        why = compiled_unavailable(fmt, device)
+        if why:
+            return why
+        isa = compiled_isa()
+        return "" if built(isa) else f"no {what} in the {isa} build"
+
+    return unavailable
+
+
+# The grouped one-row GEMV is built where one row alone may run short of the memory's rate (AVX2).
+group_unavailable = _built_where("grouped one-row GEMV", lambda isa: group_rows() > 1)
 
 
 def rows_ok(x, w, out) -> bool:
@@ -228,32 +237,17 @@ def compiled_wide_rows(wrows: int, ahead: int) -> Kernel:
 def compiled_blocked_rows(x_bytes: int, rows: int) -> Kernel:
     """The compiled few-row GEMM blocked for the caches (gemm_rows_blocked_bf16, the same bits as
     gemm_rows_bf16): `rows` weight rows at a time against `x_bytes` of x at a time, the next
-    block of rows asked for into L2 meanwhile. Where its buffer cannot grow, gemm_rows_bf16."""
-
-    def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        if not rows_ok(x, w, out):
-            refuse("gemm_rows_blocked_bf16", rows_specs(x, w, out))
-        if not x.is_contiguous():
-            x = x.contiguous()
-        args = (w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
-        if _c_rows["gemm_rows_blocked_bf16"](*args, x_bytes, rows) != 1:
-            _c_rows["gemm_rows_bf16"](*args, 0, 0)
-
-    return run
+    block of rows asked for into L2 meanwhile."""
+    return _rows_kernel("gemm_rows_blocked_bf16", x_bytes, rows)
 
 
 # The builds with the blocked few-row GEMM (gemv_bf16.c HAS_BLOCKED).
 BLOCKED_BUILDS = ("avx2", "avx512f")
 
 
-def blocked_unavailable(fmt: str, device: torch.device) -> str:
-    """Why the blocked few-row GEMM cannot run here ("" when it can): it is built where the tiles
-    read x widened to fp32 (AVX2, AVX-512 without BF16), which at eight x rows outgrows L1."""
-    why = compiled_unavailable(fmt, device)
-    if why:
-        return why
-    isa = compiled_isa()
-    return "" if isa in BLOCKED_BUILDS else f"no blocked few-row GEMM in the {isa} build"
+# Built where the tiles read x widened to fp32 (AVX2, AVX-512 without BF16), which at eight x rows
+# outgrows L1.
+blocked_unavailable = _built_where("blocked few-row GEMM", lambda isa: isa in BLOCKED_BUILDS)
 
 
 # The builds with a wide tile, and the weight rows at a time each takes (gemv_bf16.c WIDE_ROWS_MAX).
@@ -264,15 +258,7 @@ def wide_unavailable(wrows: int):
     """Why the wide few-row tile of `wrows` weight rows cannot run here ("" when it can), as a
     candidate's unavailable(fmt, device): it is built on the AVX-512 paths, whose 32 registers
     hold eight x rows' sums."""
-
-    def unavailable(fmt: str, device: torch.device) -> str:
-        why = compiled_unavailable(fmt, device)
-        if why:
-            return why
-        isa = compiled_isa()
-        return "" if wrows in WIDE_ROWS.get(isa, ()) else f"no wide tile of {wrows} weight rows in the {isa} build"
-
-    return unavailable
+    return _built_where(f"wide tile of {wrows} weight rows", lambda isa: wrows in WIDE_ROWS.get(isa, ()))
 
 
 def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

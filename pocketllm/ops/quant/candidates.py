@@ -133,6 +133,9 @@ def _gemv(name: str, rows: str, what: str) -> QuantCandidate:
 # (as c-ahead), or into L2 (c-int8x-l2, as c-l2). int8's int8-x kernel reads one weight row at a
 # time and prefetches nothing, so c-int8x-l2 is int4's alone.
 INT8X_PREFETCH = {"c-int8x": (PREFETCH_BYTES, native.ALL_LEVELS), "c-int8x-l2": (PREFETCH_BYTES, native.L2)}
+# The candidates that differ from another only in where or how far they prefetch: their sums are
+# c's or c-int8x's.
+PREFETCH_ONLY = (set(GEMV_PREFETCH) - {"c"}) | (set(INT8X_PREFETCH) - {"c-int8x"})
 
 
 def _int8x(rows: str, name: str, what: str, unavailable) -> QuantCandidate:

@@ -251,7 +251,7 @@ def int8x_many_unavailable(variant: str = "native") -> str:
     return _unbuilt("int8x-many", variant)
 
 
-# Where a compiled kernel's weight prefetch puts the lines (quant.h prefetch_weight): past the
+# Where a compiled kernel's weight prefetch puts the lines (ops/prefetch.h prefetch_weight, PF_*): past the
 # outer caches, into every cache level, or into L2 and beyond but not L1.
 NON_TEMPORAL, ALL_LEVELS, L2 = 0, 1, 2
 
