@@ -33,7 +33,7 @@ from common import PocketRunner, alternate, llama_bench_tests, read_bandwidths_g
 from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
-from pocketllm.layers.attention import kv_block_bytes
+from pocketllm.layers.kv_layout import kv_block_bytes
 from pocketllm.model_args import parse_dtype
 from pocketllm.profiling import scopes
 

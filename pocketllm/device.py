@@ -1,34 +1,18 @@
-"""The device seam: which device a rank runs on, its collective backend, and how to wait for it.
-Detected once; the CPU path always works, CUDA and Ascend (torch_npu) are used when present."""
+"""The device seam: the device a rank runs on, its collective backend, and how to wait for it. The
+kind is resolved once, before any rank starts (pocketllm/device_kind.py); the CPU path always
+works, CUDA and Ascend (torch_npu) are used when present."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 
-from pocketllm.errors import UsageError
+from pocketllm.device_kind import ENV_RANK_CPUS, allowed_cpus, cpu_count
 from pocketllm.run_plan import BACKENDS
 from pocketllm.switches import env_value
 from pocketllm.topology import physical_cores
-
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
-DEVICE_HELP = "auto (default), cpu, cuda, npu, or N: device N of the one auto finds (the seed's --device 0; on CPU only 0)"
-# Set by the launcher for each rank it pinned: that its cores are its own (the rank reads them from
-# its affinity; the value lists them as a cpulist, for anyone inspecting the process).
-ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
-# 0 leaves the ranks the launcher starts unpinned (default 1, pinned).
-ENV_PIN_CPUS = "POCKETLLM_PIN_CPUS"
-
-
-def npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
-
-    return bool(torch.npu.is_available())
 
 
 @dataclass(frozen=True)
@@ -72,58 +56,6 @@ class DeviceInfo:
             return f"Ascend NPU {self.index}"
         n = cpu_count()
         return f"CPU ({n} core{'s' if n != 1 else ''})"
-
-
-def allowed_cpus() -> list[int]:
-    """The cores this process may run on."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        return list(range(os.cpu_count() or 1))
-
-
-def cpu_count() -> int:
-    return len(allowed_cpus())
-
-
-def parse_device(requested: str) -> tuple[str, int | None]:
-    """--device as (the kind asked for, the device index or None). A bare N is the seed's form:
-    device N of whichever kind auto finds."""
-    text = str(requested).strip()
-    if text.isdigit():
-        return "auto", int(text)
-    if text not in DEVICE_CHOICES:
-        raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)} or a device index N")
-    return text, None
-
-
-def _device_count(kind: str) -> int:
-    if kind == "cuda":
-        return torch.cuda.device_count()
-    return torch.npu.device_count() if kind == "npu" else 1
-
-
-def resolve_kind(requested: str) -> str:
-    kind, index = parse_device(requested)
-    if kind == "auto":
-        if torch.cuda.is_available():
-            kind = "cuda"
-        else:
-            kind = "npu" if npu_available() else "cpu"
-    elif kind == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is visible to torch")
-    elif kind == "npu" and not npu_available():
-        raise UsageError("--device npu: torch_npu is not installed or sees no NPU")
-    if index is not None and index >= _device_count(kind):
-        if kind == "cpu":
-            raise UsageError(f"--device {index}: no CUDA or NPU device is visible, and the CPU is device 0 (give --device 0, cpu or auto)")
-        raise UsageError(f"--device {index}: torch sees {_device_count(kind)} {kind} device(s), 0..{_device_count(kind) - 1}")
-    return kind
-
-
-def device_index(requested: str) -> int | None:
-    """The index --device names, or None when it names a kind only."""
-    return parse_device(requested)[1]
 
 
 def setup_device(kind: str, index: int | None, local_rank: int, world: int) -> DeviceInfo:

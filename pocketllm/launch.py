@@ -35,7 +35,7 @@ import sys
 import time
 
 from pocketllm import rank_failures, topology
-from pocketllm.device import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus
+from pocketllm.device_kind import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus
 from pocketllm.distributed import rendezvous, waiting
 from pocketllm.errors import UsageError
 from pocketllm.run_plan import ENV_PLAN, RunPlan

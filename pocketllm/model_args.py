@@ -9,26 +9,24 @@ import os
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from pocketllm import compiled
 from pocketllm.config import ModelConfig, check_tp_split, load_config
-from pocketllm.device import DEVICE_HELP
+from pocketllm.device_kind import DEVICE_HELP
 from pocketllm.distributed.calibration import check_calibration
 from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import CheckpointReader
-from pocketllm.loader.load import validate_source
 from pocketllm.loader.model_tensors import ModelTensor, model_tensors
-from pocketllm.loader.quantized import UNSET, check_split, plan_weights
-from pocketllm.loader.random_weights import RandomWeights
-from pocketllm.ops import registry
-from pocketllm.ops.gated_delta import KernelChoice, plan_gdn_kernel
+from pocketllm.loader.checks import UNSET, check_split, plan_weights, validate_source
+from pocketllm.ops.gdn_choice import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 from pocketllm.quantization import SCHEME_HELP, parse_scheme
 from pocketllm.run_plan import RunPlan
+from pocketllm.switches import forces_kernels
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype's names and each one's bytes per element. The launcher checks a name and never imports
+# torch; a rank (or a one-process command) takes the torch dtype (parse_dtype).
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -103,7 +101,7 @@ def add_profiling_args(p: argparse.ArgumentParser) -> None:
 @dataclass
 class ModelPlan:
     cfg: ModelConfig
-    dtype: torch.dtype
+    dtype_name: str  # --dtype, checked: the torch dtype is `dtype`, on a rank
     policy: PolicyChoice | None  # None for a plan made without one (calibrate)
     ckpt: str | None
     preset: str | None
@@ -117,11 +115,17 @@ class ModelPlan:
     # The model's tensors, listed by the check's one walk down the layers.
     tensors: tuple[ModelTensor, ...] = ()
 
+    @property
+    def dtype(self):
+        return parse_dtype(self.dtype_name)
+
     def open_source(self, device=None):
         """The weights to load: the checkpoint's reader, or the preset's drawn on `device` (the
         engine's; default the host)."""
         if self.reader is not None:
             return self.reader
+        from pocketllm.loader.random_weights import RandomWeights
+
         return RandomWeights(self.cfg, seed=0, device=device, tensors=self.tensors)
 
     @property
@@ -129,11 +133,18 @@ class ModelPlan:
         return self.ckpt or f"preset:{self.preset}"
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise UsageError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+def check_dtype(name: str) -> str:
+    """--dtype checked: the name, or a usage error."""
+    if name not in DTYPES:
+        raise UsageError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return name
+
+
+def parse_dtype(name: str):
+    """--dtype as a torch dtype (imports torch: a rank's, or a one-process command's)."""
+    import torch
+
+    return getattr(torch, check_dtype(name))
 
 
 def preset_config(name: str, layers: int | None) -> ModelConfig:
@@ -149,10 +160,10 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     source, world, kind = run.source, run.world.size, run.device.kind
     if world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {world}")
-    dtype = parse_dtype(source.dtype)
+    dtype = check_dtype(source.dtype)
     # A bad POCKETLLM_ISA is refused here, before any rank starts.
     compiled.isa()
-    registry.check_forced([registry.dtype_format(dtype)], kind)
+    _check_forced([dtype], kind)
     gdn_kernel = plan_gdn_kernel(kind, dtype)
     policy = None
     if with_policy:
@@ -191,10 +202,21 @@ def checkpoint_config(ckpt: str, layers: int | None) -> ModelConfig:
     return cfg.with_layers(layers)
 
 
+def _check_forced(formats, kind: str, env=os.environ) -> None:
+    """The kernels POCKETLLM_KERNELS forces, checked against the weights' formats on this kind of
+    device (pocketllm.ops.registry.check_forced). The registry holds the kernels themselves, so
+    it is imported only when a variable that check reads is set: a launcher otherwise never
+    imports torch."""
+    if forces_kernels(env):
+        from pocketllm.ops import registry
+
+        registry.check_forced(formats, kind, env)
+
+
 def _check_forced_quantized(cfg: ModelConfig, kind: str) -> None:
     # Off the CPU quantized weights run dequantized, as floats: only a CPU run holds them.
     if cfg.weights is not None and kind == "cpu":
-        registry.check_forced(cfg.weights.formats(), kind)
+        _check_forced(cfg.weights.formats(), kind)
 
 
 def _checked_policy(policy: PolicyChoice | None, run: RunPlan, cfg: ModelConfig) -> PolicyChoice | None:

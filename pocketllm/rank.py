@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -17,42 +16,8 @@ from pocketllm import rank_failures
 from pocketllm.distributed import collective, rendezvous, waiting
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
-from pocketllm.launch import ENV_RANK, ENV_RDZV, ENV_WORLD, launcher_checked
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-    file_store: str | None = None  # the launcher's private FileStore
-    id_path: str | None = None  # the hand-started rendezvous file
-
-
-def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env=os.environ, default_world: int = 1) -> RankEnv | None:
-    """This process's place in the run, or None when it must start the ranks itself. tp_world None
-    means --tp-world was not given: torchrun's WORLD_SIZE, else `default_world`."""
-    if ENV_RANK in env:
-        world = int(env[ENV_WORLD])
-        return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        if tp_world not in (None, world):
-            raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
-    if tp_world is None:
-        tp_world = default_world
-    if tp_rank is not None:
-        if not 0 <= tp_rank < tp_world:
-            raise UsageError(f"--tp-rank must be in 0..{tp_world - 1}, got {tp_rank}")
-        if not id_path:
-            raise UsageError("--tp-rank needs --rendezvous-file FILE, the rendezvous file every rank names")
-        return RankEnv(tp_rank, tp_world, tp_rank, tp_world, id_path=os.path.abspath(id_path))
-    if tp_world == 1:
-        return RankEnv(0, 1, 0, 1)
-    return None
+from pocketllm.launch import launcher_checked
+from pocketllm.place import RankEnv
 
 
 def join_group(renv: RankEnv, backend: str, timeout_s: float) -> None:

@@ -15,8 +15,6 @@ import os
 import signal
 import time
 
-import torch.distributed as dist
-
 from pocketllm.switches import env_value
 
 ENV_REPORT = "POCKETLLM_LAUNCH_REPORT"
@@ -78,6 +76,9 @@ def collective_failure(exc: BaseException) -> str | None:
     kind = getattr(exc, "collective_kind", None)
     if kind is not None:
         return kind
+    # Imported here, not at the top: the launcher reads this module and never imports torch.
+    import torch.distributed as dist
+
     if isinstance(exc, dist.DistNetworkError):
         return "peer"
     text = str(exc).lower()

@@ -72,6 +72,20 @@ RENAMED = {
 
 PREFIXES = ("POCKETLLM_", "QWEN_")
 
+# kind=name,...: the kernel each named kind runs, instead of the measured choice
+# (pocketllm.ops.registry.forced_kernels).
+ENV_KERNELS = "POCKETLLM_KERNELS"
+# On (the default): a request's tokens do not depend on what else is batched with it
+# (pocketllm.ops.registry.batch_invariant).
+ENV_INVARIANT = "POCKETLLM_BATCH_INVARIANT"
+
+
+def forces_kernels(env) -> bool:
+    """Whether any variable the registry's check of forced kernels reads is set (POCKETLLM_KERNELS,
+    POCKETLLM_BATCH_INVARIANT, a RENAMED one): where none is, that check has nothing to refuse, so
+    a launcher need not import the registry, which holds the kernels (and torch)."""
+    return any(env.get(name, "").strip() for name in (ENV_KERNELS, ENV_INVARIANT, *RENAMED))
+
 
 def env_setting(env, name: str) -> tuple[str, str]:
     """(the variable the setting was read from, its value, "" when unset), so that an error can

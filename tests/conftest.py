@@ -349,9 +349,9 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
     slot, holders) and prefix cache entries must be rank 0's. Plans carry `max_ops` operations.
     Returns the list the operations seen are added to."""
     from pocketllm.distributed.state import TPState
-    from pocketllm.engine import pass_plan, scheduler
+    from pocketllm.engine import budgets, pass_plan, scheduler
 
-    prefill_budget = prefill_budget or pass_plan.DEFAULT_PREFILL_BUDGET
+    prefill_budget = prefill_budget or budgets.DEFAULT_PREFILL_BUDGET
     monkeypatch.setattr(pass_plan, "MAX_OPS", max_ops)
     received = pass_plan.pass_plan_for(leader, max_running, prefill_budget)
     seen = []

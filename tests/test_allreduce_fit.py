@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from conftest import cli_env, run_cli, usage_error_in_process
-from pocketllm.distributed.allreduce_bench import bus_factor, fit_latency_bandwidth, parse_size, size_ladder
+from pocketllm.distributed.allreduce_bench import bus_factor, fit_latency_bandwidth
+from pocketllm.flags import parse_size, size_ladder
 from pocketllm.errors import UsageError
 
 SIZES = [2**k for k in range(10, 27)]  # 1K .. 64M

@@ -20,7 +20,7 @@ import torch
 
 from conftest import cli_env, main_in_process, result_fields, shm_segments, usage_error_in_process
 from pocketllm import launch, topology
-from pocketllm.device import allowed_cpus
+from pocketllm.device_kind import allowed_cpus
 from pocketllm.errors import UsageError
 from pocketllm.topology import plan_ranks, read_cores
 

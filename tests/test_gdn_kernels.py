@@ -26,7 +26,8 @@ from kernel_stand_ins import (
 from conftest import main_in_process, usage_error_in_process
 from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_torch_
 from pocketllm.ops.gated_delta.naive import gated_delta_step_reference_
-from pocketllm.ops.gated_delta.backends import CHOICES, KernelChoice, choose_gdn_kernel, probe, select_gdn_kernel
+from pocketllm.ops.gated_delta.backends import KernelChoice, probe, select_gdn_kernel
+from pocketllm.ops.gdn_choice import CHOICES, choose_gdn_kernel
 from pocketllm.ops.gated_delta.fla_adapter import fla_decode_rows_, fla_decode_step_, fla_prefill
 from numerics import assert_close_rel
 from test_gated_delta import make_inputs, reference_f64

@@ -11,10 +11,9 @@ import torch
 from conftest import follow_in_process, tiny_engine, usage_error_in_process
 
 from pocketllm.engine.generate import SamplingParams, generate
-from pocketllm.engine.kv_blocks import blocks_for
 from pocketllm.engine.request import KVUsage
 from pocketllm.engine.scheduler import Scheduler
-from pocketllm.layers.cache import KV_BLOCK_SIZE
+from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for
 from pocketllm.serving.metrics import Metrics, parse
 
 torch.set_num_threads(2)

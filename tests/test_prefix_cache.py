@@ -13,8 +13,8 @@ import torch
 from conftest import feed, follow_in_process, tiny_engine
 
 from pocketllm.engine.generate import generate
-from pocketllm.engine.kv_blocks import blocks_for
 from pocketllm.engine.pass_plan import EVICT, RESTORE, SNAPSHOT
+from pocketllm.layers.kv_layout import blocks_for
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.request import KVUsage
 from pocketllm.engine.scheduler import Scheduler

@@ -282,7 +282,7 @@ def test_a_checkpoint_that_left_some_parts_of_a_fused_projection_float_runs_them
     want = _logits(dataclasses.replace(cfg, weights=plan), RandomWeights(cfg))
     from pocketllm.config import load_config
     from pocketllm.loader.model_tensors import model_tensors
-    from pocketllm.loader.quantized import UNSET, plan_weights
+    from pocketllm.loader.checks import UNSET, plan_weights
 
     reader = CheckpointReader(packed)
     loaded = load_config(packed)

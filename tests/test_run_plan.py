@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import main_in_process, result_fields
 
 import pocketllm
-from pocketllm import device
+from pocketllm import device_kind
 from pocketllm.commands import bench, ranked
 from pocketllm.run_plan import ENV_PLAN, DevicePlan, RunPlan, SourcePlan, WorldPlan, received
 
@@ -50,7 +50,7 @@ def test_nothing_below_the_commands_takes_or_reads_the_argparse_namespace():
 def test_the_launcher_resolves_the_device_once_and_its_plan_is_what_a_rank_receives(monkeypatch):
     # Every module that imported resolve_kind counts its calls: a launch of two ranks resolves
     # --device once, in the launcher, and hands that kind to the ranks in the plan.
-    real, calls = device.resolve_kind, []
+    real, calls = device_kind.resolve_kind, []
 
     def counted(requested):
         calls.append(requested)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, UNSET_FOR_CLI, cli_env, main_in_process, result_fields, usage_error_in_process
-from pocketllm.device import npu_available
+from pocketllm.device_kind import npu_available
 from pocketllm.inputs import BENCH_PATTERN
 
 RESULT = ("prefill_seconds", "prefill_tokens_per_s", "decode_seconds", "decode_tokens_per_s")

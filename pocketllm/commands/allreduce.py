@@ -6,15 +6,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-import torch
-
 from pocketllm.commands.ranked import run_without_model
 from pocketllm.commands.settings import DEFAULT_WORLD, model_free_run_plan
-from pocketllm.distributed import collective
-from pocketllm.distributed.allreduce_bench import format_table, parse_size, size_ladder, sweep_sizes
-from pocketllm.distributed.state import tp
 from pocketllm.errors import UsageError
-from pocketllm.model_args import add_rank_args, check_out_path, parse_dtype, say
+from pocketllm.flags import parse_size, size_ladder
+from pocketllm.model_args import DTYPES, add_rank_args, check_dtype, check_out_path, parse_dtype, say
 from pocketllm.run_plan import RunPlan
 
 
@@ -43,6 +39,13 @@ class Task:
 
 
 def _work(run, device, _inputs) -> int:
+    # A rank's imports: the launcher imports this module to check, and never imports torch.
+    import torch
+
+    from pocketllm.distributed import collective
+    from pocketllm.distributed.allreduce_bench import format_table, sweep_sizes
+    from pocketllm.distributed.state import tp
+
     t = run.task
     dtype = parse_dtype(t.dtype)
     sizes = size_ladder(parse_size(t.min_bytes, "--min-bytes"), parse_size(t.max_bytes, "--max-bytes"), t.factor, dtype.itemsize)
@@ -72,8 +75,8 @@ def _work(run, device, _inputs) -> int:
 def _check(run) -> None:
     """Every flag checked in the launcher, before any rank starts."""
     t = run.task
-    dtype = parse_dtype(t.dtype)
-    sizes = size_ladder(parse_size(t.min_bytes, "--min-bytes"), parse_size(t.max_bytes, "--max-bytes"), t.factor, dtype.itemsize)
+    elem = DTYPES[check_dtype(t.dtype)]
+    sizes = size_ladder(parse_size(t.min_bytes, "--min-bytes"), parse_size(t.max_bytes, "--max-bytes"), t.factor, elem)
     if len(sizes) < 2:
         raise UsageError(
             f"--min-bytes {t.min_bytes} to --max-bytes {t.max_bytes} is one payload size, and the latency/bandwidth fit needs "

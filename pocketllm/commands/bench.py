@@ -10,11 +10,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from pocketllm.bench import limits
-from pocketllm.commands.ranked import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_with_model, run_settings
+from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan, source_plan, tuple_or_none
-from pocketllm.distributed.state import tp
-from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, warm_up_batch
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens
 from pocketllm.inputs import PromptSource, bench_ids, check_ids, prompt_ids
@@ -99,6 +96,12 @@ def format_result(r: dict) -> str:
 
 
 def _work(run, plan, ids, engine, device) -> int:
+    # A rank's imports: the launcher imports this module to check, and never imports torch.
+    from pocketllm.bench import limits
+    from pocketllm.commands.on_rank import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_settings
+    from pocketllm.distributed.state import tp
+    from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, warm_up_batch
+
     t = run.task
     new_tokens = t.prompt.max_new_tokens
     if t.batch == 1:

@@ -6,7 +6,7 @@ import argparse
 
 from pocketllm.bench.gdn_bench import GdnBenchSpec, add_head_arguments, main
 from pocketllm.commands.settings import device_plan
-from pocketllm.device import DEVICE_HELP
+from pocketllm.device_kind import DEVICE_HELP
 from pocketllm.model_args import DTYPES
 from pocketllm.ops.gated_delta.chunked import DEFAULT_CHUNK_SIZE
 

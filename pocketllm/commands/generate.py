@@ -6,14 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan, tuple_or_none
-from pocketllm.distributed.state import tp
-from pocketllm.engine.generate import generate, generate_batch
-from pocketllm.engine.sampling import SamplingParams
 from pocketllm.errors import UsageError
 from pocketllm.inputs import PromptSource, load_tokenizer, prompt_list
 from pocketllm.model_args import add_model_args
@@ -112,6 +106,13 @@ class TextStream:
 
 
 def _work(run, plan, prompts, engine, device) -> int:
+    # A rank's imports: the launcher imports this module to check, and never imports torch.
+    from safetensors.torch import save_file
+
+    from pocketllm.distributed.state import tp
+    from pocketllm.engine.generate import generate, generate_batch
+    from pocketllm.engine.sampling import SamplingParams
+
     t, ckpt = run.task, run.source.ckpt
     new_tokens = t.prompt.max_new_tokens
     eos = () if t.ignore_eos else plan.cfg.eos_token_ids
@@ -122,7 +123,7 @@ def _work(run, plan, prompts, engine, device) -> int:
             _print_outputs(ckpt, outputs)
         return 0
 
-    def save_prompt_logits(logits: torch.Tensor) -> None:
+    def save_prompt_logits(logits) -> None:
         if tp().rank == 0:
             save_file({"logits": logits.cpu().contiguous()}, t.logits_out)
 

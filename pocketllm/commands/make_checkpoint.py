@@ -11,10 +11,11 @@ import json
 from pathlib import Path
 
 from pocketllm.errors import UsageError
-from pocketllm.loader.compressed_tensors import check_host, quantization_config
+from pocketllm.loader.compressed_tensors import quantization_config
+from pocketllm.loader.formats import check_host
 from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantized
 from pocketllm.loader.model_tensors import model_tensors, projections
-from pocketllm.loader.quantized import check_split
+from pocketllm.loader.checks import check_split
 from pocketllm.loader.random_weights import RandomWeights, random_row_blocks
 from pocketllm.loader.stream_writer import Entry
 from pocketllm.model_args import parse_dtype, preset_config

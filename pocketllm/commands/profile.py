@@ -2,7 +2,10 @@
 one timed prefill per prompt length under the device-synced phase profile, on the serial path
 unless a slice count is given (as the seed ran it); rank 0 prints the attribution table (5.2) and
 the all-reduce priced from the same blocks (5.3). Each column is read from exactly one block, the
-one whose id the timed prefill's pass reported, never by matching numbers."""
+one whose id the timed prefill's pass reported, never by matching numbers.
+
+The launcher imports this module to check the run and never imports torch: what the ranks run
+imports the engine's modules where it runs."""
 
 from __future__ import annotations
 
@@ -10,18 +13,13 @@ import json
 import os
 from dataclasses import dataclass
 
-import torch
-
-from pocketllm.commands.ranked import run_with_model, run_settings
+from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan, phase_asked, profiling_plan, slice_plan
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
-from pocketllm.distributed.state import all_gather_cat, broadcast_, tp
-from pocketllm.engine.timing import timed_prefill, warm_up
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
-from pocketllm.model_args import add_model_args, check_out_path
-from pocketllm.profiling.profiler import profiler_of
+from pocketllm.model_args import DTYPES, add_model_args, check_out_path
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,
@@ -76,6 +74,8 @@ def _prepare(run, plan):
 
 def _timed_prefill(engine, ids: list[int], sync) -> tuple[float, int]:
     """prefill_seconds of one timed prefill from a fresh sequence, and its pass's block id."""
+    from pocketllm.engine.timing import timed_prefill
+
     with engine.tagged(timed=True):
         wall, timed = timed_prefill(engine, ids, sync)
         timed.close()
@@ -83,10 +83,13 @@ def _timed_prefill(engine, ids: list[int], sync) -> tuple[float, int]:
 
 
 def _report(run, plan, device, runs: list[dict]) -> None:
+    from pocketllm.commands.on_rank import run_settings
+    from pocketllm.distributed.state import tp
+
     t, split_skew = run.task, run.profiling.split_skew
     cfg = plan.cfg
     # One all-reduce per row-parallel site of each layer (mixer out, mlp.down) plus the embedding's.
-    points = collective_points(runs, cfg.hidden_size, plan.dtype.itemsize, 2 * cfg.num_layers + 1)
+    points = collective_points(runs, cfg.hidden_size, DTYPES[plan.dtype_name], 2 * cfg.num_layers + 1)
     fit = two_point_fit(points)
     paths = sorted({r["block"]["path"] for r in runs})
     print(
@@ -131,6 +134,10 @@ def _pick_rep(samples: list[dict], pick: str) -> int:
 def _gather_rank_views(runs: list[dict]) -> None:
     """Add every rank's STACK, tp_all_reduce and tp_skew seconds for the chosen pass to each run:
     a rank that waited for a slower one shows it as collective (or skew) time."""
+    import torch
+
+    from pocketllm.distributed.state import all_gather_cat, tp
+
     names = RANK_VIEW_SCOPES
     mine = torch.tensor(
         [[(r["block"]["scopes"].get(name) or {}).get("seconds", 0.0) for name in names] for r in runs], dtype=torch.float64
@@ -141,6 +148,12 @@ def _gather_rank_views(runs: list[dict]) -> None:
 
 
 def _work(run, plan, lengths, engine, device) -> int:
+    import torch
+
+    from pocketllm.distributed.state import broadcast_, tp
+    from pocketllm.engine.timing import warm_up
+    from pocketllm.profiling.profiler import profiler_of
+
     t = run.task
     profiler = profiler_of(engine)
     sync = device.synchronize

@@ -15,12 +15,11 @@ import torch
 from pocketllm.config import load_config
 from pocketllm.errors import UsageError
 from pocketllm.loader.checkpoint import INDEX, CheckpointReader
-from pocketllm.loader.compressed_tensors import check_host, quantization_config
+from pocketllm.loader.compressed_tensors import quantization_config
 from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantized
-from pocketllm.loader.fp8 import SCALE_SUFFIX
-from pocketllm.loader.load import validate_source
 from pocketllm.loader.model_tensors import model_tensors, projections
-from pocketllm.loader.quantized import UNSET, check_split, plan_weights
+from pocketllm.loader.checks import UNSET, check_split, plan_weights, validate_source
+from pocketllm.loader.formats import SCALE_SUFFIX, check_host
 from pocketllm.loader.stream_writer import DTYPE_NAMES, Entry
 from pocketllm.quantization import SCHEME_HELP, WeightPlan, parse_scheme
 

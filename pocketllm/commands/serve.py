@@ -10,15 +10,11 @@ from dataclasses import dataclass
 
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan
-from pocketllm.distributed.state import tp
-from pocketllm.engine.kv_blocks import blocks_for
-from pocketllm.engine.pass_plan import DEFAULT_PREFILL_BUDGET
-from pocketllm.engine.slots import DEFAULT_KV_FRACTION, PREFIX_CACHE_FRACTION, pool_blocks, prefix_cache_bytes
+from pocketllm.engine.budgets import DEFAULT_KV_FRACTION, DEFAULT_PREFILL_BUDGET, PREFIX_CACHE_FRACTION
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
-from pocketllm.layers.attention import kv_block_bytes
-from pocketllm.layers.cache import KV_BLOCK_SIZE
-from pocketllm.model_args import add_model_args, say
+from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for, kv_block_bytes
+from pocketllm.model_args import DTYPES, add_model_args, say
 from pocketllm.run_plan import RunPlan
 
 # The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
@@ -115,7 +111,7 @@ def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
         return
     if not t.kv_cache_gib > 0:
         raise UsageError(f"--kv-cache-gib must be > 0, got {t.kv_cache_gib}")
-    per_block = kv_block_bytes(plan.cfg, world, plan.dtype.itemsize)
+    per_block = kv_block_bytes(plan.cfg, world, DTYPES[plan.dtype_name])
     need = blocks_for(max_len)
     if per_block and int(t.kv_cache_gib * 2**30) // per_block < need:
         raise UsageError(
@@ -127,6 +123,9 @@ def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
 def _pool(engine, t: Task, max_len: int) -> tuple[int, int]:
     """The KV pool's blocks and the blocks its budget would hold uncapped, the same on every rank,
     and rank 0 says what the pool holds."""
+    from pocketllm.distributed.state import tp
+    from pocketllm.engine.slots import pool_blocks
+
     budget = pool_blocks(engine, t.kv_cache_gib)
     blocks = min(budget, t.max_running * blocks_for(max_len))
     per_block = kv_block_bytes(engine.cfg, tp().world, engine.dtype.itemsize)
@@ -148,6 +147,8 @@ def _prefix_cache_bytes(engine, t: Task, budget_blocks: int) -> int:
     a fraction of the KV cache's budget (--kv-cache-gib or its default), not of the pool that
     --max-running sequences of --max-len cap, which for a small model holds a handful of copies
     (the copies are made as prefixes are cached, never up front)."""
+    from pocketllm.engine.slots import prefix_cache_bytes
+
     if not t.enable_prefix_caching:
         say("prefix cache: off")
         return 0
@@ -173,6 +174,8 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _work(run, plan, settings: dict, engine, device) -> int:
+    # A rank's imports: the launcher imports this module to check, and never imports torch.
+    from pocketllm.distributed.state import tp
     from pocketllm.engine.pass_plan import follow
     from pocketllm.engine.scheduler import Scheduler
 

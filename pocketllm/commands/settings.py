@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 
-from pocketllm.device import device_index, resolve_kind
-from pocketllm.distributed import collective
+from pocketllm.device_kind import device_index, resolve_kind
+from pocketllm.distributed.collective_choice import resolve_choice
 from pocketllm.errors import UsageError
 from pocketllm.fault_injection import fault_from_env
 from pocketllm.launch import ENV_CPUS
 from pocketllm.profiling.options import ProfileOptions, phase_requested, profile_options
-from pocketllm.rank import rank_env
+from pocketllm.place import rank_env
 from pocketllm.run_plan import DevicePlan, RunPlan, SlicePlan, SourcePlan, WorldPlan
 from pocketllm.switches import env_value
 
@@ -36,7 +36,7 @@ def world_plan(args, device: DevicePlan, default_world: int) -> WorldPlan:
     """The world the run has (torchrun's WORLD_SIZE, else --tp-world, else `default_world`), and
     the flags every process needs checked before it starts or joins a group: rank 0 cannot check
     them for a hand-started peer, which would otherwise wait on a group it can never join."""
-    choice = collective.resolve_choice(getattr(args, "collective", None))
+    choice = resolve_choice(getattr(args, "collective", None))
     renv = rank_env(args.tp_world, args.tp_rank, args.rendezvous_file, default_world=default_world)
     size = renv.world if renv is not None else args.tp_world if args.tp_world is not None else default_world
     cpus = getattr(args, "cpus", None)

@@ -1,7 +1,10 @@
 """`pocketllm sweep`: the seed's section 3 and 4 tables from one command. Load the model once,
 then time prefill and decode at every (rows, setting), where a setting is a pinned slice count or a
 named policy, with repetitions interleaved rep-major so a slow patch of machine lands on every
-setting. Prints the tables, optionally writes every run as JSON and a plot."""
+setting. Prints the tables, optionally writes every run as JSON and a plot.
+
+The launcher imports this module to check the run and never imports torch: what the ranks run
+imports the engine's modules where it runs."""
 
 from __future__ import annotations
 
@@ -11,13 +14,9 @@ from dataclasses import dataclass
 
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
-from pocketllm.commands.progress import row_progress
-from pocketllm.commands.ranked import run_with_model, run_settings
+from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan
-from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
-from pocketllm.distributed.state import tp
-from pocketllm.engine.timing import timed_prefill_decode, warm_up
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
@@ -110,6 +109,10 @@ def _prepare(run, plan):
 
 
 def run_sweep(engine, rows_list, settings, t: Task, sync) -> list[dict]:
+    from pocketllm.commands.progress import row_progress
+    from pocketllm.distributed.overlap import is_serial
+    from pocketllm.engine.timing import timed_prefill_decode, warm_up
+
     policies = {s.name: policy for s, policy in settings}
     ids = bench_ids(max(rows_list), engine.cfg.vocab_size)
     engine.reserve_slots(1, max(rows_list) + t.max_new_tokens)
@@ -131,6 +134,9 @@ def run_sweep(engine, rows_list, settings, t: Task, sync) -> list[dict]:
 
 
 def _work(run, plan, inputs, engine, device) -> int:
+    from pocketllm.commands.on_rank import run_settings
+    from pocketllm.distributed.state import tp
+
     t = run.task
     rows_list, settings = inputs
     records = run_sweep(engine, rows_list, settings, t, device.synchronize)

@@ -11,37 +11,6 @@ import torch
 import torch.distributed as dist
 
 from pocketllm.distributed import collective, waiting
-from pocketllm.errors import UsageError
-
-SIZE_SUFFIXES = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """'1K', '64M', '4096' -> bytes; K/M/G are powers of 1024, as nccl-tests reads them."""
-    s = str(text).strip().upper()
-    unit = s[-1] if s and s[-1] in SIZE_SUFFIXES else ""
-    number = s[: len(s) - len(unit)] if unit else s
-    try:
-        value = int(number) * SIZE_SUFFIXES[unit]
-    except ValueError:
-        raise UsageError(f"{flag} {text!r} is not a size; give an integer with an optional K, M or G suffix") from None
-    if value < 1:
-        raise UsageError(f"{flag} must be at least 1 byte, got {text!r}")
-    return value
-
-
-def size_ladder(min_bytes: int, max_bytes: int, factor: int, elem_bytes: int) -> list[int]:
-    """Payload sizes from min to max, each `factor` times the last, rounded to whole elements."""
-    if factor < 2:
-        raise UsageError(f"--factor must be an integer >= 2, got {factor}")
-    if max_bytes < min_bytes:
-        raise UsageError(f"--max-bytes {max_bytes} is below --min-bytes {min_bytes}")
-    sizes, size = [], min_bytes
-    while size <= max_bytes:
-        sizes.append(max(elem_bytes, size // elem_bytes * elem_bytes))
-        size *= factor
-    return sorted(set(sizes))
-
 
 @dataclass
 class Fit:

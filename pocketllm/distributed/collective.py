@@ -5,7 +5,7 @@
   bytes, where gloo pays loopback TCP and its own threads;
 - `gloo`: the process group's backend itself (gloo on CPU; on CUDA/NPU the backend, NCCL or HCCL,
   always does it).
-`--collective auto|shm|gloo` (env POCKETLLM_COLLECTIVE, default auto): auto takes shm where it
+`--collective auto|shm|gloo` (env POCKETLLM_COLLECTIVE, default auto; checked in collective_choice.py): auto takes shm where it
 applies and the backend elsewhere; shm asked for where it cannot run is a one-line error. gloo
 keeps every other collective (broadcasts, barriers, gathers, the rendezvous) and is the fallback
 when the helper cannot be built. The choice is printed once on rank 0 and written to --json.
@@ -21,26 +21,9 @@ import torch
 import torch.distributed as dist
 
 from pocketllm.errors import UsageError
-from pocketllm.switches import env_value
 
-ENV_COLLECTIVE = "POCKETLLM_COLLECTIVE"
-CHOICES = ("auto", "shm", "gloo")
 # The helper keeps flag and region tables for at most this many ranks.
 MAX_SHM_WORLD = 64
-
-
-def resolve_choice(flag: str | None, env=os.environ) -> str:
-    """--collective, else POCKETLLM_COLLECTIVE, else auto; anything else is a usage error."""
-    if flag is not None:
-        if flag not in CHOICES:
-            raise UsageError(f"--collective {flag!r} is not one of {', '.join(CHOICES)}")
-        return flag
-    value = env_value(env, ENV_COLLECTIVE).strip()
-    if not value:
-        return "auto"
-    if value not in CHOICES:
-        raise UsageError(f"{ENV_COLLECTIVE}={value!r} is not one of {', '.join(CHOICES)}")
-    return value
 
 
 class _Done:

@@ -8,6 +8,9 @@
   for rank 0 to answer. A FILE left by an earlier run is refused with the command that clears it.
 - Under torchrun (env://): torch's TCPStore on MASTER_ADDR:MASTER_PORT; a port already in use is
   a one-line error.
+
+torch.distributed is imported by the functions that join or leave a group: the launcher makes its
+private directory here and never imports torch (pocketllm/launch.py).
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ import socket
 import tempfile
 import time
 from datetime import timedelta
-
-import torch.distributed as dist
 
 from pocketllm.errors import UsageError
 from pocketllm.switches import env_setting
@@ -113,6 +114,8 @@ def backend_spec(backend: str) -> str:
 
 
 def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_path: str | None, id_path: str | None) -> None:
+    import torch.distributed as dist
+
     backend = backend_spec(backend)
     if id_path is not None:
         store = _file_rendezvous(id_path, rank, world, wait_seconds())
@@ -136,6 +139,8 @@ def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_p
 
 
 def leave_group() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
     while _owned:
@@ -208,6 +213,8 @@ def _file_rendezvous(path: str, rank: int, world: int, wait_s: float):
 
 
 def _create(path: str, world: int, wait_s: float):
+    import torch.distributed as dist
+
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
@@ -259,6 +266,8 @@ def _mark_refused(path: str) -> None:
 
 
 def _join(path: str, rank: int, world: int, wait_s: float):
+    import torch.distributed as dist
+
     deadline = time.monotonic() + wait_s
     fields = _read(path)
     while fields is None:

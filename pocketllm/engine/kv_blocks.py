@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.layers.cache import KV_BLOCK_SIZE, BlockTable
-
-
-def blocks_for(positions: int, block_size: int = KV_BLOCK_SIZE) -> int:
-    return -(-positions // block_size)
+from pocketllm.layers.cache import BlockTable
+from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for
 
 
 class BlockAllocator:

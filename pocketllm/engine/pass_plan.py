@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pocketllm.distributed.state import broadcast_
+from pocketllm.engine.budgets import DEFAULT_PREFILL_BUDGET
 
 CLOSE = -1
 # Operations one plan carries; a step with more sends them over several plans.
@@ -21,10 +22,6 @@ RESTORE = 3  # (slot, entry, take): start slot's sequence from cached entry (tak
 EVICT = 4  # (entry): forget cached entry
 
 
-# Prompt rows a pass may carry in all (serve --prefill-budget), beside one decode row per running
-# sequence: the plan buffer every rank allocates holds that many rows. Chosen by measurement with
-# vLLM's load generator (docs/serving.md, "Against vLLM").
-DEFAULT_PREFILL_BUDGET = 1024
 
 def apply(engine, ops: list[tuple[int, int, int, int]]) -> None:
     for code, a, b, c in ops:

@@ -45,12 +45,13 @@ from collections import deque
 import torch
 
 from pocketllm.distributed.state import broadcast_, tp
-from pocketllm.engine.kv_blocks import blocks_for
-from pocketllm.engine.pass_plan import DEFAULT_PREFILL_BUDGET, EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, pass_plan_for, run_pass_plan
+from pocketllm.engine.budgets import DEFAULT_PREFILL_BUDGET
+from pocketllm.engine.pass_plan import EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, pass_plan_for, run_pass_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.request import KVUsage, Request
 from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.inputs import request_problem
+from pocketllm.layers.kv_layout import blocks_for
 
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never
 # reaches the collective timeout however long no request comes.

@@ -14,17 +14,11 @@ import torch
 
 from pocketllm.config import FULL
 from pocketllm.distributed.state import all_gather_cat, tp
-from pocketllm.engine.kv_blocks import BlockAllocator, blocks_for
-from pocketllm.layers.attention import kv_block_bytes
+from pocketllm.engine.budgets import DEFAULT_KV_FRACTION, PREFIX_CACHE_FRACTION
+from pocketllm.engine.kv_blocks import BlockAllocator
 from pocketllm.layers.cache import CachedPrefix, PagedKV
+from pocketllm.layers.kv_layout import blocks_for, kv_block_bytes
 
-# The default KV pool budget: this fraction of the memory free once the weights are loaded (host
-# memory on a CPU, shared by the ranks on the host; the device's own on CUDA/NPU), leaving the rest
-# for activations, the per-sequence Gated DeltaNet state and whatever else runs there.
-DEFAULT_KV_FRACTION = 0.5
-# The prefix cache's copies of Gated DeltaNet state may take this fraction of the KV cache's budget
-# (on top of the pool: the cached prefixes' KV blocks are the pool's own).
-PREFIX_CACHE_FRACTION = 0.25
 
 
 class Slots:

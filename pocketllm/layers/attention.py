@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from pocketllm import host_memory
-from pocketllm.config import FULL, ModelConfig
+from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import tp
-from pocketllm.layers.cache import KV_BLOCK_SIZE, KVPool, PagedKV
+from pocketllm.layers.cache import KVPool, PagedKV
+from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, kv_head_range
 from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, per_sequence
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
@@ -18,23 +19,6 @@ from pocketllm.layers.paged_attention import cached_attention, decode_attention_
 from pocketllm.ops.fused import decode_ops
 from pocketllm.ops.rotary import apply_rotary
 from pocketllm.profiling.scopes import scope
-
-
-def kv_head_range(num_kv: int, rank: int, world: int) -> tuple[int, int]:
-    """KV heads this rank holds. With fewer KV heads than ranks each head is replicated on
-    world // num_kv consecutive ranks, which are exactly the ranks whose query heads read it."""
-    if num_kv >= world:
-        per = num_kv // world
-        return rank * per, (rank + 1) * per
-    head = rank // (world // num_kv)
-    return head, head + 1
-
-
-def kv_block_bytes(cfg: ModelConfig, world: int, elem_size: int, block_size: int = KV_BLOCK_SIZE) -> int:
-    """Bytes one KV block takes on each rank, K and V of every full-attention layer."""
-    kv0, kv1 = kv_head_range(cfg.num_key_value_heads, 0, world)
-    layers = sum(1 for t in cfg.layer_types if t == FULL)
-    return 2 * layers * (kv1 - kv0) * block_size * cfg.head_dim * elem_size
 
 
 class GatedAttention(nn.Module):

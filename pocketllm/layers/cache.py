@@ -19,13 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Positions per KV block. 64 rows of one head (D=256, bf16) are 32 KiB contiguous, a unit a decode
-# kernel can stream per head and split over; it divides the scheduler's prefill chunks and the
-# gated delta rule's 64-row chunks, so a chunk boundary is a block boundary (where a prefix cache
-# can share whole blocks); a sequence wastes at most 63 rows in its last block.
-KV_BLOCK_SIZE = 64
-
-
 @dataclass
 class GDNState:
     conv: torch.Tensor  # [K-1, C_local], the last K-1 conv inputs, oldest first

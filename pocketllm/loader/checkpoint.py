@@ -10,7 +10,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from pocketllm.errors import CheckpointError
-from pocketllm.loader.fp8 import SCALE_SUFFIX, Fp8Slice
+from pocketllm.loader.formats import SCALE_SUFFIX
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -27,7 +27,9 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         # Each shard is opened once to map its keys and stays open for the model check, which
         # reads its tensors' shapes and dtypes from the same parsed header; close() unmaps them.
-        self._handles: dict[Path, object] = {}
+        # The check opens it as numpy arrays: the launcher runs it and never imports torch. A
+        # rank reads the weights through handles of torch's.
+        self._handles: dict[tuple[Path, str], object] = {}
         self.file_of = self._map_keys()
         self.prefix = self._text_prefix()
         # An fp8 checkpoint's block (config.json's weight_block_size), set by the plan.
@@ -60,7 +62,7 @@ class CheckpointReader:
 
     def _check_readable(self, path: Path) -> list[str]:
         try:
-            return list(self._handle(path).keys())
+            return list(self._handle(path, "numpy").keys())
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from None
 
@@ -84,10 +86,10 @@ class CheckpointReader:
     def canonical_keys(self) -> set[str]:
         return {c for k in self.file_of if (c := self.from_file_key(k)) is not None}
 
-    def _handle(self, path: Path):
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
+    def _handle(self, path: Path, framework: str = "pt"):
+        if (path, framework) not in self._handles:
+            self._handles[(path, framework)] = safe_open(str(path), framework=framework)
+        return self._handles[(path, framework)]
 
     def get_slice(self, name: str):
         """The tensor `name` as a safetensors slice; an fp8 weight with its block scales reads as
@@ -99,12 +101,17 @@ class CheckpointReader:
         sl = self._handle(self.file_of[key]).get_slice(key)
         scale = key + SCALE_SUFFIX
         if scale in self.file_of and sl.get_dtype() == "F8_E4M3":
+            # Only a rank reads a slice: the launcher checks headers and never imports torch.
+            from pocketllm.loader.fp8 import Fp8Slice
+
             return Fp8Slice(sl, self._handle(self.file_of[scale]).get_slice(scale), self.fp8_block)
         return sl
 
     def raw_slice(self, name: str):
-        """The tensor `name` as stored."""
-        return self.stored_slice(self.to_file_key(name))
+        """The tensor `name` as stored, for the model check: its shape and dtype, and a small
+        integer tensor's values, read as numpy (no torch)."""
+        key = self.to_file_key(name)
+        return self._handle(self.file_of[key], "numpy").get_slice(key)
 
     def stored_slice(self, key: str):
         """The tensor the checkpoint names `key`, as stored."""

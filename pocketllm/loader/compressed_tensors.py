@@ -17,43 +17,11 @@ q + 8 and z + 8, so the same numbers.
 
 from __future__ import annotations
 
-import math
-import sys
-
 import torch
 
-from pocketllm.errors import CheckpointError
 from pocketllm.ops.quant.layout import QuantizedWeight
+from pocketllm.loader.formats import check_host
 from pocketllm.quantization import WeightScheme
-
-SUFFIXES = ("_packed", "_scale", "_shape", "_zero_point")
-
-
-def check_host() -> None:
-    if sys.byteorder != "little":
-        raise CheckpointError("compressed-tensors packed weights are read as little-endian int32 words; this host is big-endian")
-
-
-def companions(key: str, scheme: WeightScheme) -> list[str]:
-    """The tensors that stand for float weight `key` (`X.weight`) when it is stored packed."""
-    return [key + s for s in SUFFIXES if s != "_zero_point" or not scheme.symmetric]
-
-
-def expected_companions(key: str, shape: tuple[int, int], scheme: WeightScheme) -> dict[str, tuple[tuple[int, ...], set[str]]]:
-    """name -> (shape, allowed safetensors dtypes) for a packed weight of full `shape`.
-    The zero point may be packed (int32) or not (int8); the caller checks either form."""
-    out, cols = shape
-    groups = 1 if scheme.bits == 8 else cols // scheme.group
-    floats = {"BF16", "F16", "F32"}
-    found = {
-        key + "_packed": ((out, cols * scheme.bits // 32), {"I32"}),
-        key + "_scale": ((out, groups), floats),
-        key + "_shape": ((2,), {"I64", "I32"}),
-    }
-    if not scheme.symmetric:
-        found[key + "_zero_point"] = ((math.ceil(out * scheme.bits / 32), groups), {"I32"})
-    return found
-
 
 def _rows(sl, ranges) -> torch.Tensor:
     parts = [sl[a:b] for a, b in ranges if b > a]

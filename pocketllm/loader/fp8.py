@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-SCALE_SUFFIX = "_scale_inv"
-
 
 class Fp8Slice:
     """A safetensors slice of an e4m3 weight that yields its dequantized fp32 values for the

@@ -1,6 +1,5 @@
-"""Quantized projection weights at load: which weights a run holds quantized (the weight plan,
-from --quantize and the checkpoint), whether the model can be split so at every rank, and each
-rank's part of a whole matrix's quantization, read from the checkpoint's packed tensors or made
+"""Quantized projection weights at load (the weight plan and its split are checked first, by
+pocketllm/loader/checks.py): each rank's part of a whole matrix's quantization, read from the checkpoint's packed tensors or made
 here from the float (or fp8) weights it reads.
 
 A rank reads only its slice of the source tensor. A column-parallel shard holds whole rows and an
@@ -12,80 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.config import ModelConfig
 from pocketllm.distributed.state import all_reduce_max
-from pocketllm.errors import CheckpointError, UsageError
-from pocketllm.loader.compressed_tensors import check_host, read_packed
-from pocketllm.loader.fp8 import SCALE_SUFFIX
-from pocketllm.loader.model_tensors import projections
+from pocketllm.errors import CheckpointError
+from pocketllm.loader.compressed_tensors import read_packed
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize, quantize
-from pocketllm.quantization import WeightPlan, WeightScheme
-
-# What an fp8 checkpoint becomes with no --quantize (docs/quantization.md says why).
-FP8_DEFAULT = WeightScheme(8)
-UNSET = "unset"
-
-
-def plan_weights(cfg: ModelConfig, source, requested, tensors) -> WeightPlan | None:
-    """The run's weight plan. `requested`: the --quantize scheme, None for `none`, UNSET when
-    the flag was not given; `tensors`: the model's (pocketllm.loader.model_tensors). A float
-    checkpoint (or preset) is quantized at load as asked; a compressed-tensors one runs as stored;
-    an fp8 one is converted at load (FP8_DEFAULT unless asked otherwise, `none` for floats in the
-    run's dtype)."""
-    quant = cfg.quantization
-    if quant is None:
-        return None if requested in (UNSET, None) else WeightPlan(requested)
-    keys = [t.key for t in projections(tensors)]
-    if quant.method == "fp8":
-        source.fp8_block = quant.block
-        target = FP8_DEFAULT if requested == UNSET else requested
-        stored = {k for k in keys if source.has(k + SCALE_SUFFIX)}
-        return WeightPlan(None, "fp8", tuple((k, target if k in stored else None) for k in keys)) if target is not None and stored else None
-    check_host()
-    overrides = []
-    for key in keys:
-        if not source.has(key + "_packed"):
-            overrides.append((key, None))
-            continue
-        names = (key.removesuffix(".weight"), source.to_file_key(key).removesuffix(".weight"))
-        scheme = quant.scheme_for_module(names)
-        if scheme is None:
-            raise CheckpointError(f"{source.to_file_key(key)}_packed is stored packed, but no config group of quantization_config targets it")
-        overrides.append((key, scheme))
-    stored = sorted({s.name for _, s in overrides if s is not None})
-    if requested != UNSET and (requested is None or requested.name not in stored or len(stored) > 1):
-        raise UsageError(f"the checkpoint is stored quantized ({', '.join(stored)}); leave out --quantize, which only converts float and fp8 checkpoints")
-    return WeightPlan(None, "compressed-tensors", tuple(overrides))
-
-
-def check_split(tensors, plan: WeightPlan | None, world: int) -> None:
-    """Every quantized weight's inputs must split into its groups, and at --tp-world a
-    row-parallel shard must hold whole groups (and, packed, whole int32 words): one line naming
-    the first of the model's `tensors` that does not, before any rank starts."""
-    if plan is None:
-        return
-    for t in projections(tensors):
-        key, cols, row_parallel = t.key, t.shape[1], t.row_parallel
-        scheme = plan.scheme_for(key)
-        if scheme is None:
-            continue
-        if scheme.bits == 4 and cols % scheme.group:
-            raise UsageError(f"{scheme.name}: {key} has {cols} inputs, not a whole number of groups of {scheme.group}; use {_smaller(cols)}")
-        local = cols // world
-        if row_parallel and world > 1:
-            if scheme.bits == 4 and local % scheme.group:
-                fix = "fewer ranks (the checkpoint's groups are fixed)" if plan.source == "compressed-tensors" else f"{_smaller(local)} or fewer ranks"
-                raise UsageError(
-                    f"{scheme.name} at --tp-world {world}: each rank's shard of {key} holds {local} of its {cols} inputs, "
-                    f"not whole groups of {scheme.group}; use {fix}"
-                )
-            if plan.source == "compressed-tensors" and local % (32 // scheme.bits):
-                raise UsageError(f"{key} at --tp-world {world}: each rank's {local} inputs do not fall on whole packed int32 words; use fewer ranks")
-
-
-def _smaller(n: int) -> str:
-    fits = [f"int4-g{g}" for g in (32, 64, 128) if n % g == 0]
-    return ", ".join(fits) if fits else "int8"
+from pocketllm.quantization import WeightScheme
 
 
 def read_quantized(source, key: str, full_shape: tuple[int, int], rows, cols, scheme: WeightScheme) -> QuantizedWeight:

@@ -1,7 +1,8 @@
 """Which gated-delta-rule kernel runs: the one seam where device kernels plug in.
 
 The choice is made from (device, dtype, POCKETLLM_GDN_KERNEL) and what is installed, before any rank
-starts (choose_gdn_kernel, pure, so every combination is tested on CPU); each rank then probes a
+starts (pocketllm/ops/gdn_choice.py, pure and torch-free, so every combination is tested on CPU
+and the launcher plans it without torch); each rank then probes a
 device kernel once with a tiny call against the torch per-token forms before trusting it
 (select_gdn_kernel). Unforced: fla on cuda for bf16/fp16, the CANN op on npu for bf16, else the
 torch chunked kernel, which works everywhere. POCKETLLM_GDN_KERNEL=chunk|recurrent|fla|npu (or
@@ -19,14 +20,13 @@ signatures (tests/test_gdn_kernels.py); they have not yet run on a device.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from pocketllm.errors import UsageError
+from pocketllm.ops.gdn_choice import ENV, GdnKernelError, KernelChoice, plan_gdn_kernel
 from pocketllm.switches import env_setting
 from pocketllm.ops.device import triton_missing
 from pocketllm.ops.gated_delta import fla_adapter, npu_adapter
@@ -34,23 +34,10 @@ from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 from pocketllm.ops.gated_delta.indexed import gated_delta_rows_indexed_op, gated_delta_rows_indexed_torch_, gathered
 from pocketllm.ops.gated_delta.recurrent import gated_delta_rows_torch_, gated_delta_rule_recurrent, gated_delta_step_torch_
 
-# Also read as the seed's QWEN_GDN_KERNEL (pocketllm.switches.ALIASES).
-ENV = "POCKETLLM_GDN_KERNEL"
-CHOICES = ("chunk", "recurrent", "fla", "npu")
 # The probe's shape: 8 tokens, the model's head dim and its 3 value heads per key head (48 / 16).
 PROBE_SHAPE = (8, 2, 6, 128)
 # Worst relative error (max |diff| / max |ref|) a probe accepts, by the dtype the kernel ran in.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-class GdnKernelError(UsageError):
-    """POCKETLLM_GDN_KERNEL (or QWEN_GDN_KERNEL) names an unknown kernel, or one this machine cannot run."""
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    name: str
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -73,63 +60,8 @@ class GdnKernel:
         return f"{self.name} ({self.reason})"
 
 
-def fla_importable() -> bool:
-    return importlib.util.find_spec("fla") is not None
-
-
-def npu_op_present() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch_npu
-
-    return hasattr(torch_npu, "npu_chunk_gated_delta_rule")
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def choose_gdn_kernel(device_type: str, dtype: torch.dtype, forced: str, have_fla: bool, have_npu_op: bool, source: str = ENV) -> KernelChoice:
-    """The kernel for a run, from what it asks (`forced`, read from the variable `source`) and
-    what is installed; no device is touched."""
-    forced = forced.strip().lower()
-    dname = _dtype_name(dtype)
-    if not forced:
-        if device_type == "cuda" and have_fla:
-            if dtype in fla_adapter.DTYPES:
-                return KernelChoice("fla", f"fla on cuda, {dname}")
-            return KernelChoice("chunk", f"torch chunked kernel: fla would run {dname} matmuls as TF32")
-        if device_type == "npu" and have_npu_op:
-            if dtype in npu_adapter.DTYPES:
-                return KernelChoice("npu", "torch_npu.npu_chunk_gated_delta_rule, bfloat16")
-            return KernelChoice("chunk", f"torch chunked kernel: the CANN op is bfloat16-only, not {dname}")
-        return KernelChoice("chunk", f"torch chunked kernel on {device_type}")
-    if forced not in CHOICES:
-        raise GdnKernelError(f"{source}={forced!r} is not a GDN kernel; valid: {', '.join(CHOICES)}")
-    if forced in ("chunk", "recurrent"):
-        return KernelChoice(forced, f"forced by {source}")
-    if forced == "fla":
-        if device_type not in ("cuda", "npu"):
-            raise GdnKernelError(f"{source}=fla needs --device cuda (or npu); this run is on {device_type}: use chunk or recurrent")
-        if not have_fla:
-            raise GdnKernelError(f"{source}=fla: fla is not importable (pip install -e '.[cuda]'); use chunk or recurrent")
-        if dtype not in fla_adapter.DTYPES:
-            raise GdnKernelError(f"{source}=fla runs bfloat16 or float16, not --dtype {dname} (fla would multiply it as TF32): use chunk")
-        return KernelChoice("fla", f"forced by {source}")
-    if device_type != "npu" or not have_npu_op:
-        where = f"this run is on {device_type}" if device_type != "npu" else "this torch_npu lacks it"
-        raise GdnKernelError(f"{source}=npu needs --device npu with torch_npu.npu_chunk_gated_delta_rule ({where}): use chunk or recurrent")
-    if dtype not in npu_adapter.DTYPES:
-        raise GdnKernelError(f"{source}=npu runs bfloat16 only (the CANN op), not --dtype {dname}: use chunk")
-    return KernelChoice("npu", f"forced by {source}")
-
-
-def plan_gdn_kernel(device_type: str, dtype: torch.dtype, env=os.environ) -> KernelChoice:
-    """choose_gdn_kernel with this machine's environment and libraries."""
-    source, forced = env_setting(env, ENV)
-    have_fla = fla_importable()
-    have_npu = device_type == "npu" and npu_op_present()
-    return choose_gdn_kernel(device_type, dtype, forced, have_fla, have_npu, source)
 
 
 def probe_inputs(device, dtype, shape=PROBE_SHAPE, seed: int = 0):

@@ -10,12 +10,6 @@ argument after v goes by keyword: in the recurrent form the fifth slot is `gk`, 
 
 from __future__ import annotations
 
-import torch
-
-# What the kernels take as q, k, v: fla 0.6.0 runs fp32 inputs, but its chunked solve multiplies
-# in TF32 where the GPU has it (fla/ops/gated_delta_rule/chunk_fwd.py), which is not the fp32 the
-# oracle runs at; bf16 and fp16 are what its kernels are tuned for.
-DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _ops():

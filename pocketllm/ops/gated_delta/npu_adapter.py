@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-DTYPES = (torch.bfloat16,)
-
 
 def _op():
     import torch_npu

@@ -13,7 +13,7 @@ import torch
 
 from pocketllm.errors import UsageError
 from pocketllm.ops.quant.layout import QuantizedWeight
-from pocketllm.switches import env_switch, env_value, refuse_renamed
+from pocketllm.switches import ENV_INVARIANT, ENV_KERNELS, env_switch, env_value, refuse_renamed
 
 # kernel(x, prepared weight, out) -> None, writing into out: one row x [in] -> out [out], several
 # rows x [m, in] -> out [m, out].
@@ -25,13 +25,12 @@ ONE, FEW, MANY = "one-row", "few-row", "many-row"
 FEW_MAX = 16
 
 
-# On (the default): a request's tokens do not depend on what else is batched with it. Every row of
-# a one-row or few-row call is summed as the one-row kernel sums it alone (only candidates that do
-# so are chosen), and the engine runs each prompt chunk's rows in calls of their own
-# (docs/batching.md). Off: faster candidates whose rows depend on the other rows of the call.
-ENV_INVARIANT = "POCKETLLM_BATCH_INVARIANT"
-# kind=name,...: the kernel each named kind runs, instead of the measured choice (forced_kernels).
-ENV_KERNELS = "POCKETLLM_KERNELS"
+# ENV_INVARIANT, on (the default): a request's tokens do not depend on what else is batched with
+# it. Every row of a one-row or few-row call is summed as the one-row kernel sums it alone (only
+# candidates that do so are chosen), and the engine runs each prompt chunk's rows in calls of
+# their own (docs/batching.md). Off: faster candidates whose rows depend on the other rows of the
+# call. ENV_KERNELS: kind=name,..., the kernel each named kind runs instead of the measured choice
+# (forced_kernels). Both named in pocketllm.switches, which the launcher reads without torch.
 
 
 def batch_invariant(env=os.environ) -> bool:

@@ -1,0 +1,110 @@
+"""Which kind of device a run's ranks use (--device resolved once, before any rank starts) and the
+cores a process may run on. Torch-free where it can be: the launcher resolves --device and never
+imports torch on a machine whose torch has no GPU build, so its ranks start that much sooner."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+from pocketllm.errors import UsageError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+DEVICE_HELP = "auto (default), cpu, cuda, npu, or N: device N of the one auto finds (the seed's --device 0; on CPU only 0)"
+# Set by the launcher for each rank it pinned: that its cores are its own (the rank reads them from
+# its affinity; the value lists them as a cpulist, for anyone inspecting the process).
+ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
+# 0 leaves the ranks the launcher starts unpinned (default 1, pinned).
+ENV_PIN_CPUS = "POCKETLLM_PIN_CPUS"
+
+
+def torch_has_gpu_build() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its version file without
+    importing it; True when the file cannot say, so the caller asks torch itself."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            text = f.read()
+    except OSError:
+        return True
+    built = {name: re.search(rf"^{name}(?::[^=]*)?=\s*(.+)$", text, re.M) for name in ("cuda", "hip")}
+    if any(m is None for m in built.values()):
+        return True
+    return any(m.group(1).strip() != "None" for m in built.values())
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where its build has no GPU."""
+    if not torch_has_gpu_build():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(torch.npu.is_available())
+
+
+def allowed_cpus() -> list[int]:
+    """The cores this process may run on."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_count() -> int:
+    return len(allowed_cpus())
+
+
+def parse_device(requested: str) -> tuple[str, int | None]:
+    """--device as (the kind asked for, the device index or None). A bare N is the seed's form:
+    device N of whichever kind auto finds."""
+    text = str(requested).strip()
+    if text.isdigit():
+        return "auto", int(text)
+    if text not in DEVICE_CHOICES:
+        raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)} or a device index N")
+    return text, None
+
+
+def _device_count(kind: str) -> int:
+    if kind == "cpu":
+        return 1
+    import torch
+
+    if kind == "cuda":
+        return torch.cuda.device_count()
+    return torch.npu.device_count() if kind == "npu" else 1
+
+
+def resolve_kind(requested: str) -> str:
+    kind, index = parse_device(requested)
+    if kind == "auto":
+        if cuda_available():
+            kind = "cuda"
+        else:
+            kind = "npu" if npu_available() else "cpu"
+    elif kind == "cuda" and not cuda_available():
+        raise UsageError("--device cuda: no CUDA device is visible to torch")
+    elif kind == "npu" and not npu_available():
+        raise UsageError("--device npu: torch_npu is not installed or sees no NPU")
+    if index is not None and index >= _device_count(kind):
+        if kind == "cpu":
+            raise UsageError(f"--device {index}: no CUDA or NPU device is visible, and the CPU is device 0 (give --device 0, cpu or auto)")
+        raise UsageError(f"--device {index}: torch sees {_device_count(kind)} {kind} device(s), 0..{_device_count(kind) - 1}")
+    return kind
+
+
+def device_index(requested: str) -> int | None:
+    """The index --device names, or None when it names a kind only."""
+    return parse_device(requested)[1]

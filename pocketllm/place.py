@@ -1,0 +1,47 @@
+"""A process's place in a run: which rank of which world, and how it meets the others, read from
+the launcher's environment, torchrun's, or the command line; or None, when this process is the
+launcher and starts the ranks itself. Torch-free: the launcher reads it before it starts a rank,
+and a launcher never imports torch (its ranks do)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pocketllm.errors import UsageError
+from pocketllm.launch import ENV_RANK, ENV_RDZV, ENV_WORLD
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    file_store: str | None = None  # the launcher's private FileStore
+    id_path: str | None = None  # the hand-started rendezvous file
+
+
+def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env=os.environ, default_world: int = 1) -> RankEnv | None:
+    """This process's place in the run, or None when it must start the ranks itself. tp_world None
+    means --tp-world was not given: torchrun's WORLD_SIZE, else `default_world`."""
+    if ENV_RANK in env:
+        world = int(env[ENV_WORLD])
+        return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        if tp_world not in (None, world):
+            raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
+    if tp_world is None:
+        tp_world = default_world
+    if tp_rank is not None:
+        if not 0 <= tp_rank < tp_world:
+            raise UsageError(f"--tp-rank must be in 0..{tp_world - 1}, got {tp_rank}")
+        if not id_path:
+            raise UsageError("--tp-rank needs --rendezvous-file FILE, the rendezvous file every rank names")
+        return RankEnv(tp_rank, tp_world, tp_rank, tp_world, id_path=os.path.abspath(id_path))
+    if tp_world == 1:
+        return RankEnv(0, 1, 0, 1)
+    return None
