@@ -23,9 +23,11 @@ from pocketllm.place import RankEnv
 def join_group(renv: RankEnv, backend: str, timeout_s: float) -> None:
     set_tp(renv.rank, renv.world)
     rank_failures.set_timeout(timeout_s)
+    # Set for every run, a world of one included (which waits on no collective, so polls none):
+    # a process that ran ranks of a larger world before must not report their setting.
+    waiting.configure(backend if renv.world > 1 else "none")
     if renv.world == 1:
         return
-    waiting.configure(backend)
     rank_failures.set_place("the rendezvous")
     rendezvous.join_group(backend, renv.rank, renv.world, timeout_s, renv.file_store, renv.id_path)
     rank_failures.set_place("loading")
