@@ -30,7 +30,7 @@ def fla_installed() -> bool:
 
 
 def npu_op_present() -> bool:
-    from pocketllm.ops.gated_delta.backends import npu_op_present as present
+    from pocketllm.ops.gdn_choice import npu_op_present as present
 
     return present()
 
