@@ -25,7 +25,10 @@ assert "torch" not in sys.modules, "torch was imported"
 """
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["policy", "--rows", "512,4096"], ["policy", "--rows", "4096", "--pin-slices", "2"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["policy", "--rows", "512,4096"], ["policy", "--rows", "4096", "--pin-slices", "2"], ["generate", "--help"], ["serve", "--help"]],
+)
 def test_answers_that_need_no_model_do_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
