@@ -1,7 +1,7 @@
 """A process's place in a run: which rank of which world, and how it meets the others, read from
 the launcher's environment, torchrun's, or the command line; or None, when this process is the
 launcher and starts the ranks itself. Torch-free: the launcher reads it before it starts a rank,
-and a launcher never imports torch (its ranks do)."""
+and imports torch only to ask a GPU build of it whether a device is visible (docs/tensor-parallel.md)."""
 
 from __future__ import annotations
 

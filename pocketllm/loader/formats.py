@@ -13,17 +13,11 @@ from pocketllm.quantization import WeightScheme
 
 # An fp8 weight's block scales: `X.weight` + this.
 SCALE_SUFFIX = "_scale_inv"
-SUFFIXES = ("_packed", "_scale", "_shape", "_zero_point")
 
 
 def check_host() -> None:
     if sys.byteorder != "little":
         raise CheckpointError("compressed-tensors packed weights are read as little-endian int32 words; this host is big-endian")
-
-
-def companions(key: str, scheme: WeightScheme) -> list[str]:
-    """The tensors that stand for float weight `key` (`X.weight`) when it is stored packed."""
-    return [key + s for s in SUFFIXES if s != "_zero_point" or not scheme.symmetric]
 
 
 def expected_companions(key: str, shape: tuple[int, int], scheme: WeightScheme) -> dict[str, tuple[tuple[int, ...], set[str]]]:
