@@ -34,6 +34,27 @@ REPO = Path(__file__).resolve().parents[1]
 # without them.
 UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) if name != "POCKETLLM_CACHE_DIR")
 
+# Every CLI run a test starts in a subprocess (run_cli, start) is `python -m pocketllm ARGS` plus one
+# check: a process about to start ranks must not have imported torch (a launcher checks the run and
+# starts its ranks without it, so they start sooner: docs/tensor-parallel.md), unless it had to: a
+# forced kernel to check, or a GPU build of torch to ask. One that did stops there, exit status 3,
+# with a line saying so. The ranks it starts are `python -m pocketllm` itself.
+CLI_ENTRY = """
+import os, sys
+from pocketllm.commands import ranked
+from pocketllm.device_kind import torch_has_gpu_build
+from pocketllm.switches import forces_kernels
+spawn = ranked.spawn_local_ranks
+def spawn_without_torch(*args, **kwargs):
+    if "torch" in sys.modules and not forces_kernels(os.environ) and not torch_has_gpu_build():
+        print("test entry: the launcher imported torch before it started its ranks", file=sys.stderr, flush=True)
+        sys.exit(3)
+    return spawn(*args, **kwargs)
+ranked.spawn_local_ranks = spawn_without_torch
+from pocketllm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -87,9 +108,9 @@ def cli_env(**extra) -> dict:
 
 
 def run_cli(*args, timeout: float = 120, env: dict | None = None, cwd=None, **run_kwargs) -> subprocess.CompletedProcess:
-    """`python -m pocketllm ARGS`; a hang fails the test at `timeout` seconds. Other keywords go
-    to subprocess.run (preexec_fn, say)."""
-    cmd = [sys.executable, "-m", "pocketllm", *map(str, args)]
+    """`python -m pocketllm ARGS` (through CLI_ENTRY's check); a hang fails the test at `timeout`
+    seconds. Other keywords go to subprocess.run (preexec_fn, say)."""
+    cmd = [sys.executable, "-c", CLI_ENTRY, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd, **run_kwargs)
 
 
@@ -239,13 +260,14 @@ class Run:
 
 
 def start(*args, tmp_path: Path, env: dict | None = None) -> Run:
-    """`python -m pocketllm ARGS` with its stderr read line by line as it comes."""
+    """`python -m pocketllm ARGS` (through CLI_ENTRY's check) with its stderr read line by line as
+    it comes."""
     tag = uuid.uuid4().hex
     tmpdir = tmp_path / f"tmp-{tag[:8]}"
     tmpdir.mkdir()
     full_env = cli_env(**{TAG: tag, "TMPDIR": str(tmpdir)})
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "pocketllm", *map(str, args)]
+    cmd = [sys.executable, "-c", CLI_ENTRY, *map(str, args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
     run = Run(proc, tag, tmpdir, time.monotonic())
 
