@@ -73,6 +73,8 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
         expected |= {"c-int8x"} | ({"c-int8x-l2"} if scheme == "int4" else set())
     if row_class == qc.FEW and fmt == "int8" and not native.int8x_four_unavailable():
         expected |= {"c-int8x-4"}
+    if row_class == qc.FEW and fmt == "int8" and not native.int8x_blocked_unavailable():
+        expected |= {"c-int8x-blocked"}
     if row_class == qc.MANY and not native.int8x_many_unavailable():
         expected |= {"c-int8x-gemm"}
     assert set(names) == expected
@@ -148,6 +150,27 @@ def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
             batch = torch.empty(m, 13, dtype=torch.bfloat16)
             four(x[:m].contiguous(), qw, batch)
             assert torch.equal(batch, singles[:m]), f"{variant} {fmt}: {m} rows four weight rows a tile differ from one row at a time"
+
+
+@pytest.mark.parametrize("variant", INT8X_VARIANTS)
+def test_int8_x_blocked_rows_equal_one_row_bit_for_bit(variant):
+    # 70 rows (two whole blocks of 32 and a part) by 2080 inputs (65 blocks of 32: an odd last
+    # block), so that with eight or more x rows the sums are carried over several ranges of inputs.
+    qw = weight("int8", 70, 2080)
+    x = torch.randn(16, 2080, dtype=torch.bfloat16)
+    blocked = native.gemv(0, variant, int8_x=True, blocked=True)
+    if native.int8x_blocked_unavailable(variant):
+        with pytest.raises(RuntimeError, match="no blocked int8-x form"):
+            blocked(x[:2].contiguous(), qw, torch.empty(2, 70, dtype=torch.bfloat16))
+        return
+    one = native.gemv(0, variant, int8_x=True)
+    singles = torch.empty(16, 70, dtype=torch.bfloat16)
+    for i in range(16):
+        one(x[i].clone(), qw, singles[i])
+    for m in (1, 2, 3, 5, 8, 16):
+        batch = torch.empty(m, 70, dtype=torch.bfloat16)
+        blocked(x[:m].contiguous(), qw, batch)
+        assert torch.equal(batch, singles[:m]), f"{variant}: {m} rows blocked differ from one row at a time"
 
 
 @pytest.mark.parametrize("variant", INT8X_VARIANTS)

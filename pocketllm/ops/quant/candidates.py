@@ -13,6 +13,7 @@ order (and the roundings their notes state) is layout.quant_linear_reference.
 | c, c-prefetch, c-prefetch-far, c-ahead, c-l2 | one, few | compiled int8/int4 GEMV tiles (gemv_int4.c, gemv_int8.c) |
 | c-int8x, c-int8x-l2 | one, few | int8 or symmetric int4 against x rounded to int8 (gemv_int8_int8x.c, gemv_int4_int8x.c): equals layout.quant_linear_int8x_reference instead |
 | c-int8x-4 | few | int8 c-int8x four weight rows a tile (AVX-512 VNNI), the same bits |
+| c-int8x-blocked | few | int8 c-int8x blocked for the caches (AVX2), the same bits |
 | int8pack | one, few, many | torch._weight_int8pack_mm |
 | int4pack | one, few, many | aten._weight_int4pack_mm_for_cpu on torch's packed layout |
 | dequant-bf16, dequant-f32 | many | blocks dequantized (dequant.c) into torch's GEMM |
@@ -183,6 +184,25 @@ _INT8X_FOUR = QuantCandidate(
 )
 
 
+def _int8x_blocked_unavailable(fmt: str, device: torch.device) -> str:
+    why = _compiled_unavailable("int8x")(fmt, device)
+    if why:
+        return why
+    if fmt != "int8":
+        return "c-int8x-blocked takes int8 weights"
+    return native.int8x_blocked_unavailable()
+
+
+# c-int8x's few-row form blocked for the caches (AVX2, which has no four-row tile): rows in blocks
+# against x a block of inputs at a time, so wide layers' x rows stay in L1; the same bits.
+_INT8X_BLOCKED = QuantCandidate(
+    "c-int8x-blocked", FEW, native.gemv(0, int8_x=True, blocked=True),
+    "c-int8x with each thread's int8 weight rows in blocks against x a block of inputs at a time, sums carried (AVX2, ops/quant/gemv_int8_int8x.c)",
+    "int8; x rounded to int8", _int8x_blocked_unavailable, native.prepare, "checked", (native.SOURCES["int8-int8x"],), rounds_x=True,
+    built_for=lambda isa: None if native.int8x_blocked_unavailable(isa) else native.gemv(0, isa, int8_x=True, blocked=True),
+)
+
+
 # A prefill's GEMM with x rounded to int8 as c-int8x rounds it: the GEMV tiles' per-row scale work
 # is shared by a vector's worth of weight rows here, and a weight load by four x rows (gemm_int8x.c).
 _INT8X_GEMM = QuantCandidate(
@@ -224,6 +244,7 @@ FEW_ROW: tuple[QuantCandidate, ...] = (
     _gemv("c-l2", FEW, "the same, into L2 and beyond, not L1"),
     *_int8x_pair(FEW),
     _INT8X_FOUR,
+    _INT8X_BLOCKED,
     _torch("int8pack", FEW),
     _torch("int4pack", FEW),
 )

@@ -117,15 +117,20 @@ static inline __m256 block_sum(__m256i v, __m256i xv) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v)), _mm256_set1_epi16(1)));
 }
 
-static inline __attribute__((always_inline)) void tile(const struct q8v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
-    (void)R;
+/* Weight row r against x rows c0.. (C of them) over blocks b0..b1, each x row's two sums carried in
+ * acc (a0's eight floats, then a1's) from one range of blocks to the next. Blocks go alternately
+ * into a0 and a1 counting from block 0, so ranges that start at even blocks sum every block where
+ * the whole row does; an odd last block goes into a0. pf > 0: each 64 bytes of the row also asked
+ * for into L2 pf bytes ahead (the blocked form's next rows). */
+static inline __attribute__((always_inline)) void tile_acc(const struct q8v *q, int64_t r, int64_t c0, int C, int64_t b0, int64_t b1, float *acc, int64_t pf) {
     const int64_t nb = blocks(q->n), xbytes = xq_bytes(q->n);
     const int8_t *xq = q->xq + c0 * xbytes;
     __m256 a0[TILE_C], a1[TILE_C];
-    UNROLL for (int c = 0; c < C; c++) a0[c] = a1[c] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const __m256i v0 = block(q, r0, b), v1 = block(q, r0, b + 1);
+    UNROLL for (int c = 0; c < C; c++) a0[c] = _mm256_loadu_ps(acc + 16 * c), a1[c] = _mm256_loadu_ps(acc + 16 * c + 8);
+    int64_t b = b0;
+    for (; b + 2 <= b1; b += 2) {
+        if (pf) prefetch_weight((const char *)(q->w + r * q->n + b * 32) + pf, PF_L2);
+        const __m256i v0 = block(q, r, b), v1 = block(q, r, b + 1);
         UNROLL for (int c = 0; c < C; c++) {
             const int8_t *xs = xq + c * xbytes;
             const float *d = (const float *)(xs + nb * 32) + b;
@@ -133,17 +138,25 @@ static inline __attribute__((always_inline)) void tile(const struct q8v *q, int6
             a1[c] = _mm256_fmadd_ps(block_sum(v1, _mm256_loadu_si256((const __m256i *)(xs + b * 32 + 32))), _mm256_broadcast_ss(d + 1), a1[c]);
         }
     }
-    if (b < nb) { /* an odd last block goes into the first sum */
-        const __m256i v0 = block(q, r0, b);
+    if (b < b1) { /* an odd last block goes into the first sum */
+        const __m256i v0 = block(q, r, b);
         UNROLL for (int c = 0; c < C; c++) {
             const int8_t *xs = xq + c * xbytes;
             a0[c] = _mm256_fmadd_ps(block_sum(v0, _mm256_loadu_si256((const __m256i *)(xs + b * 32))), _mm256_broadcast_ss((const float *)(xs + nb * 32) + b), a0[c]);
         }
     }
-    UNROLL for (int c = 0; c < C; c++) {
-        o[0][c] = hsum8(_mm256_add_ps(a0[c], a1[c]));
-    }
+    UNROLL for (int c = 0; c < C; c++) _mm256_storeu_ps(acc + 16 * c, a0[c]), _mm256_storeu_ps(acc + 16 * c + 8, a1[c]);
 }
+
+static inline float finish_pair(const float *acc) { return hsum8(_mm256_add_ps(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8))); }
+
+static inline __attribute__((always_inline)) void tile(const struct q8v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
+    (void)R;
+    float acc[16 * TILE_C] = {0};
+    tile_acc(q, r0, c0, C, 0, blocks(q->n), acc, 0);
+    UNROLL for (int c = 0; c < C; c++) o[0][c] = finish_pair(acc + 16 * c);
+}
+#define HAS_BLOCKED 1
 #endif
 
 #if defined(INT8X_AVX512) || defined(INT8X_AVX2)
@@ -187,6 +200,77 @@ int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t
     return q8x_run(wt, x, y, m, 1);
 }
 
+/* q8x_gemm blocked for the caches, where the build has it (AVX2): at the 27B's widths four x rows'
+ * int8 form (70 KiB at 17408 inputs) leave L1 between weight rows, so each row read x from L2.
+ * Here each thread takes its rows BLOCKED_ROWS at a time against BLOCKED_X_BYTES of the x rows'
+ * inputs at a time (whole pairs of blocks), each pair's two sums carried from one range of
+ * inputs to the next (tile_acc: the same bits as q8x_gemm), and meanwhile asks for the next
+ * rows into L2. Returns 0, -1 when its buffers could not be allocated (nothing written), -2
+ * where the build has no such form. */
+#define BLOCKED_ROWS 32
+#define BLOCKED_X_BYTES 16384
+int q8x_gemm_blocked(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    (void)prefetch, (void)where;
+#ifdef HAS_BLOCKED
+    const int64_t rows = wt->rows, n = wt->n, nb = blocks(n), xbytes = xq_bytes(n);
+    int64_t kb = BLOCKED_X_BYTES / (m * 32) / 2 * 2;
+    if (kb < 2) kb = 2;
+    const int threads = max_threads();
+    const int64_t per = BLOCKED_ROWS * m * 16; /* floats of sums per thread */
+    const size_t xq_size = ((size_t)(m * xbytes) + 63) / 64 * 64;
+    int8_t *xq = scratch(xq_size + (size_t)(per * threads) * sizeof(float));
+    if (xq == NULL) return -1;
+    for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
+    float *sums = (float *)(xq + xq_size);
+    const struct q8v q = {wt->w, rows, n, xq};
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t r0, r1;
+        thread_units(rows, &r0, &r1);
+        float *acc = sums + thread_index() * per;
+        for (int64_t g0 = r0; g0 < r1; g0 += BLOCKED_ROWS) {
+            const int64_t ge = min64(g0 + BLOCKED_ROWS, r1);
+            memset(acc, 0, (size_t)((ge - g0) * m * 16) * sizeof(float));
+            for (int64_t k0 = 0; k0 < nb; k0 += kb) {
+                const int64_t k1 = min64(k0 + kb, nb);
+                for (int64_t c0 = 0; c0 < m; c0 += TILE_C) {
+                    const int C = (int)min64(TILE_C, m - c0);
+                    /* The first pass over these rows' inputs reads memory: it asks for the next rows. */
+                    const int64_t pf = c0 == 0 ? (ge - g0) * n : 0;
+                    for (int64_t r = g0; r < ge; r++) {
+                        float *a = acc + ((r - g0) * m + c0) * 16;
+                        /* Constant x-row counts, so the sums stay in registers. */
+                        switch (C) {
+                        case 4: tile_acc(&q, r, c0, 4, k0, k1, a, pf); break;
+                        case 3: tile_acc(&q, r, c0, 3, k0, k1, a, pf); break;
+                        case 2: tile_acc(&q, r, c0, 2, k0, k1, a, pf); break;
+                        default: tile_acc(&q, r, c0, 1, k0, k1, a, pf); break;
+                        }
+                    }
+                }
+            }
+            for (int64_t r = g0; r < ge; r++) {
+                const float s = scale_at(wt->s, wt->kind, r);
+                for (int64_t c = 0; c < m; c++) y[c * rows + r] = f32_to_bf16(finish_pair(acc + ((r - g0) * m + c) * 16) * s);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)wt, (void)x, (void)y, (void)m;
+    return -2;
+#endif
+}
+
+/* Whether the build has q8x_gemm_blocked's form (AVX2). */
+int q8x_has_blocked(void) {
+#ifdef HAS_BLOCKED
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The weight rows the build's tile takes at a time (q8x_gemm4 needs four). */
 int q8x_tile_rows(void) { return TILE_R; }
 
@@ -207,4 +291,8 @@ int q8x_gemm4(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_
     return q8x_gemm(wt, x, y, m, prefetch, where);
 }
 int q8x_tile_rows(void) { return 0; }
+int q8x_has_blocked(void) { return 0; }
+int q8x_gemm_blocked(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
+    return q8x_gemm(wt, x, y, m, prefetch, where);
+}
 #endif
