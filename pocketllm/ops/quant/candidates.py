@@ -165,41 +165,34 @@ def _int8x_pair(rows: str) -> tuple[QuantCandidate, QuantCandidate]:
     )
 
 
-def _int8x_four_unavailable(fmt: str, device: torch.device) -> str:
-    why = _compiled_unavailable("int8x")(fmt, device)
-    if why:
-        return why
-    if fmt != "int8":
-        return "c-int8x-4 takes int8 weights"
-    return native.int8x_four_unavailable()
+def _int8x_form(name: str, form: str, what: str) -> QuantCandidate:
+    """int8's c-int8x few-row kernel in another form ("four" or "blocked"): the same bits, on the
+    builds that have it."""
+    missing = {"four": native.int8x_four_unavailable, "blocked": native.int8x_blocked_unavailable}[form]
+
+    def unavailable(fmt: str, device: torch.device) -> str:
+        why = _compiled_unavailable("int8x")(fmt, device)
+        if why:
+            return why
+        return f"{name} takes int8 weights" if fmt != "int8" else missing()
+
+    return QuantCandidate(
+        name, FEW, native.gemv(0, int8_x=True, **{form: True}), what, "int8; x rounded to int8", unavailable, native.prepare, "checked",
+        (native.SOURCES["int8-int8x"],), rounds_x=True,
+        built_for=lambda isa: None if missing(isa) else native.gemv(0, isa, int8_x=True, **{form: True}),
+    )
 
 
-# c-int8x's few-row form four weight rows at a time: each x load then serves four rows, which pays
-# where a step's x rows outgrow L1 (wide layers) and costs where they do not; the same bits.
-_INT8X_FOUR = QuantCandidate(
-    "c-int8x-4", FEW, native.gemv(0, int8_x=True, four=True),
-    "c-int8x four int8 weight rows at a time against up to four x rows (AVX-512 VNNI, ops/quant/gemv_int8_int8x.c)",
-    "int8; x rounded to int8", _int8x_four_unavailable, native.prepare, "checked", (native.SOURCES["int8-int8x"],), rounds_x=True,
-    built_for=lambda isa: None if native.int8x_four_unavailable(isa) else native.gemv(0, isa, int8_x=True, four=True),
+# Four weight rows at a time: each x load then serves four rows, which pays where a step's x rows
+# outgrow L1 (wide layers) and costs where they do not.
+_INT8X_FOUR = _int8x_form(
+    "c-int8x-4", "four", "c-int8x four int8 weight rows at a time against up to four x rows (AVX-512 VNNI, ops/quant/gemv_int8_int8x.c)"
 )
-
-
-def _int8x_blocked_unavailable(fmt: str, device: torch.device) -> str:
-    why = _compiled_unavailable("int8x")(fmt, device)
-    if why:
-        return why
-    if fmt != "int8":
-        return "c-int8x-blocked takes int8 weights"
-    return native.int8x_blocked_unavailable()
-
-
-# c-int8x's few-row form blocked for the caches (AVX2, which has no four-row tile): rows in blocks
-# against x a block of inputs at a time, so wide layers' x rows stay in L1; the same bits.
-_INT8X_BLOCKED = QuantCandidate(
-    "c-int8x-blocked", FEW, native.gemv(0, int8_x=True, blocked=True),
+# Blocked for the caches (AVX2, which has no four-row tile): rows in blocks against x a block of
+# inputs at a time, so wide layers' x rows stay in L1.
+_INT8X_BLOCKED = _int8x_form(
+    "c-int8x-blocked", "blocked",
     "c-int8x with each thread's int8 weight rows in blocks against x a block of inputs at a time, sums carried (AVX2, ops/quant/gemv_int8_int8x.c)",
-    "int8; x rounded to int8", _int8x_blocked_unavailable, native.prepare, "checked", (native.SOURCES["int8-int8x"],), rounds_x=True,
-    built_for=lambda isa: None if native.int8x_blocked_unavailable(isa) else native.gemv(0, isa, int8_x=True, blocked=True),
 )
 
 
