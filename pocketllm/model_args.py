@@ -119,6 +119,11 @@ class ModelPlan:
     def dtype(self):
         return parse_dtype(self.dtype_name)
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of --dtype, without torch (the launcher's checks size buffers by it)."""
+        return DTYPES[self.dtype_name]
+
     def open_source(self, device=None):
         """The weights to load: the checkpoint's reader, or the preset's drawn on `device` (the
         engine's; default the host)."""

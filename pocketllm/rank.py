@@ -25,7 +25,7 @@ def join_group(renv: RankEnv, backend: str, timeout_s: float) -> None:
     rank_failures.set_timeout(timeout_s)
     # Set for every run, a world of one included (which waits on no collective, so polls none):
     # a process that ran ranks of a larger world before must not report their setting.
-    waiting.configure(backend if renv.world > 1 else "none")
+    waiting.configure(backend if renv.world > 1 else None)
     if renv.world == 1:
         return
     rank_failures.set_place("the rendezvous")

@@ -23,7 +23,7 @@ from pocketllm.distributed.calibration import Calibration
 from pocketllm.distributed.policy import CalibratedPolicy, resolve_ceiling
 from pocketllm.errors import UsageError
 from pocketllm.flags import parse_positive_list
-from pocketllm.model_args import DTYPES, add_rank_args, add_source_args, check_out_path, model_plan, say
+from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, model_plan, say
 from pocketllm.run_plan import RunPlan, SlicePlan
 
 ALLREDUCE_FIT_ITERS = 10
@@ -100,7 +100,7 @@ def _work(run, device, inputs) -> int:
     unit = Unit(sites, hidden, max(rows_list), plan.dtype, device.torch_device, site_schemes(plan.cfg))
     say(unit.choose_kernels(rows_list))
     points = measure(unit, rows_list, pins, t.reps, device, row_progress)
-    sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, DTYPES[plan.dtype_name]), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
+    sizes, fit = sweep_sizes(payload_sizes(rows_list, pins, hidden, plan.itemsize), plan.dtype, device, ALLREDUCE_FIT_ITERS, 2, world)
     if tp().rank == 0:
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         fit_json = fit.to_json() | {"sizes_bytes": [r.size_bytes for r in sizes], "times_us": [r.time_us for r in sizes]}

@@ -19,7 +19,7 @@ from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, check_ids
-from pocketllm.model_args import DTYPES, add_model_args, check_out_path
+from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,
@@ -89,7 +89,7 @@ def _report(run, plan, device, runs: list[dict]) -> None:
     t, split_skew = run.task, run.profiling.split_skew
     cfg = plan.cfg
     # One all-reduce per row-parallel site of each layer (mixer out, mlp.down) plus the embedding's.
-    points = collective_points(runs, cfg.hidden_size, DTYPES[plan.dtype_name], 2 * cfg.num_layers + 1)
+    points = collective_points(runs, cfg.hidden_size, plan.itemsize, 2 * cfg.num_layers + 1)
     fit = two_point_fit(points)
     paths = sorted({r["block"]["path"] for r in runs})
     print(

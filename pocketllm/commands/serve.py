@@ -14,7 +14,7 @@ from pocketllm.engine.budgets import DEFAULT_KV_FRACTION, DEFAULT_PREFILL_BUDGET
 from pocketllm.errors import UsageError
 from pocketllm.inputs import load_tokenizer
 from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for, kv_block_bytes
-from pocketllm.model_args import DTYPES, add_model_args, say
+from pocketllm.model_args import add_model_args, say
 from pocketllm.run_plan import RunPlan
 
 # The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
@@ -111,7 +111,7 @@ def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
         return
     if not t.kv_cache_gib > 0:
         raise UsageError(f"--kv-cache-gib must be > 0, got {t.kv_cache_gib}")
-    per_block = kv_block_bytes(plan.cfg, world, DTYPES[plan.dtype_name])
+    per_block = kv_block_bytes(plan.cfg, world, plan.itemsize)
     need = blocks_for(max_len)
     if per_block and int(t.kv_cache_gib * 2**30) // per_block < need:
         raise UsageError(

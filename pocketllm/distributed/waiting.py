@@ -22,13 +22,14 @@ ENV_POLL = "POCKETLLM_POLL_COLLECTIVES"
 _poll = False
 
 
-def polls_on(backend: str, env=os.environ) -> bool:
-    """Whether ranks of `backend` poll; a bad ENV_POLL value is a usage error."""
+def polls_on(backend: str | None, env=os.environ) -> bool:
+    """Whether ranks of `backend` poll (None: a rank with no peer, which waits on no collective);
+    a bad ENV_POLL value is a usage error."""
     on = env_switch(env, ENV_POLL, default=True)
     return on and backend == "gloo" and hasattr(os, "sched_yield")
 
 
-def configure(backend: str, env=os.environ) -> None:
+def configure(backend: str | None, env=os.environ) -> None:
     """Set how this process waits, once its backend is known."""
     global _poll
     _poll = polls_on(backend, env)

@@ -181,11 +181,20 @@ static void q8x_tile(const void *ctx, int64_t r0, int R, int64_t c0, int C) {
     }
 }
 
+/* x's m rows in their int8 form (quantize_x), xq_bytes(n) apart, in the per-thread scratch with
+ * `extra` bytes after them at quantized_bytes(n, m), 64-byte aligned; NULL when it cannot grow. */
+static inline size_t quantized_bytes(int64_t n, int64_t m) { return ((size_t)(m * xq_bytes(n)) + 63) / 64 * 64; }
+static int8_t *quantized_rows(const uint16_t *x, int64_t n, int64_t m, size_t extra) {
+    int8_t *xq = scratch(quantized_bytes(n, m) + extra);
+    if (xq != NULL)
+        for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xq_bytes(n));
+    return xq;
+}
+
 static int q8x_run(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t tr) {
-    const int64_t rows = wt->rows, n = wt->n, xbytes = xq_bytes(n);
-    int8_t *xq = scratch((size_t)(m * xbytes));
+    const int64_t rows = wt->rows, n = wt->n;
+    int8_t *xq = quantized_rows(x, n, m, 0);
     if (xq == NULL) return -1;
-    for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
     struct q8x_call k = {{wt->w, rows, n, xq}, wt, y};
     run_tiles(&k, q8x_tile, rows, m, tr, TILE_C, wt->w, tr * n, 0);
     return 0;
@@ -206,22 +215,22 @@ int q8x_gemm(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t
  * inputs at a time (whole pairs of blocks), each pair's two sums carried from one range of
  * inputs to the next (tile_acc: the same bits as q8x_gemm), and meanwhile asks for the next
  * rows into L2. Returns 0, -1 when its buffers could not be allocated (nothing written), -2
- * where the build has no such form. */
+ * where the build has no such form. The block sizes are the bf16 c-blocked's (ops/gemv/kernels.py
+ * BLOCKED_X_BYTES, BLOCKED_ROWS), fixed here: a quantized kernel's arguments past m are
+ * prefetch and where, as the compiled decode step calls every one of them. */
 #define BLOCKED_ROWS 32
 #define BLOCKED_X_BYTES 16384
 int q8x_gemm_blocked(const struct q8_weight *wt, const uint16_t *x, uint16_t *y, int64_t m, int64_t prefetch, int64_t where) {
     (void)prefetch, (void)where;
 #ifdef HAS_BLOCKED
-    const int64_t rows = wt->rows, n = wt->n, nb = blocks(n), xbytes = xq_bytes(n);
+    const int64_t rows = wt->rows, n = wt->n, nb = blocks(n);
     int64_t kb = BLOCKED_X_BYTES / (m * 32) / 2 * 2;
     if (kb < 2) kb = 2;
     const int threads = max_threads();
     const int64_t per = BLOCKED_ROWS * m * 16; /* floats of sums per thread */
-    const size_t xq_size = ((size_t)(m * xbytes) + 63) / 64 * 64;
-    int8_t *xq = scratch(xq_size + (size_t)(per * threads) * sizeof(float));
+    int8_t *xq = quantized_rows(x, n, m, (size_t)(per * threads) * sizeof(float));
     if (xq == NULL) return -1;
-    for (int64_t c = 0; c < m; c++) quantize_x(x + c * n, n, xq + c * xbytes);
-    float *sums = (float *)(xq + xq_size);
+    float *sums = (float *)(xq + quantized_bytes(n, m));
     const struct q8v q = {wt->w, rows, n, xq};
 #pragma omp parallel num_threads(threads)
     {
