@@ -5,6 +5,7 @@ attention split over the threads; and every case it must leave to the layers."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -71,6 +72,52 @@ def test_a_step_as_one_call_gives_the_layers_bits(monkeypatch, scheme):
         assert torch.equal(a, b), f"step {i}"
     for a, b in zip(fast_states, plain_states):
         assert torch.equal(a, b)
+
+
+def _rows_then_layers(engine, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each step's logits for the decode rows of every prompt's sequence in one pass, first as the
+    engine runs them, then again from the same prompts with the step backend off (the layers)."""
+    out = []
+    for backend in (engine.step, None):
+        engine.step = backend
+        for slot, prompt in enumerate(prompts):
+            feed(engine, prompt, slot=slot)
+        tokens, logits = [(5 + 97 * s) % 1000 for s in range(len(prompts))], []
+        for i in range(steps):
+            logits.append(engine.run_packed([(s, len(p) + i, torch.tensor([tokens[s]])) for s, p in enumerate(prompts)]).clone())
+            tokens = [int(t) for t in torch.argmax(logits[-1], dim=-1)]
+        out.append(logits)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("scheme", [None, "int4-g32"])
+def test_decode_rows_of_several_sequences_are_one_call_with_the_layers_bits(monkeypatch, scheme):
+    # A pass of eighteen sequences' decode rows, each at its own position, runs as one call
+    # (CompiledStep.rows), sixteen rows at a time through each projection's few-row kernel (the
+    # largest count chosen for) and then two: each step's logits are the layers' pass's bit for bit.
+    engine = _engine(monkeypatch, scheme)
+    monkeypatch.setenv("POCKETLLM_KERNELS", os.environ["POCKETLLM_KERNELS"] + ",few-row=c-prefetch" * (scheme is None))
+    engine.reserve_slots(18, 80)
+    step = engine.step
+    assert step._rows_max == 16
+    calls = []
+    rows = step.rows
+    monkeypatch.setattr(step, "rows", lambda *a: calls.append(len(a[0])) or rows(*a))
+    prompts = [[(7 * i + s) % 1000 for i in range(3 + 2 * s)] for s in range(18)]
+    fast, plain = _rows_then_layers(engine, prompts, 3)
+    assert calls == [18] * 3 and engine.step is None
+    for i, (a, b) in enumerate(zip(fast, plain)):
+        assert a.shape == (18, 1000) and torch.equal(a, b), f"step {i}"
+
+
+def test_a_set_that_is_not_batch_invariant_runs_several_rows_layer_by_layer(monkeypatch):
+    # Not batch-invariant, a few-row kernel may sum a row in another order than one row alone:
+    # several rows then take the layers' path, one row still the step.
+    for name, value in COMPILED.items():
+        monkeypatch.setenv(name, value)
+    engine = tiny_engine(torch.bfloat16, invariant=False)
+    engine.reserve_slots(2, 40)
+    assert engine.describe_step() == "decode step: one compiled call" and not hasattr(engine.step, "rows")
 
 
 def test_what_runs_layer_by_layer(monkeypatch):

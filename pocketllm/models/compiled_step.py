@@ -2,8 +2,10 @@
 layers would make every call of it anyway: bf16 on a CPU at TP=1, the compiled decode ops on, and
 every projection's one-row kernel compiled code (not a torch op). The call runs the very functions
 the layers call, with the same arguments, in the same order: the same bits, without the Python
-between them. Anything else (a profile, several rows, another device or world, a torch kernel
-chosen for some weight) takes the layers' path.
+between them. A pass of several sequences' decode rows runs as one call too (`rows`) where the
+engine is batch-invariant: each projection then runs its kernel for that many rows, the work
+between them row by row. Anything else (a profile, a prompt's rows, another device or world, a
+torch kernel chosen for some weight) takes the layers' path.
 
 `POCKETLLM_COMPILED_STEP=0` keeps the layers' path."""
 
@@ -28,6 +30,26 @@ def _proj(layer, keep: list) -> native.Proj:
     kind, fn, w, rows, n, a, b = layer.kernels.one_row_native()
     keep.append(layer.kernels)
     return native.Proj(_KINDS[kind], fn, w, rows, n, a, b)
+
+
+# A projection's kernel for m rows, by its native kind and whether the layers run it row by row.
+_ROW_KINDS = {("bf16", False): native.PROJ_BF16, ("bf16", True): native.PROJ_BF16, ("bf16-rows", False): native.PROJ_BF16_ROWS,
+              ("quant", False): native.PROJ_QUANT, ("quant", True): native.PROJ_QUANT_EACH}
+
+
+def _rows_projs(projections: list, rows_max: int, keep: list) -> ctypes.Array | None:
+    """Each projection's kernel for 1..rows_max rows, in step_bf16.c's rows_step order, or None
+    where one of them is not compiled code (those rows then take the layers' path)."""
+    out = (native.Proj * (len(projections) * rows_max))()
+    for i, layer in enumerate(projections):
+        keep.append(layer.kernels)
+        for m in range(1, rows_max + 1):
+            entry = layer.kernels.rows_native(m)
+            if entry is None or (entry[0], entry[-1]) not in _ROW_KINDS:
+                return None
+            kind, fn, w, rows, n, a, b, each = entry
+            out[i * rows_max + m - 1] = native.Proj(_ROW_KINDS[(kind, each)], fn, w, rows, n, a, b)
+    return out
 
 
 def why_not(model, env=os.environ) -> str | None:
@@ -111,18 +133,57 @@ class CompiledStep:
         # Where greedy() has the step write the logits it takes the argmax of.
         self._greedy_logits = torch.empty(self.vocab_rows, dtype=torch.float32)
         self._bound: tuple[list, ctypes.Array] | None = None
+        self._seqs: dict[int, tuple[list, ctypes.Array]] = {}  # each slot's, for rows()
+        self._rows_setup(engine, model, h, proj_max, mid_max)
+
+    def _rows_setup(self, engine, model, hidden: int, proj_max: int, mid_max: int) -> None:
+        """The decode rows of several sequences in one call too (`rows`), where the engine is
+        batch-invariant (each row then gets the bits it gets alone, which the layers' kernels for
+        several rows give it too) and every projection's kernel for each row count is compiled
+        code. Without `rows` the engine runs such passes layer by layer."""
+        if not engine.invariant:
+            return
+        projections = [p for layer in model.layers for p in (
+            (layer.mixer.qkv_proj, layer.mixer.o_proj) if isinstance(layer.mixer, GatedAttention) else (layer.mixer.in_proj, layer.mixer.out_proj)
+        ) + (layer.mlp.gate_up, layer.mlp.down)] + [model.lm_head]
+        rows_max = min(p.kernels.rows_max for p in projections)
+        projs = _rows_projs(projections, rows_max, self.keep) if rows_max >= 1 else None
+        if projs is None:
+            return
+        self._rows_projs, self._rows_max = projs, rows_max
+        self._rows_sizes = {"h": hidden, "x": hidden, "y": hidden, "proj_out": proj_max, "mid": mid_max, "head_row": self.vocab_rows}
+        gdn = [layer.mixer for layer in model.layers if not isinstance(layer.mixer, GatedAttention)]
+        self._gdn_floats = max((fused_kernels.gdn_work(m.hk, m.hv, m.dk, m.dv).numel() for m in gdn), default=1)
+        self._rows_scratch: dict[str, torch.Tensor] = {}
+        self._rows_step: native.RowsStep | None = None
+        self.rows = self._rows
+
+    def _rows_buffers(self, count: int) -> native.RowsStep:
+        """The rows call's description with scratch for at least `count` rows (grown as asked)."""
+        if self._rows_step is None or self._rows_step.capacity < count:
+            self._rows_scratch = {name: torch.empty(count * size, dtype=torch.bfloat16) for name, size in self._rows_sizes.items()}
+            self._gdn_work = torch.empty(count * self._gdn_floats, dtype=torch.float32)
+            self._rows_step = native.RowsStep(
+                ctypes.addressof(self.step), ctypes.addressof(self._rows_projs), self._rows_max, native.gdn_rows_address(),
+                self._gdn_work.data_ptr(), count, **{name: t.data_ptr() for name, t in self._rows_scratch.items()},
+            )
+        return self._rows_step
 
     def _seq(self, states: list) -> ctypes.Array:
         """The sequence's state per layer, as step_bf16.c reads it (kept while the same list comes)."""
         if self._bound is not None and self._bound[0] is states:
             return self._bound[1]
+        seq = self._describe(states)
+        self._bound = (states, seq)
+        return seq
+
+    def _describe(self, states: list) -> ctypes.Array:
         seq = (native.SeqLayer * len(states))()
         for i, (s, state) in enumerate(zip(seq, states)):
             for field, value in state.addresses().items():
                 setattr(s, field, value)
             if self.layers[i].full:
                 self._attention_work(i, s.block_size)
-        self._bound = (states, seq)
         return seq
 
     def _attention_work(self, i: int, block_size: int) -> None:
@@ -147,12 +208,44 @@ class CompiledStep:
         self._run(token, pos, *self.rotary.row_addresses(pos), self.slots[slot], out)
         return native.argmax_at(out, self.vocab_rows)
 
-    def _run(self, token: int, pos: int, cos: int, sin: int, states: list, logits: int) -> None:
+    def _rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Several sequences' decode rows in one call, row i the token tokens[i] at positions[i] in
+        slot slots[i] (each its own sequence): fp32 logits [rows, vocab], each row's bits those
+        logits() gives it alone."""
+        count = len(tokens)
+        self._threads()
+        for token in tokens:
+            self._check_token(token)
+        d = self._rows_buffers(count)
+        seqs = []
+        for slot in slots:
+            states = self.slots[slot]
+            bound = self._seqs.get(slot)
+            if bound is None or bound[0] is not states:
+                bound = self._seqs[slot] = (states, self._describe(states))
+            seqs.append(ctypes.addressof(bound[1]))
+        rotary = [self.rotary.row_addresses(pos) for pos in positions]
+        addresses = ctypes.c_void_p * count
+        logits = torch.empty(count, self.vocab_rows, dtype=torch.float32)
+        native.run_rows(
+            d, count, addresses(*(self.embed_at + t * self.row_bytes for t in tokens)), (ctypes.c_int64 * count)(*positions),
+            addresses(*(c for c, _ in rotary)), addresses(*(s for _, s in rotary)), addresses(*seqs), logits.data_ptr(),
+        )
+        return logits
+
+    def _threads(self) -> None:
         threads = torch.get_num_threads()
         if threads != self.threads:
             # Attention splits its cache over torch's threads, as its layer path does per call.
             self.threads = self.step.threads = threads
             self._bound = None
+            self._seqs = {}
+
+    def _check_token(self, token: int) -> None:
         if not 0 <= token < self.embed_rows:
             raise IndexError(f"token id {token} is outside the embedding's {self.embed_rows} rows")
+
+    def _run(self, token: int, pos: int, cos: int, sin: int, states: list, logits: int) -> None:
+        self._threads()
+        self._check_token(token)
         native.run(self.step, self.embed_at + token * self.row_bytes, pos, cos, sin, self._seq(states), logits)

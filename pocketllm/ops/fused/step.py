@@ -17,7 +17,7 @@ from pocketllm.ops.fused import kernels
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SOURCE = Path(__file__).with_name("step_bf16.c")
-PROJ_BF16, PROJ_QUANT = 0, 1
+PROJ_BF16, PROJ_QUANT, PROJ_BF16_ROWS, PROJ_QUANT_EACH = 0, 1, 2, 3
 
 
 class Proj(ctypes.Structure):
@@ -48,6 +48,13 @@ class Step(ctypes.Structure):
     ]
 
 
+class RowsStep(ctypes.Structure):
+    _fields_ = [
+        ("step", _P), ("proj", _P), ("rows_max", _I), ("gdn_decode_rows", _P), ("gdn_work", _P), ("capacity", _I),
+        ("h", _P), ("x", _P), ("y", _P), ("proj_out", _P), ("mid", _P), ("head_row", _P),
+    ]
+
+
 _lib: ctypes.CDLL | None = None
 
 
@@ -62,6 +69,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         return None, why
     lib.decode_step_bf16.argtypes = [_P, _P, _I, _P, _P, _P, _P]
     lib.decode_step_bf16.restype = ctypes.c_int
+    lib.decode_rows_bf16.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P]
+    lib.decode_rows_bf16.restype = ctypes.c_int
     lib.logits_argmax.argtypes = [_P, _I]
     lib.logits_argmax.restype = _I
     _lib = lib
@@ -82,10 +91,28 @@ def op_addresses() -> dict[str, int]:
     }
 
 
+def gdn_rows_address() -> int:
+    """decode_bf16.c's gdn_decode_rows_bf16, which a rows step calls for a GDN layer's rows."""
+    return address(kernels.library()[0].gdn_decode_rows_bf16)
+
+
 def run(step: Step, embed: int, pos: int, cos: int, sin: int, seq, logits: int) -> None:
     """One decode step (step_bf16.c): `embed` the address of the token's embedding row, cos and
     sin of its rotary row, `seq` a SeqLayer array, fp32 logits [vocab] written at `logits`."""
-    rc = _lib.decode_step_bf16(ctypes.byref(step), embed, pos, cos, sin, seq, logits)
+    _check(_lib.decode_step_bf16(ctypes.byref(step), embed, pos, cos, sin, seq, logits))
+
+
+def run_rows(rows_step: RowsStep, count: int, embed, pos, cos, sin, seq, logits: int) -> None:
+    """Several sequences' decode rows (step_bf16.c's decode_rows_bf16): embed, pos, cos, sin and
+    seq ctypes arrays of `count` entries (addresses, positions, SeqLayer array addresses), fp32
+    logits [count, vocab] written at `logits`."""
+    rc = _lib.decode_rows_bf16(ctypes.byref(rows_step), count, embed, pos, cos, sin, seq, logits)
+    if rc == 3:
+        raise ValueError(f"decode rows: {count} rows exceed the {rows_step.capacity} the scratch holds")
+    _check(rc)
+
+
+def _check(rc: int) -> None:
     if rc == 1:
         raise MemoryError("decode step: a quantized projection could not allocate its scratch for x")
     if rc == 2:

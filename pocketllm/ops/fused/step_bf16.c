@@ -13,9 +13,13 @@
 
 #include "../bf16.h"
 
-/* A projection's one-row kernel: the bf16 GEMV (gemv_bf16.c) or a quantized one (ops/quant). */
-enum { PROJ_BF16 = 0, PROJ_QUANT = 1 };
+/* A projection's kernel: the bf16 one-row GEMV (gemv_bf16.c), a quantized kernel (ops/quant,
+ * taking any number of rows), or a bf16 few-row GEMM (gemv_bf16.c's gemm_rows_*; those that
+ * return an int return 1 when chosen, so the value is not read); PROJ_QUANT_EACH is a quantized
+ * one-row kernel run on each row of several in turn, as the layers run it then. */
+enum { PROJ_BF16 = 0, PROJ_QUANT = 1, PROJ_BF16_ROWS = 2, PROJ_QUANT_EACH = 3 };
 typedef void (*bf16_gemv_fn)(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t a, int64_t b);
+typedef void (*bf16_rows_fn)(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t a, int64_t b);
 typedef int (*quant_gemm_fn)(const void *desc, const uint16_t *x, uint16_t *y, int64_t m, int64_t a, int64_t b);
 
 struct proj {
@@ -31,6 +35,9 @@ typedef void (*silu_mul_fn)(const uint16_t *gate, const uint16_t *up, uint16_t *
 typedef void (*gdn_decode_fn)(const uint16_t *proj, const float *taps, uint16_t *conv_state, const float *neg_a, const uint16_t *dt_bias,
                               const uint16_t *norm_w, float eps, float *state, uint16_t *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                               int64_t kernel, float *work);
+typedef void (*gdn_decode_rows_fn)(const uint16_t *proj, int64_t proj_stride, int64_t rows, const float *taps, uint16_t *const *conv_states,
+                                   const float *neg_a, const uint16_t *dt_bias, const uint16_t *norm_w, float eps, float *const *states,
+                                   uint16_t *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel, float *work);
 typedef int (*attention_decode_fn)(const uint16_t *qkv, const float *q_scale, const float *k_scale, float eps, const float *cos, const float *sin,
                                    uint16_t *k_pool, uint16_t *v_pool, int64_t num_blocks, const int32_t *table, int64_t bs, int64_t pos,
                                    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t half, float scale, uint16_t *out, float *work,
@@ -88,6 +95,18 @@ static int project(const struct proj *p, const uint16_t *x, uint16_t *y) {
     return ((quant_gemm_fn)p->fn)(p->w, x, y, 1, p->a, p->b);
 }
 
+/* m rows x [m, n] -> y [m, rows] through one projection's kernel for m rows. */
+static int project_rows(const struct proj *p, const uint16_t *x, uint16_t *y, int64_t m) {
+    if (p->kind == PROJ_BF16_ROWS) {
+        ((bf16_rows_fn)p->fn)((const uint16_t *)p->w, x, y, p->rows, p->n, m, p->a, p->b);
+        return 0;
+    }
+    if (p->kind == PROJ_QUANT) return ((quant_gemm_fn)p->fn)(p->w, x, y, m, p->a, p->b);
+    for (int64_t r = 0; r < m; r++)
+        if (project(p, x + r * p->n, y + r * p->rows)) return 1;
+    return 0;
+}
+
 static int64_t attention_splits(const struct step *s, int64_t pos, int64_t kv_heads, int64_t head_dim, int64_t block_size) {
     if ((pos + 1) * kv_heads * head_dim < s->attention_parallel_min) return 1;
     const int64_t blocks = pos / block_size + 1;
@@ -126,6 +145,83 @@ int decode_step_bf16(const struct step *s, const uint16_t *embed, int64_t pos, c
     s->add_rms_norm(s->h, s->x, s->final_scale, s->final_eps, n, s->h, s->y);
     if (project(&s->head, s->y, s->head_row)) return 1;
     for (int64_t r = 0; r < s->head.rows; r++) logits[r] = bf16_to_f32(s->head_row[r]);
+    return 0;
+}
+
+/* The decode rows of several sequences, each its own sequence's next row: the projections' kernels
+ * for m rows (as the layers' bound kernels run m rows, BoundKernels), `set(which, m)` below. */
+struct rows_step {
+    const struct step *s;
+    /* [(layers * 4 + 1) * rows_max]: layer i's mix_in, mix_out, gate_up and down, then the head,
+     * each for 1..rows_max rows; more rows go rows_max at a time. */
+    const struct proj *proj;
+    int64_t rows_max;
+    /* A GDN layer's rows in one call (decode_bf16.c's gdn_decode_rows_bf16, each row's bits as
+     * gdn_decode gives them) with its scratch for `capacity` rows (gdn_work_floats each). */
+    gdn_decode_rows_fn gdn_decode_rows;
+    float *gdn_work;
+    /* Scratch for up to `capacity` rows, laid out as the step's, a row after another. */
+    int64_t capacity;
+    uint16_t *h, *x, *y, *proj_out, *mid, *head_row;
+};
+
+static int project_set(const struct rows_step *d, int64_t which, const uint16_t *x, uint16_t *y, int64_t rows) {
+    const struct proj *first = &d->proj[which * d->rows_max];
+    for (int64_t r0 = 0; r0 < rows; r0 += d->rows_max) {
+        const int64_t m = rows - r0 < d->rows_max ? rows - r0 : d->rows_max;
+        const struct proj *p = &first[m - 1];
+        if (project_rows(p, x + r0 * p->n, y + r0 * p->rows, m)) return 1;
+    }
+    return 0;
+}
+
+/* `rows` sequences' decode rows in one call: row r is the embedding row embed[r] at position
+ * pos[r] (cos[r], sin[r] its rotary row), its sequence's state per layer seq[r]; fp32 logits
+ * [rows, head rows]. Each row gets the bits decode_step_bf16 gives it alone wherever the kernels
+ * for m rows sum each row as the one-row kernel does (a batch-invariant set's: the only sets this
+ * runs for); the work between the projections runs row by row, the same calls. Returns as
+ * decode_step_bf16, and 3 when `rows` exceeds the scratch's capacity. */
+int decode_rows_bf16(const struct rows_step *d, int64_t rows, const uint16_t *const *embed, const int64_t *pos, const float *const *cos,
+                     const float *const *sin, const struct seq_layer *const *seq, float *logits) {
+    const struct step *s = d->s;
+    const int64_t n = s->hidden;
+    if (rows > d->capacity) return 3;
+    for (int64_t r = 0; r < rows; r++) memcpy(d->h + r * n, embed[r], (size_t)n * sizeof(uint16_t));
+    for (int64_t i = 0; i < s->layers; i++) {
+        const struct layer *l = &s->layer[i];
+        for (int64_t r = 0; r < rows; r++)
+            s->add_rms_norm(d->h + r * n, i ? d->x + r * n : NULL, l->in_scale, l->in_eps, n, i ? d->h + r * n : NULL, d->y + r * n);
+        if (project_set(d, i * 4, d->y, d->proj_out, rows)) return 1;
+        const int64_t in_rows = l->mix_in.rows, mid = l->mix_out.n;
+        if (l->full) {
+            for (int64_t r = 0; r < rows; r++) {
+                const struct seq_layer *q = &seq[r][i];
+                const int64_t splits = attention_splits(s, pos[r], l->kv_heads, l->head_dim, q->block_size);
+                if (s->attention_decode(d->proj_out + r * in_rows, l->q_scale, l->k_scale, l->qk_eps, cos[r], sin[r], q->k_pool, q->v_pool,
+                                        q->num_blocks, q->table, q->block_size, pos[r], l->heads, l->kv_heads, l->head_dim, l->half,
+                                        l->attn_scale, d->mid + r * mid, l->attn_work, splits))
+                    return 2;
+            }
+        } else {
+            uint16_t *conv[rows];
+            float *state[rows];
+            for (int64_t r = 0; r < rows; r++) conv[r] = seq[r][i].conv, state[r] = seq[r][i].state;
+            d->gdn_decode_rows(d->proj_out, in_rows, rows, l->taps, conv, l->neg_a, l->dt_bias, l->norm_w, l->norm_eps, state, d->mid, l->hk, l->hv,
+                               l->dk, l->dv, l->kernel, d->gdn_work);
+        }
+        if (project_set(d, i * 4 + 1, d->mid, d->x, rows)) return 1;
+        for (int64_t r = 0; r < rows; r++) s->add_rms_norm(d->h + r * n, d->x + r * n, l->post_scale, l->post_eps, n, d->h + r * n, d->y + r * n);
+        if (project_set(d, i * 4 + 2, d->y, d->proj_out, rows)) return 1;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *gu = d->proj_out + r * 2 * l->inter;
+            s->silu_mul(gu, gu + l->inter, d->mid + r * l->inter, l->inter);
+        }
+        if (project_set(d, i * 4 + 3, d->mid, d->x, rows)) return 1;
+    }
+    for (int64_t r = 0; r < rows; r++) s->add_rms_norm(d->h + r * n, d->x + r * n, s->final_scale, s->final_eps, n, d->h + r * n, d->y + r * n);
+    if (project_set(d, s->layers * 4, d->y, d->head_row, rows)) return 1;
+    const int64_t vocab = s->head.rows;
+    for (int64_t k = 0; k < rows * vocab; k++) logits[k] = bf16_to_f32(d->head_row[k]);
     return 0;
 }
 

@@ -212,6 +212,14 @@ def _rows_kernel(symbol: str, a: int, b: int) -> Kernel:
         # Only ever chosen after unavailable() built the library, which filled _c_rows.
         _c_rows[symbol](w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], a, b)
 
+    def native(w: torch.Tensor) -> tuple | None:
+        """This kernel on `w` as compiled code calls it (ops/fused/step_bf16.c): ("bf16-rows",
+        entry point, weight address, rows, n, a, b); the entry takes the row count after n."""
+        if _compiled_library()[0] is None:
+            return None
+        return "bf16-rows", ctypes.cast(_c_rows[symbol], ctypes.c_void_p).value, w.data_ptr(), w.shape[0], w.shape[1], a, b
+
+    run.native = native
     return run
 
 

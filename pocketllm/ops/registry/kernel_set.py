@@ -77,6 +77,19 @@ class BoundKernels:
         native = getattr(run, "native", None)
         return None if native is None else native(w)
 
+    @property
+    def rows_max(self) -> int:
+        """The most rows one call of a small entry takes (rows_native's range)."""
+        return len(self._small) - 1
+
+    def rows_native(self, rows: int) -> tuple | None:
+        """The kernel `rows` rows run (1..rows_max) as compiled code calls it: the native tuple
+        (kind, entry point, weight address, rows, n, a, b) and whether it runs on each row in turn,
+        or None where it is not compiled code."""
+        run, w, form = self._small[rows]
+        native = getattr(run, "native", None)
+        return None if native is None else (*native(w), form == _EACH)
+
     def __repr__(self) -> str:
         return "BoundKernels(" + ", ".join(f"{k} {v}" for k, v in self.names.items()) + ")"
 
