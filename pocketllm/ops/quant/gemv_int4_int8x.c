@@ -130,20 +130,40 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
 #define TILE_C 2
 const char *q4x_isa(void) { return "avx2"; }
 
-/* The layout above in plain C, each block rounded by quant.h's round_x_block (as the AVX-512 form
- * rounds). */
+/* The layout above, each block rounded as quant.h's round_x_block rounds it: a whole block of 32
+ * inputs with vectors (the same fp32 product, rounded to nearest even as rintf rounds in the
+ * default mode; the largest |x| skips NaN as that loop does), a row's last part block by it. */
 static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t st = 0; st < (n + 127) / 128; st++) {
         int8_t *xe = out + st * 256, *xo = xe + 64;
         int32_t *start = (int32_t *)(xe + 128);
         float *scale = (float *)(xe + 192);
         for (int b = 0; b < 4; b++) {
-            int8_t q[32];
-            const float d = round_x_block(x, n, st * 4 + b, q);
+            const int64_t i0 = st * 128 + b * 32;
+            int32_t q[32];
+            float d;
+            if (n - i0 >= 32) {
+                __m256 v[4], big = _mm256_setzero_ps();
+                for (int k = 0; k < 4; k++) {
+                    v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i0 + 8 * k))), 16));
+                    big = _mm256_max_ps(_mm256_and_ps(v[k], magnitude), big); /* a NaN lane keeps big's */
+                }
+                __m128 m = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+                m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+                const __m256 inv = _mm256_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
+                for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(q + 8 * k), _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv)));
+                d = largest / 127.f;
+            } else {
+                int8_t r[32];
+                d = round_x_block(x, n, st * 4 + b, r);
+                for (int i = 0; i < 32; i++) q[i] = r[i];
+            }
             for (int l = 0; l < 4; l++) {
                 int32_t sum = 0;
                 for (int j = 0; j < 4; j++) {
-                    const int8_t e = q[8 * l + 2 * j], o = q[8 * l + 2 * j + 1];
+                    const int8_t e = (int8_t)q[8 * l + 2 * j], o = (int8_t)q[8 * l + 2 * j + 1];
                     xe[16 * b + 4 * l + j] = e, xo[16 * b + 4 * l + j] = o;
                     sum += e + o;
                 }
@@ -154,64 +174,121 @@ static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
     }
 }
 
-/* The weight scales of a row's half-step (64 inputs, whose first group is g, an index into the
- * scales) per lane: one group for groups of 64 or more, two for 32 (the second zero past the row's
- * end, `two` 0). */
-static inline __m256 half_scales(const struct q4v *q, int64_t g, int two) {
-    const float a = scale_at(q->s, q->kind, g);
-    if (q->group >= 64) return _mm256_set1_ps(a);
-    return _mm256_set_m128(_mm_set1_ps(two ? scale_at(q->s, q->kind, g + 1) : 0.f), _mm_set1_ps(a));
+/* A run of a row's weight scales as fp32, whatever their stored kind (exact conversions). */
+static inline void scales_f32(const void *s, int64_t kind, int64_t i, int64_t count, float *out) {
+    int64_t j = 0;
+    if (kind == SCALE_BF16) {
+        const uint16_t *b = (const uint16_t *)s + i;
+        for (; j + 8 <= count; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + j))), 16)));
+    }
+    for (; j < count; j++) out[j] = scale_at(s, kind, i + j);
+}
+
+/* Inputs a step of the tile below converts its rows' scales for at a time. */
+#define SCALE_RUN 1024
+
+/* One row's half-step (64 inputs, 32 weight bytes v) against C x rows: xe, xo, st, sx the x
+ * rows' parts for this half; each lane's exact int32 sum, scaled by its x block and sw. Every
+ * tile form runs it, so a (weight row, x row) pair is summed alike in all of them. */
+#define HALF_ROW(v, acc_r, sw) do { \
+        const __m256i lo_ = _mm256_and_si256(v, low), hi_ = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
+        UNROLL for (int c = 0; c < C; c++) { \
+            __m256i t_ = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo_, xe[c]), _mm256_maddubs_epi16(hi_, xo[c])), ones); \
+            t_ = _mm256_add_epi32(t_, st[c]); \
+            acc_r[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t_), sx[c]), sw, acc_r[c]); \
+        } \
+    } while (0)
+
+/* The tile's whole steps e0..ew (128 inputs each, both halves' 32 weight bytes present), the
+ * rows' scales for the run from e0 in sc. Groups of 32 give a half two scales (lanes 0-3 and 4-7),
+ * larger groups one, broadcast: `g32` a constant, so each form is its own loop. The x rows' parts
+ * are held in registers for the tile's rows (the empty asm): left to the compiler they were read
+ * again by every row's instructions, four more loads a row. */
+static inline __attribute__((always_inline)) void whole_steps(const struct q4v *q, const int8_t *xq, int64_t xbytes, const uint8_t *const *wr,
+                                                              float sc[TILE_R][SCALE_RUN / 32 + 2], int64_t e0, int64_t ew, int lg, int64_t pf,
+                                                              int R, int C, __m256 acc[TILE_R][TILE_C], int g32) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int64_t e = e0; e < ew; e += 128) {
+        if (pf) UNROLL for (int r = 0; r < R; r++) prefetch_weight((const char *)(wr[r] + e / 2) + pf, q->pf_where);
+        UNROLL for (int h = 0; h < 2; h++) {
+            __m256i xe[TILE_C], xo[TILE_C], st[TILE_C];
+            __m256 sx[TILE_C];
+            UNROLL for (int c = 0; c < C; c++) {
+                const int8_t *xs = xq + c * xbytes + e * 2;
+                xe[c] = _mm256_loadu_si256((const __m256i *)(xs + 32 * h));
+                xo[c] = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
+                st[c] = _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h));
+                sx[c] = _mm256_loadu_ps((const float *)(xs + 192) + 8 * h);
+                __asm__("" : "+x"(xe[c]), "+x"(xo[c]), "+x"(st[c]), "+x"(sx[c]));
+            }
+            const int64_t si = (e - e0 + 64 * h) >> lg;
+            UNROLL for (int r = 0; r < R; r++) {
+                const __m256 sw = g32 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + si)))), pick)
+                                      : _mm256_broadcast_ss(sc[r] + si);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + e / 2 + 32 * h));
+                HALF_ROW(v, acc[r], sw);
+            }
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void tile(const struct q4v *q, int64_t r0, int64_t c0, int R, int C, float o[TILE_R][TILE_C]) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const int64_t nb = q->n / 2, xbytes = xq_bytes(q->n);
+    const int64_t nb = q->n / 2, xbytes = xq_bytes(q->n), group = q->group;
     const int8_t *xq = q->xq + c0 * xbytes;
     __m256 acc[TILE_R][TILE_C];
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const int64_t pf = (r0 + R) * nb + q->pf_bytes <= q->rows * nb ? q->pf_bytes : 0;
-    /* The group of the step's first input, and of its second half's, kept without a division. */
-    int64_t g = 0, into = 0;
-    for (int64_t e = 0; e < q->n; e += 128) {
-        const int64_t gh[2] = {g, q->group == 32 ? g + 2 : g + (into + 64 >= q->group)};
-        /* Each row's scales for a half, read again for the second half only where its group differs. */
-        __m256 sw[TILE_R];
-        for (int h = 0; h < 2; h++) {
-            const int64_t i0 = e + 64 * h, left = (q->n - i0) / 2; /* weight bytes left in the row */
-            if (left <= 0) break;
-            if (h == 0 || q->group == 32 || gh[1] != gh[0])
-                UNROLL for (int r = 0; r < R; r++) sw[r] = half_scales(q, (r0 + r) * q->ng + gh[h], i0 + 32 < q->n);
-            UNROLL for (int r = 0; r < R; r++) {
-                const uint8_t *p = q->w + (r0 + r) * nb + i0 / 2;
-                if (pf && h == 0) prefetch_weight((const char *)p + pf, q->pf_where);
-                __m256i v;
-                if (left >= 32) {
-                    v = _mm256_loadu_si256((const __m256i *)p);
-                } else { /* a row's last bytes: zeros past its end meet x's zero padding */
-                    uint8_t tail[32] = {0};
-                    memcpy(tail, p, (size_t)left);
-                    v = _mm256_loadu_si256((const __m256i *)tail);
-                }
-                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    const __m256i pick = group == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setzero_si256();
+    const int lg = group == 32 ? 5 : group == 64 ? 6 : 7;
+    const uint8_t *wr[TILE_R];
+    UNROLL for (int r = 0; r < R; r++) wr[r] = q->w + (r0 + r) * nb;
+    /* The rows' scales as fp32 a run of SCALE_RUN inputs at a time (one more, zero: a last half's
+     * second group of 32 past the row's end), read by the steps without a branch on their kind. */
+    float sc[TILE_R][SCALE_RUN / 32 + 2];
+    const int64_t whole = q->n / 128 * 128;
+    for (int64_t e0 = 0; e0 < q->n; e0 += SCALE_RUN) {
+        const int64_t e1 = min64(e0 + SCALE_RUN, q->n), g0 = e0 >> lg, count = ((e1 - e0) + group - 1) >> lg;
+        UNROLL for (int r = 0; r < R; r++) {
+            scales_f32(q->s, q->kind, (r0 + r) * q->ng + g0, count, sc[r]);
+            sc[r][count] = 0.f;
+        }
+        const int64_t ew = min64(e1, whole);
+        if (group == 32)
+            whole_steps(q, xq, xbytes, wr, sc, e0, ew, lg, pf, R, C, acc, 1);
+        else
+            whole_steps(q, xq, xbytes, wr, sc, e0, ew, lg, pf, R, C, acc, 0);
+        /* The row's last, part step (n not a multiple of 128): zeros past its end meet x's padding. */
+        for (int64_t e = ew; e < e1; e += 128) {
+            for (int h = 0; h < 2; h++) {
+                const int64_t i0 = e + 64 * h, left = (q->n - i0) / 2;
+                if (left <= 0) break;
+                __m256i xe[TILE_C], xo[TILE_C], st[TILE_C];
+                __m256 sx[TILE_C];
                 UNROLL for (int c = 0; c < C; c++) {
                     const int8_t *xs = xq + c * xbytes + e * 2;
-                    const __m256i xe = _mm256_loadu_si256((const __m256i *)(xs + 32 * h)), xo = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
-                    /* Each 16-bit lane of the two vpmaddubsw sums stays within 4 * 15 * 127: one vpmaddwd for both. */
-                    __m256i t = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
-                    t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h)));
-                    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_loadu_ps((const float *)(xs + 192) + 8 * h));
-                    acc[r][c] = _mm256_fmadd_ps(f, sw[r], acc[r][c]);
+                    xe[c] = _mm256_loadu_si256((const __m256i *)(xs + 32 * h));
+                    xo[c] = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
+                    st[c] = _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h));
+                    sx[c] = _mm256_loadu_ps((const float *)(xs + 192) + 8 * h);
+                }
+                const int64_t si = (i0 - e0) >> lg;
+                UNROLL for (int r = 0; r < R; r++) {
+                    const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + si)))), pick);
+                    uint8_t tail[32] = {0};
+                    memcpy(tail, wr[r] + i0 / 2, (size_t)min64(left, 32));
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)tail);
+                    HALF_ROW(v, acc[r], sw);
                 }
             }
         }
-        for (into += 128; into >= q->group; into -= q->group) g++;
     }
     UNROLL for (int r = 0; r < R; r++)
-        UNROLL for (int c = 0; c < C; c++) {
-            o[r][c] = hsum8(acc[r][c]);
-        }
+        UNROLL for (int c = 0; c < C; c++) o[r][c] = hsum8(acc[r][c]);
 }
+#undef HALF_ROW
 #endif
 
 #define TILE_Q struct q4v
