@@ -130,40 +130,20 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
 #define TILE_C 2
 const char *q4x_isa(void) { return "avx2"; }
 
-/* The layout above, each block rounded as quant.h's round_x_block rounds it: a whole block of 32
- * inputs with vectors (the same fp32 product, rounded to nearest even as rintf rounds in the
- * default mode; the largest |x| skips NaN as that loop does), a row's last part block by it. */
+/* The layout above in plain C, each block rounded by quant.h's round_x_block (as the AVX-512 form
+ * rounds). */
 static void quantize_x(const uint16_t *x, int64_t n, int8_t *out) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t st = 0; st < (n + 127) / 128; st++) {
         int8_t *xe = out + st * 256, *xo = xe + 64;
         int32_t *start = (int32_t *)(xe + 128);
         float *scale = (float *)(xe + 192);
         for (int b = 0; b < 4; b++) {
-            const int64_t i0 = st * 128 + b * 32;
-            int32_t q[32];
-            float d;
-            if (n - i0 >= 32) {
-                __m256 v[4], big = _mm256_setzero_ps();
-                for (int k = 0; k < 4; k++) {
-                    v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i0 + 8 * k))), 16));
-                    big = _mm256_max_ps(_mm256_and_ps(v[k], magnitude), big); /* a NaN lane keeps big's */
-                }
-                __m128 m = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
-                m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-                const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-                const __m256 inv = _mm256_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
-                for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(q + 8 * k), _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv)));
-                d = largest / 127.f;
-            } else {
-                int8_t r[32];
-                d = round_x_block(x, n, st * 4 + b, r);
-                for (int i = 0; i < 32; i++) q[i] = r[i];
-            }
+            int8_t q[32];
+            const float d = round_x_block(x, n, st * 4 + b, q);
             for (int l = 0; l < 4; l++) {
                 int32_t sum = 0;
                 for (int j = 0; j < 4; j++) {
-                    const int8_t e = (int8_t)q[8 * l + 2 * j], o = (int8_t)q[8 * l + 2 * j + 1];
+                    const int8_t e = q[8 * l + 2 * j], o = q[8 * l + 2 * j + 1];
                     xe[16 * b + 4 * l + j] = e, xo[16 * b + 4 * l + j] = o;
                     sum += e + o;
                 }

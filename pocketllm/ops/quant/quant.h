@@ -60,11 +60,30 @@ static inline void prefetch_start(const void *from, int64_t bytes) {
 #endif
 
 #if defined(INT8X_AVX512) || defined(INT8X_AVX2)
+#include <immintrin.h>
 #include <math.h>
 /* Block b (inputs 32b..32b+31, zeros past n) of a bf16 x row rounded as the int8-x kernels take
  * it (layout.quantize_x_int8 is the reference): out[i] = rint(x * 127 / largest |x|) in the
- * default to-nearest-even mode; returns the block's scale, largest / 127. */
+ * default to-nearest-even mode; returns the block's scale, largest / 127. A whole block goes
+ * through vectors: the same fp32 products, rounded by the conversion in the same mode, the
+ * largest |x| skipping a NaN as the loop below does (a NaN lane leaves `big` as it is). */
 static inline float round_x_block(const uint16_t *x, int64_t n, int64_t b, int8_t out[32]) {
+    if (n - b * 32 >= 32) {
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 w[4], big = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            w[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + b * 32 + 8 * k))), 16));
+            big = _mm256_max_ps(_mm256_and_ps(w[k], magnitude), big);
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        const __m256 inv = _mm256_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
+        int32_t q[32];
+        for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(q + 8 * k), _mm256_cvtps_epi32(_mm256_mul_ps(w[k], inv)));
+        for (int i = 0; i < 32; i++) out[i] = (int8_t)q[i];
+        return largest / 127.f;
+    }
     float v[32], big = 0.f;
     for (int i = 0; i < 32; i++) {
         v[i] = b * 32 + i < n ? bf16_to_f32(x[b * 32 + i]) : 0.f;
