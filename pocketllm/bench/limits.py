@@ -44,14 +44,21 @@ def measure(device: torch.device, dtype: torch.dtype, sync, quick: bool = False)
         memory, how = 2 * src.nbytes / seconds / 1e9, f"copy of {mib} MiB (read + written), best of {reps}"
         n = 1024 if quick else 8192
     # A CPU without native arithmetic in the weights' dtype runs a prefill's GEMMs widened to fp32
-    # (the many-row kind's mm-f32): the limit is the faster of the two there.
-    rates = {}
-    for dt in (dtype, torch.float32) if device.type == "cpu" and dtype != torch.float32 else (dtype,):
-        a = torch.randn(n, n, device=device).to(dt)
-        b = torch.randn(n, n, device=device).to(dt)
-        rates[dt] = 2 * n**3 / _best(lambda: a @ b, sync, 5) / 1e12
+    # (the many-row kind's mm-f32): the limit is the faster of the two there. Each is tried small
+    # first, and one far slower there is not timed at the full size: on an AVX2 CPU torch's bf16
+    # GEMM ran ~60x slower than fp32, seconds a call at 1024^3, and could not have been the limit.
+    dtypes = (dtype, torch.float32) if device.type == "cpu" and dtype != torch.float32 else (dtype,)
+    probe = {dt: _matmul_rate(device, dt, min(n, 256), sync, 1) for dt in dtypes} if len(dtypes) > 1 else {dtype: 0.0}
+    rates = {dt: _matmul_rate(device, dt, n, sync, 5) for dt in dtypes if probe[dt] * 4 >= max(probe.values())}
     best = max(rates, key=rates.get)
     return Limits(memory, how, rates[best], f"{str(best).removeprefix('torch.')} {n}^3 matmul, best of 5")
+
+
+def _matmul_rate(device: torch.device, dt: torch.dtype, n: int, sync, reps: int) -> float:
+    """An n^3 matmul's rate in `dt` on `device`, TFLOP/s, the best of `reps` after a warm-up."""
+    a = torch.randn(n, n, device=device).to(dt)
+    b = torch.randn(n, n, device=device).to(dt)
+    return 2 * n**3 / _best(lambda: a @ b, sync, reps) / 1e12
 
 
 def _best(fn, sync, reps: int) -> float:
