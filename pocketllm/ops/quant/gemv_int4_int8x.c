@@ -171,6 +171,20 @@ static inline void scales_f32(const void *s, int64_t kind, int64_t i, int64_t co
 /* One row's half-step (64 inputs, 32 weight bytes v) against C x rows: xe, xo, st, sx the x
  * rows' parts for this half; each lane's exact int32 sum, scaled by its x block and sw. Every
  * tile form runs it, so a (weight row, x row) pair is summed alike in all of them. */
+/* The C x rows' parts for half h of step e (xe, xo, st, sx), declared and held in registers for
+ * the tile's rows (the empty asm: left to the compiler they were read again by every row's
+ * instructions, four more loads a row). */
+#define X_HALF(e, h) \
+    __m256i xe[TILE_C], xo[TILE_C], st[TILE_C]; \
+    __m256 sx[TILE_C]; \
+    UNROLL for (int c = 0; c < C; c++) { \
+        const int8_t *xs_ = xq + c * xbytes + (e) * 2; \
+        xe[c] = _mm256_loadu_si256((const __m256i *)(xs_ + 32 * (h))); \
+        xo[c] = _mm256_loadu_si256((const __m256i *)(xs_ + 64 + 32 * (h))); \
+        st[c] = _mm256_loadu_si256((const __m256i *)(xs_ + 128 + 32 * (h))); \
+        sx[c] = _mm256_loadu_ps((const float *)(xs_ + 192) + 8 * (h)); \
+        __asm__("" : "+x"(xe[c]), "+x"(xo[c]), "+x"(st[c]), "+x"(sx[c])); \
+    }
 #define HALF_ROW(v, acc_r, sw) do { \
         const __m256i lo_ = _mm256_and_si256(v, low), hi_ = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
         UNROLL for (int c = 0; c < C; c++) { \
@@ -182,9 +196,7 @@ static inline void scales_f32(const void *s, int64_t kind, int64_t i, int64_t co
 
 /* The tile's whole steps e0..ew (128 inputs each, both halves' 32 weight bytes present), the
  * rows' scales for the run from e0 in sc. Groups of 32 give a half two scales (lanes 0-3 and 4-7),
- * larger groups one, broadcast: `g32` a constant, so each form is its own loop. The x rows' parts
- * are held in registers for the tile's rows (the empty asm): left to the compiler they were read
- * again by every row's instructions, four more loads a row. */
+ * larger groups one, broadcast: `g32` a constant, so each form is its own loop. */
 static inline __attribute__((always_inline)) void whole_steps(const struct q4v *q, const int8_t *xq, int64_t xbytes, const uint8_t *const *wr,
                                                               float sc[TILE_R][SCALE_RUN / 32 + 2], int64_t e0, int64_t ew, int lg, int64_t pf,
                                                               int R, int C, __m256 acc[TILE_R][TILE_C], int g32) {
@@ -192,16 +204,7 @@ static inline __attribute__((always_inline)) void whole_steps(const struct q4v *
     for (int64_t e = e0; e < ew; e += 128) {
         if (pf) UNROLL for (int r = 0; r < R; r++) prefetch_weight((const char *)(wr[r] + e / 2) + pf, q->pf_where);
         UNROLL for (int h = 0; h < 2; h++) {
-            __m256i xe[TILE_C], xo[TILE_C], st[TILE_C];
-            __m256 sx[TILE_C];
-            UNROLL for (int c = 0; c < C; c++) {
-                const int8_t *xs = xq + c * xbytes + e * 2;
-                xe[c] = _mm256_loadu_si256((const __m256i *)(xs + 32 * h));
-                xo[c] = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
-                st[c] = _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h));
-                sx[c] = _mm256_loadu_ps((const float *)(xs + 192) + 8 * h);
-                __asm__("" : "+x"(xe[c]), "+x"(xo[c]), "+x"(st[c]), "+x"(sx[c]));
-            }
+            X_HALF(e, h);
             const int64_t si = (e - e0 + 64 * h) >> lg;
             UNROLL for (int r = 0; r < R; r++) {
                 const __m256 sw = g32 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + si)))), pick)
@@ -245,15 +248,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
             for (int h = 0; h < 2; h++) {
                 const int64_t i0 = e + 64 * h, left = (q->n - i0) / 2;
                 if (left <= 0) break;
-                __m256i xe[TILE_C], xo[TILE_C], st[TILE_C];
-                __m256 sx[TILE_C];
-                UNROLL for (int c = 0; c < C; c++) {
-                    const int8_t *xs = xq + c * xbytes + e * 2;
-                    xe[c] = _mm256_loadu_si256((const __m256i *)(xs + 32 * h));
-                    xo[c] = _mm256_loadu_si256((const __m256i *)(xs + 64 + 32 * h));
-                    st[c] = _mm256_loadu_si256((const __m256i *)(xs + 128 + 32 * h));
-                    sx[c] = _mm256_loadu_ps((const float *)(xs + 192) + 8 * h);
-                }
+                X_HALF(e, h);
                 const int64_t si = (i0 - e0) >> lg;
                 UNROLL for (int r = 0; r < R; r++) {
                     const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + si)))), pick);
@@ -269,6 +264,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
         UNROLL for (int c = 0; c < C; c++) o[r][c] = hsum8(acc[r][c]);
 }
 #undef HALF_ROW
+#undef X_HALF
 #endif
 
 #define TILE_Q struct q4v
