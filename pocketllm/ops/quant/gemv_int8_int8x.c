@@ -128,6 +128,19 @@ static inline __attribute__((always_inline)) void tile_acc(const struct q8v *q, 
     __m256 a0[TILE_C], a1[TILE_C];
     UNROLL for (int c = 0; c < C; c++) a0[c] = _mm256_loadu_ps(acc + 16 * c), a1[c] = _mm256_loadu_ps(acc + 16 * c + 8);
     int64_t b = b0;
+    /* Block pairs wholly inside the row: loaded as they are (block() pads a row's last part). */
+    const int64_t whole = min64(b1, q->n / 32);
+    const int8_t *wr = q->w + r * q->n;
+    for (; b + 2 <= whole; b += 2) {
+        if (pf) prefetch_weight((const char *)(wr + b * 32) + pf, PF_L2);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), v1 = _mm256_loadu_si256((const __m256i *)(wr + b * 32 + 32));
+        UNROLL for (int c = 0; c < C; c++) {
+            const int8_t *xs = xq + c * xbytes;
+            const float *d = (const float *)(xs + nb * 32) + b;
+            a0[c] = _mm256_fmadd_ps(block_sum(v0, _mm256_loadu_si256((const __m256i *)(xs + b * 32))), _mm256_broadcast_ss(d), a0[c]);
+            a1[c] = _mm256_fmadd_ps(block_sum(v1, _mm256_loadu_si256((const __m256i *)(xs + b * 32 + 32))), _mm256_broadcast_ss(d + 1), a1[c]);
+        }
+    }
     for (; b + 2 <= b1; b += 2) {
         if (pf) prefetch_weight((const char *)(q->w + r * q->n + b * 32) + pf, PF_L2);
         const __m256i v0 = block(q, r, b), v1 = block(q, r, b + 1);
