@@ -88,11 +88,13 @@ def load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         if note:
             say(note)
         profiler = attach_profiler(engine, run.profiling, tp().rank, device.synchronize, device.timing_event)
-        # The loaded model lives as long as this process: the full collections a long run's
-        # allocations set off now and then need not walk its objects each time.
+        # The loaded model lives as long as the work: the full collections a long run's
+        # allocations set off now and then need not walk its objects each time. Unfrozen after
+        # it, for a caller that goes on in this process (a test calling the CLI in-process).
         gc.freeze()
         return work(run, plan, inputs, engine, device)
     finally:
+        gc.unfreeze()
         if profiler is not None:
             profiler.close()
 
