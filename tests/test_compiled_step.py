@@ -110,6 +110,23 @@ def test_decode_rows_of_several_sequences_are_one_call_with_the_layers_bits(monk
         assert a.shape == (18, 1000) and torch.equal(a, b), f"step {i}"
 
 
+def test_two_rows_of_one_sequence_in_a_pass_run_one_after_the_other(monkeypatch):
+    # A pass may hold a sequence's next two rows as two spans (run_packed runs spans of one slot in
+    # their order): the second needs the first's state, so such a pass is not the rows call, and
+    # its logits are those of the two rows fed one at a time.
+    engine = _engine(monkeypatch, None)
+    monkeypatch.setenv("POCKETLLM_KERNELS", os.environ["POCKETLLM_KERNELS"] + ",few-row=c-prefetch")
+    engine.reserve_slots(2, 40)
+    assert hasattr(engine.step, "rows")
+    monkeypatch.setattr(engine.step, "rows", lambda *a: pytest.fail("the rows call ran two rows of one sequence"))
+    prompt = [3, 1, 4, 1, 5]
+    feed(engine, prompt)
+    both = engine.run_packed([(0, 5, torch.tensor([9])), (0, 6, torch.tensor([2]))])
+    feed(engine, prompt)
+    one = [feed(engine, [9], start=5).clone(), feed(engine, [2], start=6).clone()]
+    assert torch.equal(both, torch.stack(one))
+
+
 def test_a_set_that_is_not_batch_invariant_runs_several_rows_layer_by_layer(monkeypatch):
     # Not batch-invariant, a few-row kernel may sum a row in another order than one row alone:
     # several rows then take the layers' path, one row still the step.

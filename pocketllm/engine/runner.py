@@ -193,7 +193,8 @@ class Engine:
                 return logits
         # A pass of decode steps only (its label for profiles and hooks too).
         decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
-        if len(spans) > 1 and decode and not all_logits and hasattr(self.step, "rows"):
+        # Each its own sequence's row: a sequence's second row needs its first's state.
+        if len(spans) > 1 and decode and not all_logits and hasattr(self.step, "rows") and len({s for s, _, _ in spans}) == len(spans):
             info = self._direct_rows([(slot, start) for slot, start, _ in spans])
             if info is not None:
                 logits = self.step.rows([int(ids[0]) for _, _, ids in spans], [start for _, start, _ in spans], [slot for slot, _, _ in spans])
