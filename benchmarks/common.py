@@ -42,18 +42,19 @@ def projection_weights(model) -> list[torch.Tensor]:
     return model.projection_weights()
 
 
-def gemv_only_step_seconds(model, reps: int = 5, op=None) -> float:
-    """A decode step cut down to its GEMVs: op(x, w) for a single row x over the model's own
-    projection and head weights, in module order, and nothing else; best of `reps` passes after
-    one warm-up pass. Without `op`, each projection's own bound kernels run (the engine's
-    choice), which makes this the fastest a step can be with those kernels on this machine,
-    whatever else is fused; any other op (decode_anatomy passes each candidate) is timed the same
-    way, so the figures compare."""
+def gemv_only_step_seconds(model, reps: int = 5, op=None, rows: int = 1) -> float:
+    """A decode step cut down to its GEMVs: op(x, w) for x of `rows` rows (one per sequence of the
+    step) over the model's own projection and head weights, in module order, and nothing else;
+    best of `reps` passes after one warm-up pass. Without `op`, each projection's own bound
+    kernels run (the engine's choice for that many rows), which makes this the fastest a step can
+    be with those kernels on this machine, whatever else is fused; any other op (decode_anatomy
+    passes each candidate) is timed the same way, so the figures compare."""
     layers = model.projections()
     calls = [(m.kernels, m.weight) for m in layers]
     if op is not None:
         calls = [(functools.partial(op, w=w), w) for _, w in calls]
-    rows = [torch.randn(1, w.shape[1], dtype=activation_dtype(w)) for _, w in calls]
+    count = rows
+    rows = [torch.randn(count, w.shape[1], dtype=activation_dtype(w)) for _, w in calls]
     best = float("inf")
     for i in range(reps + 1):
         t0 = time.perf_counter()
