@@ -99,7 +99,7 @@ def test_decode_rows_of_several_sequences_are_one_call_with_the_layers_bits(monk
     monkeypatch.setenv("POCKETLLM_KERNELS", os.environ["POCKETLLM_KERNELS"] + ",few-row=c-prefetch" * (scheme is None))
     engine.reserve_slots(18, 80)
     step = engine.step
-    assert step._rows_max == 16
+    assert step.step.rows_max == 16
     calls = []
     rows = step.rows
     monkeypatch.setattr(step, "rows", lambda *a: calls.append(len(a[0])) or rows(*a))

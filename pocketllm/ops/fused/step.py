@@ -26,10 +26,9 @@ class Proj(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [
-        ("full", _I), ("in_scale", _P), ("post_scale", _P), ("in_eps", _F), ("post_eps", _F),
-        ("mix_in", Proj), ("mix_out", Proj), ("gate_up", Proj), ("down", Proj), ("inter", _I),
+        ("full", _I), ("in_scale", _P), ("post_scale", _P), ("in_eps", _F), ("post_eps", _F), ("inter", _I),
         ("taps", _P), ("neg_a", _P), ("dt_bias", _P), ("norm_w", _P), ("norm_eps", _F),
-        ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I), ("kernel", _I), ("gdn_work", _P),
+        ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I), ("kernel", _I),
         ("q_scale", _P), ("k_scale", _P), ("qk_eps", _F), ("attn_scale", _F),
         ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("half", _I), ("attn_work", _P),
     ]
@@ -41,17 +40,10 @@ class SeqLayer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     _fields_ = [
-        ("layers", _I), ("hidden", _I), ("layer", _P), ("final_scale", _P), ("final_eps", _F), ("head", Proj),
-        ("add_rms_norm", _P), ("silu_mul", _P), ("gdn_decode", _P), ("attention_decode", _P),
+        ("layers", _I), ("hidden", _I), ("layer", _P), ("final_scale", _P), ("final_eps", _F), ("proj", _P), ("rows_max", _I),
+        ("add_rms_norm", _P), ("silu_mul", _P), ("gdn_decode", _P), ("gdn_decode_rows", _P), ("attention_decode", _P),
         ("threads", _I), ("attention_parallel_min", _I),
-        ("h", _P), ("x", _P), ("y", _P), ("proj", _P), ("mid", _P), ("head_row", _P),
-    ]
-
-
-class RowsStep(ctypes.Structure):
-    _fields_ = [
-        ("step", _P), ("proj", _P), ("rows_max", _I), ("gdn_decode_rows", _P), ("gdn_work", _P), ("capacity", _I),
-        ("h", _P), ("x", _P), ("y", _P), ("proj_out", _P), ("mid", _P), ("head_row", _P),
+        ("capacity", _I), ("h", _P), ("x", _P), ("y", _P), ("proj_out", _P), ("mid", _P), ("head_row", _P), ("gdn_work", _P),
     ]
 
 
@@ -87,13 +79,9 @@ def op_addresses() -> dict[str, int]:
     ops, attn = kernels.library()[0], kernels.attention_library()[0]
     return {
         "add_rms_norm": address(ops.add_rms_norm_bf16), "silu_mul": address(ops.silu_mul_bf16),
-        "gdn_decode": address(ops.gdn_decode_bf16), "attention_decode": address(attn.attention_decode_bf16),
+        "gdn_decode": address(ops.gdn_decode_bf16), "gdn_decode_rows": address(ops.gdn_decode_rows_bf16),
+        "attention_decode": address(attn.attention_decode_bf16),
     }
-
-
-def gdn_rows_address() -> int:
-    """decode_bf16.c's gdn_decode_rows_bf16, which a rows step calls for a GDN layer's rows."""
-    return address(kernels.library()[0].gdn_decode_rows_bf16)
 
 
 def run(step: Step, embed: int, pos: int, cos: int, sin: int, seq, logits: int) -> None:
@@ -102,13 +90,13 @@ def run(step: Step, embed: int, pos: int, cos: int, sin: int, seq, logits: int) 
     _check(_lib.decode_step_bf16(ctypes.byref(step), embed, pos, cos, sin, seq, logits))
 
 
-def run_rows(rows_step: RowsStep, count: int, embed, pos, cos, sin, seq, logits: int) -> None:
+def run_rows(step: Step, count: int, embed, pos, cos, sin, seq, logits: int) -> None:
     """Several sequences' decode rows (step_bf16.c's decode_rows_bf16): embed, pos, cos, sin and
     seq ctypes arrays of `count` entries (addresses, positions, SeqLayer array addresses), fp32
     logits [count, vocab] written at `logits`."""
-    rc = _lib.decode_rows_bf16(ctypes.byref(rows_step), count, embed, pos, cos, sin, seq, logits)
+    rc = _lib.decode_rows_bf16(ctypes.byref(step), count, embed, pos, cos, sin, seq, logits)
     if rc == 3:
-        raise ValueError(f"decode rows: {count} rows exceed the {rows_step.capacity} the scratch holds")
+        raise ValueError(f"decode rows: {count} rows exceed the {step.capacity} the scratch holds")
     _check(rc)
 
 

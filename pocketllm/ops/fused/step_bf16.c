@@ -1,12 +1,13 @@
-/* A whole bf16 decode step of one sequence in one call: the embedding row through every layer's
- * norms, projections, mixer and MLP, the final norm and the head, to fp32 logits.
+/* A whole bf16 decode step in one call, of one sequence or of several sequences' rows together:
+ * each embedding row through every layer's norms, projections, mixer and MLP, the final norm and
+ * the head, to fp32 logits.
  *
  * It computes nothing itself. Each piece is the function the layers call one at a time from Python
- * (decode_bf16.c, attention_bf16.c, the projections' chosen one-row kernels), passed in by address
- * and called with the same arguments in the same order, so a step gives the same bits either way
- * (tests/test_compiled_step.py). What it removes is the Python between them: the dozens of module
- * calls and tensor allocations of a step, and the interpreter's own data refilled from memory
- * after every GEMV has streamed its weight through the caches.
+ * (decode_bf16.c, attention_bf16.c, the projections' chosen kernels for that many rows), passed in
+ * by address and called with the same arguments in the same order, so a step gives the same bits
+ * either way (tests/test_compiled_step.py). What it removes is the Python between them: the dozens
+ * of module calls and tensor allocations of a step, and the interpreter's own data refilled from
+ * memory after every GEMV has streamed its weight through the caches.
  */
 #include <stdint.h>
 #include <string.h>
@@ -47,14 +48,12 @@ struct layer {
     int64_t full; /* 1: gated attention, 0: Gated DeltaNet */
     const float *in_scale, *post_scale;
     float in_eps, post_eps;
-    struct proj mix_in, mix_out, gate_up, down;
     int64_t inter; /* the MLP's intermediate size (gate_up's rows / 2) */
     /* Gated DeltaNet */
     const float *taps, *neg_a;
     const uint16_t *dt_bias, *norm_w;
     float norm_eps;
     int64_t hk, hv, dk, dv, kernel;
-    float *gdn_work;
     /* Gated attention */
     const float *q_scale, *k_scale;
     float qk_eps, attn_scale;
@@ -76,15 +75,23 @@ struct step {
     const struct layer *layer;
     const float *final_scale;
     float final_eps;
-    struct proj head;
+    /* The projections' kernels, [(layers * 4 + 1) * rows_max]: layer i's mix_in, mix_out, gate_up
+     * and down, then the head, each for 1..rows_max rows (as the layers' bound kernels run that
+     * many rows); more rows go rows_max at a time. */
+    const struct proj *proj;
+    int64_t rows_max;
     add_rms_norm_fn add_rms_norm;
     silu_mul_fn silu_mul;
     gdn_decode_fn gdn_decode;
+    gdn_decode_rows_fn gdn_decode_rows; /* a GDN layer's rows in one call, each row's bits gdn_decode's */
     attention_decode_fn attention_decode;
     int64_t threads, attention_parallel_min; /* attention's split over the threads, as kernels.attention_splits */
-    /* Scratch, bf16: h and x [hidden], y [hidden], the mixer's input projection and the MLP's
-     * gate_up [proj_max], the mixer's output and the activation [mid_max], the head's row [vocab]. */
-    uint16_t *h, *x, *y, *proj, *mid, *head_row;
+    /* Scratch for up to `capacity` rows, a row after another: bf16 h, x and y [hidden], the
+     * mixer's input projection and the MLP's gate_up [proj_max], the mixer's output and the
+     * activation [mid_max], the head's row [vocab]; the GDN's fp32 work (gdn_work_floats a row). */
+    int64_t capacity;
+    uint16_t *h, *x, *y, *proj_out, *mid, *head_row;
+    float *gdn_work;
 };
 
 static int project(const struct proj *p, const uint16_t *x, uint16_t *y) {
@@ -113,116 +120,75 @@ static int64_t attention_splits(const struct step *s, int64_t pos, int64_t kv_he
     return blocks < s->threads ? blocks : s->threads;
 }
 
-/* One step: `embed` the token's embedding row [hidden], at position `pos` (cos, sin its rotary
- * row), the sequence's state per layer in `seq`; fp32 logits [head rows] into `logits`. Returns 0;
- * 1 when a projection failed (its scratch could not be allocated), 2 when a block table held ids
- * outside its pool. */
-int decode_step_bf16(const struct step *s, const uint16_t *embed, int64_t pos, const float *cos, const float *sin, const struct seq_layer *seq,
-                     float *logits) {
-    const int64_t n = s->hidden;
-    memcpy(s->h, embed, (size_t)n * sizeof(uint16_t));
-    for (int64_t i = 0; i < s->layers; i++) {
-        const struct layer *l = &s->layer[i];
-        const struct seq_layer *q = &seq[i];
-        /* The residual stream arrives as h + x (x not yet added in the first layer). */
-        s->add_rms_norm(s->h, i ? s->x : NULL, l->in_scale, l->in_eps, n, i ? s->h : NULL, s->y);
-        if (project(&l->mix_in, s->y, s->proj)) return 1;
-        if (l->full) {
-            const int64_t splits = attention_splits(s, pos, l->kv_heads, l->head_dim, q->block_size);
-            if (s->attention_decode(s->proj, l->q_scale, l->k_scale, l->qk_eps, cos, sin, q->k_pool, q->v_pool, q->num_blocks, q->table,
-                                    q->block_size, pos, l->heads, l->kv_heads, l->head_dim, l->half, l->attn_scale, s->mid, l->attn_work, splits))
-                return 2;
-        } else {
-            s->gdn_decode(s->proj, l->taps, q->conv, l->neg_a, l->dt_bias, l->norm_w, l->norm_eps, q->state, s->mid, l->hk, l->hv, l->dk, l->dv,
-                          l->kernel, l->gdn_work);
-        }
-        if (project(&l->mix_out, s->mid, s->x)) return 1;
-        s->add_rms_norm(s->h, s->x, l->post_scale, l->post_eps, n, s->h, s->y);
-        if (project(&l->gate_up, s->y, s->proj)) return 1;
-        s->silu_mul(s->proj, s->proj + l->inter, s->mid, l->inter);
-        if (project(&l->down, s->mid, s->x)) return 1;
-    }
-    s->add_rms_norm(s->h, s->x, s->final_scale, s->final_eps, n, s->h, s->y);
-    if (project(&s->head, s->y, s->head_row)) return 1;
-    for (int64_t r = 0; r < s->head.rows; r++) logits[r] = bf16_to_f32(s->head_row[r]);
-    return 0;
-}
-
-/* The decode rows of several sequences, each its own sequence's next row: the projections' kernels
- * for m rows (as the layers' bound kernels run m rows, BoundKernels), `set(which, m)` below. */
-struct rows_step {
-    const struct step *s;
-    /* [(layers * 4 + 1) * rows_max]: layer i's mix_in, mix_out, gate_up and down, then the head,
-     * each for 1..rows_max rows; more rows go rows_max at a time. */
-    const struct proj *proj;
-    int64_t rows_max;
-    /* A GDN layer's rows in one call (decode_bf16.c's gdn_decode_rows_bf16, each row's bits as
-     * gdn_decode gives them) with its scratch for `capacity` rows (gdn_work_floats each). */
-    gdn_decode_rows_fn gdn_decode_rows;
-    float *gdn_work;
-    /* Scratch for up to `capacity` rows, laid out as the step's, a row after another. */
-    int64_t capacity;
-    uint16_t *h, *x, *y, *proj_out, *mid, *head_row;
-};
-
-static int project_set(const struct rows_step *d, int64_t which, const uint16_t *x, uint16_t *y, int64_t rows) {
-    const struct proj *first = &d->proj[which * d->rows_max];
-    for (int64_t r0 = 0; r0 < rows; r0 += d->rows_max) {
-        const int64_t m = rows - r0 < d->rows_max ? rows - r0 : d->rows_max;
+static int project_set(const struct step *s, int64_t which, const uint16_t *x, uint16_t *y, int64_t rows) {
+    const struct proj *first = &s->proj[which * s->rows_max];
+    for (int64_t r0 = 0; r0 < rows; r0 += s->rows_max) {
+        const int64_t m = rows - r0 < s->rows_max ? rows - r0 : s->rows_max;
         const struct proj *p = &first[m - 1];
         if (project_rows(p, x + r0 * p->n, y + r0 * p->rows, m)) return 1;
     }
     return 0;
 }
 
-/* `rows` sequences' decode rows in one call: row r is the embedding row embed[r] at position
- * pos[r] (cos[r], sin[r] its rotary row), its sequence's state per layer seq[r]; fp32 logits
- * [rows, head rows]. Each row gets the bits decode_step_bf16 gives it alone wherever the kernels
- * for m rows sum each row as the one-row kernel does (a batch-invariant set's: the only sets this
- * runs for); the work between the projections runs row by row, the same calls. Returns as
- * decode_step_bf16, and 3 when `rows` exceeds the scratch's capacity. */
-int decode_rows_bf16(const struct rows_step *d, int64_t rows, const uint16_t *const *embed, const int64_t *pos, const float *const *cos,
+/* `rows` sequences' decode rows in one call, each its own sequence's next row: row r is the
+ * embedding row embed[r] at position pos[r] (cos[r], sin[r] its rotary row), its sequence's state
+ * per layer seq[r]; fp32 logits [rows, head rows]. Several rows run each projection's kernel for
+ * that many rows, which sums each row as the one-row kernel does where the set is batch-invariant
+ * (the only sets that pass several rows here); the work between the projections runs row by row,
+ * the same calls. Returns 0; 1 when a projection failed (its scratch could not be allocated), 2
+ * when a block table held ids outside its pool, 3 when `rows` exceeds the scratch's capacity. */
+int decode_rows_bf16(const struct step *s, int64_t rows, const uint16_t *const *embed, const int64_t *pos, const float *const *cos,
                      const float *const *sin, const struct seq_layer *const *seq, float *logits) {
-    const struct step *s = d->s;
     const int64_t n = s->hidden;
-    if (rows > d->capacity) return 3;
-    for (int64_t r = 0; r < rows; r++) memcpy(d->h + r * n, embed[r], (size_t)n * sizeof(uint16_t));
+    if (rows > s->capacity) return 3;
+    for (int64_t r = 0; r < rows; r++) memcpy(s->h + r * n, embed[r], (size_t)n * sizeof(uint16_t));
     for (int64_t i = 0; i < s->layers; i++) {
         const struct layer *l = &s->layer[i];
+        const int64_t in_rows = s->proj[i * 4 * s->rows_max].rows, mid = s->proj[(i * 4 + 1) * s->rows_max].n;
+        /* The residual stream arrives as h + x (x not yet added in the first layer). */
         for (int64_t r = 0; r < rows; r++)
-            s->add_rms_norm(d->h + r * n, i ? d->x + r * n : NULL, l->in_scale, l->in_eps, n, i ? d->h + r * n : NULL, d->y + r * n);
-        if (project_set(d, i * 4, d->y, d->proj_out, rows)) return 1;
-        const int64_t in_rows = l->mix_in.rows, mid = l->mix_out.n;
+            s->add_rms_norm(s->h + r * n, i ? s->x + r * n : NULL, l->in_scale, l->in_eps, n, i ? s->h + r * n : NULL, s->y + r * n);
+        if (project_set(s, i * 4, s->y, s->proj_out, rows)) return 1;
         if (l->full) {
             for (int64_t r = 0; r < rows; r++) {
                 const struct seq_layer *q = &seq[r][i];
                 const int64_t splits = attention_splits(s, pos[r], l->kv_heads, l->head_dim, q->block_size);
-                if (s->attention_decode(d->proj_out + r * in_rows, l->q_scale, l->k_scale, l->qk_eps, cos[r], sin[r], q->k_pool, q->v_pool,
+                if (s->attention_decode(s->proj_out + r * in_rows, l->q_scale, l->k_scale, l->qk_eps, cos[r], sin[r], q->k_pool, q->v_pool,
                                         q->num_blocks, q->table, q->block_size, pos[r], l->heads, l->kv_heads, l->head_dim, l->half,
-                                        l->attn_scale, d->mid + r * mid, l->attn_work, splits))
+                                        l->attn_scale, s->mid + r * mid, l->attn_work, splits))
                     return 2;
             }
+        } else if (rows == 1) {
+            s->gdn_decode(s->proj_out, l->taps, seq[0][i].conv, l->neg_a, l->dt_bias, l->norm_w, l->norm_eps, seq[0][i].state, s->mid, l->hk,
+                          l->hv, l->dk, l->dv, l->kernel, s->gdn_work);
         } else {
             uint16_t *conv[rows];
             float *state[rows];
             for (int64_t r = 0; r < rows; r++) conv[r] = seq[r][i].conv, state[r] = seq[r][i].state;
-            d->gdn_decode_rows(d->proj_out, in_rows, rows, l->taps, conv, l->neg_a, l->dt_bias, l->norm_w, l->norm_eps, state, d->mid, l->hk, l->hv,
-                               l->dk, l->dv, l->kernel, d->gdn_work);
+            s->gdn_decode_rows(s->proj_out, in_rows, rows, l->taps, conv, l->neg_a, l->dt_bias, l->norm_w, l->norm_eps, state, s->mid, l->hk, l->hv,
+                               l->dk, l->dv, l->kernel, s->gdn_work);
         }
-        if (project_set(d, i * 4 + 1, d->mid, d->x, rows)) return 1;
-        for (int64_t r = 0; r < rows; r++) s->add_rms_norm(d->h + r * n, d->x + r * n, l->post_scale, l->post_eps, n, d->h + r * n, d->y + r * n);
-        if (project_set(d, i * 4 + 2, d->y, d->proj_out, rows)) return 1;
+        if (project_set(s, i * 4 + 1, s->mid, s->x, rows)) return 1;
+        for (int64_t r = 0; r < rows; r++) s->add_rms_norm(s->h + r * n, s->x + r * n, l->post_scale, l->post_eps, n, s->h + r * n, s->y + r * n);
+        if (project_set(s, i * 4 + 2, s->y, s->proj_out, rows)) return 1;
         for (int64_t r = 0; r < rows; r++) {
-            const uint16_t *gu = d->proj_out + r * 2 * l->inter;
-            s->silu_mul(gu, gu + l->inter, d->mid + r * l->inter, l->inter);
+            const uint16_t *gu = s->proj_out + r * 2 * l->inter;
+            s->silu_mul(gu, gu + l->inter, s->mid + r * l->inter, l->inter);
         }
-        if (project_set(d, i * 4 + 3, d->mid, d->x, rows)) return 1;
+        if (project_set(s, i * 4 + 3, s->mid, s->x, rows)) return 1;
     }
-    for (int64_t r = 0; r < rows; r++) s->add_rms_norm(d->h + r * n, d->x + r * n, s->final_scale, s->final_eps, n, d->h + r * n, d->y + r * n);
-    if (project_set(d, s->layers * 4, d->y, d->head_row, rows)) return 1;
-    const int64_t vocab = s->head.rows;
-    for (int64_t k = 0; k < rows * vocab; k++) logits[k] = bf16_to_f32(d->head_row[k]);
+    for (int64_t r = 0; r < rows; r++) s->add_rms_norm(s->h + r * n, s->x + r * n, s->final_scale, s->final_eps, n, s->h + r * n, s->y + r * n);
+    if (project_set(s, s->layers * 4, s->y, s->head_row, rows)) return 1;
+    const int64_t vocab = s->proj[s->layers * 4 * s->rows_max].rows;
+    for (int64_t k = 0; k < rows * vocab; k++) logits[k] = bf16_to_f32(s->head_row[k]);
     return 0;
+}
+
+/* One sequence's step: decode_rows_bf16 of one row, its arguments as they are (no arrays for the
+ * caller to build per token). */
+int decode_step_bf16(const struct step *s, const uint16_t *embed, int64_t pos, const float *cos, const float *sin, const struct seq_layer *seq,
+                     float *logits) {
+    return decode_rows_bf16(s, 1, &embed, &pos, &cos, &sin, &seq, logits);
 }
 
 /* The greedy token of a step's logits: the first index of the largest value, and the first NaN
