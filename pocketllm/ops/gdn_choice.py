@@ -45,7 +45,7 @@ def npu_op_present() -> bool:
     return hasattr(torch_npu, "npu_chunk_gated_delta_rule")
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     """A torch dtype's name (float32, bfloat16, ...); a name stays itself."""
     return str(dtype).removeprefix("torch.")
 
@@ -54,7 +54,7 @@ def choose_gdn_kernel(device_type: str, dtype, forced: str, have_fla: bool, have
     """The kernel for a run, from what it asks (`forced`, read from the variable `source`) and
     what is installed; no device is touched."""
     forced = forced.strip().lower()
-    dname = _dtype_name(dtype)
+    dname = dtype_name(dtype)
     if not forced:
         if device_type == "cuda" and have_fla:
             if dname in FLA_DTYPES:

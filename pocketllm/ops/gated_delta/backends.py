@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from pocketllm.ops.gdn_choice import ENV, GdnKernelError, KernelChoice, plan_gdn_kernel
+from pocketllm.ops.gdn_choice import ENV, GdnKernelError, KernelChoice, dtype_name, plan_gdn_kernel
 from pocketllm.switches import env_setting
 from pocketllm.ops.device import triton_missing
 from pocketllm.ops.gated_delta import fla_adapter, npu_adapter
@@ -58,10 +58,6 @@ class GdnKernel:
 
     def describe(self) -> str:
         return f"{self.name} ({self.reason})"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def probe_inputs(device, dtype, shape=PROBE_SHAPE, seed: int = 0):
@@ -169,7 +165,7 @@ def _npu_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, 
         if why is None:
             state = "fp32 state" if state_dtype == torch.float32 else "state rounded to bf16 per prefill: the op refused fp32"
             return GdnKernel("npu", f"{choice.reason}, {state}", prefill, gated_delta_step_torch_), None
-        whys.append(f"{_dtype_name(state_dtype)} state: {why}")
+        whys.append(f"{dtype_name(state_dtype)} state: {why}")
     return None, "; ".join(whys)
 
 
