@@ -117,6 +117,17 @@ static inline __m256 block_sum(__m256i v, __m256i xv) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v)), _mm256_set1_epi16(1)));
 }
 
+/* Blocks b and b + 1 of a weight row (v0, v1) against C x rows into their sums a0 and a1. */
+static inline __attribute__((always_inline)) void block_pair(const int8_t *xq, int64_t xbytes, int64_t nb, int C, int64_t b, __m256i v0, __m256i v1,
+                                                             __m256 *a0, __m256 *a1) {
+    UNROLL for (int c = 0; c < C; c++) {
+        const int8_t *xs = xq + c * xbytes;
+        const float *d = (const float *)(xs + nb * 32) + b;
+        a0[c] = _mm256_fmadd_ps(block_sum(v0, _mm256_loadu_si256((const __m256i *)(xs + b * 32))), _mm256_broadcast_ss(d), a0[c]);
+        a1[c] = _mm256_fmadd_ps(block_sum(v1, _mm256_loadu_si256((const __m256i *)(xs + b * 32 + 32))), _mm256_broadcast_ss(d + 1), a1[c]);
+    }
+}
+
 /* Weight row r against x rows c0.. (C of them) over blocks b0..b1, each x row's two sums carried in
  * acc (a0's eight floats, then a1's) from one range of blocks to the next. Blocks go alternately
  * into a0 and a1 counting from block 0, so ranges that start at even blocks sum every block where
@@ -124,32 +135,18 @@ static inline __m256 block_sum(__m256i v, __m256i xv) {
  * for into L2 pf bytes ahead (the blocked form's next rows). */
 static inline __attribute__((always_inline)) void tile_acc(const struct q8v *q, int64_t r, int64_t c0, int C, int64_t b0, int64_t b1, float *acc, int64_t pf) {
     const int64_t nb = blocks(q->n), xbytes = xq_bytes(q->n);
-    const int8_t *xq = q->xq + c0 * xbytes;
+    const int8_t *xq = q->xq + c0 * xbytes, *wr = q->w + r * q->n;
     __m256 a0[TILE_C], a1[TILE_C];
     UNROLL for (int c = 0; c < C; c++) a0[c] = _mm256_loadu_ps(acc + 16 * c), a1[c] = _mm256_loadu_ps(acc + 16 * c + 8);
     int64_t b = b0;
-    /* Block pairs wholly inside the row: loaded as they are (block() pads a row's last part). */
-    const int64_t whole = min64(b1, q->n / 32);
-    const int8_t *wr = q->w + r * q->n;
-    for (; b + 2 <= whole; b += 2) {
+    /* Block pairs wholly inside the row load as they are; block() pads the row's last part. */
+    for (const int64_t whole = min64(b1, q->n / 32); b + 2 <= whole; b += 2) {
         if (pf) prefetch_weight((const char *)(wr + b * 32) + pf, PF_L2);
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), v1 = _mm256_loadu_si256((const __m256i *)(wr + b * 32 + 32));
-        UNROLL for (int c = 0; c < C; c++) {
-            const int8_t *xs = xq + c * xbytes;
-            const float *d = (const float *)(xs + nb * 32) + b;
-            a0[c] = _mm256_fmadd_ps(block_sum(v0, _mm256_loadu_si256((const __m256i *)(xs + b * 32))), _mm256_broadcast_ss(d), a0[c]);
-            a1[c] = _mm256_fmadd_ps(block_sum(v1, _mm256_loadu_si256((const __m256i *)(xs + b * 32 + 32))), _mm256_broadcast_ss(d + 1), a1[c]);
-        }
+        block_pair(xq, xbytes, nb, C, b, _mm256_loadu_si256((const __m256i *)(wr + b * 32)), _mm256_loadu_si256((const __m256i *)(wr + b * 32 + 32)), a0, a1);
     }
     for (; b + 2 <= b1; b += 2) {
-        if (pf) prefetch_weight((const char *)(q->w + r * q->n + b * 32) + pf, PF_L2);
-        const __m256i v0 = block(q, r, b), v1 = block(q, r, b + 1);
-        UNROLL for (int c = 0; c < C; c++) {
-            const int8_t *xs = xq + c * xbytes;
-            const float *d = (const float *)(xs + nb * 32) + b;
-            a0[c] = _mm256_fmadd_ps(block_sum(v0, _mm256_loadu_si256((const __m256i *)(xs + b * 32))), _mm256_broadcast_ss(d), a0[c]);
-            a1[c] = _mm256_fmadd_ps(block_sum(v1, _mm256_loadu_si256((const __m256i *)(xs + b * 32 + 32))), _mm256_broadcast_ss(d + 1), a1[c]);
-        }
+        if (pf) prefetch_weight((const char *)(wr + b * 32) + pf, PF_L2);
+        block_pair(xq, xbytes, nb, C, b, block(q, r, b), block(q, r, b + 1), a0, a1);
     }
     if (b < b1) { /* an odd last block goes into the first sum */
         const __m256i v0 = block(q, r, b);
