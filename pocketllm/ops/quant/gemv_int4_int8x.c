@@ -168,9 +168,6 @@ static inline void scales_f32(const void *s, int64_t kind, int64_t i, int64_t co
 /* Inputs a step of the tile below converts its rows' scales for at a time. */
 #define SCALE_RUN 1024
 
-/* One row's half-step (64 inputs, 32 weight bytes v) against C x rows: xe, xo, st, sx the x
- * rows' parts for this half; each lane's exact int32 sum, scaled by its x block and sw. Every
- * tile form runs it, so a (weight row, x row) pair is summed alike in all of them. */
 /* The C x rows' parts for half h of step e (xe, xo, st, sx), declared and held in registers for
  * the tile's rows (the empty asm: left to the compiler they were read again by every row's
  * instructions, four more loads a row). */
@@ -185,6 +182,9 @@ static inline void scales_f32(const void *s, int64_t kind, int64_t i, int64_t co
         sx[c] = _mm256_loadu_ps((const float *)(xs_ + 192) + 8 * (h)); \
         __asm__("" : "+x"(xe[c]), "+x"(xo[c]), "+x"(st[c]), "+x"(sx[c])); \
     }
+/* One row's half-step (64 inputs, 32 weight bytes v) against C x rows: xe, xo, st, sx the x
+ * rows' parts for this half; each lane's exact int32 sum, scaled by its x block and sw. Every
+ * tile form runs it, so a (weight row, x row) pair is summed alike in all of them. */
 #define HALF_ROW(v, acc_r, sw) do { \
         const __m256i lo_ = _mm256_and_si256(v, low), hi_ = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
         UNROLL for (int c = 0; c < C; c++) { \
@@ -193,6 +193,12 @@ static inline void scales_f32(const void *s, int64_t kind, int64_t i, int64_t co
             acc_r[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t_), sx[c]), sw, acc_r[c]); \
         } \
     } while (0)
+
+/* A half's weight scales per lane from a row's fp32 run at p: lanes 0-3 from p[0], lanes 4-7 from
+ * p[1] with `pick` (0,0,0,0,1,1,1,1: groups of 32), else all from p[0] (pick zero). */
+static inline __m256 half_scales(const float *p, __m256i pick) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)p))), pick);
+}
 
 /* The tile's whole steps e0..ew (128 inputs each, both halves' 32 weight bytes present), the
  * rows' scales for the run from e0 in sc. Groups of 32 give a half two scales (lanes 0-3 and 4-7),
@@ -207,8 +213,7 @@ static inline __attribute__((always_inline)) void whole_steps(const struct q4v *
             X_HALF(e, h);
             const int64_t si = (e - e0 + 64 * h) >> lg;
             UNROLL for (int r = 0; r < R; r++) {
-                const __m256 sw = g32 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + si)))), pick)
-                                      : _mm256_broadcast_ss(sc[r] + si);
+                const __m256 sw = g32 ? half_scales(sc[r] + si, pick) : _mm256_broadcast_ss(sc[r] + si);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + e / 2 + 32 * h));
                 HALF_ROW(v, acc[r], sw);
             }
@@ -251,7 +256,7 @@ static inline __attribute__((always_inline)) void tile(const struct q4v *q, int6
                 X_HALF(e, h);
                 const int64_t si = (i0 - e0) >> lg;
                 UNROLL for (int r = 0; r < R; r++) {
-                    const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + si)))), pick);
+                    const __m256 sw = half_scales(sc[r] + si, pick);
                     uint8_t tail[32] = {0};
                     memcpy(tail, wr[r] + i0 / 2, (size_t)min64(left, 32));
                     const __m256i v = _mm256_loadu_si256((const __m256i *)tail);
