@@ -71,9 +71,9 @@ def test_every_candidate_matches_the_reference(fmt, row_class):
     scheme = qc.parse_format(fmt)[0]
     if row_class != qc.MANY and not fmt.endswith("asym") and not native.int8x_unavailable(scheme=scheme):
         expected |= {"c-int8x"} | ({"c-int8x-l2"} if scheme == "int4" else set())
-    if row_class == qc.FEW and fmt == "int8" and not native.int8x_four_unavailable():
+    if row_class == qc.FEW and fmt == "int8" and not native.int8x_form_unavailable("four"):
         expected |= {"c-int8x-4"}
-    if row_class == qc.FEW and fmt == "int8" and not native.int8x_blocked_unavailable():
+    if row_class == qc.FEW and fmt == "int8" and not native.int8x_form_unavailable("blocked"):
         expected |= {"c-int8x-blocked"}
     if row_class == qc.MANY and not native.int8x_many_unavailable():
         expected |= {"c-int8x-gemm"}
@@ -141,8 +141,8 @@ def test_int8_x_few_rows_equal_one_row_bit_for_bit(fmt, variant):
         assert torch.equal(batch, singles[:m]), f"{variant} {fmt}: {m} rows differ from one row at a time"
     if scheme == "int8":
         # Four weight rows a tile (13 rows: three whole tiles and one row) where the build has it.
-        four = native.gemv(0, variant, int8_x=True, four=True)
-        if native.int8x_four_unavailable(variant):
+        four = native.gemv(0, variant, int8_x=True, form="four")
+        if native.int8x_form_unavailable("four", variant):
             with pytest.raises(RuntimeError, match="no four-row int8-x tile"):
                 four(x[:2].contiguous(), qw, torch.empty(2, 13, dtype=torch.bfloat16))
             return
@@ -158,8 +158,8 @@ def test_int8_x_blocked_rows_equal_one_row_bit_for_bit(variant):
     # block), so that with eight or more x rows the sums are carried over several ranges of inputs.
     qw = weight("int8", 70, 2080)
     x = torch.randn(16, 2080, dtype=torch.bfloat16)
-    blocked = native.gemv(0, variant, int8_x=True, blocked=True)
-    if native.int8x_blocked_unavailable(variant):
+    blocked = native.gemv(0, variant, int8_x=True, form="blocked")
+    if native.int8x_form_unavailable("blocked", variant):
         with pytest.raises(RuntimeError, match="no blocked int8-x form"):
             blocked(x[:2].contiguous(), qw, torch.empty(2, 70, dtype=torch.bfloat16))
         return

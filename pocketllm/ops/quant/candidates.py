@@ -168,18 +168,16 @@ def _int8x_pair(rows: str) -> tuple[QuantCandidate, QuantCandidate]:
 def _int8x_form(name: str, form: str, what: str) -> QuantCandidate:
     """int8's c-int8x few-row kernel in another form ("four" or "blocked"): the same bits, on the
     builds that have it."""
-    missing = {"four": native.int8x_four_unavailable, "blocked": native.int8x_blocked_unavailable}[form]
-
     def unavailable(fmt: str, device: torch.device) -> str:
         why = _compiled_unavailable("int8x")(fmt, device)
         if why:
             return why
-        return f"{name} takes int8 weights" if fmt != "int8" else missing()
+        return f"{name} takes int8 weights" if fmt != "int8" else native.int8x_form_unavailable(form)
 
     return QuantCandidate(
-        name, FEW, native.gemv(0, int8_x=True, **{form: True}), what, "int8; x rounded to int8", unavailable, native.prepare, "checked",
+        name, FEW, native.gemv(0, int8_x=True, form=form), what, "int8; x rounded to int8", unavailable, native.prepare, "checked",
         (native.SOURCES["int8-int8x"],), rounds_x=True,
-        built_for=lambda isa: None if missing(isa) else native.gemv(0, isa, int8_x=True, **{form: True}),
+        built_for=lambda isa: None if native.int8x_form_unavailable(form, isa) else native.gemv(0, isa, int8_x=True, form=form),
     )
 
 

@@ -223,7 +223,12 @@ def blocked_product(x: torch.Tensor, w: CompiledWeight, out: torch.Tensor, block
             out2[:, o0:o1] = xc @ blk.t()
 
 
-def _function(scheme: str, variant: str, int8_x: bool, four: bool = False, many: bool = False, blocked: bool = False):
+# int8's int8-x few-row kernel in another form, each with the same bits (gemv_int8_int8x.c): its
+# entry point, and what a build without it lacks.
+INT8X_FORMS = {"four": ("q8x_gemm4", "four-row int8-x tile"), "blocked": ("q8x_gemm_blocked", "blocked int8-x form (AVX2 has it)")}
+
+
+def _function(scheme: str, variant: str, int8_x: bool, form: str = "", many: bool = False):
     if many:
         lib, why = library("int8x-many", variant)
         if lib is None:
@@ -233,28 +238,21 @@ def _function(scheme: str, variant: str, int8_x: bool, four: bool = False, many:
     lib, why = library(source, variant)
     if lib is None:
         raise RuntimeError(why)
-    if four or blocked:
+    if form:
         if source != "int8-int8x":
-            raise ValueError(f"the {'four-row' if four else 'blocked'} int8-x form takes int8 weights, got {scheme}")
-        return lib.q8x_gemm4 if four else lib.q8x_gemm_blocked
+            raise ValueError(f"the {INT8X_FORMS[form][1]} takes int8 weights, got {scheme}")
+        return getattr(lib, INT8X_FORMS[form][0])
     return getattr(lib, {"int4": "q4_gemm", "int8": "q8_gemm", "int4-int8x": "q4x_gemm", "int8-int8x": "q8x_gemm"}[source])
 
 
-def int8x_four_unavailable(variant: str = "native") -> str:
-    """Why int8's four-weight-row int8-x tile (q8x_gemm4) cannot run here ("" when it can)."""
+def int8x_form_unavailable(form: str, variant: str = "native") -> str:
+    """Why int8's int8-x kernel in `form` (INT8X_FORMS: "four" weight rows a tile, AVX-512 VNNI;
+    "blocked" for the caches, AVX2) cannot run here ("" when it can)."""
     lib, why = library("int8-int8x", variant)
     if lib is None:
         return why
-    return "" if lib.q8x_tile_rows() >= 4 else f"no four-row int8-x tile in the {isa('int8-int8x', variant)} build"
-
-
-def int8x_blocked_unavailable(variant: str = "native") -> str:
-    """Why int8's int8-x kernel blocked for the caches (q8x_gemm_blocked) cannot run here ("" when
-    it can): the AVX2 build has it."""
-    lib, why = library("int8-int8x", variant)
-    if lib is None:
-        return why
-    return "" if lib.q8x_has_blocked() else f"no blocked int8-x form in the {isa('int8-int8x', variant)} build (AVX2 has it)"
+    built = lib.q8x_tile_rows() >= 4 if form == "four" else bool(lib.q8x_has_blocked())
+    return "" if built else f"no {INT8X_FORMS[form][1]} in the {isa('int8-int8x', variant)} build"
 
 
 def int8x_many_unavailable(variant: str = "native") -> str:
@@ -267,22 +265,21 @@ def int8x_many_unavailable(variant: str = "native") -> str:
 NON_TEMPORAL, ALL_LEVELS, L2 = 0, 1, 2
 
 
-def gemv(prefetch: int, variant: str = "native", where: int = NON_TEMPORAL, int8_x: bool = False, four: bool = False, many: bool = False, blocked: bool = False):
+def gemv(prefetch: int, variant: str = "native", where: int = NON_TEMPORAL, int8_x: bool = False, form: str = "", many: bool = False):
     """The compiled one-row/few-row kernel for either scheme, each weight load prefetched `prefetch`
     bytes ahead (0: none) to `where` (NON_TEMPORAL, ALL_LEVELS or L2): run(x, w, out), x [in] or [m, in],
     w a QuantizedWeight or its CompiledWeight, out [out] or [m, out]. The C takes bf16 activations;
     fp16 and fp32 ones (an fp32 run's) go through fp32 blocks of the weight into torch's GEMM,
     which multiplies the reference's very weights. `int8_x`: the scheme's int8-x kernel
     (gemv_int4_int8x.c for symmetric int4, gemv_int8_int8x.c), which rounds bf16 x to int8 first;
-    with `four`, int8's four-weight-row tile, with `blocked`, int8's form blocked for the caches
-    (the same bits each); with `many`, the many-row int8-x GEMM (gemm_int8x.c: int8 or int4 with
-    or without zero points, x rounded as int8_x rounds it)."""
-    form = ", four rows" if four else ", blocked" if blocked else ""
-    name = f"quantized {'GEMM' if many else 'GEMV'} ({variant}{', int8 x' if int8_x or many else ''}{form})"
+    `form` one of INT8X_FORMS: int8's int8-x kernel four weight rows a tile or blocked for the
+    caches (the same bits each); with `many`, the many-row int8-x GEMM (gemm_int8x.c: int8 or int4
+    with or without zero points, x rounded as int8_x rounds it)."""
+    name = f"quantized {'GEMM' if many else 'GEMV'} ({variant}{', int8 x' if int8_x or many else ''}{', ' + form if form else ''})"
     fns = {}  # scheme -> its C function, looked up (and built) on the first call
 
     def fn_for(scheme: str):
-        return fns.get(scheme) or fns.setdefault(scheme, _function(scheme, variant, int8_x, four, many, blocked))
+        return fns.get(scheme) or fns.setdefault(scheme, _function(scheme, variant, int8_x, form, many))
 
     def run(x, w, out) -> None:
         if type(w) is not CompiledWeight:
@@ -294,7 +291,7 @@ def gemv(prefetch: int, variant: str = "native", where: int = NON_TEMPORAL, int8
         fn = fn_for(w.scheme)
         rc = fn(w.address, x.data_ptr(), out.data_ptr(), m, prefetch, where)
         if rc != 0:
-            _failed(name, rc, w, m, variant, four, many, blocked)
+            _failed(name, rc, w, m, variant, form, many)
 
     def native(w) -> tuple | None:
         """This kernel on a prepared weight as compiled code calls it (ops/fused/step_bf16.c, bf16
@@ -307,16 +304,14 @@ def gemv(prefetch: int, variant: str = "native", where: int = NON_TEMPORAL, int8
     return run
 
 
-def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str, four: bool = False, many: bool = False, blocked: bool = False) -> None:
+def _failed(name: str, rc: int, w: CompiledWeight, m: int, variant: str, form: str = "", many: bool = False) -> None:
     """The one error a compiled GEMV's return code `rc` stands for (checked off the hot path)."""
     if rc == -1:
         raise MemoryError(f"{name}: no memory for x's scratch ({m} x {w.in_features})")
     if many:
         raise RuntimeError(f"{name}: {int8x_many_unavailable(variant) or f'returned {rc}'}")
-    if four and int8x_four_unavailable(variant):
-        raise RuntimeError(f"{name}: {int8x_four_unavailable(variant)}")
-    if blocked and int8x_blocked_unavailable(variant):
-        raise RuntimeError(f"{name}: {int8x_blocked_unavailable(variant)}")
+    if form and int8x_form_unavailable(form, variant):
+        raise RuntimeError(f"{name}: {int8x_form_unavailable(form, variant)}")
     if w.scheme == "int4" and w.qw.zeros is not None:
         raise ValueError(f"{name}: takes symmetric int4 weights, got int4 with zero points")
     raise RuntimeError(f"{name}: {isa(f'{w.scheme}-int8x', variant)}")
