@@ -24,6 +24,8 @@ import sys
 import torch
 
 from pocketllm.engine.timing import TimedRun
+from pocketllm.errors import UsageError
+from pocketllm.flags import parse_positive_list
 from pocketllm.inputs import bench_ids
 from pocketllm.model_args import parse_dtype
 from common import PocketRunner, alternate, checkpoint_dir, gemv_only_step_seconds, projection_weights, spread
@@ -42,11 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     try:
-        args.batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        p.error(f"--batches takes comma-separated integers, got {args.batches!r}")
-    if min(args.batches) < 1 or args.steps < 1 or args.reps < 1:
-        p.error("--batches, --steps and --reps must be at least 1")
+        args.batches = parse_positive_list(args.batches, "--batches")
+    except UsageError as exc:
+        p.error(str(exc))
+    if args.steps < 1 or args.reps < 1:
+        p.error("--steps and --reps must be at least 1")
     return args
 
 
