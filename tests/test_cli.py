@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-
 # Runs the CLI in a fresh interpreter and fails if torch got imported along the way.
 PROBE = """
 import sys
@@ -37,4 +36,3 @@ def test_a_command_still_gets_its_own_flags():
     done = subprocess.run([sys.executable, "-m", "pocketllm", "policy", "--rows", "4096", "--pin-slices", "2"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "rows=4096 slices=2"
-
