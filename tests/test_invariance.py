@@ -18,6 +18,8 @@ from conftest import tiny_engine
 from pocketllm.engine.generate import generate
 from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import Scheduler
+from pocketllm.ops.gemv import panels
+from pocketllm.ops.registry import layout
 from pocketllm.presets import get_preset
 
 torch.set_num_threads(2)
@@ -32,11 +34,17 @@ LENGTHS = (1, 60, 5, 70, 100, 33)
 PARAMS = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=5)] * 3
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["rows", "panels"])
+def engine(request):
     """The measured kernels (tests/test_gemv.py checks the one-row kernel run row by row, where no
-    few-row kernel sums like it)."""
-    engine = tiny_engine(torch.bfloat16, cfg=WIDE)
+    few-row kernel sums like it), the bf16 weights held as loaded and in panels
+    (tests/test_panels.py; where the CPU has no AVX2, panels are not offered)."""
+    if request.param == "panels" and panels.unavailable():
+        pytest.skip(f"panels: {panels.unavailable()}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(layout.ENV, request.param)
+        engine = tiny_engine(torch.bfloat16, cfg=WIDE)
+    assert engine.layout.layout == request.param
     engine.prefill_chunk = CHUNK
     return engine
 
@@ -52,7 +60,7 @@ def test_a_decode_row_and_a_prompt_chunk_get_the_same_logits_in_any_pass(engine)
     engine.reserve_slots(6, 200)
     if engine.kernels.choices and "mv" not in engine.model.layers[0].mlp.down.kernels.names["one-row"]:
         # The measured set: decode steps of several rows run a compiled few-row kernel.
-        assert engine.model.layers[0].mlp.down.kernels.names["4-row"] in ("c", "c-prefetch", "c-ahead", "c-next")
+        assert engine.model.layers[0].mlp.down.kernels.names["4-row"] in ("c", "c-prefetch", "c-ahead", "c-next", "c-6")
 
     def prefill(slots):
         for s in slots:

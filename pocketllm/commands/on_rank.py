@@ -75,6 +75,7 @@ def load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         if plan.cfg.weights is not None:
             on = "" if device.torch_device.type == "cpu" else f"; dequantized to {dtype} on {device.torch_device.type}, the quantized kernels being CPU-only"
             say(plan.cfg.weights.describe() + on)
+        say(engine.layout.describe())
         for line in engine.kernels.describe():
             say(line)
         say(engine.model.decode_ops.describe())

@@ -22,6 +22,7 @@ from pocketllm.layers.context import PassShape
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
 from pocketllm.ops.registry import KernelSet
+from pocketllm.ops.registry.layout import choose_layout
 from pocketllm.profiling.scopes import recording
 
 # Batch-invariant on a CPU (PassShape.invariant_cuts), a sequence's prompt rows run in segments
@@ -90,6 +91,11 @@ class Engine:
         # The kernels the projections run, measured here (or read from this machine's cache and
         # checked), each projection bound to its own. The other ranks measure at the same time:
         # their CPU time is no sign of a busy machine.
+        # How the bf16 weights are held (rows or panels, ops.registry.layout), before the
+        # kernels of that layout are measured.
+        self.layout = choose_layout(self.model.projection_weights())
+        if self.layout.layout == "panels":
+            self.model.hold_in_panels()
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
         # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes.
         self.invariant = self.kernels.invariant

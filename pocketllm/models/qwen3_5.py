@@ -18,6 +18,8 @@ from pocketllm.layers.mlp import MLP
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
 from pocketllm.ops.fused import decode_ops
+from pocketllm.ops.gemv import panels
+from pocketllm.ops.registry import default_kernels
 from pocketllm.profiling.scopes import scope
 
 
@@ -76,6 +78,22 @@ class Qwen35ForCausalLM(nn.Module):
 
     def projection_weights(self) -> list:
         return [m.weight for m in self.projections()]
+
+    def hold_in_panels(self) -> int:
+        """Every bf16 CPU projection weight replaced by the same weight in panels
+        (ops.gemv.panels), one at a time, the row-major tensor let go; a head tied to the
+        embedding keeps the embedding's. Returns how many were."""
+        count = 0
+        for m in self.projections():
+            w = m.weight
+            if not (isinstance(w, torch.Tensor) and w.dtype is torch.bfloat16 and w.dim() == 2 and w.is_cpu) or w is self.embed.weight:
+                continue
+            packed = panels.pack(w.detach())
+            del m.weight
+            m.weight = packed
+            m.kernels = default_kernels(packed)
+            count += 1
+        return count
 
     def bind_kernels(self, kernels) -> None:
         """Bind every projection to its kernels in `kernels` (a registry KernelSet)."""

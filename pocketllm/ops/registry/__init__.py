@@ -58,7 +58,7 @@ Trust (trust.py, choose.py)
     renamed into place.
 """
 
-from pocketllm.ops.registry import float_kinds, quant_kinds  # noqa: F401 (registers the kinds)
+from pocketllm.ops.registry import float_kinds, panel_kinds, quant_kinds  # noqa: F401 (registers the kinds)
 from pocketllm.ops.registry.choose import NOT_CACHED_BUSY, NOT_CACHED_IMPLAUSIBLE, WASH, Choice, choose, pick
 from pocketllm.ops.registry.kernel_set import BoundKernels, KernelSet, default_kernels
 from pocketllm.ops.registry.kinds import (

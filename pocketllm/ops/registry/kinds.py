@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pocketllm.errors import UsageError
+from pocketllm.ops.gemv.panels import PanelWeight
 from pocketllm.ops.quant.layout import QuantizedWeight
 from pocketllm.switches import ENV_INVARIANT, ENV_KERNELS, env_switch, env_value, refuse_renamed
 
@@ -65,7 +66,10 @@ def few_rows_for(count: int) -> list[int]:
 
 def weight_format(w) -> str:
     """A weight's format, as kinds, candidates and cache keys name it: the dtype of a plain tensor
-    ("bfloat16", "float16", "float32"), "int8", or "int4-g<group>" (with "-asym" for zero points)."""
+    ("bfloat16", "float16", "float32"), "bfloat16-panels" (a PanelWeight), "int8", or
+    "int4-g<group>" (with "-asym" for zero points)."""
+    if isinstance(w, PanelWeight):
+        return PANELS
     if isinstance(w, QuantizedWeight):
         if w.scheme == "int8":
             return "int8"
@@ -78,8 +82,15 @@ def dtype_format(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# A bf16 weight held in panels (ops.gemv.panels): a format, and a family, of its own.
+PANELS = "bfloat16-panels"
+
+
 def format_family(fmt: str) -> str:
-    """The family a kind is declared for: "float" for every plain tensor, else the scheme."""
+    """The family a kind is declared for: "float" for every plain tensor, "panels" for a weight in
+    panels, else the scheme."""
+    if fmt == PANELS:
+        return "panels"
     if fmt.startswith("int4"):
         return "int4"
     return "int8" if fmt == "int8" else "float"
@@ -87,18 +98,18 @@ def format_family(fmt: str) -> str:
 
 def weight_bytes(w) -> int:
     """Bytes one product streams from the weight."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, PanelWeight)):
         return w.nbytes
     return w.numel() * w.element_size()
 
 
 def weight_rows(w, r0: int, r1: int):
     """Output rows r0:r1 of a weight (a probe cut from it)."""
-    return w.rows(r0, r1) if isinstance(w, QuantizedWeight) else w[r0:r1]
+    return w.rows(r0, r1) if isinstance(w, (QuantizedWeight, PanelWeight)) else w[r0:r1]
 
 
 def weight_device(w) -> torch.device:
-    return w.qweight.device if isinstance(w, QuantizedWeight) else w.device
+    return w.qweight.device if isinstance(w, QuantizedWeight) else w.device  # a PanelWeight has .device
 
 
 def always(fmt: str, device: torch.device) -> str:

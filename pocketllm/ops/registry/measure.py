@@ -73,8 +73,9 @@ def calls_for(kind: Kind, weights: list, rows: int, budget: int = PASS_BYTES) ->
 
 
 def _activation_dtype(w) -> torch.dtype:
-    # A quantized weight multiplies activations of its scales' dtype.
-    return w.dtype if isinstance(w, torch.Tensor) else w.scales.dtype
+    # A quantized weight multiplies activations of its scales' dtype; a tensor (or a PanelWeight)
+    # its own.
+    return w.scales.dtype if hasattr(w, "scales") else w.dtype
 
 
 def copy_rows(weights) -> dict[int, int]:

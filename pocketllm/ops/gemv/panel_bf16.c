@@ -1,0 +1,223 @@
+/* bf16 projections on weights held in panels: W [rows, n] stored as ceil(rows / 64) panels of 64
+ * rows, each panel input-major ([n][64]: the 64 rows' weights for input k, then for k + 1), rows
+ * past the last whole panel zero. One output is then one lane of a vector, and each is summed as
+ * one fp32 chain of fused multiply-adds over its inputs in order, whatever the call: one row (a
+ * decode step), a few (a decode step of several sequences) or many (a prefill) give a row the same
+ * bits (tests/test_panels.py holds them so).
+ *
+ * Why (docs/batching.md, panels): with rows in lanes, a one-row product keeps eight independent
+ * chains going while reading one stream, where a row-major row keeps two; and a few-row product
+ * broadcasts each x element against a whole weight vector, so a tile of four x rows by sixteen
+ * weight rows holds eight sums and reads one weight load and four broadcasts per eight FMAs, which
+ * the row-major tiles (two sums per pair, x rows as full vectors) cannot on AVX2's sixteen
+ * registers.
+ *
+ * Inside a panel, input k's 64 weights are four groups of 16 rows, each group one 256-bit load:
+ * its 32-bit lane j holds row j in the low half and row 8 + j in the high half, so shifting each
+ * lane left by 16 widens rows 0-7 to fp32 and masking off the low half widens rows 8-15, with no
+ * shuffle. Built where the compiler targets AVX2 with FMA; elsewhere panel_bf16_isa says why not
+ * and nothing is offered.
+ */
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../bf16.h"
+#include "../scratch.h"
+#include "../threads.h"
+
+#define PANEL 64 /* rows a panel holds */
+
+/* Where row r's weight for input k lies in a panel (r < PANEL). */
+static inline int64_t lane_of(int64_t r) {
+    const int64_t group = r / 16, j = r % 16;
+    return group * 16 + (j < 8 ? 2 * j : 2 * (j - 8) + 1);
+}
+
+/* w [rows, n] row-major -> panels [ceil(rows / 64) * n * 64], rows past `rows` zero. */
+void panel_pack_bf16(const uint16_t *w, uint16_t *p, int64_t rows, int64_t n) {
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels; q++) {
+        uint16_t *out = p + q * n * PANEL;
+        for (int64_t r = 0; r < PANEL; r++) {
+            const int64_t row = q * PANEL + r, at = lane_of(r);
+            if (row < rows)
+                for (int64_t k = 0; k < n; k++) out[k * PANEL + at] = w[row * n + k];
+            else
+                for (int64_t k = 0; k < n; k++) out[k * PANEL + at] = 0;
+        }
+    }
+}
+
+/* panels -> w [rows, n] row-major (panel_pack_bf16 undone). */
+void panel_unpack_bf16(const uint16_t *p, uint16_t *w, int64_t rows, int64_t n) {
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels; q++)
+        for (int64_t k0 = 0; k0 < n; k0 += 64) {
+            const int64_t k1 = k0 + 64 < n ? k0 + 64 : n;
+            for (int64_t row = q * PANEL; row < rows && row < (q + 1) * PANEL; row++) {
+                const uint16_t *in = p + q * n * PANEL + lane_of(row % PANEL);
+                for (int64_t k = k0; k < k1; k++) w[row * n + k] = in[k * PANEL];
+            }
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+const char *panel_bf16_isa(void) { return "avx2"; }
+
+static inline __m256 low_rows(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline __m256 high_rows(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+
+/* x [m, n] bf16 widened to fp32 (exact) into xw. */
+static void widen(const uint16_t *x, float *xw, int64_t count) {
+    for (int64_t i = 0; i < count; i++) xw[i] = bf16_to_f32(x[i]);
+}
+
+/* Eight fp32 lanes rounded to bf16 into y, only the first `valid` (a panel's last rows may be
+ * padding). */
+static inline void store_rows(__m256 v, uint16_t *y, int64_t valid) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    for (int64_t i = 0; i < 8 && i < valid; i++) y[i] = f32_to_bf16(f[i]);
+}
+
+/* y [rows] = W x for one bf16 row x: each thread a contiguous range of panels, each panel one
+ * stream of 128 bytes an input feeding eight chains. ahead > 0: each 64 bytes also asked for into
+ * every cache level `ahead` bytes before they are read. `unused` keeps the one-row signature the
+ * compiled step calls (gemv_bf16's prefetch). */
+void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t unused, int64_t ahead) {
+    (void)unused;
+    float *xw = scratch((size_t)n * sizeof(float));
+    if (xw == NULL) { /* no memory for x widened: widen each input as it is read */
+        const int64_t panels = (rows + PANEL - 1) / PANEL;
+        for (int64_t q = 0; q < panels; q++)
+            for (int64_t r = 0; r < PANEL && q * PANEL + r < rows; r++) {
+                const uint16_t *in = p + q * n * PANEL + lane_of(r);
+                float s = 0.f;
+                for (int64_t k = 0; k < n; k++) s = fmaf(bf16_to_f32(in[k * PANEL]), bf16_to_f32(x[k]), s);
+                y[q * PANEL + r] = f32_to_bf16(s);
+            }
+        return;
+    }
+    widen(x, xw, n);
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels; q++) {
+        const uint16_t *w = p + q * n * PANEL;
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < n; k++) {
+            const uint16_t *wk = w + k * PANEL;
+            if (ahead) {
+                _mm_prefetch((const char *)wk + ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)wk + ahead + 64, _MM_HINT_T0);
+            }
+            const __m256 xb = _mm256_broadcast_ss(xw + k);
+            for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wk + 16 * g));
+                a[2 * g] = _mm256_fmadd_ps(low_rows(v), xb, a[2 * g]);
+                a[2 * g + 1] = _mm256_fmadd_ps(high_rows(v), xb, a[2 * g + 1]);
+            }
+        }
+        for (int j = 0; j < 8; j++) store_rows(a[j], y + q * PANEL + 8 * j, rows - q * PANEL - 8 * j);
+    }
+}
+
+/* One group of 16 weight rows (g) against C <= 6 x rows over inputs k0..k1: the sums carried in
+ * acc ([C][PANEL] fp32, this group's 16 lanes), each x element broadcast against the group's two
+ * widened vectors. Every `every` inputs one 64-byte line of the weight is asked for into L1, from
+ * pf on: a share of the next block of inputs, which the passes over this block spread evenly
+ * between them so the memory keeps streaming while the caches serve them. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, const float *x, int64_t n, int64_t k0, int64_t k1, float *acc, int C, const char *pf, int64_t every) {
+    __m256 lo[6], hi[6];
+    for (int i = 0; i < C; i++) lo[i] = _mm256_loadu_ps(acc + i * PANEL), hi[i] = _mm256_loadu_ps(acc + i * PANEL + 8);
+    int64_t left = every;
+    for (int64_t k = k0; k < k1; k++) {
+        if (--left == 0) _mm_prefetch(pf, _MM_HINT_T0), pf += 64, left = every;
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + k * PANEL));
+        const __m256 wl = low_rows(v), wh = high_rows(v);
+        for (int i = 0; i < C; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * n + k);
+            lo[i] = _mm256_fmadd_ps(wl, xb, lo[i]);
+            hi[i] = _mm256_fmadd_ps(wh, xb, hi[i]);
+        }
+    }
+    for (int i = 0; i < C; i++) _mm256_storeu_ps(acc + i * PANEL, lo[i]), _mm256_storeu_ps(acc + i * PANEL + 8, hi[i]);
+}
+
+static inline __attribute__((always_inline)) void run_tile(const uint16_t *w, const float *x, int64_t n, int64_t k0, int64_t k1, float *acc, int C, const char *pf, int64_t every) {
+    /* Constant row counts, so the sums stay in registers. */
+    switch (C) {
+        case 6: tile(w, x, n, k0, k1, acc, 6, pf, every); break;
+        case 5: tile(w, x, n, k0, k1, acc, 5, pf, every); break;
+        case 4: tile(w, x, n, k0, k1, acc, 4, pf, every); break;
+        case 3: tile(w, x, n, k0, k1, acc, 3, pf, every); break;
+        case 2: tile(w, x, n, k0, k1, acc, 2, pf, every); break;
+        default: tile(w, x, n, k0, k1, acc, 1, pf, every); break;
+    }
+}
+
+/* Y [m, rows] = X [m, n] W^T: each thread a contiguous range of panels; a panel runs a block of
+ * `kb` inputs (kb * 128 bytes of it, in L1) over every x row, `mr` (1..6) rows by 16 weight rows
+ * at a time, its sums carried from block to block. Where the buffer for x widened and the sums
+ * cannot grow, each row through panel_gemv_bf16 (the same bits). Returns 0. */
+int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
+    if (mr < 1 || mr > 6) mr = 4;
+    if (kb < 16) kb = 16;
+    const int threads = max_threads();
+    const size_t xbytes = ((size_t)(m * n) * sizeof(float) + 63) / 64 * 64, per = (size_t)(m * PANEL);
+    float *xw = scratch(xbytes + (size_t)threads * per * sizeof(float));
+    if (xw == NULL) {
+        for (int64_t c = 0; c < m; c++) panel_gemv_bf16(p, x + c * n, y + c * rows, rows, n, 0, 0);
+        return 0;
+    }
+    widen(x, xw, m * n);
+    float *sums = (float *)((char *)xw + xbytes);
+    const int64_t panels = (rows + PANEL - 1) / PANEL, groups = (m + mr - 1) / mr;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t q0, q1;
+        thread_units(panels, &q0, &q1);
+        float *acc = sums + (size_t)thread_index() * per;
+        for (int64_t q = q0; q < q1; q++) {
+            const uint16_t *w = p + q * n * PANEL;
+            memset(acc, 0, per * sizeof(float));
+            for (int64_t k0 = 0; k0 < n; k0 += kb) {
+                const int64_t k1 = k0 + kb < n ? k0 + kb : n;
+                /* The next block's lines (it follows this one in memory, into the next panel at
+                 * the end), shared out over this block's 4 x groups passes. */
+                const int64_t lines = (2 * (k1 - k0) + 4 * groups - 1) / (4 * groups);
+                const int64_t every = (k1 - k0) / lines > 0 ? (k1 - k0) / lines : 1;
+                const char *next = (const char *)(w + k1 * PANEL);
+                int64_t pass = 0;
+                for (int64_t c0 = 0; c0 < m; c0 += mr) {
+                    const int C = (int)(m - c0 < mr ? m - c0 : mr);
+                    for (int g = 0; g < 4; g++, pass++)
+                        run_tile(w + 16 * g, xw + c0 * n, n, k0, k1, acc + c0 * PANEL + 16 * g, C, next + pass * lines * 64, every);
+                }
+            }
+            for (int64_t c = 0; c < m; c++)
+                for (int j = 0; j < 8; j++) {
+                    const int64_t r = q * PANEL + 8 * j;
+                    store_rows(_mm256_loadu_ps(acc + c * PANEL + 8 * j), y + c * rows + r, rows - r);
+                }
+        }
+    }
+    return 0;
+}
+
+#else
+const char *panel_bf16_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2 with FMA"; }
+void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t unused, int64_t ahead) {
+    (void)p, (void)x, (void)y, (void)rows, (void)n, (void)unused, (void)ahead;
+}
+int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
+    (void)p, (void)x, (void)y, (void)rows, (void)n, (void)m, (void)mr, (void)kb;
+    return -2;
+}
+#endif

@@ -1,0 +1,64 @@
+"""The kinds for bf16 weights held in panels (ops.gemv.panels): one row, a few rows and many rows.
+Every candidate sums an output as one fp32 chain over its inputs in order, so all share one row
+order: a decode row gets the same bits alone, beside other sequences' rows, and as a prompt row.
+The torch form (the weight unpacked on every call) is there for a run that forces it; it is
+never timed."""
+
+from __future__ import annotations
+
+from pocketllm.ops.gemv import panels
+from pocketllm.ops.registry.kinds import FEW, MANY, ONE, Candidate, Kind, register
+
+_C = (panels.SOURCE,)
+_ORDER = "panel_bf16.c"
+# Prefetch distance of c-ahead, as the row-major one-row kernel's (a few pages of lines in flight).
+AHEAD_BYTES = 4096
+# Inputs a few- or many-row call runs a panel's block over at a time: 16 KiB of the panel, in L1
+# beside x's rows (docs/batching.md, panels).
+BLOCK_INPUTS = 128
+
+
+def _unavailable(fmt: str, device) -> str:
+    return panels.unavailable(device)
+
+
+def _isa() -> str:
+    why = panels.unavailable()
+    return why or "avx2"
+
+
+_TORCH = Candidate("torch", panels.unpacked, "the weight unpacked to rows on every call, torch's fp32 GEMM; never timed", measured=False)
+
+ONE_ROW = register(Kind(
+    ONE, "panels", ONE,
+    (
+        Candidate("c", panels.one_row(0), "pocketllm's compiled one-row product on panels (ops/gemv/panel_bf16.c)", _unavailable,
+                  sources=_C, row_order=_ORDER, takes_rows=True),
+        Candidate("c-ahead", panels.one_row(AHEAD_BYTES), "the same, the weight prefetched into every cache level AHEAD_BYTES ahead",
+                  _unavailable, sources=_C, row_order=_ORDER, takes_rows=True),
+        _TORCH,
+    ),
+    default="c", prefer=("c", "c-ahead"), streams=True, isa=_isa,
+))
+
+FEW_ROW = register(Kind(
+    FEW, "panels", FEW,
+    (
+        Candidate("c", panels.rows(4, BLOCK_INPUTS), "the compiled product on panels, four x rows by 16 weight rows at a time", _unavailable,
+                  sources=_C, row_order=_ORDER),
+        Candidate("c-6", panels.rows(6, BLOCK_INPUTS), "the same six x rows at a time", _unavailable, sources=_C, row_order=_ORDER),
+        _TORCH,
+    ),
+    default="c", prefer=("c", "c-6"), isa=_isa,
+))
+
+MANY_ROW = register(Kind(
+    MANY, "panels", MANY,
+    (
+        Candidate("c", panels.rows(6, BLOCK_INPUTS), "the compiled product on panels, six x rows by 16 weight rows at a time", _unavailable,
+                  sources=_C, row_order=_ORDER),
+        Candidate("c-4", panels.rows(4, BLOCK_INPUTS), "the same four x rows at a time", _unavailable, sources=_C, row_order=_ORDER),
+        _TORCH,
+    ),
+    default="c", prefer=("c", "c-4"), probe="widest", isa=_isa,
+))

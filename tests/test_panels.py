@@ -1,0 +1,101 @@
+"""bf16 weights in panels (pocketllm/ops/gemv/panel_bf16.c): the layout holds the weight whole,
+every kernel on it sums an output as one fp32 fused multiply-add chain over its inputs in order
+(so one row, a few rows and many rows give a row the same bits), the run's layout is chosen once
+and printed, and an engine holding panels keeps no row-major copy. tests/test_invariance.py runs
+its batch-invariance checks on both layouts. Where the CPU has no AVX2 with FMA, panels are not
+offered (and these tests say so)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cli_env, run_cli, tiny_engine
+
+from pocketllm.errors import UsageError
+from pocketllm.ops.gemv import panels
+from pocketllm.ops.registry import layout
+from pocketllm.ops.registry.kinds import PANELS, weight_format
+
+pytestmark = pytest.mark.skipif(bool(panels.unavailable()), reason=f"panels: {panels.unavailable()}")
+
+# Rows inside one panel, across a panel's end and a single one; inputs odd and past a block of 128.
+SHAPES = [(70, 33), (64, 128), (130, 257), (1, 5), (3, 300)]
+
+
+def weight(rows: int, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, n, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("rows,n", SHAPES)
+def test_packing_keeps_every_weight_and_unpacks_to_it(rows, n):
+    w = weight(rows, n)
+    p = panels.pack(w)
+    assert p.shape == (rows, n) and weight_format(p) == PANELS
+    assert p.nbytes == -(-rows // panels.PANEL) * panels.PANEL * n * 2
+    assert torch.equal(p.unpack(), w)
+    # A probe cut keeps its rows, whole panels or not.
+    assert torch.equal(p.rows(64, rows).unpack(), w[64:rows]) if rows > 64 else torch.equal(p.rows(0, rows).unpack(), w)
+    assert torch.equal(p.rows(1, rows).unpack(), w[1:rows])
+
+
+@pytest.mark.parametrize("rows,n", SHAPES)
+def test_one_few_and_many_rows_sum_each_output_as_one_chain(rows, n):
+    w = panels.pack(weight(rows, n))
+    x = weight(17, n, seed=1)
+    chain = panels.chain_reference(x, w)
+    # Within fp32 summation order of the plain product.
+    torch.testing.assert_close(chain.float(), panels.reference(x, w).float(), rtol=2e-2, atol=2e-2)
+    out = torch.empty(rows, dtype=torch.bfloat16)
+    for i in range(x.shape[0]):
+        for ahead in (0, 4096):
+            panels.one_row(ahead)(x[i], w, out)
+            assert torch.equal(out, chain[i]), f"one row {i}, ahead {ahead}"
+    for m in (1, 2, 3, 5, 8, 9, 17):
+        for mr, kb in ((4, 128), (6, 128), (1, 16), (5, 64)):
+            out = torch.empty(m, rows, dtype=torch.bfloat16)
+            panels.rows(mr, kb)(x[:m], w, out)
+            assert torch.equal(out, chain[:m]), f"{m} rows, {mr} at a time over {kb} inputs"
+
+
+def test_a_kernel_refuses_what_it_cannot_run_in_one_line():
+    w = panels.pack(weight(70, 33))
+    with pytest.raises(Exception) as raised:
+        panels.one_row()(torch.zeros(32, dtype=torch.bfloat16), w, torch.empty(70, dtype=torch.bfloat16))
+    assert "\n" not in str(raised.value) and "x" in str(raised.value)
+    with pytest.raises(ValueError, match="panels hold 2-D bfloat16 CPU weights"):
+        panels.pack(torch.zeros(4, 4))
+
+
+def test_the_layout_is_forced_by_its_variable_and_a_bad_value_is_a_usage_error():
+    ws = [weight(130, 64), weight(64, 130)]
+    assert layout.choose_layout(ws, {layout.ENV: "rows"}).layout == "rows"
+    assert layout.choose_layout(ws, {layout.ENV: "panels"}).layout == "panels"
+    with pytest.raises(UsageError, match=f"^{layout.ENV}='tiles': use auto, rows, panels$"):
+        layout.choose_layout(ws, {layout.ENV: "tiles"})
+    # Nothing in bf16 on a CPU: nothing to hold otherwise.
+    assert layout.choose_layout([torch.zeros(4, 4)], {}).layout == "rows"
+    # Measured: one of the two, with both layouts' figures.
+    auto = layout.choose_layout(ws, {})
+    assert auto.layout in ("rows", "panels") and "panels against rows: one row" in auto.why
+    # A forced row-major kernel keeps rows (it runs on them).
+    forced = layout.choose_layout(ws, {"POCKETLLM_KERNELS": "one-row=c"})
+    assert forced.layout == "rows" and "one-row" in forced.why
+
+
+def test_an_engine_in_panels_keeps_no_row_major_copy(monkeypatch):
+    monkeypatch.setenv(layout.ENV, "panels")
+    engine = tiny_engine(torch.bfloat16)
+    projections = engine.model.projections()
+    held = [m.weight for m in projections]
+    assert all(isinstance(w, panels.PanelWeight) for w in held), [type(w).__name__ for w in held]
+    assert not any(name.endswith("proj.weight") or "gate_up" in name or "lm_head" in name for name, _ in engine.model.named_parameters())
+    assert all(set(m.kernels.names.values()) <= {"c", "c-ahead", "c-6", "c-4", "torch"} for m in projections)
+
+
+def test_bench_prints_the_layout_and_refuses_a_bad_one():
+    r = run_cli("bench", "--preset", "tiny", "--prompt-tokens", 8, "--max-new-tokens", 2, env={**cli_env(), layout.ENV: "panels"})
+    assert r.returncode == 0, r.stderr
+    assert f"bf16 weights: in panels ({layout.ENV}=panels)" in r.stderr + r.stdout
+    r = run_cli("bench", "--preset", "tiny", "--prompt-tokens", 8, "--max-new-tokens", 2, env={**cli_env(), layout.ENV: "tiles"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(f"{layout.ENV}='tiles': use auto, rows, panels"), r.stderr
