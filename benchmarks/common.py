@@ -67,7 +67,7 @@ def gemv_only_step_seconds(model, reps: int = 5, op=None, rows: int = 1) -> floa
 
 def activation_dtype(w) -> torch.dtype:
     """The dtype of the rows a weight multiplies: a float weight's own, a quantized one's scales'."""
-    return w.dtype if isinstance(w, torch.Tensor) else w.scales.dtype
+    return w.scales.dtype if hasattr(w, "scales") else w.dtype
 
 
 def tensor_bytes(tensors) -> int:

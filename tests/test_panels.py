@@ -48,9 +48,9 @@ def test_one_few_and_many_rows_sum_each_output_as_one_chain(rows, n):
     torch.testing.assert_close(chain.float(), panels.reference(x, w).float(), rtol=2e-2, atol=2e-2)
     out = torch.empty(rows, dtype=torch.bfloat16)
     for i in range(x.shape[0]):
-        for ahead in (0, 4096):
-            panels.one_row(ahead)(x[i], w, out)
-            assert torch.equal(out, chain[i]), f"one row {i}, ahead {ahead}"
+        for streams, block in ((1, 32), (2, 32), (3, 7), (4, 16), (2, 1000)):
+            panels.one_row(streams, block)(x[i], w, out)
+            assert torch.equal(out, chain[i]), f"one row {i}, {streams} streams, blocks of {block}"
     for m in (1, 2, 3, 5, 8, 9, 17):
         for mr, kb in ((4, 128), (6, 128), (1, 16), (5, 64)):
             out = torch.empty(m, rows, dtype=torch.bfloat16)
@@ -90,7 +90,7 @@ def test_an_engine_in_panels_keeps_no_row_major_copy(monkeypatch):
     held = [m.weight for m in projections]
     assert all(isinstance(w, panels.PanelWeight) for w in held), [type(w).__name__ for w in held]
     assert not any(name.endswith("proj.weight") or "gate_up" in name or "lm_head" in name for name, _ in engine.model.named_parameters())
-    assert all(set(m.kernels.names.values()) <= {"c", "c-ahead", "c-6", "c-4", "torch"} for m in projections)
+    assert all(set(m.kernels.names.values()) <= {"c", "c-1", "c-4", "c-6", "torch"} for m in projections)
 
 
 def test_bench_prints_the_layout_and_refuses_a_bad_one():

@@ -92,10 +92,11 @@ class Engine:
         # checked), each projection bound to its own. The other ranks measure at the same time:
         # their CPU time is no sign of a busy machine.
         # How the bf16 weights are held (rows or panels, ops.registry.layout), before the
-        # kernels of that layout are measured.
+        # kernels of that layout are measured: a step of one sequence's choice, until
+        # reserve_slots says steps will hold several.
         self.layout = choose_layout(self.model.projection_weights())
-        if self.layout.layout == "panels":
-            self.model.hold_in_panels()
+        self.held = "rows"
+        self._hold(self.layout.for_rows(1))
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
         # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes.
         self.invariant = self.kernels.invariant
@@ -139,6 +140,17 @@ class Engine:
     def reserve_slots(self, count: int, max_len: int, kv_blocks: int | None = None) -> None:
         """Room for `count` sequences of up to `max_len` positions each (Slots.reserve), the
         rotary table for them, and the few-row kernels their decode steps run."""
+        if self._passes == 0 and self.layout.for_rows(count) != self.held:
+            # Before any pass (so every row of the run sums alike): the weights in the layout for
+            # steps of `count` sequences, and the kernels of that layout measured.
+            self._hold(self.layout.for_rows(count))
+            self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
+            self.model.bind_kernels(self.kernels)
+            self._choose_step()
+            if self.say is not None:
+                self.say(self.layout.describe(count))
+                for line in self.kernels.describe():
+                    self.say(line)
         self.slots.reserve(count, max_len, kv_blocks)
         self.model.rotary.reserve(max_len)
         # A decode step of `count` sequences has `count` rows: the few-row kernels for every
@@ -235,6 +247,16 @@ class Engine:
         token = self.step.greedy(token, pos, slot)
         self._after_direct(info)
         return token
+
+    def _hold(self, layout: str) -> None:
+        """The bf16 projection weights held in `layout` ("rows" or "panels")."""
+        if layout == self.held:
+            return
+        if layout == "panels":
+            self.model.hold_in_panels()
+        else:
+            self.model.hold_as_loaded()
+        self.held = layout
 
     def _choose_step(self) -> None:
         """The decode-step backend for the kernels the projections are bound to now."""

@@ -95,6 +95,19 @@ class Qwen35ForCausalLM(nn.Module):
             count += 1
         return count
 
+    def hold_as_loaded(self) -> int:
+        """hold_in_panels undone: every weight in panels back to a row-major parameter. Returns
+        how many were."""
+        count = 0
+        for m in self.projections():
+            if isinstance(m.weight, panels.PanelWeight):
+                w = m.weight.unpack()
+                del m.weight
+                m.weight = nn.Parameter(w, requires_grad=False)
+                m.kernels = default_kernels(m.weight)
+                count += 1
+        return count
+
     def bind_kernels(self, kernels) -> None:
         """Bind every projection to its kernels in `kernels` (a registry KernelSet)."""
         for m in self.projections():

@@ -86,12 +86,31 @@ static inline void store_rows(__m256 v, uint16_t *y, int64_t valid) {
     for (int64_t i = 0; i < 8 && i < valid; i++) y[i] = f32_to_bf16(f[i]);
 }
 
-/* y [rows] = W x for one bf16 row x: each thread a contiguous range of panels, each panel one
- * stream of 128 bytes an input feeding eight chains. ahead > 0: each 64 bytes also asked for into
- * every cache level `ahead` bytes before they are read. `unused` keeps the one-row signature the
- * compiled step calls (gemv_bf16's prefetch). */
-void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t unused, int64_t ahead) {
-    (void)unused;
+/* A panel's eight sums (acc, 64 fp32) carried over inputs k0..k1 for x widened (xw). */
+static inline __attribute__((always_inline)) void panel_run(const uint16_t *w, const float *xw, int64_t k0, int64_t k1, float *acc) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(acc + 8 * j);
+    for (int64_t k = k0; k < k1; k++) {
+        const uint16_t *wk = w + k * PANEL;
+        const __m256 xb = _mm256_broadcast_ss(xw + k);
+        for (int g = 0; g < 4; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wk + 16 * g));
+            a[2 * g] = _mm256_fmadd_ps(low_rows(v), xb, a[2 * g]);
+            a[2 * g + 1] = _mm256_fmadd_ps(high_rows(v), xb, a[2 * g + 1]);
+        }
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
+#define MAX_STREAMS 4
+/* y [rows] = W x for one bf16 row x: each thread a contiguous range of panels, read as `streams`
+ * (1..4) streams at once, a block of `block` inputs of each in turn (4 KiB of a panel at 32),
+ * each panel feeding eight chains: one stream per core reads memory below what two or four do
+ * (docs/batching.md, panels). The sums wait in L1 between blocks; each output is still one chain
+ * over its inputs in order. */
+void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t streams, int64_t block) {
+    if (streams < 1 || streams > MAX_STREAMS) streams = 1;
+    if (block < 1) block = n;
     float *xw = scratch((size_t)n * sizeof(float));
     if (xw == NULL) { /* no memory for x widened: widen each input as it is read */
         const int64_t panels = (rows + PANEL - 1) / PANEL;
@@ -106,25 +125,25 @@ void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t 
     }
     widen(x, xw, n);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
-    for (int64_t q = 0; q < panels; q++) {
-        const uint16_t *w = p + q * n * PANEL;
-        __m256 a[8];
-        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < n; k++) {
-            const uint16_t *wk = w + k * PANEL;
-            if (ahead) {
-                _mm_prefetch((const char *)wk + ahead, _MM_HINT_T0);
-                _mm_prefetch((const char *)wk + ahead + 64, _MM_HINT_T0);
+#pragma omp parallel
+    {
+        int64_t q0, q1;
+        thread_units(panels, &q0, &q1);
+        const int64_t per = (q1 - q0 + streams - 1) / streams;
+        float acc[MAX_STREAMS][PANEL] __attribute__((aligned(32)));
+        for (int64_t i = 0; i < per; i++) {
+            int64_t qs[MAX_STREAMS];
+            int m = 0;
+            for (int64_t s = 0; s < streams; s++)
+                if (q0 + s * per + i < q1) qs[m++] = q0 + s * per + i;
+            memset(acc, 0, sizeof acc);
+            for (int64_t k0 = 0; k0 < n; k0 += block) {
+                const int64_t k1 = k0 + block < n ? k0 + block : n;
+                for (int s = 0; s < m; s++) panel_run(p + qs[s] * n * PANEL, xw, k0, k1, acc[s]);
             }
-            const __m256 xb = _mm256_broadcast_ss(xw + k);
-            for (int g = 0; g < 4; g++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wk + 16 * g));
-                a[2 * g] = _mm256_fmadd_ps(low_rows(v), xb, a[2 * g]);
-                a[2 * g + 1] = _mm256_fmadd_ps(high_rows(v), xb, a[2 * g + 1]);
-            }
+            for (int s = 0; s < m; s++)
+                for (int j = 0; j < 8; j++) store_rows(_mm256_load_ps(acc[s] + 8 * j), y + qs[s] * PANEL + 8 * j, rows - qs[s] * PANEL - 8 * j);
         }
-        for (int j = 0; j < 8; j++) store_rows(a[j], y + q * PANEL + 8 * j, rows - q * PANEL - 8 * j);
     }
 }
 
@@ -173,7 +192,7 @@ int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t r
     const size_t xbytes = ((size_t)(m * n) * sizeof(float) + 63) / 64 * 64, per = (size_t)(m * PANEL);
     float *xw = scratch(xbytes + (size_t)threads * per * sizeof(float));
     if (xw == NULL) {
-        for (int64_t c = 0; c < m; c++) panel_gemv_bf16(p, x + c * n, y + c * rows, rows, n, 0, 0);
+        for (int64_t c = 0; c < m; c++) panel_gemv_bf16(p, x + c * n, y + c * rows, rows, n, 1, n);
         return 0;
     }
     widen(x, xw, m * n);
@@ -213,8 +232,8 @@ int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t r
 
 #else
 const char *panel_bf16_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2 with FMA"; }
-void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t unused, int64_t ahead) {
-    (void)p, (void)x, (void)y, (void)rows, (void)n, (void)unused, (void)ahead;
+void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t streams, int64_t block) {
+    (void)p, (void)x, (void)y, (void)rows, (void)n, (void)streams, (void)block;
 }
 int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
     (void)p, (void)x, (void)y, (void)rows, (void)n, (void)m, (void)mr, (void)kb;

@@ -113,23 +113,23 @@ def _ok(x, w, out, m: int) -> bool:
     )
 
 
-def one_row(ahead: int = 0):
-    """The one-row kernel on a PanelWeight: x [in] (or [1, in]) -> out [out]; `ahead` > 0: each
-    64 bytes of the weight asked for into every cache level that many bytes before they are read."""
+def one_row(streams: int = 2, block: int = 32):
+    """The one-row kernel on a PanelWeight: x [in] (or [1, in]) -> out [out], each thread's panels
+    read as `streams` streams (1..4) a block of `block` inputs at a time."""
 
     def run(x: torch.Tensor, w: PanelWeight, out: torch.Tensor) -> None:
         if not _ok(x, w, out, 1):
             refuse("panel_gemv_bf16", _specs(x, w, out, 1))
         if not x.is_contiguous():
             x = x.contiguous()
-        _library()[0].panel_gemv_bf16(w.packed.data_ptr(), x.data_ptr(), out.data_ptr(), w.out_features, w.in_features, 0, ahead)
+        _library()[0].panel_gemv_bf16(w.packed.data_ptr(), x.data_ptr(), out.data_ptr(), w.out_features, w.in_features, streams, block)
 
     def native(w: PanelWeight) -> tuple | None:
         """As compiled code calls it (ops/fused/step_bf16.c): ("bf16", entry, weight, rows, n, a, b)."""
         lib = _library()[0]
         if lib is None:
             return None
-        return "bf16", ctypes.cast(lib.panel_gemv_bf16, ctypes.c_void_p).value, w.packed.data_ptr(), w.out_features, w.in_features, 0, ahead
+        return "bf16", ctypes.cast(lib.panel_gemv_bf16, ctypes.c_void_p).value, w.packed.data_ptr(), w.out_features, w.in_features, streams, block
 
     run.native = native
     return run

@@ -1,10 +1,12 @@
 """How a run holds its bf16 projection weights on a CPU: as loaded (rows) or in panels
 (ops.gemv.panels). Chosen once at start, before the kernels are measured, and printed:
 POCKETLLM_BF16_LAYOUT=rows|panels forces it; auto (the default) times both layouts' compiled
-kernels on the model's own first weights, a pass of one row and a pass of eight rows, and takes
-the layout whose two passes take less time together: a step of one sequence and a step of eight
-weigh alike. Which wins depends on the CPU: panels pay where the row-major tiles are short of
-registers (AVX2), not where the CPU has bf16 dot products (docs/batching.md, panels)."""
+kernels on the model's own first weights, a pass of one row and a pass of eight rows. A run whose
+decode steps hold one sequence takes the layout faster at one row; a run of several sequences
+(bench --batch, serve) the one whose two passes take less time together, a step of one sequence
+and a step of eight weighing alike. Which wins depends on the CPU: panels pay where the
+row-major tiles are short of registers (AVX2), not where the CPU has bf16 dot products
+(docs/batching.md, panels)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops.gemv import kernels as rows_kernels
 from pocketllm.ops.gemv import panels
+from pocketllm.ops.registry import cache
+from pocketllm.ops.registry.choose import TORCH_ISA_VARIABLES
 from pocketllm.ops.registry.kinds import all_kinds, forced_kernels
 from pocketllm.switches import env_value
 
@@ -29,13 +34,27 @@ PASSES = 4
 ROWS = 8
 
 
+def _name(layout: str) -> str:
+    return "in panels" if layout == "panels" else "as loaded (rows)"
+
+
 @dataclass(frozen=True)
 class LayoutChoice:
+    """The layout for steps of one sequence (`layout`) and for steps of several (`batches`)."""
+
     layout: str  # "rows" or "panels"
     why: str
+    batches: str = ""  # "" : the same as `layout`
 
-    def describe(self) -> str:
-        return f"bf16 weights: {'in panels' if self.layout == 'panels' else 'as loaded (rows)'} ({self.why})"
+    def for_rows(self, count: int) -> str:
+        """The layout for a run whose decode steps hold up to `count` sequences."""
+        return (self.batches or self.layout) if count > 1 else self.layout
+
+    def describe(self, count: int = 1) -> str:
+        held, batches = self.for_rows(count), self.batches or self.layout
+        if batches == self.layout:
+            return f"bf16 weights: {_name(held)} ({self.why})"
+        return f"bf16 weights: {_name(held)} (for steps of one sequence {_name(self.layout)}, of several {_name(batches)}; {self.why})"
 
 
 def requested(env=os.environ) -> str:
@@ -96,6 +115,29 @@ def measure(weights: list[torch.Tensor]) -> dict[str, float]:
     return best
 
 
+def cache_key(weights) -> str:
+    """What a measurement depends on, as the kernel choices' keys name it: the CPU, torch and
+    the builds it ran, both kernels' sources, the threads and the weights' shapes in order."""
+    parts = [compiled.cpu_model(), f"torch {torch.__version__}"]
+    parts += [f"{name}={os.environ[name]}" for name in TORCH_ISA_VARIABLES if os.environ.get(name)]
+    parts += [f"{compiled.ENV_ISA}={compiled.isa()}"] if compiled.isa() != "native" else []
+    parts += [f"kernels {compiled.source_digest(s)}" for s in (rows_kernels.SOURCE, panels.SOURCE)]
+    shapes = ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights)
+    return "|".join(parts + ["bf16 layout", f"{torch.get_num_threads()} threads", shapes])
+
+
+def measured(weights) -> tuple[dict[str, float], str]:
+    """measure(weights), kept in the kernel choices' cache file so that every run on this machine
+    (and every engine of one process) holds its weights alike: the figures and how they came."""
+    key = cache_key(weights)
+    stored = cache.read().get(key)
+    if isinstance(stored, dict) and set(stored) == {"rows-1", "panels-1", "rows-8", "panels-8"}:
+        return {k: float(v) for k, v in stored.items()}, "cached"
+    t = measure(weights)
+    cache.write({key: t})
+    return t, "measured"
+
+
 def choose_layout(weights, env=os.environ) -> LayoutChoice:
     """The layout for the bf16 weights among `weights` (the model's projection weights in step
     order)."""
@@ -121,11 +163,13 @@ def choose_layout(weights, env=os.environ) -> LayoutChoice:
         total += w.numel() * w.element_size()
         if total >= PROBE_BYTES:
             break
-    t = measure(probe)
-    layout = "panels" if t["panels-1"] + t["panels-8"] < t["rows-1"] + t["rows-8"] else "rows"
+    t, how = measured(probe)
+    one = "panels" if t["panels-1"] < t["rows-1"] else "rows"
+    batches = "panels" if t["panels-1"] + t["panels-8"] < t["rows-1"] + t["rows-8"] else "rows"
     ms = {k: f"{v * 1e3:.2f}" for k, v in t.items()}
     return LayoutChoice(
-        layout,
-        f"measured over {total / 2**20:.0f} MiB, panels against rows: one row {ms['panels-1']} vs {ms['rows-1']} ms, "
+        one,
+        batches=batches,
+        why=f"{how} over {total / 2**20:.0f} MiB, panels against rows: one row {ms['panels-1']} vs {ms['rows-1']} ms, "
         f"{ROWS} rows {ms['panels-8']} vs {ms['rows-8']} ms; {ENV}=rows|panels forces",
     )

@@ -11,8 +11,8 @@ from pocketllm.ops.registry.kinds import FEW, MANY, ONE, Candidate, Kind, regist
 
 _C = (panels.SOURCE,)
 _ORDER = "panel_bf16.c"
-# Prefetch distance of c-ahead, as the row-major one-row kernel's (a few pages of lines in flight).
-AHEAD_BYTES = 4096
+# Inputs a one-row call reads of one panel before the next stream's: 4 KiB of it.
+STREAM_BLOCK = 32
 # Inputs a few- or many-row call runs a panel's block over at a time: 16 KiB of the panel, in L1
 # beside x's rows (docs/batching.md, panels).
 BLOCK_INPUTS = 128
@@ -32,13 +32,13 @@ _TORCH = Candidate("torch", panels.unpacked, "the weight unpacked to rows on eve
 ONE_ROW = register(Kind(
     ONE, "panels", ONE,
     (
-        Candidate("c", panels.one_row(0), "pocketllm's compiled one-row product on panels (ops/gemv/panel_bf16.c)", _unavailable,
-                  sources=_C, row_order=_ORDER, takes_rows=True),
-        Candidate("c-ahead", panels.one_row(AHEAD_BYTES), "the same, the weight prefetched into every cache level AHEAD_BYTES ahead",
+        Candidate("c", panels.one_row(2, STREAM_BLOCK), "pocketllm's compiled one-row product on panels (ops/gemv/panel_bf16.c), each thread's panels read as two streams",
                   _unavailable, sources=_C, row_order=_ORDER, takes_rows=True),
+        Candidate("c-1", panels.one_row(1, STREAM_BLOCK), "the same, one stream a thread", _unavailable, sources=_C, row_order=_ORDER, takes_rows=True),
+        Candidate("c-4", panels.one_row(4, STREAM_BLOCK // 2), "the same, four streams a thread", _unavailable, sources=_C, row_order=_ORDER, takes_rows=True),
         _TORCH,
     ),
-    default="c", prefer=("c", "c-ahead"), streams=True, isa=_isa,
+    default="c", prefer=("c", "c-4", "c-1"), streams=True, isa=_isa,
 ))
 
 FEW_ROW = register(Kind(
