@@ -77,7 +77,7 @@ def test_the_layout_is_forced_by_its_variable_and_a_bad_value_is_a_usage_error()
     assert layout.choose_layout([torch.zeros(4, 4)], {}).layout == "rows"
     # Measured: one of the two, with both layouts' figures.
     auto = layout.choose_layout(ws, {})
-    assert auto.layout in ("rows", "panels") and "panels against rows: one row" in auto.why
+    assert auto.layout in ("rows", "panels") and auto.batches in ("rows", "panels") and "panels against rows (c-" in auto.why and "8 rows" in auto.why
     # A forced row-major kernel keeps rows (it runs on them).
     forced = layout.choose_layout(ws, {"POCKETLLM_KERNELS": "one-row=c"})
     assert forced.layout == "rows" and "one-row" in forced.why
@@ -99,3 +99,22 @@ def test_bench_prints_the_layout_and_refuses_a_bad_one():
     assert f"bf16 weights: in panels ({layout.ENV}=panels)" in r.stderr + r.stdout
     r = run_cli("bench", "--preset", "tiny", "--prompt-tokens", 8, "--max-new-tokens", 2, env={**cli_env(), layout.ENV: "tiles"})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(f"{layout.ENV}='tiles': use auto, rows, panels"), r.stderr
+
+
+def test_an_engine_takes_the_batches_layout_when_slots_for_several_are_reserved_before_any_pass(monkeypatch):
+    monkeypatch.setenv(layout.ENV, "rows")
+    engine = tiny_engine(torch.bfloat16)
+    engine.layout = layout.LayoutChoice("rows", "as a test says", batches="panels")
+    assert engine.layout.describe(1) == "bf16 weights: as loaded (rows) (for steps of one sequence as loaded (rows), of several in panels; as a test says)"
+    engine.reserve_slots(1, 64)
+    assert engine.held == "rows" and isinstance(engine.model.lm_head.weight, torch.Tensor)
+    engine.reserve_slots(4, 64)
+    assert engine.held == "panels"
+    assert all(isinstance(m.weight, panels.PanelWeight) for m in engine.model.projections())
+    assert engine.model.layers[0].mlp.down.kernels.names["4-row"] in ("c", "c-6")
+    ids = torch.tensor([5, 6, 7])
+    engine.run_packed([(0, 0, ids)])
+    # Once a pass has run, the layout stays: every row of the run sums alike.
+    engine.layout = layout.LayoutChoice("panels", "as a test says", batches="rows")
+    engine.reserve_slots(8, 64)
+    assert engine.held == "panels"

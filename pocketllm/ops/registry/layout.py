@@ -170,6 +170,7 @@ def choose_layout(weights, env=os.environ) -> LayoutChoice:
     return LayoutChoice(
         one,
         batches=batches,
-        why=f"{how} over {total / 2**20:.0f} MiB, panels against rows: one row {ms['panels-1']} vs {ms['rows-1']} ms, "
+        why=f"{how} over {total / 2**20:.0f} MiB, panels against rows ({' and '.join(n for n, _ in _rows_kernels())}): "
+        f"one row {ms['panels-1']} vs {ms['rows-1']} ms, "
         f"{ROWS} rows {ms['panels-8']} vs {ms['rows-8']} ms; {ENV}=rows|panels forces",
     )
