@@ -113,49 +113,40 @@ def _ok(x, w, out, m: int) -> bool:
     )
 
 
-def one_row(streams: int = 2, block: int = 32):
-    """The one-row kernel on a PanelWeight: x [in] (or [1, in]) -> out [out], each thread's panels
-    read as `streams` streams (1..4) a block of `block` inputs at a time."""
+def _kernel(symbol: str, native_kind: str, a: int, b: int, one: bool):
+    """A checked call of the compiled entry `symbol` with its two settings a, b: one row (x [in]
+    or [1, in] -> out [out]) or m rows (x [m, in] -> out [m, out]); its `native` is the tuple
+    compiled code calls it by (ops/fused/step_bf16.c): (native_kind, entry, weight, rows, n, a, b)."""
 
     def run(x: torch.Tensor, w: PanelWeight, out: torch.Tensor) -> None:
-        if not _ok(x, w, out, 1):
-            refuse("panel_gemv_bf16", _specs(x, w, out, 1))
+        m = 1 if one else (x.shape[0] if x.dim() == 2 else 0)
+        if not _ok(x, w, out, m):
+            refuse(symbol, _specs(x, w, out, m))
         if not x.is_contiguous():
             x = x.contiguous()
-        _library()[0].panel_gemv_bf16(w.packed.data_ptr(), x.data_ptr(), out.data_ptr(), w.out_features, w.in_features, streams, block)
+        args = (w.packed.data_ptr(), x.data_ptr(), out.data_ptr(), w.out_features, w.in_features) + ((a, b) if one else (m, a, b))
+        getattr(_library()[0], symbol)(*args)
 
     def native(w: PanelWeight) -> tuple | None:
-        """As compiled code calls it (ops/fused/step_bf16.c): ("bf16", entry, weight, rows, n, a, b)."""
         lib = _library()[0]
         if lib is None:
             return None
-        return "bf16", ctypes.cast(lib.panel_gemv_bf16, ctypes.c_void_p).value, w.packed.data_ptr(), w.out_features, w.in_features, streams, block
+        return native_kind, ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value, w.packed.data_ptr(), w.out_features, w.in_features, a, b
 
     run.native = native
     return run
+
+
+def one_row(streams: int = 2, block: int = 32):
+    """The one-row kernel on a PanelWeight: x [in] (or [1, in]) -> out [out], each thread's panels
+    read as `streams` streams (1..4) a block of `block` inputs at a time."""
+    return _kernel("panel_gemv_bf16", "bf16", streams, block, one=True)
 
 
 def rows(mr: int, kb: int):
     """The kernel for x [m, in] -> out [m, out] on a PanelWeight, `mr` x rows by 16 weight rows
     at a time over blocks of `kb` inputs; each row the bits one_row gives it."""
-
-    def run(x: torch.Tensor, w: PanelWeight, out: torch.Tensor) -> None:
-        m = x.shape[0] if x.dim() == 2 else 0
-        if not _ok(x, w, out, m):
-            refuse("panel_gemm_bf16", _specs(x, w, out, m))
-        if not x.is_contiguous():
-            x = x.contiguous()
-        _library()[0].panel_gemm_bf16(w.packed.data_ptr(), x.data_ptr(), out.data_ptr(), w.out_features, w.in_features, m, mr, kb)
-
-    def native(w: PanelWeight) -> tuple | None:
-        """As compiled code calls it: ("bf16-rows", entry, weight, rows, n, a, b)."""
-        lib = _library()[0]
-        if lib is None:
-            return None
-        return "bf16-rows", ctypes.cast(lib.panel_gemm_bf16, ctypes.c_void_p).value, w.packed.data_ptr(), w.out_features, w.in_features, mr, kb
-
-    run.native = native
-    return run
+    return _kernel("panel_gemm_bf16", "bf16-rows", mr, kb, one=False)
 
 
 def unpacked(x: torch.Tensor, w: PanelWeight, out: torch.Tensor) -> None:
