@@ -13,6 +13,7 @@ import torch
 from conftest import feed, tiny_engine
 
 from pocketllm.ops.fused import kernels as fused_kernels
+from pocketllm.ops.gemv import panels
 from pocketllm.presets import get_preset
 from pocketllm.profiling import scopes
 from pocketllm.quantization import WeightPlan, parse_scheme
@@ -25,6 +26,14 @@ COMPILED = {"POCKETLLM_KERNELS": "one-row=c-prefetch,int8-one-row=c-ahead,int4-o
 def _engine(monkeypatch, scheme: str | None):
     for name, value in COMPILED.items():
         monkeypatch.setenv(name, value)
+    if scheme == "panels":  # bf16 weights in panels (ops/gemv/panel_bf16.c)
+        if panels.unavailable():
+            pytest.skip(f"panels: {panels.unavailable()}")
+        monkeypatch.setenv("POCKETLLM_BF16_LAYOUT", "panels")
+        monkeypatch.setenv("POCKETLLM_KERNELS", "panels-one-row=c")
+        engine = tiny_engine(torch.bfloat16)
+        assert engine.held == "panels" and engine.model.layers[0].mlp.down.kernels.names["one-row"] == "c"
+        return engine
     if scheme == "int8-int8x":  # int8 weights against int8 x (ops/quant/gemv_int8_int8x.c)
         monkeypatch.setenv("POCKETLLM_KERNELS", COMPILED["POCKETLLM_KERNELS"].replace("int8-one-row=c-ahead", "int8-one-row=c-int8x"))
         scheme = "int8"
@@ -41,7 +50,7 @@ def _decode(engine, prompt: list[int], steps: list[int]) -> tuple[list[torch.Ten
     return logits, [s.recurrent.clone() for s in engine.slots[0] if hasattr(s, "recurrent")]
 
 
-@pytest.mark.parametrize("scheme", [None, "int8", "int8-int8x", "int4-g32"])
+@pytest.mark.parametrize("scheme", [None, "panels", "int8", "int8-int8x", "int4-g32"])
 def test_a_step_as_one_call_gives_the_layers_bits(monkeypatch, scheme):
     # Attention splits the cache over both threads from a few positions on (as it does past
     # thousands at the real sizes), and the steps cross KV blocks. The step is described under one
@@ -90,7 +99,7 @@ def _rows_then_layers(engine, prompts: list[list[int]], steps: int) -> tuple[lis
     return out[0], out[1]
 
 
-@pytest.mark.parametrize("scheme", [None, "int4-g32"])
+@pytest.mark.parametrize("scheme", [None, "panels", "int4-g32"])
 def test_decode_rows_of_several_sequences_are_one_call_with_the_layers_bits(monkeypatch, scheme):
     # A pass of eighteen sequences' decode rows, each at its own position, runs as one call
     # (CompiledStep.rows), sixteen rows at a time through each projection's few-row kernel (the
