@@ -94,7 +94,7 @@ class Engine:
         # How the bf16 weights are held (rows or panels, ops.registry.layout), before the
         # kernels of that layout are measured: a step of one sequence's choice, until
         # reserve_slots says steps will hold several.
-        self.layout = choose_layout(self.model.projection_weights())
+        self.layout = choose_layout(self.model.projection_weights(), peers=group_pids())
         self.held = "rows"
         self._hold(self.layout.for_rows(1))
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())

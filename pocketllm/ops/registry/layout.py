@@ -1,12 +1,12 @@
 """How a run holds its bf16 projection weights on a CPU: as loaded (rows) or in panels
 (ops.gemv.panels). Chosen once at start, before the kernels are measured, and printed:
-POCKETLLM_BF16_LAYOUT=rows|panels forces it; auto (the default) times both layouts' compiled
-kernels on the model's own first weights, a pass of one row and a pass of eight rows. A run whose
-decode steps hold one sequence takes the layout faster at one row; a run of several sequences
-(bench --batch, serve) the one whose two passes take less time together, a step of one sequence
-and a step of eight weighing alike. Which wins depends on the CPU: panels pay where the
-row-major tiles are short of registers (AVX2), not where the CPU has bf16 dot products
-(docs/batching.md, panels)."""
+POCKETLLM_BF16_LAYOUT=rows|panels forces it; auto (the default) times both layouts' kernels on
+the model's own first weights: a pass of one row, a pass of eight rows, and 64 rows (a prompt's)
+over a cut. Panels are taken only where a prompt's rows run no slower on them; then a run whose
+decode steps hold one sequence takes the layout faster at one row, and a run of several sequences
+(bench --batch, serve) the one whose one-row and eight-row passes take less time together. Which
+wins depends on the CPU: panels pay where the row-major tiles are short of registers (AVX2), not
+where the CPU has bf16 dot products (docs/batching.md, panels)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ import torch
 
 from pocketllm import compiled
 from pocketllm.errors import UsageError
+from pocketllm.ops import many_rows
 from pocketllm.ops.gemv import kernels as rows_kernels
 from pocketllm.ops.gemv import panels
 from pocketllm.ops.registry import cache
 from pocketllm.ops.registry.choose import TORCH_ISA_VARIABLES
 from pocketllm.ops.registry.kinds import all_kinds, forced_kernels
+from pocketllm.ops.registry.trust import Monitor
 from pocketllm.switches import env_value
 
 ENV = "POCKETLLM_BF16_LAYOUT"
@@ -32,6 +34,11 @@ CHOICES = ("auto", "rows", "panels")
 PROBE_BYTES = 256 << 20
 PASSES = 4
 ROWS = 8
+# A prompt's rows: timed on the first MANY_BYTES of the weights (the GEMM is bound by its
+# arithmetic, so a cut is enough).
+MANY_ROWS = 64
+MANY_BYTES = 32 << 20
+KEYS = ("rows-1", "panels-1", f"rows-{ROWS}", f"panels-{ROWS}", f"rows-{MANY_ROWS}", f"panels-{MANY_ROWS}")
 
 
 def _name(layout: str) -> str:
@@ -91,20 +98,43 @@ def _pass(kernel, weights, xs, outs) -> float:
     return time.perf_counter() - t0
 
 
+def _many_rows_kernels() -> list[tuple[str, object]]:
+    """The row-major kernels a prompt's rows may run that panels are timed against: torch's GEMM,
+    and the compiled fp32 tile where it is built (the registry's many-row candidates)."""
+    out = [("mm", many_rows.mm)]
+    if not many_rows.c_f32_unavailable("bfloat16", torch.device("cpu")):
+        out.append(("c-f32", many_rows.c_f32))
+    return out
+
+
+def _calls(weights, rows: int):
+    lead = () if rows == 1 else (rows,)
+    xs = {n: torch.randn(*lead, n, dtype=torch.bfloat16) for n in {w.shape[1] for w in weights}}
+    return [xs[w.shape[1]] for w in weights], [torch.empty(*lead, w.shape[0], dtype=torch.bfloat16) for w in weights]
+
+
 def measure(weights: list[torch.Tensor]) -> dict[str, float]:
-    """Seconds for one pass over `weights` (and their panels) at one row and at ROWS rows, each
-    layout's fastest of PASSES, the layouts alternated: keys "rows-1", "panels-1", "rows-8",
-    "panels-8"."""
+    """Seconds for one pass over `weights` (and their panels) at one row and at ROWS rows, and
+    over the first MANY_BYTES of them at MANY_ROWS rows (a prompt's), each kernel's fastest of
+    PASSES, the kernels alternated: keys "rows-1", "panels-1", "rows-8", "panels-8", "rows-64",
+    "panels-64" (rows-64: the faster row-major many-row kernel)."""
     (_, one), (_, few) = _rows_kernels()
     packed = [panels.pack(w) for w in weights]
-    x1 = {n: torch.randn(n, dtype=torch.bfloat16) for n in {w.shape[1] for w in weights}}
-    x8 = {n: torch.randn(ROWS, n, dtype=torch.bfloat16) for n in x1}
+    many, total = [], 0
+    for w in weights:
+        many.append(w)
+        total += w.numel() * w.element_size()
+        if total >= MANY_BYTES:
+            break
     runs = {
-        "rows-1": (one, weights, [x1[w.shape[1]] for w in weights], [torch.empty(w.shape[0], dtype=torch.bfloat16) for w in weights]),
-        "panels-1": (panels.one_row(0), packed, [x1[w.shape[1]] for w in weights], [torch.empty(w.shape[0], dtype=torch.bfloat16) for w in weights]),
-        "rows-8": (few, weights, [x8[w.shape[1]] for w in weights], [torch.empty(ROWS, w.shape[0], dtype=torch.bfloat16) for w in weights]),
-        "panels-8": (panels.rows(4, 128), packed, [x8[w.shape[1]] for w in weights], [torch.empty(ROWS, w.shape[0], dtype=torch.bfloat16) for w in weights]),
+        "rows-1": (one, weights, *_calls(weights, 1)),
+        "panels-1": (panels.one_row(), packed, *_calls(weights, 1)),
+        f"rows-{ROWS}": (few, weights, *_calls(weights, ROWS)),
+        f"panels-{ROWS}": (panels.rows(4, 128), packed, *_calls(weights, ROWS)),
+        f"panels-{MANY_ROWS}": (panels.rows(6, 128), packed[: len(many)], *_calls(many, MANY_ROWS)),
     }
+    for name, kernel in _many_rows_kernels():
+        runs[f"{name}-{MANY_ROWS}"] = (kernel, many, *_calls(many, MANY_ROWS))
     best = dict.fromkeys(runs, float("inf"))
     names = list(runs)
     for p in range(PASSES + 1):
@@ -112,6 +142,7 @@ def measure(weights: list[torch.Tensor]) -> dict[str, float]:
             s = _pass(*runs[name])
             if p:  # the first pass warms each up
                 best[name] = min(best[name], s)
+    best[f"rows-{MANY_ROWS}"] = min(best.pop(f"{name}-{MANY_ROWS}") for name, _ in _many_rows_kernels())
     return best
 
 
@@ -126,19 +157,26 @@ def cache_key(weights) -> str:
     return "|".join(parts + ["bf16 layout", f"{torch.get_num_threads()} threads", shapes])
 
 
-def measured(weights) -> tuple[dict[str, float], str]:
+def measured(weights, peers=()) -> tuple[dict[str, float], str]:
     """measure(weights), kept in the kernel choices' cache file so that every run on this machine
-    (and every engine of one process) holds its weights alike: the figures and how they came."""
+    (and every engine of one process) holds its weights alike, unless other processes or the
+    host took the CPUs meanwhile (trust.Monitor; `peers`: the other ranks, measuring at the same
+    time): the figures and how they came."""
     key = cache_key(weights)
     stored = cache.read().get(key)
-    if isinstance(stored, dict) and set(stored) == {"rows-1", "panels-1", "rows-8", "panels-8"}:
+    if isinstance(stored, dict) and set(stored) == set(KEYS):
         return {k: float(v) for k, v in stored.items()}, "cached"
+    monitor = Monitor(peers)
+    started = monitor.start()
     t = measure(weights)
+    verdict = monitor.stop(started)
+    if verdict.disturbed:
+        return t, f"measured, machine busy: not cached ({verdict.describe()})"
     cache.write({key: t})
     return t, "measured"
 
 
-def choose_layout(weights, env=os.environ) -> LayoutChoice:
+def choose_layout(weights, env=os.environ, peers=()) -> LayoutChoice:
     """The layout for the bf16 weights among `weights` (the model's projection weights in step
     order)."""
     want = requested(env)
@@ -163,14 +201,17 @@ def choose_layout(weights, env=os.environ) -> LayoutChoice:
         total += w.numel() * w.element_size()
         if total >= PROBE_BYTES:
             break
-    t, how = measured(probe)
-    one = "panels" if t["panels-1"] < t["rows-1"] else "rows"
-    batches = "panels" if t["panels-1"] + t["panels-8"] < t["rows-1"] + t["rows-8"] else "rows"
+    t, how = measured(probe, peers)
+    # Panels only where a prompt's rows run no slower on them: on a CPU with bf16 arithmetic the
+    # row-major GEMM is far ahead of an FMA tile.
+    prompts = t[f"panels-{MANY_ROWS}"] <= t[f"rows-{MANY_ROWS}"]
+    one = "panels" if prompts and t["panels-1"] < t["rows-1"] else "rows"
+    batches = "panels" if prompts and t["panels-1"] + t[f"panels-{ROWS}"] < t["rows-1"] + t[f"rows-{ROWS}"] else "rows"
     ms = {k: f"{v * 1e3:.2f}" for k, v in t.items()}
     return LayoutChoice(
         one,
         batches=batches,
         why=f"{how} over {total / 2**20:.0f} MiB, panels against rows ({' and '.join(n for n, _ in _rows_kernels())}): "
-        f"one row {ms['panels-1']} vs {ms['rows-1']} ms, "
-        f"{ROWS} rows {ms['panels-8']} vs {ms['rows-8']} ms; {ENV}=rows|panels forces",
+        f"one row {ms['panels-1']} vs {ms['rows-1']} ms, {ROWS} rows {ms[f'panels-{ROWS}']} vs {ms[f'rows-{ROWS}']} ms, "
+        f"{MANY_ROWS} rows over the first {MANY_BYTES >> 20} MiB {ms[f'panels-{MANY_ROWS}']} vs {ms[f'rows-{MANY_ROWS}']} ms; {ENV}=rows|panels forces",
     )
