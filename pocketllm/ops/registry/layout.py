@@ -168,7 +168,10 @@ def measured(weights, peers=()) -> tuple[dict[str, float], str]:
         return {k: float(v) for k, v in stored.items()}, "cached"
     monitor = Monitor(peers)
     started = monitor.start()
-    t = measure(weights)
+    # Twice, each kernel's faster kept: a first measurement once read one kernel at half its
+    # rate through all its passes (docs/batching.md, panels) and would have been kept.
+    first, second = measure(weights), measure(weights)
+    t = {k: min(first[k], second[k]) for k in first}
     verdict = monitor.stop(started)
     if verdict.disturbed:
         return t, f"measured, machine busy: not cached ({verdict.describe()})"
