@@ -22,7 +22,7 @@ from pocketllm.ops.gdn_choice import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 from pocketllm.quantization import SCHEME_HELP, parse_scheme
 from pocketllm.run_plan import RunPlan
-from pocketllm.switches import forces_kernels
+from pocketllm.switches import bf16_layout, forces_kernels
 
 # --dtype's names and each one's bytes per element. The launcher checks a name and never imports
 # torch; a rank (or a one-process command) takes the torch dtype (parse_dtype).
@@ -212,6 +212,7 @@ def _check_forced(formats, kind: str, env=os.environ) -> None:
     device (pocketllm.ops.registry.check_forced). The registry holds the kernels themselves, so
     it is imported only when a variable that check reads is set: a launcher otherwise never
     imports torch."""
+    bf16_layout(env)
     if forces_kernels(env):
         from pocketllm.ops import registry
 

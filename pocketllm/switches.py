@@ -79,6 +79,18 @@ ENV_KERNELS = "POCKETLLM_KERNELS"
 # On (the default): a request's tokens do not depend on what else is batched with it
 # (pocketllm.ops.registry.batch_invariant).
 ENV_INVARIANT = "POCKETLLM_BATCH_INVARIANT"
+# How bf16 weights are held on a CPU (pocketllm.ops.registry.layout), and what it may be set to.
+ENV_BF16_LAYOUT = "POCKETLLM_BF16_LAYOUT"
+BF16_LAYOUTS = ("auto", "rows", "panels")
+
+
+def bf16_layout(env) -> str:
+    """POCKETLLM_BF16_LAYOUT read and checked (auto where unset): a value it cannot take is a
+    one-line usage error."""
+    value = env.get(ENV_BF16_LAYOUT, "").strip() or "auto"
+    if value not in BF16_LAYOUTS:
+        raise UsageError(f"{ENV_BF16_LAYOUT}={value!r}: use {', '.join(BF16_LAYOUTS)}")
+    return value
 
 
 def forces_kernels(env) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cli_env, run_cli, tiny_engine
+from conftest import main_in_process, tiny_engine, usage_error_in_process
 
 from pocketllm.errors import UsageError
 from pocketllm.ops.gemv import panels
@@ -93,12 +93,12 @@ def test_an_engine_in_panels_keeps_no_row_major_copy(monkeypatch):
     assert all(set(m.kernels.names.values()) <= {"c", "c-1", "c-4", "c-6", "torch"} for m in projections)
 
 
-def test_bench_prints_the_layout_and_refuses_a_bad_one():
-    r = run_cli("bench", "--preset", "tiny", "--prompt-tokens", 8, "--max-new-tokens", 2, env={**cli_env(), layout.ENV: "panels"})
-    assert r.returncode == 0, r.stderr
-    assert f"bf16 weights: in panels ({layout.ENV}=panels)" in r.stderr + r.stdout
-    r = run_cli("bench", "--preset", "tiny", "--prompt-tokens", 8, "--max-new-tokens", 2, env={**cli_env(), layout.ENV: "tiles"})
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(f"{layout.ENV}='tiles': use auto, rows, panels"), r.stderr
+def test_bench_prints_the_layout_and_refuses_a_bad_one(capsys, monkeypatch):
+    monkeypatch.setenv(layout.ENV, "panels")
+    assert main_in_process("bench", "--preset", "tiny", "--prompt-tokens", 8, "--max-new-tokens", 2) == 0
+    assert f"bf16 weights: in panels ({layout.ENV}=panels)" in capsys.readouterr().err
+    monkeypatch.setenv(layout.ENV, "tiles")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--prompt-tokens", 8, "--max-new-tokens", 2, expect=f"{layout.ENV}='tiles': use auto, rows, panels")
 
 
 def test_an_engine_takes_the_batches_layout_when_slots_for_several_are_reserved_before_any_pass(monkeypatch):

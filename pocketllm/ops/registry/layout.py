@@ -25,10 +25,9 @@ from pocketllm.ops.registry import cache
 from pocketllm.ops.registry.choose import TORCH_ISA_VARIABLES
 from pocketllm.ops.registry.kinds import all_kinds, forced_kernels
 from pocketllm.ops.registry.trust import Monitor
-from pocketllm.switches import env_value
+from pocketllm.switches import ENV_BF16_LAYOUT, bf16_layout
 
-ENV = "POCKETLLM_BF16_LAYOUT"
-CHOICES = ("auto", "rows", "panels")
+ENV = ENV_BF16_LAYOUT
 # The weights timed: the model's first, in step order, up to this many bytes (past the caches,
 # as a step reads them).
 PROBE_BYTES = 256 << 20
@@ -62,13 +61,6 @@ class LayoutChoice:
         if batches == self.layout:
             return f"bf16 weights: {_name(held)} ({self.why})"
         return f"bf16 weights: {_name(held)} (for steps of one sequence {_name(self.layout)}, of several {_name(batches)}; {self.why})"
-
-
-def requested(env=os.environ) -> str:
-    value = env_value(env, ENV).strip() or "auto"
-    if value not in CHOICES:
-        raise UsageError(f"{ENV}={value!r}: use {', '.join(CHOICES)}")
-    return value
 
 
 def _bf16(weights) -> list[torch.Tensor]:
@@ -186,7 +178,7 @@ def measured(weights, peers=()) -> tuple[dict[str, float], str]:
 def choose_layout(weights, env=os.environ, peers=()) -> LayoutChoice:
     """The layout for the bf16 weights among `weights` (the model's projection weights in step
     order)."""
-    want = requested(env)
+    want = bf16_layout(env)
     bf16 = _bf16(weights)
     if not bf16:
         return LayoutChoice("rows", "no bf16 weight on a CPU")
