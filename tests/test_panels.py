@@ -118,3 +118,15 @@ def test_an_engine_takes_the_batches_layout_when_slots_for_several_are_reserved_
     engine.layout = layout.LayoutChoice("panels", "as a test says", batches="rows")
     engine.reserve_slots(8, 64)
     assert engine.held == "panels"
+
+
+def test_the_layouts_are_timed_on_every_weight_shape_within_the_budget():
+    ws = [torch.empty(4096, 512, dtype=torch.bfloat16), torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(4096, 512, dtype=torch.bfloat16)]
+    ws.append(torch.empty(100_000, 64, dtype=torch.bfloat16))  # a head, bigger than its share
+    probe = layout.probe_weights(ws, budget=3 << 20)
+    assert {tuple(w.shape[1:]) for w in probe} == {(512,), (64,)}
+    assert sum(w.numel() * 2 for w in probe) <= (3 << 20) + 64 * 512 * 2
+    head = [w for w in probe if w.shape[1] == 64]
+    assert len(head) == 1 and head[0].shape[0] % panels.PANEL == 0 and head[0].shape[0] < 100_000
+    # Weights in step order, each shape's share spent before the next of that shape is taken.
+    assert probe[0] is ws[0] or probe[0].shape[0] < 4096

@@ -1,8 +1,8 @@
 """How a run holds its bf16 projection weights on a CPU: as loaded (rows) or in panels
 (ops.gemv.panels). Chosen once at start, before the kernels are measured, and printed:
 POCKETLLM_BF16_LAYOUT=rows|panels forces it; auto (the default) times both layouts' kernels on
-the model's own first weights: a pass of one row, a pass of eight rows, and 64 rows (a prompt's)
-over a cut. Panels are taken only where a prompt's rows run no slower on them; then a run whose
+the model's own weights (each shape its share of 256 MiB): a pass of one row, a pass of eight
+rows, and 64 rows (a prompt's) over a cut. Panels are taken only where a prompt's rows run no slower on them; then a run whose
 decode steps hold one sequence takes the layout faster at one row, and a run of several sequences
 (bench --batch, serve) the one whose one-row and eight-row passes take less time together. Which
 wins depends on the CPU: panels pay where the row-major tiles are short of registers (AVX2), not
@@ -28,8 +28,8 @@ from pocketllm.ops.registry.trust import Monitor
 from pocketllm.switches import ENV_BF16_LAYOUT, bf16_layout
 
 ENV = ENV_BF16_LAYOUT
-# The weights timed: the model's first, in step order, up to this many bytes (past the caches,
-# as a step reads them).
+# The bytes of weights timed, shared between their shapes (past the caches, as a step reads
+# them).
 PROBE_BYTES = 256 << 20
 PASSES = 4
 ROWS = 8
@@ -96,6 +96,27 @@ def _many_rows_kernels() -> list[tuple[str, object]]:
     out = [("mm", many_rows.mm)]
     if not many_rows.c_f32_unavailable("bfloat16", torch.device("cpu")):
         out.append(("c-f32", many_rows.c_f32))
+    return out
+
+
+def probe_weights(weights: list[torch.Tensor], budget: int = PROBE_BYTES) -> list[torch.Tensor]:
+    """What the layouts are timed on: every weight shape among `weights` (in step order) gets an
+    equal share of `budget`, its weights taken in order until the share is spent, a weight bigger
+    than the whole share cut to that many rows (a 27B head alone is ten times the budget, and the
+    widest rows are where the layouts differ most)."""
+    shapes = list(dict.fromkeys(tuple(w.shape) for w in weights))
+    share = budget // max(1, len(shapes))
+    taken = dict.fromkeys(shapes, 0)
+    out = []
+    for w in weights:
+        s = tuple(w.shape)
+        left = share - taken[s]
+        if left <= 0:
+            continue
+        row_bytes = w.shape[1] * w.element_size()
+        rows = min(w.shape[0], max(panels.PANEL, left // row_bytes // panels.PANEL * panels.PANEL))
+        out.append(w if rows == w.shape[0] else w[:rows])
+        taken[s] += rows * row_bytes
     return out
 
 
@@ -194,12 +215,8 @@ def choose_layout(weights, env=os.environ, peers=()) -> LayoutChoice:
         return LayoutChoice("rows", f"POCKETLLM_KERNELS forces {', '.join(forced)}, kernels of row-major weights")
     if _rows_kernels() is None:
         return LayoutChoice("panels", "the row-major compiled kernels are unavailable")
-    probe, total = [], 0
-    for w in bf16:
-        probe.append(w)
-        total += w.numel() * w.element_size()
-        if total >= PROBE_BYTES:
-            break
+    probe = probe_weights(bf16)
+    total = sum(w.numel() * w.element_size() for w in probe)
     t, how = measured(probe, peers)
     # Panels only where a prompt's rows run no slower on them: on a CPU with bf16 arithmetic the
     # row-major GEMM is far ahead of an FMA tile.
