@@ -35,19 +35,11 @@ static inline int64_t lane_of(int64_t r) {
     return group * 16 + (j < 8 ? 2 * j : 2 * (j - 8) + 1);
 }
 
-/* w [rows, n] row-major -> panels [ceil(rows / 64) * n * 64], rows past `rows` zero. */
-void panel_pack_bf16(const uint16_t *w, uint16_t *p, int64_t rows, int64_t n) {
-    const int64_t panels = (rows + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
-    for (int64_t q = 0; q < panels; q++) {
-        uint16_t *out = p + q * n * PANEL;
-        for (int64_t r = 0; r < PANEL; r++) {
-            const int64_t row = q * PANEL + r, at = lane_of(r);
-            if (row < rows)
-                for (int64_t k = 0; k < n; k++) out[k * PANEL + at] = w[row * n + k];
-            else
-                for (int64_t k = 0; k < n; k++) out[k * PANEL + at] = 0;
-        }
+/* Inputs k0..n of panel q's rows packed one weight at a time (rows past `rows` zero). */
+static void pack_scalar(const uint16_t *w, uint16_t *out, int64_t q, int64_t rows, int64_t n, int64_t k0) {
+    for (int64_t r = 0; r < PANEL; r++) {
+        const int64_t row = q * PANEL + r, at = lane_of(r);
+        for (int64_t k = k0; k < n; k++) out[k * PANEL + at] = row < rows ? w[row * n + k] : 0;
     }
 }
 
@@ -72,6 +64,52 @@ const char *panel_bf16_isa(void) { return "avx2"; }
 
 static inline __m256 low_rows(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 static inline __m256 high_rows(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+
+/* Eight rows of eight 32-bit elements transposed in registers: c[i] holds element i of each. */
+static inline void transpose8(const __m256 r[8], __m256 c[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) c[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), c[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+}
+
+/* Panel q packed sixteen inputs at a time: for each group of 16 rows, rows j and 8 + j
+ * interleaved by 16-bit unpacks (the pair a lane holds), then the eight pairs of each input
+ * gathered by an 8x8 transpose of 32-bit elements. The inputs past the last sixteen, scalar. */
+static void pack_panel(const uint16_t *w, uint16_t *out, int64_t q, int64_t rows, int64_t n) {
+    /* Which input of the sixteen each transposed element is: 16-bit unpacks work within each
+     * 128-bit half (inputs 0-7 and 8-15), low then high four. */
+    static const int at[2][8] = {{0, 1, 2, 3, 8, 9, 10, 11}, {4, 5, 6, 7, 12, 13, 14, 15}};
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int g = 0; g < 4; g++) {
+            __m256i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t row = q * PANEL + 16 * g + i;
+                r[i] = row < rows ? _mm256_loadu_si256((const __m256i *)(w + row * n + k)) : _mm256_setzero_si256();
+            }
+            __m256 pairs[2][8], cols[8];
+            for (int j = 0; j < 8; j++) {
+                pairs[0][j] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(r[j], r[j + 8]));
+                pairs[1][j] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(r[j], r[j + 8]));
+            }
+            for (int h = 0; h < 2; h++) {
+                transpose8(pairs[h], cols);
+                for (int c = 0; c < 8; c++) _mm256_storeu_ps((float *)(out + (k + at[h][c]) * PANEL + 16 * g), cols[c]);
+            }
+        }
+    pack_scalar(w, out, q, rows, n, k);
+}
+
+/* w [rows, n] row-major -> panels [ceil(rows / 64) * n * 64], rows past `rows` zero. */
+void panel_pack_bf16(const uint16_t *w, uint16_t *p, int64_t rows, int64_t n) {
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels; q++) pack_panel(w, p + q * n * PANEL, q, rows, n);
+}
 
 /* x [m, n] bf16 widened to fp32 (exact) into xw. */
 static void widen(const uint16_t *x, float *xw, int64_t count) {
@@ -232,6 +270,10 @@ int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t r
 
 #else
 const char *panel_bf16_isa(void) { return "unavailable: the CPU (or the compiler) has no AVX2 with FMA"; }
+void panel_pack_bf16(const uint16_t *w, uint16_t *p, int64_t rows, int64_t n) {
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+    for (int64_t q = 0; q < panels; q++) pack_scalar(w, p + q * n * PANEL, q, rows, n, 0);
+}
 void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t streams, int64_t block) {
     (void)p, (void)x, (void)y, (void)rows, (void)n, (void)streams, (void)block;
 }
