@@ -7,6 +7,9 @@ offered (and these tests say so)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import main_in_process, tiny_engine, usage_error_in_process
@@ -108,8 +111,12 @@ def test_an_engine_takes_the_batches_layout_when_slots_for_several_are_reserved_
     assert engine.layout.describe(1) == "bf16 weights: as loaded (rows) (for steps of one sequence as loaded (rows), of several in panels; as a test says)"
     engine.reserve_slots(1, 64)
     assert engine.held == "rows" and isinstance(engine.model.lm_head.weight, torch.Tensor)
+    before = weakref.ref(engine.model.layers[0].mlp.down.weight)
     engine.reserve_slots(4, 64)
     assert engine.held == "panels"
+    # Nothing (the compiled step, the old kernels) keeps a row-major weight alive beside its panels.
+    gc.collect()
+    assert before() is None
     assert all(isinstance(m.weight, panels.PanelWeight) for m in engine.model.projections())
     assert engine.model.layers[0].mlp.down.kernels.names["4-row"] in ("c", "c-6")
     ids = torch.tensor([5, 6, 7])

@@ -88,15 +88,15 @@ class Engine:
         self.loaded_bytes = load_weights(self.model, source, progress=tp().rank == 0)
         if device.type == "cpu":
             host_memory.keep_freed_blocks()
-        # The kernels the projections run, measured here (or read from this machine's cache and
-        # checked), each projection bound to its own. The other ranks measure at the same time:
-        # their CPU time is no sign of a busy machine.
         # How the bf16 weights are held (rows or panels, ops.registry.layout), before the
         # kernels of that layout are measured: a step of one sequence's choice, until
         # reserve_slots says steps will hold several.
         self.layout = choose_layout(self.model.projection_weights(), peers=group_pids())
         self.held = "rows"
         self._hold(self.layout.for_rows(1))
+        # The kernels the projections run, measured here (or read from this machine's cache and
+        # checked), each projection bound to its own. The other ranks measure at the same time:
+        # their CPU time is no sign of a busy machine.
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
         # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes.
         self.invariant = self.kernels.invariant
@@ -142,7 +142,9 @@ class Engine:
         rotary table for them, and the few-row kernels their decode steps run."""
         if self._passes == 0 and self.layout.for_rows(count) != self.held:
             # Before any pass (so every row of the run sums alike): the weights in the layout for
-            # steps of `count` sequences, and the kernels of that layout measured.
+            # steps of `count` sequences, and the kernels of that layout measured. The step goes
+            # first: it holds every weight it calls, which would keep both layouts alive.
+            self.step = self.step_choice = None
             self._hold(self.layout.for_rows(count))
             self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
             self.model.bind_kernels(self.kernels)
