@@ -152,6 +152,17 @@ def load(source: Path, flags: tuple[str, ...] = FLAGS, signatures: dict | None =
     return _loaded[key]
 
 
+def unbuilt(loaded: tuple[ctypes.CDLL | None, str], isa_symbol: str) -> str:
+    """Why a kernel library from load() cannot run ("" when it can): it did not build, or its
+    `isa_symbol` function, which names the instruction set the source compiled its paths for,
+    says "unavailable: ..." (a source whose kernels need a set this build lacks)."""
+    lib, why = loaded
+    if lib is None:
+        return why
+    isa = getattr(lib, isa_symbol)().decode()
+    return isa if isa.startswith("unavailable") else ""
+
+
 def source_digest(source: Path) -> str:
     """A short digest of a source and the headers it includes: what a measured choice of its
     kernels is only valid for."""

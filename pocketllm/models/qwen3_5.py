@@ -86,7 +86,7 @@ class Qwen35ForCausalLM(nn.Module):
         count = 0
         for m in self.projections():
             w = m.weight
-            if not (isinstance(w, torch.Tensor) and w.dtype is torch.bfloat16 and w.dim() == 2 and w.is_cpu) or w is self.embed.weight:
+            if not panels.holds(w) or w is self.embed.weight:
                 continue
             packed = panels.pack(w.detach())
             del m.weight

@@ -57,11 +57,7 @@ def c_f32_unavailable(fmt: str, device: torch.device) -> str:
     """Why c_f32 cannot run weights of `fmt` on `device` ("" when it can)."""
     if device.type != "cpu" or fmt != "bfloat16":
         return "the compiled fp32 GEMM takes bf16 weights on a CPU"
-    lib, why = _library()
-    if lib is None:
-        return why
-    isa = lib.gemm_f32_isa().decode()
-    return isa if isa.startswith("unavailable") else ""
+    return compiled.unbuilt(_library(), "gemm_f32_isa")
 
 
 def c_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

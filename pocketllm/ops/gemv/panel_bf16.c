@@ -222,8 +222,8 @@ static inline __attribute__((always_inline)) void run_tile(const uint16_t *w, co
 /* Y [m, rows] = X [m, n] W^T: each thread a contiguous range of panels; a panel runs a block of
  * `kb` inputs (kb * 128 bytes of it, in L1) over every x row, `mr` (1..6) rows by 16 weight rows
  * at a time, its sums carried from block to block. Where the buffer for x widened and the sums
- * cannot grow, each row through panel_gemv_bf16 (the same bits). Returns 0. */
-int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
+ * cannot grow, each row through panel_gemv_bf16 (the same bits). */
+void panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
     if (mr < 1 || mr > 6) mr = 4;
     if (kb < 16) kb = 16;
     const int threads = max_threads();
@@ -231,7 +231,7 @@ int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t r
     float *xw = scratch(xbytes + (size_t)threads * per * sizeof(float));
     if (xw == NULL) {
         for (int64_t c = 0; c < m; c++) panel_gemv_bf16(p, x + c * n, y + c * rows, rows, n, 1, n);
-        return 0;
+        return;
     }
     widen(x, xw, m * n);
     float *sums = (float *)((char *)xw + xbytes);
@@ -265,7 +265,6 @@ int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t r
                 }
         }
     }
-    return 0;
 }
 
 #else
@@ -277,8 +276,7 @@ void panel_pack_bf16(const uint16_t *w, uint16_t *p, int64_t rows, int64_t n) {
 void panel_gemv_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t streams, int64_t block) {
     (void)p, (void)x, (void)y, (void)rows, (void)n, (void)streams, (void)block;
 }
-int panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
+void panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
     (void)p, (void)x, (void)y, (void)rows, (void)n, (void)m, (void)mr, (void)kb;
-    return -2;
 }
 #endif

@@ -3,7 +3,7 @@ output is one lane and every call sums it as one fp32 chain over its inputs in o
 PanelWeight is the whole weight in that layout (the row-major tensor is not kept); its kernels
 take the calls every projection makes: one row, a few rows, many rows.
 
-Whether a run holds its bf16 weights so is measured at start (ops.gemv.layout_choice).
+Whether a run holds its bf16 weights so is measured at start (ops.registry.layout).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _SIGNATURES = {
     "panel_pack_bf16": (None, [_P, _P, _I, _I]),
     "panel_unpack_bf16": (None, [_P, _P, _I, _I]),
     "panel_gemv_bf16": (None, [_P, _P, _P] + [_I] * 4),
-    "panel_gemm_bf16": (ctypes.c_int, [_P, _P, _P] + [_I] * 5),
+    "panel_gemm_bf16": (None, [_P, _P, _P] + [_I] * 5),
     "panel_bf16_isa": (ctypes.c_char_p, []),
 }
 
@@ -40,11 +40,12 @@ def unavailable(device: torch.device | str = "cpu") -> str:
     """Why weights cannot be held in panels here ("" when they can)."""
     if torch.device(device).type != "cpu":
         return "panels are a CPU layout"
-    lib, why = _library()
-    if lib is None:
-        return why
-    isa = lib.panel_bf16_isa().decode()
-    return isa if isa.startswith("unavailable") else ""
+    return compiled.unbuilt(_library(), "panel_bf16_isa")
+
+
+def holds(w) -> bool:
+    """Whether `w` is a weight panels can hold: a 2-D bfloat16 tensor on the CPU."""
+    return isinstance(w, torch.Tensor) and w.dtype is _BF16 and w.dim() == 2 and w.is_cpu
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,7 +90,7 @@ class PanelWeight:
 
 def pack(w: torch.Tensor) -> PanelWeight:
     """A bf16 CPU weight [rows, n] in panels."""
-    if w.dtype is not _BF16 or w.dim() != 2 or not w.is_cpu:
+    if not holds(w):
         raise ValueError(f"panels hold 2-D bfloat16 CPU weights, not {tuple(w.shape)} {w.dtype} on {w.device}")
     lib, why = _library()
     if lib is None:
@@ -155,15 +156,9 @@ def unpacked(x: torch.Tensor, w: PanelWeight, out: torch.Tensor) -> None:
     out.copy_((x.float() @ w.unpack().float().t()).to(out.dtype))
 
 
-def reference(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
-    """What every panel kernel must equal up to fp32 summation order: x [m, in] @ W^T in fp32,
-    rounded once to bf16; and bit for bit, each output as one fp32 fused multiply-add chain over
-    its inputs in order (`chain_reference`)."""
-    return (x.float() @ w.unpack().float().t()).to(_BF16)
-
-
 def chain_reference(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
-    """Each output summed as the kernels sum it: s = fma(w_k, x_k, s) for k in order from 0, in
+    """What every panel kernel must equal bit for bit (`unpacked` equals it up to fp32 summation
+    order): each output summed as the kernels sum it: s = fma(w_k, x_k, s) for k in order from 0, in
     fp32, then rounded to bf16. In float64 each step's product and sum are exact before the one
     rounding to fp32 (a bf16 product has 16 significant bits, and the sum of two fp32 values fits
     in float64's 53), so rounding each step to fp32 is a fused multiply-add. Slow: for tests."""
