@@ -47,8 +47,10 @@ def test_one_few_and_many_rows_sum_each_output_as_one_chain(rows, n):
     w = panels.pack(weight(rows, n))
     x = weight(17, n, seed=1)
     chain = panels.chain_reference(x, w)
-    # Within fp32 summation order of the plain product.
-    torch.testing.assert_close(chain.float(), panels.reference(x, w).float(), rtol=2e-2, atol=2e-2)
+    # Within fp32 summation order of the plain product (the torch form, the weight unpacked).
+    plain = torch.empty(x.shape[0], rows, dtype=torch.bfloat16)
+    panels.unpacked(x, w, plain)
+    torch.testing.assert_close(chain.float(), plain.float(), rtol=2e-2, atol=2e-2)
     out = torch.empty(rows, dtype=torch.bfloat16)
     for i in range(x.shape[0]):
         for streams, block in ((1, 32), (2, 32), (3, 7), (4, 16), (2, 1000)):
@@ -131,9 +133,7 @@ def test_the_layouts_are_timed_on_every_weight_shape_within_the_budget():
     ws = [torch.empty(4096, 512, dtype=torch.bfloat16), torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(4096, 512, dtype=torch.bfloat16)]
     ws.append(torch.empty(100_000, 64, dtype=torch.bfloat16))  # a head, bigger than its share
     probe = layout.probe_weights(ws, budget=3 << 20)
-    assert {tuple(w.shape[1:]) for w in probe} == {(512,), (64,)}
-    assert sum(w.numel() * 2 for w in probe) <= (3 << 20) + 64 * 512 * 2
-    head = [w for w in probe if w.shape[1] == 64]
-    assert len(head) == 1 and head[0].shape[0] % panels.PANEL == 0 and head[0].shape[0] < 100_000
-    # Weights in step order, each shape's share spent before the next of that shape is taken.
-    assert probe[0] is ws[0] or probe[0].shape[0] < 4096
+    # Three shapes, 1 MiB each: the first 4096x512 cut to 1024 rows (its share spent, the second
+    # of that shape left out), the 256-row one whole, the head cut to 8192 rows of 128 bytes.
+    assert [tuple(w.shape) for w in probe] == [(1024, 512), (256, 512), (8192, 64)]
+    assert probe[0].data_ptr() == ws[0].data_ptr() and probe[1] is ws[1]

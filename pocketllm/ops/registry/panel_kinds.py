@@ -29,36 +29,34 @@ def _isa() -> str:
 
 _TORCH = Candidate("torch", panels.unpacked, "the weight unpacked to rows on every call, torch's fp32 GEMM; never timed", measured=False)
 
+
+def _streams(name: str, streams: int, block: int, what: str) -> Candidate:
+    return Candidate(name, panels.one_row(streams, block), what, _unavailable, sources=_C, row_order=_ORDER, takes_rows=True)
+
+
+def _tile(name: str, mr: int, what: str) -> Candidate:
+    return Candidate(name, panels.rows(mr, BLOCK_INPUTS), what, _unavailable, sources=_C, row_order=_ORDER)
+
+
+_FOUR, _SIX = "four x rows by 16 weight rows at a time", "six x rows by 16 weight rows at a time"
+
 ONE_ROW = register(Kind(
     ONE, "panels", ONE,
     (
-        Candidate("c", panels.one_row(2, STREAM_BLOCK), "pocketllm's compiled one-row product on panels (ops/gemv/panel_bf16.c), each thread's panels read as two streams",
-                  _unavailable, sources=_C, row_order=_ORDER, takes_rows=True),
-        Candidate("c-1", panels.one_row(1, STREAM_BLOCK), "the same, one stream a thread", _unavailable, sources=_C, row_order=_ORDER, takes_rows=True),
-        Candidate("c-4", panels.one_row(4, STREAM_BLOCK // 2), "the same, four streams a thread", _unavailable, sources=_C, row_order=_ORDER, takes_rows=True),
+        _streams("c", 2, STREAM_BLOCK, "pocketllm's compiled one-row product on panels (ops/gemv/panel_bf16.c), each thread's panels read as two streams"),
+        _streams("c-1", 1, STREAM_BLOCK, "the same, one stream a thread"),
+        _streams("c-4", 4, STREAM_BLOCK // 2, "the same, four streams a thread"),
         _TORCH,
     ),
     default="c", prefer=("c", "c-4", "c-1"), streams=True, isa=_isa,
 ))
 
 FEW_ROW = register(Kind(
-    FEW, "panels", FEW,
-    (
-        Candidate("c", panels.rows(4, BLOCK_INPUTS), "the compiled product on panels, four x rows by 16 weight rows at a time", _unavailable,
-                  sources=_C, row_order=_ORDER),
-        Candidate("c-6", panels.rows(6, BLOCK_INPUTS), "the same six x rows at a time", _unavailable, sources=_C, row_order=_ORDER),
-        _TORCH,
-    ),
+    FEW, "panels", FEW, (_tile("c", 4, f"the compiled product on panels, {_FOUR}"), _tile("c-6", 6, f"the same, {_SIX}"), _TORCH),
     default="c", prefer=("c", "c-6"), isa=_isa,
 ))
 
 MANY_ROW = register(Kind(
-    MANY, "panels", MANY,
-    (
-        Candidate("c", panels.rows(6, BLOCK_INPUTS), "the compiled product on panels, six x rows by 16 weight rows at a time", _unavailable,
-                  sources=_C, row_order=_ORDER),
-        Candidate("c-4", panels.rows(4, BLOCK_INPUTS), "the same four x rows at a time", _unavailable, sources=_C, row_order=_ORDER),
-        _TORCH,
-    ),
+    MANY, "panels", MANY, (_tile("c", 6, f"the compiled product on panels, {_SIX}"), _tile("c-4", 4, f"the same, {_FOUR}"), _TORCH),
     default="c", prefer=("c", "c-4"), probe="widest", isa=_isa,
 ))
