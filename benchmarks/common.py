@@ -18,6 +18,7 @@ import time
 import torch
 
 from pocketllm.engine.timing import timed_prefill
+from pocketllm.ops.registry.kinds import activation_dtype
 
 
 def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:
@@ -53,21 +54,15 @@ def gemv_only_step_seconds(model, reps: int = 5, op=None, rows: int = 1) -> floa
     calls = [(m.kernels, m.weight) for m in layers]
     if op is not None:
         calls = [(functools.partial(op, w=w), w) for _, w in calls]
-    count = rows
-    rows = [torch.randn(count, w.shape[1], dtype=activation_dtype(w)) for _, w in calls]
+    xs = [torch.randn(rows, w.shape[1], dtype=activation_dtype(w)) for _, w in calls]
     best = float("inf")
     for i in range(reps + 1):
         t0 = time.perf_counter()
-        for x, (run, _) in zip(rows, calls):
+        for x, (run, _) in zip(xs, calls):
             run(x)
         if i:  # pass 0 is the warm-up
             best = min(best, time.perf_counter() - t0)
     return best
-
-
-def activation_dtype(w) -> torch.dtype:
-    """The dtype of the rows a weight multiplies: a float weight's own, a quantized one's scales'."""
-    return w.scales.dtype if hasattr(w, "scales") else w.dtype
 
 
 def tensor_bytes(tensors) -> int:

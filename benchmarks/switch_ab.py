@@ -30,9 +30,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=4, help="reps per setting, even so on and off run first equally often (default 4)")
     args, bench_args = p.parse_known_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
-    values = dict(zip((True, False), args.values.split(",")))
-    if len(values) != 2 or len(args.values.split(",")) != 2:
+    if len(args.values.split(",")) != 2:
         p.error(f"--values takes two values, on then off, not {args.values!r}")
+    values = dict(zip((True, False), args.values.split(",")))
     tps = {(w, on, kind): [] for w in worlds for on in (True, False) for kind in ("prefill", "decode")}
     cpus = {}
     for rep in range(args.reps):

@@ -209,7 +209,7 @@ def checkpoint_config(ckpt: str, layers: int | None) -> ModelConfig:
 
 def _check_forced(formats, kind: str, env=os.environ) -> None:
     """The kernels POCKETLLM_KERNELS forces, checked against the weights' formats on this kind of
-    device (pocketllm.ops.registry.check_forced). The registry holds the kernels themselves, so
+    device (pocketllm.ops.registry.check_forced), and POCKETLLM_BF16_LAYOUT's value. The registry holds the kernels themselves, so
     it is imported only when a variable that check reads is set: a launcher otherwise never
     imports torch."""
     bf16_layout(env)

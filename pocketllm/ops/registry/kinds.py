@@ -103,6 +103,12 @@ def weight_bytes(w) -> int:
     return w.numel() * w.element_size()
 
 
+def activation_dtype(w) -> torch.dtype:
+    """The dtype of the rows a weight multiplies: a float weight's own (a PanelWeight's bf16), a
+    quantized one's scales'."""
+    return w.scales.dtype if isinstance(w, QuantizedWeight) else w.dtype
+
+
 def weight_rows(w, r0: int, r1: int):
     """Output rows r0:r1 of a weight (a probe cut from it)."""
     return w.rows(r0, r1) if isinstance(w, (QuantizedWeight, PanelWeight)) else w[r0:r1]

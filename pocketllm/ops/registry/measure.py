@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pocketllm.ops.registry.kinds import Kind, one_row, weight_bytes, weight_rows
+from pocketllm.ops.registry.kinds import Kind, activation_dtype, one_row, weight_bytes, weight_rows
 
 # Enough weights per pass that the pass streams from memory, yet a 64-layer model is not read
 # dozens of times over at load: each shape's weights are taken in step order up to its share.
@@ -52,7 +52,7 @@ def calls_for(kind: Kind, weights: list, rows: int, budget: int = PASS_BYTES) ->
     """The calls one pass makes: for a stream kind the weights of each shape in step order, each
     shape keeping at least one and none more than its share of `budget`; for a widest kind one
     call on the probe."""
-    dtype = _activation_dtype(weights[0])
+    dtype = activation_dtype(weights[0])
     if kind.probe != "stream":
         w = max(weights, key=lambda t: t.shape[1])
         probe = weight_rows(w, 0, min(w.shape[0], PROBE_OUT))
@@ -70,12 +70,6 @@ def calls_for(kind: Kind, weights: list, rows: int, budget: int = PASS_BYTES) ->
     xs = {s: torch.randn(*lead, s[1], dtype=dtype) for s in shapes}
     outs = {s: torch.empty(*lead, s[0], dtype=dtype) for s in shapes}
     return [Call(tuple(w.shape), w, xs[tuple(w.shape)], outs[tuple(w.shape)]) for w in chosen]
-
-
-def _activation_dtype(w) -> torch.dtype:
-    # A quantized weight multiplies activations of its scales' dtype; a tensor (or a PanelWeight)
-    # its own.
-    return w.scales.dtype if hasattr(w, "scales") else w.dtype
 
 
 def copy_rows(weights) -> dict[int, int]:
