@@ -219,15 +219,23 @@ static inline __attribute__((always_inline)) void run_tile(const uint16_t *w, co
     }
 }
 
-/* Y [m, rows] = X [m, n] W^T: each thread a contiguous range of panels; a panel runs a block of
- * `kb` inputs (kb * 128 bytes of it, in L1) over every x row, `mr` (1..6) rows by 16 weight rows
- * at a time, its sums carried from block to block. Where the buffer for x widened and the sums
- * cannot grow, each row through panel_gemv_bf16 (the same bits). */
+/* Panels run together against each block of x in the many-row product: past FEW_ROWS x rows,
+ * x's block (kb inputs of every row) is big enough that reading it again for every panel costs
+ * more than the panels' blocks leaving L1 between x groups (docs/batching.md, panels). */
+#define FEW_ROWS 16
+#define PANELS_TOGETHER 4
+
+/* Y [m, rows] = X [m, n] W^T: each thread a contiguous range of panels, one at a time (a few x
+ * rows) or PANELS_TOGETHER at a time (a prompt's rows); a block of `kb` inputs of each (kb * 128
+ * bytes, in L1) runs over every x row, `mr` (1..6) rows by 16 weight rows at a time, the sums
+ * carried from block to block. Where the buffer for x widened and the sums cannot grow, each row
+ * through panel_gemv_bf16 (the same bits). */
 void panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, int64_t m, int64_t mr, int64_t kb) {
     if (mr < 1 || mr > 6) mr = 4;
     if (kb < 16) kb = 16;
+    const int64_t together = m > FEW_ROWS ? PANELS_TOGETHER : 1;
     const int threads = max_threads();
-    const size_t xbytes = ((size_t)(m * n) * sizeof(float) + 63) / 64 * 64, per = (size_t)(m * PANEL);
+    const size_t xbytes = ((size_t)(m * n) * sizeof(float) + 63) / 64 * 64, per = (size_t)(together * m * PANEL);
     float *xw = scratch(xbytes + (size_t)threads * per * sizeof(float));
     if (xw == NULL) {
         for (int64_t c = 0; c < m; c++) panel_gemv_bf16(p, x + c * n, y + c * rows, rows, n, 1, n);
@@ -241,28 +249,33 @@ void panel_gemm_bf16(const uint16_t *p, const uint16_t *x, uint16_t *y, int64_t 
         int64_t q0, q1;
         thread_units(panels, &q0, &q1);
         float *acc = sums + (size_t)thread_index() * per;
-        for (int64_t q = q0; q < q1; q++) {
-            const uint16_t *w = p + q * n * PANEL;
-            memset(acc, 0, per * sizeof(float));
+        for (int64_t q = q0; q < q1; q += together) {
+            const int64_t count = q1 - q < together ? q1 - q : together;
+            memset(acc, 0, (size_t)(count * m * PANEL) * sizeof(float));
             for (int64_t k0 = 0; k0 < n; k0 += kb) {
                 const int64_t k1 = k0 + kb < n ? k0 + kb : n;
-                /* The next block's lines (it follows this one in memory, into the next panel at
-                 * the end), shared out over this block's 4 x groups passes. */
+                /* Each panel's next block (it follows this one in memory, into the next panel at
+                 * the end), shared out over that panel's 4 x groups passes over this block. */
                 const int64_t lines = (2 * (k1 - k0) + 4 * groups - 1) / (4 * groups);
                 const int64_t every = (k1 - k0) / lines > 0 ? (k1 - k0) / lines : 1;
-                const char *next = (const char *)(w + k1 * PANEL);
-                int64_t pass = 0;
                 for (int64_t c0 = 0; c0 < m; c0 += mr) {
                     const int C = (int)(m - c0 < mr ? m - c0 : mr);
-                    for (int g = 0; g < 4; g++, pass++)
-                        run_tile(w + 16 * g, xw + c0 * n, n, k0, k1, acc + c0 * PANEL + 16 * g, C, next + pass * lines * 64, every);
+                    const int64_t pass = c0 / mr * 4;
+                    for (int64_t j = 0; j < count; j++) {
+                        const uint16_t *w = p + (q + j) * n * PANEL;
+                        const char *next = (const char *)(w + k1 * PANEL);
+                        float *a = acc + (j * m + c0) * PANEL;
+                        for (int g = 0; g < 4; g++)
+                            run_tile(w + 16 * g, xw + c0 * n, n, k0, k1, a + 16 * g, C, next + (pass + g) * lines * 64, every);
+                    }
                 }
             }
-            for (int64_t c = 0; c < m; c++)
-                for (int j = 0; j < 8; j++) {
-                    const int64_t r = q * PANEL + 8 * j;
-                    store_rows(_mm256_loadu_ps(acc + c * PANEL + 8 * j), y + c * rows + r, rows - r);
-                }
+            for (int64_t j = 0; j < count; j++)
+                for (int64_t c = 0; c < m; c++)
+                    for (int i = 0; i < 8; i++) {
+                        const int64_t r = (q + j) * PANEL + 8 * i;
+                        store_rows(_mm256_loadu_ps(acc + (j * m + c) * PANEL + 8 * i), y + c * rows + r, rows - r);
+                    }
         }
     }
 }
