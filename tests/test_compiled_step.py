@@ -104,15 +104,18 @@ def test_decode_rows_of_several_sequences_are_one_call_with_the_layers_bits(monk
     # A pass of eighteen sequences' decode rows, each at its own position, runs as one call
     # (CompiledStep.rows), sixteen rows at a time through each projection's few-row kernel (the
     # largest count chosen for) and then two: each step's logits are the layers' pass's bit for bit.
+    # The rows past their first KV block split their attention over the threads (each alone, as in
+    # a step of its own); the rest run a row per thread.
+    monkeypatch.setattr(fused_kernels, "ATTENTION_PARALLEL_MIN", 20 * 2 * 16)
     engine = _engine(monkeypatch, scheme)
     monkeypatch.setenv("POCKETLLM_KERNELS", os.environ["POCKETLLM_KERNELS"] + ",few-row=c-prefetch" * (scheme is None))
-    engine.reserve_slots(18, 80)
+    engine.reserve_slots(18, 100)
     step = engine.step
     assert step.step.rows_max == 16
     calls = []
     rows = step.rows
     monkeypatch.setattr(step, "rows", lambda *a: calls.append(len(a[0])) or rows(*a))
-    prompts = [[(7 * i + s) % 1000 for i in range(3 + 2 * s)] for s in range(18)]
+    prompts = [[(7 * i + s) % 1000 for i in range(3 + 5 * s)] for s in range(18)]
     fast, plain = _rows_then_layers(engine, prompts, 3)
     assert calls == [18] * 3 and engine.step is None
     for i, (a, b) in enumerate(zip(fast, plain)):

@@ -142,6 +142,7 @@ class CompiledStep:
         # Where greedy() has the step write the logits it takes the argmax of.
         self._greedy_logits = torch.empty(self.vocab_rows, dtype=torch.float32)
         self._seqs: dict[int, tuple[list, ctypes.Array]] = {}  # each slot's state, as step_bf16.c reads it
+        self._rows_work: dict[int, int] = {}  # floats of each attention layer's per-thread scratch
 
     def _scratch(self, count: int) -> None:
         """The step's scratch for at least `count` rows (grown as asked, never shrunk)."""
@@ -170,9 +171,17 @@ class CompiledStep:
 
     def _attention_work(self, i: int, block_size: int) -> None:
         """Attention layer i's scratch (the layers' own, kept per shape for the process), big enough
-        for this block size and a split over every thread."""
+        for this block size and a split over every thread; and, for several rows' attention a row
+        per thread, one row's scratch on one range of blocks for each thread."""
         l = self.layers[i]
-        l.attn_work = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, max(1, self.threads)).data_ptr()
+        threads = max(1, self.threads)
+        l.attn_work = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, threads).data_ptr()
+        one = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, 1).numel()
+        if getattr(self, "rows", None) is not None and threads > 1 and (one > l.attn_rows_stride or threads * one > self._rows_work.get(i, 0)):
+            work = torch.empty(threads * one, dtype=torch.float32)
+            self.keep.append(work)
+            l.attn_rows_work, l.attn_rows_stride = work.data_ptr(), one
+            self._rows_work[i] = work.numel()
 
     def logits(self, token: int, pos: int, slot: int) -> torch.Tensor:
         """The model's forward for one sequence's decode row, fed a token id at position pos, its

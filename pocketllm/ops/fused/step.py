@@ -31,6 +31,7 @@ class Layer(ctypes.Structure):
         ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I), ("kernel", _I),
         ("q_scale", _P), ("k_scale", _P), ("qk_eps", _F), ("attn_scale", _F),
         ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("half", _I), ("attn_work", _P),
+        ("attn_rows_work", _P), ("attn_rows_stride", _I),
     ]
 
 

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "../bf16.h"
+#include "../threads.h"
 
 /* A projection's kernel: the bf16 one-row GEMV (gemv_bf16.c), a quantized kernel (ops/quant,
  * taking any number of rows), or a bf16 few-row GEMM (gemv_bf16.c's gemm_rows_*; those that
@@ -59,6 +60,10 @@ struct layer {
     float qk_eps, attn_scale;
     int64_t heads, kv_heads, head_dim, half;
     float *attn_work;
+    /* Scratch for one row's attention on one range of blocks, per thread (attn_rows_stride floats
+     * each): several rows' attention runs a row per thread. */
+    float *attn_rows_work;
+    int64_t attn_rows_stride;
 };
 
 /* One sequence's state in each layer: a GDN layer's conv window and recurrent state, an attention
@@ -120,6 +125,48 @@ static int64_t attention_splits(const struct step *s, int64_t pos, int64_t kv_he
     return blocks < s->threads ? blocks : s->threads;
 }
 
+/* Row r's attention in layer i (attention_decode_bf16 on its sequence's cache), 1 when its block
+ * table held ids outside its pool. */
+static int attention_row(const struct step *s, const struct layer *l, int64_t r, int64_t i, const int64_t *pos, const float *const *cos,
+                         const float *const *sin, const struct seq_layer *const *seq, float *work, int64_t splits) {
+    const int64_t in_rows = s->proj[i * 4 * s->rows_max].rows, mid = s->proj[(i * 4 + 1) * s->rows_max].n;
+    const struct seq_layer *q = &seq[r][i];
+    return s->attention_decode(s->proj_out + r * in_rows, l->q_scale, l->k_scale, l->qk_eps, cos[r], sin[r], q->k_pool, q->v_pool, q->num_blocks,
+                               q->table, q->block_size, pos[r], l->heads, l->kv_heads, l->head_dim, l->half, l->attn_scale, s->mid + r * mid,
+                               work, splits) != 0;
+}
+
+/* Attention layer i of `rows` rows, each its own sequence's. A row whose cache is split over the
+ * threads (a long one) runs alone, as it runs in a step of its own; with several rows the rest run
+ * a row per thread, each on one range of blocks as it runs alone, so every row gets its own bits
+ * either way. Returns 1 when a block table held ids outside its pool. */
+static int attention_rows(const struct step *s, const struct layer *l, int64_t rows, int64_t i, const int64_t *pos, const float *const *cos,
+                          const float *const *sin, const struct seq_layer *const *seq) {
+    int failed = 0;
+    const int together = rows > 1 && s->threads > 1 && l->attn_rows_work;
+    if (together) {
+#pragma omp parallel for schedule(static) reduction(| : failed)
+        for (int64_t r = 0; r < rows; r++)
+            if (attention_splits(s, pos[r], l->kv_heads, l->head_dim, seq[r][i].block_size) == 1)
+                failed |= attention_row(s, l, r, i, pos, cos, sin, seq, l->attn_rows_work + thread_index() * l->attn_rows_stride, 1);
+    }
+    for (int64_t r = 0; r < rows && !failed; r++) {
+        const int64_t splits = attention_splits(s, pos[r], l->kv_heads, l->head_dim, seq[r][i].block_size);
+        if (!together || splits > 1) failed = attention_row(s, l, r, i, pos, cos, sin, seq, l->attn_work, splits);
+    }
+    return failed;
+}
+
+/* SiLU-and-multiply of layer l's `rows` rows; several of them a row per thread. */
+static void silu_mul_rows(const struct step *s, const struct layer *l, int64_t rows) {
+    if (rows > 1 && s->threads > 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < rows; r++) s->silu_mul(s->proj_out + r * 2 * l->inter, s->proj_out + r * 2 * l->inter + l->inter, s->mid + r * l->inter, l->inter);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) s->silu_mul(s->proj_out + r * 2 * l->inter, s->proj_out + r * 2 * l->inter + l->inter, s->mid + r * l->inter, l->inter);
+}
+
 static int project_set(const struct step *s, int64_t which, const uint16_t *x, uint16_t *y, int64_t rows) {
     const struct proj *first = &s->proj[which * s->rows_max];
     for (int64_t r0 = 0; r0 < rows; r0 += s->rows_max) {
@@ -135,7 +182,8 @@ static int project_set(const struct step *s, int64_t which, const uint16_t *x, u
  * per layer seq[r]; fp32 logits [rows, head rows]. Several rows run each projection's kernel for
  * that many rows, which sums each row as the one-row kernel does where the set is batch-invariant
  * (the only sets that pass several rows here); the work between the projections runs row by row,
- * the same calls. Returns 0; 1 when a projection failed (its scratch could not be allocated), 2
+ * the same calls (a GDN layer's rows, attention and the activation spread over the threads a row
+ * or a head at a time). Returns 0; 1 when a projection failed (its scratch could not be allocated), 2
  * when a block table held ids outside its pool, 3 when `rows` exceeds the scratch's capacity. */
 int decode_rows_bf16(const struct step *s, int64_t rows, const uint16_t *const *embed, const int64_t *pos, const float *const *cos,
                      const float *const *sin, const struct seq_layer *const *seq, float *logits) {
@@ -144,20 +192,13 @@ int decode_rows_bf16(const struct step *s, int64_t rows, const uint16_t *const *
     for (int64_t r = 0; r < rows; r++) memcpy(s->h + r * n, embed[r], (size_t)n * sizeof(uint16_t));
     for (int64_t i = 0; i < s->layers; i++) {
         const struct layer *l = &s->layer[i];
-        const int64_t in_rows = s->proj[i * 4 * s->rows_max].rows, mid = s->proj[(i * 4 + 1) * s->rows_max].n;
+        const int64_t in_rows = s->proj[i * 4 * s->rows_max].rows;
         /* The residual stream arrives as h + x (x not yet added in the first layer). */
         for (int64_t r = 0; r < rows; r++)
             s->add_rms_norm(s->h + r * n, i ? s->x + r * n : NULL, l->in_scale, l->in_eps, n, i ? s->h + r * n : NULL, s->y + r * n);
         if (project_set(s, i * 4, s->y, s->proj_out, rows)) return 1;
         if (l->full) {
-            for (int64_t r = 0; r < rows; r++) {
-                const struct seq_layer *q = &seq[r][i];
-                const int64_t splits = attention_splits(s, pos[r], l->kv_heads, l->head_dim, q->block_size);
-                if (s->attention_decode(s->proj_out + r * in_rows, l->q_scale, l->k_scale, l->qk_eps, cos[r], sin[r], q->k_pool, q->v_pool,
-                                        q->num_blocks, q->table, q->block_size, pos[r], l->heads, l->kv_heads, l->head_dim, l->half,
-                                        l->attn_scale, s->mid + r * mid, l->attn_work, splits))
-                    return 2;
-            }
+            if (attention_rows(s, l, rows, i, pos, cos, sin, seq)) return 2;
         } else if (rows == 1) {
             s->gdn_decode(s->proj_out, l->taps, seq[0][i].conv, l->neg_a, l->dt_bias, l->norm_w, l->norm_eps, seq[0][i].state, s->mid, l->hk,
                           l->hv, l->dk, l->dv, l->kernel, s->gdn_work);
@@ -171,10 +212,7 @@ int decode_rows_bf16(const struct step *s, int64_t rows, const uint16_t *const *
         if (project_set(s, i * 4 + 1, s->mid, s->x, rows)) return 1;
         for (int64_t r = 0; r < rows; r++) s->add_rms_norm(s->h + r * n, s->x + r * n, l->post_scale, l->post_eps, n, s->h + r * n, s->y + r * n);
         if (project_set(s, i * 4 + 2, s->y, s->proj_out, rows)) return 1;
-        for (int64_t r = 0; r < rows; r++) {
-            const uint16_t *gu = s->proj_out + r * 2 * l->inter;
-            s->silu_mul(gu, gu + l->inter, s->mid + r * l->inter, l->inter);
-        }
+        silu_mul_rows(s, l, rows);
         if (project_set(s, i * 4 + 3, s->mid, s->x, rows)) return 1;
     }
     for (int64_t r = 0; r < rows; r++) s->add_rms_norm(s->h + r * n, s->x + r * n, s->final_scale, s->final_eps, n, s->h + r * n, s->y + r * n);
