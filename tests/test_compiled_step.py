@@ -269,6 +269,13 @@ def test_the_steps_argmax_is_torchs():
     cases = [torch.randn(1000, generator=g), torch.zeros(7), torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.full((5,), -float("inf")),
              torch.tensor([1.0, float("nan"), 5.0, float("nan")]), torch.tensor([float("-inf"), 2.0, float("inf"), float("inf")]),
              torch.randn(32001, generator=g).round()]
+    # Past eight values the vector passes run: NaN in the vectors or in the tail, the largest in
+    # the tail, ties across vectors, signed zeros, all -inf.
+    x = torch.randn(1003, generator=g)
+    for at in (5, 517, 1001):
+        cases += [x.clone().index_fill_(0, torch.tensor([at]), float("nan")), x.clone().index_fill_(0, torch.tensor([at]), 9.0)]
+    cases += [torch.tensor([0.0] * 9 + [-0.0] * 9), torch.tensor([-0.0] * 9 + [0.0] * 9), torch.full((19,), -float("inf")),
+              torch.tensor([1.0] * 8 + [4.0] + [1.0] * 8 + [4.0] * 3)]
     for x in cases:
         assert native.argmax(x) == int(torch.argmax(x)), x
     with pytest.raises(ValueError, match="fp32 contiguous CPU logits"):

@@ -52,6 +52,7 @@ from pocketllm.engine.request import KVUsage, Request
 from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.inputs import request_problem
 from pocketllm.layers.kv_layout import blocks_for
+from pocketllm.ops.fused import step as native_step
 
 # An idle rank 0 sends an empty plan this often, so the other ranks' wait for the next pass never
 # reaches the collective timeout however long no request comes.
@@ -158,7 +159,7 @@ class Scheduler:
         direct = self._direct_row(spans, fed)
         if direct is None:
             logits = self._run(spans, fed)
-            greedy = torch.argmax(logits, dim=-1).tolist()
+            greedy = native_step.argmax_rows(logits) or torch.argmax(logits, dim=-1).tolist()
         # A request's spans are consecutive (replayed rows are one span each): its last one's
         # logits are the ones that may choose a token.
         ends = {id(req): i for i, req in enumerate(fed)}

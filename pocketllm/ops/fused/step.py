@@ -118,6 +118,16 @@ def argmax(logits: torch.Tensor) -> int:
     return argmax_at(logits.data_ptr(), logits.numel())
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """Each row's argmax of fp32 logits [rows, V] on the CPU, as torch.argmax chooses, found by
+    step_bf16.c's loop where that library is loaded already; None where it is not (or the logits
+    are of another kind), so the caller asks torch."""
+    if _lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
+        return None
+    at, n = logits.data_ptr(), logits.shape[1]
+    return [_lib.logits_argmax(at + 4 * n * r, n) for r in range(logits.shape[0])]
+
+
 def argmax_at(logits: int, n: int) -> int:
     """The same over n fp32 logits at an address (a buffer the step writes)."""
     return _lib.logits_argmax(logits, n)

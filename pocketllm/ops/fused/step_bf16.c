@@ -12,6 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include "../bf16.h"
 #include "../threads.h"
 
@@ -232,11 +236,46 @@ int decode_step_bf16(const struct step *s, const uint16_t *embed, int64_t pos, c
 /* The greedy token of a step's logits: the first index of the largest value, and the first NaN
  * where there is one, as torch.argmax chooses (tests/test_compiled_step.py holds them equal). A
  * loop over logits the step has just written, so the caller need not run a torch op on them. */
-int64_t logits_argmax(const float *x, int64_t n) {
+static int64_t argmax_scalar(const float *x, int64_t n) {
     int64_t best = 0;
     for (int64_t i = 0; i < n; i++) {
         if (x[i] != x[i]) return i;
         if (x[i] > x[best]) best = i;
     }
     return best;
+}
+
+/* The same in two vector passes where there is AVX2: the largest value (and whether any is NaN,
+ * which the scalar loop then finds), then the first index holding it. The scalar loop's compare
+ * chain runs a row of a vocabulary several times slower, and a step of many rows waits on it. */
+int64_t logits_argmax(const float *x, int64_t n) {
+#ifdef __AVX2__
+    if (n >= 8) {
+        __m256 top = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+        int64_t i = 8;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, v);
+        }
+        float lanes[8], m;
+        _mm256_storeu_ps(lanes, top);
+        m = lanes[0];
+        for (int j = 1; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+        int any_nan = _mm256_movemask_ps(nan) != 0;
+        for (; i < n; i++) {
+            any_nan |= x[i] != x[i];
+            m = x[i] > m ? x[i] : m;
+        }
+        if (any_nan) return argmax_scalar(x, n);
+        const __m256 want = _mm256_set1_ps(m);
+        for (i = 0; i + 8 <= n; i += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), want, _CMP_EQ_OQ));
+            if (hit) return i + __builtin_ctz((unsigned)hit);
+        }
+        for (; i < n; i++)
+            if (x[i] == m) return i;
+    }
+#endif
+    return argmax_scalar(x, n);
 }
