@@ -4,7 +4,7 @@ completions and chat, streamed and not; every bad request is a 4xx with an OpenA
 the next request succeeds; a client leaving mid-stream frees its sequence; SIGINT ends every rank
 with exit 0. One server per world size serves the whole module; one more per world size in bf16
 (the default dtype, where rounding would show it) answers a request alike alone, among concurrent
-requests and from the prefix cache."""
+requests and from the prefix cache. Every server is started at once, at the module's first test."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import urllib.parse
 
 import openai
 import pytest
-from conftest import assert_nothing_left, generated_ids, main_in_process, start
+from conftest import assert_nothing_left, generated_ids, kill_tagged, main_in_process, start
 
 from pocketllm.engine.runner import PREFILL_CHUNK
 from pocketllm.serving.metrics import parse as parse_metrics
@@ -121,33 +121,79 @@ class Server:
         return parse_metrics(text)
 
 
-def serving(text_ckpt, world: int, tmp_path, *flags):
-    """A server of the text checkpoint at `world` ranks, for a module's tests; stopped after."""
-    run = start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, *flags, tmp_path=tmp_path)
+def start_server(text_ckpt, world: int, tmp_path, *flags, env: dict | None = None):
+    """`pocketllm serve` of the text checkpoint at `world` ranks, started; ready() waits for it."""
+    return start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, *flags,
+                 tmp_path=tmp_path, env=env)
+
+
+def ready(run, world: int) -> Server:
+    """The started server once it says it is serving (killed if it never does)."""
     try:
         run.line_time("serving ", timeout=START_TIMEOUT_S)
     except AssertionError:
         run.proc.kill()
         raise
     url = re.search(r"on (http://\S+)", run.stderr).group(1)
-    yield Server(run, url, world)
+    return Server(run, url, world)
+
+
+def stop(run) -> None:
     if run.proc.poll() is None:
         run.proc.kill()
     run.wait(timeout=15)
     assert_nothing_left(run, within=5)
 
 
+def serving(text_ckpt, world: int, tmp_path, *flags):
+    """A server of the text checkpoint at `world` ranks, for a module's tests; stopped after."""
+    run = start_server(text_ckpt, world, tmp_path, *flags)
+    yield ready(run, world)
+    stop(run)
+
+
+FP32_FLAGS = ("--dtype", "float32", "--max-running", 4, "--kv-cache-gib", KV_GIB)
+BF16_FLAGS = ("--max-running", 8)
+
+
+@pytest.fixture(scope="module")
+def started(text_ckpt, tmp_path_factory):
+    """Every server this module's tests use, started together the first time a test asks for one
+    (each spends seconds of a core starting torch and loading, mostly one process at a time, so
+    they overlap): fp32 and bf16 at TP=1 and TP=2, and the one whose rank 1 dies. Each is checked
+    ready, and stopped, by the fixture or test that uses it; any still running at the module's end
+    is killed."""
+    runs = {}
+    for world in (1, 2):
+        runs["fp32", world] = start_server(text_ckpt, world, tmp_path_factory.mktemp(f"serve{world}"), *FP32_FLAGS)
+        runs["bf16", world] = start_server(text_ckpt, world, tmp_path_factory.mktemp(f"serve-bf16-{world}"), *BF16_FLAGS)
+    # (An engine failure on rank 0 itself: tests/test_serve_engine.py.)
+    runs["dead-rank"] = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", 2, "--port", 0, "--max-len", 64,
+                              tmp_path=tmp_path_factory.mktemp("serve-dead-rank"), env={"POCKETLLM_FAULT": "rank=1,at=decode,kind=kill"})
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            if run.proc.poll() is None:
+                run.proc.kill()
+                kill_tagged(run.tag)
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def server(request, text_ckpt, tmp_path_factory):
+def server(request, started):
     world = request.param
-    yield from serving(text_ckpt, world, tmp_path_factory.mktemp(f"serve{world}"), "--dtype", "float32", "--max-running", 4, "--kv-cache-gib", KV_GIB)
+    run = started["fp32", world]
+    yield ready(run, world)
+    stop(run)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def bf16_server(request, text_ckpt, tmp_path_factory):
+def bf16_server(request, started):
     """In bf16, the default, where a request's tokens would show any dependence on its batch."""
     world = request.param
-    yield from serving(text_ckpt, world, tmp_path_factory.mktemp(f"serve-bf16-{world}"), "--max-running", 8)
+    run = started["bf16", world]
+    yield ready(run, world)
+    stop(run)
 
 
 def completion(server, prompt, **kw):
@@ -415,10 +461,8 @@ def test_sigint_ends_every_rank_with_exit_0_and_the_open_stream_with_an_error(se
 
 
 @pytest.mark.timeout(90)
-def test_a_dead_rank_ends_the_server_with_the_launchers_line(text_ckpt, tmp_path):
-    # (An engine failure on rank 0 itself: tests/test_serve_engine.py.)
-    run = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", 2, "--port", 0, "--max-len", 64,
-                tmp_path=tmp_path, env={"POCKETLLM_FAULT": "rank=1,at=decode,kind=kill"})
+def test_a_dead_rank_ends_the_server_with_the_launchers_line(started):
+    run = started["dead-rank"]
     run.line_time("serving ", timeout=START_TIMEOUT_S)
     url = re.search(r"on (http://\S+)", run.stderr).group(1)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=20, max_retries=0)
