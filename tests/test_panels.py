@@ -13,7 +13,9 @@ import weakref
 import pytest
 import torch
 from conftest import main_in_process, tiny_engine, usage_error_in_process
+from test_host_memory import THP_BUILT, mapping_of
 
+from pocketllm import host_memory
 from pocketllm.errors import UsageError
 from pocketllm.ops.gemv import panels
 from pocketllm.ops.registry import layout
@@ -40,6 +42,26 @@ def test_packing_keeps_every_weight_and_unpacks_to_it(rows, n):
     # A probe cut keeps its rows, whole panels or not.
     assert torch.equal(p.rows(64, rows).unpack(), w[64:rows]) if rows > 64 else torch.equal(p.rows(0, rows).unpack(), w)
     assert torch.equal(p.rows(1, rows).unpack(), w[1:rows])
+
+
+@pytest.mark.skipif(not THP_BUILT, reason="kernel built without transparent huge pages: madvise(MADV_HUGEPAGE) is refused")
+def test_a_large_weights_panels_lie_on_huge_pages_and_unpack_to_it():
+    # As the loaded weights do (pocketllm.host_memory): a product streams the whole weight.
+    w = weight(1500, 1024)  # 24 panels, the last part padding: 3 MiB
+    p = panels.pack(w)
+    head = mapping_of(p.packed)
+    assert head is not None and "hg" in head[1], f"panels on {head}, not advised for huge pages"
+    assert p.packed.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert torch.equal(p.unpack(), w)
+    # Unpacked back into huge pages, as an engine going back to rows does (hold_as_loaded).
+    back = p.unpack(host_memory.zeros(w.shape, torch.bfloat16))
+    assert torch.equal(back, w) and "hg" in mapping_of(back)[1]
+    with pytest.raises(ValueError, match="unpack: out must be"):
+        p.unpack(torch.empty(1500, 1023, dtype=torch.bfloat16))
+    out = torch.empty(5, 1500, dtype=torch.bfloat16)
+    x = weight(5, 1024, seed=2)
+    panels.rows(4, 128)(x, p, out)
+    assert torch.equal(out, panels.chain_reference(x, p))
 
 
 @pytest.mark.parametrize("rows,n", SHAPES)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pocketllm import host_memory
 from pocketllm.config import FULL, ModelConfig
 from pocketllm.layers import row_forms
 from pocketllm.layers.context import CPU_PASS, ForwardContext, Part, PassShape, Segment, parts_of
@@ -101,7 +102,8 @@ class Qwen35ForCausalLM(nn.Module):
         count = 0
         for m in self.projections():
             if isinstance(m.weight, panels.PanelWeight):
-                w = m.weight.unpack()
+                # Back on huge pages, as loaded (pocketllm.host_memory).
+                w = m.weight.unpack(host_memory.zeros(m.weight.shape, torch.bfloat16))
                 del m.weight
                 m.weight = nn.Parameter(w, requires_grad=False)
                 m.kernels = default_kernels(m.weight)
