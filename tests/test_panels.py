@@ -151,6 +151,21 @@ def test_an_engine_takes_the_batches_layout_when_slots_for_several_are_reserved_
     assert engine.held == "panels"
 
 
+def test_choices_measured_on_panels_are_kept_for_this_placement_of_them_only():
+    # The kernel and layout choices' cache keys name the panels module (which decides the memory
+    # they lie on) beside the compiled source: figures from another placement are measured again.
+    from pathlib import Path
+
+    from pocketllm import compiled
+    from pocketllm.ops.registry import panel_kinds
+    from pocketllm.ops.registry.choose import cache_key
+
+    module = compiled.source_digest(Path(panels.__file__))
+    for kind in (panel_kinds.ONE_ROW, panel_kinds.FEW_ROW, panel_kinds.MANY_ROW):
+        assert module in cache_key(kind, PANELS, (64, 128), 8)
+    assert module in layout.cache_key([weight(64, 128)])
+
+
 def test_the_layouts_are_timed_on_every_weight_shape_within_the_budget():
     ws = [torch.empty(4096, 512, dtype=torch.bfloat16), torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(4096, 512, dtype=torch.bfloat16)]
     ws.append(torch.empty(100_000, 64, dtype=torch.bfloat16))  # a head, bigger than its share

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -141,15 +140,12 @@ def measure(weights: list[torch.Tensor]) -> dict[str, float]:
 
 def cache_key(weights) -> str:
     """What a measurement depends on, as the kernel choices' keys name it: the CPU, torch and
-    the builds it ran, the timed kernels' sources and the panels' module, the threads and the
-    weights' shapes in order."""
+    the builds it ran, the timed kernels' sources, the threads and the weights' shapes in order."""
     parts = [compiled.cpu_model(), f"torch {torch.__version__}"]
     parts += [f"{name}={os.environ[name]}" for name in TORCH_ISA_VARIABLES if os.environ.get(name)]
     parts += [f"{compiled.ENV_ISA}={compiled.isa()}"] if compiled.isa() != "native" else []
     sources = sorted({s for kind, names in TIMED.values() for n in names for s in kind.by_name[n].sources})
     parts += [f"kernels {compiled.source_digest(s)}" for s in sources]
-    # And how panels are held (their memory's pages), which the kernels' sources do not say.
-    parts += [f"panels {compiled.source_digest(Path(panels.__file__))}"]
     shapes = ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights)
     return "|".join(parts + ["bf16 layout", f"{torch.get_num_threads()} threads", shapes])
 

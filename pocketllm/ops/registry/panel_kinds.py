@@ -6,10 +6,14 @@ never timed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pocketllm.ops.gemv import panels
 from pocketllm.ops.registry.kinds import FEW, MANY, ONE, Candidate, Kind, register
 
-_C = (panels.SOURCE,)
+# The compiled source, and the module that holds the weights for it (their memory's pages): a
+# choice measured on another placement says nothing about this one.
+_C = (panels.SOURCE, Path(panels.__file__))
 _ORDER = "panel_bf16.c"
 # Inputs a one-row call reads of one panel before the next stream's: 4 KiB of it.
 STREAM_BLOCK = 32
