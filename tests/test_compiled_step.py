@@ -278,6 +278,10 @@ def test_the_steps_argmax_is_torchs():
               torch.tensor([1.0] * 8 + [4.0] + [1.0] * 8 + [4.0] * 3)]
     for x in cases:
         assert native.argmax(x) == int(torch.argmax(x)), x
+    # A step's rows in one call, as the scheduler takes its greedy tokens.
+    rows = torch.stack([c for c in cases if c.numel() == 1003])
+    assert native.argmax_rows(rows) == torch.argmax(rows, dim=-1).tolist()
+    assert native.argmax_rows(rows.bfloat16()) is None and native.argmax_rows(rows.t()) is None
     with pytest.raises(ValueError, match="fp32 contiguous CPU logits"):
         native.argmax(torch.zeros(4, dtype=torch.bfloat16))
 

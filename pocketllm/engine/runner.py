@@ -217,7 +217,8 @@ class Engine:
         if len(spans) > 1 and decode and not all_logits and hasattr(self.step, "rows") and len({s for s, _, _ in spans}) == len(spans):
             info = self._direct_rows([(slot, start) for slot, start, _ in spans])
             if info is not None:
-                logits = self.step.rows([int(ids[0]) for _, _, ids in spans], [start for _, start, _ in spans], [slot for slot, _, _ in spans])
+                tokens = torch.cat([ids for _, _, ids in spans]).tolist()  # one op, not one per row
+                logits = self.step.rows(tokens, [start for _, start, _ in spans], [slot for slot, _, _ in spans])
                 self._after_direct(info)
                 return logits
         total, pieces, last = 0, [], []

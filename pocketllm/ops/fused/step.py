@@ -66,6 +66,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.decode_rows_bf16.restype = ctypes.c_int
     lib.logits_argmax.argtypes = [_P, _I]
     lib.logits_argmax.restype = _I
+    lib.logits_argmax_rows.argtypes = [_P, _I, _I, _P]
+    lib.logits_argmax_rows.restype = None
     _lib = lib
     return lib, ""
 
@@ -124,8 +126,10 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     are of another kind), so the caller asks torch."""
     if _lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
         return None
-    at, n = logits.data_ptr(), logits.shape[1]
-    return [_lib.logits_argmax(at + 4 * n * r, n) for r in range(logits.shape[0])]
+    rows = logits.shape[0]
+    out = (ctypes.c_int64 * rows)()
+    _lib.logits_argmax_rows(logits.data_ptr(), rows, logits.shape[1], out)
+    return list(out)
 
 
 def argmax_at(logits: int, n: int) -> int:

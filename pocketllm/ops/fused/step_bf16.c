@@ -279,3 +279,8 @@ int64_t logits_argmax(const float *x, int64_t n) {
 #endif
     return argmax_scalar(x, n);
 }
+
+/* logits_argmax of each of `rows` rows of n logits into out: one call for a step's rows. */
+void logits_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = logits_argmax(x + r * n, n);
+}
