@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../threads.h"
 #include "rounding.h"
 
 /* State floats (value heads x dk x dv) from which the heads are split over the threads: from a
@@ -121,7 +122,7 @@ static void gdn_row_inputs(const uint16_t *proj, const float *taps, uint16_t *co
  * Two passes over the head's fp32 state, the most a step can do with it: one read of the old
  * state for k^T S and q^T S together, then one read-write for S' = decay S + k (x) delta. With
  * that S', k^T (decay S) = decay k^T S and q^T S' = decay q^T S + (q . k) delta. */
-static void gdn_head(float *work, float *state, int64_t j, int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
+static void gdn_head(float *work, float *state, int64_t j, int64_t hk, int64_t hv, int64_t dk, int64_t dv, const float *next) {
     const int64_t kd = hk * dk, vd = hv * dv, conv_ch = 2 * kd + vd;
     const float *q = work, *k = work + kd, *v = work + 2 * kd, *beta = work + conv_ch, *g = beta + hv;
     float *o = work + conv_ch + 2 * hv;
@@ -164,6 +165,10 @@ static void gdn_head(float *work, float *state, int64_t j, int64_t hk, int64_t h
     for (i = 0; i < dk; i++) {
         float *row = S + i * dv;
         const float ki = kj[i];
+        /* This pass works from L2: meanwhile the thread's next head (`next`, NULL at the end of its
+         * share) is asked for a row at a time, so the memory keeps streaming between heads. */
+        if (next)
+            for (int64_t off = 0; off < dv; off += 16) __builtin_prefetch(next + i * dv + off, 1, 2);
         for (int64_t e = 0; e < dv; e++) row[e] = decay * row[e] + ki * delta[e];
     }
 }
@@ -184,8 +189,12 @@ void gdn_decode_bf16(const uint16_t *proj, const float *taps, uint16_t *conv_sta
                      const uint16_t *norm_w, float eps, float *state, uint16_t *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                      int64_t kernel, float *work) {
     gdn_row_inputs(proj, taps, conv_state, neg_a, dt_bias, hk, hv, dk, dv, kernel, work);
-#pragma omp parallel for schedule(static) if (hv * dk * dv >= GDN_PARALLEL_MIN)
-    for (int64_t j = 0; j < hv; j++) gdn_head(work, state, j, hk, hv, dk, dv);
+#pragma omp parallel if (hv * dk * dv >= GDN_PARALLEL_MIN)
+    {
+        int64_t j0, j1;
+        thread_units(hv, &j0, &j1);
+        for (int64_t j = j0; j < j1; j++) gdn_head(work, state, j, hk, hv, dk, dv, j + 1 < j1 ? state + (j + 1) * dk * dv : NULL);
+    }
     gdn_row_output(proj, work, norm_w, eps, hk, hv, dk, dv, out);
 }
 
@@ -204,8 +213,15 @@ void gdn_decode_rows_bf16(const uint16_t *proj, int64_t proj_stride, int64_t row
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             gdn_row_inputs(proj + r * proj_stride, taps, conv_states[r], neg_a, dt_bias, hk, hv, dk, dv, kernel, work + r * floats);
-#pragma omp for schedule(static)
-        for (int64_t rj = 0; rj < rows * hv; rj++) gdn_head(work + (rj / hv) * floats, states[rj / hv], rj % hv, hk, hv, dk, dv);
+        /* The threads' shares of the rows' heads, contiguous (as schedule(static) splits them):
+         * each head knows the next one it runs. */
+        int64_t u0, u1;
+        thread_units(rows * hv, &u0, &u1);
+        for (int64_t rj = u0; rj < u1; rj++) {
+            const int64_t nx = rj + 1;
+            gdn_head(work + (rj / hv) * floats, states[rj / hv], rj % hv, hk, hv, dk, dv, nx < u1 ? states[nx / hv] + (nx % hv) * dk * dv : NULL);
+        }
+#pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) gdn_row_output(proj + r * proj_stride, work + r * floats, norm_w, eps, hk, hv, dk, dv, out + r * vd);
     }
