@@ -134,10 +134,20 @@ static void gdn_head(float *work, float *state, int64_t j, int64_t hk, int64_t h
     float qk = 0.0f;
     for (int64_t i = 0; i < dk; i++) qk += qj[i] * kj[i];
     for (int64_t e = 0; e < dv; e++) ks[e] = 0.0f, qs[e] = 0.0f;
+    /* The thread's next head (`next`, NULL at the end of its share) is asked for, for writing,
+     * into L2, spread evenly over both passes' iterations: the memory keeps streaming while this
+     * head works from the caches (its second pass entirely from L2). */
+    const int64_t total = dk * dv, steps = dk / 4 + dk;
+    int64_t ahead = 0, step = 0;
+#define GDN_PREFETCH_NEXT()                                                          \
+    if (next)                                                                        \
+        for (const int64_t upto = ++step * total / steps; ahead < upto; ahead += 16) \
+            __builtin_prefetch(next + ahead, 1, 2);
     /* Four rows a pass over ks and qs: they live in memory (dv is not a constant), and one row at
      * a time their loads and stores, not the state's, were the loop's cost. */
     int64_t i = 0;
     for (; i + 4 <= dk; i += 4) {
+        GDN_PREFETCH_NEXT()
         const float *r0 = S + i * dv, *r1 = r0 + dv, *r2 = r1 + dv, *r3 = r2 + dv;
         const float k0 = kj[i], k1 = kj[i + 1], k2 = kj[i + 2], k3 = kj[i + 3];
         const float q0 = qj[i], q1 = qj[i + 1], q2 = qj[i + 2], q3 = qj[i + 3];
@@ -165,12 +175,10 @@ static void gdn_head(float *work, float *state, int64_t j, int64_t hk, int64_t h
     for (i = 0; i < dk; i++) {
         float *row = S + i * dv;
         const float ki = kj[i];
-        /* This pass works from L2: meanwhile the thread's next head (`next`, NULL at the end of its
-         * share) is asked for a row at a time, so the memory keeps streaming between heads. */
-        if (next)
-            for (int64_t off = 0; off < dv; off += 16) __builtin_prefetch(next + i * dv + off, 1, 2);
+        GDN_PREFETCH_NEXT()
         for (int64_t e = 0; e < dv; e++) row[e] = decay * row[e] + ki * delta[e];
     }
+#undef GDN_PREFETCH_NEXT
 }
 
 /* The heads' output rounded to bf16 (as the torch path hands it to the norm), then the gated norm
