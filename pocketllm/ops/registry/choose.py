@@ -136,16 +136,20 @@ def pick(kind: Kind, seconds: dict[str, float]) -> str:
 TORCH_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
-def cache_key(kind: Kind, fmt: str, key, rows: int, label: str = "") -> str:
-    # The compiled kernels' source is part of the key: a choice measured against another version
-    # of them says nothing about this one.
-    sources = sorted({s for c in kind.candidates for s in c.sources})
+def machine_parts(sources) -> list[str]:
+    """What every measured choice depends on before its own terms: the CPU, torch, the builds it
+    ran and the compiled kernels' sources (a choice measured against another version of them says
+    nothing about this one)."""
     parts = [compiled.cpu_model(), f"torch {torch.__version__}"]
     # Builds narrower than the CPU's run other code than a choice measured without them: torch's
     # own kernels held back by these variables, and POCKETLLM_ISA's.
     parts += [f"{name}={os.environ[name]}" for name in TORCH_ISA_VARIABLES if os.environ.get(name)]
     parts += [f"{compiled.ENV_ISA}={compiled.isa()}"] if compiled.isa() != "native" else []
-    parts += [f"kernels {compiled.source_digest(s)}" for s in sources]
+    return parts + [f"kernels {compiled.source_digest(s)}" for s in sorted(set(sources))]
+
+
+def cache_key(kind: Kind, fmt: str, key, rows: int, label: str = "") -> str:
+    parts = machine_parts(s for c in kind.candidates for s in c.sources)
     parts += [kind.name, fmt, f"{torch.get_num_threads()} threads", label or f"{key[0]}x{key[1]}"]
     return "|".join(parts + ([f"{rows} rows"] if rows > 1 else []))
 

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops.gemv import panels
 from pocketllm.ops.registry import cache, float_kinds, panel_kinds
-from pocketllm.ops.registry.choose import TORCH_ISA_VARIABLES
+from pocketllm.ops.registry.choose import machine_parts
 from pocketllm.ops.registry.kinds import PANELS, Kind, all_kinds, forced_kernels
 from pocketllm.ops.registry.trust import Monitor
 from pocketllm.switches import ENV_BF16_LAYOUT as ENV
@@ -141,11 +140,7 @@ def measure(weights: list[torch.Tensor]) -> dict[str, float]:
 def cache_key(weights) -> str:
     """What a measurement depends on, as the kernel choices' keys name it: the CPU, torch and
     the builds it ran, the timed kernels' sources, the threads and the weights' shapes in order."""
-    parts = [compiled.cpu_model(), f"torch {torch.__version__}"]
-    parts += [f"{name}={os.environ[name]}" for name in TORCH_ISA_VARIABLES if os.environ.get(name)]
-    parts += [f"{compiled.ENV_ISA}={compiled.isa()}"] if compiled.isa() != "native" else []
-    sources = sorted({s for kind, names in TIMED.values() for n in names for s in kind.by_name[n].sources})
-    parts += [f"kernels {compiled.source_digest(s)}" for s in sources]
+    parts = machine_parts(s for kind, names in TIMED.values() for n in names for s in kind.by_name[n].sources)
     shapes = ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights)
     return "|".join(parts + ["bf16 layout", f"{torch.get_num_threads()} threads", shapes])
 
