@@ -142,7 +142,7 @@ class CompiledStep:
         # Where greedy() has the step write the logits it takes the argmax of.
         self._greedy_logits = torch.empty(self.vocab_rows, dtype=torch.float32)
         self._seqs: dict[int, tuple[list, ctypes.Array]] = {}  # each slot's state, as step_bf16.c reads it
-        self._rows_work: dict[int, int] = {}  # floats of each attention layer's per-thread scratch
+        self._rows_work: dict[int, torch.Tensor] = {}  # each attention layer's per-thread scratch (rows)
 
     def _scratch(self, count: int) -> None:
         """The step's scratch for at least `count` rows (grown as asked, never shrunk)."""
@@ -176,12 +176,12 @@ class CompiledStep:
         l = self.layers[i]
         threads = max(1, self.threads)
         l.attn_work = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, threads).data_ptr()
-        one = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, 1).numel()
-        if getattr(self, "rows", None) is not None and threads > 1 and (one > l.attn_rows_stride or threads * one > self._rows_work.get(i, 0)):
-            work = torch.empty(threads * one, dtype=torch.float32)
-            self.keep.append(work)
+        if hasattr(self, "rows") and threads > 1:
+            one = fused_kernels.attention_work(l.heads, l.kv_heads, l.head_dim, block_size, 1).numel()
+            work = self._rows_work.get(i)
+            if work is None or work.numel() < threads * one:
+                work = self._rows_work[i] = torch.empty(threads * one, dtype=torch.float32)
             l.attn_rows_work, l.attn_rows_stride = work.data_ptr(), one
-            self._rows_work[i] = work.numel()
 
     def logits(self, token: int, pos: int, slot: int) -> torch.Tensor:
         """The model's forward for one sequence's decode row, fed a token id at position pos, its

@@ -161,14 +161,21 @@ static int attention_rows(const struct step *s, const struct layer *l, int64_t r
     return failed;
 }
 
-/* SiLU-and-multiply of layer l's `rows` rows; several of them a row per thread. */
+/* SiLU-and-multiply of layer l's row r (its gate_up row's two halves). */
+static inline void silu_mul_row(const struct step *s, const struct layer *l, int64_t r) {
+    const uint16_t *gu = s->proj_out + r * 2 * l->inter;
+    s->silu_mul(gu, gu + l->inter, s->mid + r * l->inter, l->inter);
+}
+
+/* The same for `rows` rows: several of them a row per thread, one on the calling thread (even a
+ * parallel region whose if clause is not taken costs a runtime call). */
 static void silu_mul_rows(const struct step *s, const struct layer *l, int64_t rows) {
     if (rows > 1 && s->threads > 1) {
 #pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < rows; r++) s->silu_mul(s->proj_out + r * 2 * l->inter, s->proj_out + r * 2 * l->inter + l->inter, s->mid + r * l->inter, l->inter);
-        return;
+        for (int64_t r = 0; r < rows; r++) silu_mul_row(s, l, r);
+    } else {
+        for (int64_t r = 0; r < rows; r++) silu_mul_row(s, l, r);
     }
-    for (int64_t r = 0; r < rows; r++) s->silu_mul(s->proj_out + r * 2 * l->inter, s->proj_out + r * 2 * l->inter + l->inter, s->mid + r * l->inter, l->inter);
 }
 
 static int project_set(const struct step *s, int64_t which, const uint16_t *x, uint16_t *y, int64_t rows) {
