@@ -60,19 +60,21 @@ def unavailable(name: str, isa: str = "native") -> str:
     return library(name, isa)[1]
 
 
+# Each source's function naming the instruction set it was built for.
+_ISA_FN = {"int4": "q4_isa", "int8": "q8_isa", "int4-int8x": "q4x_isa", "int8-int8x": "q8x_isa", "int8x-many": "int8x_many_isa"}
+
+
 def isa(scheme: str, variant: str = "native") -> str:
     """The instruction set the scheme's GEMV (or "int4-int8x", "int8-int8x", "int8x-many") was built for, or why it was not."""
     lib, why = library(scheme, variant)
     if lib is None:
         return f"unavailable: {why}"
-    fn = {"int4": "q4_isa", "int8": "q8_isa", "int4-int8x": "q4x_isa", "int8-int8x": "q8x_isa", "int8x-many": "int8x_many_isa"}[scheme]
-    return getattr(lib, fn)().decode()
+    return getattr(lib, _ISA_FN[scheme])().decode()
 
 
 def _unbuilt(source: str, variant: str) -> str:
     """Why SOURCES[source]'s kernel is not in its `variant` build ("" when it is)."""
-    what = isa(source, variant)
-    return what if what.startswith("unavailable") else ""
+    return compiled.unbuilt(library(source, variant), _ISA_FN[source])
 
 
 def int8x_unavailable(variant: str = "native", scheme: str = "int4") -> str:
