@@ -121,10 +121,9 @@ class Server:
         return parse_metrics(text)
 
 
-def start_server(text_ckpt, world: int, tmp_path, *flags, env: dict | None = None):
+def start_server(text_ckpt, world: int, tmp_path, *flags):
     """`pocketllm serve` of the text checkpoint at `world` ranks, started; ready() waits for it."""
-    return start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, *flags,
-                 tmp_path=tmp_path, env=env)
+    return start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, *flags, tmp_path=tmp_path)
 
 
 def ready(run, world: int) -> Server:
