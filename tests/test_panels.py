@@ -166,6 +166,14 @@ def test_choices_measured_on_panels_are_kept_for_this_placement_of_them_only():
     assert module in layout.cache_key([weight(64, 128)])
 
 
+def test_the_layout_figures_are_kept_for_the_kernels_they_timed(monkeypatch):
+    # Timing another set of kernels is another measurement: its figures are not the cached ones.
+    key = layout.cache_key([weight(64, 128)])
+    kind, names = layout.TIMED[("rows", 1)]
+    monkeypatch.setitem(layout.TIMED, ("rows", 1), (kind, names[:1]))
+    assert layout.cache_key([weight(64, 128)]) != key
+
+
 def test_the_layouts_are_timed_on_every_weight_shape_within_the_budget():
     ws = [torch.empty(4096, 512, dtype=torch.bfloat16), torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(4096, 512, dtype=torch.bfloat16)]
     ws.append(torch.empty(100_000, 64, dtype=torch.bfloat16))  # a head, bigger than its share

@@ -36,12 +36,12 @@ ROWS = 8
 MANY_ROWS = 64
 MANY_BYTES = 32 << 20
 # What each layout is timed with at each row count: the registry's candidates of these names that
-# can run here, the fastest counting. Row-major: the one-row GEMV the registry prefers, the
+# can run here, the fastest counting. Row-major: the one-row GEMVs the registry prefers, the
 # eight-row forms that read the weight once for all rows (blocked on AVX2, wide on AVX-512), and
 # both GEMMs a prompt may take; panels: the one-row product as two streams a thread or one, and
 # each tile its kind defaults to.
 TIMED: dict[tuple[str, int], tuple[Kind, tuple[str, ...]]] = {
-    ("rows", 1): (float_kinds.ONE_ROW, ("c-ahead",)),
+    ("rows", 1): (float_kinds.ONE_ROW, ("c-ahead", "c")),
     ("rows", ROWS): (float_kinds.FEW_ROW, ("c-blocked", "c-wide")),
     ("rows", MANY_ROWS): (float_kinds.MANY_ROW, ("mm", "c-f32")),
     ("panels", 1): (panel_kinds.ONE_ROW, ("c", "c-1")),
@@ -139,10 +139,12 @@ def measure(weights: list[torch.Tensor]) -> dict[str, float]:
 
 def cache_key(weights) -> str:
     """What a measurement depends on, as the kernel choices' keys name it: the CPU, torch and
-    the builds it ran, the timed kernels' sources, the threads and the weights' shapes in order."""
+    the builds it ran, the timed kernels (their names and sources), the threads and the weights'
+    shapes in order."""
     parts = machine_parts(s for kind, names in TIMED.values() for n in names for s in kind.by_name[n].sources)
+    timed = ",".join(f"{layout}-{rows}:{'/'.join(names)}" for (layout, rows), (_, names) in TIMED.items())
     shapes = ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights)
-    return "|".join(parts + ["bf16 layout", f"{torch.get_num_threads()} threads", shapes])
+    return "|".join(parts + ["bf16 layout", timed, f"{torch.get_num_threads()} threads", shapes])
 
 
 def measured(weights, peers=()) -> tuple[dict[str, float], str]:
@@ -199,7 +201,7 @@ def choose_layout(weights, env=os.environ, peers=()) -> LayoutChoice:
     return LayoutChoice(
         one,
         batches=batches,
-        why=f"{how} over {total / 2**20:.0f} MiB, panels against rows ({' and '.join(against)}): "
+        why=f"{how} over {total / 2**20:.0f} MiB, panels against rows ({', '.join(against[:-1])} and {against[-1]}): "
         f"one row {ms['panels-1']} vs {ms['rows-1']} ms, {ROWS} rows {ms[f'panels-{ROWS}']} vs {ms[f'rows-{ROWS}']} ms, "
         f"{MANY_ROWS} rows over {MANY_BYTES >> 20} MiB {ms[f'panels-{MANY_ROWS}']} vs {ms[f'rows-{MANY_ROWS}']} ms; {ENV}=rows|panels forces",
     )
