@@ -218,6 +218,10 @@ TAG = "PYTEST_RUN_TAG"
 
 @dataclass
 class Run:
+    """A started run: its stderr lines as they come (with their arrival times), and `ended`, when
+    its launcher exited, recorded by a thread as it happens, so that a run a test waits for late
+    (one started beside other work) still shows its own exit time."""
+
     proc: subprocess.Popen
     tag: str
     tmpdir: Path
@@ -225,15 +229,18 @@ class Run:
     lines: list = field(default_factory=list)  # (arrival time, stderr line)
     stdout: str = ""
     ended: float | None = None
+    _out: list = field(default_factory=list, repr=False)  # stdout, once read to its end
 
     def line_time(self, fragment: str, timeout: float = 60) -> float:
-        """When a stderr line containing fragment arrived (waits for it)."""
+        """When a stderr line containing fragment arrived (waits for it, or for the run's end)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
+            # Looked at before the lines: once the reader is done every line it read is there.
+            done = not self._reader.is_alive() or (self.ended is not None and time.monotonic() - self.ended > 5)
             for t, line in list(self.lines):
                 if fragment in line:
                     return t
-            if self.proc.poll() is not None and self.ended is not None:
+            if done or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
         raise AssertionError(f"no stderr line with {fragment!r}:\n{self.stderr}")
@@ -247,21 +254,26 @@ class Run:
         return self.lines[-1][1].strip() if self.lines else ""
 
     def wait(self, timeout: float = 90) -> int:
+        """The launcher's exit status, once it has exited (a hang past `timeout` seconds kills the
+        run and fails the test); its stdout is then in `stdout`. Safe to call again."""
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             kill_tagged(self.tag)
             raise AssertionError(f"the run hung past {timeout} s:\n{self.stderr}") from None
-        self.ended = time.monotonic()
+        self._watcher.join(timeout=5)
+        if self.ended is None:
+            self.ended = time.monotonic()
         self._reader.join(timeout=5)
-        self.stdout = self.proc.stdout.read()
+        self._out_reader.join(timeout=5)
+        self.stdout = "".join(self._out)
         return self.proc.returncode
 
 
 def start(*args, tmp_path: Path, env: dict | None = None) -> Run:
     """`python -m pocketllm ARGS` (through CLI_ENTRY's check) with its stderr read line by line as
-    it comes."""
+    it comes, its stdout read as it comes, and its exit time taken as it exits."""
     tag = uuid.uuid4().hex
     tmpdir = tmp_path / f"tmp-{tag[:8]}"
     tmpdir.mkdir()
@@ -275,8 +287,23 @@ def start(*args, tmp_path: Path, env: dict | None = None) -> Run:
         for line in proc.stderr:
             run.lines.append((time.monotonic(), line))
 
+    def read_out():
+        run._out.append(proc.stdout.read())
+
+    def watch():
+        # Waits for the exit without reaping it (WNOWAIT): the Popen still reaps its own child,
+        # so poll() and wait() on it behave as without this thread.
+        try:
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass  # reaped by a wait() meanwhile: it returned at the exit too
+        run.ended = time.monotonic()
+
     run._reader = threading.Thread(target=read, daemon=True)
-    run._reader.start()
+    run._out_reader = threading.Thread(target=read_out, daemon=True)
+    run._watcher = threading.Thread(target=watch, daemon=True)
+    for thread in (run._reader, run._out_reader, run._watcher):
+        thread.start()
     return run
 
 
