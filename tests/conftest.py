@@ -204,6 +204,27 @@ def shm_segments() -> set[str]:
     return {name for name in os.listdir(segment.SHM_DIR) if name.startswith(segment.PREFIX)}
 
 
+def stale_segments() -> set[str]:
+    """shm_segments whose creating rank 0 is gone: what a run that has ended may have left behind.
+    (A run still going beside it holds its own segment in /dev/shm for the moment between
+    creating it and every rank mapping it; that one is not stale.)"""
+    from pocketllm.distributed.shm import segment
+
+    stale = set()
+    for name in shm_segments():
+        m = segment._NAME.fullmatch(name)
+        try:
+            if m is not None:
+                os.kill(int(m.group(1)), 0)
+                continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process has the pid: its creator is alive
+        stale.add(name)
+    return stale
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, for a rendezvous a test sets up itself."""
     with socket.socket() as s:

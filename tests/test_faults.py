@@ -3,7 +3,11 @@ that failed and how, within seconds, and no process of the run is left. Faults a
 POCKETLLM_FAULT (see pocketllm/fault_injection.py).
 
 Every run is started with conftest.start, which tags it so that all of its processes (even ones
-the launcher lost) are found by scanning /proc."""
+the launcher lost) are found by scanning /proc, and which takes each run's exit time as it
+happens: the hung-rank run, which mostly waits out its timeout, runs beside the dead-rank runs.
+So a dead-rank run checks that it leaves no shared-memory segment behind by the segments whose
+creator is gone (stale_segments): a run still going holds its own in /dev/shm for a moment while
+its ranks set up."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import Run, assert_nothing_left, shm_segments, start, tagged
+from conftest import Run, assert_nothing_left, kill_tagged, shm_segments, stale_segments, start, tagged
 from pocketllm.errors import UsageError
 from pocketllm.fault_injection import parse_fault
 
@@ -49,10 +53,23 @@ EXPECTED = {
 }
 
 
+@pytest.fixture(scope="module")
+def hung_run(tmp_path_factory):
+    """The hung-rank run, started at the module's first test: it spends seconds waiting out its
+    collective timeout, beside the dead-rank runs; test_hung_rank_ends_in_a_collective_timeout
+    checks it."""
+    run = start(*generate_args(2, "--dist-timeout", HANG_TIMEOUT_S), tmp_path=tmp_path_factory.mktemp("hung"),
+                env={"POCKETLLM_FAULT": "rank=1,at=decode,kind=hang"})
+    yield run
+    if run.proc.poll() is None:
+        run.proc.kill()
+    kill_tagged(run.tag)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world,rank,at,kind", FAULTS, ids=lambda v: str(v))
-def test_dead_rank_stops_the_run(world, rank, at, kind, tmp_path):
-    segments = shm_segments()
+def test_dead_rank_stops_the_run(world, rank, at, kind, tmp_path, hung_run):
+    segments = stale_segments()
     run = start(*generate_args(world, "--dist-timeout", 30), tmp_path=tmp_path, env={"POCKETLLM_FAULT": f"rank={rank},at={at},kind={kind}"})
     rc = run.wait()
     died = run.line_time("injected fault")
@@ -63,14 +80,12 @@ def test_dead_rank_stops_the_run(world, rank, at, kind, tmp_path):
     assert_nothing_left(run)
     assert rdzv_dirs(run) == [], "the private rendezvous directory was not removed"
     # Every run here sums through shared memory (auto on one host); its segment must be gone too.
-    assert shm_segments() == segments
+    assert stale_segments() == segments
 
 
 @pytest.mark.timeout(60)
-def test_hung_rank_ends_in_a_collective_timeout(tmp_path):
-    run = start(
-        *generate_args(2, "--dist-timeout", HANG_TIMEOUT_S), tmp_path=tmp_path, env={"POCKETLLM_FAULT": "rank=1,at=decode,kind=hang"}
-    )
+def test_hung_rank_ends_in_a_collective_timeout(hung_run):
+    run = hung_run
     rc = run.wait()
     hung = run.line_time("injected fault")
     assert rc == 1, run.stderr
