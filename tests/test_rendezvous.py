@@ -37,6 +37,7 @@ def one_line_error(run, rc: int = 2) -> str:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("lone_ranks")  # started here, to run beside this test's runs
 def test_stale_file_is_refused_then_cleared(tmp_path):
     id_path = tmp_path / "run.id"
     # An earlier run whose rank 0 was killed while it waited for rank 1 leaves the file behind.
@@ -74,7 +75,8 @@ def lone_ranks(tmp_path_factory):
     """The runs below that end on their own at the rendezvous, each one process that stops there:
     a rank 1 whose rank 0 never comes, a rank 0 whose directory is not writable, and a torchrun
     rank 0 whose MASTER_PORT is taken. Each spends about a second of one core starting torch, so
-    they are started together, the first time a test asks for one; each test checks its own."""
+    they are started together, at the module's first test (whose own runs leave a core idle for
+    seconds, waiting on one rank alone), each test checking its own from its recorded exit."""
     tmp_path = tmp_path_factory.mktemp("lone")
     if os.geteuid() == 0:
         # Permission bits do not stop root; sysfs refuses new files to everyone.
