@@ -51,8 +51,8 @@ def spawn_without_torch(*args, **kwargs):
         sys.exit(3)
     return spawn(*args, **kwargs)
 ranked.spawn_local_ranks = spawn_without_torch
-from pocketllm.cli import main
-sys.exit(main(sys.argv[1:]))
+from pocketllm.cli import script
+script()
 """
 
 
