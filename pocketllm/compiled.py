@@ -13,7 +13,9 @@ or gloo path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -117,7 +119,10 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     target = cache_dir() / "native" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     _private_dir(target.parent)
     if not target.exists():
-        _compile(cc, source, flags, target)
+        with _building(target):
+            # Built meanwhile by whoever held the lock first: theirs is this build.
+            if not target.exists():
+                _compile(cc, source, flags, target)
     return target
 
 
@@ -200,6 +205,23 @@ def _compiler_version(cc: str) -> bytes:
         return subprocess.run([cc, "--version"], capture_output=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return b""
+
+
+@contextlib.contextmanager
+def _building(target: Path):
+    """Held while `target` is built: the ranks of a run starting together, or threads, that miss
+    the same build wait for the first one's instead of each compiling it again (an flock on a
+    file beside it, one open file per caller, so threads of one process exclude each other too)."""
+    try:
+        fd = os.open(target.with_name(target.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield  # no lock file where the build goes: build unlocked, as before
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _compile(cc: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
