@@ -58,6 +58,17 @@ def conv_inputs(dtype, rows: int, width: int, device="cpu"):
     return x, taps, state
 
 
+def conv_rows_inputs(dtype, rows: int, width: int, device="cpu"):
+    """A decode step's conv: x [rows, width] (a column slice), taps [4, width], the layer's stacked
+    windows of rows + 3 slots, the rows' slots out of order (three slots no row holds)."""
+    g = gen(13)
+    x = _wide(rows, width, dtype, device, g)
+    taps = _randn(g, 4, width, dtype=dtype, device=device, scale=0.5).float()
+    states = _randn(g, rows + 3, 3, width, dtype=dtype, device=device)
+    slots = torch.randperm(rows + 3, generator=g)[:rows].to(device)
+    return x, taps, states, slots
+
+
 def kv_inputs(dtype, rows: int, width: int, device="cpu"):
     """Pools of 7 blocks of 16 positions, 2 heads; the sequence's blocks out of order, its rows
     from position 5 (block boundaries crossed, the rest of the pools left as they were)."""
@@ -200,6 +211,11 @@ CASES = [
          {torch.bfloat16: 1, torch.float32: 4}, rows_of=(0, 1)),
     Case("causal_conv1d_prefill_", "causal_conv1d_prefill_", "causal_conv1d_prefill_", conv_inputs, "causal_conv",
          torch_forms.causal_conv1d_prefill_, {torch.bfloat16: 1, torch.float32: 0},
+         outputs=lambda result, args: (result, args[2]), fp32_rel=1e-6),
+    # Each row's window read and written at its slot: the windows compared whole (the slots no row
+    # holds untouched).
+    Case("causal_conv1d_rows_indexed_", "causal_conv1d_rows_indexed_", "causal_conv1d_rows_indexed_", conv_rows_inputs,
+         "causal_conv_rows", torch_forms.causal_conv1d_rows_indexed_, {torch.bfloat16: 1, torch.float32: 0},
          outputs=lambda result, args: (result, args[2]), fp32_rel=1e-6),
     Case("apply_rotary_torch", "apply_rotary", "apply_rotary", _apply_rotary, "rope", torch_forms.apply_rotary_torch,
          {torch.bfloat16: 1, torch.float32: 1}, rows_of=(0, 1, 2)),

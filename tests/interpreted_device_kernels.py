@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
-from device_op_cases import CASES, ROW_SHAPES, TOL_ULPS, conv_inputs, decode_attention_inputs, gen, only_what_rows_hold, ulps
+from device_op_cases import (CASES, ROW_SHAPES, TOL_ULPS, conv_inputs, conv_rows_inputs, decode_attention_inputs, gen, only_what_rows_hold,
+                             ulps)
 from pocketllm.ops.causal_conv import causal_conv1d_reference
 from pocketllm.ops.device import kernels, torch_forms
 from pocketllm.ops.fused.reference import add_rms_norm_reference, silu_mul_reference
@@ -86,6 +87,50 @@ def test_conv_advances_the_state_as_the_torch_form(rows):
     kernels.causal_conv.causal_conv1d_prefill_(x, taps, mine)
     torch_forms.causal_conv1d_prefill_(x, taps, theirs)
     assert torch.equal(mine, theirs)
+
+
+# A decode step's conv: each row's window advanced where it lies in the layer's stacked state.
+conv_rows = kernels.causal_conv_rows.causal_conv1d_rows_indexed_
+
+
+def test_conv_rows_carried_through_steps_stay_with_the_torch_form_and_the_reference():
+    """Four tokens, each from the windows the last left, the rows' slots in a new order each time;
+    each row against the conv's definition (float64) from its own window too."""
+    x, taps, states, _ = conv_rows_inputs(torch.bfloat16, 3, 130)
+    theirs, ref = states.clone(), states.clone()
+    for t, order in enumerate(([3, 0, 5], [0, 5, 3], [5, 3, 0], [3, 5, 0])):
+        x = torch.randn(3, 130, generator=gen(30 + t)).bfloat16()
+        slots = torch.tensor(order)
+        mine = conv_rows(x, taps, states, slots)
+        assert torch.equal(mine, torch_forms.causal_conv1d_rows_indexed_(x, taps, theirs, slots))
+        for r, s in enumerate(order):
+            assert ulps(mine[r : r + 1], causal_conv1d_reference(x[r : r + 1], taps, ref[s])) <= 1
+    assert torch.equal(states, theirs) and torch.equal(states, ref)
+
+
+def test_conv_rows_give_a_row_the_same_bits_alone_as_among_others():
+    x, taps, states, slots = conv_rows_inputs(torch.bfloat16, 5, 130)
+    together_states = states.clone()
+    together = conv_rows(x, taps, together_states, slots)
+    for r in range(5):
+        alone_states = states.clone()
+        alone = conv_rows(x[r : r + 1], taps, alone_states, slots[r : r + 1])
+        assert torch.equal(alone, together[r : r + 1])
+        assert torch.equal(alone_states[slots[r]], together_states[slots[r]])
+
+
+def test_conv_rows_sharing_a_padding_slot_leave_the_real_rows_right():
+    """A captured step's spare rows all run in one padding slot: its window is garbage after, the
+    real rows' outputs and windows are as if the spare rows were not there."""
+    x, taps, states, _ = conv_rows_inputs(torch.bfloat16, 5, 130)
+    slots = torch.tensor([2, 6, 0, 6, 6])
+    mine, theirs = states.clone(), states.clone()
+    out = conv_rows(x, taps, mine, slots)
+    real = torch.tensor([0, 2])
+    ref = torch_forms.causal_conv1d_rows_indexed_(x[real], taps, theirs, slots[real])
+    assert torch.equal(out[real], ref)
+    keep = [s for s in range(states.shape[0]) if s != 6]
+    assert torch.equal(mine[keep], theirs[keep])
 
 
 # Against the plain references (ops/norms.py, ops/fused/reference.py, ops/causal_conv.py), which

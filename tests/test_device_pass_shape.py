@@ -195,7 +195,8 @@ def test_a_device_shaped_decode_step_reads_each_attention_layers_cache_in_one_op
     """Decode rows of three sequences through the step (graph_step, uncaptured) in the device's
     shape, with the device's custom ops (their torch forms on a CPU, which test_device_ops.py
     holds them to): each full-attention layer's read of the paged cache is one op,
-    pocketllm::decode_attention_rows (a Triton kernel on CUDA)."""
+    pocketllm::decode_attention_rows, and each GDN layer's conv one op,
+    pocketllm::causal_conv1d_rows_indexed_ (a Triton kernel each on CUDA)."""
     from conftest import feed
     from pocketllm.models.graph_step import GraphStep
     from pocketllm.profiling.op_count import count_ops
@@ -215,3 +216,4 @@ def test_a_device_shaped_decode_step_reads_each_attention_layers_cache_in_one_op
     assert engine.direct_steps == 3, "the rows did not go to the step"
     full = sum(layer.kind == FULL for layer in engine.model.layers)
     assert count.kernels["pocketllm::decode_attention_rows"] == full and logits.isfinite().all()
+    assert count.kernels["pocketllm::causal_conv1d_rows_indexed_"] == len(engine.model.layers) - full

@@ -15,7 +15,7 @@ from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, per_se
 from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import GatedRMSNorm
 from pocketllm.layers.sharding import ShardSource, read_rows, sharded_param, split_range
-from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_rows_step_, causal_conv1d_step_
+from pocketllm.ops.causal_conv import causal_conv1d_prefill_, causal_conv1d_rows_indexed_, causal_conv1d_step_
 from pocketllm.ops.fused import decode_ops
 from pocketllm.ops.fused import kernels as fused_kernels
 from pocketllm.ops.gated_delta import gated_delta_step_torch_, select_gdn_kernel
@@ -140,18 +140,20 @@ class GatedDeltaNet(nn.Module):
 
     def _mix_rows(self, proj: torch.Tensor, rows: DecodeRows, states: GDNStates, cpu_forms: bool) -> torch.Tensor:
         """A decode row of each of B sequences [B, in_local] -> [B, hv*dv], each sequence's state
-        its slot's row of `states`: the conv window gathered, advanced and put back, the recurrent
-        state advanced where it is by the kernel (on CUDA in place, else gathered and put back).
+        its slot's row of `states`: the conv window and the recurrent state advanced where they
+        are (on CUDA in place by one kernel each, else gathered, advanced and put back).
         The rows _mix takes one by one through its torch path, in one call of each op, the same
         ops on each row."""
-        conv = states.conv[rows.slots]
         mixed, z, b, a = proj.split(self.in_proj.part_sizes, dim=-1)
         with scope("gdn_conv"):
-            mixed = causal_conv1d_rows_step_(mixed, self.conv_taps, conv)
+            if cpu_forms:
+                mixed = causal_conv1d_rows_indexed_(mixed, self.conv_taps, states.conv, rows.slots)
+            else:
+                # A device's step: one kernel (Triton on CUDA) advancing each window where it lies.
+                mixed = self.device_ops.causal_conv1d_rows_indexed_(mixed, self.conv_taps, states.conv, rows.slots)
         q, k, v, g, beta = self._heads_and_gates(mixed, b, a, cpu_forms)
         with scope("gated_delta"):
             out = self.kernel.decode_rows_indexed_(q, k, v, g, beta, states.recurrent, rows.slots)
-        states.conv.index_copy_(0, rows.slots, conv)
         with scope("norms", "gated"):
             out = self._gated_norm(out.to(proj.dtype), z.view(z.shape[0], self.hv, self.dv), cpu_forms)
         return out.reshape(z.shape[0], self.hv * self.dv)

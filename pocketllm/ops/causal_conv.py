@@ -64,6 +64,16 @@ def causal_conv1d_rows_step_(x: torch.Tensor, taps: torch.Tensor, state: torch.T
     return F.silu(out.to(x.dtype))
 
 
+
+def causal_conv1d_rows_indexed_(x: torch.Tensor, taps: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token of each of B sequences whose windows are rows `slots` [B] of a layer's stacked
+    conv state states [S, K-1, C]: gathered, advanced by causal_conv1d_rows_step_ and put back.
+    What a decode step of several sequences runs (on CUDA one kernel, ops/device)."""
+    window = states[slots]
+    out = causal_conv1d_rows_step_(x, taps, window)
+    states.index_copy_(0, slots, window)
+    return out
+
 def causal_conv1d_reference(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """The conv as its definition, in float64, with the same signature: out[t] = silu(sum_i
     taps[i] * window[t + i]) over the window of the K-1 inputs before x and x itself."""

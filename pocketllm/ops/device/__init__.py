@@ -1,9 +1,10 @@
 """The work between a prefill pass's GEMMs on a device, as few kernels per layer as the work
 allows: the residual add with the RMSNorm, the GDN's gated RMSNorm, its q/k l2 norm and gates,
 SiLU-and-multiply, the causal conv, rope and the KV write, each one Triton kernel over all of a
-pass's rows (kernels/) where the torch form is several ops, each a pass over every row; and a
-decode step's paged attention read, one kernel over its rows that reads only the positions each
-row holds where the torch form gathers every block of the tables. Each has
+pass's rows (kernels/) where the torch form is several ops, each a pass over every row; and for a
+decode step of B sequences, the paged attention read, one kernel over its rows that reads only the
+positions each row holds where the torch form gathers every block of the tables, and the conv, one
+kernel that advances each sequence's window where it lies in the layer's stacked state. Each has
 its torch form beside it with the same signature (torch_forms.py); both are torch custom ops
 (library.py), the kernel on CUDA and the torch form elsewhere.
 
@@ -30,6 +31,7 @@ class DeviceOps:
     gdn_gates: object  # (a, b, neg_a, dt_bias) -> (g, beta) fp32
     silu_mul: object  # (gate, up) -> out
     causal_conv1d_prefill_: object  # (x, taps, state) -> out, state advanced
+    causal_conv1d_rows_indexed_: object  # (x, taps, states, slots) -> out, the slots' windows advanced
     apply_rotary: object  # (x, cos, sin) -> out
     write_kv: object  # (k_pool, v_pool, table, start, k, v) -> None
     decode_attention_rows: object  # (q, k_pool, v_pool, tables, pos, scale) -> out
@@ -42,15 +44,16 @@ class DeviceOps:
 
 TORCH_OPS = DeviceOps(
     torch_forms.add_rms_norm_torch, torch_forms.rms_norm_gated, torch_forms.qk_l2_norm_torch, torch_forms.gdn_gates_torch,
-    torch_forms.silu_mul_torch, torch_forms.causal_conv1d_prefill_, torch_forms.apply_rotary_torch, torch_forms.write_kv_torch,
-    torch_forms.decode_attention_rows_torch, False, "",
+    torch_forms.silu_mul_torch, torch_forms.causal_conv1d_prefill_, torch_forms.causal_conv1d_rows_indexed_,
+    torch_forms.apply_rotary_torch, torch_forms.write_kv_torch, torch_forms.decode_attention_rows_torch, False, "",
 )
 
 # The custom ops: one op each to torch, a Triton kernel on CUDA, the torch form on other devices
 # (so a test on CPU counts the ops a device pass would issue with these).
 CUSTOM_OPS = DeviceOps(
     library.add_rms_norm, library.rms_norm_gated_op, library.qk_l2_norm_op, library.gdn_gates_op, library.silu_mul_op,
-    library.causal_conv1d_prefill_op, library.apply_rotary_op, library.write_kv_op, library.decode_attention_rows_op, True, "",
+    library.causal_conv1d_prefill_op, library.causal_conv1d_rows_indexed_op, library.apply_rotary_op, library.write_kv_op,
+    library.decode_attention_rows_op, True, "",
 )
 
 

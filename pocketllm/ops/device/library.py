@@ -134,6 +134,21 @@ def _(x, taps, state):
     return _new(x)
 
 
+@torch.library.custom_op("pocketllm::causal_conv1d_rows_indexed_", mutates_args=("states",))
+def causal_conv1d_rows_indexed_op(x: Tensor, taps: Tensor, states: Tensor, slots: Tensor) -> Tensor:
+    return torch_forms.causal_conv1d_rows_indexed_(x, taps, states, slots)
+
+
+@causal_conv1d_rows_indexed_op.register_kernel("cuda")
+def _(x, taps, states, slots):
+    return _kernel("causal_conv_rows", "causal_conv1d_rows_indexed_")(x, taps, states, slots)
+
+
+@causal_conv1d_rows_indexed_op.register_fake
+def _(x, taps, states, slots):
+    return _new(x)
+
+
 @torch.library.custom_op("pocketllm::apply_rotary", mutates_args=())
 def apply_rotary_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch_forms.apply_rotary_torch(x, cos, sin)

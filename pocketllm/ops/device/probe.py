@@ -31,6 +31,8 @@ def _inputs(device, gen: torch.Generator) -> dict[str, tuple]:
         "gdn_gates": (randn(ROWS, HEADS), randn(ROWS, HEADS), -randn(HEADS, dtype=torch.float32).exp(), randn(HEADS)),
         "silu_mul": (randn(ROWS, WIDTH), randn(ROWS, WIDTH)),
         "causal_conv1d_prefill_": (randn(ROWS, WIDTH), randn(4, WIDTH, dtype=torch.float32), randn(3, WIDTH)),
+        "causal_conv1d_rows_indexed_": (randn(ROWS, WIDTH), randn(4, WIDTH, dtype=torch.float32), randn(ROWS + 2, 3, WIDTH),
+                                        torch.tensor([4, 0, 2, 5, 1], device=device)),
         "apply_rotary": (heads, cos, sin),
         "write_kv": (pool(), pool(), table, 14, randn(ROWS, 2, D), randn(ROWS, 2, D)),
         "decode_attention_rows": (randn(2, HEADS, D), randn(blocks, 2, block_size, D), randn(blocks, 2, block_size, D),
@@ -60,7 +62,7 @@ def disagreement(ops, reference, device) -> str | None:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return f"{name}: {type(exc).__name__}: {first}".rstrip(": ")
         ref = _outputs(getattr(reference, name)(*ref_args), ref_args)
-        if name == "causal_conv1d_prefill_":
+        if name.startswith("causal_conv1d_"):
             mine, ref = mine + [mine_args[2]], ref + [ref_args[2]]  # the advanced state too
         for a, b in zip(mine, ref):
             err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()

@@ -1,4 +1,4 @@
-"""The torch forms of the device prefill kernels (kernels/), with the kernels' signatures: what the
+"""The torch forms of the device kernels (kernels/), with the kernels' signatures: what the
 custom ops run off CUDA, and what the tests hold the kernels to. Each is the form the layers run on a
 CPU (ops/), taken whole over all rows."""
 
@@ -36,6 +36,9 @@ def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Ten
     return causal_conv.causal_conv1d_prefill_(x, taps, state, row_blocks=False).contiguous()
 
 
+causal_conv1d_rows_indexed_ = causal_conv.causal_conv1d_rows_indexed_
+
+
 def qk_l2_norm_torch(qk: torch.Tensor, heads_q: int, q_scale: float, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """qk [T, Hq + Hk, dk] -> q [T, Hq, dk] unit length times q_scale, k [T, Hk, dk] unit length,
     fp32 (the GDN layer's q and k for the gated delta rule)."""
@@ -51,6 +54,6 @@ def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bi
 
 
 __all__ = [
-    "add_rms_norm_torch", "apply_rotary_torch", "causal_conv1d_prefill_", "decode_attention_rows_torch", "gdn_gates_torch",
+    "add_rms_norm_torch", "apply_rotary_torch", "causal_conv1d_prefill_", "causal_conv1d_rows_indexed_", "decode_attention_rows_torch", "gdn_gates_torch",
     "qk_l2_norm_torch", "rms_norm_gated", "rms_norm_scaled", "silu_mul_torch", "write_kv_torch",
 ]
