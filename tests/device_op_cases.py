@@ -87,12 +87,14 @@ ATTN_HEADS, ATTN_KV_HEADS, ATTN_BLOCK, ATTN_TABLE = 6, 2, 16, 6
 ATTN_POSITIONS = (0, 15, 16, 71, 95, 40)
 
 
-def decode_attention_inputs(dtype, rows: int, width: int, device="cpu", block_size: int = ATTN_BLOCK):
+def decode_attention_inputs(dtype, rows: int, width: int, device="cpu", block_size: int = ATTN_BLOCK,
+                            capacity: int = ATTN_TABLE * ATTN_BLOCK):
     """q [rows, 6, D] (D = width, at most 256: a head's width; wider stands for the 27B's 256) at
-    the cycled positions, over pools whose every table lists its blocks out of order."""
+    the cycled positions, over pools whose every table lists its blocks out of order, each table
+    room for `capacity` positions."""
     g = gen(12)
     d = min(width, 256)
-    m = -(-ATTN_TABLE * ATTN_BLOCK // block_size)
+    m = -(-capacity // block_size)
     k_pool, v_pool = (_randn(g, rows * m + 3, ATTN_KV_HEADS, block_size, d, dtype=dtype, device=device) for _ in range(2))
     tables = torch.randperm(rows * m + 3, generator=g)[: rows * m].view(rows, m).to(torch.int32).to(device)
     pos = torch.tensor([ATTN_POSITIONS[r % len(ATTN_POSITIONS)] for r in range(rows)], device=device)

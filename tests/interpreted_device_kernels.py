@@ -210,9 +210,24 @@ def test_decode_attention_tiles_inside_a_block_of_64(dtype):
     ATTENTION.check(mine, theirs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_combines_a_long_rows_shares(dtype):
+    """Rows of several shares of SPLIT positions, cut inside a KV block of 64: a row ending at a
+    share's last position, at the next share's first, and shares later."""
+    split = kernels.decode_attention.SPLIT
+    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(dtype, 4, 32, block_size=64, capacity=3 * split + 64)
+    pos = torch.tensor([split - 1, split, 2 * split + 40, 3 * split + 63])
+    theirs = torch_forms.decode_attention_rows_torch(q, k_pool, v_pool, tables, pos, scale)
+    mine = kernels.decode_attention.decode_attention_rows(q, *only_what_rows_hold(k_pool, v_pool, tables, pos), tables, pos, scale)
+    ATTENTION.check(mine, theirs)
+
+
 def test_decode_attention_bits_do_not_depend_on_the_tables_width():
-    """The torch form's sums run over all M blocks of a table; the kernel's over what a row holds."""
-    q, k_pool, v_pool, tables, pos, scale = decode_attention_inputs(torch.bfloat16, 3, 80)
-    wider = torch.cat((tables, tables[:, :3]), dim=1)
+    """The torch form's sums run over all M blocks of a table; the kernel's over what a row holds
+    (a table wider by more shares than the row holds too)."""
+    split = kernels.decode_attention.SPLIT
+    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(torch.bfloat16, 3, 80, capacity=split + 32)
+    pos = torch.tensor([10, split + 5, split - 1])
+    wider = torch.cat((tables, tables, tables[:, :3]), dim=1)
     launch = kernels.decode_attention.decode_attention_rows
     assert torch.equal(launch(q, k_pool, v_pool, tables, pos, scale), launch(q, k_pool, v_pool, wider, pos, scale))

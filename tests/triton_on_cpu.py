@@ -57,17 +57,24 @@ _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 class _Recorder:
-    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+    """Stands in for a module's kernels: `kernel[grid](*args, **kwargs)` records the launch in the
+    order of all of them."""
 
-    def __init__(self):
-        self.launches = []
+    def __init__(self, launches: list, kernel):
+        self.launches, self.kernel = launches, kernel
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def _kernels_of(module) -> dict:
+    """A kernel module's launched kernels: its jit functions named _kernel or _..._kernel."""
+    return {name: f for name, f in vars(module).items()
+            if isinstance(f, triton.runtime.JITFunction) and name.startswith("_") and name.endswith("kernel")}
 
 
 def compiled_for_gpu(module, launcher, *args, arch: int = 90) -> list:
-    """Run launcher(*args) with module._kernel recording its launches instead of running, then
+    """Run launcher(*args) with module's kernels recording their launches instead of running, then
     compile each launch's kernel for NVIDIA sm_{arch} with the launch's arguments' types and
     options; the compiled kernels (their .asm holds ttir .. ptx, cubin). As Triton's launcher
     does, an int argument equal to 1 is a constant."""
@@ -75,23 +82,26 @@ def compiled_for_gpu(module, launcher, *args, arch: int = 90) -> list:
 
 
 def compiled_for_gpu_all(module, calls, arch: int = 90) -> list:
-    """compiled_for_gpu of several calls [(launcher, args), ...] of one module's kernel: every
+    """compiled_for_gpu of several calls [(launcher, args), ...] of one module's kernels: every
     launch recorded first, then all compiled side by side (compile_for_gpu)."""
     return compile_for_gpu(recorded_launches(module, calls), arch)
 
 
 def recorded_launches(module, calls) -> list:
-    """The launches of calls [(launcher, args), ...] of module's kernel, recorded one call at a
-    time with module._kernel standing in, each as what triton.compile takes: (source, options)."""
-    kernel, recorder = module._kernel, _Recorder()
-    module._kernel = recorder
+    """The launches of calls [(launcher, args), ...] of module's kernels (_kernel, and any
+    _..._kernel a launcher runs after it), recorded one call at a time with stand-ins in their
+    place, each as what triton.compile takes: (source, options), in launch order."""
+    kernels, recorded = _kernels_of(module), []
+    for name, kernel in kernels.items():
+        setattr(module, name, _Recorder(recorded, kernel))
     try:
         for launcher, args in calls:
             launcher(*args)
     finally:
-        module._kernel = kernel
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
     launches = []
-    for positional, keywords in recorder.launches:
+    for kernel, positional, keywords in recorded:
         options = {name: keywords.pop(name) for name in _OPTIONS if name in keywords}
         bound = dict(zip([p.name for p in kernel.params], positional)) | keywords
         signature, constants = {}, {}

@@ -1,20 +1,23 @@
 """Paged attention of a decode row of each of B sequences (ops/paged_kv.decode_attention_rows_torch's
 contract: q [B, H, D] at positions pos [B], the KV pools [blocks, Hkv, block_size, D], the rows'
 block tables [B, M]). The torch form gathers every block each table lists, widens it to fp32 and
-masks the positions past a row's own; here one program per (row, KV head) reads only the
-positions 0..pos of its row, tile by tile through the table, for the G = H / Hkv query heads that
-share the KV head, with an online softmax (a running max, sum and weighted sum of values, all
-fp32). The loop's bound is read from pos inside the kernel: the grid and every shape stay those
-of the tables, so a captured CUDA graph replays it at any positions.
+masks the positions past a row's own; here the kernels read only the positions 0..pos of each row.
 
-What a split over the positions would add (flash-decoding: S programs per (row, KV head), each
-over a 1/S share of the row's tiles, writing its max, sum and weighted sum; a second kernel
-combining them): more programs when B * Hkv is small against the device's SMs and a row is long
-(B = 1, Hkv = 4 is four programs). Not built: nothing measured says it is needed yet.
+Flash-decoding in two kernels. A row's positions are cut at multiples of SPLIT into shares; one
+program per (row, KV head, share) reads its share tile by tile through the table, for the G = H /
+Hkv query heads that share the KV head, with an online softmax (a running max, sum and weighted
+sum of values, all fp32), and writes the three. One program per (row, query head) then combines
+its row's live shares in order: rescaled to their common max, summed, divided. One program per
+(row, KV head) over all of a row's positions would be four programs for a row of the 27B (Hkv =
+4), a few of the device's SMs doing all the reading; shares make it a program per SPLIT positions.
+Both loops' bounds are read from pos inside the kernels: the grids and every shape stay those of
+the tables (a share per SPLIT positions they can hold, those past a row's position doing nothing),
+so a captured CUDA graph replays them at any positions.
 
 Each query head's scores are a dot of its q with a tile of keys, in fp32 ("ieee": no TF32, as the
 torch form's fp32 matmul): tl.dot wants 16 rows at least, so the G heads are padded to 16.
-A row's bits do not depend on the other rows of the call, nor on the table's width M."""
+A row's bits depend on its position alone: not on the other rows of the call, nor on the table's
+width M (the shares it holds are cut at the same places, and only they are combined)."""
 
 from __future__ import annotations
 
@@ -27,13 +30,17 @@ from .arith import rounded
 # Keys read per step of a program's loop: a tile inside one KV block (which must hold a whole
 # number of them).
 TILE = 32
+# Positions of a row one program reads at most (a whole number of tiles).
+SPLIT = 256
 
 
 @triton.jit
-def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, out_ptr, scale, n, group, heads_kv, block_size,
-            q_row, q_head, table_row, table_col, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_ptr, acc_ptr, scale, n, group, heads_kv,
+            block_size, splits, q_row, q_head, table_row, table_col,
+            G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
+    share = tl.program_id(2)
     g = tl.arange(0, G)
     cols = tl.arange(0, BLOCK_D)
     keys = tl.arange(0, BLOCK_N)
@@ -44,7 +51,7 @@ def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, out_ptr, scale, 
     top = tl.full([G], float("-inf"), tl.float32)
     total = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, BLOCK_D], tl.float32)
-    for t in range(0, pos // BLOCK_N + 1):
+    for t in range(share * TILES, tl.minimum(pos // BLOCK_N + 1, (share + 1) * TILES)):
         first = t * BLOCK_N
         block = tl.load(tables_ptr + b * table_row + (first // block_size) * table_col).to(tl.int64)
         at = first + keys  # [BLOCK_N] positions
@@ -57,16 +64,41 @@ def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, out_ptr, scale, 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, BLOCK_N]
         s = tl.where(live[None, :], s, float("-inf"))
         new_top = tl.maximum(top, tl.max(s, axis=1))
-        # The first tile holds position 0: new_top is finite from it on, and exp(-inf) = 0.
+        # A share's first tile holds its first position: new_top is finite from it on, and
+        # exp(-inf) = 0.
         fade = tl.exp(top - new_top)
         p = tl.exp(s - new_top[:, None])
         total = total * fade + tl.sum(p, axis=1)
         v = tl.load(v_pool_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * fade[:, None] + tl.dot(p, v, input_precision="ieee")
         top = new_top
+    part = (b * (group * heads_kv) + head) * splits + share  # [G]: this share of each query head
+    tl.store(top_ptr + part, top, mask=g < group)
+    tl.store(total_ptr + part, total, mask=g < group)
+    tl.store(acc_ptr + part[:, None] * n + cols[None, :], acc, mask=q_mask)
+
+
+@triton.jit
+def _combine_kernel(top_ptr, total_ptr, acc_ptr, pos_ptr, out_ptr, n, heads, splits,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < n
+    live = tl.load(pos_ptr + b) // BLOCK_N // TILES + 1  # the shares holding the row's positions
+    base = (b * heads + head) * splits
+    top = tl.load(top_ptr + base)  # share 0 holds position 0: finite
+    for share in range(1, live):
+        top = tl.maximum(top, tl.load(top_ptr + base + share))
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for share in range(0, live):
+        scale = tl.exp(tl.load(top_ptr + base + share) - top)
+        total += tl.load(total_ptr + base + share) * scale
+        acc += tl.load(acc_ptr + (base + share) * n + cols, mask=ok, other=0.0) * scale
     dtype = out_ptr.dtype.element_ty
-    out = rounded(tl.div_rn(acc, total[:, None]), dtype)
-    tl.store(out_ptr + (b * (group * heads_kv) + head[:, None]) * n + cols[None, :], out.to(dtype), mask=q_mask)
+    out = rounded(tl.div_rn(acc, total), dtype)
+    tl.store(out_ptr + (b * heads + head) * n + cols, out.to(dtype), mask=ok)
 
 
 def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, pos: torch.Tensor,
@@ -86,8 +118,15 @@ def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     if b:
         group = h // heads_kv
         tile = TILE if block_size % TILE == 0 else 16
-        _kernel[(b, heads_kv)](q, k_pool, v_pool, tables, pos, out, scale, n, group, heads_kv, block_size,
-                               q.stride(0), q.stride(1), tables.stride(0), tables.stride(1),
-                               G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, BLOCK_D=triton.next_power_of_2(n),
-                               num_warps=4, enable_fp_fusion=False)
+        tiles = SPLIT // tile
+        splits = triton.cdiv(tables.shape[1] * block_size, SPLIT)
+        top, total = (torch.empty(b, h, splits, dtype=torch.float32, device=q.device) for _ in range(2))
+        acc = torch.empty(b, h, splits, n, dtype=torch.float32, device=q.device)
+        block_d = triton.next_power_of_2(n)
+        _kernel[(b, heads_kv, splits)](q, k_pool, v_pool, tables, pos, top, total, acc, scale, n, group, heads_kv, block_size,
+                                       splits, q.stride(0), q.stride(1), tables.stride(0), tables.stride(1),
+                                       G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
+                                       num_warps=4, enable_fp_fusion=False)
+        _combine_kernel[(b, h)](top, total, acc, pos, out, n, h, splits, BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
+                                num_warps=max(1, min(4, block_d // 64)), enable_fp_fusion=False)
     return out
