@@ -5,6 +5,7 @@ only where the suite runs on such a CPU (the -mno-* builds of ISA_FLAGS reach th
 from __future__ import annotations
 
 import ctypes
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,6 +71,26 @@ def test_a_library_loaded_from_threads_at_once_is_one_object_with_its_signatures
     lib, why = compiled.load(source, compiled.FLAGS, signatures)
     assert lib is not None and id(lib) not in libs, why
     assert lib.named() == b"named"
+
+
+def test_callers_that_miss_the_same_build_at_once_compile_it_once(monkeypatch, tmp_path):
+    # The ranks of a run start together on a cold cache: one compiles, the others wait for it
+    # and load its library (threads here, each with its own lock file handle as a rank has).
+    monkeypatch.setenv(compiled.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    source = tmp_path / "once.c"
+    source.write_text("int once(void) { return 7; }\n")
+    real, compiles = compiled._compile, []
+
+    def slow_compile(*args):
+        compiles.append(args[-1])
+        time.sleep(0.3)  # the window in which the other callers arrive
+        real(*args)
+
+    monkeypatch.setattr(compiled, "_compile", slow_compile)
+    with ThreadPoolExecutor(4) as pool:
+        targets = list(pool.map(lambda _: compiled.build(source), range(4)))
+    assert len(set(targets)) == 1 and len(compiles) == 1, compiles
+    assert ctypes.CDLL(str(targets[0])).once() == 7
 
 
 def test_the_isa_switch_narrows_every_build_and_refuses_a_name_it_does_not_know(monkeypatch):
