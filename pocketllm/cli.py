@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from pocketllm.errors import UsageError
 from pocketllm.run_plan import RunPlan, received
+from pocketllm import startup
 from pocketllm.switches import environment_notes
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
@@ -48,7 +49,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            mod = importlib.import_module(f"pocketllm.{module}")
+            with startup.importing():
+                mod = importlib.import_module(f"pocketllm.{module}")
             mod.add_arguments(p)
             p.set_defaults(_module=mod)
     return parser
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         if given is not None:
             # A rank the launcher started: it runs on the launcher's plan, not on a command line.
             command, text = given
-            mod = importlib.import_module(f"pocketllm.{COMMANDS[command][0]}")
+            with startup.importing():
+                mod = importlib.import_module(f"pocketllm.{COMMANDS[command][0]}")
             return int(mod.execute(RunPlan.from_json(text, mod.Task)) or 0)
         return int(args._module.run(args) or 0)
     except UsageError as exc:
@@ -108,11 +111,13 @@ def exit_with(code: int) -> NoReturn:
 
 def script() -> NoReturn:
     """The `pocketllm` console script (and `python -m pocketllm`)."""
+    startup.owned()
     exit_with(main())
 
 
 def engine_script() -> NoReturn:
     """The `pocketllm_engine` console script."""
+    startup.owned()
     exit_with(engine_main())
 
 

@@ -16,6 +16,7 @@ from pocketllm.launch import spawn_local_ranks
 from pocketllm.model_args import model_plan
 from pocketllm.place import rank_env
 from pocketllm.run_plan import RunPlan
+from pocketllm.startup import importing
 
 
 def run_with_model(run: RunPlan, prepare, work, forward_signals: bool = False) -> int:
@@ -52,7 +53,8 @@ def run_on_every_rank(run: RunPlan, renv, check, on_rank, forward_signals: bool 
         return spawn_local_ranks(run, forward_signals, check())
 
     # A rank: what it runs (torch, the engine) is imported here, never in a launcher.
-    from pocketllm.commands.on_rank import run_as_rank
+    with importing():
+        from pocketllm.commands.on_rank import run_as_rank
 
     return run_as_rank(run, renv, check, on_rank)
 

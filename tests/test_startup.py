@@ -1,0 +1,51 @@
+"""pocketllm.startup: in a process pocketllm's entry started, the imports run with the cyclic
+collector paused and what they made is frozen out of its reach; called inside another program's
+process (as here, unless told otherwise), the collector is left as it is."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from pocketllm import startup
+
+
+@pytest.fixture
+def collector():
+    """The collector as this process had it, restored after the test (frozen objects unfrozen)."""
+    was_on, frozen = gc.isenabled(), gc.get_freeze_count()
+    yield
+    gc.unfreeze()
+    assert gc.get_freeze_count() >= frozen
+    (gc.enable if was_on else gc.disable)()
+
+
+class _Made:
+    """An object the block makes and keeps."""
+
+
+def test_an_owned_process_imports_with_the_collector_paused_and_freezes_what_they_made(collector, monkeypatch):
+    monkeypatch.setattr(startup, "_owned", True)
+    gc.enable()
+    seen_on = []
+    with startup.importing():
+        seen_on.append(gc.isenabled())
+        kept = [_Made() for _ in range(1000)]
+    assert seen_on == [False] and gc.isenabled()
+    assert gc.get_freeze_count() >= len(kept)
+    # A collector the caller had turned off stays off.
+    gc.disable()
+    with startup.importing():
+        pass
+    assert not gc.isenabled()
+
+
+def test_inside_another_programs_process_the_collector_is_left_alone(collector, monkeypatch):
+    monkeypatch.setattr(startup, "_owned", False)
+    gc.enable()
+    gc.unfreeze()
+    with startup.importing():
+        assert gc.isenabled()
+        [_Made() for _ in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
