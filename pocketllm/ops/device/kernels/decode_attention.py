@@ -41,41 +41,44 @@ def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_p
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
     share = tl.program_id(2)
-    g = tl.arange(0, G)
-    cols = tl.arange(0, BLOCK_D)
-    keys = tl.arange(0, BLOCK_N)
-    head = kv * group + g  # [G]: the query heads of this KV head (those past `group` padding)
-    q_mask = (g < group)[:, None] & (cols < n)[None, :]
-    q = tl.load(q_ptr + b * q_row + head[:, None] * q_head + cols[None, :], mask=q_mask, other=0.0).to(tl.float32)
     pos = tl.load(pos_ptr + b)
-    top = tl.full([G], float("-inf"), tl.float32)
-    total = tl.zeros([G], tl.float32)
-    acc = tl.zeros([G, BLOCK_D], tl.float32)
-    for t in range(share * TILES, tl.minimum(pos // BLOCK_N + 1, (share + 1) * TILES)):
-        first = t * BLOCK_N
-        block = tl.load(tables_ptr + b * table_row + (first // block_size) * table_col).to(tl.int64)
-        at = first + keys  # [BLOCK_N] positions
-        live = at <= pos
-        # Row of position `at` of this head in the pool viewed as [blocks * Hkv * block_size, n].
-        rows = (block * heads_kv + kv) * block_size + first % block_size + keys
-        kv_mask = live[:, None] & (cols < n)[None, :]
-        offsets = rows[:, None] * n + cols[None, :]
-        k = tl.load(k_pool_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, BLOCK_N]
-        s = tl.where(live[None, :], s, float("-inf"))
-        new_top = tl.maximum(top, tl.max(s, axis=1))
-        # A share's first tile holds its first position: new_top is finite from it on, and
-        # exp(-inf) = 0.
-        fade = tl.exp(top - new_top)
-        p = tl.exp(s - new_top[:, None])
-        total = total * fade + tl.sum(p, axis=1)
-        v = tl.load(v_pool_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * fade[:, None] + tl.dot(p, v, input_precision="ieee")
-        top = new_top
-    part = (b * (group * heads_kv) + head) * splits + share  # [G]: this share of each query head
-    tl.store(top_ptr + part, top, mask=g < group)
-    tl.store(total_ptr + part, total, mask=g < group)
-    tl.store(acc_ptr + part[:, None] * n + cols[None, :], acc, mask=q_mask)
+    # A share past the row's position reads and writes nothing (the combine reads only the live
+    # ones): at short positions most of a wide table's programs end here.
+    if share * TILES * BLOCK_N <= pos:
+        g = tl.arange(0, G)
+        cols = tl.arange(0, BLOCK_D)
+        keys = tl.arange(0, BLOCK_N)
+        head = kv * group + g  # [G]: the query heads of this KV head (those past `group` padding)
+        q_mask = (g < group)[:, None] & (cols < n)[None, :]
+        q = tl.load(q_ptr + b * q_row + head[:, None] * q_head + cols[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        top = tl.full([G], float("-inf"), tl.float32)
+        total = tl.zeros([G], tl.float32)
+        acc = tl.zeros([G, BLOCK_D], tl.float32)
+        for t in range(share * TILES, tl.minimum(pos // BLOCK_N + 1, (share + 1) * TILES)):
+            first = t * BLOCK_N
+            block = tl.load(tables_ptr + b * table_row + (first // block_size) * table_col).to(tl.int64)
+            at = first + keys  # [BLOCK_N] positions
+            live = at <= pos
+            # Row of position `at` of this head in the pool viewed as [blocks * Hkv * block_size, n].
+            rows = (block * heads_kv + kv) * block_size + first % block_size + keys
+            kv_mask = live[:, None] & (cols < n)[None, :]
+            offsets = rows[:, None] * n + cols[None, :]
+            k = tl.load(k_pool_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, BLOCK_N]
+            s = tl.where(live[None, :], s, float("-inf"))
+            new_top = tl.maximum(top, tl.max(s, axis=1))
+            # A share's first tile holds its first position: new_top is finite from it on, and
+            # exp(-inf) = 0.
+            fade = tl.exp(top - new_top)
+            p = tl.exp(s - new_top[:, None])
+            total = total * fade + tl.sum(p, axis=1)
+            v = tl.load(v_pool_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * fade[:, None] + tl.dot(p, v, input_precision="ieee")
+            top = new_top
+        part = (b * (group * heads_kv) + head) * splits + share  # [G]: this share of each query head
+        tl.store(top_ptr + part, top, mask=g < group)
+        tl.store(total_ptr + part, total, mask=g < group)
+        tl.store(acc_ptr + part[:, None] * n + cols[None, :], acc, mask=q_mask)
 
 
 @triton.jit
