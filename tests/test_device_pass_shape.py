@@ -217,3 +217,46 @@ def test_a_device_shaped_decode_step_reads_each_attention_layers_cache_in_one_op
     full = sum(layer.kind == FULL for layer in engine.model.layers)
     assert count.kernels["pocketllm::decode_attention_rows"] == full and logits.isfinite().all()
     assert count.kernels["pocketllm::causal_conv1d_rows_indexed_"] == len(engine.model.layers) - full
+
+
+def _device_step_engine(monkeypatch, prompts):
+    """A tiny fp32 engine in the device's pass shape with the device's custom ops and the step
+    backend (graph_step, uncaptured), the prompts fed into slots 0.."""
+    from conftest import feed
+    from pocketllm.models.graph_step import GraphStep
+
+    monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
+    engine = tiny_engine(torch.float32)
+    engine.pass_shape = DEVICE_PASS
+    engine.reserve_slots(4, 200)
+    for slot, ids in enumerate(prompts):
+        feed(engine, ids, slot=slot)
+    for m in engine.model.modules():
+        if hasattr(m, "device_ops"):
+            monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
+    engine.step = GraphStep(engine, capture=False)
+    return engine
+
+
+def test_a_device_pass_of_decode_rows_beside_a_prompt_runs_the_rows_as_a_step(monkeypatch):
+    """Two sequences' decode rows and a new prompt in one pass: the rows go through the step
+    backend (a captured graph's replay on CUDA) as a step of the two rows alone would, the prompt
+    through the layers as a pass of it alone would, their logits in the spans' order."""
+    prompts = [prompt(n, seed) for seed, n in enumerate((40, 9))]
+    new = prompt(23, 5)
+    spans = [(0, 40, torch.tensor([7])), (2, 0, new), (1, 9, torch.tensor([8]))]
+    mixed_engine = _device_step_engine(monkeypatch, prompts)
+    mixed = mixed_engine.run_packed(spans)
+    assert mixed_engine.direct_steps == 2, "the decode rows did not go to the step"
+    apart_engine = _device_step_engine(monkeypatch, prompts)
+    rows = apart_engine.run_packed([spans[0], spans[2]])
+    alone = apart_engine.run_packed([spans[1]])
+    assert torch.equal(mixed[[0, 2]], rows) and torch.equal(mixed[1], alone[0])
+    # The same model as the one pass of the layers, within fp32 rounding.
+    layers_engine = _device_step_engine(monkeypatch, prompts)
+    layers_engine.step = None
+    torch.testing.assert_close(mixed, layers_engine.run_packed(spans), atol=5e-5, rtol=1e-5)
+    # A sequence with two spans in the pass is not split off: its second row needs the first's state.
+    both = _device_step_engine(monkeypatch, prompts)
+    both.run_packed([(0, 40, torch.tensor([7])), (0, 41, torch.tensor([9])), (2, 0, new)])
+    assert both.direct_steps == 0

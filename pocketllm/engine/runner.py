@@ -203,7 +203,8 @@ class Engine:
         fp32 logits of each span's last row [len(spans), V], or of every row [rows, V] with
         all_logits. Batch-invariant on a CPU, a span's rows run in segments cut at multiples of
         prefill_chunk positions; on a device, each sequence's consecutive rows run as one segment
-        (self.pass_shape)."""
+        (self.pass_shape), and decode rows beside prompt rows run as a step of their own
+        (_split_decode_rows)."""
         if len(spans) == 1 and not all_logits and spans[0][2].shape[0] == 1:
             slot, start, ids = spans[0]
             info = self._direct_step(slot, start)
@@ -221,6 +222,10 @@ class Engine:
                 logits = self.step.rows(tokens, [start for _, start, _ in spans], [slot for slot, _, _ in spans])
                 self._after_direct(info)
                 return logits
+        if len(spans) > 1 and not decode and not all_logits and not self.pass_shape.cpu_forms and hasattr(self.step, "rows"):
+            mixed = self._split_decode_rows(spans)
+            if mixed is not None:
+                return mixed
         total, pieces, last = 0, [], []
         shape = self.pass_shape
         cut = self.invariant and shape.invariant_cuts
@@ -239,6 +244,32 @@ class Engine:
         ctx = self.model.context([(start, rows) for _, start, rows in pieces], slices, tuple(last), cut, self.policy.slices_for_rows, shape)
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
         return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
+
+    def _split_decode_rows(self, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
+        """A device's pass of decode rows beside prompt rows, run as two: the decode rows (a row
+        going on in a slot no other span has) through the step backend (a captured graph's
+        replay), the rest as a pass of the layers; the spans' last-row logits in their order.
+        In one pass of the layers each decode row would be a segment of its own, every op of its
+        mixer launched per row, and it would get other bits than in a step of decode rows alone.
+        None where the step cannot take the rows (run them in the one pass)."""
+        per_slot = {}
+        for slot, _, _ in spans:
+            per_slot[slot] = per_slot.get(slot, 0) + 1
+        rows = [i for i, (slot, start, ids) in enumerate(spans) if ids.shape[0] == 1 and start > 0 and per_slot[slot] == 1]
+        if not rows or len(rows) == len(spans):
+            return None
+        info = self._direct_rows([spans[i][:2] for i in rows])
+        if info is None:
+            return None
+        tokens = torch.cat([spans[i][2] for i in rows]).tolist()
+        step_logits = self.step.rows(tokens, [spans[i][1] for i in rows], [spans[i][0] for i in rows])
+        self._after_direct(info)
+        others = [i for i in range(len(spans)) if i not in set(rows)]
+        pass_logits = self.run_packed([spans[i] for i in others])
+        logits = torch.empty(len(spans), step_logits.shape[-1], dtype=step_logits.dtype, device=step_logits.device)
+        logits[rows] = step_logits
+        logits[others] = pass_logits.to(logits.device)
+        return logits
 
     def greedy_row(self, slot: int, pos: int, token: int) -> int:
         """One decode step of the sequence in `slot`, `token` at position `pos`: its greedy next
