@@ -191,34 +191,6 @@ def test_a_device_shaped_pass_gives_the_cpu_shaped_logits(engine, monkeypatch):
     assert torch.equal(device.argmax(-1), cpu.argmax(-1))
 
 
-def test_a_device_shaped_decode_step_reads_each_attention_layers_cache_in_one_op(monkeypatch):
-    """Decode rows of three sequences through the step (graph_step, uncaptured) in the device's
-    shape, with the device's custom ops (their torch forms on a CPU, which test_device_ops.py
-    holds them to): each full-attention layer's read of the paged cache is one op,
-    pocketllm::decode_attention_rows, and each GDN layer's conv one op,
-    pocketllm::causal_conv1d_rows_indexed_ (a Triton kernel each on CUDA)."""
-    from conftest import feed
-    from pocketllm.models.graph_step import GraphStep
-    from pocketllm.profiling.op_count import count_ops
-
-    monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
-    prompts = [prompt(n, seed) for seed, n in enumerate((60, 5, 130))]
-    engine = tiny_engine(torch.float32)
-    engine.pass_shape = DEVICE_PASS
-    engine.reserve_slots(4, 200)
-    for slot, ids in enumerate(prompts):
-        feed(engine, ids, slot=slot)
-    for m in engine.model.modules():
-        if hasattr(m, "device_ops"):
-            monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
-    engine.step = GraphStep(engine, capture=False)
-    logits, count = count_ops(engine.run_packed, [(slot, len(ids), torch.tensor([7 + slot])) for slot, ids in enumerate(prompts)])
-    assert engine.direct_steps == 3, "the rows did not go to the step"
-    full = sum(layer.kind == FULL for layer in engine.model.layers)
-    assert count.kernels["pocketllm::decode_attention_rows"] == full and logits.isfinite().all()
-    assert count.kernels["pocketllm::causal_conv1d_rows_indexed_"] == len(engine.model.layers) - full
-
-
 def _device_step_engine(monkeypatch, prompts):
     """A tiny fp32 engine in the device's pass shape with the device's custom ops and the step
     backend (graph_step, uncaptured), the prompts fed into slots 0.."""
@@ -236,6 +208,23 @@ def _device_step_engine(monkeypatch, prompts):
             monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
     engine.step = GraphStep(engine, capture=False)
     return engine
+
+
+def test_a_device_shaped_decode_step_reads_each_attention_layers_cache_in_one_op(monkeypatch):
+    """Decode rows of three sequences through the step (graph_step, uncaptured) in the device's
+    shape, with the device's custom ops (their torch forms on a CPU, which test_device_ops.py
+    holds them to): each full-attention layer's read of the paged cache is one op,
+    pocketllm::decode_attention_rows, and each GDN layer's conv one op,
+    pocketllm::causal_conv1d_rows_indexed_ (a Triton kernel each on CUDA)."""
+    from pocketllm.profiling.op_count import count_ops
+
+    prompts = [prompt(n, seed) for seed, n in enumerate((60, 5, 130))]
+    engine = _device_step_engine(monkeypatch, prompts)
+    logits, count = count_ops(engine.run_packed, [(slot, len(ids), torch.tensor([7 + slot])) for slot, ids in enumerate(prompts)])
+    assert engine.direct_steps == 3, "the rows did not go to the step"
+    full = sum(layer.kind == FULL for layer in engine.model.layers)
+    assert count.kernels["pocketllm::decode_attention_rows"] == full and logits.isfinite().all()
+    assert count.kernels["pocketllm::causal_conv1d_rows_indexed_"] == len(engine.model.layers) - full
 
 
 def test_a_device_pass_of_decode_rows_beside_a_prompt_runs_the_rows_as_a_step(monkeypatch):
