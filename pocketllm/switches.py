@@ -34,7 +34,8 @@ SETTINGS = {
     "POCKETLLM_COMPILED_STEP": "0: run a decode step of one sequence layer by layer, not as one compiled call",
     "POCKETLLM_CUDA_GRAPH": "0: run decode steps on CUDA layer by layer, not as captured CUDA graphs",
     "POCKETLLM_BF16_LAYOUT": "how bf16 projection weights are held on a CPU: auto (measured at start), rows or panels",
-    "POCKETLLM_BATCH_INVARIANT": "0: faster kernels and passes, under which a request's tokens may depend on what runs beside it",
+    "POCKETLLM_BATCH_INVARIANT": "0: faster kernels and passes, under which a request's tokens may depend on what runs beside it "
+    "(on a CPU; on a device off unless 1)",
     "POCKETLLM_KEEP_FREED": "0: leave glibc's malloc settings as they are",
     "POCKETLLM_CACHE_DIR": "where compiled kernels and measured choices are kept",
     "POCKETLLM_ISA": "build the compiled kernels for at most this x86 set: native (the default), avx512f, avx2 or scalar",

@@ -249,3 +249,57 @@ def test_a_device_pass_of_decode_rows_beside_a_prompt_runs_the_rows_as_a_step(mo
     both = _device_step_engine(monkeypatch, prompts)
     both.run_packed([(0, 40, torch.tensor([7])), (0, 41, torch.tensor([9])), (2, 0, new)])
     assert both.direct_steps == 0
+
+
+def test_a_device_is_batch_invariant_only_where_asked_and_then_takes_the_invariant_shape():
+    from pocketllm.layers.context import DEVICE_INVARIANT_PASS
+    from pocketllm.ops.registry import ENV_INVARIANT, batch_invariant
+
+    assert batch_invariant({}, "cpu") and not batch_invariant({}, "cuda") and not batch_invariant({}, "npu")
+    assert batch_invariant({ENV_INVARIANT: "1"}, "cuda") and not batch_invariant({ENV_INVARIANT: "0"}, "cpu")
+    assert PassShape.for_device("cuda", invariant=True) is DEVICE_INVARIANT_PASS
+    assert PassShape.for_device("cuda:1") is DEVICE_PASS and PassShape.for_device("cpu", invariant=False) is CPU_PASS
+    assert DEVICE_INVARIANT_PASS.invariant_cuts and DEVICE_INVARIANT_PASS.fixed_step and not DEVICE_INVARIANT_PASS.cpu_forms
+
+
+def _invariant_device_engine(monkeypatch):
+    """A tiny fp32 engine in a device's batch-invariant shape on a CPU: the kinds' default kernels
+    (torch's calls, as a device runs), the device's custom ops, the step uncaptured, 4 slots."""
+    from pocketllm.layers.context import DEVICE_INVARIANT_PASS
+    from pocketllm.models.graph_step import GraphStep
+    from pocketllm.ops.registry import KernelSet
+
+    monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
+    engine = tiny_engine(torch.float32)
+    engine.pass_shape = DEVICE_INVARIANT_PASS
+    engine.reserve_slots(4, 400)
+    engine.kernels = KernelSet()
+    engine.model.bind_kernels(engine.kernels)
+    for m in engine.model.modules():
+        if hasattr(m, "device_ops"):
+            monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
+    engine.step = GraphStep(engine, capture=False)
+    return engine
+
+
+def test_in_a_devices_invariant_shape_a_sequences_logits_do_not_depend_on_the_others(monkeypatch):
+    """A prompt prefilled alone and packed beside another prompt; then its decode rows alone and
+    beside another sequence's decode rows and a third's prompt chunk (a pass the engine splits):
+    the same logits bit for bit. Every decode step runs at the slots' 4 rows."""
+    x, y, z = prompt(40), prompt(9, 1), prompt(300, 2)
+    alone = _invariant_device_engine(monkeypatch)
+    first = alone.run_packed([(0, 0, x)])[0]
+    steps = [alone.run_packed([(0, 40 + i, torch.tensor([7 + i]))])[0] for i in range(3)]
+    assert alone.step.buckets == (4,) and alone.step.describe().endswith("(every step at 4 rows: batch-invariant)")
+
+    busy = _invariant_device_engine(monkeypatch)
+    packed = busy.run_packed([(1, 0, y), (0, 0, x)])
+    assert torch.equal(packed[1], first)
+    busy_steps = []
+    for i in range(3):
+        spans = [(0, 40 + i, torch.tensor([7 + i])), (1, 9 + i, torch.tensor([3 + i]))]
+        if i == 1:
+            spans.append((2, 0, z[:256]))  # a prompt chunk beside the decode rows
+        busy_steps.append(busy.run_packed(spans)[0])
+    for mine, theirs in zip(busy_steps, steps, strict=True):
+        assert torch.equal(mine, theirs)

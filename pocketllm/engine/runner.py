@@ -6,6 +6,7 @@ prompt rows from position 0, a decode step its one next row)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from pocketllm.engine.slots import Slots
 from pocketllm.layers.context import PassShape
 from pocketllm.loader.load import load_weights
 from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
-from pocketllm.ops.registry import KernelSet
+from pocketllm.ops.registry import KernelSet, batch_invariant
 from pocketllm.ops.registry.layout import choose_layout
 from pocketllm.profiling.scopes import recording
 
@@ -98,13 +99,15 @@ class Engine:
         # checked), each projection bound to its own. The other ranks measure at the same time:
         # their CPU time is no sign of a busy machine.
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
-        # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes.
-        self.invariant = self.kernels.invariant
+        # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes (which are a
+        # CPU's: a device's default is off, its kernels the kinds' defaults either way).
+        self.invariant = self.kernels.invariant if device.type == "cpu" else batch_invariant(os.environ, device.type)
         self.prefill_chunk = PREFILL_CHUNK
         # How a pass's rows are cut into calls and which forms they take: the CPU's shape (batch-
         # invariant cuts, row blocks, compiled C forms) or a device's (whole sequences, whole
-        # rows); a test may force DEVICE_PASS on a CPU.
-        self.pass_shape = PassShape.for_device(device)
+        # rows; batch-invariant, the CPU's cuts and a decode step of fixed rows); a test may force
+        # DEVICE_PASS on a CPU.
+        self.pass_shape = PassShape.for_device(device, self.invariant)
         self.model.bind_kernels(self.kernels)
         # The sequences' state: their slots, the KV pool and the prefix cache's entries.
         self.slots = Slots(self.model, device)

@@ -32,7 +32,13 @@ class PassShape:
     call's shape, so a row's bits may change with the pass's other rows and with where a prompt was
     cut into passes. What it promises: the model's arithmetic within the dtype's rounding (fp32
     logits close to the CPU shape's, tests/test_device_pass_shape.py), the same passes giving the
-    same results where the device's kernels are deterministic."""
+    same results where the device's kernels are deterministic.
+
+    A device's batch-invariant shape (POCKETLLM_BATCH_INVARIANT=1 set on a device) cuts as the
+    CPU's does, each prompt segment's projections in calls of their own, so a GEMM's rows are
+    the same whatever else the pass holds, and runs every decode step at the slots' count of rows
+    (fixed_step): the device's forms for the rest, each of which gives a row the same bits
+    whatever the other rows (one program per row; attention shares cut by position)."""
 
     name: str
     # Batch-invariant runs cut prompt rows at multiples of the prefill chunk, each segment (and a
@@ -42,17 +48,24 @@ class PassShape:
     whole_sequences: bool
     # The row-wise ops may take the CPU's cache measures: row blocks, compiled C rows forms.
     cpu_forms: bool
+    # A decode step runs at one row count, the slots': its GEMMs' shapes, and so their kernels,
+    # the same whatever the number of sequences decoding (GEMMs that pick a kernel by shape).
+    fixed_step: bool = False
 
     @staticmethod
-    def for_device(device: torch.device | str) -> PassShape:
+    def for_device(device: torch.device | str, invariant: bool = False) -> PassShape:
         """The shape of passes on `device` (a torch.device, or its name: "npu" is one without
-        torch_npu imported): the CPU's on a CPU, a device's anywhere else."""
+        torch_npu imported): the CPU's on a CPU, a device's anywhere else (its batch-invariant
+        one where `invariant`)."""
         kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-        return CPU_PASS if kind == "cpu" else DEVICE_PASS
+        if kind == "cpu":
+            return CPU_PASS
+        return DEVICE_INVARIANT_PASS if invariant else DEVICE_PASS
 
 
 CPU_PASS = PassShape("cpu", invariant_cuts=True, whole_sequences=False, cpu_forms=True)
 DEVICE_PASS = PassShape("device", invariant_cuts=False, whole_sequences=True, cpu_forms=False)
+DEVICE_INVARIANT_PASS = PassShape("device, batch-invariant", invariant_cuts=True, whole_sequences=False, cpu_forms=False, fixed_step=True)
 
 
 @dataclass

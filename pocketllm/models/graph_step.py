@@ -72,6 +72,8 @@ class GraphStep:
 
     def describe(self) -> str:
         what = "cuda graph" if self.capture else "fixed buffers, uncaptured"
+        if self.shape.fixed_step and self.buckets:
+            return f"{what} (every step at {self.buckets[0]} rows: batch-invariant)"
         return f"{what} (B buckets {','.join(map(str, self.buckets))})" if self.buckets else what
 
     def logits(self, token: int, pos: int, slot: int) -> torch.Tensor:
@@ -128,7 +130,9 @@ class GraphStep:
     def _build(self) -> None:
         """Buffers for the slots as they are reserved now, and each bucket's graph."""
         self.graphs, self.out = {}, {}
-        self.buckets = buckets_for(max(1, len(self.slots.states)))
+        count = max(1, len(self.slots.states))
+        # A fixed step (a device's batch-invariant shape) runs every step at the slots' count.
+        self.buckets = (count,) if self.shape.fixed_step else buckets_for(count)
         top = self.buckets[-1]
         self.inputs = torch.zeros(3, top, dtype=torch.long, device=self.device)
         self.inputs[2] = self.slots.padding

@@ -34,9 +34,11 @@ FEW_MAX = 16
 # (forced_kernels). Both named in pocketllm.switches, which the launcher reads without torch.
 
 
-def batch_invariant(env=os.environ) -> bool:
-    """Whether this run keeps each request's tokens independent of the others batched with it."""
-    return env_switch(env, ENV_INVARIANT, default=True)
+def batch_invariant(env=os.environ, device_type: str = "cpu") -> bool:
+    """Whether this run keeps each request's tokens independent of the others batched with it: by
+    default on a CPU, only where asked on a device (whose batch-invariant shape, layers/context.py,
+    is not yet priced on one: the shape a device runs by default promises no invariance)."""
+    return env_switch(env, ENV_INVARIANT, default=device_type == "cpu")
 
 
 def row_class(rows: int) -> str:
