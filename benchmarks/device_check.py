@@ -84,10 +84,10 @@ class Table:
             print(f"{step:<{width}}  {outcome:<7} {seconds:6.1f}  {detail}")
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[int | None, str, str, float]:
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str, float]:
     t0 = time.monotonic()
     try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
         return r.returncode, r.stdout, r.stderr, time.monotonic() - t0
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
@@ -154,8 +154,9 @@ def gdn_bench(table: Table, kind: str, dtype: str, tokens: int, reps: int, timeo
     table.add(step, "pass", f"{detail}; recurrence at {summary['vs_recurrent']:.2f}x; all outputs agree", seconds)
 
 
-def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float) -> None:
-    step = f"bench --device {kind} --tp-world {world} --preset {preset} --prompt-tokens {tokens}" + (f" {' '.join(extra)}" if extra else "")
+def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float, env: dict | None = None) -> None:
+    step = "".join(f"{k}={v} " for k, v in (env or {}).items())
+    step += f"bench --device {kind} --tp-world {world} --preset {preset} --prompt-tokens {tokens}" + (f" {' '.join(extra)}" if extra else "")
     with tempfile.TemporaryDirectory() as tmp:
         out_json = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "pocketllm", "bench", "--device", kind, "--tp-world", str(world), "--preset", preset,
@@ -163,7 +164,7 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
         for i, flag in enumerate(cmd):
             if flag == "DIR":
                 cmd[i] = str(Path(tmp) / "profile")
-        rc, out, err, seconds = _run(cmd, timeout)
+        rc, out, err, seconds = _run(cmd, timeout, env)
         if rc != 0:
             table.add(step, "FAIL", "timed out" if rc is None else f"exit {rc}: {_last_line(err)}", seconds)
             return
@@ -229,6 +230,9 @@ def main(argv=None) -> int:
         ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
         # Eight sequences' decode rows a step: the captured graphs' bucket 8 on a GPU.
         ("bench batch 8", lambda: bench(table, kind, 1, preset, prompt, ["--batch", "8"], left(args.timeout))),
+        # The same asked for batch invariance (a device's batch-invariant shape): what it costs.
+        ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, preset, prompt, ["--batch", "8"], left(args.timeout),
+                                                         {"POCKETLLM_BATCH_INVARIANT": "1"})),
         ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), kernel_cases=True)),
         ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
         ("bench tp1 host profile", lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], left(args.timeout))),

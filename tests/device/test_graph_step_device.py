@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(cuda_count() == 0, reason="no CUDA device")
 PROMPTS = [[(7 * i + 3) % 1000 for i in range(n)] for n in (60, 5, 130)]
 
 
-def _engine(monkeypatch, dtype, graphs: bool):
+def _engine(monkeypatch, dtype, graphs: bool, max_len: int = 200):
     from pocketllm.distributed.policy import RulePolicy
     from pocketllm.distributed.state import set_tp
     from pocketllm.engine.runner import Engine
@@ -27,7 +27,7 @@ def _engine(monkeypatch, dtype, graphs: bool):
     cfg = get_preset("tiny")
     device = torch.device("cuda", 0)
     engine = Engine(cfg, RandomWeights(cfg, dtype=dtype, device=device), dtype, device, RulePolicy())
-    engine.reserve_slots(4, 200)
+    engine.reserve_slots(4, max_len)
     for slot, prompt in enumerate(PROMPTS):
         engine.run_packed([(slot, 0, torch.tensor(prompt))])
     return engine
@@ -54,3 +54,28 @@ def test_captured_steps_give_the_layers_tokens(monkeypatch, dtype):
     assert graphs.greedy_row(1, pos[1], tokens[1]) == layers.greedy_row(1, pos[1], tokens[1])
     for a, b in zip(layers.slots.stacked.values(), graphs.slots.stacked.values()):
         torch.testing.assert_close(a.recurrent[:3], b.recurrent[:3], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_asked_for_batch_invariance_a_sequences_logits_do_not_depend_on_the_others(monkeypatch, dtype):
+    """POCKETLLM_BATCH_INVARIANT=1 on CUDA (the device's batch-invariant shape, cuBLAS and the
+    Triton kernels, the step captured at the slots' 4 rows): a prompt prefilled alone and packed
+    beside another, then its decode rows alone and beside another sequence's and a prompt chunk,
+    get the same logits bit for bit (tests/test_device_pass_shape.py checks the same on CPU)."""
+    monkeypatch.setenv("POCKETLLM_BATCH_INVARIANT", "1")
+    x, y, z = (torch.tensor(p) for p in ([(5 * i + 1) % 1000 for i in range(40)], PROMPTS[1], [(3 * i) % 1000 for i in range(300)]))
+
+    def fresh():
+        return _engine(monkeypatch, dtype, True, max_len=400)
+
+    alone = fresh()
+    assert alone.describe_step() == "decode step: cuda graph (every step at 4 rows: batch-invariant)", alone.describe_step()
+    first = alone.run_packed([(0, 0, x)])[0]
+    steps = [alone.run_packed([(0, 40 + i, torch.tensor([7 + i]))])[0] for i in range(3)]
+    busy = fresh()
+    assert torch.equal(busy.run_packed([(1, 0, y), (0, 0, x)])[1], first)
+    for i in range(3):
+        spans = [(0, 40 + i, torch.tensor([7 + i])), (1, len(y) + i, torch.tensor([3 + i]))]
+        if i == 1:
+            spans.append((2, 0, z[:256]))
+        assert torch.equal(busy.run_packed(spans)[0], steps[i]), f"step {i}"
