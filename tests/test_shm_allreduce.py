@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -219,7 +220,8 @@ def test_a_segment_left_by_a_dead_rank_0_is_removed_by_the_next_run():
 @pytest.mark.timeout(120)
 def test_without_a_compiler_auto_falls_back_to_gloo_and_shm_is_refused(tmp_path):
     # No compiler on PATH and an empty cache: auto notes it in one line and runs on gloo; shm
-    # asked for by name is refused. The two runs share nothing, so they run side by side.
+    # asked for by name is refused (by the launcher, before its ranks start). The two runs share
+    # nothing, so they run side by side.
     no_compiler = {"PATH": str(tmp_path), "POCKETLLM_CACHE_DIR": str(tmp_path / "cache"), "CC": ""}
     out = tmp_path / "r.json"
     bench = start("bench", "--preset", "tiny", "--tp-world", 2, "--prompt-tokens", 8, "--max-new-tokens", 1, "--json", out, tmp_path=tmp_path, env=no_compiler)
@@ -229,3 +231,19 @@ def test_without_a_compiler_auto_falls_back_to_gloo_and_shm_is_refused(tmp_path)
     notes = [line for line in bench.stderr.splitlines() if line.startswith("all-reduce:")]
     assert notes == ["all-reduce: gloo (shm unavailable: no C compiler (cc, gcc or clang; or $CC) to build allreduce.c)"]
     usage_line(refused.wait(), refused.stderr, ["--collective shm: no C compiler"])
+
+
+def test_what_the_ranks_would_refuse_about_shm_is_refused_before_they_start(monkeypatch):
+    from pocketllm import compiled
+    from pocketllm.distributed.collective_choice import check_choice
+    from pocketllm.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape("--collective shm needs CPU ranks (gloo); this run's backend is nccl")):
+        check_choice("shm", "nccl")
+    check_choice("auto", "nccl")
+    monkeypatch.setattr(compiled, "compiler", lambda: "/usr/bin/cc")
+    check_choice("shm", "gloo")
+    monkeypatch.setattr(compiled, "compiler", lambda: None)
+    with pytest.raises(UsageError, match=re.escape("--collective shm: no C compiler (cc, gcc or clang; or $CC) to build allreduce.c")):
+        check_choice("shm", "gloo")
+    check_choice("auto", "gloo")  # auto falls back to gloo on the ranks, saying why

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from pocketllm.device_kind import device_index, resolve_kind
-from pocketllm.distributed.collective_choice import resolve_choice
+from pocketllm.distributed.collective_choice import check_choice, resolve_choice
 from pocketllm.errors import UsageError
 from pocketllm.fault_injection import fault_from_env
 from pocketllm.launch import ENV_CPUS
@@ -37,6 +37,7 @@ def world_plan(args, device: DevicePlan, default_world: int) -> WorldPlan:
     the flags every process needs checked before it starts or joins a group: rank 0 cannot check
     them for a hand-started peer, which would otherwise wait on a group it can never join."""
     choice = resolve_choice(getattr(args, "collective", None))
+    check_choice(choice, device.backend)
     renv = rank_env(args.tp_world, args.tp_rank, args.rendezvous_file, default_world=default_world)
     size = renv.world if renv is not None else args.tp_world if args.tp_world is not None else default_world
     cpus = getattr(args, "cpus", None)
