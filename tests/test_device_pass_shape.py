@@ -251,6 +251,23 @@ def test_a_device_pass_of_decode_rows_beside_a_prompt_runs_the_rows_as_a_step(mo
     assert both.direct_steps == 0
 
 
+def test_a_devices_kernels_read_a_steps_weights_once():
+    """A device's kernel set binds a few-row call to one torch.mm of all its rows, asked for batch
+    invariance or not: the CPU's way to it, the one-row kernel on each row in turn where no
+    few-row kernel sums like it, would read the weights once per row of a step (8 times at 8)."""
+    from pocketllm.ops.registry import ENV_INVARIANT, KernelSet, kernel_set
+
+    w = torch.empty(64, 32, dtype=torch.bfloat16, device="meta")
+    for env in ({}, {ENV_INVARIANT: "1"}):
+        kernels = KernelSet.choose([w], env=env)
+        kernels.choose_few([w], 8)
+        assert not kernels.invariant
+        small = kernels.bind(w)._small
+        assert [(e[0].__name__, e[2]) for e in small[2:]] == [("mm", kernel_set._ROWS)] * 7
+    cpu = KernelSet(env={}, device_type="cpu")
+    assert cpu.invariant
+
+
 def test_a_device_is_batch_invariant_only_where_asked_and_then_takes_the_invariant_shape():
     from pocketllm.layers.context import DEVICE_INVARIANT_PASS
     from pocketllm.ops.registry import ENV_INVARIANT, batch_invariant
@@ -262,18 +279,29 @@ def test_a_device_is_batch_invariant_only_where_asked_and_then_takes_the_invaria
     assert DEVICE_INVARIANT_PASS.invariant_cuts and DEVICE_INVARIANT_PASS.fixed_step and not DEVICE_INVARIANT_PASS.cpu_forms
 
 
+def device_like_kernels(weights, count: int):
+    """The projection kernels a device binds, on CPU weights: the kinds' defaults (torch.mv for one
+    row, torch.mm for a few and for many), a few-row call one call of all its rows (a device's
+    KernelSet makes no per-row-order promise; test_a_devices_kernels_read_a_steps_weights_once)."""
+    from pocketllm.ops.registry import ENV_INVARIANT, ENV_KERNELS, KernelSet
+
+    env = {ENV_INVARIANT: "0", ENV_KERNELS: "one-row=mv,few-row=mm,many-row=mm"}
+    kernels = KernelSet.choose(weights, env=env)
+    kernels.choose_few(weights, count)
+    return kernels
+
+
 def _invariant_device_engine(monkeypatch):
-    """A tiny fp32 engine in a device's batch-invariant shape on a CPU: the kinds' default kernels
-    (torch's calls, as a device runs), the device's custom ops, the step uncaptured, 4 slots."""
+    """A tiny fp32 engine in a device's batch-invariant shape on a CPU: the kernels a device binds
+    (torch's calls), the device's custom ops, the step uncaptured, 4 slots."""
     from pocketllm.layers.context import DEVICE_INVARIANT_PASS
     from pocketllm.models.graph_step import GraphStep
-    from pocketllm.ops.registry import KernelSet
 
     monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
     engine = tiny_engine(torch.float32)
     engine.pass_shape = DEVICE_INVARIANT_PASS
     engine.reserve_slots(4, 400)
-    engine.kernels = KernelSet()
+    engine.kernels = device_like_kernels(engine.model.projection_weights(), 4)
     engine.model.bind_kernels(engine.kernels)
     for m in engine.model.modules():
         if hasattr(m, "device_ops"):

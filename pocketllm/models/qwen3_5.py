@@ -153,7 +153,14 @@ class Qwen35ForCausalLM(nn.Module):
             with scope("norms", "final"):
                 rows = self._final_norm(rows, rows_x, alone, ctx.shape.cpu_forms)
             with scope("lm_head"):
-                logits = self.lm_head(rows, alone)
+                if ctx.invariant and ctx.shape.fixed_step and ctx.decode_rows is None and len(last) > 1:
+                    # A device's batch-invariant pass of prompts: its kernels sum a row by the
+                    # call's row count, and how many prompts end in a pass is the load's, so each
+                    # last row alone (a step's rows are its fixed count in one call).
+                    one = (Part(0, 1, True, cpu_forms=False),)
+                    logits = torch.cat([self.lm_head(rows[i : i + 1], one) for i in range(len(last))])
+                else:
+                    logits = self.lm_head(rows, alone)
                 if all_logits:
                     # Every row through the head by the pass's parts; the last rows are the ones
                     # above (a GEMV for one, where a GEMM rounds differently), so a token drawn

@@ -13,7 +13,7 @@ import os
 import torch
 
 from pocketllm.ops.registry.choose import Choice, choose
-from pocketllm.ops.registry.kinds import FEW, MANY, ONE, batch_invariant, few_rows_for, kind_for, row_class, weight_format
+from pocketllm.ops.registry.kinds import FEW, MANY, ONE, batch_invariant, few_rows_for, kind_for, row_class, weight_device, weight_format
 from pocketllm.ops.registry.measure import key_of
 from pocketllm.ops.registry.trust import Monitor
 
@@ -118,9 +118,14 @@ class KernelSet:
     """The kernels chosen for an engine's projection weights. An empty set binds every weight to
     its kinds' defaults (torch's own calls)."""
 
-    def __init__(self, choices: list[Choice] | None = None, env=os.environ, monitor: Monitor | None = None):
+    def __init__(self, choices: list[Choice] | None = None, env=os.environ, monitor: Monitor | None = None, device_type: str = "cpu"):
         self.env = env
-        self.invariant = batch_invariant(env)
+        # Rows summed in the one-row kernel's order (a few-row call otherwise runs the one-row
+        # kernel on each row in turn) is how a CPU keeps a decode row's bits in any batch. A
+        # device's kernels are the kinds' defaults, torch's calls, which have no such order: there
+        # it would read the weights once per row of a step. A device that is asked for invariance
+        # gets it from its pass shape instead (layers/context.py: a step of fixed rows).
+        self.invariant = batch_invariant(env) and device_type == "cpu"
         self.monitor = monitor or Monitor()
         self.choices: list[Choice] = []
         for c in choices or []:
@@ -131,7 +136,8 @@ class KernelSet:
         """One-row and many-row choices for every format among `weights` (the model's projection
         weights in step order). `peers`: the pids of the other ranks, which measure at the same
         time (their CPU time is not another process's)."""
-        chosen = cls(env=env, monitor=Monitor(peers))
+        device_type = weight_device(weights[0]).type if weights else "cpu"
+        chosen = cls(env=env, monitor=Monitor(peers), device_type=device_type)
         for fmt, ws in _by_format(weights).items():
             for rows in (ONE, MANY):
                 kind = kind_for(fmt, rows)
