@@ -1,8 +1,9 @@
 """`pocketllm serve --device cuda` against the real OpenAI client: it decodes on the captured graphs
 (its stderr says so), a request alone gets `pocketllm generate --device cuda`'s tokens, and eight
 concurrent requests (one pass of eight decode rows, bucket 8) each complete in full, the answers
-the same when the load is repeated. A device promises no batch invariance (docs/devices.md), so
-the concurrent answers are not held to the lone ones."""
+the same when the load is repeated. By default a device promises no batch invariance
+(docs/devices.md), so there the concurrent answers are not held to the lone ones; a server asked
+for it (POCKETLLM_BATCH_INVARIANT=1) is."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 from device_caps import cuda_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import generated_ids, run_cli  # noqa: E402
-from test_serve import MODEL, NEW, PROMPTS, serving, text_ckpt  # noqa: E402, F401  (text_ckpt: a fixture)
+from conftest import generated_ids, run_cli, start  # noqa: E402
+from test_serve import KEY, MAX_LEN, MODEL, NEW, PROMPTS, ready, serving, stop, text_ckpt  # noqa: E402, F401  (text_ckpt: a fixture)
 
 pytestmark = pytest.mark.skipif(cuda_count() == 0, reason="no CUDA device")
 
@@ -54,3 +55,23 @@ def tokenizer(text_ckpt):  # noqa: F811
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(text_ckpt / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def invariant_server(text_ckpt, tmp_path_factory):  # noqa: F811
+    run = start("serve", "--ckpt", text_ckpt, "--tp-world", 1, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, "--device", "cuda",
+                "--max-running", 8, tmp_path=tmp_path_factory.mktemp("serve-cuda-invariant"), env={"POCKETLLM_BATCH_INVARIANT": "1"})
+    yield ready(run, 1)
+    stop(run)
+
+
+@pytest.mark.timeout(300)
+def test_asked_for_batch_invariance_concurrent_answers_are_the_lone_ones(invariant_server):
+    """The device's batch-invariant shape (one captured step of 8 rows): each of eight concurrent
+    requests gets the tokens it gets alone."""
+    assert "decode step: cuda graph (every step at 8 rows: batch-invariant)" in invariant_server.run.stderr, invariant_server.run.stderr
+    alone = {p: _complete(invariant_server, p) for p in PROMPTS}
+    load = PROMPTS * 2
+    with concurrent.futures.ThreadPoolExecutor(len(load)) as pool:
+        together = list(pool.map(lambda p: _complete(invariant_server, p), load))
+    assert together == [alone[p] for p in load]
