@@ -127,6 +127,21 @@ def test_cached_attention_of_many_rows():
         torch.testing.assert_close(cached_attention(q, k, v, kv, s, d**-0.5), want, rtol=1e-5, atol=1e-5)
 
 
+def test_rows_going_on_from_a_prefix_attend_alike_with_a_devices_aligned_causal_bias(monkeypatch):
+    """A device's rows going on from a cached prefix take the bottom-right-aligned causal bias
+    (which a fused kernel takes with GQA, where an explicit mask would send them to the math
+    kernel): the attention the explicit mask gives, row i over keys 0..start+i."""
+    from pocketllm.layers import paged_attention
+
+    heads, kv_heads, d, start, t = 6, 2, 64, 130, 70
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(heads, t, d, generator=g)
+    keys, values = (torch.randn(kv_heads, start + t, d, generator=g) for _ in range(2))
+    want = attention_core(q, keys, values, start, d**-0.5)
+    monkeypatch.setattr(paged_attention, "aligned_causal", lambda device: True)
+    torch.testing.assert_close(attention_core(q, keys, values, start, d**-0.5), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("hk,hv,dk", [(1, 2, 16), (2, 6, 128)], ids=["serial", "threaded"])
 def test_compiled_gdn_decode_matches_the_reference(hk, hv, dk):
     """Steps of the compiled Gated DeltaNet block (one read-only and one read-write pass over the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from pocketllm.layers.cache import KVPool, PagedKV
 from pocketllm.ops.paged_kv import decode_attention_rows_torch, flat_rows, write_kv_torch
@@ -30,12 +31,25 @@ def gather_kv(kv: PagedKV, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv.pool.k.view(-1, d)[rows], kv.pool.v.view(-1, d)[rows]
 
 
+def aligned_causal(device: torch.device) -> bool:
+    """Whether rows going on from a cached prefix take the bottom-right-aligned causal bias (a
+    device's fused kernels) rather than an explicit mask (a CPU's: the bits its invariance tests
+    hold)."""
+    return device.type != "cpu"
+
+
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """Causal GQA. q [H, T, D] at positions start..start+T; k, v [Hkv, S, D] with S = start + T."""
     t, s = q.shape[1], k.shape[1]
     mask, causal = None, False
     if start == 0:
         causal = t > 1
+    elif t > 1 and aligned_causal(q.device):
+        # Rows going on from a cached prefix, on a device: the causal mask aligned to the last
+        # key (row i sees keys 0..start+i), which the flash kernel takes as is. No fused kernel
+        # takes an explicit mask with GQA (flash refuses masks, the memory-efficient kernel unequal
+        # head counts), so one would fall to the math kernel, which builds every T x S score.
+        mask = causal_lower_right(t, s)
     elif t > 1:
         mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
     return F.scaled_dot_product_attention(
