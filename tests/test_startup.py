@@ -49,3 +49,16 @@ def test_inside_another_programs_process_the_collector_is_left_alone(collector, 
         assert gc.isenabled()
         [_Made() for _ in range(1000)]
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_ranks_imports_leave_out_torchs_compiler_stack():
+    """What a rank imports before its work (commands.on_rank: the engine, the layers, every op)
+    does not bring in torch._dynamo, which costs over half a second of a core in every process
+    (a module-level import of torch.nn.attention.bias once did)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, pocketllm.commands.on_rank; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from pocketllm.layers.cache import KVPool, PagedKV
 from pocketllm.ops.paged_kv import decode_attention_rows_torch, flat_rows, write_kv_torch
@@ -49,6 +48,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
         # key (row i sees keys 0..start+i), which the flash kernel takes as is. No fused kernel
         # takes an explicit mask with GQA (flash refuses masks, the memory-efficient kernel unequal
         # head counts), so one would fall to the math kernel, which builds every T x S score.
+        # Imported here: the module brings in torch._dynamo, over half a second a process.
+        from torch.nn.attention.bias import causal_lower_right
+
         mask = causal_lower_right(t, s)
     elif t > 1:
         mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
