@@ -109,12 +109,18 @@ def compiler() -> str | None:
     return None
 
 
+def no_compiler(source: Path) -> str:
+    """Why `source` cannot be built here ("" when a compiler is there): without one it never can,
+    since a build is keyed on its compiler and no cached one serves."""
+    return "" if compiler() is not None else f"no C compiler (cc, gcc or clang; or $CC) to build {source.name}"
+
+
 def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     """The built library's path, compiled now if this source was not built here before."""
     flags = with_isa(flags)
     cc = compiler()
     if cc is None:
-        raise BuildError(f"no C compiler (cc, gcc or clang; or $CC) to build {source.name}")
+        raise BuildError(no_compiler(source))
     digest = hashlib.sha256(b"\0".join([_source_text(source), " ".join(flags).encode(), cc.encode(), _compiler_version(cc), cpu_identity().encode()]))
     target = cache_dir() / "native" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     _private_dir(target.parent)

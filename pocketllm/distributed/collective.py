@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from pocketllm.distributed.collective_choice import check_choice
 from pocketllm.errors import UsageError
 
 # The helper keeps flag and region tables for at most this many ranks.
@@ -74,9 +75,8 @@ def setup(choice: str, backend: str, rank: int, world: int, timeout_s: float) ->
     if world == 1:
         return
     _name = backend
+    check_choice(choice, backend)
     if choice == "gloo" or backend != "gloo":
-        if choice == "shm":
-            raise UsageError(f"--collective shm needs CPU ranks (gloo); this run's backend is {backend}")
         _announce(rank, f"{backend} (--collective {choice})" if choice == "gloo" else backend)
         return
     places = [None] * world

@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 
 from pocketllm import compiled
+from pocketllm.distributed.shm import build as shm_build
 from pocketllm.errors import UsageError
 from pocketllm.switches import env_value
 
 ENV_COLLECTIVE = "POCKETLLM_COLLECTIVE"
 CHOICES = ("auto", "shm", "gloo")
-# The shared-memory all-reduce's source (distributed/shm/allreduce.c), as the build names it.
-SHM_SOURCE = "allreduce.c"
 
 
 def resolve_choice(flag: str | None, env=os.environ) -> str:
@@ -31,13 +30,14 @@ def resolve_choice(flag: str | None, env=os.environ) -> str:
 
 
 def check_choice(choice: str, backend: str) -> None:
-    """What the ranks would refuse about a choice, refused before any starts: shm runs between CPU
-    ranks (gloo) and is built with a C compiler, without which it can never be (a build is keyed
-    on the compiler, so no cached one serves). Its other conditions (one host, a segment every
-    rank maps) are the ranks' to find."""
-    if choice != "shm" or backend != "gloo":
-        if choice == "shm":
-            raise UsageError(f"--collective shm needs CPU ranks (gloo); this run's backend is {backend}")
+    """What rules shm out whatever the ranks find, refused wherever it is known (before a launcher
+    starts its ranks, and on each rank): shm sums between CPU ranks (gloo), and its helper is built
+    with a C compiler. Its other conditions (one host, a segment every rank maps) are the ranks'
+    to find."""
+    if choice != "shm":
         return
-    if compiled.compiler() is None:
-        raise UsageError(f"--collective shm: no C compiler (cc, gcc or clang; or $CC) to build {SHM_SOURCE}")
+    if backend != "gloo":
+        raise UsageError(f"--collective shm needs CPU ranks (gloo); this run's backend is {backend}")
+    why = compiled.no_compiler(shm_build.SOURCE)
+    if why:
+        raise UsageError(f"--collective shm: {why}")
