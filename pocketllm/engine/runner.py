@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +100,8 @@ class Engine:
         # checked), each projection bound to its own. The other ranks measure at the same time:
         # their CPU time is no sign of a busy machine.
         self.kernels = KernelSet.choose(self.model.projection_weights(), peers=group_pids())
-        # POCKETLLM_BATCH_INVARIANT: read once, like the kernel choices it shapes (which are a
-        # CPU's: a device's default is off, its kernels the kinds' defaults either way).
-        self.invariant = self.kernels.invariant if device.type == "cpu" else batch_invariant(os.environ, device.type)
+        # POCKETLLM_BATCH_INVARIANT (a CPU's default on, a device's off), as the kernel choices read it.
+        self.invariant = batch_invariant(os.environ, device.type)
         self.prefill_chunk = PREFILL_CHUNK
         # How a pass's rows are cut into calls and which forms they take: the CPU's shape (batch-
         # invariant cuts, row blocks, compiled C forms) or a device's (whole sequences, whole
@@ -207,7 +207,7 @@ class Engine:
         all_logits. Batch-invariant on a CPU, a span's rows run in segments cut at multiples of
         prefill_chunk positions; on a device, each sequence's consecutive rows run as one segment
         (self.pass_shape), and decode rows beside prompt rows run as a step of their own
-        (_split_decode_rows)."""
+        (_through_step)."""
         if len(spans) == 1 and not all_logits and spans[0][2].shape[0] == 1:
             slot, start, ids = spans[0]
             info = self._direct_step(slot, start)
@@ -215,20 +215,12 @@ class Engine:
                 logits = self.step.logits(int(ids[0]), start, slot).view(1, -1)
                 self._after_direct(info)
                 return logits
+        if len(spans) > 1 and not all_logits and hasattr(self.step, "rows"):
+            stepped = self._through_step(spans)
+            if stepped is not None:
+                return stepped
         # A pass of decode steps only (its label for profiles and hooks too).
         decode = all(ids.shape[0] == 1 and start > 0 for _, start, ids in spans)
-        # Each its own sequence's row: a sequence's second row needs its first's state.
-        if len(spans) > 1 and decode and not all_logits and hasattr(self.step, "rows") and len({s for s, _, _ in spans}) == len(spans):
-            info = self._direct_rows([(slot, start) for slot, start, _ in spans])
-            if info is not None:
-                tokens = torch.cat([ids for _, _, ids in spans]).tolist()  # one op, not one per row
-                logits = self.step.rows(tokens, [start for _, start, _ in spans], [slot for slot, _, _ in spans])
-                self._after_direct(info)
-                return logits
-        if len(spans) > 1 and not decode and not all_logits and not self.pass_shape.cpu_forms and hasattr(self.step, "rows"):
-            mixed = self._split_decode_rows(spans)
-            if mixed is not None:
-                return mixed
         total, pieces, last = 0, [], []
         shape = self.pass_shape
         cut = self.invariant and shape.invariant_cuts
@@ -248,31 +240,31 @@ class Engine:
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
         return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
 
-    def _split_decode_rows(self, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
-        """A device's pass of decode rows beside prompt rows, run as two: the decode rows (a row
-        going on in a slot no other span has) through the step backend (a captured graph's
-        replay), the rest as a pass of the layers; the spans' last-row logits in their order.
-        In one pass of the layers each decode row would be a segment of its own, every op of its
-        mixer launched per row, and it would get other bits than in a step of decode rows alone.
-        None where the step cannot take the rows (run them in the one pass)."""
-        per_slot = {}
-        for slot, _, _ in spans:
-            per_slot[slot] = per_slot.get(slot, 0) + 1
+    def _through_step(self, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
+        """The spans' last-row logits where the step backend takes the pass's decode rows (a row
+        going on in a slot no other span holds: a sequence's second row needs its first's state):
+        a pass of such rows alone, as one step; on a device, such rows beside prompt rows too, the
+        rest then a pass of the layers of its own. In that one pass each decode row would be a
+        segment of its own, every op of its mixer launched for it alone, with other bits than a
+        step gives it. None where the step does not take them (the layers run the pass)."""
+        per_slot = Counter(slot for slot, _, _ in spans)
         rows = [i for i, (slot, start, ids) in enumerate(spans) if ids.shape[0] == 1 and start > 0 and per_slot[slot] == 1]
-        if not rows or len(rows) == len(spans):
+        if not rows or (len(rows) < len(spans) and self.pass_shape.cpu_forms):
             return None
         info = self._direct_rows([spans[i][:2] for i in rows])
         if info is None:
             return None
-        tokens = torch.cat([spans[i][2] for i in rows]).tolist()
-        step_logits = self.step.rows(tokens, [spans[i][1] for i in rows], [spans[i][0] for i in rows])
+        tokens = torch.cat([spans[i][2] for i in rows]).tolist()  # one op, not one per row
+        logits = self.step.rows(tokens, [spans[i][1] for i in rows], [spans[i][0] for i in rows])
         self._after_direct(info)
-        others = [i for i in range(len(spans)) if i not in set(rows)]
-        pass_logits = self.run_packed([spans[i] for i in others])
-        logits = torch.empty(len(spans), step_logits.shape[-1], dtype=step_logits.dtype, device=step_logits.device)
-        logits[rows] = step_logits
-        logits[others] = pass_logits.to(logits.device)
-        return logits
+        if len(rows) == len(spans):
+            return logits
+        taken = set(rows)
+        others = [i for i in range(len(spans)) if i not in taken]
+        mixed = logits.new_empty(len(spans), logits.shape[-1])
+        mixed[rows] = logits
+        mixed[others] = self.run_packed([spans[i] for i in others]).to(mixed.device)
+        return mixed
 
     def greedy_row(self, slot: int, pos: int, token: int) -> int:
         """One decode step of the sequence in `slot`, `token` at position `pos`: its greedy next
