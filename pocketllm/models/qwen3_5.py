@@ -149,18 +149,19 @@ class Qwen35ForCausalLM(nn.Module):
             # The last rows are each their sequence's own: each gets the bits it gets alone (and a
             # decode row the compiled final norm the layers' norms use, which finds the row where
             # torch's would fetch its own state again after the last GEMV swept the caches).
-            alone = (Part(0, len(last), True, cpu_forms=ctx.shape.cpu_forms),) if ctx.invariant or ctx.one_row else None
+            # On a device asked for invariance a pass of prompts gives them a part each: its
+            # kernels sum a row by the call's rows, and how many prompts end in a pass is the
+            # load's (a step's rows are its fixed count, in one call).
+            if not (ctx.invariant or ctx.one_row):
+                alone = None
+            elif ctx.shape.fixed_step and ctx.decode_rows is None:
+                alone = tuple(Part(i, i + 1, True, cpu_forms=False) for i in range(len(last)))
+            else:
+                alone = (Part(0, len(last), True, cpu_forms=ctx.shape.cpu_forms),)
             with scope("norms", "final"):
                 rows = self._final_norm(rows, rows_x, alone, ctx.shape.cpu_forms)
             with scope("lm_head"):
-                if ctx.invariant and ctx.shape.fixed_step and ctx.decode_rows is None and len(last) > 1:
-                    # A device's batch-invariant pass of prompts: its kernels sum a row by the
-                    # call's row count, and how many prompts end in a pass is the load's, so each
-                    # last row alone (a step's rows are its fixed count in one call).
-                    one = (Part(0, 1, True, cpu_forms=False),)
-                    logits = torch.cat([self.lm_head(rows[i : i + 1], one) for i in range(len(last))])
-                else:
-                    logits = self.lm_head(rows, alone)
+                logits = self.lm_head(rows, alone)
                 if all_logits:
                     # Every row through the head by the pass's parts; the last rows are the ones
                     # above (a GEMV for one, where a GEMM rounds differently), so a token drawn
