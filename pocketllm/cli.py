@@ -9,9 +9,9 @@ import os
 import sys
 from typing import NoReturn
 
+from pocketllm import startup
 from pocketllm.errors import UsageError
 from pocketllm.run_plan import RunPlan, received
-from pocketllm import startup
 from pocketllm.switches import environment_notes
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups

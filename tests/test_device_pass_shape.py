@@ -191,16 +191,20 @@ def test_a_device_shaped_pass_gives_the_cpu_shaped_logits(engine, monkeypatch):
     assert torch.equal(device.argmax(-1), cpu.argmax(-1))
 
 
-def _device_step_engine(monkeypatch, prompts):
-    """A tiny fp32 engine in the device's pass shape with the device's custom ops and the step
-    backend (graph_step, uncaptured), the prompts fed into slots 0.."""
+def _device_step_engine(monkeypatch, prompts=(), shape=DEVICE_PASS, max_len: int = 200, device_kernels: bool = False):
+    """A tiny fp32 engine in a device's pass shape (`shape`) with the device's custom ops and the
+    step backend (graph_step, uncaptured), 4 slots of max_len, the prompts fed into slots 0..;
+    with device_kernels, the projection kernels a device binds (device_like_kernels)."""
     from conftest import feed
     from pocketllm.models.graph_step import GraphStep
 
     monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
     engine = tiny_engine(torch.float32)
-    engine.pass_shape = DEVICE_PASS
-    engine.reserve_slots(4, 200)
+    engine.pass_shape = shape
+    engine.reserve_slots(4, max_len)
+    if device_kernels:
+        engine.kernels = device_like_kernels(engine.model.projection_weights(), 4)
+        engine.model.bind_kernels(engine.kernels)
     for slot, ids in enumerate(prompts):
         feed(engine, ids, slot=slot)
     for m in engine.model.modules():
@@ -291,36 +295,22 @@ def device_like_kernels(weights, count: int):
     return kernels
 
 
-def _invariant_device_engine(monkeypatch):
-    """A tiny fp32 engine in a device's batch-invariant shape on a CPU: the kernels a device binds
-    (torch's calls), the device's custom ops, the step uncaptured, 4 slots."""
-    from pocketllm.layers.context import DEVICE_INVARIANT_PASS
-    from pocketllm.models.graph_step import GraphStep
-
-    monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
-    engine = tiny_engine(torch.float32)
-    engine.pass_shape = DEVICE_INVARIANT_PASS
-    engine.reserve_slots(4, 400)
-    engine.kernels = device_like_kernels(engine.model.projection_weights(), 4)
-    engine.model.bind_kernels(engine.kernels)
-    for m in engine.model.modules():
-        if hasattr(m, "device_ops"):
-            monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
-    engine.step = GraphStep(engine, capture=False)
-    return engine
-
-
 def test_in_a_devices_invariant_shape_a_sequences_logits_do_not_depend_on_the_others(monkeypatch):
     """A prompt prefilled alone and packed beside another prompt; then its decode rows alone and
     beside another sequence's decode rows and a third's prompt chunk (a pass the engine splits):
     the same logits bit for bit. Every decode step runs at the slots' 4 rows."""
+    from pocketllm.layers.context import DEVICE_INVARIANT_PASS
+
+    def engine():
+        return _device_step_engine(monkeypatch, shape=DEVICE_INVARIANT_PASS, max_len=400, device_kernels=True)
+
     x, y, z = prompt(40), prompt(9, 1), prompt(300, 2)
-    alone = _invariant_device_engine(monkeypatch)
+    alone = engine()
     first = alone.run_packed([(0, 0, x)])[0]
     steps = [alone.run_packed([(0, 40 + i, torch.tensor([7 + i]))])[0] for i in range(3)]
     assert alone.step.buckets == (4,) and alone.step.describe().endswith("(every step at 4 rows: batch-invariant)")
 
-    busy = _invariant_device_engine(monkeypatch)
+    busy = engine()
     packed = busy.run_packed([(1, 0, y), (0, 0, x)])
     assert torch.equal(packed[1], first)
     busy_steps = []

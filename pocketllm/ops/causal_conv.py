@@ -64,7 +64,6 @@ def causal_conv1d_rows_step_(x: torch.Tensor, taps: torch.Tensor, state: torch.T
     return F.silu(out.to(x.dtype))
 
 
-
 def causal_conv1d_rows_indexed_(x: torch.Tensor, taps: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """One token of each of B sequences whose windows are rows `slots` [B] of a layer's stacked
     conv state states [S, K-1, C]: gathered, advanced by causal_conv1d_rows_step_ and put back.
@@ -73,6 +72,7 @@ def causal_conv1d_rows_indexed_(x: torch.Tensor, taps: torch.Tensor, states: tor
     out = causal_conv1d_rows_step_(x, taps, window)
     states.index_copy_(0, slots, window)
     return out
+
 
 def causal_conv1d_reference(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """The conv as its definition, in float64, with the same signature: out[t] = silu(sum_i

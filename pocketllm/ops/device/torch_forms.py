@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.ops import causal_conv, norms
+from pocketllm.ops.causal_conv import causal_conv1d_rows_indexed_
 from pocketllm.ops import rowwise
 from pocketllm.ops.rowwise import silu_mul_torch
 from pocketllm.ops.paged_kv import decode_attention_rows_torch, write_kv_torch
@@ -36,9 +37,6 @@ def causal_conv1d_prefill_(x: torch.Tensor, taps: torch.Tensor, state: torch.Ten
     return causal_conv.causal_conv1d_prefill_(x, taps, state, row_blocks=False).contiguous()
 
 
-causal_conv1d_rows_indexed_ = causal_conv.causal_conv1d_rows_indexed_
-
-
 def qk_l2_norm_torch(qk: torch.Tensor, heads_q: int, q_scale: float, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """qk [T, Hq + Hk, dk] -> q [T, Hq, dk] unit length times q_scale, k [T, Hk, dk] unit length,
     fp32 (the GDN layer's q and k for the gated delta rule)."""
@@ -54,6 +52,6 @@ def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bi
 
 
 __all__ = [
-    "add_rms_norm_torch", "apply_rotary_torch", "causal_conv1d_prefill_", "causal_conv1d_rows_indexed_", "decode_attention_rows_torch", "gdn_gates_torch",
-    "qk_l2_norm_torch", "rms_norm_gated", "rms_norm_scaled", "silu_mul_torch", "write_kv_torch",
+    "add_rms_norm_torch", "apply_rotary_torch", "causal_conv1d_prefill_", "causal_conv1d_rows_indexed_", "decode_attention_rows_torch",
+    "gdn_gates_torch", "qk_l2_norm_torch", "rms_norm_gated", "rms_norm_scaled", "silu_mul_torch", "write_kv_torch",
 ]
