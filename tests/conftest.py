@@ -83,6 +83,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def cached_bytecode():
+    """Where bytecode is not being written (PYTHONDONTWRITEBYTECODE, as some CI images set), every
+    process the tests start would compile pocketllm's and the tests' sources again (a tenth of a
+    second of a core each, over a hundred processes); compiled once here, into the __pycache__
+    directories Python writes by default, they read it instead."""
+    if sys.dont_write_bytecode:
+        import compileall
+
+        for folder in (REPO / "pocketllm", REPO / "tests"):
+            compileall.compile_dir(folder, quiet=2)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
     """Compiled kernels and measured kernel choices go to a cache of this test session's own, not
     the user's: a test must not read a choice some earlier run measured, nor leave one behind.
