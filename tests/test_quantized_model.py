@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import assert_usage_error, cli_env, feed, generated_ids, main_in_process, run_cli, usage_error_in_process
+from conftest import cli_env, feed, generated_ids, main_in_process, run_cli, usage_error_in_process
 
 from pocketllm.distributed.policy import RulePolicy
 from pocketllm.distributed.state import set_tp

@@ -114,12 +114,12 @@ def _check_overlapped(rank: int, world: int) -> None:
             out = projection_all_reduce_overlapped(x, default_kernels(w), slices, "mlp.down")
             assert COUNTER.total == slices
             want = torch.empty_like(out)
-            for start, end in slice_bounds(37, slices):
-                partial = torch.empty(end - start, 40, dtype=dtype)
-                default_kernels(w)(x[start:end], out=partial)
+            for lo, hi in slice_bounds(37, slices):
+                partial = torch.empty(hi - lo, 40, dtype=dtype)
+                default_kernels(w)(x[lo:hi], out=partial)
                 parts = [torch.empty_like(partial) for _ in range(world)]
                 dist.all_gather(parts, partial)
-                reduce_sum_reference_(want[start:end], parts)
+                reduce_sum_reference_(want[lo:hi], parts)
             _assert_same(out, want, f"TP={world} {dtype} slices={slices}")
     # A strided view is summed through a contiguous copy; a dtype the helper lacks goes to gloo.
     base = torch.arange(24, dtype=torch.float32).view(4, 6) * (rank + 1)
