@@ -173,6 +173,10 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
     shares = (f" ({100 * lim['prefill_share_of_matmul_limit']:.0f}% of the matmul limit)", f" ({100 * lim['decode_share_of_memory_limit']:.0f}% of the memory limit)") if lim else ("", "")
     table.add(step, "pass", f"prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
                             f"{doc.get('decode_step', '')} {s['decode_step']}, gdn kernel {s['gdn_kernel']}, backend {s['backend']}", seconds)
+    # --kernel-profile's tables, as rank 0 printed them.
+    for line in (err.splitlines() if "kernel_profile" in doc else []):
+        if line.startswith(("kernel profile, ", "  ")):
+            print(f"    {line}", file=sys.stderr)
 
 
 def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) -> None:
@@ -227,6 +231,8 @@ def main(argv=None) -> int:
         ("tests/device", lambda: device_tests(table, left(args.timeout))),
         ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
         ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
+        # Where the 27B layers' device time goes: the kernels of a prefill and of the decode steps.
+        ("kernel profile, 27B shapes x4", lambda: bench(table, kind, 1, big, big_prompt, ["--layers", "4", "--kernel-profile"], left(args.timeout))),
         ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
         # Eight sequences' decode rows a step: the captured graphs' bucket 8 on a GPU.
         ("bench batch 8", lambda: bench(table, kind, 1, preset, prompt, ["--batch", "8"], left(args.timeout))),

@@ -16,6 +16,7 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens
 from pocketllm.inputs import PromptSource, bench_ids, check_ids, prompt_ids
 from pocketllm.model_args import add_model_args, check_out_path, say
+from pocketllm.profiling import kernel_profile
 from pocketllm.run_plan import RunPlan
 
 
@@ -34,6 +35,11 @@ def add_arguments(p) -> None:
         help="measure the memory and matmul rates after the run and print each figure's share of the limit they set "
         "(default: on for a GPU or NPU, off on a CPU)",
     )
+    p.add_argument(
+        "--kernel-profile", action="store_true",
+        help="after the timed run, one more prefill and the decode steps under torch.profiler: how busy the device was and "
+        "the kernels (CUDA) or torch ops (CPU) that took most of its time (not on an NPU)",
+    )
     p.add_argument("--json", help="also write the result and the run's settings to this file")
     seed = p.add_argument_group("the seed's rank command (docs/seed.md)")
     seed.add_argument("--resident-bench", action="store_true", help="the seed's mode flag for what this command always runs")
@@ -51,6 +57,7 @@ class Task:
     warmup_tokens: int | None = None
     json: str | None = None
     limits: bool | None = None
+    kernel_profile: bool = False
 
 
 def seed_layers(args) -> int | None:
@@ -75,6 +82,8 @@ def _prepare(run, plan):
     check_out_path(t.json, "--json")
     if t.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {t.batch}")
+    if t.kernel_profile and not kernel_profile.supported(run.device.kind):
+        raise UsageError(f"--kernel-profile runs on a CPU or a CUDA device, not on {run.device.kind}")
     return ids
 
 
@@ -104,15 +113,16 @@ def _work(run, plan, ids, engine, device) -> int:
 
     t = run.task
     new_tokens = t.prompt.max_new_tokens
+    prompts = [ids[i % len(ids) :] + ids[: i % len(ids)] for i in range(t.batch)]
     if t.batch == 1:
         warm_up(engine, ids, [len(ids)], device.synchronize, t.warmup_tokens)
         with engine.tagged(timed=True):
             result = timed_prefill_decode(engine, ids, new_tokens, device.synchronize)
     else:
-        prompts = [ids[i % len(ids) :] + ids[: i % len(ids)] for i in range(t.batch)]
         warm_up_batch(engine, prompts, device.synchronize, t.warmup_tokens)
         with engine.tagged(timed=True):
             result = timed_batch(engine, prompts, new_tokens, device.synchronize)
+    profiled = _kernel_profile(engine, prompts, new_tokens, device) if t.kernel_profile else None
     shares = None
     if (t.limits if t.limits is not None else device.torch_device.type != "cpu") and tp().rank == 0:
         shares = limits.shares(limits.measure(device.torch_device, engine.dtype, device.synchronize), engine.model, result)
@@ -138,13 +148,31 @@ def _work(run, plan, ids, engine, device) -> int:
                 "decode_step": engine.describe_step(),
             }
             with open(t.json, "w") as f:
-                json.dump({**result, **({"limits": shares} if shares else {}), "settings": settings}, f, indent=2)
+                extra = {**({"limits": shares} if shares else {}), **({"kernel_profile": profiled} if profiled else {})}
+                json.dump({**result, **extra, "settings": settings}, f, indent=2)
     return 0
+
+
+def _kernel_profile(engine, prompts: list[list[int]], new_tokens: int, device) -> dict:
+    """The timed run's prefill and decode steps once more, each under torch.profiler; rank 0
+    prints both tables. Returns them for --json."""
+    from pocketllm.engine.timing import TimedRun
+
+    kind = device.torch_device.type
+    run = TimedRun(engine, prompts, new_tokens, device.synchronize)
+    rows = f"{len(prompts)} x {len(prompts[0])}" if len(prompts) > 1 else f"{len(prompts[0])}"
+    prefill = kernel_profile.table(f"prefill of {rows} tokens", *kernel_profile.profile(run.prefill, kind, device.synchronize))
+    decode = kernel_profile.table(f"{new_tokens} decode steps, {engine.describe_step()}",
+                                  *kernel_profile.profile(lambda: run.decode(new_tokens), kind, device.synchronize))
+    run.close()
+    for t in (prefill, decode):
+        say("\n".join(kernel_profile.describe(t, kind)))
+    return {"prefill": prefill.to_json(), "decode": decode.to_json()}
 
 
 def run(args) -> int:
     prompt = PromptSource(token_ids=tuple_or_none(args.token_ids), token_ids_file=args.token_ids_file, max_new_tokens=args.max_new_tokens)
-    task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json, args.limits)
+    task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json, args.limits, args.kernel_profile)
     return execute(model_run_plan(args, task, source=source_plan(args, seed_layers(args))))
 
 
