@@ -127,13 +127,14 @@ class PocketRunner:
         run.close()
         return seconds
 
-    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+    def decode(self, ids: list[int], n: int, measure=None):
         """Seconds of n greedy decode steps after a prefill of ids, through the generation loop
-        `pocketllm bench` times, and the tokens: the prefill's, then the steps'."""
+        `pocketllm bench` times, and the tokens: the prefill's, then the steps'. With `measure`,
+        what measure(run the steps) returns in place of the seconds (a profile of them)."""
         _, run = timed_prefill(self.engine, ids, self.sync, room=n)
-        seconds = run.decode(n)
+        result = run.decode(n) if measure is None else measure(lambda: run.decode(n))
         run.close()
-        return seconds, run.tokens[0]
+        return result, run.tokens[0]
 
 
 def llama_bench_tests(cmd: list[str]) -> list[dict]:

@@ -225,14 +225,14 @@ def main(argv=None) -> int:
     # The big shapes: the 27B's layers, four of them against transformers, all 64 alone.
     big, big_prompt = ("small", 256) if args.quick else ("qwen3.8-27b", 4096)
     vs_small = ["--preset", preset, "--lengths", str(prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2"]
-    vs_big = ["--preset", big, "--layers", "4", "--random-weights", "--lengths", str(big_prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2"]
+    # With each engine's kernels by device time, side by side: where the 27B layers' time goes.
+    vs_big = ["--preset", big, "--layers", "4", "--random-weights", "--lengths", str(big_prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2",
+              "--kernel-profile"]
     # In the order of what a short lease must not miss.
     steps = [
         ("tests/device", lambda: device_tests(table, left(args.timeout))),
         ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
         ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
-        # Where the 27B layers' device time goes: the kernels of a prefill and of the decode steps.
-        ("kernel profile, 27B shapes x4", lambda: bench(table, kind, 1, big, big_prompt, ["--layers", "4", "--kernel-profile"], left(args.timeout))),
         ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
         # Eight sequences' decode rows a step: the captured graphs' bucket 8 on a GPU.
         ("bench batch 8", lambda: bench(table, kind, 1, preset, prompt, ["--batch", "8"], left(args.timeout))),

@@ -14,6 +14,7 @@ its own random weights at the preset's shapes on the device (the speeds compare;
 
     python benchmarks/vs_transformers.py [--ckpt DIR | --preset small [--layers N] [--random-weights]]
         [--device cpu|cuda|npu] [--lengths 512,2048] [--decode-tokens 64] [--reps 4] [--dtype bfloat16] [--threads 2]
+        [--kernel-profile]
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=4, help="reps per engine, even so each runs first equally often (default 4)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--kernel-profile", action="store_true",
+        help="after the reps, each engine's prefill at the longest length and its decode steps under torch.profiler: "
+        "its kernels (CUDA) or torch ops (CPU) by time, side by side",
+    )
     p.add_argument("--json", help="write every rep and the summary here")
     return p.parse_args(argv)
 
@@ -75,20 +81,45 @@ class HFRunner:
         return time.perf_counter() - t0
 
     @torch.no_grad()
-    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+    def decode(self, ids: list[int], n: int, measure=None):
+        """Seconds of n greedy decode steps after a prefill of ids, and the tokens; with `measure`,
+        what measure(run the steps) returns in place of the seconds."""
         out = self.model(self._ids(ids), use_cache=True, logits_to_keep=1)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
-        token = int(torch.argmax(out.logits[0, -1]))
-        tokens = [token]
+        tokens = [int(torch.argmax(out.logits[0, -1]))]
+        cache = [out.cache if hasattr(out, "cache") else out.past_key_values]
+
+        @torch.no_grad()
+        def steps():
+            for _ in range(n):
+                out = self.model(self._ids([tokens[-1]]), cache=cache[0], use_cache=True)
+                cache[0] = out.cache if hasattr(out, "cache") else out.past_key_values
+                tokens.append(int(torch.argmax(out.logits[0, -1])))
+
+        if measure is not None:
+            return measure(steps), tokens
         self.sync()
         t0 = time.perf_counter()
-        for _ in range(n):
-            out = self.model(self._ids([token]), cache=cache, use_cache=True)
-            cache = out.cache if hasattr(out, "cache") else out.past_key_values
-            token = int(torch.argmax(out.logits[0, -1]))
-            tokens.append(token)
+        steps()
         self.sync()
         return time.perf_counter() - t0, tokens
+
+
+def kernel_profiles(runners, prompt: list[int], decode_prompt: list[int], steps: int, device_type: str) -> None:
+    """Each engine's prefill of `prompt` and its `steps` decode steps once more under
+    torch.profiler, a table each (docs/profile.md, --kernel-profile): where each engine's device
+    time goes, side by side. A profile that fails is one line, not the end of the figures."""
+    from pocketllm.profiling import kernel_profile
+
+    for r in runners:
+        try:
+            prefill = kernel_profile.table(f"{r.name}, prefill of {len(prompt)} tokens", *kernel_profile.profile(lambda: r.prefill(prompt), device_type, r.sync))
+            (wall, events), _ = r.decode(decode_prompt, steps, measure=lambda fn: kernel_profile.profile(fn, device_type, r.sync))
+            decode = kernel_profile.table(f"{r.name}, {steps} decode steps", wall, events)
+        except Exception as e:  # noqa: BLE001  (the figures above stand without it)
+            print(f"kernel profile of {r.name}: failed: {type(e).__name__}: {e}")
+            continue
+        for t in (prefill, decode):
+            print("\n".join(kernel_profile.describe(t, device_type)))
 
 
 def main(argv=None) -> int:
@@ -158,6 +189,8 @@ def main(argv=None) -> int:
         print(f"prefill @{n}: GEMMs {limits.prefill_gemm_flops(model, n) / 1e12:.3g} TFLOP at {rates.matmul_tflops:.1f} TFLOP/s ({rates.matmul_how}): "
               f"pocketllm at {100 * summary[f'prefill_{n}_share_of_matmul_limit']:.0f}% of that limit, transformers at "
               f"{100 * statistics.median(prefill[('transformers', n)]) * best / n:.0f}%")
+    if args.kernel_profile:
+        kernel_profiles(runners, prompts[max(lengths)], decode_prompt, args.decode_tokens, torch.device(args.device).type)
     if args.random_weights:
         print("greedy tokens: not compared (each engine's own random weights)")
         print(json.dumps(summary))

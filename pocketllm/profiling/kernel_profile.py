@@ -90,6 +90,8 @@ def describe(t: Table, device_type: str) -> list[str]:
     busy = "device busy" if device_type == "cuda" else "in torch's ops"
     share = t.busy_ms / t.wall_ms if t.wall_ms > 0 else 0.0
     lines = [f"kernel profile, {t.what}: wall {t.wall_ms:.2f} ms, {busy} {t.busy_ms:.2f} ms ({share:.0%}), {t.calls} {unit}"]
+    if not t.rows:
+        return lines
     lines.append(f"  {'ms':>9} {'share':>6} {'calls':>6}  {'kernel' if device_type == 'cuda' else 'op'}")
     for name, calls, ms in t.rows:
         lines.append(f"  {ms:9.3f} {ms / t.busy_ms if t.busy_ms else 0.0:6.1%} {calls:6d}  {name[:110]}")
