@@ -246,6 +246,9 @@ def main(argv=None) -> int:
     ]
     if count >= 2 and kind != "cpu":
         steps.append(("bench tp2", lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout))))
+        if kind == "cuda":
+            # The decode step captured with its all-reduces (opt-in at TP>1 until this row passes).
+            steps.append(("bench tp2, captured", lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout), {"POCKETLLM_CUDA_GRAPH": "1"})))
     for name, step in steps:
         if left(args.timeout) < 20:
             table.add(name, "skip", f"out of the check's --budget of {args.budget:g} s", 0.0)

@@ -148,3 +148,75 @@ def test_a_step_backend_that_cannot_get_ready_leaves_the_layers_path_saying_why(
     # The layers' path serves the rows the backend would have.
     feed(engine, [1, 2, 3])
     assert feed(engine, [4], start=3).shape == (1000,) and engine.direct_steps == 0
+
+
+def _tp_rank(rank: int, world: int, port: int) -> None:
+    """One rank of the TP=2 check below: the layers' engine and the fixed step's, the same
+    sequences fed to both, their decode rows compared."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from conftest import end_process
+    from pocketllm.distributed import collective
+    from pocketllm.distributed.policy import RulePolicy
+    from pocketllm.distributed.state import set_tp
+    from pocketllm.engine.runner import Engine
+    from pocketllm.loader.random_weights import RandomWeights
+    from pocketllm.presets import get_preset
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    set_tp(rank, world)
+    collective.setup("gloo", "gloo", rank, world, timeout_s=60.0)
+    cfg = get_preset("tiny")
+    layers, fixed = (Engine(cfg, RandomWeights(cfg, dtype=torch.float32), torch.float32, torch.device("cpu"), RulePolicy()) for _ in range(2))
+    for engine in (layers, fixed):
+        engine.reserve_slots(4, 200)
+        for slot, prompt in enumerate(PROMPTS):
+            feed(engine, prompt, slot=slot)
+    fixed.step = GraphStep(fixed, capture=False)
+    pos, token = len(PROMPTS[0]), 11
+    for step in range(5):
+        want = feed(layers, [token], start=pos)
+        got = feed(fixed, [token], start=pos).clone()
+        assert torch.equal(got, want), f"rank {rank}, step {step}: {(got - want).abs().max()}"
+        token, pos = int(torch.argmax(want)), pos + 1
+    # Rows of three sequences at once (bucket 4): every rank's all-reduces are the same calls.
+    spans = [(0, pos, torch.tensor([token])), (1, len(PROMPTS[1]), torch.tensor([12])), (2, len(PROMPTS[2]), torch.tensor([13]))]
+    want = layers.run_packed(spans)
+    torch.testing.assert_close(fixed.run_packed(spans).clone(), want, rtol=1e-5, atol=1e-5)
+    assert fixed.direct_steps == 5 + 3
+    collective.close()
+    dist.destroy_process_group()
+    end_process()
+
+
+@pytest.mark.timeout(120)
+def test_the_fixed_step_at_tp2_gives_the_layers_bits(monkeypatch):
+    # What a CUDA device captures at TP>1 (POCKETLLM_CUDA_GRAPH=1 there): the same step with each
+    # projection's all-reduce inside it, here uncaptured over gloo.
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
+    mp.start_processes(_tp_rank, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
+
+
+def test_at_tp_above_1_a_cuda_step_is_captured_only_when_asked():
+    from types import SimpleNamespace
+
+    from pocketllm.distributed.state import set_tp
+    from pocketllm.models.graph_step import ENV_GRAPH, why_not
+
+    on_cuda = SimpleNamespace(embed=SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda"))))
+    try:
+        set_tp(0, 2)
+        assert "POCKETLLM_CUDA_GRAPH=1 captures them" in why_not(on_cuda, env={})
+        assert why_not(on_cuda, env={ENV_GRAPH: "1"}) == ""
+        set_tp(0, 1)
+        assert why_not(on_cuda, env={}) == ""
+        assert why_not(on_cuda, env={ENV_GRAPH: "0"}) == "POCKETLLM_CUDA_GRAPH=0"
+    finally:
+        set_tp(0, 1)

@@ -12,7 +12,9 @@ synchronises or branches on data, so the same step runs captured on CUDA and unc
 padding slot, which no sequence holds.
 
 The buffers and graphs hold the addresses of the slots' state: they are rebuilt when the slots
-are reserved again (Slots.generation). `POCKETLLM_CUDA_GRAPH=0` keeps the layers' path."""
+are reserved again (Slots.generation). `POCKETLLM_CUDA_GRAPH=0` keeps the layers' path; at TP>1
+the layers' path is the default and `POCKETLLM_CUDA_GRAPH=1` captures the step with its
+all-reduces."""
 
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ def why_not(model, env=os.environ) -> str | None:
     CUDA device, where the question does not arise)."""
     if model.embed.weight.device.type != "cuda":
         return None
-    if not env_switch(env, ENV_GRAPH, default=True):
-        return f"{ENV_GRAPH}=0"
-    if tp().world != 1:
-        return "TP>1 (the all-reduces are not captured)"
+    # At TP>1 the step holds each projection's all-reduce: NCCL's collectives are captured with
+    # the kernels (torch supports it), and the step's forward at TP>1 is the layers' (a CPU test
+    # over gloo), but no capture with collectives has run on GPUs here yet: asked for, not taken.
+    multi = tp().world != 1
+    if not env_switch(env, ENV_GRAPH, default=not multi):
+        return f"TP>1 (the all-reduces' capture has not run on GPUs yet: {ENV_GRAPH}=1 captures them)" if multi else f"{ENV_GRAPH}=0"
     return ""
 
 
