@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -206,7 +207,10 @@ def _private_dir(path: Path) -> None:
         raise BuildError(f"the build cache {path} is not this user's private directory")
 
 
+@functools.cache
 def _compiler_version(cc: str) -> bytes:
+    # Asked once a process per compiler: every build's key holds it, and a rank builds or finds
+    # several sources (a process each time, ~2 ms).
     try:
         return subprocess.run([cc, "--version"], capture_output=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
