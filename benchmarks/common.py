@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pocketllm.engine.timing import timed_prefill
+from pocketllm.engine.timing import TimedRun, timed_prefill
 from pocketllm.ops.registry.kinds import activation_dtype
 
 
@@ -122,10 +122,14 @@ class PocketRunner:
         self.sync = device_sync(self.device)
         self.engine = Engine(plan.cfg, plan.open_source(self.device), plan.dtype, self.device, RulePolicy())
 
-    def prefill(self, ids: list[int]) -> float:
-        seconds, run = timed_prefill(self.engine, ids, self.sync, room=1)
+    def prefill(self, ids: list[int], measure=None):
+        """Seconds of one prefill of ids from a fresh sequence; with `measure`, what measure(run
+        the prefill) returns. The sequence is set up first (on CUDA that captures the decode
+        step's graphs anew), outside what is timed or measured."""
+        run = TimedRun(self.engine, [ids], 1, self.sync)
+        result = run.prefill() if measure is None else measure(run.prefill)
         run.close()
-        return seconds
+        return result
 
     def decode(self, ids: list[int], n: int, measure=None):
         """Seconds of n greedy decode steps after a prefill of ids, through the generation loop

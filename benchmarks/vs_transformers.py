@@ -72,11 +72,19 @@ class HFRunner:
         return torch.tensor([ids], device=self.device)
 
     @torch.no_grad()
-    def prefill(self, ids: list[int]) -> float:
+    def prefill(self, ids: list[int], measure=None):
+        """Seconds of one prefill of ids; with `measure`, what measure(run the prefill) returns."""
         x = self._ids(ids)
+
+        @torch.no_grad()
+        def run():
+            self.model(x, use_cache=True, logits_to_keep=1)
+
+        if measure is not None:
+            return measure(run)
         self.sync()
         t0 = time.perf_counter()
-        self.model(x, use_cache=True, logits_to_keep=1)
+        run()
         self.sync()
         return time.perf_counter() - t0
 
@@ -112,8 +120,9 @@ def kernel_profiles(runners, prompt: list[int], decode_prompt: list[int], steps:
 
     for r in runners:
         try:
-            prefill = kernel_profile.table(f"{r.name}, prefill of {len(prompt)} tokens", *kernel_profile.profile(lambda: r.prefill(prompt), device_type, r.sync))
-            (wall, events), _ = r.decode(decode_prompt, steps, measure=lambda fn: kernel_profile.profile(fn, device_type, r.sync))
+            measure = lambda fn: kernel_profile.profile(fn, device_type, r.sync)  # noqa: E731
+            prefill = kernel_profile.table(f"{r.name}, prefill of {len(prompt)} tokens", *r.prefill(prompt, measure=measure))
+            (wall, events), _ = r.decode(decode_prompt, steps, measure=measure)
             decode = kernel_profile.table(f"{r.name}, {steps} decode steps", wall, events)
         except Exception as e:  # noqa: BLE001  (the figures above stand without it)
             print(f"kernel profile of {r.name}: failed: {type(e).__name__}: {e}")
