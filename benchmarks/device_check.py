@@ -154,7 +154,9 @@ def gdn_bench(table: Table, kind: str, dtype: str, tokens: int, reps: int, timeo
     table.add(step, "pass", f"{detail}; recurrence at {summary['vs_recurrent']:.2f}x; all outputs agree", seconds)
 
 
-def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float, env: dict | None = None) -> None:
+def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float, env: dict | None = None) -> dict | None:
+    """One `pocketllm bench` run: a row with its figures, and its --json document (None when it
+    failed)."""
     step = "".join(f"{k}={v} " for k, v in (env or {}).items())
     step += f"bench --device {kind} --tp-world {world} --preset {preset} --prompt-tokens {tokens}" + (f" {' '.join(extra)}" if extra else "")
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +169,7 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
         rc, out, err, seconds = _run(cmd, timeout, env)
         if rc != 0:
             table.add(step, "FAIL", "timed out" if rc is None else f"exit {rc}: {_last_line(err)}", seconds)
-            return
+            return None
         doc = json.loads(out_json.read_text())
     s, lim = doc["settings"], doc.get("limits", {})
     shares = (f" ({100 * lim['prefill_share_of_matmul_limit']:.0f}% of the matmul limit)", f" ({100 * lim['decode_share_of_memory_limit']:.0f}% of the memory limit)") if lim else ("", "")
@@ -177,6 +179,20 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
     for line in (err.splitlines() if "kernel_profile" in doc else []):
         if line.startswith(("kernel profile, ", "  ")):
             print(f"    {line}", file=sys.stderr)
+    return doc
+
+
+def batch_scaling(table: Table, kind: str, preset: str, tokens: int, extra: list[str], left) -> None:
+    """bench at batch 1 and at batch 8 on the same shapes, each a row, then a row setting a step of
+    eight sequences' rows against a step of one (issue 38's target: at most 1.3x)."""
+    one = bench(table, kind, 1, preset, tokens, extra, left())
+    eight = bench(table, kind, 1, preset, tokens, [*extra, "--batch", "8"], left()) if left() >= 20 else None
+    if one is None or eight is None:
+        return
+    # Steps a second: a batch of B decodes B tokens a step.
+    step_1, step_8 = 1 / one["decode_tokens_per_s"], 1 / eight["decode_tokens_per_s_per_sequence"]
+    table.add(f"a batch-8 decode step against a batch-1 step, {preset} {' '.join(extra)}", "pass",
+              f"{1e3 * step_8:.2f} ms against {1e3 * step_1:.2f} ms: {step_8 / step_1:.2f}x (the target: <= 1.3x)", 0.0)
 
 
 def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) -> None:
@@ -224,6 +240,7 @@ def main(argv=None) -> int:
     preset, prompt = ("tiny", 64) if args.quick else ("small", 2048)
     # The big shapes: the 27B's layers, four of them against transformers, all 64 alone.
     big, big_prompt = ("small", 256) if args.quick else ("qwen3.8-27b", 4096)
+    batch_prompt = 64 if args.quick else 512
     vs_small = ["--preset", preset, "--lengths", str(prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2"]
     # With each engine's kernels by device time, side by side: where the 27B layers' time goes.
     vs_big = ["--preset", big, "--layers", "4", "--random-weights", "--lengths", str(big_prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2",
@@ -234,10 +251,11 @@ def main(argv=None) -> int:
         ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
         ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
         ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
-        # Eight sequences' decode rows a step: the captured graphs' bucket 8 on a GPU.
-        ("bench batch 8", lambda: bench(table, kind, 1, preset, prompt, ["--batch", "8"], left(args.timeout))),
-        # The same asked for batch invariance (a device's batch-invariant shape): what it costs.
-        ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, preset, prompt, ["--batch", "8"], left(args.timeout),
+        # Eight sequences' decode rows a step (the captured graphs' bucket 8 on a GPU) against one
+        # sequence's, at four layers of the 27B's shapes.
+        ("bench batch 1 and 8", lambda: batch_scaling(table, kind, big, batch_prompt, ["--layers", "4"], lambda: left(args.timeout))),
+        # Batch 8 asked for batch invariance (a device's batch-invariant shape): what it costs.
+        ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, big, batch_prompt, ["--layers", "4", "--batch", "8"], left(args.timeout),
                                                          {"POCKETLLM_BATCH_INVARIANT": "1"})),
         ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), kernel_cases=True)),
         ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
