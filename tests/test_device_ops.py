@@ -20,9 +20,11 @@ from pocketllm.profiling.op_count import count_ops
 
 def test_the_kernels_under_the_interpreter():
     """Every test of the interpreted files (tests/interpreted_*.py: these kernels, the gated delta
-    rule's decode rows) passes, none skipped (their output on failure), each in one of the
-    processes that share them out."""
-    files = sorted((REPO / "tests").glob("interpreted_*.py"))
+    rule's decode rows, the whole model on them) passes, none skipped (their output on failure),
+    each in one of the processes that share them out."""
+    # The whole model's check first: its two halves, by far the costliest tests, are then the first
+    # two collected, which conftest's --shard deals one to each process.
+    files = sorted((REPO / "tests").glob("interpreted_*.py"), key=lambda f: (f.name != "interpreted_device_model.py", f.name))
     assert len(files) >= 2, files
     passed, collected = 0, set()
     for run in run_interpreted(*files):

@@ -29,8 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 def run_interpreted(*test_files: Path, processes: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """`python -m pytest -q test_files...` with TRITON_INTERPRET=1 in `processes` new processes
     running side by side (the interpreter keeps about one core busy), each given its share of the
-    tests (conftest.py's --shard K/N); their results, shard by shard."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    tests (conftest.py's --shard K/N); their results, shard by shard. Each runs torch's ops on one
+    thread: with two each, the processes' torch ops between the kernels ran several times slower.
+    """
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--shard={k}/{processes}", *map(str, test_files)],
