@@ -58,6 +58,8 @@ def _engine(ops: DeviceOps):
     for m in engine.model.modules():
         if hasattr(m, "device_ops"):
             m.device_ops = ops
+        if hasattr(m, "decode_ops"):  # the residual adds with their norms, SiLU-and-multiply
+            m.decode_ops = dataclasses.replace(m.decode_ops, device=ops)
         if ops is HALVES["the-rest"] and hasattr(m, "kernel") and hasattr(m.kernel, "decode_rows_indexed_"):
             m.kernel = dataclasses.replace(m.kernel, decode_rows_indexed_=gated_delta_rows.gated_delta_rows_indexed_)
     prompt_logits = [feed(engine, ids, slot=slot) for slot, ids in enumerate(PROMPTS)]
