@@ -1,11 +1,11 @@
 """The whole model in a device's pass shape with every device kernel (pocketllm/ops/device/kernels,
 the GDN decode rows' kernel too) on CPU under Triton's interpreter, against the same engine with the
-kernels' torch forms, in two halves: prompts read in a pass, then decode steps of several sequences
-through the step backend (graph_step, uncaptured), as a CUDA device runs them. Each kernel is held to its torch
-form op by op elsewhere (interpreted_device_kernels.py); this holds them in place, fed what the
-layers hand them (their views, strides, dtypes, the slots' stacked state and paged KV). Runs only
-in a process started with TRITON_INTERPRET=1 (tests/triton_on_cpu.py says why): test_device_ops.py
-runs it so, and so can a developer:
+kernels' torch forms, in two halves: prompts read (one in two passes), then decode steps of several
+sequences through the step backend (graph_step, uncaptured), as a CUDA device runs them. Each kernel
+is held to its torch form op by op elsewhere (interpreted_device_kernels.py); this holds them in
+place, fed what the layers hand them (their views, strides, dtypes, the slots' stacked state and
+paged KV). Runs only in a process started with TRITON_INTERPRET=1 (tests/triton_on_cpu.py says
+why): test_device_ops.py runs it so, and so can a developer:
 
     TRITON_INTERPRET=1 python -m pytest -q tests/interpreted_device_model.py"""
 
@@ -44,6 +44,7 @@ HALVES = {
 }
 # Short prompts for the same reason: one of a row, the others within a KV block.
 PROMPTS = [[(37 * i + 11 * s + 5) % 1000 for i in range(n)] for s, n in enumerate((30, 1, 7))]
+CUT = 19
 # The tiny preset with half its GDN heads (still two value heads to each key head).
 CFG = dataclasses.replace(get_preset("tiny"), linear_num_key_heads=2, linear_num_value_heads=4)
 
@@ -62,7 +63,12 @@ def _engine(ops: DeviceOps):
             m.decode_ops = dataclasses.replace(m.decode_ops, device=ops)
         if ops is HALVES["the-rest"] and hasattr(m, "kernel") and hasattr(m.kernel, "decode_rows_indexed_"):
             m.kernel = dataclasses.replace(m.kernel, decode_rows_indexed_=gated_delta_rows.gated_delta_rows_indexed_)
-    prompt_logits = [feed(engine, ids, slot=slot) for slot, ids in enumerate(PROMPTS)]
+    # The first prompt in two passes, the second going on from the first's KV, conv and GDN state
+    # (as a prompt's later chunk, or a prompt after a prefix-cache hit, does).
+    first = PROMPTS[0]
+    feed(engine, first[:CUT], slot=0)
+    prompt_logits = [feed(engine, first[CUT:], start=CUT, slot=0)]
+    prompt_logits += [feed(engine, ids, slot=slot) for slot, ids in enumerate(PROMPTS[1:], start=1)]
     engine.step = GraphStep(engine, capture=False)
     return engine, torch.stack(prompt_logits)
 
