@@ -35,9 +35,10 @@ KERNEL_OPS = DeviceOps(
     decode_attention.decode_attention_rows, True, "interpreted",
 )
 # Under the interpreter a kernel costs a millisecond or more a program (the norms run a program a
-# row and head), so the check is cut in two, each in its own process of test_device_ops.py's
-# two: the norms' kernels in place (the torch forms for the rest), then every other kernel.
-NORMS = ("add_rms_norm", "rms_norm_gated", "qk_l2_norm")
+# row and head), so the check is cut in two about equal halves, each in its own process of
+# test_device_ops.py's two: the residual and gated norms' kernels in place (the torch forms for the
+# rest), then every other kernel.
+NORMS = ("add_rms_norm", "rms_norm_gated")
 HALVES = {
     "norms": dataclasses.replace(TORCH_OPS, **{f: getattr(KERNEL_OPS, f) for f in NORMS}),
     "the-rest": dataclasses.replace(KERNEL_OPS, **{f: getattr(TORCH_OPS, f) for f in NORMS}),
@@ -45,15 +46,16 @@ HALVES = {
 # Short prompts for the same reason: one of a row, the others within a KV block.
 PROMPTS = [[(37 * i + 11 * s + 5) % 1000 for i in range(n)] for s, n in enumerate((30, 1, 7))]
 CUT = 19
+TOL = dict(atol=3e-2, rtol=2e-2)
 # The tiny preset with half its GDN heads (still two value heads to each key head).
 CFG = dataclasses.replace(get_preset("tiny"), linear_num_key_heads=2, linear_num_value_heads=4)
 
 
 def _engine(ops: DeviceOps):
-    """A tiny fp32 engine in the device's pass shape with `ops` (and with the rest of the kernels,
+    """A tiny bf16 engine (a device's default dtype) in the device's pass shape with `ops` (and with the rest of the kernels,
     the GDN decode rows' kernel), 4 slots, the prompts fed into slots 0..2, the step backend
     uncaptured."""
-    engine = tiny_engine(torch.float32, invariant=False, cfg=CFG)
+    engine = tiny_engine(torch.bfloat16, invariant=False, cfg=CFG)
     engine.pass_shape = DEVICE_PASS
     engine.reserve_slots(4, 200)
     for m in engine.model.modules():
@@ -81,21 +83,22 @@ def test_the_model_on_the_device_kernels_gives_the_torch_forms_logits_and_tokens
     monkeypatch.setenv("POCKETLLM_KERNELS", "one-row=mv,few-row=mm,many-row=mm")
     kernels, prompt_k = _engine(HALVES[half])
     forms, prompt_t = _engine(TORCH_OPS)
-    # fp32 throughout: the kernels sum in their own order (a row's norm in one reduction, the
-    # attention by position shares), so within fp32 rounding, not bit for bit.
-    torch.testing.assert_close(prompt_k, prompt_t, atol=5e-5, rtol=1e-5)
+    # In bf16 each kernel rounds where its torch form rounds, and is held to it within an ulp op
+    # by op (fp32 sums in another order may move a bit): so the logits within a few bf16 ulps of
+    # the hidden state's, and the same tokens. (As the code stands they are equal bit for bit.)
+    torch.testing.assert_close(prompt_k, prompt_t, **TOL)
     tokens = prompt_t.argmax(-1).tolist()
     pos = [len(p) for p in PROMPTS]
     for step in range(4):
         live = [0, 1, 2] if step < 3 else [2, 0]  # the slots in another order, one fewer
         spans = [(s, pos[s], torch.tensor([tokens[s]])) for s in live]
         got, want = kernels.run_packed(spans).clone(), forms.run_packed(spans).clone()
-        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, **TOL)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), f"step {step}"
         for s, row in zip(live, want):
             tokens[s], pos[s] = int(row.argmax()), pos[s] + 1
     assert kernels.direct_steps == forms.direct_steps == 11, "the decode rows did not go to the step"
     # The sequences' state as the torch forms leave it.
     for a, b in zip(kernels.slots.stacked.values(), forms.slots.stacked.values()):
-        torch.testing.assert_close(a.recurrent[:3], b.recurrent[:3], atol=5e-5, rtol=1e-5)
-        torch.testing.assert_close(a.conv[:3], b.conv[:3], atol=5e-5, rtol=1e-5)
+        torch.testing.assert_close(a.recurrent[:3], b.recurrent[:3], **TOL)
+        torch.testing.assert_close(a.conv[:3], b.conv[:3], **TOL)
