@@ -215,6 +215,7 @@ def test_at_tp_above_1_a_cuda_step_is_captured_only_when_asked():
         set_tp(0, 2)
         assert "POCKETLLM_CUDA_GRAPH=1 captures them" in why_not(on_cuda, env={})
         assert why_not(on_cuda, env={ENV_GRAPH: "1"}) == ""
+        assert why_not(on_cuda, env={ENV_GRAPH: "0"}) == "POCKETLLM_CUDA_GRAPH=0"
         set_tp(0, 1)
         assert why_not(on_cuda, env={}) == ""
         assert why_not(on_cuda, env={ENV_GRAPH: "0"}) == "POCKETLLM_CUDA_GRAPH=0"

@@ -24,7 +24,7 @@ import torch
 
 from pocketllm.distributed.state import tp
 from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, parts_of
-from pocketllm.switches import env_switch
+from pocketllm.switches import env_switch, env_value
 
 ENV_GRAPH = "POCKETLLM_CUDA_GRAPH"
 # The batch sizes a step is captured for (and the slots' count, when not one of them): a pass of
@@ -44,9 +44,10 @@ def why_not(model, env=os.environ) -> str | None:
     # the kernels (torch supports it), and the step's forward at TP>1 is the layers' (a CPU test
     # over gloo), but no capture with collectives has run on GPUs here yet: asked for, not taken.
     multi = tp().world != 1
-    if not env_switch(env, ENV_GRAPH, default=not multi):
-        return f"TP>1 (the all-reduces' capture has not run on GPUs yet: {ENV_GRAPH}=1 captures them)" if multi else f"{ENV_GRAPH}=0"
-    return ""
+    if env_switch(env, ENV_GRAPH, default=not multi):
+        return ""
+    asked = env_value(env, ENV_GRAPH).strip() != ""
+    return f"TP>1 (the all-reduces' capture has not run on GPUs yet: {ENV_GRAPH}=1 captures them)" if multi and not asked else f"{ENV_GRAPH}=0"
 
 
 def buckets_for(count: int) -> tuple[int, ...]:
