@@ -10,9 +10,9 @@ is the one a user's run gets.
 
 On CUDA the rows are the device's kernels (and copies), timed by the device; their sum is the busy
 time, which at TP>1 may pass the wall where a collective's kernels on their own stream overlap
-the compute stream's. On a CPU they are
-torch's ops by their own time: pocketllm's compiled C kernels are called from Python through
-ctypes, which the profiler does not see, so on a CPU they are part of the wall's remainder."""
+the compute stream's. On a CPU they are torch's ops by their own time: pocketllm's compiled C
+kernels are called from Python through ctypes, which the profiler does not see, so on a CPU they
+are part of the wall's remainder."""
 
 from __future__ import annotations
 
