@@ -173,7 +173,8 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
         doc = json.loads(out_json.read_text())
     s, lim = doc["settings"], doc.get("limits", {})
     shares = (f" ({100 * lim['prefill_share_of_matmul_limit']:.0f}% of the matmul limit)", f" ({100 * lim['decode_share_of_memory_limit']:.0f}% of the memory limit)") if lim else ("", "")
-    table.add(step, "pass", f"prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
+    ready = f"ready in {doc['ready_seconds']:.0f} s, " if "ready_seconds" in doc else ""
+    table.add(step, "pass", f"{ready}prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
                             f"{doc.get('decode_step', '')} {s['decode_step']}, gdn kernel {s['gdn_kernel']}, backend {s['backend']}", seconds)
     # --kernel-profile's tables, as rank 0 printed them.
     for line in (err.splitlines() if "kernel_profile" in doc else []):

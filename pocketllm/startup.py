@@ -8,12 +8,16 @@ for the imports and then moves everything alive out of its reach for good (gc.fr
 objects are never garbage), so the collections of the run itself walk only what the run makes.
 Every rank of every run, and each process the tests start, pays the start. Where pocketllm runs
 inside another program's process (cli.main called from Python, as the tests do) the collector is
-left alone: freezing would keep that program's pending garbage forever."""
+left alone: freezing would keep that program's pending garbage forever.
+
+seconds_since_start() says how long ago the process started, for the figures that count from
+there (bench's "ready" time: the 64-layer preset's start to its first timed pass)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Iterator
 
 _owned = False
@@ -40,3 +44,17 @@ def importing() -> Iterator[None]:
         gc.freeze()
         if was_on:
             gc.enable()
+
+
+def seconds_since_start() -> float | None:
+    """Seconds since this process started (the kernel's record of it, so the interpreter's own
+    start and imports count), or None where /proc does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22, starttime, in clock ticks after boot; fields counted after the ")" that
+            # ends the command name (which may hold spaces).
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return None

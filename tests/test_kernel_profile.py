@@ -22,12 +22,15 @@ def test_the_table_groups_by_name_keeps_the_largest_and_sums_the_rest():
 
 
 @pytest.mark.timeout(120)
-def test_bench_prints_and_writes_a_table_for_the_prefill_and_for_the_decode_steps(tmp_path, capsys):
+def test_bench_prints_and_writes_its_ready_time_and_a_table_for_the_prefill_and_one_for_the_decode_steps(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ("bench", "--preset", "tiny", "--prompt-tokens", 48, "--max-new-tokens", 4, "--warmup-tokens", 4, "--batch", 2)
     assert main_in_process(*args, "--kernel-profile", "--json", out) == 0
     err = capsys.readouterr().err
-    doc = json.loads(out.read_text())["kernel_profile"]
+    whole = json.loads(out.read_text())
+    doc = whole["kernel_profile"]
+    # The ready line and figure (this process's age, the test's process here) come before the run.
+    assert f"ready {whole['ready_seconds']:.1f} s after the process started (loaded and warmed up)" in err
     assert "kernel profile, prefill of 2 x 48 tokens: wall " in err
     assert "kernel profile, 4 decode steps, decode step: " in err
     for phase in ("prefill", "decode"):

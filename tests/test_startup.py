@@ -62,3 +62,19 @@ def test_a_ranks_imports_leave_out_torchs_compiler_stack():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_process_knows_how_long_ago_it_started():
+    """seconds_since_start counts from the process's start (the interpreter's start and imports
+    included): bench's ready time stands on it."""
+    import subprocess
+    import sys
+    import time
+
+    probe = "import time; time.sleep(0.3); from pocketllm.startup import seconds_since_start; print(seconds_since_start())"
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    wall = time.monotonic() - t0
+    assert done.returncode == 0, done.stderr
+    # The kernel counts in clock ticks (10 ms here): allow one either side.
+    assert 0.3 - 0.011 <= float(done.stdout) <= wall + 0.011, (done.stdout, wall)
