@@ -29,6 +29,7 @@ import torch
 
 from common import PocketRunner, alternate, checkpoint_dir, device_sync, gemv_only_step_seconds, projection_weights, spread, tensor_bytes
 from pocketllm.bench import limits
+from pocketllm.config import FULL_ATTENTION_INTERVAL
 from pocketllm.model_args import parse_dtype
 
 
@@ -140,6 +141,10 @@ def main(argv=None) -> int:
     from pocketllm.inputs import bench_ids
 
     if args.random_weights:
+        if args.layers is not None and args.layers < FULL_ATTENTION_INTERVAL:
+            # transformers' Qwen3.5 builds its attention mask from a full-attention layer's cache.
+            raise SystemExit(f"--layers {args.layers} holds no full-attention layer (every {FULL_ATTENTION_INTERVAL}th is one), "
+                             f"which transformers' model needs: give --layers {FULL_ATTENTION_INTERVAL} or more")
         pocket = PocketRunner(None, dtype, device=args.device, preset=args.preset, layers=args.layers)
         runners = [pocket, HFRunner(None, dtype, args.device, pocket.cfg)]
     else:
