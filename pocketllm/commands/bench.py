@@ -171,10 +171,9 @@ def _kernel_profile(engine, prompts: list[list[int]], new_tokens: int, device) -
     run = TimedRun(engine, prompts, new_tokens, device.synchronize)
     rows = f"{len(prompts)} x {len(prompts[0])}" if len(prompts) > 1 else f"{len(prompts[0])}"
     prefill = kernel_profile.table(f"prefill of {rows} tokens", *kernel_profile.profile(run.prefill, kind, device.synchronize))
-    direct = engine.direct_steps
     wall, events = kernel_profile.profile(lambda: run.decode(new_tokens), kind, device.synchronize)
     # What ran them: the step backend, or the layers (a phase or host profile sends them there).
-    how = engine.describe_step() if engine.direct_steps - direct == new_tokens * len(prompts) else "layer by layer"
+    how = engine.describe_step() if run.decode_path == "direct" else "layer by layer"
     decode = kernel_profile.table(f"{new_tokens} decode steps, {how}", wall, events)
     run.close()
     for t in (prefill, decode):

@@ -21,6 +21,7 @@ class TimedRun:
         self.sched = Scheduler(engine, len(prompts), longest + new_tokens + 1, prefill_budget=sum(len(p) for p in prompts), lockstep=True)
         self.requests = [self.sched.submit(p, new_tokens + 1) for p in prompts]
         self.collectives, self.slices = 0, 1
+        self.decode_path = ""
 
     def prefill(self) -> float:
         """Seconds of the prefill pass, device-synchronised at both ends."""
@@ -35,13 +36,18 @@ class TimedRun:
         return seconds
 
     def decode(self, steps: int) -> float:
-        """Seconds of `steps` decode steps, device-synchronised at both ends."""
+        """Seconds of `steps` decode steps, device-synchronised at both ends; what ran their rows
+        is then `decode_path`."""
+        direct = self.engine.direct_steps
         self.sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             self.sched.step()
         self.sync()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        # Decode rows the step backend ran (a backend that runs several sequences' rows at once).
+        self.decode_path = _decode_path(self.engine.direct_steps - direct, steps * len(self.requests))
+        return seconds
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -62,7 +68,6 @@ def timed_prefill(engine, ids: list[int], sync, room: int = 0) -> tuple[float, T
 def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
     """One timed prefill and `new_tokens` timed greedy decode steps from a fresh sequence."""
     prefill_s, run = timed_prefill(engine, ids, sync, room=new_tokens)
-    direct = engine.direct_steps
     decode_s = run.decode(new_tokens)
     run.close()
     return {
@@ -74,7 +79,7 @@ def timed_prefill_decode(engine, ids: list[int], new_tokens: int, sync) -> dict:
         "decode_tokens_per_s": new_tokens / decode_s,
         "slices": run.slices,
         "collectives": run.collectives,
-        "decode_step": _decode_path(engine.direct_steps - direct, new_tokens),
+        "decode_step": run.decode_path,
     }
 
 
@@ -101,7 +106,6 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict
     batch, length = len(prompts), len(prompts[0])
     run = TimedRun(engine, prompts, new_tokens, sync)
     prefill_s = run.prefill()
-    direct = engine.direct_steps
     decode_s = run.decode(new_tokens)
     run.close()
     return {
@@ -115,8 +119,7 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict
         "decode_tokens_per_s_per_sequence": new_tokens / decode_s,
         "slices": run.slices,
         "collectives": run.collectives,
-        # Decode rows the step backend ran (a backend that runs several sequences' rows at once).
-        "decode_step": _decode_path(engine.direct_steps - direct, batch * new_tokens),
+        "decode_step": run.decode_path,
     }
 
 
