@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from conftest import feed, tiny_engine
+from conftest import feed, tiny_engine, use_device_ops
 
 from pocketllm.layers.context import DEVICE_PASS
 from pocketllm.models.graph_step import GraphStep
@@ -58,11 +58,8 @@ def _engine(ops: DeviceOps):
     engine = tiny_engine(torch.bfloat16, invariant=False, cfg=CFG)
     engine.pass_shape = DEVICE_PASS
     engine.reserve_slots(4, 200)
+    use_device_ops(engine.model, ops)
     for m in engine.model.modules():
-        if hasattr(m, "device_ops"):
-            m.device_ops = ops
-        if hasattr(m, "decode_ops"):  # the residual adds with their norms, SiLU-and-multiply
-            m.decode_ops = dataclasses.replace(m.decode_ops, device=ops)
         if ops is HALVES["the-rest"] and hasattr(m, "kernel") and hasattr(m.kernel, "decode_rows_indexed_"):
             m.kernel = dataclasses.replace(m.kernel, decode_rows_indexed_=gated_delta_rows.gated_delta_rows_indexed_)
     # The first prompt in two passes, the second going on from the first's KV, conv and GDN state

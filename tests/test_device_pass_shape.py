@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_engine
+from conftest import tiny_engine, use_device_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pocketllm.config import FULL
@@ -152,11 +152,7 @@ def test_a_device_shaped_prefill_issues_the_same_ops_per_layer_at_any_prompt_len
 
 def test_with_the_devices_fused_ops_a_layer_issues_a_few_ops_at_any_prompt_length(device_shaped, monkeypatch):
     # The custom ops a CUDA device runs as Triton kernels, here running their torch forms.
-    for m in device_shaped.model.modules():
-        if hasattr(m, "device_ops"):
-            monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
-        if hasattr(m, "decode_ops"):
-            monkeypatch.setattr(m, "decode_ops", dataclasses.replace(m.decode_ops, device=CUSTOM_OPS))
+    use_device_ops(device_shaped.model, CUSTOM_OPS, monkeypatch.setattr)
     counts = {n: count_pass(device_shaped, [(0, 0, prompt(n))]).ops for n in (70, 600)}
     for i, layer in enumerate(device_shaped.model.layers):
         most = FUSED_ATTENTION_LAYER_OPS if layer.kind == FULL else FUSED_GDN_LAYER_OPS
@@ -207,9 +203,7 @@ def _device_step_engine(monkeypatch, prompts=(), shape=DEVICE_PASS, max_len: int
         engine.model.bind_kernels(engine.kernels)
     for slot, ids in enumerate(prompts):
         feed(engine, ids, slot=slot)
-    for m in engine.model.modules():
-        if hasattr(m, "device_ops"):
-            monkeypatch.setattr(m, "device_ops", CUSTOM_OPS)
+    use_device_ops(engine.model, CUSTOM_OPS)
     engine.step = GraphStep(engine, capture=False)
     return engine
 
