@@ -46,8 +46,9 @@ def why_not(model, env=os.environ) -> str | None:
     multi = tp().world != 1
     if env_switch(env, ENV_GRAPH, default=not multi):
         return ""
-    asked = env_value(env, ENV_GRAPH).strip() != ""
-    return f"TP>1 (the all-reduces' capture has not run on GPUs yet: {ENV_GRAPH}=1 captures them)" if multi and not asked else f"{ENV_GRAPH}=0"
+    if multi and not env_value(env, ENV_GRAPH).strip():
+        return f"TP>1 (the all-reduces' capture has not run on GPUs yet: {ENV_GRAPH}=1 captures them)"
+    return f"{ENV_GRAPH}=0"
 
 
 def buckets_for(count: int) -> tuple[int, ...]:
