@@ -81,13 +81,7 @@ class HFRunner:
         def run():
             self.model(x, use_cache=True, logits_to_keep=1)
 
-        if measure is not None:
-            return measure(run)
-        self.sync()
-        t0 = time.perf_counter()
-        run()
-        self.sync()
-        return time.perf_counter() - t0
+        return (measure or self._seconds)(run)
 
     @torch.no_grad()
     def decode(self, ids: list[int], n: int, measure=None):
@@ -95,22 +89,25 @@ class HFRunner:
         what measure(run the steps) returns in place of the seconds."""
         out = self.model(self._ids(ids), use_cache=True, logits_to_keep=1)
         tokens = [int(torch.argmax(out.logits[0, -1]))]
-        cache = [out.cache if hasattr(out, "cache") else out.past_key_values]
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
 
         @torch.no_grad()
         def steps():
+            nonlocal cache
             for _ in range(n):
-                out = self.model(self._ids([tokens[-1]]), cache=cache[0], use_cache=True)
-                cache[0] = out.cache if hasattr(out, "cache") else out.past_key_values
+                out = self.model(self._ids([tokens[-1]]), cache=cache, use_cache=True)
+                cache = out.cache if hasattr(out, "cache") else out.past_key_values
                 tokens.append(int(torch.argmax(out.logits[0, -1])))
 
-        if measure is not None:
-            return measure(steps), tokens
+        return (measure or self._seconds)(steps), tokens
+
+    def _seconds(self, fn) -> float:
+        """Seconds of fn(), device-synchronised at both ends."""
         self.sync()
         t0 = time.perf_counter()
-        steps()
+        fn()
         self.sync()
-        return time.perf_counter() - t0, tokens
+        return time.perf_counter() - t0
 
 
 def kernel_profiles(runners, prompt: list[int], decode_prompt: list[int], steps: int, device_type: str) -> None:
