@@ -35,7 +35,7 @@ from pocketllm.ops.registry import (
     row_class,
 )
 from pocketllm.ops.registry import cache as kernel_cache
-from pocketllm.ops.registry.choose import cache_key
+from pocketllm.ops.registry.choose import CHECK_MIN_CALL_S, cache_key
 
 # Judges the machine quiet whatever else runs: for the tests of what the cache does once a
 # measurement counts as trusted (the busy-loop test below uses the real thresholds).
@@ -196,16 +196,18 @@ def test_a_spoiled_cache_entry_is_measured_again(cache_dir):
 def test_a_cached_choice_the_check_refutes_is_measured_again(cache_dir):
     # The cache claims the slowest kernel is four times faster than the fastest: plausible (fast),
     # but the check at load times it against its runner-up and finds otherwise.
-    # Weights whose calls are long enough to be judged (32 MiB of 8 MiB weights).
+    # Weights whose calls are long enough to be judged (32 MiB of 16 MiB weights: a call on 8 MiB
+    # ran under CHECK_MIN_CALL_S where part of it stayed in the last-level cache, and was not judged).
     # Every candidate may be chosen (not only those a batch-invariant run allows).
-    weights, env = [bf16(4096, 1024) for _ in range(4)], {"POCKETLLM_BATCH_INVARIANT": "0"}
-    quiet = choose(ONE_ROW, weights, env=env, monitor=TOLERANT).seconds[(4096, 1024)]
+    weights, env = [bf16(8192, 1024) for _ in range(2)], {"POCKETLLM_BATCH_INVARIANT": "0"}
+    quiet = choose(ONE_ROW, weights, env=env, monitor=TOLERANT).seconds[(8192, 1024)]
+    assert min(quiet.values()) > CHECK_MIN_CALL_S, "calls too short for the check to judge"
     slowest = max(quiet, key=quiet.get)
     claimed = {**quiet, slowest: min(quiet.values()) / 4}
-    write_entries(ONE_ROW, weights, {(4096, 1024): claimed})
+    write_entries(ONE_ROW, weights, {(8192, 1024): claimed})
     again = choose(ONE_ROW, weights, env=env, monitor=TOLERANT)
-    assert "re-measured: cached 4096x1024 disagreed" in again.how + again.note
-    assert again.seconds[(4096, 1024)][slowest] > claimed[slowest]
+    assert "re-measured: cached 8192x1024 disagreed" in again.how + again.note
+    assert again.seconds[(8192, 1024)][slowest] > claimed[slowest]
 
 
 def test_an_unreadable_cache_is_measured_again(cache_dir):
