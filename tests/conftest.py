@@ -65,6 +65,13 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton_on_cpu import helpers_without_repatching
+
+        helpers_without_repatching()
+
+
 def _shard_of(i: int, n: int) -> int:
     """Item i's shard: dealt out 0, 1, .., n-1, then back n-1, .., 0, and again, so that neighbours
     in a parametrization (often alike in cost, or alternating) are spread evenly."""

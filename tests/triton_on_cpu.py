@@ -54,6 +54,59 @@ def run_interpreted(*test_files: Path, processes: int = 2, timeout: float = 240)
     return results
 
 
+def helpers_without_repatching() -> bool:
+    """Make a jit function called inside an interpreted kernel (arith's `rounded`, tl.sum, ...) run
+    as it is where every language module it sees is patched already. Triton 3.9's interpreter
+    patches triton.language's builtins for a launch (undone at its end), and again at every call
+    of a jit function inside it: a scan of the module's members, about a millisecond, against
+    microseconds for the function's work. The per-row kernels make such calls in every program, so
+    the scans were most of the interpreted tests' time. A second patch of a patched module changes
+    nothing (patched members are no longer builtins and are left alone), so skipping it runs the
+    same code. What the inner patch adds is never undone (triton.language.core, which tl.sum sees
+    and a kernel's module may not): such a module is patched once, then counts as patched. Installed
+    in the interpreter's processes only (conftest, under TRITON_INTERPRET=1); False, and nothing
+    changed, where the interpreter lacks what this wraps."""
+    from triton.runtime import interpreter as interp
+
+    launch, inner = getattr(interp, "GridExecutor", None), getattr(interp, "InterpretedFunction", None)
+    if launch is None or inner is None or not hasattr(inner, "rewrite") or not hasattr(interp, "_patch_lang"):
+        return False
+    languages = (triton.language, triton.language.core)
+    running: list[frozenset] = []  # the modules each running launch patched, innermost last
+    lasting: set = set()  # the modules an inner call patched for good
+
+    known: dict = {}
+
+    def seen(fn) -> frozenset:
+        # The interpreter adds names to a module's globals when it first rewrites a function of it.
+        key = (id(fn), len(fn.__globals__))
+        if key not in known:
+            known[key] = frozenset(id(v) for v in fn.__globals__.values() if any(v is lang for lang in languages))
+        return known[key]
+
+    def launch_call(self, *args, _call=launch.__call__, **kwargs):
+        running.append(seen(self.fn))
+        try:
+            return _call(self, *args, **kwargs)
+        finally:
+            running.pop()
+
+    def inner_call(self, *args, _call=inner.__call__, **kwargs):
+        modules = seen(self.fn)
+        if not running or not modules <= running[-1] | lasting:
+            result = _call(self, *args, **kwargs)
+            if running:
+                lasting.update(modules - running[-1])
+            return result
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interp.InterpreterError(repr(e)) from e
+
+    launch.__call__, inner.__call__ = launch_call, inner_call
+    return True
+
+
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
