@@ -103,20 +103,30 @@ def cached_bytecode():
             compileall.compile_dir(folder, quiet=2)
 
 
+# Set beside POCKETLLM_CACHE_DIR to the test session's private cache (a name pocketllm never reads).
+SESSION_CACHE = "TESTS_SESSION_KERNEL_CACHE"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
     """Compiled kernels and measured kernel choices go to a cache of this test session's own, not
     the user's: a test must not read a choice some earlier run measured, nor leave one behind.
-    Processes the tests start inherit it."""
+    Processes the tests start inherit it, test sessions a test starts (the interpreter's, the
+    narrower builds') included: they use the cache of the session that started them rather than
+    compile its kernels again."""
     from pocketllm import compiled
 
-    saved = os.environ.get(compiled.ENV_CACHE_DIR)
-    os.environ[compiled.ENV_CACHE_DIR] = str(tmp_path_factory.mktemp("pocketllm-cache"))
+    saved = {name: os.environ.get(name) for name in (compiled.ENV_CACHE_DIR, SESSION_CACHE)}
+    inherited = saved[SESSION_CACHE]
+    if not inherited or inherited != saved[compiled.ENV_CACHE_DIR]:
+        own = str(tmp_path_factory.mktemp("pocketllm-cache"))
+        os.environ[compiled.ENV_CACHE_DIR] = os.environ[SESSION_CACHE] = own
     yield
-    if saved is None:
-        os.environ.pop(compiled.ENV_CACHE_DIR, None)
-    else:
-        os.environ[compiled.ENV_CACHE_DIR] = saved
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def cli_env(**extra) -> dict:
