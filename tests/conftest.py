@@ -436,12 +436,10 @@ def tiny_engine(dtype: torch.dtype = torch.float32, invariant: bool = True, cfg=
 
 
 def use_device_ops(model, ops, set_attr=setattr) -> None:
-    """Put `ops` (an ops/device DeviceOps) wherever the model's modules take a device's ops: the
-    mixers hold them as device_ops, the residual norms and SiLU-and-multiply reach them through
-    decode_ops. `set_attr`: monkeypatch.setattr to undo it after the test."""
+    """Put `ops` (an ops/device DeviceOps) wherever the model's modules take a device's ops: every
+    module reaches them through its decode_ops. `set_attr`: monkeypatch.setattr to undo it after
+    the test."""
     for m in model.modules():
-        if hasattr(m, "device_ops"):
-            set_attr(m, "device_ops", ops)
         if hasattr(m, "decode_ops"):
             set_attr(m, "decode_ops", dataclasses.replace(m.decode_ops, device=ops))
 

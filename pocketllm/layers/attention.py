@@ -51,8 +51,9 @@ class GatedAttention(nn.Module):
         self._dtype, self._device = dtype, device
         ops = decode_ops(dtype, torch.device(device))
         self.compiled_decode = ops.attention_decode
-        # What a device's pass shape runs between the projections (Triton kernels on CUDA).
-        self.device_ops = ops.device
+        # ops.device: what a device's pass shape runs between the projections (Triton kernels on
+        # CUDA), read at each call as the norms and SiLU-and-multiply around the mixers read it.
+        self.decode_ops = ops
 
     def allocate_pool(self, num_blocks: int, block_size: int = KV_BLOCK_SIZE) -> KVPool:
         shape = (num_blocks, self.kv_heads, block_size, self.head_dim)
@@ -89,7 +90,7 @@ class GatedAttention(nn.Module):
             if seq.cpu_forms:
                 write_kv(kv, seq.start, k, v)
             else:
-                self.device_ops.write_kv(kv.pool.k, kv.pool.v, kv.table.ids, seq.start, k, v)
+                self.decode_ops.device.write_kv(kv.pool.k, kv.pool.v, kv.table.ids, seq.start, k, v)
         with scope("full_attention"):
             out = cached_attention(q, k, v, kv, seq.start, self.scale)
         return self._gated(out, gate)
@@ -106,7 +107,7 @@ class GatedAttention(nn.Module):
                 out = decode_attention_rows(q, pool, rows.tables, rows.pos, self.scale)
             else:
                 # A device's step: one kernel (Triton on CUDA) reading only the positions each row holds.
-                out = self.device_ops.decode_attention_rows(q, pool.k, pool.v, rows.tables, rows.pos, self.scale)
+                out = self.decode_ops.device.decode_attention_rows(q, pool.k, pool.v, rows.tables, rows.pos, self.scale)
         return self._gated(out, gate)
 
     def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_forms: bool):
@@ -122,10 +123,10 @@ class GatedAttention(nn.Module):
             if cpu_forms:
                 q, k = self.q_norm(q), self.k_norm(k)  # [T, H, D], [T, Hkv, D]
             else:
-                q = self.device_ops.add_rms_norm(q, None, self.q_norm.scale, self.q_norm.eps)[1]
-                k = self.device_ops.add_rms_norm(k, None, self.k_norm.scale, self.k_norm.eps)[1]
+                q = self.decode_ops.device.add_rms_norm(q, None, self.q_norm.scale, self.q_norm.eps)[1]
+                k = self.decode_ops.device.add_rms_norm(k, None, self.k_norm.scale, self.k_norm.eps)[1]
         with scope("rope"):
-            rope = apply_rotary if cpu_forms else self.device_ops.apply_rotary
+            rope = apply_rotary if cpu_forms else self.decode_ops.device.apply_rotary
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         return q, k, v.view(t, self.kv_heads, d), gate
 

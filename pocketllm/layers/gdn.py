@@ -66,8 +66,9 @@ class GatedDeltaNet(nn.Module):
         ops = decode_ops(dtype, torch.device(device))
         self.compiled_decode = ops.gdn_decode if self.kernel.decode_step_ is gated_delta_step_torch_ else None
         self.compiled_decode_rows = ops.gdn_decode_rows if self.compiled_decode is not None else None
-        # What a device's pass shape runs between the projections (Triton kernels on CUDA).
-        self.device_ops = ops.device
+        # ops.device: what a device's pass shape runs between the projections (Triton kernels on
+        # CUDA), read at each call as the norms and SiLU-and-multiply around the mixers read it.
+        self.decode_ops = ops
         self._dtype, self._device = dtype, device
         self.neg_a: torch.Tensor | None = None
         self.conv_taps: torch.Tensor | None = None
@@ -150,7 +151,7 @@ class GatedDeltaNet(nn.Module):
                 mixed = causal_conv1d_rows_indexed_(mixed, self.conv_taps, states.conv, rows.slots)
             else:
                 # A device's step: one kernel (Triton on CUDA) advancing each window where it lies.
-                mixed = self.device_ops.causal_conv1d_rows_indexed_(mixed, self.conv_taps, states.conv, rows.slots)
+                mixed = self.decode_ops.device.causal_conv1d_rows_indexed_(mixed, self.conv_taps, states.conv, rows.slots)
         q, k, v, g, beta = self._heads_and_gates(mixed, b, a, cpu_forms)
         with scope("gated_delta"):
             out = self.kernel.decode_rows_indexed_(q, k, v, g, beta, states.recurrent, rows.slots)
@@ -161,7 +162,7 @@ class GatedDeltaNet(nn.Module):
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor, cpu_forms: bool) -> torch.Tensor:
         if cpu_forms:
             return self.norm(out, z)
-        return self.device_ops.rms_norm_gated(out, z, self.norm.weight, self.norm.eps)
+        return self.decode_ops.device.rms_norm_gated(out, z, self.norm.weight, self.norm.eps)
 
     def _heads_and_gates(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, cpu_forms: bool):
         """The conv's output rows [T, conv channels] and the gate inputs -> q, k [T, hk, dk] l2-
@@ -171,9 +172,9 @@ class GatedDeltaNet(nn.Module):
         qk = qk.view(t, 2 * self.hk, self.dk)
         if not cpu_forms:
             with scope("norms", "lin.qk_l2"):
-                q, k = self.device_ops.qk_l2_norm(qk, self.hk, self.dk**-0.5, L2_EPS)
+                q, k = self.decode_ops.device.qk_l2_norm(qk, self.hk, self.dk**-0.5, L2_EPS)
             with scope("gates", "lin"):
-                g, beta = self.device_ops.gdn_gates(a, b, self.neg_a, self.dt_bias)
+                g, beta = self.decode_ops.device.gdn_gates(a, b, self.neg_a, self.dt_bias)
             return q, k, v.view(t, self.hv, self.dv), g, beta
         with scope("norms", "lin.qk_l2"):
             # q and k are adjacent channels: one normalisation over both halves the op count.
@@ -208,7 +209,7 @@ class GatedDeltaNet(nn.Module):
             elif seq.cpu_forms:
                 mixed = causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
             else:
-                mixed = self.device_ops.causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
+                mixed = self.decode_ops.device.causal_conv1d_prefill_(mixed, self.conv_taps, state.conv)
         q, k, v, g, beta = self._heads_and_gates(mixed, b, a, seq.cpu_forms)
         # The recurrence itself, whichever kernel runs it.
         with scope("gated_delta"):
