@@ -196,10 +196,10 @@ def test_a_spoiled_cache_entry_is_measured_again(cache_dir):
 def test_a_cached_choice_the_check_refutes_is_measured_again(cache_dir):
     # The cache claims the slowest kernel is four times faster than the fastest: plausible (fast),
     # but the check at load times it against its runner-up and finds otherwise.
-    # Weights whose calls are long enough to be judged (32 MiB of 16 MiB weights: a call on 8 MiB
-    # ran under CHECK_MIN_CALL_S where part of it stayed in the last-level cache, and was not judged).
-    # Every candidate may be chosen (not only those a batch-invariant run allows).
-    weights, env = [bf16(8192, 1024) for _ in range(2)], {"POCKETLLM_BATCH_INVARIANT": "0"}
+    # Weights whose calls are long enough to be judged: 128 MiB of 16 MiB weights, read from
+    # memory (32 MiB of them stayed in a 32 MiB last-level cache, and calls under CHECK_MIN_CALL_S
+    # are not judged). Every candidate may be chosen (not only those a batch-invariant run allows).
+    weights, env = [bf16(8192, 1024) for _ in range(8)], {"POCKETLLM_BATCH_INVARIANT": "0"}
     quiet = choose(ONE_ROW, weights, env=env, monitor=TOLERANT).seconds[(8192, 1024)]
     assert min(quiet.values()) > CHECK_MIN_CALL_S, "calls too short for the check to judge"
     slowest = max(quiet, key=quiet.get)
