@@ -31,6 +31,10 @@ def test_compiled_ops_are_used_for_bf16_on_cpu():
     assert not decode_ops(torch.float32, torch.device("cpu"), env={}).compiled
     off = decode_ops(torch.bfloat16, torch.device("cpu"), env={ENV_FUSED: "0"})
     assert not off.compiled and ENV_FUSED in off.describe()
+    # On a device it turns off the Triton ops as well, and their line says why (no device asked:
+    # the switch is read before any probe).
+    off_gpu = decode_ops(torch.bfloat16, torch.device("cuda"), env={ENV_FUSED: "0"})
+    assert not off_gpu.device.kernels and off_gpu.device.describe() == f"device ops: torch ({ENV_FUSED}=0)"
 
 
 @pytest.mark.parametrize("n", [64, 1024, 1001])
