@@ -7,6 +7,7 @@ a run's tests out over processes started side by side."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -216,6 +217,28 @@ def generated_ids(stdout: str) -> list[int]:
     lines = [line for line in stdout.splitlines() if line.startswith("generated_ids=")]
     assert len(lines) == 1, stdout
     return [int(t) for t in lines[0].split("=", 1)[1].split(",") if t]
+
+
+# Ranks a test starts in-process (start_ranks) are forked from one server process per session that
+# has imported torch, rather than each importing it (about a second of a core apiece).
+multiprocessing.set_forkserver_preload(["torch"])
+
+
+def start_ranks(fn, nprocs: int, *args) -> None:
+    """fn(rank, *args) in `nprocs` new processes, joined; any failure fails the test. They are
+    forked from multiprocessing's forkserver, which imported torch once for the session, and each
+    runs with this process's environment as it is now (the server's own is as it was when it
+    started): torch's threads and settings are made in the rank, none in the server, so a fork
+    from it is what a fresh start would be. fn must be a module's own function, as for spawn."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_in_env, args=(fn, dict(os.environ), *args), nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def _in_env(rank: int, fn, env: dict, *args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
 
 
 def end_process(code: int = 0) -> None:

@@ -12,9 +12,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import end_process, free_port
+from conftest import end_process, free_port, start_ranks
 from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
 
 PROMPT = [(11 * i + 7) % 250 for i in range(40)]
@@ -89,7 +88,7 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(world, oracle, mo
         prompt, steps, ran = pocketllm_logits(ckpt, tokens)
     else:
         out = tmp_path / "logits.pt"
-        mp.start_processes(_rank, args=(world, free_port(), ckpt, tokens, str(out)), nprocs=world, join=True, start_method="spawn")
+        start_ranks(_rank, world, world, free_port(), ckpt, tokens, str(out))
         prompt, steps, ran = torch.load(out)
     assert "decode ops: compiled" in ran and ran[-1] == "c", ran
     p = len(PROMPT)

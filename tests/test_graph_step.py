@@ -196,12 +196,10 @@ def _tp_rank(rank: int, world: int, port: int) -> None:
 def test_the_fixed_step_at_tp2_gives_the_layers_bits(monkeypatch):
     # What a CUDA device captures at TP>1 (POCKETLLM_CUDA_GRAPH=1 there): the same step with each
     # projection's all-reduce inside it, here uncaptured over gloo.
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
+    from conftest import free_port, start_ranks
 
     monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
-    mp.start_processes(_tp_rank, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_tp_rank, 2, 2, free_port())
 
 
 def test_at_tp_above_1_a_cuda_step_is_captured_only_when_asked():

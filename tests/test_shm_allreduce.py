@@ -17,9 +17,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import end_process, free_port, shm_segments, start, usage_error_in_process, usage_line
+from conftest import end_process, free_port, shm_segments, start, start_ranks, usage_error_in_process, usage_line
 from test_overlap import check_overlapped_equals_serial
 from pocketllm.distributed import collective
 from pocketllm.distributed.shm import segment
@@ -192,7 +191,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"tp{w}")
 def test_shm_all_reduce_on_a_real_group(world):
     before = shm_segments()
-    mp.start_processes(_worker, args=(world, free_port()), nprocs=world, join=True, start_method="spawn")
+    start_ranks(_worker, world, world, free_port())
     assert shm_segments() == before
 
 
