@@ -71,6 +71,12 @@ def pytest_configure(config):
         from triton_on_cpu import helpers_without_repatching
 
         helpers_without_repatching()
+    if not os.environ.get(SESSION_CACHE):
+        # The suite's own session (not one a test started): start_ranks' server imports torch
+        # while the tests are collected, on the core collection leaves idle.
+        import multiprocessing.forkserver
+
+        multiprocessing.forkserver.ensure_running()
 
 
 def _shard_of(i: int, n: int) -> int:
