@@ -244,6 +244,10 @@ def start_ranks(fn, nprocs: int, *args) -> None:
 def _in_env(rank: int, fn, env: dict, *args) -> None:
     os.environ.clear()
     os.environ.update(env)
+    # multiprocessing's default, as in a rank the CLI starts: under the forkserver's own a lock made
+    # here (tqdm makes one) would be a named semaphore, left to the resource tracker to clean up
+    # (and warn about) when the rank ends with end_process.
+    multiprocessing.set_start_method("fork", force=True)
     fn(rank, *args)
 
 
