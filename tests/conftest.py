@@ -238,10 +238,32 @@ def start_ranks(fn, nprocs: int, *args) -> None:
     from it is what a fresh start would be. fn must be a module's own function, as for spawn."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_in_env, args=(fn, dict(os.environ), *args), nprocs=nprocs, join=True, start_method="forkserver")
+    outputs = (_Fd(1), _Fd(2))
+    mp.start_processes(_in_env, args=(fn, dict(os.environ), outputs, *args), nprocs=nprocs, join=True, start_method="forkserver")
 
 
-def _in_env(rank: int, fn, env: dict, *args) -> None:
+class _Fd:
+    """One of this process's fds, duplicated into the rank as multiprocessing passes a pipe's:
+    the rank writes where the test's output goes now (pytest's capture), not where the server's
+    went when it started."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detached, (reduction.DupFd(self.fd),))
+
+
+def _detached(dup) -> int:
+    return dup.detach()
+
+
+def _in_env(rank: int, fn, env: dict, outputs: tuple, *args) -> None:
+    for target, fd in zip((1, 2), outputs):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     # multiprocessing's default, as in a rank the CLI starts: under the forkserver's own a lock made
