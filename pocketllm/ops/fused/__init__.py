@@ -43,10 +43,10 @@ TORCH_OPS = DecodeOps(add_rms_norm_torch, silu_mul_torch, None, None, None, Fals
 def decode_ops(dtype: torch.dtype, device: torch.device, env=os.environ) -> DecodeOps:
     """The compiled decode ops where they apply and are wanted, else the torch forms."""
     if not env_switch(env, ENV_FUSED, default=True):
-        # On a device the switch turns off its Triton ops too (the forms its pass shape runs), and
-        # rank 0's "device ops" line says so.
+        # The device's pass shape runs the torch forms too (no Triton ops on a GPU), and rank 0's
+        # "device ops" line says why.
         off = f"{ENV_FUSED}=0"
-        return replace(TORCH_OPS, note=off, device=DEVICE_TORCH_OPS if device.type == "cpu" else replace(DEVICE_TORCH_OPS, note=off))
+        return replace(TORCH_OPS, note=off, device=replace(DEVICE_TORCH_OPS, note=off))
     if device.type != "cpu":
         return replace(TORCH_OPS, device=device_ops(device))
     if dtype != torch.bfloat16:
