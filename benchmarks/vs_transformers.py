@@ -77,7 +77,6 @@ class HFRunner:
         """Seconds of one prefill of ids; with `measure`, what measure(run the prefill) returns."""
         x = self._ids(ids)
 
-        @torch.no_grad()
         def run():
             self.model(x, use_cache=True, logits_to_keep=1)
 
@@ -91,7 +90,6 @@ class HFRunner:
         tokens = [int(torch.argmax(out.logits[0, -1]))]
         cache = out.cache if hasattr(out, "cache") else out.past_key_values
 
-        @torch.no_grad()
         def steps():
             nonlocal cache
             for _ in range(n):
