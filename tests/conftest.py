@@ -18,8 +18,7 @@ import sys
 import threading
 import time
 import uuid
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -496,7 +495,7 @@ def use_device_ops(model, ops, set_attr=setattr) -> None:
     the test."""
     for m in model.modules():
         if hasattr(m, "decode_ops"):
-            set_attr(m, "decode_ops", dataclasses.replace(m.decode_ops, device=ops))
+            set_attr(m, "decode_ops", replace(m.decode_ops, device=ops))
 
 
 def feed(engine, ids, start: int = 0, slot: int = 0, all_logits: bool = False) -> torch.Tensor:
