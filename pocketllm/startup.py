@@ -46,14 +46,19 @@ def importing() -> Iterator[None]:
             gc.enable()
 
 
+def stat_fields(pid: int | str = "self") -> list[str]:
+    """A process's /proc/PID/stat from its state on (field 3 is [0]): the fields after the ")"
+    that ends the command name, which may hold spaces. OSError where it cannot be read."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def seconds_since_start() -> float | None:
     """Seconds since this process started (the kernel's record of it, so the interpreter's own
     start and imports count), or None where /proc does not say."""
     try:
-        with open("/proc/self/stat") as f:
-            # Field 22, starttime, in clock ticks after boot; fields counted after the ")" that
-            # ends the command name (which may hold spaces).
-            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        # Field 22, starttime, in clock ticks after boot.
+        started = int(stat_fields()[19]) / os.sysconf("SC_CLK_TCK")
         with open("/proc/uptime") as f:
             return max(0.0, float(f.read().split()[0]) - started)
     except (OSError, ValueError, IndexError):

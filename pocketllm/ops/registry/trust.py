@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pocketllm.startup import stat_fields
+
 # Other processes' CPU time, and stolen time, as shares of the window's capacity (CPUs x wall)
 # beyond which a timing is disturbed; below MIN_TICKS clock ticks nothing is concluded (the
 # counters move in ticks, and a short window's background noise is a tick or two).
@@ -68,12 +70,10 @@ def _proc_stat() -> tuple[int, int, int] | None:
 def _process_ticks(pid: int | str) -> int:
     """utime + stime of a process, all its threads, in clock ticks (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
+        fields = stat_fields(pid)
     except OSError:
         return 0
-    # The command name may hold spaces: the fields start after its closing parenthesis.
-    fields = text[text.rindex(")") + 2 :].split()
+    # Fields 14 and 15.
     return int(fields[11]) + int(fields[12])
 
 
