@@ -489,6 +489,19 @@ def tiny_engine(dtype: torch.dtype = torch.float32, invariant: bool = True, cfg=
             os.environ[ENV_INVARIANT] = saved
 
 
+def device_engine(ops, dtype: torch.dtype = torch.float32, shape=None, max_len: int = 200, cfg=None, invariant: bool = True):
+    """tiny_engine(dtype, invariant, cfg) in a device's pass shape on this CPU (DEVICE_PASS unless
+    `shape`), 4 slots of max_len reserved, with `ops` (an ops/device DeviceOps) wherever the model
+    takes a device's ops. The step backend is the caller's to set."""
+    from pocketllm.layers.context import DEVICE_PASS
+
+    engine = tiny_engine(dtype, invariant, cfg)
+    engine.pass_shape = shape or DEVICE_PASS
+    engine.reserve_slots(4, max_len)
+    use_device_ops(engine.model, ops)
+    return engine
+
+
 def use_device_ops(model, ops, set_attr=setattr) -> None:
     """Put `ops` (an ops/device DeviceOps) wherever the model's modules take a device's ops: every
     module reaches them through its decode_ops. `set_attr`: monkeypatch.setattr to undo it after

@@ -16,9 +16,8 @@ import os
 
 import pytest
 import torch
-from conftest import feed, tiny_engine, use_device_ops
+from conftest import device_engine, feed
 
-from pocketllm.layers.context import DEVICE_PASS
 from pocketllm.models.graph_step import GraphStep
 from pocketllm.ops.device import TORCH_OPS, DeviceOps
 from pocketllm.ops.device.kernels import (add_rms_norm, causal_conv, causal_conv_rows, decode_attention, gated_delta_rows, gated_norm, gdn_gates,
@@ -55,10 +54,7 @@ def _engine(ops: DeviceOps):
     """A tiny bf16 engine (a device's default dtype) in the device's pass shape with `ops` (and with the rest of the kernels,
     the GDN decode rows' kernel), 4 slots, the prompts fed into slots 0..2, the step backend
     uncaptured."""
-    engine = tiny_engine(torch.bfloat16, invariant=False, cfg=CFG)
-    engine.pass_shape = DEVICE_PASS
-    engine.reserve_slots(4, 200)
-    use_device_ops(engine.model, ops)
+    engine = device_engine(ops, torch.bfloat16, cfg=CFG, invariant=False)
     for m in engine.model.modules():
         if ops is HALVES["the-rest"] and hasattr(m, "kernel") and hasattr(m.kernel, "decode_rows_indexed_"):
             m.kernel = dataclasses.replace(m.kernel, decode_rows_indexed_=gated_delta_rows.gated_delta_rows_indexed_)

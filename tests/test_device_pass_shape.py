@@ -191,19 +191,16 @@ def _device_step_engine(monkeypatch, prompts=(), shape=DEVICE_PASS, max_len: int
     """A tiny fp32 engine in a device's pass shape (`shape`) with the device's custom ops and the
     step backend (graph_step, uncaptured), 4 slots of max_len, the prompts fed into slots 0..;
     with device_kernels, the projection kernels a device binds (device_like_kernels)."""
-    from conftest import feed
+    from conftest import device_engine, feed
     from pocketllm.models.graph_step import GraphStep
 
     monkeypatch.setenv("POCKETLLM_FUSED_DECODE", "0")
-    engine = tiny_engine(torch.float32)
-    engine.pass_shape = shape
-    engine.reserve_slots(4, max_len)
+    engine = device_engine(CUSTOM_OPS, shape=shape, max_len=max_len)
     if device_kernels:
         engine.kernels = device_like_kernels(engine.model.projection_weights(), 4)
         engine.model.bind_kernels(engine.kernels)
     for slot, ids in enumerate(prompts):
         feed(engine, ids, slot=slot)
-    use_device_ops(engine.model, CUSTOM_OPS)
     engine.step = GraphStep(engine, capture=False)
     return engine
 
