@@ -255,8 +255,16 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
     elif any(ck in stored for ck in ckeys.values()):
         # An entry written before a candidate could run here (a kernel added, or one whose
         # unavailability has gone) is whole but short of it: say which, not that it is broken.
+        # Where every stored entry is sound, others are only absent (shapes no earlier run had).
         lacking = sorted({n for ck in ckeys.values() for n in _lacking(stored.get(ck), names)})
-        reason = f"re-measured: cached entry lacks {', '.join(lacking)}" if lacking else "re-measured: cached entry unreadable"
+        broken = [k for k, ck in ckeys.items() if ck in stored and not cached[k]]
+        absent = [k for k, ck in ckeys.items() if ck not in stored]
+        if lacking:
+            reason = f"re-measured: cached entry lacks {', '.join(lacking)}"
+        elif broken:
+            reason = "re-measured: cached entry unreadable"
+        else:
+            reason = f"re-measured: {len(absent)} of {len(keys)} shapes not cached ({_name(absent[0])}{', ...' if len(absent) > 1 else ''})"
     seconds, verdict, bad = measure_trusted(kind, weights, rows, names, nbytes, monitor)
     by_key = {k: pick(kind, {n: seconds[k][n] for n in allowed_for(k)}) for k in keys}
     if verdict.disturbed or bad:
