@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -30,9 +31,9 @@ from pocketllm.switches import ALIASES, RENAMED, SETTINGS
 REPO = Path(__file__).resolve().parents[1]
 
 # Settings a developer may have exported that would change what a command does (every variable
-# pocketllm reads, under either name, and the old names it refuses, but the kernel cache
-# private_cache sets); every CLI call a test makes, in a subprocess or in this process, runs
-# without them.
+# pocketllm reads, under either name, and the old names it refuses, but the kernel cache the
+# session sets, _use_a_private_cache); every CLI call a test makes, in a subprocess or in this
+# process, runs without them.
 UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) if name != "POCKETLLM_CACHE_DIR")
 
 # Every CLI run a test starts in a subprocess (run_cli, start) is `python -m pocketllm ARGS` plus one
@@ -57,6 +58,30 @@ script()
 """
 
 
+# Set beside POCKETLLM_CACHE_DIR to the test session's private cache (a name pocketllm never reads).
+SESSION_CACHE = "TESTS_SESSION_KERNEL_CACHE"
+CACHE_ENV = ("POCKETLLM_CACHE_DIR", SESSION_CACHE)
+_cache_env_before: dict[str, str | None] = {}
+_OWN_CACHE = pytest.StashKey[str | None]()
+
+
+def _use_a_private_cache() -> str | None:
+    """Compiled kernels and measured kernel choices go to a cache of this test session's own, not
+    the user's: a test must not read a choice some earlier run measured, nor leave one behind. Set
+    before collection, since modules ask at import whether a kernel builds. Processes the tests
+    start inherit it, test sessions a test starts (the interpreter's, the narrower builds')
+    included: they use the cache of the session that started them rather than compile its kernels
+    again. The directory made here (None where one was inherited)."""
+    _cache_env_before.update({name: os.environ.get(name) for name in CACHE_ENV})
+    inherited = _cache_env_before[SESSION_CACHE]
+    if inherited and inherited == _cache_env_before["POCKETLLM_CACHE_DIR"]:
+        return None
+    own = tempfile.mkdtemp(prefix="pocketllm-tests-cache-")
+    for name in CACHE_ENV:
+        os.environ[name] = own
+    return own
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--shard", metavar="K/N", default=None,
@@ -66,16 +91,28 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    own = config.stash[_OWN_CACHE] = _use_a_private_cache()
     if os.environ.get("TRITON_INTERPRET") == "1":
         from triton_on_cpu import helpers_without_repatching
 
         helpers_without_repatching()
-    if not os.environ.get(SESSION_CACHE):
+    if own:
         # The suite's own session (not one a test started): start_ranks' server imports torch
         # while the tests are collected, on the core collection leaves idle.
         import multiprocessing.forkserver
 
         multiprocessing.forkserver.ensure_running()
+
+
+def pytest_unconfigure(config):
+    own = config.stash.get(_OWN_CACHE, None)
+    if own:
+        shutil.rmtree(own, ignore_errors=True)
+    for name, value in _cache_env_before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _shard_of(i: int, n: int) -> int:
@@ -107,32 +144,6 @@ def cached_bytecode():
 
         for folder in (REPO / "pocketllm", REPO / "tests"):
             compileall.compile_dir(folder, quiet=2)
-
-
-# Set beside POCKETLLM_CACHE_DIR to the test session's private cache (a name pocketllm never reads).
-SESSION_CACHE = "TESTS_SESSION_KERNEL_CACHE"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def private_cache(tmp_path_factory):
-    """Compiled kernels and measured kernel choices go to a cache of this test session's own, not
-    the user's: a test must not read a choice some earlier run measured, nor leave one behind.
-    Processes the tests start inherit it, test sessions a test starts (the interpreter's, the
-    narrower builds') included: they use the cache of the session that started them rather than
-    compile its kernels again."""
-    from pocketllm import compiled
-
-    saved = {name: os.environ.get(name) for name in (compiled.ENV_CACHE_DIR, SESSION_CACHE)}
-    inherited = saved[SESSION_CACHE]
-    if not inherited or inherited != saved[compiled.ENV_CACHE_DIR]:
-        own = str(tmp_path_factory.mktemp("pocketllm-cache"))
-        os.environ[compiled.ENV_CACHE_DIR] = os.environ[SESSION_CACHE] = own
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def cli_env(**extra) -> dict:
