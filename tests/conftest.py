@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pocketllm import cli, launch
+from pocketllm import cli, compiled, launch
 from pocketllm.switches import ALIASES, RENAMED, SETTINGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ script()
 
 # Set beside POCKETLLM_CACHE_DIR to the test session's private cache (a name pocketllm never reads).
 SESSION_CACHE = "TESTS_SESSION_KERNEL_CACHE"
-CACHE_ENV = ("POCKETLLM_CACHE_DIR", SESSION_CACHE)
+CACHE_ENV = (compiled.ENV_CACHE_DIR, SESSION_CACHE)
 _cache_env_before: dict[str, str | None] = {}
 _OWN_CACHE = pytest.StashKey[str | None]()
 
@@ -74,7 +74,7 @@ def _use_a_private_cache() -> str | None:
     again. The directory made here (None where one was inherited)."""
     _cache_env_before.update({name: os.environ.get(name) for name in CACHE_ENV})
     inherited = _cache_env_before[SESSION_CACHE]
-    if inherited and inherited == _cache_env_before["POCKETLLM_CACHE_DIR"]:
+    if inherited and inherited == _cache_env_before[compiled.ENV_CACHE_DIR]:
         return None
     own = tempfile.mkdtemp(prefix="pocketllm-tests-cache-")
     for name in CACHE_ENV:
