@@ -257,11 +257,10 @@ def choose(kind: Kind, weights: list, rows: int = 1, env=os.environ, monitor: Mo
         # unavailability has gone) is whole but short of it: say which, not that it is broken.
         # Where every stored entry is sound, others are only absent (shapes no earlier run had).
         lacking = sorted({n for ck in ckeys.values() for n in _lacking(stored.get(ck), names)})
-        broken = [k for k, ck in ckeys.items() if ck in stored and not cached[k]]
         absent = [k for k, ck in ckeys.items() if ck not in stored]
         if lacking:
             reason = f"re-measured: cached entry lacks {', '.join(lacking)}"
-        elif broken:
+        elif any(not cached[k] for k in keys if k not in absent):
             reason = "re-measured: cached entry unreadable"
         else:
             reason = f"re-measured: {len(absent)} of {len(keys)} shapes not cached ({_name(absent[0])}{', ...' if len(absent) > 1 else ''})"
