@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 # pocketllm reads, under either name, and the old names it refuses, but the kernel cache the
 # session sets, _use_a_private_cache); every CLI call a test makes, in a subprocess or in this
 # process, runs without them.
-UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) if name != "POCKETLLM_CACHE_DIR")
+UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) if name != compiled.ENV_CACHE_DIR)
 
 # Every CLI run a test starts in a subprocess (run_cli, start) is `python -m pocketllm ARGS` plus one
 # check: a process about to start ranks must not have imported torch (a launcher checks the run and
@@ -61,25 +61,24 @@ script()
 # Set beside POCKETLLM_CACHE_DIR to the test session's private cache (a name pocketllm never reads).
 SESSION_CACHE = "TESTS_SESSION_KERNEL_CACHE"
 CACHE_ENV = (compiled.ENV_CACHE_DIR, SESSION_CACHE)
-_cache_env_before: dict[str, str | None] = {}
-_OWN_CACHE = pytest.StashKey[str | None]()
+# (the directory this session made, or None where it inherited one; CACHE_ENV's values before)
+_CACHE = pytest.StashKey[tuple[str | None, dict]]()
 
 
-def _use_a_private_cache() -> str | None:
+def _use_a_private_cache() -> tuple[str | None, dict]:
     """Compiled kernels and measured kernel choices go to a cache of this test session's own, not
     the user's: a test must not read a choice some earlier run measured, nor leave one behind. Set
     before collection, since modules ask at import whether a kernel builds. Processes the tests
     start inherit it, test sessions a test starts (the interpreter's, the narrower builds')
     included: they use the cache of the session that started them rather than compile its kernels
-    again. The directory made here (None where one was inherited)."""
-    _cache_env_before.update({name: os.environ.get(name) for name in CACHE_ENV})
-    inherited = _cache_env_before[SESSION_CACHE]
-    if inherited and inherited == _cache_env_before[compiled.ENV_CACHE_DIR]:
-        return None
+    again. The directory made here (None where one was inherited), and the variables before."""
+    before = {name: os.environ.get(name) for name in CACHE_ENV}
+    if before[SESSION_CACHE] and before[SESSION_CACHE] == before[compiled.ENV_CACHE_DIR]:
+        return None, before
     own = tempfile.mkdtemp(prefix="pocketllm-tests-cache-")
     for name in CACHE_ENV:
         os.environ[name] = own
-    return own
+    return own, before
 
 
 def pytest_addoption(parser):
@@ -91,7 +90,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    own = config.stash[_OWN_CACHE] = _use_a_private_cache()
+    own, _ = config.stash[_CACHE] = _use_a_private_cache()
     if os.environ.get("TRITON_INTERPRET") == "1":
         from triton_on_cpu import helpers_without_repatching
 
@@ -105,10 +104,10 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    own = config.stash.get(_OWN_CACHE, None)
+    own, before = config.stash.get(_CACHE, (None, {}))
     if own:
         shutil.rmtree(own, ignore_errors=True)
-    for name, value in _cache_env_before.items():
+    for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)
         else:
