@@ -13,6 +13,8 @@ from pocketllm.engine.sampling import (
     choose,
     draw,
     draw_reference,
+    likeliest,
+    likeliest_reference,
     min_p_filter,
     min_p_filter_reference,
     top_k_filter,
@@ -113,3 +115,27 @@ def test_draw_follows_the_distribution():
     # Four thousand draws: each share within four standard deviations (at most ~0.032).
     assert counts[1] == 0 and counts[4] == 0
     assert torch.allclose(counts, probs.double(), atol=0.032), counts.tolist()
+
+
+def test_likeliest_matches_its_reference():
+    inf, nan = float("inf"), float("nan")
+    rows = [logits_row(7), torch.tensor([1.0, 3.0, 3.0, -inf, nan]), torch.tensor([2.0, inf, 0.0, inf]),
+            torch.tensor([-inf, nan, -inf]), torch.tensor([nan, 1.0])]
+    for row in rows:
+        got, want = likeliest(row), likeliest_reference(row)
+        assert (got is None and want is None) or torch.equal(got, want), (row, got, want)
+
+
+def test_logits_a_softmax_cannot_take_still_give_a_token():
+    """A temperature so small that logits over it overflow, a repetition penalty near 0 that makes
+    a seen token's logit +inf, and every token masked: each row gives a token where a draw from a
+    NaN softmax would fail, the first two the tokens their limits allow."""
+    x = logits_row(8)
+    gen = torch.Generator().manual_seed(0)
+    cold = SamplingParams(temperature=1e-45, seed=0)
+    assert {choose(x, cold, [1], [], (), gen)[0] for _ in range(20)} == {int(x.argmax())}
+    seen = [int(i) for i in torch.nonzero(x > 0).flatten()[:3]]
+    near_zero = SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=0)
+    assert {choose(x, near_zero, seen, [], (), gen)[0] for _ in range(50)} == set(seen)
+    masked = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=tuple(range(V)), seed=0)
+    assert 0 <= choose(x, masked, [1], [], (), gen)[0] < V

@@ -56,6 +56,7 @@ def chat(**fields):
     ({"min_tokens": -1}, "min_tokens"),
     ({"stop_token_ids": [1000]}, "stop_token_ids"),
     ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"min_tokens": 3, "stop_token_ids": list(range(1000))}, "min_tokens"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"skip_special_tokens": 0}, "skip_special_tokens"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),

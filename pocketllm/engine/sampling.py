@@ -10,6 +10,8 @@ the tests compare it with."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pocketllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob  # noqa: F401  (re-exported)
@@ -44,6 +46,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
     if params.temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    if not math.isfinite(float(probs.sum())):
+        # A logit of +inf (a repetition penalty near 0), or finite logits over a temperature so
+        # small that they overflow: the softmax is NaN. Its limit is what is drawn from instead.
+        probs = likeliest(logits)
+        if probs is None:
+            return int(torch.argmax(logits))  # every token masked: nothing a draw could honour
     ids = None
     # Top-k first, which leaves k candidates for the rest to work on: min-p's threshold is relative
     # to the likeliest token, which is among them, so the order does not change the outcome.
@@ -57,6 +65,23 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
         probs = top_p_filter(probs, params.top_p)
     drawn = draw(probs, gen)
     return drawn if ids is None else int(ids[drawn])
+
+
+def likeliest(logits: torch.Tensor) -> torch.Tensor | None:
+    """The limit of softmax(logits / T) as T falls to 0, where the softmax itself overflows: the
+    likeliest tokens (those at the largest logit, +inf included), equally likely; None when no
+    token has a logit above -inf (a NaN logit counts as -inf)."""
+    x = torch.nan_to_num(logits.float().cpu(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    top = x.max()
+    if top == float("-inf"):
+        return None
+    return (x == top).float()
+
+
+def likeliest_reference(logits: torch.Tensor) -> torch.Tensor | None:
+    values = [v if v == v else float("-inf") for v in logits.float().tolist()]
+    top = max(values)
+    return None if top == float("-inf") else torch.tensor([1.0 if v == top else 0.0 for v in values])
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:

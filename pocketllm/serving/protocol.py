@@ -192,13 +192,16 @@ def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -
     min_tokens = fields.get("min_tokens", 0)
     if not is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
         raise bad(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
+    stop_token_ids = _token_ids(fields.get("stop_token_ids", []), vocab, "stop_token_ids")
+    if min_tokens and len(set(stop_token_ids)) >= vocab:
+        raise bad(f"min_tokens={min_tokens} with every token in stop_token_ids leaves no token to generate", "min_tokens")
     return SamplingParams(
         temperature, top_p, seed, top_k=max(top_k, 0), min_p=_number(fields, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=repetition,
         presence_penalty=_number(fields, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(fields, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(fields.get("logit_bias", {}), vocab),
-        min_tokens=min_tokens, stop_token_ids=_token_ids(fields.get("stop_token_ids", []), vocab, "stop_token_ids"),
+        min_tokens=min_tokens, stop_token_ids=stop_token_ids,
         ignore_eos=flag(fields, "ignore_eos", False), logprobs=logprobs,
     )
 
