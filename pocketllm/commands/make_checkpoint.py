@@ -16,6 +16,7 @@ from pocketllm.loader.formats import check_host
 from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantized
 from pocketllm.loader.model_tensors import model_tensors, projections
 from pocketllm.loader.checks import check_split
+from pocketllm.loader.new_dir import check_new_dir, written_whole
 from pocketllm.loader.random_weights import RandomWeights, random_row_blocks
 from pocketllm.loader.stream_writer import Entry
 from pocketllm.model_args import parse_dtype, preset_config
@@ -26,7 +27,7 @@ from pocketllm.quantization import SCHEME_HELP, WeightPlan, parse_scheme
 def add_arguments(p) -> None:
     p.add_argument("--preset", default=DEFAULT_PRESET, help=f"{', '.join(PRESETS)} (default {DEFAULT_PRESET})")
     p.add_argument("--layers", type=int, help="cut or extend the stack to N layers (3:1 pattern)")
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--out", required=True, help="directory to write: new, or empty")
     p.add_argument("--dtype", default="bfloat16", help="stored dtype (default bfloat16, as released)")
     p.add_argument("--tie-word-embeddings", action="store_true", help="share the embedding with the LM head")
     p.add_argument("--max-shard-mib", type=int, default=2048, help="shard size above which an index is written")
@@ -82,16 +83,12 @@ def run(args) -> int:
     cfg = dataclasses.replace(cfg, tie_word_embeddings=args.tie_word_embeddings, checkpoint_dtype=args.dtype)
     if args.max_shard_mib < 1:
         raise UsageError(f"--max-shard-mib must be >= 1, got {args.max_shard_mib}")
+    out = check_new_dir(args.out)
     scheme = parse_scheme(args.quantize) if args.quantize else None
     model = model_tensors(cfg)
     if scheme is not None:
         check_host()
         check_split(model, WeightPlan(scheme), 1)
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out}: cannot create ({exc.strerror})") from None
     source = RandomWeights(cfg, seed=args.seed, dtype=dtype, tensors=model)
     tensors = [Entry(name, dtype, tuple(shape)) for name, shape in source.shapes.items()]
     quantized = {t.key: scheme for t in projections(model)} if scheme is not None else {}
@@ -102,12 +99,13 @@ def run(args) -> int:
             yield r0, block.to(dtype)
 
     label = f"make-checkpoint {args.preset}" + (f" {scheme.name}" if scheme else "")
-    shards = write_quantized(out, tensors, blocks, quantized, args.max_shard_mib * 2**20, lambda e: dtype, lambda e: e.dtype, label)
-    config = cfg.to_hf_dict()
-    if scheme is not None:
-        config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    write_byte_tokenizer(out / "tokenizer.json")
-    write_tokenizer_config(out / "tokenizer_config.json")
+    with written_whole(out) as work:
+        shards = write_quantized(work, tensors, blocks, quantized, args.max_shard_mib * 2**20, lambda e: dtype, lambda e: e.dtype, label)
+        config = cfg.to_hf_dict()
+        if scheme is not None:
+            config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized))
+        (work / "config.json").write_text(json.dumps(config, indent=2))
+        write_byte_tokenizer(work / "tokenizer.json")
+        write_tokenizer_config(work / "tokenizer_config.json")
     print(f"wrote {args.preset} ({cfg.num_layers} layers, {scheme.name if scheme else args.dtype}, {shards} shard(s)) to {out}")
     return 0

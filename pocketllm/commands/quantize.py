@@ -20,6 +20,7 @@ from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantize
 from pocketllm.loader.model_tensors import model_tensors, projections
 from pocketllm.loader.checks import UNSET, check_split, plan_weights, validate_source
 from pocketllm.loader.formats import SCALE_SUFFIX, check_host
+from pocketllm.loader.new_dir import check_new_dir, written_whole
 from pocketllm.loader.stream_writer import DTYPE_NAMES, Entry
 from pocketllm.quantization import SCHEME_HELP, WeightPlan, parse_scheme
 
@@ -29,7 +30,7 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 def add_arguments(p) -> None:
     p.add_argument("--ckpt", required=True, help="HF checkpoint directory (config.json + safetensors), float or fp8")
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--out", required=True, help="directory to write: new, or empty")
     p.add_argument("--scheme", required=True, help=SCHEME_HELP.removeprefix("none, "))
     p.add_argument("--max-shard-mib", type=int, default=4096, help="shard size above which the output is split, with an index (default 4096)")
 
@@ -41,7 +42,10 @@ def run(args) -> int:
     if args.max_shard_mib < 1:
         raise UsageError(f"--max-shard-mib must be >= 1, got {args.max_shard_mib}")
     check_host()
-    src, out = Path(args.ckpt), Path(args.out)
+    src = Path(args.ckpt)
+    if args.out and Path(args.out).resolve() == src.resolve():
+        raise UsageError("--out must be another directory than --ckpt")
+    out = check_new_dir(args.out)
     reader = CheckpointReader(src)
     cfg = load_config(src)
     if cfg.quantization is not None and cfg.quantization.method != "fp8":
@@ -50,12 +54,6 @@ def run(args) -> int:
     model = model_tensors(cfg)
     validate_source(reader, dataclasses.replace(cfg, weights=plan_weights(cfg, reader, UNSET, model)), model)
     check_split(model, WeightPlan(scheme), 1)
-    if out.resolve() == src.resolve():
-        raise UsageError("--out must be another directory than --ckpt")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out}: cannot create ({exc.strerror})") from None
 
     fp8 = {k.removesuffix(SCALE_SUFFIX) for k in reader.file_of if k.endswith(SCALE_SUFFIX)}
     tensors = []
@@ -86,17 +84,18 @@ def run(args) -> int:
     def scale_dtype(e: Entry) -> torch.dtype:
         return e.dtype if e.dtype in FLOATS else run_dtype
 
-    shards = write_quantized(out, tensors, blocks, quantized, args.max_shard_mib * 2**20, scale_dtype, stored_dtype, f"quantize {scheme.name}")
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config", None)
-    if isinstance(config.get("text_config"), dict):
-        config["text_config"].pop("quantization_config", None)
-    config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    copied = []
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX):
-            shutil.copy2(f, out / f.name)
-            copied.append(f.name)
+    with written_whole(out) as work:
+        shards = write_quantized(work, tensors, blocks, quantized, args.max_shard_mib * 2**20, scale_dtype, stored_dtype, f"quantize {scheme.name}")
+        config = json.loads((src / "config.json").read_text())
+        config.pop("quantization_config", None)
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"].pop("quantization_config", None)
+        config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized))
+        (work / "config.json").write_text(json.dumps(config, indent=2))
+        copied = []
+        for f in sorted(src.iterdir()):
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX):
+                shutil.copy2(f, work / f.name)
+                copied.append(f.name)
     print(f"wrote {src} as {scheme.name} (compressed-tensors pack-quantized, {len(quantized)} weights, {shards} shard(s)) to {out}; copied {', '.join(copied) or 'no other files'}")
     return 0

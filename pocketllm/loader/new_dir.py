@@ -1,0 +1,67 @@
+"""A checkpoint directory written whole or not at all: the commands that write one (make-checkpoint,
+quantize) write into a hidden directory beside --out and rename it into place once everything is
+written, so an interrupted or failed run leaves no half-written checkpoint where a complete one is
+expected, and never mixes its files with what a directory held before."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from pocketllm.errors import UsageError
+
+
+def check_new_dir(out: str, flag: str = "--out") -> Path:
+    """`out` as a path a command may write a checkpoint to: new, or an empty directory. An
+    existing checkpoint (or anything else) there is refused before any work starts."""
+    if not out:
+        raise UsageError(f"{flag} is empty: give the directory to write")
+    path = Path(out)
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise UsageError(f"{flag} {path}: exists and is not a directory")
+        if any(path.iterdir()):
+            raise UsageError(f"{flag} {path}: is not empty; give a new or empty directory (nothing was written)")
+    return path
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def written_whole(out: Path, flag: str = "--out"):
+    """Yields a hidden directory beside `out` (checked by check_new_dir) to write into; on leaving
+    without an error it becomes `out`, on any error or interruption it is removed. SIGTERM is
+    taken as an interruption while it is open (in the main thread), so `kill` cleans up too."""
+    parent = out.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    except OSError as exc:
+        raise UsageError(f"{flag} {out}: cannot create ({exc.strerror})") from None
+    # mkdtemp makes the directory private; a checkpoint gets the mode a plain mkdir would give it.
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        yield work
+        if out.is_dir() and not out.is_symlink():
+            out.rmdir()  # empty, as check_new_dir found it; not empty now: OSError, nothing lost
+        os.rename(work, out)
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        raise UsageError(f"{flag} {out}: cannot write ({exc.strerror or exc}); nothing was left there") from None
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)

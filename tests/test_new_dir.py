@@ -1,0 +1,62 @@
+"""make-checkpoint and quantize write a checkpoint whole or not at all: a non-empty --out is
+refused before any work and left as it was; a write that fails or is interrupted (SIGTERM too)
+leaves neither --out nor its hidden work directory behind; a finished one has a plain
+directory's mode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import main_in_process, usage_error_in_process
+from pocketllm.loader.new_dir import check_new_dir, written_whole
+
+
+def listing(path):
+    return sorted((p.name, p.stat().st_size) for p in path.iterdir())
+
+
+def test_a_non_empty_out_is_refused_and_left_as_it_was(ckpt_copy, tiny_ckpt, tmp_path, capsys, no_ranks):
+    before = listing(ckpt_copy)
+    usage_error_in_process(capsys, "make-checkpoint", "--preset", "small", "--out", ckpt_copy, expect=(str(ckpt_copy), "not empty"))
+    usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", ckpt_copy, "--scheme", "int8", expect=("not empty",))
+    assert listing(ckpt_copy) == before
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    usage_error_in_process(capsys, "make-checkpoint", "--preset", "tiny", "--out", afile, expect=("not a directory",))
+    usage_error_in_process(capsys, "make-checkpoint", "--preset", "tiny", "--out", "", expect=("--out is empty",))
+    usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", "", "--scheme", "int8", expect=("--out is empty",))
+    assert afile.read_text() == "x"
+
+
+def test_an_empty_out_is_written_with_a_plain_directorys_mode(tiny_ckpt, tmp_path, capsys, no_ranks):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main_in_process("quantize", "--ckpt", tiny_ckpt, "--out", empty, "--scheme", "int8") == 0
+    fresh = tmp_path / "a" / "b"
+    assert main_in_process("make-checkpoint", "--preset", "tiny", "--out", fresh) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for out in (empty, fresh):
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+        assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("how", ["error", "sigterm"])
+def test_a_failed_or_interrupted_write_leaves_nothing(tmp_path, how):
+    out = check_new_dir(str(tmp_path / "out"))
+    raised = RuntimeError if how == "error" else KeyboardInterrupt
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(raised):
+        with written_whole(out) as work:
+            (work / "model.safetensors").write_bytes(b"\0" * 1024)
+            if how == "error":
+                raise RuntimeError("the writer failed")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises at the next bytecode, long before this ends
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before
