@@ -242,12 +242,19 @@ def checked_for_run(choice: PolicyChoice, run: RunPlan, hidden: int) -> PolicyCh
 
 
 def check_out_path(path: str | None, flag: str) -> None:
-    """An output file's directory must exist before any measuring, so a typo does not cost a run."""
+    """An output file's directory must exist and the name must not be a directory, before any
+    measuring, so a typo does not cost a run."""
     if path is None:
         return
+    if not path:
+        raise UsageError(f"{flag} is empty: give the file to write")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"{flag} {path}: directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory; give the file to write")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"{flag} {path}: directory {directory} is not writable")
 
 
 def say(*parts, rank0: bool = True) -> None:

@@ -24,6 +24,11 @@ CASES = {
     "text-pin": (["--token-ids", "1", "--pin-slices", "two"], "--pin-slices must be a non-negative integer, got 'two'"),
     "prompt-without-tokenizer": (["--prompt", "hello"], "--prompt needs a checkpoint with tokenizer.json"),
     "stream-without-tokenizer": (["--token-ids", "1", "--stream"], "--stream needs a checkpoint with tokenizer.json"),
+    "nan-temperature": (["--token-ids", "1", "--temperature", "nan"], "--temperature must be a number >= 0, got nan"),
+    "seed-over-64-bits": (["--token-ids", "1", "--seed", str(2**64)], "--seed must fit in 64 bits"),
+    "nan-timeout": (["--token-ids", "1", "--dist-timeout", "nan"], "--dist-timeout must be a number of seconds in (0, 1000000000], got nan"),
+    "logits-out-a-directory": (["--token-ids", "1", "--logits-out", "."], "--logits-out .: is a directory"),
+    "logits-out-empty": (["--token-ids", "1", "--logits-out", ""], "--logits-out is empty"),
 }
 
 
@@ -93,8 +98,13 @@ def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_pat
     usage_error_in_process(
         capsys, command, *extra, "--tp-world", "2", "--tp-rank", "1", "--rendezvous-file", tmp_path / "run.id", "--dist-timeout", "-1",
         "--device", "cpu",  # were the check gone, this process would become the rank: never on a GPU
-        expect="--dist-timeout must be positive, got -1",
+        expect="--dist-timeout must be a number of seconds in (0, 1000000000], got -1",
     )
+
+
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_a_json_path_that_is_a_directory_is_refused_before_the_run(command, tmp_path, capsys, no_ranks):
+    usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", "--json", tmp_path, expect=f"--json {tmp_path}: is a directory")
 
 
 def test_torchrun_env_without_tp_world_plans_for_its_world_size(capsys, no_ranks, monkeypatch):

@@ -3,6 +3,7 @@ one batch."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan, tuple_or_none
 from pocketllm.errors import UsageError
 from pocketllm.inputs import PromptSource, load_tokenizer, prompt_list
-from pocketllm.model_args import add_model_args
+from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.run_plan import RunPlan
 
 
@@ -53,10 +54,13 @@ class Task:
 
 def _prepare(run, plan):
     t, ckpt = run.task, run.source.ckpt
-    if t.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {t.temperature}")
+    if not 0 <= t.temperature < math.inf:
+        raise UsageError(f"--temperature must be a number >= 0, got {t.temperature}")
+    if not -(2**63) <= t.seed < 2**63:
+        raise UsageError(f"--seed must fit in 64 bits (-2**63 .. 2**63 - 1), got {t.seed}")
     if not 0 < t.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {t.top_p}")
+    check_out_path(t.logits_out, "--logits-out")
     if t.max_running is not None and t.max_running < 1:
         raise UsageError(f"--max-running must be >= 1, got {t.max_running}")
     prompts = prompt_list(t.prompt, plan.cfg, ckpt)

@@ -20,11 +20,13 @@ from pocketllm.switches import env_value
 # The model-free commands (allreduce, calibrate) time collectives, so they need two ranks at
 # least: the world a local run of theirs starts when --tp-world is not given.
 DEFAULT_WORLD = 2
+MAX_TIMEOUT_S = 10**9  # ~31 years: beyond any run, and within what the process group's timedelta holds
 
 
 def check_timeout(args) -> None:
-    if args.dist_timeout is not None and args.dist_timeout <= 0:
-        raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    # The upper bound is what a timedelta (the process group's timeout) can hold.
+    if args.dist_timeout is not None and not 0 < args.dist_timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--dist-timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {args.dist_timeout}")
 
 
 def device_plan(requested: str) -> DevicePlan:
