@@ -69,6 +69,10 @@ def test_missing_directory(tmp_path, capsys, no_ranks):
     generate_error(capsys, tmp_path / "nowhere", expect=("nowhere", "does not exist"))
 
 
+def test_a_file_given_as_the_checkpoint_is_named(tiny_ckpt, capsys, no_ranks):
+    generate_error(capsys, tiny_ckpt / "config.json", expect=("config.json is not a directory",))
+
+
 def test_missing_tensor_named(ckpt_copy, capsys, no_ranks):
     rewrite(ckpt_copy, lambda t: t.pop("model.layers.1.linear_attn.A_log"))
     generate_error(capsys, ckpt_copy, expect=("missing 1 tensor", "model.layers.1.linear_attn.A_log"))
@@ -136,3 +140,15 @@ def test_index_key_in_the_wrong_shard_is_named(sharded, capsys, no_ranks):
     weight_map["model.norm.weight"] = wrong
     path.write_text(json.dumps(index))
     generate_error(capsys, sharded, expect=("model.norm.weight", f"not in {wrong}"))
+
+
+@pytest.mark.parametrize("weight_map,expect", [
+    ([1, 2], "weight_map must map each tensor name to a shard's file name"),
+    ({"model.norm.weight": 3}, "weight_map must map each tensor name to a shard's file name"),
+    ({"model.norm.weight": "../elsewhere.safetensors"}, "outside the checkpoint directory: ../elsewhere.safetensors"),
+    ({"model.norm.weight": "/etc/passwd"}, "outside the checkpoint directory: /etc/passwd"),
+], ids=["a-list", "a-number", "up-a-level", "absolute"])
+def test_an_index_of_the_wrong_form_is_named(sharded, weight_map, expect, capsys, no_ranks):
+    path = sharded / "model.safetensors.index.json"
+    path.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    generate_error(capsys, sharded, expect=(str(path), expect))

@@ -24,6 +24,8 @@ class CheckpointReader:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         if not self.dir.is_dir():
+            if self.dir.exists():
+                raise CheckpointError(f"checkpoint {self.dir} is not a directory: give the directory that holds config.json and the safetensors")
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         # Each shard is opened once to map its keys and stays open for the model check, which
         # reads its tensors' shapes and dtypes from the same parsed header; close() unmaps them.
@@ -42,6 +44,11 @@ class CheckpointReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map must map each tensor name to a shard's file name")
+            outside = sorted({f for f in weight_map.values() if Path(f).is_absolute() or ".." in Path(f).parts})
+            if outside:
+                raise CheckpointError(f"{index} names shard(s) outside the checkpoint directory: {', '.join(outside[:3])}")
             missing = sorted({f for f in weight_map.values() if not (self.dir / f).is_file()})
             if missing:
                 raise CheckpointError(f"{index} names shard(s) that are absent: {', '.join(missing)}")
