@@ -84,6 +84,11 @@ def test_token_ids_file_and_text_prompt_through_tokenizer(tiny_ckpt, tmp_path, c
     assert by_file[0] == by_text[0] and len(by_text) == 2
 
 
+def test_a_broken_tokenizer_is_named_before_the_run(ckpt_copy, capsys, no_ranks):
+    (ckpt_copy / "tokenizer.json").write_text("{not json")
+    usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--token-ids", "1,2", "--tp-world", "2", expect=("tokenizer.json is not a readable tokenizer",))
+
+
 def test_stream_needs_the_checkpoints_tokenizer(ckpt_copy, capsys, no_ranks):
     (ckpt_copy / "tokenizer.json").unlink()
     usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--token-ids", "1,2", "--stream", "--tp-world", "2", expect=f"--stream needs {ckpt_copy / 'tokenizer.json'}, which does not exist")

@@ -72,6 +72,8 @@ def _prepare(run, plan):
                 raise UsageError(f"{flag} takes one prompt, got {len(prompts)}")
     if t.stream:
         load_tokenizer(ckpt, "--stream", "leave --stream off to print the generated ids at the end")
+    elif ckpt is not None and (Path(ckpt) / "tokenizer.json").is_file():
+        load_tokenizer(ckpt)  # the text is printed after the ids: a broken tokenizer is named now, not then
     return prompts
 
 
