@@ -3,7 +3,8 @@ the bound that --max-len and the longest token set is a 413 at once, a small req
 it answered as fast as alone; a prompt too long in bytes a 400 without being tokenized; a prompt
 over --max-len in tokens still the one-line 400; and a long tokenization (a /tokenize of a body
 near the bound) runs beside the event loop, so a small request sent while it runs is answered
-before it ends. Then the bound itself, per kind of tokenizer."""
+before it ends. Then the bound itself, per kind of tokenizer; and bodies that hold no text (a lone
+surrogate escape) or nest past the parser, each a 400, with a body cut short leaving no traceback."""
 
 from __future__ import annotations
 
@@ -172,3 +173,33 @@ def test_the_bytes_a_token_stands_for_bound_every_text_or_are_unknown():
     assert len("\U0001f600\U0001f600".encode()) <= len(unk.encode("\U0001f600\U0001f600").ids) * token_bytes(unk)
     assert token_bytes(Tokenizer(models.BPE({"<unk>": 0, "a": 1}, [], unk_token="<unk>", fuse_unk=True))) is None
     assert Admission(8, None).body_limit is None
+
+
+@pytest.mark.timeout(60)
+def test_bodies_no_text_or_parser_takes_are_400_and_a_body_cut_short_leaves_no_traceback(server):
+    """A lone surrogate escape (in a value or a key), JSON nested past what the parser reads, and a
+    sampling row whose softmax overflows are each one request's matter: 400s, then a 200, and the
+    server answers on; a client gone in the middle of its body leaves no traceback."""
+    deep = b'{"model": "' + MODEL.encode() + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    cases = [
+        ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "a\\ud800b"}', "surrogate (\\ud800)"),
+        ("/v1/chat/completions", b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate (\\udfff)"),
+        ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "hi", "\\ud800": 1}', "surrogate"),
+        ("/tokenize", b'{"model": "' + MODEL.encode() + b'", "prompt": "\\ud800"}', "surrogate"),
+        ("/v1/completions", deep, "nests deeper"),
+    ]
+    for path, body, fragment in cases:
+        status, text = server.http("POST", path, body=body)
+        assert status == 400 and fragment in error(text)["message"], (path, status, text)
+    for overflow in ({"temperature": 1e-45}, {"temperature": 1.0, "repetition_penalty": 1e-300}):
+        status, text = server.http("POST", "/v1/completions", data={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "seed": 1, **overflow})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3, (overflow, text)
+    conn = server.connect()
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in (("Authorization", f"Bearer {KEY}"), ("Content-Type", "application/json"), ("Content-Length", "1000")):
+        conn.putheader(name, value)
+    conn.endheaders(b'{"model": ')
+    conn.close()
+    small(server)
+    time.sleep(0.5)
+    assert "Traceback" not in server.run.stderr, server.run.stderr

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pocketllm.serving.admission import Admission, encode, off_loop
 from pocketllm.serving.chat_template import ChatTemplate
@@ -133,16 +134,42 @@ async def _json(request: Request, admission: Admission):
     if limit is not None and declared.isdigit() and int(declared) > limit:
         raise admission.too_large(int(declared))
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if limit is not None and size > limit:
-            raise admission.too_large(None)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise admission.too_large(None)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody is left to read an answer; an error ends the request without a traceback.
+        raise bad("the client went away before its request body ended") from None
     raw = b"".join(chunks)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body is not valid JSON here: it nests deeper than this server reads") from None
+    _check_unicode(body)
+    return body
+
+
+def _check_unicode(body) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair alone (\\ud800), which no text is: a
+    string or key holding one is refused here, before a tokenizer or an error message meets it."""
+    stack = [body]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise bad(f"the request body holds a lone UTF-16 surrogate (\\u{ord(v[exc.start]):04x}), which is no character") from None
 
 
 def _respond(route, *args) -> JSONResponse:
