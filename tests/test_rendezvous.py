@@ -1,6 +1,7 @@
 """Rendezvous is checked and bounded: a --rendezvous-file file left by an earlier run is refused with
 the command that clears it (and the run works once it is cleared), a missing rank 0 is waited for
-only POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS x 10 ms, and an unwritable directory or a busy port is
+only POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS x 10 ms, a rank 0 ended by SIGTERM while it waits leaves
+no file behind, and an unwritable directory or a busy port is
 one line naming it; a device backend's group also carries CPU tensors (through gloo). The
 launcher's own private directory is checked in test_faults.py."""
 
@@ -68,6 +69,23 @@ def test_stale_file_is_refused_then_cleared(tmp_path):
     assert [r.wait() for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     assert "generated_ids=" in runs[1].stdout
     assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_a_waiting_rank0_clears_its_file(tmp_path):
+    """Unlike SIGKILL above, SIGTERM can be caught: a hand-started rank 0 waiting for the others
+    ends as an interrupted run, and leaves no file to refuse the next one."""
+    id_path = tmp_path / "run.id"
+    rank0 = hand_started(0, id_path, tmp_path)
+    deadline = time.monotonic() + 30
+    while not (id_path.exists() and "end" in id_path.read_text().split()):
+        assert time.monotonic() < deadline and rank0.proc.poll() is None, rank0.stderr
+        time.sleep(0.05)
+    rank0.proc.send_signal(signal.SIGTERM)
+    assert rank0.wait() == 130, rank0.stderr
+    assert "Traceback" not in rank0.stderr and rank0.stderr.strip().splitlines()[-1] == "pocketllm: interrupted", rank0.stderr
+    assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
+    assert_nothing_left(rank0)
 
 
 @pytest.fixture(scope="module")

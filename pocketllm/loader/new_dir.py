@@ -8,12 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import tempfile
-import threading
 from pathlib import Path
 
 from pocketllm.errors import UsageError
+from pocketllm.interrupts import sigterm_interrupts
 
 
 def check_new_dir(out: str, flag: str = "--out") -> Path:
@@ -30,15 +29,11 @@ def check_new_dir(out: str, flag: str = "--out") -> Path:
     return path
 
 
-def _terminated(signum, frame):
-    raise KeyboardInterrupt
-
-
 @contextlib.contextmanager
 def written_whole(out: Path, flag: str = "--out"):
     """Yields a hidden directory beside `out` (checked by check_new_dir) to write into; on leaving
     without an error it becomes `out`, on any error or interruption it is removed. SIGTERM is
-    taken as an interruption while it is open (in the main thread), so `kill` cleans up too."""
+    taken as an interruption while it is open (interrupts.py), so `kill` cleans up too."""
     parent = out.absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -49,19 +44,15 @@ def written_whole(out: Path, flag: str = "--out"):
     umask = os.umask(0)
     os.umask(umask)
     work.chmod(0o777 & ~umask)
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, _terminated) if main else None
     try:
-        yield work
-        if out.is_dir() and not out.is_symlink():
-            out.rmdir()  # empty, as check_new_dir found it; not empty now: OSError, nothing lost
-        os.rename(work, out)
+        with sigterm_interrupts():
+            yield work
+            if out.is_dir() and not out.is_symlink():
+                out.rmdir()  # empty, as check_new_dir found it; not empty now: OSError, nothing lost
+            os.rename(work, out)
     except OSError as exc:
         shutil.rmtree(work, ignore_errors=True)
         raise UsageError(f"{flag} {out}: cannot write ({exc.strerror or exc}); nothing was left there") from None
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, before)
