@@ -167,8 +167,16 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     _check_positive(partial, "partial_rotary_factor", where)
     if partial > 1:
         raise ConfigError(f"{where}: partial_rotary_factor must be in (0, 1], got {partial}")
+    # Grouped heads: each KV head (each GDN key head) serves a whole number of query (value) heads,
+    # whatever the split.
+    for many, few in (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads")):
+        if text[many] % text[few]:
+            raise ConfigError(f"{where}: {many}={text[many]} is not a multiple of {few}={text[few]}")
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    for e in eos_ids:
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < text["vocab_size"]:
+            raise ConfigError(f"{where}: eos_token_id must be token ids in [0, vocab_size={text['vocab_size']}), got {eos!r}")
     # The text config's own value wins over the outer (multimodal) one.
     tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
@@ -238,12 +246,6 @@ def tp_split_problems(cfg: ModelConfig, world: int) -> list[str]:
     # Fewer KV heads than ranks: each KV head is replicated on world // kv ranks, so kv must divide world.
     if (kv >= world and kv % world) or (kv < world and world % kv):
         problems.append(f"num_key_value_heads={kv}")
-    if cfg.num_attention_heads % kv:
-        problems.append(f"num_attention_heads={cfg.num_attention_heads} per num_key_value_heads={kv}")
-    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
-        problems.append(
-            f"linear_num_value_heads={cfg.linear_num_value_heads} per linear_num_key_heads={cfg.linear_num_key_heads}"
-        )
     return problems
 
 

@@ -34,6 +34,9 @@ CONFIG_CASES = {
     "layer-types-short": (lambda cfg: cfg.__setitem__("layer_types", cfg["layer_types"][:3]), "layer_types has 3 entries, num_hidden_layers is 4"),
     "layer-types-unknown": (lambda cfg: cfg["layer_types"].__setitem__(1, "mamba"), "layer_types[1] is 'mamba'; known kinds"),
     "layer-types-not-list": (_set("layer_types", "linear_attention"), "layer_types has linear_attention entries"),
+    "kv-heads-not-dividing": (_set("num_key_value_heads", 3), "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    "eos-a-string": (_set("eos_token_id", "x"), "eos_token_id must be token ids in [0, vocab_size=1000), got 'x'"),
+    "eos-past-the-vocab": (_set("eos_token_id", [1, 5000]), "eos_token_id must be token ids in [0, vocab_size=1000), got [1, 5000]"),
 }
 
 
