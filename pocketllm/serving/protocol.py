@@ -129,8 +129,10 @@ def check_model(fields: dict, limits: Limits, required: bool) -> None:
     if "model" not in fields and not required:
         return
     model = fields.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise bad("model is required: the name /v1/models lists", "model")
+    if not isinstance(model, str):
+        raise bad(f"model must be a string, the name /v1/models lists; got {model!r}", "model")
     if model != limits.model:
         raise ApiError(404, f"the model {model!r} does not exist: this server serves {limits.model!r}", "model", "model_not_found")
 
@@ -186,9 +188,10 @@ def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -
     top_k = fields.get("top_k", 0)
     if not is_int(top_k) or top_k < -1:
         raise bad(f"top_k must be an integer: -1 or 0 for every token, or k >= 1, got {top_k!r}", "top_k")
-    repetition = _number(fields, "repetition_penalty", 1.0, 0.0, float("inf"))
-    if not 0 < repetition < float("inf"):
+    repetition = fields.get("repetition_penalty", 1.0)
+    if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0 < repetition < float("inf"):
         raise bad(f"repetition_penalty must be a number > 0 (1 is none), got {repetition!r}", "repetition_penalty")
+    repetition = float(repetition)
     min_tokens = fields.get("min_tokens", 0)
     if not is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
         raise bad(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
@@ -236,7 +239,8 @@ def _logit_bias(bias, vocab: int) -> tuple[tuple[int, float], ...]:
         raise bad(f"logit_bias must be an object mapping token ids to numbers in [-100, 100], got {bias!r}", "logit_bias")
     out = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab):
+        # isascii: str.isdigit (and int) also take other scripts' digits, which no token id is written in.
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab):
             raise bad(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}", "logit_bias")
