@@ -213,11 +213,18 @@ def main(spec: GdnBenchSpec) -> int:
     def inputs(seed):
         return tuple(x.to(device.torch_device) for x in make_inputs(T, Hk, Hv, D, dtype, seed=seed))
 
-    variants = _variants(spec, inputs(0), device_kernel)
-    # Warm every kernel at the timed shape, so first-call and per-shape costs stay out of the timings.
-    for fn in _variants(spec, inputs(1), device_kernel).values():
-        fn()
-    times, results = _time_interleaved(variants, spec.reps, device.synchronize)
+    try:
+        variants = _variants(spec, inputs(0), device_kernel)
+        # Warm every kernel at the timed shape, so first-call and per-shape costs stay out of the timings.
+        for fn in _variants(spec, inputs(1), device_kernel).values():
+            fn()
+        times, results = _time_interleaved(variants, spec.reps, device.synchronize)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "DefaultCPUAllocator" not in str(exc):
+            raise
+        from pocketllm.errors import UsageError
+
+        raise UsageError(f"--tokens {T} with these heads does not fit in {device.describe()}'s memory ({str(exc).splitlines()[0]})") from None
     agree = _check_agreement(results, TOLERANCE[dtype])
 
     chunked = statistics.median(times["pocketllm chunked"])
