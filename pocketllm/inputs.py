@@ -90,15 +90,26 @@ def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int
     problem = prompt_problem(ids, cfg.vocab_size)
     if problem:
         raise UsageError(problem)
+    check_length(len(ids), cfg, max_new_tokens)
+    return ids
+
+
+def checked_bench_ids(n: int, cfg: ModelConfig, max_new_tokens: int) -> list[int]:
+    """bench_ids(n) for cfg, checked as a prompt; its length first, before a list of n ids is made."""
+    check_length(n, cfg, max_new_tokens)
+    return check_ids(bench_ids(n, cfg.vocab_size), cfg, max_new_tokens)
+
+
+def check_length(prompt_tokens: int, cfg: ModelConfig, max_new_tokens: int) -> None:
+    """A prompt of that many tokens and the new ones fit the model's positions."""
     if max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    total = len(ids) + max_new_tokens
+    total = prompt_tokens + max_new_tokens
     if total > cfg.max_position_embeddings:
         raise UsageError(
-            f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens is {total}, "
+            f"prompt of {prompt_tokens} tokens plus {max_new_tokens} new tokens is {total}, "
             f"over max_position_embeddings={cfg.max_position_embeddings}"
         )
-    return ids
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,18 @@ def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_pat
     )
 
 
+@pytest.mark.parametrize("flag,what", [("--ckpt", "checkpoint directory"), ("--preset", "preset name")])
+def test_an_empty_source_is_refused_not_read_as_the_default(flag, what, capsys, no_ranks):
+    usage_error_in_process(capsys, "generate", flag, "", "--token-ids", "1", "--tp-world", "2", expect=f"{flag} is empty: give a {what}")
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_a_prompt_past_the_models_positions_is_refused_before_its_ids_are_made(command, capsys, no_ranks):
+    # 10**9 ids as a Python list would take minutes and tens of GiB: the length is checked first.
+    usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", str(10**9), expect="over max_position_embeddings=")
+
+
 @pytest.mark.parametrize("command", ["bench", "profile"])
 def test_a_json_path_that_is_a_directory_is_refused_before_the_run(command, tmp_path, capsys, no_ranks):
     usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", "--json", tmp_path, expect=f"--json {tmp_path}: is a directory")

@@ -14,7 +14,7 @@ from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan, source_plan, tuple_or_none
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens
-from pocketllm.inputs import PromptSource, bench_ids, check_ids, prompt_ids
+from pocketllm.inputs import PromptSource, checked_bench_ids, prompt_ids
 from pocketllm.model_args import add_model_args, check_out_path, say
 from pocketllm.profiling import kernel_profile
 from pocketllm.run_plan import RunPlan
@@ -76,7 +76,7 @@ def seed_layers(args) -> int | None:
 
 def _prepare(run, plan):
     t = run.task
-    ids = prompt_ids(t.prompt, plan.cfg, run.source.ckpt) or check_ids(bench_ids(t.prompt_tokens, plan.cfg.vocab_size), plan.cfg, t.prompt.max_new_tokens)
+    ids = prompt_ids(t.prompt, plan.cfg, run.source.ckpt) or checked_bench_ids(t.prompt_tokens, plan.cfg, t.prompt.max_new_tokens)
     if t.prompt.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {t.prompt.max_new_tokens}")
     check_warmup_tokens(t.warmup_tokens)

@@ -18,7 +18,7 @@ from pocketllm.commands.settings import model_run_plan, phase_asked, profiling_p
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_CEILING, ENV_PIN
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
-from pocketllm.inputs import bench_ids, check_ids
+from pocketllm.inputs import bench_ids, checked_bench_ids
 from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
@@ -64,7 +64,7 @@ class Task:
 def _prepare(run, plan):
     t = run.task
     lengths = parse_lengths(t.prompt_tokens)
-    check_ids(bench_ids(lengths[-1], plan.cfg.vocab_size), plan.cfg, 0)
+    checked_bench_ids(lengths[-1], plan.cfg, 0)
     if t.reps < 1:
         raise UsageError(f"--reps must be >= 1, got {t.reps}")
     check_warmup_tokens(t.warmup_tokens)

@@ -19,7 +19,7 @@ from pocketllm.commands.settings import model_run_plan
 from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
-from pocketllm.inputs import bench_ids, check_ids
+from pocketllm.inputs import bench_ids, checked_bench_ids
 from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path, checked_for_run
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
@@ -100,7 +100,7 @@ def _prepare(run, plan):
     settings = build_settings(run, plan)
     if len({s.name for s, _ in settings}) != len(settings):
         raise UsageError(f"--pin {t.pin}: a slice count is repeated")
-    check_ids(bench_ids(max(rows_list), plan.cfg.vocab_size), plan.cfg, t.max_new_tokens)
+    checked_bench_ids(max(rows_list), plan.cfg, t.max_new_tokens)
     check_out_path(t.json, "--json")
     check_out_path(t.plot, "--plot")
     if t.plot:
