@@ -29,6 +29,16 @@ def hand_started(rank: int, id_path, tmp_path, attempts: int = 3000, world: int 
     return start(*ARGS, "--tp-world", world, "--tp-rank", rank, "--rendezvous-file", id_path, tmp_path=tmp_path, env=env)
 
 
+def waiting_rank0(id_path, tmp_path):
+    """A hand-started rank 0 once it has written its whole --rendezvous-file and waits for rank 1."""
+    rank0 = hand_started(0, id_path, tmp_path)
+    deadline = time.monotonic() + 30
+    while not (id_path.exists() and "end" in id_path.read_text().split()):
+        assert time.monotonic() < deadline and rank0.proc.poll() is None, rank0.stderr
+        time.sleep(0.05)
+    return rank0
+
+
 def one_line_error(run, rc: int = 2) -> str:
     assert run.wait() == rc, run.stderr
     assert "Traceback" not in run.stderr
@@ -42,11 +52,7 @@ def one_line_error(run, rc: int = 2) -> str:
 def test_stale_file_is_refused_then_cleared(tmp_path):
     id_path = tmp_path / "run.id"
     # An earlier run whose rank 0 was killed while it waited for rank 1 leaves the file behind.
-    earlier = hand_started(0, id_path, tmp_path)
-    deadline = time.monotonic() + 30
-    while not (id_path.exists() and "end" in id_path.read_text().split()):
-        assert time.monotonic() < deadline and earlier.proc.poll() is None, earlier.stderr
-        time.sleep(0.05)
+    earlier = waiting_rank0(id_path, tmp_path)
     earlier.proc.send_signal(signal.SIGKILL)
     earlier.wait()
 
@@ -76,11 +82,7 @@ def test_sigterm_to_a_waiting_rank0_clears_its_file(tmp_path):
     """Unlike SIGKILL above, SIGTERM can be caught: a hand-started rank 0 waiting for the others
     ends as an interrupted run, and leaves no file to refuse the next one."""
     id_path = tmp_path / "run.id"
-    rank0 = hand_started(0, id_path, tmp_path)
-    deadline = time.monotonic() + 30
-    while not (id_path.exists() and "end" in id_path.read_text().split()):
-        assert time.monotonic() < deadline and rank0.proc.poll() is None, rank0.stderr
-        time.sleep(0.05)
+    rank0 = waiting_rank0(id_path, tmp_path)
     rank0.proc.send_signal(signal.SIGTERM)
     assert rank0.wait() == 130, rank0.stderr
     assert "Traceback" not in rank0.stderr and rank0.stderr.strip().splitlines()[-1] == "pocketllm: interrupted", rank0.stderr
