@@ -24,7 +24,6 @@ MAX_TIMEOUT_S = 10**9  # ~31 years: beyond any run, and within what the process 
 
 
 def check_timeout(args) -> None:
-    # The upper bound is what a timedelta (the process group's timeout) can hold.
     if args.dist_timeout is not None and not 0 < args.dist_timeout <= MAX_TIMEOUT_S:
         raise UsageError(f"--dist-timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {args.dist_timeout}")
 
