@@ -46,9 +46,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
     if params.temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
-    if not math.isfinite(float(probs.sum())):
-        # A logit of +inf (a repetition penalty near 0), or finite logits over a temperature so
-        # small that they overflow: the softmax is NaN. Its limit is what is drawn from instead.
+    if math.isnan(float(probs[0])):
+        # A logit of +inf (a repetition penalty near 0), finite logits over a temperature so small
+        # that they overflow, or every logit -inf: the softmax's max is then not finite and every
+        # entry comes out NaN, so one entry says it. Its limit is what is drawn from instead.
         probs = likeliest(logits)
         if probs is None:
             return int(torch.argmax(logits))  # every token masked: nothing a draw could honour
