@@ -7,43 +7,41 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 from pocketllm.errors import UsageError
 from pocketllm.interrupts import sigterm_interrupts
 
 
-def check_new_dir(out: str, flag: str = "--out") -> Path:
+def check_new_dir(out: str) -> Path:
     """`out` as a path a command may write a checkpoint to: new, or an empty directory. An
     existing checkpoint (or anything else) there is refused before any work starts."""
     if not out:
-        raise UsageError(f"{flag} is empty: give the directory to write")
+        raise UsageError("--out is empty: give the directory to write")
     path = Path(out)
     if path.exists() or path.is_symlink():
         if not path.is_dir():
-            raise UsageError(f"{flag} {path}: exists and is not a directory")
+            raise UsageError(f"--out {path}: exists and is not a directory")
         if any(path.iterdir()):
-            raise UsageError(f"{flag} {path}: is not empty; give a new or empty directory (nothing was written)")
+            raise UsageError(f"--out {path}: is not empty; give a new or empty directory (nothing was written)")
     return path
 
 
 @contextlib.contextmanager
-def written_whole(out: Path, flag: str = "--out"):
+def written_whole(out: Path):
     """Yields a hidden directory beside `out` (checked by check_new_dir) to write into; on leaving
     without an error it becomes `out`, on any error or interruption it is removed. SIGTERM is
     taken as an interruption while it is open (interrupts.py), so `kill` cleans up too."""
     parent = out.absolute().parent
+    # A plain mkdir (not mkdtemp's private 0700): the checkpoint gets the mode any directory would.
+    work = parent / f".{out.name}.partial-{secrets.token_hex(4)}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+        work.mkdir()
     except OSError as exc:
-        raise UsageError(f"{flag} {out}: cannot create ({exc.strerror})") from None
-    # mkdtemp makes the directory private; a checkpoint gets the mode a plain mkdir would give it.
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)
+        raise UsageError(f"--out {out}: cannot create ({exc.strerror})") from None
     try:
         with sigterm_interrupts():
             yield work
@@ -52,7 +50,7 @@ def written_whole(out: Path, flag: str = "--out"):
             os.rename(work, out)
     except OSError as exc:
         shutil.rmtree(work, ignore_errors=True)
-        raise UsageError(f"{flag} {out}: cannot write ({exc.strerror or exc}); nothing was left there") from None
+        raise UsageError(f"--out {out}: cannot write ({exc.strerror or exc}); nothing was left there") from None
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
