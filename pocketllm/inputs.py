@@ -95,9 +95,10 @@ def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int
 
 
 def checked_bench_ids(n: int, cfg: ModelConfig, max_new_tokens: int) -> list[int]:
-    """bench_ids(n) for cfg, checked as a prompt; its length first, before a list of n ids is made."""
+    """bench_ids(n) for cfg, its length checked before a list of n ids is made (the ids are the
+    vocab's by construction, and bench_ids refuses n < 1)."""
     check_length(n, cfg, max_new_tokens)
-    return check_ids(bench_ids(n, cfg.vocab_size), cfg, max_new_tokens)
+    return bench_ids(n, cfg.vocab_size)
 
 
 def check_length(prompt_tokens: int, cfg: ModelConfig, max_new_tokens: int) -> None:

@@ -176,9 +176,9 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
         policy = resolve_policy(s.pin, s.ceiling, overlap_policy=s.overlap_policy, calibration=s.calibration)
     if source.ckpt is not None and source.preset is not None:
         raise UsageError("give either --ckpt or --preset, not both")
-    for flag, value in (("--ckpt", source.ckpt), ("--preset", source.preset)):
+    for flag, value, what in (("--ckpt", source.ckpt, "checkpoint directory"), ("--preset", source.preset, "preset name")):
         if value == "":
-            raise UsageError(f"{flag} is empty: give a {'checkpoint directory' if flag == '--ckpt' else 'preset name'}")
+            raise UsageError(f"{flag} is empty: give a {what}")
     requested = UNSET if source.quantize is None else parse_scheme(source.quantize)
     reader, preset = None, None
     if source.ckpt is not None:
