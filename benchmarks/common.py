@@ -141,6 +141,20 @@ class PocketRunner:
         return result, run.tokens[0]
 
 
+def parse_pairs(p, pairs: list[str]) -> list[tuple[str, str]]:
+    """--pair SCHEME=GGUF values as (pocketllm --quantize scheme, GGUF path), `bf16` read as
+    `none` (the checkpoint's own floats); a malformed pair or a missing file is p's usage error."""
+    out = []
+    for x in pairs:
+        scheme, sep, gguf = x.partition("=")
+        if not sep or not gguf:
+            p.error(f"--pair takes SCHEME=GGUF, got {x!r}")
+        if not os.path.isfile(gguf):
+            p.error(f"--pair {x}: no file {gguf}")
+        out.append(("none" if scheme == "bf16" else scheme, gguf))
+    return out
+
+
 def llama_bench_tests(cmd: list[str]) -> list[dict]:
     """The tests of one llama-bench run (`-o json`); its last stderr line, as one line, on failure."""
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 
-from common import alternate, run_bench_json, spread
+from common import alternate, parse_pairs, run_bench_json, spread
 from pocketllm import compiled
 
 
@@ -54,18 +54,12 @@ def parse_args(argv=None):
         p.error(f"--batches takes comma-separated integers, got {args.batches!r}")
     if any(b < 1 for b in args.batches):
         p.error(f"--batches must be >= 1 each, got {args.batches}")
-    args.pairs = []
-    for x in args.pair:
-        scheme, sep, gguf = x.partition("=")
-        if not sep or not gguf:
-            p.error(f"--pair takes SCHEME=GGUF, got {x!r}")
-        if not os.path.isfile(gguf):
-            p.error(f"--pair {x}: no file {gguf}")
-        args.pairs.append(("none" if scheme == "bf16" else scheme, gguf))
+    args.pairs = parse_pairs(p, args.pair)
     if not os.access(args.llama_batched_bench, os.X_OK):
         p.error(f"--llama-batched-bench: {args.llama_batched_bench} is not an executable")
-    if any("=" not in e or e.startswith("=") for e in args.env):
-        p.error(f"--env takes NAME=VALUE, got {next(e for e in args.env if '=' not in e or e.startswith('='))!r}")
+    for e in args.env:
+        if "=" not in e or e.startswith("="):
+            p.error(f"--env takes NAME=VALUE, got {e!r}")
     args.env = dict(e.split("=", 1) for e in args.env)
     return args
 

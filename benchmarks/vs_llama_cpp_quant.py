@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from common import PocketRunner, alternate, llama_bench_tests, read_bandwidths_gbps, spread
+from common import PocketRunner, alternate, llama_bench_tests, parse_pairs, read_bandwidths_gbps, spread
 from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
@@ -69,12 +69,7 @@ def parse_args(argv=None):
         p.error(f"--reps must be even and at least 2, got {args.reps}")
     if args.prompt_tokens < 0 or args.decode_tokens < 1:
         p.error("--prompt-tokens must be >= 0 and --decode-tokens >= 1")
-    args.pairs = []
-    for x in args.pair:
-        scheme, sep, gguf = x.partition("=")
-        if not sep or not gguf:
-            p.error(f"--pair takes SCHEME=GGUF, got {x!r}")
-        args.pairs.append(("none" if scheme == "bf16" else scheme, gguf))
+    args.pairs = parse_pairs(p, args.pair)
     return args
 
 
