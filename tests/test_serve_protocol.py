@@ -70,8 +70,6 @@ def chat(**fields):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": [5]}, "logit_bias"),
     ({"logit_bias": {"\u0665": 1}}, "logit_bias"),
-    ({"repetition_penalty": -1}, "repetition_penalty"),
-    ({"model": 5}, "model"),
     ({"guided_json": {}}, "guided_json"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -85,6 +83,18 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
     with pytest.raises(ApiError) as err:
         completion(**fields)
     assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"model": 5}, "model must be a string, the name /v1/models lists; got 5"),
+    ({"model": ""}, "model is required: the name /v1/models lists"),
+    ({"repetition_penalty": -1}, "repetition_penalty must be a number > 0 (1 is none), got -1"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0 (1 is none), got 0"),
+])
+def test_the_400_says_what_is_wrong_with_the_value(fields, message):
+    with pytest.raises(ApiError) as err:
+        completion(**fields)
+    assert err.value.status == 400 and err.value.message == message, err.value.message
 
 
 def test_defaults_and_nulls():
