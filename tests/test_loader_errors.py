@@ -63,8 +63,6 @@ def rewrite(ckpt, change):
     save_file(tensors, str(path))
 
 
-
-
 def test_missing_directory(tmp_path, capsys, no_ranks):
     generate_error(capsys, tmp_path / "nowhere", expect=("nowhere", "does not exist"))
 
