@@ -126,6 +126,50 @@ def test_an_engine_failure_ends_every_request_with_a_500_and_stops_the_server(en
     assert refused.value.status == 500
 
 
+@pytest.mark.timeout(60)
+def test_a_request_whose_token_cannot_be_chosen_ends_alone_and_the_rest_go_on(engine, tokenizer, monkeypatch, capfd):
+    """A sampler error in one request (here made by wrapping the scheduler's choose) ends that
+    request with a 500 naming it; the requests beside it get the tokens they get alone, and the
+    server keeps serving."""
+    import pocketllm.engine.scheduler as scheduler_module
+
+    real = scheduler_module.choose
+
+    def choose(logits, sampling, *args):
+        if sampling.seed == 666:
+            raise OverflowError("the draw failed\nsecond line")
+        return real(logits, sampling, *args)
+
+    monkeypatch.setattr(scheduler_module, "choose", choose)
+    stopped = []
+    lp = ServePair(Scheduler(engine, max_running=4, max_len=512), on_end=lambda: stopped.append(True))
+    lp.start()
+    bad = SamplingParams(temperature=0.8, seed=666)
+    good = SamplingParams(temperature=0.8, seed=7)
+
+    async def sampled(sampling):
+        seq = lp.submit(PROMPT, NEW, sampling, ())
+        got = [p async for p in pieces(seq, OutputText(tokenizer, ()), Usage(len(PROMPT)))]
+        return [t for p in got for t in p.token_ids]
+
+    async def run():
+        return await asyncio.gather(answer(lp, tokenizer, PROMPT, NEW), sampled(bad), sampled(good), return_exceptions=True)
+
+    try:
+        greedy, failed, drawn = asyncio.run(run())
+        after = asyncio.run(answer(lp, tokenizer, PROMPT, NEW))
+    finally:
+        lp.begin_shutdown()
+        assert lp.join(10)
+    assert isinstance(failed, ApiError) and failed.status == 500, failed
+    assert failed.message == "the engine could not finish this request: OverflowError: the draw failed", failed.message
+    assert greedy[1] == generate(engine, PROMPT, NEW) and after[1] == greedy[1]
+    assert drawn == generate(engine, PROMPT, NEW, sampling=good)
+    assert lp.failure is None and stopped == [True]  # the end is the shutdown's, not a failure's
+    assert lp.metrics.ended.get("error") == 1
+    assert "request 1 failed choosing its token (OverflowError: the draw failed); the others go on" in capfd.readouterr().err
+
+
 async def _submit(lp):
     return lp.submit(PROMPT, 4, SamplingParams(), ())
 

@@ -21,7 +21,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # a TokenLogprob per output token, when sampling.logprobs asks
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), "cancelled"
+    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), "cancelled", "error"
+    error: str | None = None  # what ended it, when its finish_reason is "error" (one line)
     slot: int | None = None
     fed: int = 0  # positions of this sequence the engine has run
     generator: torch.Generator | None = None

@@ -38,6 +38,7 @@ blocks and cache entries are taken and freed alike."""
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from collections import deque
@@ -178,7 +179,13 @@ class Scheduler:
             elif req.sampling.plain_greedy:
                 token = greedy[i]
             else:
-                token, logprob = choose(logits[i], req.sampling, req.prompt, req.output, req.eos_ids, req.generator)
+                try:
+                    token, logprob = choose(logits[i], req.sampling, req.prompt, req.output, req.eos_ids, req.generator)
+                except Exception as exc:
+                    if self.lockstep:
+                        raise  # every rank drew alike and fails alike: the run's own error
+                    events.append((self._fail(req, exc), None))
+                    continue
                 if logprob is not None:
                     req.logprobs.append(logprob)
             chosen.append([req, token])
@@ -425,6 +432,14 @@ class Scheduler:
             self._release(req.slot)
             req.slot = None
         return req
+
+    def _fail(self, req: Request, exc: Exception) -> Request:
+        """End `req` alone for what went wrong choosing its token (its sampling settings met a
+        case the sampler does not handle): the pass it was in ran, and every other request goes
+        on. Said on stderr in one line, as the error its client gets."""
+        req.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        print(f"pocketllm: request {req.id} failed choosing its token ({req.error}); the others go on", file=sys.stderr, flush=True)
+        return self._finish(req, "error")
 
     def close(self) -> None:
         """End the run for the other ranks (their follow returns). Requests still queued or

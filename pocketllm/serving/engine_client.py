@@ -148,6 +148,12 @@ class EngineClient:
                 sink = self._sinks.pop(message[1], None)
             if sink is not None:
                 _put(sink, Event(None, None, ApiError(400, message[2], "prompt")))
+        elif kind == wire.REQUEST_FAILED:
+            with self._lock:
+                sink = self._sinks.pop(message[1], None)
+            self.metrics.ended_with("error")
+            if sink is not None:
+                _put(sink, Event(None, None, ApiError(500, f"the engine could not finish this request: {message[2]}")))
         elif kind == wire.STOPPING:
             self.stopping = True
         elif kind == wire.CLOSED:

@@ -164,10 +164,15 @@ class EngineDriver:
                 self.scheduler.cancel(request)
 
     def _send_events(self, events) -> None:
-        out = []
+        out, failed = [], []
         for request, token in events:
             rid = self._rid_of.get(request.id)
             if rid is None:
+                continue
+            if request.finish_reason == "error":
+                failed.append((wire.REQUEST_FAILED, rid, request.error))
+                del self._requests[rid], self._rid_of[request.id]
+                self._cancelled_all.discard(rid)
                 continue
             # Read here, in the step that appended it.
             logprob = request.logprobs[-1] if token is not None and request.sampling.logprobs is not None else None
@@ -177,6 +182,8 @@ class EngineDriver:
                 del self._requests[rid], self._rid_of[request.id]
                 self._cancelled_all.discard(rid)
         self._send((wire.EVENTS, out, self._gauges()))
+        for message in failed:
+            self._send(message)
 
     def _gauges(self) -> tuple:
         s = self.scheduler

@@ -7,6 +7,7 @@ HTTP process to engine process: (SUBMIT, id, prompt, max_tokens, sampling, eos_i
 (STOP,), (UNUSABLE, message) when it cannot serve (the address taken).
 Engine process to HTTP process: (SETTINGS, dict) first; then after each step (EVENTS, [(id,
 token, finish_reason, logprob)], (running, waiting, kv usage as a dict)); (REFUSED, id, message);
+(REQUEST_FAILED, id, message) for a request the engine ended alone on an error, the rest going on;
 (STOPPING,) once it admits nothing more; (CLOSED,) once the scheduler closed; (FAILED, message)
 when the engine failed."""
 
@@ -18,6 +19,7 @@ import struct
 
 SUBMIT, CANCEL, STOP, UNUSABLE = "submit", "cancel", "stop", "unusable"
 SETTINGS, EVENTS, REFUSED, STOPPING, CLOSED, FAILED = "settings", "events", "refused", "stopping", "closed", "failed"
+REQUEST_FAILED = "request_failed"
 
 _HEADER = struct.Struct("<I")
 
