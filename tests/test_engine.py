@@ -196,6 +196,23 @@ def test_warm_up_runs_each_timed_length_under_the_timed_slice_policy(engine, cap
     assert passes.seen == [p for n in lengths for p in [("warmup", n, 3), ("warmup", 1, 3), ("warmup", 1, 3)]]
 
 
+def test_a_timed_run_reports_the_slices_its_projections_ran_with(engine):
+    """One rank has nothing to all-reduce, so a pin of 3 over 16 rows runs serial: the bench's
+    figure says 1, not the 3 the pin chose."""
+    from pocketllm.distributed.policy import PinnedPolicy
+    from pocketllm.engine.timing import timed_prefill_decode
+
+    saved, passes = engine.policy, _Passes()
+    engine.policy = PinnedPolicy(3)
+    engine.hooks.append(passes)
+    try:
+        r = timed_prefill_decode(engine, ids(16).tolist(), 1, lambda: None)
+    finally:
+        engine.policy = saved
+        engine.hooks.remove(passes)
+    assert passes.seen[0] == ("prefill", 16, 3) and r["slices"] == 1
+
+
 def test_warming_up_the_shapes_runs_their_passes_and_leaves_the_slot_free():
     # What serve runs on a device before its first request: two prompts (16 and 17 rows) and a
     # decode row, untimed, in slot 0, which then holds nothing.

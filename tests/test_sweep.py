@@ -75,7 +75,7 @@ def test_tables_from_synthetic_timings():
 
 def test_fallback_to_serial_is_marked():
     records = [
-        {"rep": 1, "rows": 4, "setting": "pin=8", "slices": 8, "serial": True, "prefill_tokens_per_s": 10.0, "decode_tokens_per_s": 1.0},
+        {"rep": 1, "rows": 4, "setting": "pin=8", "slices": 1, "serial": True, "prefill_tokens_per_s": 10.0, "decode_tokens_per_s": 1.0},
         {"rep": 1, "rows": 4, "setting": "pin=1", "slices": 1, "serial": True, "prefill_tokens_per_s": 10.0, "decode_tokens_per_s": 1.0},
     ]
     lines, _ = format_report(records, [4], [pinned(1), pinned(8)])
@@ -100,25 +100,26 @@ def test_bad_lists_exit_2(args, message, capsys, no_ranks):
 def test_tiny_sweep_at_tp2_end_to_end(tmp_path):
     out = tmp_path / "sweep.json"
     r = run_cli(
-        "sweep", "--preset", "tiny", "--tp-world", "2", "--rows", "8,32", "--pin", "1,4", "--reps", "2",
+        "sweep", "--preset", "tiny", "--tp-world", "2", "--rows", "3,32", "--pin", "1,4", "--reps", "2",
         "--max-new-tokens", "2", "--warmup-tokens", "4", "--json", out, timeout=120,
     )
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     runs = data["runs"]
-    assert [(r["rep"], r["rows"], r["setting"]) for r in runs] == sweep_order([8, 32], ["pin=1", "pin=4", "rule"], 2)
+    assert [(r["rep"], r["rows"], r["setting"]) for r in runs] == sweep_order([3, 32], ["pin=1", "pin=4", "rule"], 2)
     for run in runs:
         # Each run timed the prefill of its rows under its own setting's slice count (the rule
-        # slices neither 8 nor 32 rows on the tiny shape): one all-reduce per slice at each of the
-        # 4 layers' mlp.down and mixer output projections, and the embedding's.
-        want = {"pin=1": 1, "pin=4": 4, "rule": 1}[run["setting"]]
+        # slices neither 3 nor 32 rows on the tiny shape, and a pin of 4 runs 3 rows serial): one
+        # all-reduce per slice at each of the 4 layers' mlp.down and mixer output projections, and
+        # the embedding's.
+        want = {"pin=1": 1, "pin=4": 4 if run["rows"] >= 4 else 1, "rule": 1}[run["setting"]]
         assert (run["slices"], run["collectives"], run["serial"]) == (want, 8 * want + 1, want == 1), run
         assert run["prefill_tokens"] == run["rows"] and run["decode_tokens"] == 2
         assert run["prefill_tokens_per_s"] == pytest.approx(run["rows"] / run["prefill_seconds"])
         assert run["decode_tokens_per_s"] == pytest.approx(2 / run["decode_seconds"])
     # The summary sets the rule's mean prefill TPS against the best pin's, from these runs.
     summary = json.loads(r.stdout.strip().splitlines()[-1])["summary"]
-    for rows in (8, 32):
+    for rows in (3, 32):
         mean = {s: sum(r["prefill_tokens_per_s"] for r in runs if (r["rows"], r["setting"]) == (rows, s)) / 2 for s in ("pin=1", "pin=4", "rule")}
         best = max(("pin=1", "pin=4"), key=mean.get)
         assert data["best"][str(rows)]["slices"] == int(best[4:])
@@ -126,7 +127,9 @@ def test_tiny_sweep_at_tp2_end_to_end(tmp_path):
         assert data["summary"]["rule"][str(rows)]["ratio_to_best"] == summary["rule"][str(rows)]["ratio_to_best"]
     assert data["settings"]["tp_world"] == 2 and data["settings"]["settings"]["pin=4"] == "pinned at 4"
     # Progress went to stderr, the tables to stdout.
-    assert "rows=8: prefill TPS per rep" in r.stdout and "rep 2/2" in r.stderr
+    assert "rows=3: prefill TPS per rep" in r.stdout and "rep 2/2" in r.stderr
+    pin4 = next(line for line in r.stdout.splitlines()[r.stdout.splitlines().index("rows=3: prefill TPS per rep"):] if line.startswith("pin=4"))
+    assert pin4.split()[1] == "1" and pin4.endswith("(fell back to serial)"), pin4
 
 
 def test_the_plot_shows_each_pins_reps_and_each_policys_choice(tmp_path, monkeypatch):

@@ -128,7 +128,9 @@ class Engine:
 
     @property
     def last_slices(self) -> int:
-        return self.last_pass.slices if self.last_pass else 1
+        """The slice count the last pass's row-parallel projections ran with: 1 where they ran
+        serial (one rank, or fewer rows than the count the policy chose or a pin set)."""
+        return 1 if self.last_pass is None or self.last_pass.serial else self.last_pass.slices
 
     @contextlib.contextmanager
     def tagged(self, warmup: bool = False, timed: bool = False):
