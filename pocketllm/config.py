@@ -115,6 +115,9 @@ class ModelConfig:
         }
 
 
+# The names HF gives this model: the multimodal checkpoint's outer config, and its text config.
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
 _REQUIRED_INTS = (
     "vocab_size",
     "hidden_size",
@@ -135,6 +138,12 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     text = raw.get("text_config", raw)
     if not isinstance(text, dict):
         raise ConfigError(f"{where}: text_config is not an object")
+    # Another model's checkpoint may carry sizes enough to pass the checks below; its own name says
+    # it is not this one. A config without the name (written by hand) is read by its fields.
+    for config in (raw, text):
+        kind = config.get("model_type")
+        if kind is not None and kind not in MODEL_TYPES:
+            raise ConfigError(f"{where}: model_type {kind!r} is not a model this engine runs ({', '.join(MODEL_TYPES)}: the dense Qwen3.5 hybrid decoder)")
     for key in _REQUIRED_INTS:
         value = text.get(key)
         if isinstance(value, bool) or not isinstance(value, int):

@@ -37,7 +37,16 @@ CONFIG_CASES = {
     "kv-heads-not-dividing": (_set("num_key_value_heads", 3), "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     "eos-a-string": (_set("eos_token_id", "x"), "eos_token_id must be token ids in [0, vocab_size=1000), got 'x'"),
     "eos-past-the-vocab": (_set("eos_token_id", [1, 5000]), "eos_token_id must be token ids in [0, vocab_size=1000), got [1, 5000]"),
+    "another-model": (_set("model_type", "qwen3_5_moe_text"), "model_type 'qwen3_5_moe_text' is not a model this engine runs (qwen3_5, qwen3_5_text"),
+    "another-model-outside": (lambda cfg: _nest(cfg, "llava"), "model_type 'llava' is not a model this engine runs"),
 }
+
+
+def _nest(cfg: dict, outer_type: str) -> None:
+    """cfg as the text config of a multimodal config named `outer_type`."""
+    text = dict(cfg)
+    cfg.clear()
+    cfg.update(model_type=outer_type, text_config=text)
 
 
 def corrupt(ckpt, change) -> None:
