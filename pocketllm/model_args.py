@@ -15,6 +15,7 @@ from pocketllm.device_kind import DEVICE_HELP
 from pocketllm.distributed.calibration import check_calibration
 from pocketllm.distributed.policy import OVERLAP_POLICIES, CalibratedPolicy, PolicyChoice, resolve_policy
 from pocketllm.errors import UsageError
+from pocketllm.generation_config import merged_eos_ids, read_generation_config
 from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.model_tensors import ModelTensor, model_tensors
 from pocketllm.loader.checks import UNSET, check_split, plan_weights, validate_source
@@ -201,8 +202,11 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
 
 
 def checkpoint_config(ckpt: str, layers: int | None) -> ModelConfig:
-    """The checkpoint's config, cut to `layers` when given: a checkpoint's stack cannot grow."""
+    """The checkpoint's config, cut to `layers` when given: a checkpoint's stack cannot grow. Its
+    eos ids are config.json's and generation_config.json's."""
     cfg = load_config(ckpt)
+    eos = merged_eos_ids(cfg.eos_token_ids, read_generation_config(ckpt, cfg.vocab_size))
+    cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     if layers is None:
         return cfg
     if layers > cfg.num_layers:

@@ -36,6 +36,7 @@ START_TIMEOUT_S = 60
 # of MAX_LEN fill, 128); at TP=2 a block is 8 KiB and the pool those 128.
 KV_GIB = 0.001
 KV_BLOCKS = {1: 65, 2: 128}
+GENERATION_CONFIG = {"do_sample": True, "temperature": 1.5, "top_p": 0.9}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def text_ckpt(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with a tokenizer that has a token for every id: the byte tokenizer plus
     `<N>` for ids 256..999, so every generated token shows up in the text being compared. It has
     no eos id, so the long requests the disconnect and shutdown tests leave run until they are
-    left (tests/test_serve_engine.py covers eos)."""
+    left (tests/test_serve_engine.py covers eos). Its generation_config.json sets the sampling of
+    a request that leaves it out (every test but the one for it gives its own)."""
     from tokenizers import AddedToken, Tokenizer
 
     out = tmp_path_factory.mktemp("tiny_text") / MODEL
@@ -56,6 +58,7 @@ def text_ckpt(tiny_ckpt, tmp_path_factory):
     tok.add_tokens([AddedToken(f"<{i}>", normalized=False, special=False) for i in range(256, 1000)])
     assert tok.get_vocab_size() == 1000
     tok.save(str(out / "tokenizer.json"))
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     return out
 
 
@@ -235,6 +238,12 @@ def test_a_sampled_completion_equals_generate_with_the_same_seed(server, text_ck
     greedy = completion(server, prompt).choices[0].model_extra["token_ids"]
     c = completion(server, prompt, temperature=1.5, top_p=0.9, seed=7).choices[0]
     assert (c.text, c.model_extra["token_ids"]) == (text, ids) and ids != greedy
+    # The same sampling as the checkpoint's generation_config.json: the defaults of a request
+    # that gives none, which the server said it took.
+    assert GENERATION_CONFIG == {"do_sample": True, "temperature": 1.5, "top_p": 0.9}
+    default = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, seed=7, extra_body={"return_token_ids": True})
+    assert default.choices[0].model_extra["token_ids"] == ids
+    assert "sampling defaults from generation_config.json: temperature=1.5, top_p=0.9 (a request's own fields win" in server.run.stderr
 
 
 @pytest.mark.timeout(60)

@@ -110,6 +110,16 @@ def test_defaults_and_nulls():
     assert (g.prompt, g.stop, g.include_usage, g.sampling.seed) == ([5, 6, 7], ("\n",), True, 3)
 
 
+def test_the_checkpoints_sampling_defaults_fill_what_a_request_leaves_out():
+    limits = Limits("m", max_len=100, vocab_size=1000, sampling_defaults={"temperature": 0.6, "top_k": 20, "top_p": 0.95})
+    p = parse_completion({"model": "m", "prompt": "hello", "top_p": 0.5, "temperature": None}, limits, encode).sampling
+    # Left out or null: the checkpoint's; given: the request's.
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.6, 20, 0.5, 0.0)
+    greedy = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}, limits,
+                        lambda messages, *options: encode("hi")).sampling
+    assert greedy.temperature == 0 and greedy.plain_greedy
+
+
 def test_vllm_fields_reach_the_sampling_params():
     g = completion(top_k=-1, min_p=0.1, repetition_penalty=1.2, presence_penalty=-1, frequency_penalty=0.5, logit_bias={"5": -2},
                    min_tokens=3, stop_token_ids=[7], ignore_eos=True, logprobs=0, include_stop_str_in_output=True,

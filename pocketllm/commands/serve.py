@@ -12,6 +12,8 @@ from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan
 from pocketllm.engine.budgets import DEFAULT_KV_FRACTION, DEFAULT_PREFILL_BUDGET, PREFIX_CACHE_FRACTION
 from pocketllm.errors import UsageError
+from pocketllm.generation_config import FILE as GENERATION_FILE
+from pocketllm.generation_config import GenerationConfig, read_generation_config
 from pocketllm.inputs import load_tokenizer
 from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for, kv_block_bytes
 from pocketllm.model_args import add_model_args, say
@@ -54,6 +56,14 @@ def add_arguments(p) -> None:
     )
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: no authentication)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
+    s.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (default): the sampling fields of the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) are the defaults of a request that leaves them out, as vLLM's server does; none: the API's own "
+        "defaults. Its eos ids end answers either way",
+    )
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,7 @@ class Task:
     enable_prefix_caching: bool = True
     api_key: str | None = None
     served_model_name: str | None = None
+    generation_config: str = "auto"
 
 
 def _prepare(run, plan) -> dict:
@@ -102,7 +113,8 @@ def _prepare(run, plan) -> dict:
     from pathlib import Path
 
     name = t.served_model_name or Path(ckpt).resolve().name
-    return {"max_len": max_len, "model": name}
+    defaults = read_generation_config(ckpt, plan.cfg.vocab_size).sampling if t.generation_config == "auto" else ()
+    return {"max_len": max_len, "model": name, "sampling_defaults": defaults}
 
 
 def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
@@ -197,9 +209,14 @@ def _work(run, plan, settings: dict, engine, device) -> int:
         engine.warm_up_shapes()
     # The HTTP side (routes, tokenizer, JSON) runs in a process of its own, so that it never holds
     # this process's GIL while a pass runs.
+    defaults = settings["sampling_defaults"]
+    if defaults:
+        say(f"sampling defaults from {GENERATION_FILE}: {GenerationConfig(sampling=defaults).describe()} "
+            "(a request's own fields win; --generation-config none for the API's defaults)")
     proc, link = start_http({
         "ckpt": ckpt, "host": t.host, "port": t.port, "model": settings["model"], "max_len": settings["max_len"],
         "vocab": plan.cfg.vocab_size, "eos_ids": tuple(plan.cfg.eos_token_ids), "api_key": t.api_key,
+        "sampling_defaults": defaults,
     })
     driver = EngineDriver(scheduler, link)
     with stop_on_signals(driver.request_stop) as wake_fd:
@@ -221,7 +238,8 @@ def _work(run, plan, settings: dict, engine, device) -> int:
 
 def run(args) -> int:
     task = Task(
-        args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, args.api_key, args.served_model_name
+        args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, args.api_key,
+        args.served_model_name, args.generation_config,
     )
     return execute(model_run_plan(args, task))
 

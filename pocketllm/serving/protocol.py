@@ -8,7 +8,7 @@ not ask."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pocketllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pocketllm.serving.errors import ApiError, bad
@@ -57,11 +57,13 @@ class Generation:
 
 @dataclass
 class Limits:
-    """What a request is checked against: the served model's name, context and vocab."""
+    """What a request is checked against: the served model's name, context and vocab; and the
+    sampling fields a request that leaves them out takes (the checkpoint's generation_config.json)."""
 
     model: str
     max_len: int
     vocab_size: int
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def parse_completion(body, limits: Limits, encode) -> Generation:
@@ -169,7 +171,7 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
     user = fields.get("user", "")
     if not isinstance(user, str):
         raise bad(f"user must be a string, got {user!r}", "user")
-    sampling = _sampling(fields, limits.vocab_size, max_tokens, logprobs)
+    sampling = _sampling({**limits.sampling_defaults, **fields}, limits.vocab_size, max_tokens, logprobs)
     return Generation(prompt, max_tokens, sampling, _stop(fields.get("stop")), stream, include_usage,
                       flag(fields, "return_token_ids", False), include_stop=flag(fields, "include_stop_str_in_output", False),
                       skip_special_tokens=flag(fields, "skip_special_tokens", True),
