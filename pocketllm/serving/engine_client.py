@@ -47,11 +47,13 @@ class Sequence:
             self.done = True
         return event
 
-    def cancel(self) -> None:
-        """Free the request's slot at the engine's next step (a no-op once it ended)."""
+    def cancel(self, answered_as: str | None = None) -> None:
+        """Free the request's slot at the engine's next step (a no-op once it ended).
+        answered_as: the finish reason its answer gives (a stop string's "stop"), which /metrics
+        then counts it as; None: it was cancelled (its client left)."""
         if not self.done:
             self.done = True
-            self._client.cancel(self.id)
+            self._client.cancel(self.id, answered_as)
 
 
 @dataclass(eq=False)
@@ -60,6 +62,7 @@ class _Sink:
     queue: asyncio.Queue
     arrived: float
     seen_token: bool = False
+    answered_as: str | None = None  # the finish reason its answer gave before the engine ended it
 
 
 class EngineClient:
@@ -98,7 +101,12 @@ class EngineClient:
         self.metrics.admitted(len(prompt))
         return Sequence(self, rid, sampling, queue)
 
-    def cancel(self, rid: int) -> None:
+    def cancel(self, rid: int, answered_as: str | None = None) -> None:
+        if answered_as is not None:
+            with self._lock:
+                sink = self._sinks.get(rid)
+                if sink is not None:
+                    sink.answered_as = answered_as
         self._send((wire.CANCEL, rid))
 
     def request_stop(self) -> None:
@@ -171,7 +179,7 @@ class EngineClient:
         with self._lock:
             sink = self._sinks.get(rid) if finish is None else self._sinks.pop(rid, None)
         if finish is not None:
-            self.metrics.ended_with(finish)
+            self.metrics.ended_with(sink.answered_as or finish if sink is not None else finish)
         if sink is None:
             return
         if token is not None and not sink.seen_token:

@@ -54,7 +54,7 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
                 if event.finish_reason != "stop" or include_stop:
                     chunk = text.add(event.token)
             if text.stopped:
-                seq.cancel()
+                seq.cancel(answered_as="stop")
                 yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason)
                 return
             if event.finish_reason == "cancelled":

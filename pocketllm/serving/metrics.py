@@ -49,7 +49,7 @@ class Metrics:
             self._ttft_count += 1
 
     def ended_with(self, how: str) -> None:
-        """how: stop, length, cancelled (by its client or a stop string) or error."""
+        """how: stop, length, cancelled (its client left, or the server stopped) or error; a stop string counts as stop."""
         with self._lock:
             self.ended[how] = self.ended.get(how, 0) + 1
 
