@@ -217,12 +217,17 @@ def test_top_k_1_and_min_p_1_sample_the_greedy_token(server, engine):
 
 @pytest.mark.timeout(60)
 def test_echo_special_tokens_and_stop_strings_in_the_text(server, tokenizer):
+    # echo gives the prompt as sent, its special tokens too (skip_special_tokens is the answer's):
+    # token ids all decoded, a text as it came.
     prompt = [72, 105, 256, 300]
-    c = complete(server, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True)
+    c = complete(server, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True, logit_bias={"256": 5})
     ids = c.model_extra["token_ids"]
-    assert c.text == tokenizer.decode(prompt) + tokenizer.decode(ids) and c.text.startswith("Hi<300>")
-    shown = complete(server, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True, skip_special_tokens=False).text
-    assert shown.startswith("Hi<256><300>")
+    assert 256 in ids and c.text == "Hi<256><300>" + tokenizer.decode(ids)
+    shown = complete(server, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True, logit_bias={"256": 5}, skip_special_tokens=False)
+    assert shown.text == "Hi<256><300>" + tokenizer.decode(ids, skip_special_tokens=False)
+    text = "<256>Hi  <300>"
+    assert tokenizer.encode(text).ids[0] == 256
+    assert complete(server, prompt=text, max_tokens=2, ignore_eos=True, echo=True).text.startswith(text)
     # A special token forced by logit_bias: shown only with skip_special_tokens false.
     forced = complete(server, max_tokens=2, ignore_eos=True, logit_bias={"256": 100})
     assert forced.model_extra["token_ids"] == [256, 256] and forced.text == ""

@@ -259,7 +259,9 @@ class CompletionShape:
 
     def __init__(self, tokenizer, gen: Generation):
         self.tokenizer, self.gen = tokenizer, gen
-        self.prefix = tokenizer.decode(gen.prompt, skip_special_tokens=gen.skip_special_tokens) if gen.echo else ""
+        # The prompt as sent (its special tokens too); token ids, all of them decoded.
+        prompt = gen.prompt_text if gen.prompt_text is not None else tokenizer.decode(gen.prompt, skip_special_tokens=False)
+        self.prefix = prompt if gen.echo else ""
         self.offset = len(self.prefix)
 
     def chunk(self, piece: Piece) -> dict:

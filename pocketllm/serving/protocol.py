@@ -50,6 +50,7 @@ class Generation:
     include_usage: bool
     return_token_ids: bool
     echo: bool = False
+    prompt_text: str | None = None  # a completion's prompt as sent, when it came as text (echo shows it)
     include_stop: bool = False
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False  # logprobs name tokens `token_id:N`
@@ -71,12 +72,14 @@ def parse_completion(body, limits: Limits, encode) -> Generation:
     fields = known_fields(body, _COMPLETION, {})
     if "prompt" not in fields:
         raise bad("prompt is required", "prompt")
+    text = _prompt_text(fields["prompt"])
     prompt = _prompt(fields["prompt"], lambda text: encode(text, flag(fields, "add_special_tokens", True)), limits.vocab_size)
     logprobs = fields.get("logprobs")
     if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
     gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
     gen.echo = flag(fields, "echo", False)
+    gen.prompt_text = text
     if gen.echo and logprobs is not None:
         raise bad("echo with logprobs would need the prompt's logprobs, which this server does not compute", "echo")
     return gen
@@ -274,6 +277,13 @@ def _stop(stop) -> tuple[str, ...]:
     if len(stops) > MAX_STOP:
         raise bad(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
     return tuple(stops)
+
+
+def _prompt_text(prompt) -> str | None:
+    """The prompt's text as sent, when it is one (alone or the one entry of an array)."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 def _prompt(prompt, encode, vocab: int) -> list[int]:
