@@ -186,7 +186,15 @@ def test_logprobs_are_the_log_softmax_of_the_engines_logits(server, engine, eos,
     for top, w, t in zip(lp.top_logprobs, want, ids):
         names = {tokenizer.decode([i], skip_special_tokens=False) for i in torch.topk(w, 3).indices.tolist() + [t]}
         assert set(top) == names
-    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(ids))]
+    # Each token's offset is where its text begins in the answer's (a token's own decode, U+FFFD
+    # for part of a character, is not its share of the text), in order.
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0 and lp.text_offset[-1] <= len(c.text)
+    for i, (offset, t) in enumerate(zip(lp.text_offset, ids)):
+        assert c.text[offset:].startswith(tokenizer.decode([t])) or "\ufffd" in tokenizer.decode(ids[: i + 1]) or t == eos
+    # "é" as its two byte tokens (195 169): the bias puts 195 first, the presence penalty 169 next.
+    split = complete(server, max_tokens=2, logprobs=0, prompt="ab", logit_bias={"195": 100, "169": 99}, presence_penalty=2)
+    assert split.model_extra["token_ids"] == [195, 169] and split.text == "é"
+    assert split.logprobs.tokens == ["\ufffd", "\ufffd"] and split.logprobs.text_offset == [0, 0]
     by_id = complete(server, max_tokens=8, logprobs=0, return_tokens_as_token_ids=True).logprobs
     assert by_id.tokens == [f"token_id:{t}" for t in ids] and by_id.token_logprobs == lp.token_logprobs
     assert by_id.top_logprobs == [{f"token_id:{t}": v} for t, v in zip(ids, lp.token_logprobs)]

@@ -231,7 +231,7 @@ async def _answer(served: Served, request: Request, gen: Generation, kind: str, 
         seq.cancel()
         await parts.aclose()
     whole = Piece("".join(p.text for p in collected), [t for p in collected for t in p.token_ids], collected[-1].finish_reason,
-                  [lp for p in collected for lp in p.logprobs], collected[-1].stop_reason)
+                  [lp for p in collected for lp in p.logprobs], collected[-1].stop_reason, [o for p in collected for o in p.text_offsets])
     choice = shape.body(whole)
     if gen.return_token_ids:
         choice["token_ids"] = whole.token_ids
@@ -253,7 +253,8 @@ async def _chunks(parts, head: dict, shape, gen: Generation, usage: Usage):
 
 class CompletionShape:
     """A /v1/completions choice, whole or as chunks: the text (after the prompt's, with echo), its
-    logprobs with their offsets into that text, and how it finished."""
+    logprobs with each token's offset into that text (no echo with logprobs: protocol.py), and how
+    it finished."""
 
     object = chunk_object = "text_completion"
 
@@ -262,7 +263,6 @@ class CompletionShape:
         # The prompt as sent (its special tokens too); token ids, all of them decoded.
         prompt = gen.prompt_text if gen.prompt_text is not None else tokenizer.decode(gen.prompt, skip_special_tokens=False)
         self.prefix = prompt if gen.echo else ""
-        self.offset = len(self.prefix)
 
     def chunk(self, piece: Piece) -> dict:
         text, self.prefix = self.prefix + piece.text, ""
@@ -274,7 +274,7 @@ class CompletionShape:
     def _choice(self, text: str, piece: Piece) -> dict:
         logprobs = None
         if self.gen.sampling.logprobs is not None:
-            logprobs, self.offset = completion_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs, self.offset)
+            logprobs = completion_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs, piece.text_offsets)
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
 

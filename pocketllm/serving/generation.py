@@ -20,6 +20,9 @@ class Piece:
     finish_reason: str | None = None  # on the last piece: "stop" or "length"
     logprobs: list = field(default_factory=list)  # a TokenLogprob per token, when the request asked
     stop_reason: int | str | None = None  # on the last piece: the stop token id or string that ended it (None for eos)
+    # Per token, where its text begins in the answer's text: the length of the text the tokens
+    # before it decoded to (a token that shows nothing, or completes a character, begins there).
+    text_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -42,11 +45,12 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
             event = await seq.next()
             if event.error is not None:
                 raise event.error
-            tokens, logprobs = [], []
+            tokens, logprobs, offsets = [], [], []
             chunk = ""
             if event.token is not None:
                 usage.completion_tokens += 1
                 tokens.append(event.token)
+                offsets.append(len(text.text))
                 if event.logprob is not None:
                     logprobs.append(event.logprob)
                 # A stop token (eos, stop_token_ids) ends the answer and is no part of its text
@@ -55,19 +59,19 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
                     chunk = text.add(event.token)
             if text.stopped:
                 seq.cancel(answered_as="stop")
-                yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason)
+                yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets)
                 return
             if event.finish_reason == "cancelled":
                 raise ApiError(503, "the server shut down before this request finished")
             if event.finish_reason is not None:
                 chunk += text.finish()
                 if text.stopped:
-                    yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason)
+                    yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets)
                 else:
                     by_token = event.finish_reason == "stop" and event.token in stop_token_ids
-                    yield Piece(chunk, tokens, event.finish_reason, logprobs, event.token if by_token else None)
+                    yield Piece(chunk, tokens, event.finish_reason, logprobs, event.token if by_token else None, offsets)
                 return
             if chunk or tokens:
-                yield Piece(chunk, tokens, None, logprobs)
+                yield Piece(chunk, tokens, None, logprobs, text_offsets=offsets)
     finally:
         seq.cancel()

@@ -27,11 +27,12 @@ def _value(logprob: float) -> float:
     return max(logprob, FLOOR)
 
 
-def completion_logprobs(name: Names, logprobs: list, offset: int) -> tuple[dict, int]:
-    """The logprobs object for these tokens, the first starting at character `offset` of the
-    choice's text; and the offset after the last."""
+def completion_logprobs(name: Names, logprobs: list, offsets: list[int]) -> dict:
+    """The logprobs object for these tokens, each beginning at its character offset of the
+    choice's text (not the sum of the names before it: a token's own decode, U+FFFD for part of a
+    character, or `token_id:N`, is not its share of the text)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for lp in logprobs:
+    for lp, offset in zip(logprobs, offsets, strict=True):
         top: dict[str, float] = {}
         # Likeliest first: where two tokens share a name, the name keeps the higher logprob.
         for t, v in [*lp.top, (lp.token, lp.logprob)]:
@@ -41,8 +42,7 @@ def completion_logprobs(name: Names, logprobs: list, offset: int) -> tuple[dict,
         out["token_logprobs"].append(_value(lp.logprob))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
-        offset += len(name_)
-    return out, offset
+    return out
 
 
 def chat_logprobs(name: Names, logprobs: list) -> dict:
