@@ -217,7 +217,11 @@ def streamed(server, prompt, **kw) -> tuple[str, list[int], str | None]:
 @pytest.mark.timeout(90)
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert server.client.models.retrieve(MODEL) == server.client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client.models.retrieve("org/other")
     assert server.http("GET", "/health") == (200, '{"status":"ok"}')
+    assert server.http("HEAD", "/health") == (200, "")
 
 
 @pytest.mark.timeout(60)

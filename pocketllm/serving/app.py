@@ -62,18 +62,28 @@ def build_app(served: Served) -> FastAPI:
     if served.api_key is not None:
         app.add_middleware(ApiKeyCheck, key=served.api_key)
 
-    @app.get("/health")
+    # HEAD too: load balancers and container health checks probe with it.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if served.engine.failure is not None or served.engine.stopping:
             raise ApiError(503, "the server is stopping")
         return {"status": "ok"}
 
+    def card() -> dict:
+        # root and parent as vLLM lists them: load generators read root.
+        return {"id": served.limits.model, "object": "model", "created": served.created, "owned_by": "pocketllm",
+                "root": served.limits.model, "parent": None, "max_model_len": served.limits.max_len}
+
     @app.get("/v1/models")
     async def models():
-        # root and parent as vLLM lists them: load generators read root.
-        card = {"id": served.limits.model, "object": "model", "created": served.created, "owned_by": "pocketllm",
-                "root": served.limits.model, "parent": None, "max_model_len": served.limits.max_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    # OpenAI's retrieve (the client's models.retrieve); the name may hold slashes (org/model).
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != served.limits.model:
+            raise ApiError(404, f"the model {model!r} does not exist: this server serves {served.limits.model!r}", "model", "model_not_found")
+        return card()
 
     @app.get("/metrics")
     async def metrics():
