@@ -62,3 +62,27 @@ def test_packing_matches_the_package_both_ways(scheme, rows, tmp_path):
     assert torch.equal(whole.to(want.dtype), want)
     assert torch.equal(dequantize(read_packed(_File(path), "x.weight", scheme, [(3, 11)], None)), whole[3:11])
     assert torch.equal(dequantize(read_packed(_File(path), "x.weight", scheme, None, (128, 256))), whole[:, 128:])
+
+
+def test_a_quantized_checkpoint_with_a_tied_head_loads_in_transformers_with_our_logits(tmp_path):
+    """A head tied to the embedding stays float and has no weight of its own in the file: the
+    ignore list must name it, or a reader quantizes it as any other Linear (transformers then
+    fails to load the checkpoint)."""
+    import json
+
+    import transformers
+    from conftest import main_in_process
+
+    out = tmp_path / "tied-int8"
+    assert main_in_process("make-checkpoint", "--preset", "tiny", "--tie-word-embeddings", "--quantize", "int8", "--out", out) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(torch.tensor([[1, 2, 3, 4, 5]])).logits[0]
+    logits = tmp_path / "logits.safetensors"
+    assert main_in_process("generate", "--ckpt", out, "--dtype", "float32", "--token-ids", "1,2,3,4,5", "--max-new-tokens", 1,
+                           "--logits-out", logits) == 0
+    with safe_open(str(logits), "pt") as f:
+        ours = f.get_tensor(f.keys()[0])
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()

@@ -108,6 +108,14 @@ def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(s
     assert_usage_error(r, "absent", shards[-1])
 
 
+def test_an_fp32_checkpoint_of_a_preset_holds_the_presets_weights(tmp_path, capsys):
+    """A preset's weights are bf16 values whatever dtype a run holds them in; make-checkpoint
+    writes those values at --dtype float32 too, so the checkpoint runs as the preset does."""
+    out = tmp_path / "fp32"
+    assert main_in_process("make-checkpoint", "--preset", "tiny", "--dtype", "float32", "--out", out) == 0
+    assert generated_in_process(capsys, "--ckpt", out) == generated_in_process(capsys, "--preset", "tiny")
+
+
 def test_nested_multimodal_layout_loads_and_skips_extras(tiny_ckpt, tmp_path, capsys):
     """text_config nesting, `model.language_model.` names, and mtp/vision weights that are skipped."""
     nested = tmp_path / "nested"

@@ -17,9 +17,9 @@ from pocketllm.loader.convert import BLOCK_ROWS, ignored_modules, write_quantize
 from pocketllm.loader.model_tensors import model_tensors, projections
 from pocketllm.loader.checks import check_split
 from pocketllm.loader.new_dir import check_new_dir, written_whole
-from pocketllm.loader.random_weights import RandomWeights, random_row_blocks
+from pocketllm.loader.random_weights import PRESET_DTYPE, RandomWeights, random_row_blocks
 from pocketllm.loader.stream_writer import Entry
-from pocketllm.model_args import parse_dtype, preset_config
+from pocketllm.model_args import DTYPES, parse_dtype, preset_config
 from pocketllm.presets import DEFAULT_PRESET, PRESETS
 from pocketllm.quantization import SCHEME_HELP, WeightPlan, parse_scheme
 
@@ -28,10 +28,11 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default=DEFAULT_PRESET, help=f"{', '.join(PRESETS)} (default {DEFAULT_PRESET})")
     p.add_argument("--layers", type=int, help="cut or extend the stack to N layers (3:1 pattern)")
     p.add_argument("--out", required=True, help="directory to write: new, or empty")
-    p.add_argument("--dtype", default="bfloat16", help="stored dtype (default bfloat16, as released)")
+    p.add_argument("--dtype", default="bfloat16", help=f"stored dtype: {', '.join(DTYPES)} (default bfloat16, as released); the "
+                   "values are the preset's (bf16) at any dtype")
     p.add_argument("--tie-word-embeddings", action="store_true", help="share the embedding with the LM head")
-    p.add_argument("--max-shard-mib", type=int, default=2048, help="shard size above which an index is written")
-    p.add_argument("--seed", type=int, default=0, help="weight seed (0 matches the preset as run directly)")
+    p.add_argument("--max-shard-mib", type=int, default=2048, help="shard size above which an index is written (default 2048)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0: the preset's weights, as run directly at any --dtype)")
     p.add_argument("--quantize", help=f"write the projections and head quantized (compressed-tensors): {SCHEME_HELP}")
 
 
@@ -95,15 +96,16 @@ def run(args) -> int:
 
     def blocks(name: str):
         for r0, block in random_row_blocks(name, source.shapes[name], args.seed, BLOCK_ROWS):
-            # Cast first: a quantized weight is quantized from the stored dtype's values, as at load.
-            yield r0, block.to(dtype)
+            # The preset's values (rounded to bf16), cast first: a quantized weight is quantized
+            # from the stored dtype's values, as at load.
+            yield r0, block.to(PRESET_DTYPE).to(dtype)
 
     label = f"make-checkpoint {args.preset}" + (f" {scheme.name}" if scheme else "")
     with written_whole(out) as work:
         shards = write_quantized(work, tensors, blocks, quantized, args.max_shard_mib * 2**20, lambda e: dtype, lambda e: e.dtype, label)
         config = cfg.to_hf_dict()
         if scheme is not None:
-            config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized))
+            config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized, cfg.tie_word_embeddings))
         (work / "config.json").write_text(json.dumps(config, indent=2))
         write_byte_tokenizer(work / "tokenizer.json")
         write_tokenizer_config(work / "tokenizer_config.json")

@@ -90,7 +90,7 @@ def run(args) -> int:
         config.pop("quantization_config", None)
         if isinstance(config.get("text_config"), dict):
             config["text_config"].pop("quantization_config", None)
-        config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized))
+        config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized, cfg.tie_word_embeddings))
         (work / "config.json").write_text(json.dumps(config, indent=2))
         copied = []
         for f in sorted(src.iterdir()):

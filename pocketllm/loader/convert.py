@@ -100,11 +100,13 @@ def _read_ahead(tensors: list[Entry], blocks: Blocks, depth: int = 2):
         yield item
 
 
-def ignored_modules(tensors: list[Entry], quantized: dict[str, WeightScheme]) -> list[str]:
+def ignored_modules(tensors: list[Entry], quantized: dict[str, WeightScheme], tied_head: bool) -> list[str]:
     """The linear modules left unquantized, as compressed-tensors' ignore list names them: every
-    other 2-D `.weight` but the embeddings."""
-    return [
+    other 2-D `.weight` but the embeddings; and a head tied to the embedding, which has no weight
+    of its own in the file but is a linear module every reader would otherwise quantize."""
+    names = [
         e.name.removesuffix(".weight")
         for e in tensors
         if e.name.endswith(".weight") and len(e.shape) == 2 and e.name not in quantized and "embed" not in e.name
     ]
+    return names + ["lm_head"] if tied_head and "lm_head" not in names else names

@@ -67,8 +67,14 @@ class _RandomSlice:
         return self._full[index].to(self.dtype)
 
 
+# A preset's weights are the draws rounded to bf16, as a released checkpoint stores them, whatever
+# dtype a run holds them in (an fp32 run of a preset differs from its bf16 run by arithmetic only);
+# make-checkpoint writes these values at any --dtype.
+PRESET_DTYPE = torch.bfloat16
+
+
 class RandomWeights:
-    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None, tensors=None):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = PRESET_DTYPE, device=None, tensors=None):
         """device: where the tensors are drawn (default the host): the engine's own. tensors: the
         model's (pocketllm.loader.model_tensors), where the model check has listed them already."""
         self.shapes = {t.key: t.shape for t in (tensors or model_tensors(cfg))}
