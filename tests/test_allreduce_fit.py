@@ -51,6 +51,12 @@ def test_fit_without_a_byte_term_reports_infinite_bandwidth():
     fit = fit_latency_bandwidth([1024, 2048, 4096], [50.0, 50.0, 50.0])
     assert fit.fixed_us == pytest.approx(50.0)
     assert math.isinf(fit.bandwidth_GBps) or fit.bandwidth_GBps > 1e6
+    # Times that fall as the bytes grow (noise over small sizes): the fixed term is their
+    # relative-error mean, inside the points, not the intercept of the falling line above them all.
+    fit = fit_latency_bandwidth([1024, 2048, 4096], [24.88, 25.06, 16.46])
+    assert math.isinf(fit.bandwidth_GBps) and 16.46 < fit.fixed_us < 25.06
+    assert fit.max_rel_err < 0.4 and fit.to_json()["bandwidth_GBps"] is None
+    assert json.loads(json.dumps(fit.to_json(), allow_nan=False))["fixed_us"] == fit.fixed_us
 
 
 def test_fit_needs_two_sizes():

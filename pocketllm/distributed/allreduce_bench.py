@@ -25,7 +25,8 @@ class Fit:
         return f"fixed_us={self.fixed_us:.2f} bandwidth_GBps={self.bandwidth_GBps:.3f} max_rel_err={self.max_rel_err:.3f}"
 
     def to_json(self) -> dict:
-        return asdict(self)
+        # JSON has no infinity: an unmeasurable byte term is null.
+        return {**asdict(self), "bandwidth_GBps": None if math.isinf(self.bandwidth_GBps) else self.bandwidth_GBps}
 
 
 def fit_latency_bandwidth(nbytes: list[float], times_us: list[float]) -> Fit:
@@ -45,8 +46,12 @@ def fit_latency_bandwidth(nbytes: list[float], times_us: list[float]) -> Fit:
     sxy = sum(wi * x * t for wi, x, t in zip(w, nbytes, times_us))
     det = sw * sxx - sx * sx
     slope = (sw * sxy - sx * sy) / det  # us per byte
-    fixed = (sy - slope * sx) / sw
-    bandwidth = 1.0 / (slope * 1e3) if slope > 0 else math.inf  # bytes/us -> GB/s
+    if slope > 0:
+        fixed, bandwidth = (sy - slope * sx) / sw, 1.0 / (slope * 1e3)  # bytes/us -> GB/s
+    else:
+        # Time that does not grow with the bytes (noise over a few small sizes): the fixed term
+        # alone, fitted with the byte term held at zero, not the intercept of a falling line.
+        fixed, bandwidth = sy / sw, math.inf
     fit = Fit(fixed, bandwidth, 0.0)
     fit.max_rel_err = max(abs(fit.predict_us(x) - t) / t for x, t in zip(nbytes, times_us))
     return fit
