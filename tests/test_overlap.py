@@ -115,8 +115,9 @@ def test_policy_command_prints_the_rule(capsys):
 
     assert policy().out.split() == ["rows=512", "slices=1", "rows=1024", "slices=1", "rows=2048", "slices=2", "rows=4096", "slices=4"]
     assert policy("--rows", "8192", "--comm-overlap-slices", "8").out.strip() == "rows=8192 slices=8"
-    pinned = policy("--rows", "512,8192", "--pin-slices", "3", "--comm-overlap-slices", "8")
-    assert pinned.out.split() == ["rows=512", "slices=3", "rows=8192", "slices=3"]
+    pinned = policy("--rows", "2,512,8192", "--pin-slices", "3", "--comm-overlap-slices", "8")
+    # Fewer rows than the pin run serial, and policy says so.
+    assert pinned.out.split() == ["rows=2", "slices=1", "rows=512", "slices=3", "rows=8192", "slices=3"]
     assert "overrides" in pinned.err
 
 
