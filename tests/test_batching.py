@@ -4,6 +4,8 @@ preset, in process at TP=1; one CLI run at TP=2 against transformers)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import feed, tiny_engine, generated_ids, run_cli, usage_error_in_process
@@ -69,10 +71,13 @@ def test_batched_greedy_tokens_equal_each_sequence_alone(engine, prompts, alone,
 
 def test_seeded_sampling_is_per_sequence(engine, prompts):
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
-    alone = [generate(engine, p, NEW, params) for p in prompts[:4]]
+    # Prompt i of a batch draws with the seed + i: what it gets alone with that seed.
+    alone = [generate(engine, p, NEW, replace(params, seed=11 + i)) for i, p in enumerate(prompts[:4])]
     assert generate_batch(engine, prompts[:4], NEW, params) == alone
-    # Seeded alike, the sequences still drew different tokens (each its own generator).
     assert len({tuple(a) for a in alone}) == 4
+    # The same prompt twice is two samples, not one stream drawn twice.
+    twice = generate_batch(engine, [prompts[0], prompts[0]], NEW, params)
+    assert twice[0] == alone[0] and twice[1] != twice[0]
 
 
 def test_a_sequence_that_meets_eos_ends_early_and_frees_its_slot(engine, prompts, alone):

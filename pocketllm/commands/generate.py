@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-running", type=int, help="with several prompts: at most this many run at once (default: all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (rank 0 draws, every rank takes its token)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same tokens every run; with several prompts, "
+                   "prompt i draws with seed + i; rank 0 draws, every rank takes its token)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's eos tokens (config.json's and generation_config.json's)")
     p.add_argument("--logits-out", help="also write the prompt's fp32 logits, every position, to this .safetensors file")
     p.add_argument(

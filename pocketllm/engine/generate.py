@@ -7,6 +7,7 @@ other ranks follow."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -52,7 +53,9 @@ def generate(
 
 def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), eos_ids=(), max_running: int | None = None) -> list[list[int]]:
     """Every prompt's continuation, run as one batch (at most max_running at once); on ranks
-    other than 0 it follows rank 0's passes and returns []."""
+    other than 0 it follows rank 0's passes and returns []. Sampled, prompt i draws with seed
+    sampling.seed + i: its own stream (the same prompt twice is two samples), and the tokens it
+    gets alone with that seed."""
     max_running = min(max_running or len(prompts), len(prompts))
     max_len = max(len(p) for p in prompts) + max_new_tokens
     # The pool: what max_running sequences of max_len fill, or the default budget if smaller.
@@ -62,7 +65,7 @@ def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampli
         return []
     sched = Scheduler(engine, max_running, max_len, kv_blocks=kv_blocks)
     try:
-        requests = [sched.submit(p, max_new_tokens, sampling, eos_ids) for p in prompts]
+        requests = [sched.submit(p, max_new_tokens, replace(sampling, seed=(sampling.seed + i) % 2**64), eos_ids) for i, p in enumerate(prompts)]
         while sched.has_work:
             sched.step()
     finally:
