@@ -101,6 +101,9 @@ def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(s
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1
+    # total_size as HF writes it: the tensors' bytes (each shard's file less its header).
+    headers = [8 + int.from_bytes((sharded / s).read_bytes()[:8], "little") for s in shards]
+    assert index["metadata"]["total_size"] == sum((sharded / s).stat().st_size - h for s, h in zip(shards, headers))
     direct = generated_in_process(capsys, "--preset", "tiny", "--layers", "24")
     assert generated_in_process(capsys, "--ckpt", sharded) == direct
     (sharded / shards[-1]).unlink()

@@ -77,7 +77,9 @@ class ShardWriter:
             (self.out / INDEX).unlink(missing_ok=True)
         else:
             weight_map = {e.name: names[i] for i, shard in enumerate(shards) for e in shard}
-            (self.out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+            # total_size as HF writes it: the tensors' bytes, headers left out.
+            total = sum(e.nbytes for e in entries)
+            (self.out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         self.shards = len(shards)
 
     def write(self, name: str, tensor: torch.Tensor, row0: int = 0) -> None:
