@@ -223,17 +223,23 @@ def _check_positive(value, key: str, where: str, integer: bool = False) -> None:
         raise ConfigError(f"{where}: {key} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
 
+def read_json(path: Path, error: type[UsageError] | None = None):
+    """A checkpoint's JSON file, parsed; one line naming it (as `error`, default ConfigError) when
+    it cannot be read or is not JSON."""
+    error = error or ConfigError
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
 def load_config(ckpt_dir: Path) -> ModelConfig:
     path = Path(ckpt_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the checkpoint directory")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
-    return config_from_hf_dict(raw, where=str(path))
+    return config_from_hf_dict(read_json(path), where=str(path))
 
 
 def valid_world_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:

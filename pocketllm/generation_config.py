@@ -10,10 +10,10 @@ naming it, rather than defaults silently lost."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pocketllm.config import read_json
 from pocketllm.errors import UsageError
 
 FILE = "generation_config.json"
@@ -46,12 +46,7 @@ def read_generation_config(ckpt_dir, vocab_size: int) -> GenerationConfig:
     path = Path(ckpt_dir) / FILE
     if not path.is_file():
         return GenerationConfig()
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GenerationConfigError(f"{path}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise GenerationConfigError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    raw = read_json(path, GenerationConfigError)
     if not isinstance(raw, dict):
         raise GenerationConfigError(f"{path}: expected a JSON object")
     eos = raw.get("eos_token_id")
