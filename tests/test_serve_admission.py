@@ -135,7 +135,7 @@ def _byte_level(**parts):
     """make-checkpoint's byte-level tokenizer, with parts replaced (normalizer, pre_tokenizer, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from pocketllm.commands.make_checkpoint import byte_symbols
+    from pocketllm.byte_level import byte_symbols
 
     tok = Tokenizer(models.BPE(vocab={sym: b for b, sym in byte_symbols().items()}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

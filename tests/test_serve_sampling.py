@@ -213,6 +213,17 @@ def test_logprobs_are_the_log_softmax_of_the_engines_logits(server, engine, eos,
         w = torch.log_softmax(row, dim=-1)
         assert e.logprob == pytest.approx(float(w[t]), abs=1e-4) and e.bytes == list(e.token.encode())
         assert [x.logprob for x in e.top_logprobs] == pytest.approx(torch.topk(w, 2).values.tolist(), abs=1e-4)
+    # bytes are each token's own (OpenAI's): "é" over its two byte tokens joins to its UTF-8,
+    # though each token's name is U+FFFD; a special token's are its text's.
+    def chat_bytes(bias: dict, new: int):
+        r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=new, temperature=0, logprobs=True,
+                                                  logit_bias=bias, presence_penalty=2,
+                                                  extra_body={"return_token_ids": True, "ignore_eos": True, "skip_special_tokens": False})
+        content = r.choices[0].logprobs.content
+        return r.choices[0].model_extra["token_ids"], r.choices[0].message.content, [e.token for e in content], [e.bytes for e in content]
+
+    assert chat_bytes({"195": 100, "169": 99}, 2) == ([195, 169], "é", ["\ufffd", "\ufffd"], [[195], [169]])
+    assert chat_bytes({"256": 100}, 1) == ([256], "<256>", ["<256>"], [list(b"<256>")])
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pocketllm.byte_level import byte_symbols
 from pocketllm.errors import UsageError
 from pocketllm.loader.compressed_tensors import quantization_config
 from pocketllm.loader.formats import check_host
@@ -34,17 +35,6 @@ def add_arguments(p) -> None:
     p.add_argument("--max-shard-mib", type=int, default=2048, help="shard size above which an index is written (default 2048)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0: the preset's weights, as run directly at any --dtype)")
     p.add_argument("--quantize", help=f"write the projections and head quantized (compressed-tensors): {SCHEME_HELP}")
-
-
-def byte_symbols() -> dict[int, str]:
-    """The printable symbol byte-level BPE uses for each byte (the GPT-2 table)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in symbols:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return symbols
 
 
 def write_byte_tokenizer(path: Path) -> None:

@@ -24,7 +24,7 @@ from pocketllm.serving.chat_template import ChatTemplate
 from pocketllm.serving.engine_client import EngineClient
 from pocketllm.serving.errors import ApiError, bad, error_body
 from pocketllm.serving.generation import Piece, Usage, pieces
-from pocketllm.serving.logprobs import Names, chat_logprobs, completion_logprobs
+from pocketllm.serving.logprobs import Names, TokenBytes, chat_logprobs, completion_logprobs
 from pocketllm.serving.protocol import Generation, Limits, parse_chat, parse_completion
 from pocketllm.serving.streaming import EventStream
 from pocketllm.serving.text import OutputText
@@ -50,6 +50,7 @@ class Served:
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="pocketllm", docs_url=None, redoc_url=None, openapi_url=None)
     admission = Admission.of(served.tokenizer, served.limits.max_len)
+    token_bytes = TokenBytes(served.tokenizer)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
@@ -104,7 +105,7 @@ def build_app(served: Served) -> FastAPI:
         body = await _json(request, admission)
         renderer = _renderer(served, functools.partial(admission.check_text, param="messages"))
         gen = await off_loop(parse_chat, body, served.limits, renderer)
-        return await _answer(served, request, gen, "chatcmpl", ChatShape(served.tokenizer, gen))
+        return await _answer(served, request, gen, "chatcmpl", ChatShape(served.tokenizer, gen, token_bytes))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
@@ -293,8 +294,8 @@ class ChatShape:
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, tokenizer, gen: Generation):
-        self.tokenizer, self.gen = tokenizer, gen
+    def __init__(self, tokenizer, gen: Generation, token_bytes: TokenBytes):
+        self.tokenizer, self.gen, self.token_bytes = tokenizer, gen, token_bytes
         self.first = True
 
     def chunk(self, piece: Piece) -> dict:
@@ -313,4 +314,4 @@ class ChatShape:
     def _logprobs(self, piece: Piece) -> dict | None:
         if self.gen.sampling.logprobs is None:
             return None
-        return chat_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs)
+        return chat_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids, self.token_bytes), piece.logprobs)
