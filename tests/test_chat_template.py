@@ -81,6 +81,27 @@ def test_renders_what_transformers_renders(tmp_path, template, special, chat, ge
     assert ours.render(messages, add_generation_prompt=generation_prompt) == want
 
 
+@pytest.mark.parametrize("template,special", [(CHAT_TEMPLATE, {}), (QWEN_LIKE, {}), (LLAMA_LIKE, SPECIAL)], ids=["make-checkpoint", "qwen-like", "llama-like"])
+@pytest.mark.parametrize("final", ["Sure, the answer is", "trailing space ", [{"type": "text", "text": "a"}, {"type": "text", "text": " b"}]],
+                         ids=["text", "trailing-space", "parts"])
+def test_continuing_the_final_message_renders_what_transformers_renders(tmp_path, template, special, final):
+    """The prompt ends inside the final (assistant) message, its turn left open: where the text ends
+    as given, or trimmed where the template trims it."""
+    if template == QWEN_LIKE and isinstance(final, list):
+        final = "parts are JSON in this template"
+    messages = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": final}]
+    want = hf_tokenizer(tmp_path, template, special).apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    got = ChatTemplate(template, special).render(messages, add_generation_prompt=False, continue_final=True)
+    assert got == want and not got.endswith(("<|im_end|>\n", "</s>"))
+
+
+def test_a_final_message_the_template_leaves_out_cannot_be_continued():
+    with pytest.raises(ApiError) as err:
+        ChatTemplate("{{ messages[0]['content'] }}").render([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                                          add_generation_prompt=False, continue_final=True)
+    assert err.value.status == 400 and "leaves out the final message's text" in err.value.message
+
+
 def test_a_template_that_refuses_the_messages_is_a_400_with_its_words():
     with pytest.raises(ApiError) as err:
         ChatTemplate(LLAMA_LIKE, SPECIAL).render([{"role": "assistant", "content": "first"}])

@@ -270,6 +270,15 @@ def test_tokenize_and_detokenize_round_trip(server, tokenizer):
     status, r = server.post("/tokenize", {"model": MODEL, "messages": messages})
     chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"return_token_ids": True})
     assert status == 200 and r["tokens"] == chat.model_extra["prompt_token_ids"]
+    # Continuing the final message: both end where its text does (the turn left open).
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, it"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    status, r = server.post("/tokenize", {"model": MODEL, "messages": messages, **options})
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"return_token_ids": True, **options})
+    assert status == 200 and r["tokens"] == chat.model_extra["prompt_token_ids"]
+    assert tokenizer.decode(r["tokens"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nSure, it"
+    status, r = server.post("/tokenize", {"model": MODEL, "messages": messages, "continue_final_message": True})
+    assert status == 400 and r["error"]["param"] == "continue_final_message"
     for path, body, param in [("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"), ("/tokenize", {"prompt": 5}, "prompt"),
                               ("/detokenize", {"tokens": [1, 1000]}, "tokens"), ("/tokenize", {"model": "other", "prompt": "x"}, "model")]:
         status, r = server.post(path, body)

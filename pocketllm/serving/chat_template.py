@@ -39,18 +39,50 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None, continue_final: bool = False) -> str:
         """The prompt text; a template that refuses the messages (raise_exception, or any error
         rendering them) is the request's fault: a 400 naming what the template said. `extra`
-        holds more template variables (a request's chat_template_kwargs), over the special tokens."""
+        holds more template variables (a request's chat_template_kwargs), over the special tokens.
+        continue_final: the text ends where the final message's text does (its turn left open),
+        as transformers' continue_final_message renders it."""
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if continue_final:
+            chat[-1] = _marked(chat[-1])
         variables = {**self.special_tokens, **(extra or {})}
         try:
-            return self.template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables)
+            text = self.template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables)
         except self._jinja.exceptions.TemplateError as exc:
             raise bad(f"the chat template refused these messages: {exc}", "messages") from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise bad(f"the chat template could not render these messages: {type(exc).__name__}: {exc}", "messages") from None
+        return _cut_at_mark(text) if continue_final else text
+
+
+# Put after the final message's text to find where it ends once rendered. Its trailing space shows
+# whether the template kept the text as given or trimmed its end (then the end is trimmed too).
+_MARK = "<|pocketllm-final-message-ends|> "
+
+
+def _marked(message: dict) -> dict:
+    """The message with the mark after its text (its last text part, for content parts)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _MARK}
+    if isinstance(content, list):
+        for i in range(len(content) - 1, -1, -1):
+            part = content[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts = [*content[:i], {**part, "text": part["text"] + _MARK}, *content[i + 1 :]]
+                return {**message, "content": parts}
+    raise bad("continue_final_message: the final message has no text to continue", "messages")
+
+
+def _cut_at_mark(text: str) -> str:
+    at = text.rfind(_MARK.strip())
+    if at < 0:
+        raise bad("continue_final_message: the chat template leaves out the final message's text, so the prompt cannot end "
+                  "inside it", "messages")
+    return text[:at] if text.startswith(_MARK, at) else text[:at].rstrip()
 
 
 def load_chat_template(ckpt: str) -> ChatTemplate | None:

@@ -30,7 +30,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
 # Fields accepted only at the value that asks for nothing this server does not do (vLLM's
 # defaults for its own).
 _NEUTRAL = {"n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1, "priority": 0,
-            "spaces_between_special_tokens": True, "continue_final_message": False}
+            "spaces_between_special_tokens": True}
 _CHAT_NEUTRAL = {"echo": False}
 _ABSENT_ONLY = {"suffix"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -86,8 +86,8 @@ def parse_completion(body, limits: Limits, encode) -> Generation:
 
 
 def parse_chat(body, limits: Limits, render) -> Generation:
-    """render(messages, add_generation_prompt, template_kwargs, add_special_tokens) -> token ids,
-    the chat template applied."""
+    """render(messages, add_generation_prompt, continue_final_message, template_kwargs,
+    add_special_tokens) -> token ids, the chat template applied."""
     fields = known_fields(body, _CHAT, _CHAT_NEUTRAL)
     messages = fields.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -109,8 +109,19 @@ def parse_chat(body, limits: Limits, render) -> Generation:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k not in _TEMPLATE_OWN for k in kwargs):
         raise bad(f"chat_template_kwargs must be an object of template variables other than {', '.join(sorted(_TEMPLATE_OWN))}",
                   "chat_template_kwargs")
-    prompt = render(messages, flag(fields, "add_generation_prompt", True), kwargs, flag(fields, "add_special_tokens", False))
+    prompt = render(messages, *chat_prompt_options(fields), kwargs, flag(fields, "add_special_tokens", False))
     return _generation(fields, limits, prompt, "messages", None, logprobs)
+
+
+def chat_prompt_options(fields: dict) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as vLLM takes them: the prompt ends with
+    the template's opening of the assistant's turn (the default), or inside the final message, for
+    the model to go on with it; not both."""
+    generation_prompt, continue_final = flag(fields, "add_generation_prompt", True), flag(fields, "continue_final_message", False)
+    if generation_prompt and continue_final:
+        raise bad("continue_final_message needs add_generation_prompt: false (the prompt cannot both end inside the final "
+                  "message and open a new one)", "continue_final_message")
+    return generation_prompt, continue_final
 
 
 def known_fields(body, known: set[str], neutral_here: dict) -> dict:

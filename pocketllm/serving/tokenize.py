@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pocketllm.serving.admission import encode
 from pocketllm.serving.errors import bad
-from pocketllm.serving.protocol import Limits, check_message, check_model, flag, is_int, known_fields
+from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, is_int, known_fields
 
 _COMMON = {"model", "add_special_tokens", "return_token_strs"}
 _TEXT = _COMMON | {"prompt"}
@@ -14,8 +14,8 @@ _CHAT = _COMMON | {"messages", "add_generation_prompt", "continue_final_message"
 
 
 def tokenize(body, limits: Limits, tokenizer, render) -> dict:
-    """body: {prompt} or {messages}; render(messages, add_generation_prompt, template_kwargs,
-    add_special_tokens) -> ids, None when the model has no chat template."""
+    """body: {prompt} or {messages}; render(messages, add_generation_prompt, continue_final_message,
+    template_kwargs, add_special_tokens) -> ids, None when the model has no chat template."""
     chat = isinstance(body, dict) and "messages" in body
     fields = known_fields(body, _CHAT if chat else _TEXT, {})
     check_model(fields, limits, required=False)
@@ -30,7 +30,7 @@ def tokenize(body, limits: Limits, tokenizer, render) -> dict:
         kwargs = fields.get("chat_template_kwargs", {})
         if not isinstance(kwargs, dict):
             raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
-        ids = render(messages, flag(fields, "add_generation_prompt", True), kwargs, flag(fields, "add_special_tokens", False))
+        ids = render(messages, *chat_prompt_options(fields), kwargs, flag(fields, "add_special_tokens", False))
     else:
         prompt = fields.get("prompt")
         if not isinstance(prompt, str):
