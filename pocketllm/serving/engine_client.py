@@ -179,7 +179,7 @@ class EngineClient:
         with self._lock:
             sink = self._sinks.get(rid) if finish is None else self._sinks.pop(rid, None)
         if finish is not None:
-            self.metrics.ended_with(sink.answered_as or finish if sink is not None else finish)
+            self.metrics.ended_with((sink.answered_as or finish) if sink is not None else finish)
         if sink is None:
             return
         if token is not None and not sink.seen_token:
