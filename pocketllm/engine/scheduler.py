@@ -437,7 +437,8 @@ class Scheduler:
         """End `req` alone for what went wrong choosing its token (its sampling settings met a
         case the sampler does not handle): the pass it was in ran, and every other request goes
         on. Said on stderr in one line, as the error its client gets."""
-        req.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        req.error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
         print(f"pocketllm: request {req.id} failed choosing its token ({req.error}); the others go on", file=sys.stderr, flush=True)
         return self._finish(req, "error")
 
