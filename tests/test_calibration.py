@@ -151,6 +151,21 @@ def test_a_run_refuses_a_calibration_for_another_run(tmp_path, capsys, no_ranks)
     usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", "--dtype", "float32", "--calibration", path, expect="dtype bfloat16 (this run float32)")
 
 
+def test_a_calibration_measured_on_another_all_reduce_is_refused_once_the_ranks_know_theirs(tmp_path):
+    """shm or gloo is known only once the ranks have set it up (auto takes either): the ranks
+    refuse a calibration measured on the other, in one line, or note it under --force-calibration."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({**GOOD, "collective": "shm"}))
+    args = ("bench", "--preset", "tiny", "--tp-world", "2", "--collective", "gloo", "--calibration", path, "--prompt-tokens", "8", "--max-new-tokens", "1")
+    r = run_cli(*args, timeout=120)
+    # After the lines a run prints as its ranks start (the all-reduce chosen, the pinning).
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("pocketllm: error: calibration") and "was made for the shm all-reduce (this run gloo)" in last, r.stderr
+    r = run_cli(*args, "--force-calibration", timeout=120)
+    assert r.returncode == 0 and "note: using calibration" in r.stderr and "made for the shm all-reduce (this run gloo)" in r.stderr, r.stderr
+
+
 def test_calibrate_at_tp2_writes_a_usable_file(tmp_path, monkeypatch):
     out = tmp_path / "cal.json"
     # No --tp-world: like allreduce, calibrate starts two ranks (the model flags' default of one

@@ -35,6 +35,7 @@ class Calibration:
     created: str
     points: list[Point]
     allreduce_fit: dict | None = None
+    collective: str | None = None  # the all-reduce it was measured on (shm, gloo, ...); None in older files
 
     def to_json(self) -> dict:
         return {
@@ -46,10 +47,12 @@ class Calibration:
             "created": self.created,
             "points": [_point_json(p) for p in self.points],
             "allreduce_fit": self.allreduce_fit,
+            **({"collective": self.collective} if self.collective is not None else {}),
         }
 
     def describe(self) -> str:
-        return f"{self.backend}, TP={self.world}, hidden {self.hidden}, {self.dtype}, {self.device}, created {self.created}"
+        over = f" ({self.collective} all-reduce)" if self.collective not in (None, self.backend) else ""
+        return f"{self.backend}{over}, TP={self.world}, hidden {self.hidden}, {self.dtype}, {self.device}, created {self.created}"
 
 
 def _point_json(p: Point) -> dict:
@@ -104,7 +107,10 @@ def parse_calibration(data, path: str) -> Calibration:
     fit = data.get("allreduce_fit")
     if fit is not None and not isinstance(fit, dict):
         raise _bad(path, "allreduce_fit is not an object")
-    return Calibration(head["backend"], head["device"], world, hidden, head["dtype"], head["created"], points, fit)
+    collective = data.get("collective")
+    if collective is not None and not isinstance(collective, str):
+        raise _bad(path, f"'collective' is {collective!r}, expected str")
+    return Calibration(head["backend"], head["device"], world, hidden, head["dtype"], head["created"], points, fit, collective)
 
 
 def load_calibration(path: str) -> Calibration:
@@ -122,6 +128,19 @@ def mismatches(cal: Calibration, backend: str, world: int, hidden: int, dtype: s
     """Where the calibration describes a different run than this one, e.g. 'TP world size 4 (this run 2)'."""
     here = {"backend": backend, "world": world, "hidden": hidden, "dtype": dtype}
     return [f"{name} {getattr(cal, key)} (this run {here[key]})" for key, name in MATCHED if getattr(cal, key) != here[key]]
+
+
+def check_collective(cal: Calibration, path: str, collective: str | None, force: bool) -> str | None:
+    """The all-reduce a run's ranks set up (known only once they have) against the one the
+    calibration was measured on: slicing pays on one and not the other (docs/collectives.md).
+    Refused as check_calibration refuses; with force, the note the run prints instead."""
+    if cal.collective is None or collective is None or cal.collective == collective:
+        return None
+    what = f"the {cal.collective} all-reduce (this run {collective})"
+    if not force:
+        raise UsageError(f"calibration {path} was made for {what}; recalibrate, pass --collective {cal.collective}, "
+                         "or pass --force-calibration to use it anyway")
+    return f"using calibration {path} made for {what} (--force-calibration)"
 
 
 def check_calibration(cal: Calibration, path: str, backend: str, world: int, hidden: int, dtype: str, force: bool) -> str | None:
