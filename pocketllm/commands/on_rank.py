@@ -15,8 +15,7 @@ import torch
 from pocketllm.device import setup_device
 from pocketllm.device_kind import allowed_cpus
 from pocketllm.distributed import collective, one_host, waiting
-from pocketllm.distributed.calibration import check_collective
-from pocketllm.distributed.policy import CalibratedPolicy
+from pocketllm.distributed.policy import collective_note
 from pocketllm.distributed.state import all_gather_cat, all_gather_objects, tp
 from pocketllm.engine.runner import Engine
 from pocketllm.fault_injection import FaultHook
@@ -57,11 +56,10 @@ def load_then_work(run: RunPlan, renv, device, checked, work) -> int:
     dtype = run.source.dtype
     if plan.policy.note:
         say(f"note: {plan.policy.note}")
-    if isinstance(plan.policy.policy, CalibratedPolicy):
-        # Which all-reduce runs is known only now (every rank agrees: rank 0 chose it).
-        note = check_collective(plan.policy.policy.calibration, plan.policy.policy.source, collective.name(), run.slices.force_calibration)
-        if note:
-            say(f"note: {note}")
+    # Which all-reduce runs is known only now (every rank agrees: rank 0 chose it).
+    note = collective_note(plan.policy.policy, collective.name(), run.slices.force_calibration)
+    if note:
+        say(f"note: {note}")
     profiler = None
     try:
         t0 = time.perf_counter()

@@ -16,11 +16,11 @@ from pocketllm.bench.plot import plot_sweep, require_matplotlib
 from pocketllm.bench.sweep_report import Setting, format_report, pinned
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan
-from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, resolve_policy
+from pocketllm.distributed.policy import ENV_CALIBRATION, ENV_PIN, OVERLAP_POLICIES, PinnedPolicy, collective_note, resolve_policy
 from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, checked_bench_ids
-from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path, checked_for_run
+from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path, checked_for_run, say
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
 
@@ -135,10 +135,16 @@ def run_sweep(engine, rows_list, settings, t: Task, sync) -> list[dict]:
 
 def _work(run, plan, inputs, engine, device) -> int:
     from pocketllm.commands.on_rank import run_settings
+    from pocketllm.distributed import collective
     from pocketllm.distributed.state import tp
 
     t = run.task
     rows_list, settings = inputs
+    for _, policy in settings:
+        # A calibrated setting's all-reduce, against the one the ranks set up (as any run's).
+        note = collective_note(policy, collective.name(), run.slices.force_calibration)
+        if note:
+            say(f"note: {note}")
     records = run_sweep(engine, rows_list, settings, t, device.synchronize)
     if tp().rank != 0:
         return 0

@@ -15,7 +15,7 @@ import bisect
 import os
 from dataclasses import dataclass
 
-from pocketllm.distributed.calibration import Calibration, Point, load_calibration
+from pocketllm.distributed.calibration import Calibration, Point, check_collective, load_calibration
 from pocketllm.errors import UsageError
 from pocketllm.switches import env_setting, env_value
 
@@ -181,3 +181,11 @@ class CalibratedPolicy(SlicePolicy):
     def describe(self) -> str:
         picks = ", ".join(f"{r}->{s}" for r, s in self.choices.items())
         return f"calibrated (ceiling {self.ceiling}; {picks})"
+
+
+def collective_note(policy: SlicePolicy, collective: str | None, force: bool) -> str | None:
+    """A calibrated policy's all-reduce checked against the one the ranks set up
+    (calibration.check_collective); None for any other policy."""
+    if not isinstance(policy, CalibratedPolicy):
+        return None
+    return check_collective(policy.calibration, policy.source, collective, force)
