@@ -341,3 +341,12 @@ def test_profiling_usage_errors_are_one_line_exit_2(argv, env, needle, tmp_path,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     usage_error_in_process(capsys, *argv, expect=needle)
+
+
+def test_a_profiled_run_says_its_decode_steps_run_the_layers(capsys):
+    """A profile times the layers' scopes, so its decode rows take the layers' path: the line rank
+    0 prints says so, as the result line's decode_step does."""
+    assert main_in_process("bench", "--preset", "tiny", "--prompt-tokens", 16, "--max-new-tokens", 2, "--host-profile") == 0
+    out = capsys.readouterr()
+    assert "decode step: layer by layer (a profile times the layers; one compiled call otherwise)" in out.err
+    assert "decode_step=layers" in out.out

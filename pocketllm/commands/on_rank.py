@@ -87,7 +87,11 @@ def load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         if not engine.pass_shape.cpu_forms:
             # A device's pass: what runs between its GEMMs (Triton kernels, or why not).
             say(engine.model.decode_ops.device.describe())
-        say(engine.describe_step())
+        if run.profiling.enabled and engine.step is not None:
+            # A profile times the layers' scopes, so its decode rows take the layers' path.
+            say(f"decode step: layer by layer (a profile times the layers; {engine.step_choice.name} otherwise)")
+        else:
+            say(engine.describe_step())
         kernel = engine.model.gdn_kernel
         say(f"gdn kernel: {kernel.describe() if kernel else 'none (no linear-attention layer)'}")
         note = one_host.finding(plan.cfg, plan.dtype, device.torch_device, cpus_per_rank)
