@@ -90,7 +90,7 @@ def test_fallback_to_serial_is_marked():
         (["--rows", "512,abc"], "--rows: 'abc' is not an integer"),
         (["--pin", "1,0"], "--pin: 0 must be a positive integer"),
         (["--policy", "rule,best"], "--policy: 'best' is not one of rule, calibrated"),
-        (["--policy", "calibrated"], "needs --calibration"),
+        (["--policy", "calibrated"], "--policy calibrated needs --calibration"),
     ],
 )
 def test_bad_lists_exit_2(args, message, capsys, no_ranks):

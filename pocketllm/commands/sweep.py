@@ -72,6 +72,8 @@ def _policy_names(t: Task, calibration: str | None) -> list[str]:
     for n in names:
         if n not in OVERLAP_POLICIES:
             raise UsageError(f"--policy: {n!r} is not one of {', '.join(OVERLAP_POLICIES)}")
+    if "calibrated" in names and not (calibration or env_value(os.environ, ENV_CALIBRATION)):
+        raise UsageError(f"--policy calibrated needs --calibration FILE (or env {ENV_CALIBRATION})")
     return list(dict.fromkeys(names))
 
 
