@@ -6,6 +6,7 @@ one process per rank, meeting at `--rendezvous-file FILE`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -16,6 +17,7 @@ from pocketllm import rank_failures
 from pocketllm.distributed import collective, rendezvous, waiting
 from pocketllm.distributed.state import set_tp
 from pocketllm.errors import UsageError
+from pocketllm.interrupts import sigterm_interrupts
 from pocketllm.launch import launcher_checked
 from pocketllm.place import RankEnv
 
@@ -90,7 +92,11 @@ def run_rank(renv: RankEnv, body) -> int:
     already know which rank failed first."""
     launched = rank_failures.ENV_REPORT in os.environ
     try:
-        return body()
+        # A rank started by hand is stopped as any process is, by SIGTERM too: it unwinds as at
+        # Ctrl-C (one line, exit 130, rank 0's rendezvous file removed). A launcher's ranks keep
+        # the default: the launcher stops them with it and names how each ended.
+        with sigterm_interrupts() if renv.id_path is not None else contextlib.nullcontext():
+            return body()
     except RefusedByRank0 as exc:
         rank_failures.leave_report("usage", str(exc))
         return 2

@@ -90,6 +90,31 @@ def test_sigterm_to_a_waiting_rank0_clears_its_file(tmp_path):
     assert_nothing_left(rank0)
 
 
+@pytest.mark.timeout(60)
+def test_sigterm_to_a_hand_started_rank0_mid_run_ends_it_as_ctrl_c_does(tmp_path):
+    """Past the rendezvous too: SIGTERM to rank 0 in the middle of a batch's decode ends it as
+    Ctrl-C does (one line, exit 130, its file removed) at once, not after a broadcast to end the
+    other rank's follow that would meet rank 1 inside the pass's collective and wait out
+    --dist-timeout; rank 1 sees it gone."""
+    id_path = tmp_path / "run.id"
+    batch = ["--token-ids", "1,2,3", "--token-ids", "4,5,6", "--max-new-tokens", 20000, "--ignore-eos", "--dist-timeout", 30]
+    env = {"POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": "3000"}
+    runs = [start("generate", "--preset", "tiny", *batch, "--tp-world", 2, "--tp-rank", r, "--rendezvous-file", id_path, tmp_path=tmp_path, env=env)
+            for r in (1, 0)]
+    rank1, rank0 = runs
+    rank0.line_time("decode step:", timeout=30)
+    time.sleep(1.0)
+    rank0.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert rank0.wait() == 130, rank0.stderr
+    assert time.monotonic() - sent < 10, "rank 0 waited on rank 1 after SIGTERM"
+    assert "Traceback" not in rank0.stderr and rank0.last_line == "pocketllm: interrupted", rank0.stderr
+    assert rank1.wait() == 1 and "lost its connection to another rank" in rank1.last_line, rank1.stderr
+    assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
+    for run in runs:
+        assert_nothing_left(run)
+
+
 @pytest.fixture(scope="module")
 def lone_ranks(tmp_path_factory):
     """The runs below that end on their own at the rendezvous, each one process that stops there:

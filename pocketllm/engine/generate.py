@@ -68,6 +68,8 @@ def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampli
         requests = [sched.submit(p, max_new_tokens, replace(sampling, seed=(sampling.seed + i) % 2**64), eos_ids) for i, p in enumerate(prompts)]
         while sched.has_work:
             sched.step()
-    finally:
-        sched.close()
+    except BaseException:
+        sched.close(tell_ranks=False)
+        raise
+    sched.close()
     return [r.output for r in requests]

@@ -442,9 +442,12 @@ class Scheduler:
         print(f"pocketllm: request {req.id} failed choosing its token ({req.error}); the others go on", file=sys.stderr, flush=True)
         return self._finish(req, "error")
 
-    def close(self) -> None:
+    def close(self, tell_ranks: bool = True) -> None:
         """End the run for the other ranks (their follow returns). Requests still queued or
-        running end as cancelled."""
+        running end as cancelled. tell_ranks False: a pass failed or was interrupted, and may
+        have left the other ranks inside one of its collectives, where a broadcast to end their
+        follow would meet nothing (this rank would wait out --dist-timeout and fail again): they
+        see this rank gone instead."""
         with self._lock:
             if self.closed:
                 return
@@ -453,6 +456,6 @@ class Scheduler:
             self._finish(req, "cancelled")
         self.waiting.clear()
         self._incoming.clear()
-        if tp().world > 1 and not self.lockstep:
+        if tp().world > 1 and not self.lockstep and tell_ranks:
             self.plan.close()
             broadcast_(self.plan.buf)
