@@ -29,11 +29,22 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
         world = int(env[ENV_WORLD])
         return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
     if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
+        world = _torchrun_int(env, "WORLD_SIZE", 1)
+        rank = _torchrun_int(env, "RANK", 0)
         if tp_world not in (None, world):
             raise UsageError(f"--tp-world {tp_world} disagrees with torchrun's WORLD_SIZE={world}")
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return RankEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
+        if rank >= world:
+            raise UsageError(f"torchrun's RANK={rank} is outside its WORLD_SIZE={world} (ranks 0..{world - 1})")
+        local_world = _torchrun_int(env, "LOCAL_WORLD_SIZE", 1, world)
+        local_rank = _torchrun_int(env, "LOCAL_RANK", 0, 0)
+        if local_rank >= local_world:
+            raise UsageError(f"torchrun's LOCAL_RANK={local_rank} is outside its LOCAL_WORLD_SIZE={local_world}")
+        if world > 1:
+            missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name, "").strip()]
+            if missing:
+                raise UsageError(f"RANK and WORLD_SIZE are set (torchrun's variables) but {' and '.join(missing)} not: "
+                                 "run under torchrun, which sets them all, or set them beside RANK and WORLD_SIZE")
+        return RankEnv(rank, world, local_rank, local_world)
     if tp_world is None:
         tp_world = default_world
     if tp_rank is not None:
@@ -45,3 +56,17 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
     if tp_world == 1:
         return RankEnv(0, 1, 0, 1)
     return None
+
+
+def _torchrun_int(env, name: str, least: int, default: int | None = None) -> int:
+    """A torchrun variable that must be an integer >= least (`default` when unset, if given)."""
+    raw = env.get(name)
+    if raw is None and default is not None:
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise UsageError(f"torchrun's {name}={raw!r} is not an integer") from None
+    if value < least:
+        raise UsageError(f"torchrun's {name}={value} must be >= {least}")
+    return value

@@ -142,3 +142,24 @@ def test_torchrun_env_without_tp_world_plans_for_its_world_size(capsys, no_ranks
         capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--dist-timeout", 3,
         expect=("over 3 ranks", "valid world sizes: 1, 2, 4"),
     )
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "torchrun's RANK=1 is outside its WORLD_SIZE=1"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "torchrun's WORLD_SIZE='two' is not an integer"),
+    ({"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "torchrun's RANK=5 is outside its WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "but MASTER_ADDR and MASTER_PORT not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
+     "torchrun's LOCAL_RANK=3 is outside its LOCAL_WORLD_SIZE=2"),
+], ids=["rank-past-world", "world-not-int", "rank-past-world-2", "no-master", "local-rank-past"])
+def test_torchrun_variables_that_cannot_describe_a_run_are_one_line(env, message, capsys, no_ranks, monkeypatch):
+    """RANK and WORLD_SIZE set by hand, or by a launcher other than torchrun: a value that cannot
+    place this rank is named before it joins any group (which would fail in torch's words)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("joined a group"))
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--device", "cpu", expect=message)
