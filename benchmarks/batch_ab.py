@@ -20,7 +20,7 @@ from common import alternate, run_bench_json, spread
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench`.")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--reps", type=int, default=4, help="reps per setting, even so each order runs equally often (default 4)")
     p.add_argument("--baseline", action="append", default=[], help="a checkout whose `pocketllm bench` runs at every B too (repeatable)")

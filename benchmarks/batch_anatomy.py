@@ -32,7 +32,7 @@ from common import PocketRunner, alternate, checkpoint_dir, gemv_only_step_secon
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--batches", default="1,8", help="comma-separated sequences per step")

@@ -30,7 +30,7 @@ def kernel_lines(out: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench`.")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
     p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")

@@ -37,7 +37,7 @@ def turn_ttfts(sched, system: list[int], users: list[list[int]], answer: int) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--system", type=int, default=1000, help="tokens of the first prompt (default 1000)")

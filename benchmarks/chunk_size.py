@@ -24,7 +24,7 @@ from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--sizes", default="32,64")
     p.add_argument("--lengths", default="128,512,4096")
     add_head_arguments(p)

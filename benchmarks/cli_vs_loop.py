@@ -39,7 +39,7 @@ def loop_run(args, ckpt: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="small")
     p.add_argument("--ckpt")
     p.add_argument("--dtype", default="bfloat16")

@@ -43,7 +43,7 @@ def stream_gbps(mib: int, reps: int, kernel: str, start_at: float | None = None)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--mib", type=int, default=288, help="weight MiB streamed per pass (default 288, the small preset's)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--kernel", default="c-prefetch", help="the one-row kernel that streams (default c-prefetch)")

@@ -51,7 +51,7 @@ from common import (
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timing")

@@ -213,7 +213,7 @@ def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"), help="what to check (cpu: a dry run of this script)")
     p.add_argument("--quick", action="store_true", help="small shapes only (a dry run's speed)")
     p.add_argument("--timeout", type=float, default=300, help="seconds each step may take at most (default 300)")

@@ -37,7 +37,7 @@ def one(world, fault, timeout):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--runs", type=int, default=5, help="runs per case (default 5)")
     n = p.parse_args().runs
     cases = [

@@ -16,7 +16,7 @@ import torch
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--shapes", default="1024x1024,6144x1024,1024x3072", help="weight shapes OUTxIN")
     p.add_argument("--rows", default="16,64,512", help="rows of the chunk")
     p.add_argument("--others", default="1,8,512", help="rows packed before it")

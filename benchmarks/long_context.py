@@ -39,7 +39,7 @@ from pocketllm.profiling import scopes
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", required=True, help="HF checkpoint directory pocketllm loads")
     p.add_argument("--gguf", help="the same checkpoint as GGUF, for llama.cpp (with --llama-bench)")
     p.add_argument("--llama-bench", help="path of the llama-bench binary (without it, pocketllm alone)")

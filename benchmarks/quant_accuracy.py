@@ -49,7 +49,7 @@ SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g32-asym", "int4-g
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", required=True, help="float checkpoint (bf16, as released)")
     p.add_argument("--text", help="text file (default: the repository's docs, concatenated)")
     p.add_argument("--ctx", type=int, default=512)

@@ -188,7 +188,7 @@ def errors(fmts, scale_dtype, isa: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="small,qwen3.8-27b", help="comma-separated presets whose layer shapes are streamed")
     p.add_argument("--layers", type=int, help="layers per pass (default: all of small with its head; 2 of the 27B without)")
     p.add_argument("--schemes", default="int8,int4-g32,int4-g64,int4-g128", help="weight formats, as the registry names them ('' for none: the bf16 kernels alone)")

@@ -108,7 +108,7 @@ def bench(tree: Path, bench_args: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
     p.add_argument("--reps", type=int, default=6, help="reps per tree, even so each runs first as often (default 6)")
     args, bench_args = p.parse_known_args(argv)
     print(f"one disabled scope: {disabled_scope_ns():.0f} ns")

@@ -46,7 +46,7 @@ class Record:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", help="checkpoint with tokenizer.json (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")

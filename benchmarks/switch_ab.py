@@ -23,7 +23,7 @@ def bench(world: int, switch: str, value: str, bench_args: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
     p.add_argument("--switch", default="POCKETLLM_PIN_CPUS", help="the environment switch to compare on and off")
     p.add_argument("--values", default="1,0", help="the switch's two values, on then off (default 1,0)")
     p.add_argument("--worlds", default="2,4")

@@ -16,7 +16,7 @@ from common import alternate, run_bench_json, spread
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to `pocketllm bench`.")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--collectives", default="shm,gloo", help="POCKETLLM_COLLECTIVE values to run each world > 1 with")
     p.add_argument("--reps", type=int, default=4, help="reps per setting, even so each order runs equally often (default 4)")

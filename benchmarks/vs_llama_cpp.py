@@ -29,7 +29,7 @@ from pocketllm.model_args import parse_dtype
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", required=True, help="HF checkpoint directory pocketllm loads")
     p.add_argument("--gguf", required=True, help="the same checkpoint as GGUF, for llama.cpp")
     p.add_argument("--llama-bench", required=True, help="path of the llama-bench binary")

@@ -34,7 +34,7 @@ from pocketllm import compiled
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", required=True, help="float checkpoint pocketllm quantizes at load (the GGUFs' source)")
     p.add_argument("--llama-batched-bench", required=True, help="llama.cpp's llama-batched-bench binary")
     p.add_argument("--pair", action="append", required=True, help="SCHEME=GGUF: a pocketllm --quantize scheme (none: as stored) and the llama.cpp file set against it")

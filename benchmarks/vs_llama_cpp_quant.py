@@ -51,7 +51,7 @@ GGUF_STEP_BYTES = (
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", required=True, help="float checkpoint pocketllm quantizes at load")
     p.add_argument("--llama-bench", required=True)
     p.add_argument("--pair", action="append", required=True, help="SCHEME=GGUF: a pocketllm --quantize scheme and the llama.cpp file it is set against")

@@ -34,7 +34,7 @@ from pocketllm.model_args import parse_dtype
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, help="the preset's first N layers")

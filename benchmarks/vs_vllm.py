@@ -65,7 +65,7 @@ def dataset_flags(args) -> dict[str, list[str]]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", required=True, help="HF checkpoint with tokenizer.json, served by both")
     p.add_argument("--vllm", default=str(PEER_DIR / "vllm"), help=f"the vllm command (default {PEER_DIR}/vllm, VLLM_CPU_PEER_DIR)")
     p.add_argument("--reps", type=int, default=2, help="rep pairs to run now (default 2)")
