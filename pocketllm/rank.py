@@ -7,6 +7,7 @@ one process per rank, meeting at `--rendezvous-file FILE`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import traceback
@@ -82,6 +83,49 @@ def checked_on_rank0(renv: RankEnv, check, join, env=os.environ):
     if not ok:
         raise (UsageError if renv.rank == 0 else RefusedByRank0)(value)
     return value
+
+
+# What a rank's own command line may set apart from rank 0's: its place and device, how long it
+# waits, the test-only fault, and where it writes (a file only rank 0 writes may be given to it alone).
+_OWN = {"world.rank", "world.dist_timeout", "world.cpus", "device.requested", "device.index", "fault"}
+_OUTPUTS = {"json", "logits_out", "profile_out", "trace_out", "plot", "out", "stream"}
+
+
+def same_settings(renv: RankEnv, plan_json: str) -> None:
+    """Ranks started without the launcher (by hand, torchrun) each planned from their own command
+    line, and rank 0's checked inputs (the model, the prompt) are what every rank uses; but a
+    setting that steers the run's own steps (the command, --max-new-tokens, --collective, the
+    slice policy) must be the same on every rank, or they part ways mid-run (a lost connection, a
+    collective that waits out --dist-timeout). Every rank learns every rank's settings and stops
+    with one line naming the first rank that differs, before any collective of the run."""
+    if renv.world == 1 or renv.file_store is not None:
+        return
+    mine = {k: v for k, v in _flat(json.loads(plan_json)).items() if k not in _OWN and k.rsplit(".", 1)[-1] not in _OUTPUTS}
+    every = [None] * renv.world
+    dist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every[1:], start=1):
+        keys = sorted(k for k in set(theirs) | set(every[0]) if theirs.get(k) != every[0].get(k))
+        if keys:
+            said = "; ".join(f"{_flag(k)} {theirs.get(k)!r} on rank {rank}, {every[0].get(k)!r} on rank 0" for k in keys)
+            raise UsageError(f"the ranks were started with different settings: {said} (every rank's command must be rank 0's "
+                             "but for --tp-rank and --device)")
+
+
+def _flat(doc: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        out.update(_flat(value, name + ".") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def _flag(key: str) -> str:
+    """The command-line spelling of a plan field, as near as it has one."""
+    if key == "command":
+        return "the command"
+    if key == "world.size":
+        return "--tp-world"
+    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
 
 
 def run_rank(renv: RankEnv, body) -> int:

@@ -115,6 +115,26 @@ def test_sigterm_to_a_hand_started_rank0_mid_run_ends_it_as_ctrl_c_does(tmp_path
         assert_nothing_left(run)
 
 
+@pytest.mark.timeout(60)
+def test_hand_started_ranks_with_different_settings_stop_naming_them(tmp_path):
+    """Each hand-started rank plans from its own command line: one that steers the run otherwise
+    than rank 0's (here --max-new-tokens and --collective) is named on every rank, before any
+    collective of the run (the ranks would part ways mid-run, or wait out --dist-timeout)."""
+    id_path = tmp_path / "run.id"
+    env = {"POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS": "3000"}
+    common = ["generate", "--preset", "tiny", "--token-ids", "1,2,3", "--tp-world", 2, "--rendezvous-file", id_path, "--dist-timeout", 20]
+    rank1 = start(*common, "--tp-rank", 1, "--max-new-tokens", 3, "--collective", "shm", tmp_path=tmp_path, env=env)
+    rank0 = start(*common, "--tp-rank", 0, "--max-new-tokens", 12, "--collective", "gloo", "--logits-out", tmp_path / "l.safetensors", tmp_path=tmp_path, env=env)
+    for run in (rank0, rank1):
+        message = one_line_error(run)
+        assert message.startswith("pocketllm: error: the ranks were started with different settings: "), message
+        # Named as the flags are; rank 0's own --logits-out (an output) is no difference.
+        assert "--max-new-tokens 3 on rank 1, 12 on rank 0; --collective 'shm' on rank 1, 'gloo' on rank 0" in message, message
+        assert "--logits-out" not in message
+        assert_nothing_left(run)
+    assert not id_path.exists()
+
+
 @pytest.fixture(scope="module")
 def lone_ranks(tmp_path_factory):
     """The runs below that end on their own at the rendezvous, each one process that stops there:

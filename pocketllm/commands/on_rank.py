@@ -23,7 +23,7 @@ from pocketllm.launch import ENV_PIN_MAP
 from pocketllm.model_args import say
 from pocketllm.place import RankEnv
 from pocketllm.profiling.profiler import attach_profiler
-from pocketllm.rank import checked_on_rank0, join_group, run_rank, setup_collective
+from pocketllm.rank import checked_on_rank0, join_group, run_rank, same_settings, setup_collective
 from pocketllm.rank_failures import PassTracker
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
@@ -39,6 +39,7 @@ def run_as_rank(run: RunPlan, renv: RankEnv, check, on_rank) -> int:
         # Rank 0 checks the inputs once (or takes the launcher's check) and shares them, so every
         # rank runs on the same ones.
         checked = checked_on_rank0(renv, check, lambda: join_group(renv, device.backend, run.world.timeout(device.backend)))
+        same_settings(renv, run.to_json())
         setup_collective(renv, run.world.collective, device.backend)
         # The launcher's pinning map, which it gives rank 0 alone to print.
         pinned = env_value(os.environ, ENV_PIN_MAP)
