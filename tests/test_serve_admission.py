@@ -186,6 +186,9 @@ def test_bodies_no_text_or_parser_takes_are_400_and_a_body_cut_short_leaves_no_t
         ("/v1/chat/completions", b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate (\\udfff)"),
         ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "hi", "\\ud800": 1}', "surrogate"),
         ("/tokenize", b'{"model": "' + MODEL.encode() + b'", "prompt": "\\ud800"}', "surrogate"),
+        # An upper-case escape, and a surrogate's own UTF-8 bytes (which json reads as one).
+        ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "a\\uDBFFb"}', "surrogate (\\udbff)"),
+        ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "a\xed\xb0\x80b"}', "surrogate (\\udc00)"),
         ("/v1/completions", deep, "nests deeper"),
     ]
     for path, body, fragment in cases:
