@@ -169,18 +169,16 @@ class EngineDriver:
             rid = self._rid_of.get(request.id)
             if rid is None:
                 continue
-            if request.finish_reason == "error":
-                failed.append((wire.REQUEST_FAILED, rid, request.error))
+            if request.finished:
                 del self._requests[rid], self._rid_of[request.id]
                 self._cancelled_all.discard(rid)
+            if request.finish_reason == "error":
+                failed.append((wire.REQUEST_FAILED, rid, request.error))
                 continue
             # Read here, in the step that appended it.
             logprob = request.logprobs[-1] if token is not None and request.sampling.logprobs is not None else None
             finish = (request.finish_reason or "cancelled") if request.finished else None
             out.append((rid, token, finish, logprob))
-            if request.finished:
-                del self._requests[rid], self._rid_of[request.id]
-                self._cancelled_all.discard(rid)
         self._send((wire.EVENTS, out, self._gauges()))
         for message in failed:
             self._send(message)
