@@ -181,11 +181,7 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     for many, few in (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads")):
         if text[many] % text[few]:
             raise ConfigError(f"{where}: {many}={text[many]} is not a multiple of {few}={text[few]}")
-    eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    for e in eos_ids:
-        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < text["vocab_size"]:
-            raise ConfigError(f"{where}: eos_token_id must be token ids in [0, vocab_size={text['vocab_size']}), got {eos!r}")
+    eos_ids = eos_token_ids(text.get("eos_token_id", raw.get("eos_token_id")), text["vocab_size"], where)
     # The text config's own value wins over the outer (multimodal) one.
     tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
@@ -223,16 +219,23 @@ def _check_positive(value, key: str, where: str, integer: bool = False) -> None:
         raise ConfigError(f"{where}: {key} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
 
-def read_json(path: Path, error: type[UsageError] | None = None):
-    """A checkpoint's JSON file, parsed; one line naming it (as `error`, default ConfigError) when
-    it cannot be read or is not JSON."""
-    error = error or ConfigError
+def eos_token_ids(eos, vocab_size: int, where: str) -> tuple[int, ...]:
+    """An `eos_token_id` field (one id, a list, or absent) as ids, each checked against the vocab."""
+    ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    for e in ids:
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab_size:
+            raise ConfigError(f"{where}: eos_token_id must be token ids in [0, vocab_size={vocab_size}), got {eos!r}")
+    return ids
+
+
+def read_json(path: Path):
+    """A checkpoint's JSON file, parsed; one line naming it when it cannot be read or is not JSON."""
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: cannot read ({exc})") from None
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
     except json.JSONDecodeError as exc:
-        raise error(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise ConfigError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
 def load_config(ckpt_dir: Path) -> ModelConfig:

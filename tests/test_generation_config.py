@@ -1,6 +1,6 @@
 """A checkpoint's generation_config.json: its eos ids end what `generate` makes (beside
-config.json's), its sampling fields are read within the ranges a request may give, and a broken
-one is one line naming it, exit 2. (serve's use of its sampling fields: tests/test_serve.py and
+config.json's), serve refuses sampling fields no request could give, and a broken file is one line
+naming it, exit 2. (serve's use of its sampling fields: tests/test_serve.py and
 tests/test_serve_protocol.py.)"""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import json
 import pytest
 from conftest import generated_ids, main_in_process, usage_error_in_process
 
-from pocketllm.generation_config import GenerationConfig, GenerationConfigError, read_generation_config
+from pocketllm.config import ConfigError
+from pocketllm.generation_config import GenerationConfig, read_generation_config
 
 PROMPT = "5,17,29,41,53"
 
@@ -52,16 +53,26 @@ def test_the_fields_read_and_the_ones_left(tmp_path):
     ("[0.6]", "expected a JSON object"),
     (json.dumps({"eos_token_id": [2, 1000]}), "eos_token_id must be token ids in [0, vocab_size=1000), got [2, 1000]"),
     (json.dumps({"eos_token_id": True}), "eos_token_id must be token ids"),
-    (json.dumps({"temperature": 3}), "temperature must be a number in [0, 2], got 3"),
-    (json.dumps({"top_p": 0}), "top_p must be a number in (0, 1], got 0"),
-    (json.dumps({"top_k": 2.5}), "top_k must be an integer"),
-    (json.dumps({"repetition_penalty": 0}), "repetition_penalty must be a number > 0, got 0"),
-    (json.dumps({"min_p": "0.1"}), "min_p must be a number in [0, 1], got '0.1'"),
 ])
 def test_a_broken_file_is_one_line_naming_it(content, message, tmp_path, ckpt_copy, capsys, no_ranks):
     (tmp_path / "generation_config.json").write_text(content)
-    with pytest.raises(GenerationConfigError, match=r"generation_config\.json: ") as e:
+    with pytest.raises(ConfigError, match=r"generation_config\.json: ") as e:
         read_generation_config(tmp_path, 1000)
     assert message in str(e.value)
     (ckpt_copy / "generation_config.json").write_text(content)
     usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--token-ids", PROMPT, "--device", "cpu", expect=(message, "generation_config.json"))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": 3}, "temperature must be a number in [0, 2], got 3"),
+    ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0 (1 is none), got 0"),
+    ({"min_p": "0.1"}, "min_p must be a number in [0, 1], got '0.1'"),
+])
+def test_sampling_fields_serve_could_not_take_from_a_request_are_refused_at_its_start(fields, message, ckpt_copy, capsys, no_ranks):
+    """serve checks the file's sampling fields as it checks a request's (the same code), before any
+    rank starts."""
+    (ckpt_copy / "generation_config.json").write_text(json.dumps(fields))
+    usage_error_in_process(capsys, "serve", "--ckpt", ckpt_copy, "--port", 0, "--device", "cpu",
+                           expect=(f"generation_config.json: {message}", "--generation-config none"))

@@ -113,8 +113,23 @@ def _prepare(run, plan) -> dict:
     from pathlib import Path
 
     name = t.served_model_name or Path(ckpt).resolve().name
-    defaults = read_generation_config(ckpt, plan.cfg.vocab_size).sampling if t.generation_config == "auto" else ()
-    return {"max_len": max_len, "model": name, "sampling_defaults": defaults}
+    return {"max_len": max_len, "model": name, "sampling_defaults": _sampling_defaults(t, ckpt, plan.cfg.vocab_size)}
+
+
+def _sampling_defaults(t: Task, ckpt: str, vocab: int) -> tuple:
+    """The checkpoint's generation_config.json sampling fields (--generation-config auto), checked
+    as a request's own would be."""
+    if t.generation_config != "auto":
+        return ()
+    from pocketllm.serving.errors import ApiError
+    from pocketllm.serving.protocol import check_sampling_defaults
+
+    generation = read_generation_config(ckpt, vocab)
+    try:
+        check_sampling_defaults(dict(generation.sampling), vocab)
+    except ApiError as exc:
+        raise UsageError(f"{generation.path}: {exc.message} (--generation-config none leaves its sampling out)") from None
+    return generation.sampling
 
 
 def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:

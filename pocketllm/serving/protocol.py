@@ -192,6 +192,12 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
                       tokens_as_ids=flag(fields, "return_tokens_as_token_ids", False))
 
 
+def check_sampling_defaults(defaults: dict, vocab: int) -> None:
+    """Sampling fields a checkpoint sets as every request's defaults (its generation_config.json),
+    checked as a request's own are: ApiError, naming the field, for a value no request could give."""
+    _sampling(dict(defaults), vocab, 1, None)
+
+
 def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
     temperature = _number(fields, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(fields, "top_p", 1.0, 0.0, 1.0)
