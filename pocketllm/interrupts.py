@@ -1,6 +1,6 @@
 """SIGTERM taken as an interruption for a stretch of a command: where leaving something behind
-would need a person to clean up (a half-written checkpoint, a rendezvous file a hand-started rank 0
-holds while it waits), `kill` then unwinds as Ctrl-C does, through the cleanup, and the command
+would need a person to clean up (a half-written checkpoint, the rendezvous file a hand-started rank 0
+holds for its whole run), `kill` then unwinds as Ctrl-C does, through the cleanup, and the command
 ends with `pocketllm: interrupted` instead of dying where it stands."""
 
 from __future__ import annotations

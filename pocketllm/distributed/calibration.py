@@ -136,19 +136,17 @@ def check_collective(cal: Calibration, path: str, collective: str | None, force:
     Refused as check_calibration refuses; with force, the note the run prints instead."""
     if cal.collective is None or collective is None or cal.collective == collective:
         return None
-    what = f"the {cal.collective} all-reduce (this run {collective})"
-    if not force:
-        raise UsageError(f"calibration {path} was made for {what}; recalibrate, pass --collective {cal.collective}, "
-                         "or pass --force-calibration to use it anyway")
-    return f"using calibration {path} made for {what} (--force-calibration)"
+    return _made_for(path, f"the {cal.collective} all-reduce (this run {collective})", force, f", pass --collective {cal.collective}")
 
 
 def check_calibration(cal: Calibration, path: str, backend: str, world: int, hidden: int, dtype: str, force: bool) -> str | None:
     """Refuse a calibration made for another run; with force, return the note the run prints instead."""
     wrong = mismatches(cal, backend, world, hidden, dtype)
-    if not wrong:
-        return None
-    listed = ", ".join(wrong)
+    return _made_for(path, ", ".join(wrong), force) if wrong else None
+
+
+def _made_for(path: str, what: str, force: bool, remedy: str = "") -> str:
+    """A calibration made for `what` refused (UsageError), or with force the note the run prints."""
     if not force:
-        raise UsageError(f"calibration {path} was made for {listed}; recalibrate, or pass --force-calibration to use it anyway")
-    return f"using calibration {path} made for {listed} (--force-calibration)"
+        raise UsageError(f"calibration {path} was made for {what}; recalibrate{remedy}, or pass --force-calibration to use it anyway")
+    return f"using calibration {path} made for {what} (--force-calibration)"

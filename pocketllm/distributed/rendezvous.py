@@ -15,7 +15,6 @@ private directory here and never imports torch (pocketllm/launch.py).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
@@ -26,7 +25,6 @@ import time
 from datetime import timedelta
 
 from pocketllm.errors import UsageError
-from pocketllm.interrupts import sigterm_interrupts
 from pocketllm.switches import env_setting
 
 ENV_WAIT_ATTEMPTS = "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS"
@@ -97,14 +95,13 @@ def wait_seconds(env=os.environ) -> float:
 
 
 def join_group(backend: str, rank: int, world: int, timeout_s: float, store_path: str | None, id_path: str | None) -> None:
-    # A hand-started rank 0 holds --rendezvous-file while it waits for the others: SIGTERM then
-    # unwinds through leave_group as Ctrl-C does, rather than leaving the file to refuse the next run.
-    with sigterm_interrupts() if id_path is not None else contextlib.nullcontext():
-        try:
-            _join_group(backend, rank, world, timedelta(seconds=timeout_s), store_path, id_path)
-        except BaseException:
-            leave_group()
-            raise
+    # A hand-started rank takes SIGTERM as Ctrl-C for its whole run (rank.run_rank), this wait
+    # included: either unwinds through leave_group, which removes rank 0's --rendezvous-file.
+    try:
+        _join_group(backend, rank, world, timedelta(seconds=timeout_s), store_path, id_path)
+    except BaseException:
+        leave_group()
+        raise
 
 
 # NCCL and HCCL carry only device tensors, but the commands also reduce a few host numbers (a max
