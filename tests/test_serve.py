@@ -238,13 +238,13 @@ def test_completions_equal_generate(server, expected, tokenizer):
 @pytest.mark.timeout(60)
 def test_a_sampled_completion_equals_generate_with_the_same_seed(server, text_ckpt, tokenizer):
     prompt = PROMPTS[1]
-    ids, text = generate_cli(text_ckpt, tokenizer.encode(prompt).ids, NEW, "--temperature", 1.5, "--top-p", 0.9, "--seed", 7)
+    # The sampling the checkpoint's generation_config.json sets, given here explicitly.
+    temperature, top_p = GENERATION_CONFIG["temperature"], GENERATION_CONFIG["top_p"]
+    ids, text = generate_cli(text_ckpt, tokenizer.encode(prompt).ids, NEW, "--temperature", temperature, "--top-p", top_p, "--seed", 7)
     greedy = completion(server, prompt).choices[0].model_extra["token_ids"]
-    c = completion(server, prompt, temperature=1.5, top_p=0.9, seed=7).choices[0]
+    c = completion(server, prompt, temperature=temperature, top_p=top_p, seed=7).choices[0]
     assert (c.text, c.model_extra["token_ids"]) == (text, ids) and ids != greedy
-    # The same sampling as the checkpoint's generation_config.json: the defaults of a request
-    # that gives none, which the server said it took.
-    assert GENERATION_CONFIG == {"do_sample": True, "temperature": 1.5, "top_p": 0.9}
+    # Left out of a request, they are its defaults, as the server said at start.
     default = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, seed=7, extra_body={"return_token_ids": True})
     assert default.choices[0].model_extra["token_ids"] == ids
     assert "sampling defaults from generation_config.json: temperature=1.5, top_p=0.9 (a request's own fields win" in server.run.stderr
