@@ -36,13 +36,13 @@ def join_group(renv: RankEnv, backend: str, timeout_s: float) -> None:
     rank_failures.set_place("loading")
 
 
-def setup_collective(renv: RankEnv, choice: str, backend: str) -> None:
+def setup_collective(renv: RankEnv, choice: str, backend: str, asked: str = "") -> None:
     """Choose the engine's all-reduce (pocketllm.distributed.collective) once the group runs on
     checked inputs; its waits honour the same --dist-timeout as the group's."""
     if renv.world == 1:
         return
     rank_failures.set_place("setting up the all-reduce")
-    collective.setup(choice, backend, renv.rank, renv.world, rank_failures.timeout())
+    collective.setup(choice, backend, renv.rank, renv.world, rank_failures.timeout(), asked)
     rank_failures.set_place("loading")
 
 
@@ -87,7 +87,7 @@ def checked_on_rank0(renv: RankEnv, check, join, env=os.environ):
 
 # What a rank's own command line may set apart from rank 0's: its place and device, how long it
 # waits, the test-only fault, and where it writes (a file only rank 0 writes may be given to it alone).
-_OWN = {"world.rank", "world.dist_timeout", "world.cpus", "device.requested", "device.index", "fault"}
+_OWN = {"world.rank", "world.dist_timeout", "world.cpus", "world.collective_asked", "device.requested", "device.index", "fault"}
 _OUTPUTS = {"json", "logits_out", "profile_out", "trace_out", "plot", "out", "stream"}
 
 

@@ -43,6 +43,7 @@ class WorldPlan:
     cpus: str | None = None  # --cpus, for the ranks the launcher starts
     dist_timeout: float | None = None  # None: the backend's default
     collective: str = "auto"  # the TP all-reduce asked for: auto, shm or gloo
+    collective_asked: str = ""  # how: `--collective X`, `POCKETLLM_COLLECTIVE=X`, "" (the default)
 
     def timeout(self, backend: str) -> float:
         return self.dist_timeout if self.dist_timeout is not None else DEFAULT_DIST_TIMEOUT[backend]

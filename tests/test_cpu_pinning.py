@@ -274,7 +274,9 @@ def test_bench_ranks_run_on_their_share_of_the_cores(run, tmp_path, capsys, requ
         assert settings["collective"] == "shm"
         assert notes == ["all-reduce: shm (shared memory, 2 CPU ranks on this host; gloo for the other collectives)"]
     else:
+        # Asked for by the variable, and said so (not as a flag the command line lacks).
         assert settings["collective"] == "gloo"
+        assert notes == ["all-reduce: gloo (POCKETLLM_COLLECTIVE=gloo)"]
     if world > 1:
         # A pass issues one all-reduce per slice at each of the 8 layers' mlp.down, the 6
         # linear-attention and 2 full-attention output projections, plus the embedding's.

@@ -199,6 +199,14 @@ def test_collective_choice_errors(capsys, no_ranks, monkeypatch):
     usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", 2, "--collective", "fast", expect="--collective 'fast' is not one of auto, shm, gloo")
     monkeypatch.setenv("POCKETLLM_COLLECTIVE", "tcp")
     usage_error_in_process(capsys, "allreduce", expect="POCKETLLM_COLLECTIVE='tcp' is not one of auto, shm, gloo")
+    # A refusal names the choice as it was asked: here by the variable, not a flag the user never gave.
+    from pocketllm import compiled
+
+    monkeypatch.setenv("POCKETLLM_COLLECTIVE", "shm")
+    monkeypatch.setattr(compiled, "compiler", lambda: None)
+    line = usage_error_in_process(capsys, "allreduce", expect="POCKETLLM_COLLECTIVE=shm: no C compiler")
+    assert "--collective" not in line
+    usage_error_in_process(capsys, "allreduce", "--collective", "shm", expect="--collective shm: no C compiler")
 
 
 def test_a_segment_left_by_a_dead_rank_0_is_removed_by_the_next_run():

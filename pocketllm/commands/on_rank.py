@@ -40,7 +40,7 @@ def run_as_rank(run: RunPlan, renv: RankEnv, check, on_rank) -> int:
         # rank runs on the same ones.
         checked = checked_on_rank0(renv, check, lambda: join_group(renv, device.backend, run.world.timeout(device.backend)))
         same_settings(renv, run.to_json())
-        setup_collective(renv, run.world.collective, device.backend)
+        setup_collective(renv, run.world.collective, device.backend, run.world.collective_asked)
         # The launcher's pinning map, which it gives rank 0 alone to print.
         pinned = env_value(os.environ, ENV_PIN_MAP)
         if pinned:

@@ -37,13 +37,13 @@ def world_plan(args, device: DevicePlan, default_world: int) -> WorldPlan:
     """The world the run has (torchrun's WORLD_SIZE, else --tp-world, else `default_world`), and
     the flags every process needs checked before it starts or joins a group: rank 0 cannot check
     them for a hand-started peer, which would otherwise wait on a group it can never join."""
-    choice = resolve_choice(getattr(args, "collective", None))
-    check_choice(choice, device.backend)
+    choice, asked = resolve_choice(getattr(args, "collective", None))
+    check_choice(choice, device.backend, asked)
     renv = rank_env(args.tp_world, args.tp_rank, args.rendezvous_file, default_world=default_world)
     size = renv.world if renv is not None else args.tp_world if args.tp_world is not None else default_world
     cpus = getattr(args, "cpus", None)
     _check_rank_placement(cpus, device, size, renv)
-    return WorldPlan(size, args.tp_rank, args.rendezvous_file, cpus, args.dist_timeout, choice)
+    return WorldPlan(size, args.tp_rank, args.rendezvous_file, cpus, args.dist_timeout, choice, asked)
 
 
 def _check_rank_placement(cpus: str | None, device: DevicePlan, size: int, renv) -> None:

@@ -67,17 +67,18 @@ def sums_on_host(t: torch.Tensor) -> bool:
     return _shm is not None and _shm.handles(t)
 
 
-def setup(choice: str, backend: str, rank: int, world: int, timeout_s: float) -> None:
+def setup(choice: str, backend: str, rank: int, world: int, timeout_s: float, asked: str = "") -> None:
     """Choose the all-reduce on every rank of a joined group (all agree: rank 0 decides) and, for
-    shm, create, map and unlink the segment. Prints the choice on rank 0."""
+    shm, create, map and unlink the segment. Prints the choice on rank 0, with how a choice other
+    than auto was asked (`asked`: `--collective X` or `POCKETLLM_COLLECTIVE=X`)."""
     global _shm, _name
     close()
     if world == 1:
         return
     _name = backend
-    check_choice(choice, backend)
+    check_choice(choice, backend, asked)
     if choice == "gloo" or backend != "gloo":
-        _announce(rank, f"{backend} (--collective {choice})" if choice == "gloo" else backend)
+        _announce(rank, f"{backend} ({asked or '--collective gloo'})" if choice == "gloo" else backend)
         return
     places = [None] * world
     dist.all_gather_object(places, _place())
@@ -111,7 +112,7 @@ def setup(choice: str, backend: str, rank: int, world: int, timeout_s: float) ->
     else:
         reason = offer[1]
     if choice == "shm":
-        raise UsageError(f"--collective shm: {reason}")
+        raise UsageError(f"{asked or '--collective shm'}: {reason}")
     _announce(rank, f"gloo (shm unavailable: {reason})")
 
 
