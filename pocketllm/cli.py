@@ -34,10 +34,13 @@ COMMANDS = {
 }
 
 
+class _Refused(Exception):
+    """A flag argparse refused, as `PROG: error: MESSAGE`."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        raise _Refused(f"{self.prog}: error: {message}")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -65,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pocketllm: error: {exc}", file=sys.stderr)
         return 2
     if given is None:
-        args = build_parser(argv).parse_args(argv)
+        try:
+            args = build_parser(argv).parse_args(argv)
+        except _Refused as exc:
+            print(exc, file=sys.stderr)
+            _tell_a_waiting_rank0(argv, str(exc).split(": error: ", 1)[1])
+            return 2
         if _starts_the_run(args, os.environ):
             for line in environment_notes(os.environ):
                 print(line, file=sys.stderr, flush=True)
@@ -79,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._module.run(args) or 0)
     except UsageError as exc:
         print(f"pocketllm: error: {exc}", file=sys.stderr)
+        if given is None:
+            _tell_a_waiting_rank0(argv, str(exc))
         return 2
     except KeyboardInterrupt:
         print("pocketllm: interrupted", file=sys.stderr)
@@ -119,6 +129,29 @@ def engine_script() -> NoReturn:
     """The `pocketllm_engine` console script."""
     startup.owned()
     exit_with(engine_main())
+
+
+def _tell_a_waiting_rank0(argv: list[str], message: str) -> None:
+    """A hand-started rank other than 0 refused its command: its rank 0 may already wait for it at
+    --rendezvous-file, and would wait out its bound; tell it (read from the command line as
+    given, since argparse may have refused it)."""
+    rank, path = _given(argv, "--tp-rank"), _given(argv, "--rendezvous-file")
+    if path is None or rank is None or not rank.isdigit() or int(rank) == 0:
+        return
+    from pocketllm.distributed import rendezvous
+
+    rendezvous.tell_rank0(path, int(rank), message)
+
+
+def _given(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` on a command line (`FLAG VALUE` or `FLAG=VALUE`; the last one given)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
 
 
 def _starts_the_run(args, env) -> bool:

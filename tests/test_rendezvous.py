@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import assert_nothing_left, start
+from conftest import assert_nothing_left, main_in_process, start, usage_error_in_process
 from pocketllm.distributed.rendezvous import backend_spec
 
 ARGS = ["generate", "--preset", "tiny", "--token-ids", "1,2,3,4", "--max-new-tokens", 2, "--dist-timeout", 20]
@@ -75,6 +75,39 @@ def test_stale_file_is_refused_then_cleared(tmp_path):
     assert [r.wait() for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     assert "generated_ids=" in runs[1].stdout
     assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_command_is_refused_stops_its_waiting_rank0_at_once(tmp_path, capsys):
+    """A hand-started rank 1 refused at start (here by argparse) tells the rank 0 already waiting
+    at the file, which stops with its line at once rather than at the end of its 30 s wait."""
+    id_path = tmp_path / "run.id"
+    rank0 = waiting_rank0(id_path, tmp_path)
+    refused_at = time.monotonic()
+    rc = main_in_process(*ARGS, "--tp-world", 2, "--tp-rank", 1, "--rendezvous-file", id_path, "--max-new-tokens", "many")
+    assert rc == 2
+    why = capsys.readouterr().err.strip().split(": error: ", 1)[1]
+    message = one_line_error(rank0)
+    assert message == f"pocketllm: error: rank 1 stopped before it joined at --rendezvous-file {id_path}: {why}"
+    assert rank0.ended - refused_at < 10
+    assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
+    assert_nothing_left(rank0)
+
+
+def test_a_refusal_after_a_usage_check_is_written_to_a_live_rendezvous_file_only(tmp_path, capsys, no_ranks):
+    """The refusals a command's own checks make are told as argparse's are; a path that holds no
+    rendezvous file (none yet, or another tool's) is left as it was."""
+    id_path = tmp_path / "run.id"
+    id_path.write_text("pocketllm-rendezvous 1\nnonce=ab12\nworld=2\nhost=h\npid=1\nend\n")
+    usage_error_in_process(capsys, *ARGS, "--tp-world", 2, "--tp-rank", 1, "--rendezvous-file", id_path, "--collective", "tcp",
+                           expect="--collective 'tcp' is not one of")
+    assert id_path.read_text().splitlines()[-1] == "failed=1 --collective 'tcp' is not one of auto, shm, gloo"
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("mine\n")
+    usage_error_in_process(capsys, *ARGS, "--tp-world", 2, "--tp-rank", 1, "--rendezvous-file", foreign, "--collective", "tcp")
+    assert foreign.read_text() == "mine\n"
+    usage_error_in_process(capsys, *ARGS, "--tp-world", 2, "--tp-rank", 1, "--rendezvous-file", tmp_path / "absent", "--collective", "tcp")
+    assert not (tmp_path / "absent").exists()
 
 
 @pytest.mark.timeout(60)

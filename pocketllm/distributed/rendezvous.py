@@ -6,6 +6,8 @@
   nonce into it; the FileStore lives next to it in FILE.store. The other ranks wait (bounded by
   POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS, or the seed's POCKETLLM_CPP_NCCL_ID_WAIT_ATTEMPTS) for FILE, register their rank in the store once, and wait
   for rank 0 to answer. A FILE left by an earlier run is refused with the command that clears it.
+  A rank that stops before it joins (a refused flag) says so in FILE, and a rank 0 waiting there
+  stops at once with its line (tell_rank0).
 - Under torchrun (env://): torch's TCPStore on MASTER_ADDR:MASTER_PORT; a port already in use is
   a one-line error.
 
@@ -34,6 +36,7 @@ DEFAULT_WAIT_ATTEMPTS = 12_000
 MAGIC = "pocketllm-rendezvous 1"
 END = "end"
 REFUSED = "refused"
+FAILED = "failed"  # appended by a rank that stopped before it joined: "failed=RANK ITS ERROR"
 
 # Files this process must remove when the run ends (rank 0 of a hand-started run owns them).
 _owned: list[str] = []
@@ -247,6 +250,10 @@ def _create(path: str, world: int, wait_s: float):
     joined = [f"join/{r}" for r in range(1, world)]
     deadline = time.monotonic() + wait_s
     while not store.check(joined):
+        failed = (_read(path) or {}).get(FAILED)
+        if failed:
+            rank, _, why = failed.partition(" ")
+            raise RendezvousError(f"rank {rank} stopped before it joined at --rendezvous-file {path}: {why}")
         if time.monotonic() > deadline:
             missing = [str(r) for r in range(1, world) if not store.check([f"join/{r}"])]
             raise RendezvousError(
@@ -260,9 +267,23 @@ def _create(path: str, world: int, wait_s: float):
 
 def _mark_refused(path: str) -> None:
     """Tell ranks waiting on a stale FILE that no rank 0 will answer there, so they stop now."""
+    _append(path, f"{REFUSED}={os.getpid()}")
+
+
+def tell_rank0(path: str, rank: int, message: str) -> None:
+    """A hand-started rank other than 0 that stops before it joins (its command refused) says why in
+    FILE, where a rank 0 waiting for it looks, so that rank 0 stops now with this line rather than
+    at the end of its wait. Only a whole pocketllm rendezvous file is written to; a rank started
+    before its rank 0 made FILE has no one to tell, and that rank 0 waits out its bound."""
+    fields = _read(path)
+    if fields and "nonce" in fields:
+        _append(path, f"{FAILED}={rank} {' '.join(message.split())}")
+
+
+def _append(path: str, line: str) -> None:
     try:
         with open(path, "a") as f:
-            f.write(f"{REFUSED}={os.getpid()}\n")
+            f.write(line + "\n")
     except OSError:
         pass
 
