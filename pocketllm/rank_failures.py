@@ -94,11 +94,13 @@ def collective_failure(exc: BaseException) -> str | None:
 def collective_line(kind: str) -> str:
     """What this rank says about a collective that failed (collective_failure's kind) where it is."""
     place, timeout_s = _where["place"], _where["timeout_s"]
+    # Set by every rank that joins a group; a process that joined none has no bound to name.
+    after = f"after {timeout_s:g} s " if timeout_s is not None else ""
     if kind == "timeout" and str(place) == "the rendezvous":
-        return f"the rendezvous timed out after {timeout_s:g} s (--dist-timeout): not every rank joined"
+        return f"the rendezvous timed out {after}(--dist-timeout): not every rank joined"
     if kind == "timeout":
         return (
-            f"a collective it waited for in {place} timed out after {timeout_s:g} s (--dist-timeout): "
+            f"a collective it waited for in {place} timed out {after}(--dist-timeout): "
             f"another rank never joined it; it hung, died, or is slower than the timeout"
         )
     return f"lost its connection to another rank in {place}: that rank died or exited"

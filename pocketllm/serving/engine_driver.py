@@ -17,6 +17,7 @@ import socket
 import statistics
 import time
 
+from pocketllm import rank_failures
 from pocketllm.serving import wire
 
 # With nothing to do the loop wakes this often to tell the other ranks rank 0 is still there
@@ -44,6 +45,16 @@ class StepTimes:
     def __str__(self) -> str:
         median = f", median {1e3 * statistics.median(self.latest):.1f} ms" if self.count else ""
         return f"{self.count} steps, {self.total:.1f} s{median}"
+
+
+def failure_line(exc: BaseException) -> str:
+    """What the HTTP process tells every open request of a failed engine: a collective that timed
+    out or lost a peer as the launcher words it for a rank (not the backend's own message, which
+    names its C++ source lines), anything else as its type and first line."""
+    kind = rank_failures.collective_failure(exc)
+    if kind is not None:
+        return f"rank 0: {rank_failures.collective_line(kind)}"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 class EngineDriver:
@@ -98,7 +109,7 @@ class EngineDriver:
                 self._send_events(events)
                 ended = done if self.scheduler.has_work else None
         except BaseException as exc:
-            self._send((wire.FAILED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+            self._send((wire.FAILED, failure_line(exc)))
             raise
         self.scheduler.close()
         self._send((wire.CLOSED,))
