@@ -248,9 +248,10 @@ def checked_for_run(choice: PolicyChoice, run: RunPlan, hidden: int) -> PolicyCh
     return PolicyChoice(policy, "; ".join(n for n in (choice.note, note) if n) or None)
 
 
-def check_out_path(path: str | None, flag: str) -> None:
+def check_out_path(path: str | None, flag: str, ckpt: str | None = None) -> None:
     """An output file's directory must exist and the name must not be a directory, before any
-    measuring, so a typo does not cost a run."""
+    measuring, so a typo does not cost a run; and it must not lie in the checkpoint the run reads
+    (a results file written over its config.json or a shard, say)."""
     if path is None:
         return
     if not path:
@@ -262,6 +263,10 @@ def check_out_path(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: is a directory; give the file to write")
     if not os.access(directory, os.W_OK):
         raise UsageError(f"{flag} {path}: directory {directory} is not writable")
+    if ckpt is not None and os.path.isdir(ckpt):
+        inside = os.path.realpath(directory)
+        if os.path.commonpath([inside, os.path.realpath(ckpt)]) == os.path.realpath(ckpt):
+            raise UsageError(f"{flag} {path} is inside --ckpt {ckpt}, the checkpoint this run reads; write it elsewhere")
 
 
 def say(*parts, rank0: bool = True) -> None:

@@ -163,3 +163,14 @@ def test_torchrun_variables_that_cannot_describe_a_run_are_one_line(env, message
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--device", "cpu", expect=message)
+
+
+def test_an_output_inside_the_checkpoint_read_is_refused_and_nothing_there_changes(ckpt_copy, capsys, no_ranks):
+    # Written over a shard or config.json, a results file would leave a checkpoint that no longer loads.
+    before = {f.name: f.read_bytes() for f in ckpt_copy.iterdir()}
+    for command, flag, name in (("generate", "--logits-out", "model.safetensors"), ("bench", "--json", "config.json"),
+                                ("profile", "--json", "new.json"), ("sweep", "--plot", "sweep.png")):
+        extra = ["--token-ids", "1,2"] if command == "generate" else []
+        usage_error_in_process(capsys, command, "--ckpt", ckpt_copy, *extra, flag, ckpt_copy / name,
+                               expect=f"{flag} {ckpt_copy / name} is inside --ckpt {ckpt_copy}, the checkpoint this run reads")
+    assert {f.name: f.read_bytes() for f in ckpt_copy.iterdir()} == before

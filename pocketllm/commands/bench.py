@@ -80,7 +80,7 @@ def _prepare(run, plan):
     if t.prompt.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {t.prompt.max_new_tokens}")
     check_warmup_tokens(t.warmup_tokens)
-    check_out_path(t.json, "--json")
+    check_out_path(t.json, "--json", run.source.ckpt)
     if t.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {t.batch}")
     if t.kernel_profile and not kernel_profile.supported(run.device.kind):

@@ -61,7 +61,7 @@ def _prepare(run):
     # The calibration measures what a policy would be built from, under none: a pin or a stale
     # calibration in the environment does not apply to it.
     plan = model_plan(run, with_policy=False)
-    check_out_path(t.out, "--out")
+    check_out_path(t.out, "--out", run.source.ckpt)
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
     # applies its own ceiling.
     ceiling = resolve_ceiling(run.slices.ceiling)

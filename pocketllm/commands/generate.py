@@ -61,7 +61,7 @@ def _prepare(run, plan):
         raise UsageError(f"--seed must fit in 64 bits (-2**63 .. 2**63 - 1), got {t.seed}")
     if not 0 < t.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {t.top_p}")
-    check_out_path(t.logits_out, "--logits-out")
+    check_out_path(t.logits_out, "--logits-out", ckpt)
     if t.max_running is not None and t.max_running < 1:
         raise UsageError(f"--max-running must be >= 1, got {t.max_running}")
     prompts = prompt_list(t.prompt, plan.cfg, ckpt)

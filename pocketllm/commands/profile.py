@@ -68,7 +68,7 @@ def _prepare(run, plan):
     if t.reps < 1:
         raise UsageError(f"--reps must be >= 1, got {t.reps}")
     check_warmup_tokens(t.warmup_tokens)
-    check_out_path(t.json, "--json")
+    check_out_path(t.json, "--json", run.source.ckpt)
     return lengths
 
 

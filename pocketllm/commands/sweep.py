@@ -103,8 +103,8 @@ def _prepare(run, plan):
     if len({s.name for s, _ in settings}) != len(settings):
         raise UsageError(f"--pin {t.pin}: a slice count is repeated")
     checked_bench_ids(max(rows_list), plan.cfg, t.max_new_tokens)
-    check_out_path(t.json, "--json")
-    check_out_path(t.plot, "--plot")
+    check_out_path(t.json, "--json", run.source.ckpt)
+    check_out_path(t.plot, "--plot", run.source.ckpt)
     if t.plot:
         require_matplotlib()
     return rows_list, settings
