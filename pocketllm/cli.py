@@ -39,6 +39,11 @@ class _Refused(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        # A flag's prefix is not taken for it: `bench --prompt 64` would run as --prompt-tokens 64,
+        # and a flag added later would change what an old command line means.
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str):
         raise _Refused(f"{self.prog}: error: {message}")
 

@@ -174,3 +174,12 @@ def test_an_output_inside_the_checkpoint_read_is_refused_and_nothing_there_chang
         usage_error_in_process(capsys, command, "--ckpt", ckpt_copy, *extra, flag, ckpt_copy / name,
                                expect=f"{flag} {ckpt_copy / name} is inside --ckpt {ckpt_copy}, the checkpoint this run reads")
     assert {f.name: f.read_bytes() for f in ckpt_copy.iterdir()} == before
+
+
+@pytest.mark.parametrize("command, flags, refused", [
+    ("generate", ["--token-ids", "1,2", "--max-new-tok", "2"], "--max-new-tok"),
+    # bench has no --prompt: a prefix of --prompt-tokens, it must not become that flag.
+    ("bench", ["--prompt", "64"], "--prompt"),
+])
+def test_a_flags_prefix_is_not_taken_for_the_flag(command, flags, refused, capsys, no_ranks):
+    usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", *flags, expect=f"unrecognized arguments: {refused}")
