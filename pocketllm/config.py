@@ -170,6 +170,11 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: rope_parameters is not an object (got {rope!r})")
+    # Scaled variants (yarn, linear, dynamic, ...) change the rotary frequencies; they are not
+    # built, and running them as plain rope would give other tokens without a word.
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (only default rope; remove the scaling to run at the native context)")
     rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
     _check_positive(rope_theta, "rope_theta", where)
@@ -184,6 +189,8 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     eos_ids = eos_token_ids(text.get("eos_token_id", raw.get("eos_token_id")), text["vocab_size"], where)
     # The text config's own value wins over the outer (multimodal) one.
     tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
     quant = parse_quantization_config(text.get("quantization_config", raw.get("quantization_config")), where)
     return ModelConfig(

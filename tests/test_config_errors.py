@@ -31,6 +31,13 @@ CONFIG_CASES = {
     "negative-head-dim": (_set("head_dim", -16), "head_dim must be a positive integer, got -16"),
     "zero-eps": (_set("rms_norm_eps", 0), "rms_norm_eps must be a positive number, got 0"),
     "rope-not-object": (_set("rope_parameters", "default"), "rope_parameters is not an object"),
+    # Long-context scaling would change the rotary frequencies: run as plain rope, silently, it gave other tokens.
+    "rope-yarn": (_set("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+                  "rope_type 'yarn' is not supported (only default rope"),
+    "rope-scaling-linear": (lambda cfg: cfg.update(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}),
+                            "rope_type 'linear' is not supported"),
+    # A string is not a switch: "false" read as truthy ran the tied head and ignored lm_head.weight.
+    "tie-a-string": (_set("tie_word_embeddings", "false"), "tie_word_embeddings must be true or false, got 'false'"),
     "layer-types-short": (lambda cfg: cfg.__setitem__("layer_types", cfg["layer_types"][:3]), "layer_types has 3 entries, num_hidden_layers is 4"),
     "layer-types-unknown": (lambda cfg: cfg["layer_types"].__setitem__(1, "mamba"), "layer_types[1] is 'mamba'; known kinds"),
     "layer-types-not-list": (_set("layer_types", "linear_attention"), "layer_types has linear_attention entries"),
