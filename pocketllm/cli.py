@@ -12,6 +12,8 @@ from typing import NoReturn
 from pocketllm import startup
 from pocketllm.errors import UsageError
 from pocketllm.run_plan import RunPlan, received
+from pocketllm.stdout_gone import EXIT_STATUS as STDOUT_GONE
+from pocketllm.stdout_gone import quiet_stdout, stdout_gone
 from pocketllm.switches import environment_notes
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
@@ -98,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pocketllm: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError as exc:
+        if not stdout_gone(exc):
+            raise
+        quiet_stdout()
+        return STDOUT_GONE
 
 
 def engine_main(argv: list[str] | None = None) -> int:

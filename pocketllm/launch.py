@@ -116,7 +116,8 @@ def spawn_local_ranks(run: RunPlan, forward_signals: bool = False, checked=None)
             return 128 + getattr(signal, outcome)
         rank, stopped = outcome
         line, status = rank_failures.failed_rank_line(rank, procs[rank].returncode, rank_failures.read_report(rdzv_dir, rank), stopped)
-        print(line, file=sys.stderr, flush=True)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         return status
     finally:
         _stop(procs)

@@ -21,6 +21,8 @@ from pocketllm.errors import UsageError
 from pocketllm.interrupts import sigterm_interrupts
 from pocketllm.launch import launcher_checked
 from pocketllm.place import RankEnv
+from pocketllm.stdout_gone import EXIT_STATUS as STDOUT_EXIT
+from pocketllm.stdout_gone import quiet_stdout, stdout_gone
 
 
 def join_group(renv: RankEnv, backend: str, timeout_s: float) -> None:
@@ -149,6 +151,13 @@ def run_rank(renv: RankEnv, body) -> int:
             raise
         rank_failures.leave_report("usage", str(exc))
         return 2
+    except BrokenPipeError as exc:
+        # The output's reader went away (`| head`): the run ends quietly, every rank with it.
+        if not (launched and stdout_gone(exc)):
+            raise
+        rank_failures.leave_report(rank_failures.STDOUT_GONE, "")
+        quiet_stdout()
+        return STDOUT_EXIT
     except Exception as exc:
         kind = rank_failures.collective_failure(exc)
         if kind is None:

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 
+from pocketllm import stdout_gone
 from pocketllm.switches import env_value
 
 ENV_REPORT = "POCKETLLM_LAUNCH_REPORT"
@@ -22,6 +23,8 @@ ENV_REPORT = "POCKETLLM_LAUNCH_REPORT"
 # a death by signal or an exit without a report (nothing a peer does causes those), then an
 # exception or a user error (any other kind: 1), then a timed-out collective, then a lost peer.
 _CONSEQUENCE = {"timeout": 2, "peer": 3}
+# The report of a rank whose stdout lost its reader (pocketllm/stdout_gone.py): no failure to name.
+STDOUT_GONE = "stdout-gone"
 
 # Where this rank is, for the line a failed collective leaves.
 _where = {"place": "starting", "timeout_s": None}
@@ -148,11 +151,14 @@ def _consequence(code: int | None, report: dict | None) -> int:
 
 
 def failed_rank_line(rank: int, code: int | None, report: dict | None, stopped: bool) -> tuple[str, int]:
-    """The launcher's last line for a run that rank `rank` ended, and the launcher's exit status.
-    `stopped`: the rank was still running when the others were stopped, so its exit status is the
-    launcher's signal, not its own failure."""
+    """The launcher's last line for a run that rank `rank` ended ("" for none), and the launcher's
+    exit status. `stopped`: the rank was still running when the others were stopped, so its exit
+    status is the launcher's signal, not its own failure."""
     if report and report["kind"] == "usage":
         return f"pocketllm: error: {report['line']}", 2
+    if report and report["kind"] == STDOUT_GONE:
+        # Nothing to say to a reader that left, as a single process would say nothing.
+        return "", stdout_gone.EXIT_STATUS
     # A rank stopped by the launcher still exiting: its report says why, the signal would not.
     how = "" if stopped and report else f" ({describe_exit(code)})"
     detail = f": {report['line']}" if report else ""

@@ -4,8 +4,13 @@ generation unless --ignore-eos. (Seeded sampling at every world size: test_hf_or
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import uuid
 
-from conftest import generated_ids, main_in_process
+import pytest
+
+from conftest import CLI_ENTRY, TAG, cli_env, generated_ids, main_in_process, tagged
 
 PROMPT = "11,12,13,14,15,16,17,18,19,20"
 
@@ -33,3 +38,22 @@ def test_eos_stops_generation_unless_ignored(tiny_ckpt, tmp_path, capsys):
     assert stopped == greedy[: greedy.index(eos) + 1]
     ignored = generated(capsys, "--ckpt", ckpt, "--token-ids", PROMPT, "--max-new-tokens", 6, "--ignore-eos")
     assert ignored == greedy
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_stops_reading_ends_the_run_quietly_with_sigpipes_status(tiny_ckpt, tmp_path):
+    """`pocketllm generate ... | head`: the command (at TP=2 its launcher) ends at once with a
+    shell's status for SIGPIPE (141) and no traceback or error line, every rank with it."""
+    runs = {}
+    for world in (1, 2):
+        tag = uuid.uuid4().hex
+        cmd = [sys.executable, "-c", CLI_ENTRY, "generate", "--ckpt", str(tiny_ckpt), "--prompt", "Hello", "--stream", "--ignore-eos",
+               "--max-new-tokens", "2000", "--tp-world", str(world)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(**{TAG: tag}))
+        proc.stdout.close()  # the reader gone before the first token
+        runs[world] = proc, tag
+    for world, (proc, tag) in runs.items():
+        _, err = proc.communicate(timeout=50)
+        assert proc.returncode == 141, (world, err)
+        assert "Traceback" not in err and "error" not in err, (world, err)
+        assert not tagged(tag), world
