@@ -57,3 +57,19 @@ def test_a_reader_that_stops_reading_ends_the_run_quietly_with_sigpipes_status(t
         assert proc.returncode == 141, (world, err)
         assert "Traceback" not in err and "error" not in err, (world, err)
         assert not tagged(tag), world
+
+
+def test_several_prompts_texts_are_one_json_line_each_and_ids_without_text_are_noted(tiny_ckpt, capsys):
+    from pocketllm.inputs import load_tokenizer
+
+    capsys.readouterr()
+    assert main_in_process("generate", "--ckpt", tiny_ckpt, "--token-ids", "104,101", "--token-ids", "10,10,10", "--max-new-tokens", 8) == 0
+    out, err = capsys.readouterr()
+    ids = [[int(t) for t in line.split("=", 1)[1].split(",")] for line in out.splitlines() if line.startswith("generated_ids=")]
+    texts = [json.loads(line.split("=", 1)[1]) for line in out.splitlines() if line.startswith("text=")]
+    tok = load_tokenizer(tiny_ckpt)
+    assert len(ids) == 2 and texts == [tok.decode(i) for i in ids]
+    # The byte-level tokenizer has 256 tokens; the model's vocab is 1000.
+    past = sum(t >= 256 for i in ids for t in i)
+    assert past, ids
+    assert f"note: {past} of the 16 generated ids are past tokenizer.json's 256 tokens and show no text" in err

@@ -3,7 +3,9 @@ one batch."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,19 +144,37 @@ def _work(run, plan, prompts, engine, device) -> int:
     if stream is not None:
         stream.finish(out)
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
+        _note_ids_without_text(stream.tokenizer, out)
     else:
         _print_outputs(ckpt, [out])
     return 0
 
 
 def _print_outputs(ckpt: str | None, outputs: list[list[int]]) -> None:
-    """One generated_ids= line per prompt in the order given, then, with a tokenizer, the texts."""
+    """One generated_ids= line per prompt in the order given, then, with a tokenizer, the texts:
+    one prompt's as it decodes; several prompts' one `text=` line each, in the same order, as a
+    JSON string (a text holding a newline, or none at all, would otherwise not say which prompt's
+    it is)."""
     for out in outputs:
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
-    if ckpt is not None and (Path(ckpt) / "tokenizer.json").is_file():
-        tok = load_tokenizer(ckpt)
-        for out in outputs:
-            print(tok.decode(out), flush=True)
+    if ckpt is None or not (Path(ckpt) / "tokenizer.json").is_file():
+        return
+    tok = load_tokenizer(ckpt)
+    for out in outputs:
+        text = tok.decode(out)
+        print(text if len(outputs) == 1 else "text=" + json.dumps(text, ensure_ascii=False), flush=True)
+    _note_ids_without_text(tok, [t for out in outputs for t in out])
+
+
+def _note_ids_without_text(tok, ids: list[int]) -> None:
+    """Ids the model may pick that tokenizer.json has no token for decode to nothing: said once, so
+    that an empty text is not taken for a failure (make-checkpoint's tokenizer has a token per byte
+    only, and random weights mostly pick ids past it)."""
+    size = tok.get_vocab_size(with_added_tokens=True)
+    past = sum(1 for t in ids if t >= size)
+    if past:
+        print(f"note: {past} of the {len(ids)} generated ids are past tokenizer.json's {size} tokens and show no text",
+              file=sys.stderr, flush=True)
 
 
 def run(args) -> int:
