@@ -60,3 +60,26 @@ def test_a_failed_or_interrupted_write_leaves_nothing(tmp_path, how):
             time.sleep(5)  # the handler raises at the next bytecode, long before this ends
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_work_directory_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path, capsys):
+    """SIGKILL leaves no chance to clean up: the next write of the same --out on this host removes
+    the hidden directory whose writer is gone, and says so; a live writer's, another name's and
+    another host's are left alone."""
+    from pocketllm.loader import new_dir
+
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1  # above pid_max: never a live process
+    out = tmp_path / "ckpt"
+    host = new_dir._HOST
+    left = {name: tmp_path / name for name in (f".ckpt.partial-{host}-{dead}-0123abcd", f".ckpt.partial-{host}-{os.getpid()}-0123abcd",
+                                               f".other.partial-{host}-{dead}-0123abcd", f".ckpt.partial-elsewhere-{dead}-0123abcd")}
+    for d in left.values():
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 100)
+    with written_whole(check_new_dir(str(out))) as work:
+        (work / "config.json").write_text("{}")
+    assert (out / "config.json").is_file()
+    gone = f".ckpt.partial-{host}-{dead}-0123abcd"
+    assert [name for name, d in left.items() if not d.exists()] == [gone]
+    assert f"note: removed {left[gone]}, left by an earlier run writing ckpt that was killed" in capsys.readouterr().err

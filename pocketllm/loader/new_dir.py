@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
+import socket
+import sys
 from pathlib import Path
 
 from pocketllm.errors import UsageError
@@ -36,9 +39,12 @@ def written_whole(out: Path):
     taken as an interruption while it is open (interrupts.py), so `kill` cleans up too."""
     parent = out.absolute().parent
     # A plain mkdir (not mkdtemp's private 0700): the checkpoint gets the mode any directory would.
-    work = parent / f".{out.name}.partial-{secrets.token_hex(4)}"
+    # Named after this host and process, so that the next run can tell one whose writer was
+    # killed outright (SIGKILL, a crash: no cleanup ran) and remove it.
+    work = parent / f".{out.name}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        _remove_left_by_dead_writers(parent, out.name)
         work.mkdir()
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create ({exc.strerror})") from None
@@ -54,3 +60,28 @@ def written_whole(out: Path):
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+
+
+def _remove_left_by_dead_writers(parent: Path, name: str) -> None:
+    """The hidden directories an earlier writer of `name` on this host left when it was killed
+    before it could remove them (its process is gone), removed with a note."""
+    own = re.compile(rf"\.{re.escape(name)}\.partial-{re.escape(_HOST)}-(\d+)-[0-9a-f]{{8}}")
+    for entry in parent.iterdir():
+        m = own.fullmatch(entry.name)
+        if m is None or not entry.is_dir() or entry.is_symlink() or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        print(f"note: removed {entry}, left by an earlier run writing {name} that was killed", file=sys.stderr, flush=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: not ours to judge
+    return True
