@@ -16,6 +16,9 @@ BENCH_PATTERN = (100, 264, 4628, 286, 1879, 310, 278, 4221, 13, 576)
 
 
 def parse_token_ids(text: str, where: str) -> list[int]:
+    # A comma with no id before or after it (1,,2 or 1,2,) is an id left out, not a separator.
+    if re.search(r"(^|,)\s*(,|$)", text.strip()) and "," in text:
+        raise UsageError(f"{where}: an id is missing between commas (expected integers separated by commas or whitespace)")
     parts = [p for p in re.split(r"[\s,]+", text.strip()) if p]
     ids = []
     for p in parts:

@@ -17,6 +17,7 @@ CASES = {
     "empty-prompt": (["--token-ids", ""], "the prompt is empty"),
     "over-max-positions": (["--token-ids", "1,2", "--max-new-tokens", "40000"], "over max_position_embeddings=32768"),
     "junk-id": (["--token-ids", "1,x2,3"], "'x2' is not an integer token id"),
+    "id-left-out": (["--token-ids", "1,,3"], "--token-ids: an id is missing between commas"),
     "tp-world-zero": (["--token-ids", "1", "--tp-world", "0"], "--tp-world must be >= 1, got 0"),
     "unknown-preset": (["--token-ids", "1", "--preset", "huge"], "unknown preset 'huge'"),
     "bad-dtype": (["--token-ids", "1", "--dtype", "fp8"], "--dtype 'fp8' is not one of"),
