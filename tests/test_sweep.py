@@ -91,6 +91,8 @@ def test_fallback_to_serial_is_marked():
         (["--pin", "1,0"], "--pin: 0 must be a positive integer"),
         (["--policy", "rule,best"], "--policy: 'best' is not one of rule, calibrated"),
         (["--policy", "calibrated"], "--policy calibrated needs --calibration"),
+        # matplotlib would refuse the name only after the whole sweep.
+        (["--plot", "sweep.txt"], "--plot sweep.txt: the plot is written as a PNG; give a name ending in .png"),
     ],
 )
 def test_bad_lists_exit_2(args, message, capsys, no_ranks):

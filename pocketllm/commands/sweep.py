@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 from pocketllm.bench.plot import plot_sweep, require_matplotlib
@@ -105,6 +106,9 @@ def _prepare(run, plan):
     checked_bench_ids(max(rows_list), plan.cfg, t.max_new_tokens)
     check_out_path(t.json, "--json", run.source.ckpt)
     check_out_path(t.plot, "--plot", run.source.ckpt)
+    if t.plot and Path(t.plot).suffix.lower() != ".png":
+        # Found by matplotlib only after the whole sweep, from the name's suffix.
+        raise UsageError(f"--plot {t.plot}: the plot is written as a PNG; give a name ending in .png")
     if t.plot:
         require_matplotlib()
     return rows_list, settings
