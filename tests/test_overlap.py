@@ -79,6 +79,9 @@ def test_pin_falls_back_to_serial_when_rows_are_fewer_than_slices():
         set_tp(0, 1)
     # At world size 1 there is nothing to overlap.
     assert is_serial(4096, 4)
+    # A pin reports what runs: 1 below its slice count, and for a pin of 0 (serial) at any rows.
+    assert [PinnedPolicy(4).slices_for_rows(r) for r in (3, 4, 512)] == [1, 4, 4]
+    assert [PinnedPolicy(0).slices_for_rows(r) for r in (1, 512)] == [1, 1]
 
 
 def test_pin_overrides_ceiling_with_a_note():

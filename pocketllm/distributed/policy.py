@@ -66,9 +66,9 @@ class PinnedPolicy(SlicePolicy):
     slices: int
 
     def slices_for_rows(self, rows: int) -> int:
-        # Fewer rows than slices run serial (a slice of no rows has nothing to overlap): said as 1,
-        # so `policy` and a pass's report give what runs.
-        return self.slices if rows >= self.slices else 1
+        # Fewer rows than slices run serial (a slice of no rows has nothing to overlap), as does a
+        # pin of 0: said as 1, so `policy` and a pass's report give what runs.
+        return self.slices if rows >= self.slices > 0 else 1
 
     def describe(self) -> str:
         return f"pinned at {self.slices}"
