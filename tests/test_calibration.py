@@ -172,13 +172,15 @@ def test_calibrate_at_tp2_writes_a_usable_file(tmp_path, monkeypatch):
     # rank has nothing to calibrate).
     # 8 rows, not 2: a timing repeats a short unit up to 2048 rows, so the smallest row count
     # sets the test's time (its all-reduces); 8 still takes the few-row kernels.
-    r = run_cli("calibrate", "--preset", "tiny", "--rows", "8,256,1024", "--pin", "1,2", "--reps", "2", "--out", out, timeout=120)
+    # --pin without 1: serial is timed anyway, every choice being made against it; 16 slices of 8
+    # rows would run serially, so that is no point.
+    r = run_cli("calibrate", "--preset", "tiny", "--rows", "8,256", "--pin", "2,16", "--reps", "2", "--out", out, timeout=120)
     assert r.returncode == 0, r.stderr
     # The points time the kernels the engine would run, chosen as the engine chooses them.
     assert all(f"{what} (" in r.stderr for what in ("one-row kernels", "2-row kernels", "8-row kernels", "many-row GEMM")), r.stderr
     cal = load_calibration(str(out))
     assert (cal.backend, cal.world, cal.hidden, cal.dtype) == ("gloo", 2, 64, "bfloat16")
-    assert sorted((p.rows, p.slices) for p in cal.points) == [(8, 1), (8, 2), (256, 1), (256, 2), (1024, 1), (1024, 2)]
+    assert sorted((p.rows, p.slices) for p in cal.points) == [(8, 1), (8, 2), (256, 1), (256, 2), (256, 16)]
     assert all(len(p.reps) == 2 for p in cal.points)
     assert set(cal.allreduce_fit) >= {"fixed_us", "bandwidth_GBps", "max_rel_err"}
     raw = json.loads(out.read_text())

@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
     add_source_args(p)
     p.add_argument("--comm-overlap-slices", help="the slice rule's ceiling for the choices printed (env POCKETLLM_COMM_OVERLAP_SLICES, alias QWEN_COMM_OVERLAP_SLICES, default 4)")
     p.add_argument("--rows", default="256,512,1024,2048,4096,8192", help="row counts to calibrate (default 256,512,1024,2048,4096,8192)")
-    p.add_argument("--pin", default="1,2,4,8", help="slice counts to time at each row count (default 1,2,4,8)")
+    p.add_argument("--pin", default="1,2,4,8", help="slice counts to time at each row count (default 1,2,4,8; 1, serial, is always timed, "
+                   "and a count above a row count is not, since those rows run serially)")
     p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved over every point (default 3)")
     p.add_argument("--out", required=True, help="the calibration file to write (JSON)")
 
@@ -65,7 +66,8 @@ def _prepare(run):
     # The ceiling only shapes the choices printed here; the file holds every point, and each run
     # applies its own ceiling.
     ceiling = resolve_ceiling(run.slices.ceiling)
-    return plan, sorted(set(rows)), sorted(set(pins)), ceiling
+    # One slice (serial) is what every other count is chosen against: timed whether asked or not.
+    return plan, sorted(set(rows)), sorted(set(pins) | {1}), ceiling
 
 
 def format_points(points: list, policy: CalibratedPolicy) -> list[str]:
