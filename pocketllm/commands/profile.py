@@ -97,9 +97,10 @@ def _report(run, plan, device, runs: list[dict]) -> None:
         f"device={device.describe().replace(' ', '_')} policy={plan.policy.policy.describe().replace(' ', '_')} "
         f"path={','.join(paths)} split_skew={int(split_skew)} reps={t.reps} pick={t.pick} rank=0"
     )
-    if split_skew:
+    # One rank has no all-reduce to wait in.
+    if tp().world > 1 and split_skew:
         print("note: tp_skew is the wait for the slowest rank (plus one barrier per call); tp_all_reduce is the collective alone")
-    else:
+    elif tp().world > 1:
         print("note: tp_all_reduce includes the wait for the slowest rank to arrive; --split-skew times that wait as tp_skew")
     if paths != ["serial"]:
         print("note: the phase profile waits each slice's all-reduce inside its scope: the overlapped path without its overlap")
