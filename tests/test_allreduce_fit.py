@@ -57,6 +57,9 @@ def test_fit_without_a_byte_term_reports_infinite_bandwidth():
     assert math.isinf(fit.bandwidth_GBps) and 16.46 < fit.fixed_us < 25.06
     assert fit.max_rel_err < 0.4 and fit.to_json()["bandwidth_GBps"] is None
     assert json.loads(json.dumps(fit.to_json(), allow_nan=False))["fixed_us"] == fit.fixed_us
+    # Printed as inf in its key=value line, with a note under it saying what that means.
+    assert "bandwidth_GBps=inf" in fit.line() and "not measurable" in fit.note()
+    assert fit_latency_bandwidth([1024, 4096], [10.0, 20.0]).note() is None
 
 
 def test_fit_needs_two_sizes():

@@ -55,6 +55,8 @@ def _work(run, device, _inputs) -> int:
         for line in format_table(results):
             print(line)
         print(fit.line(), flush=True)
+        if fit.note():
+            print(fit.note(), flush=True)
         if t.json:
             out = {
                 "backend": device.backend,

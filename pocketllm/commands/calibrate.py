@@ -111,6 +111,8 @@ def _work(run, device, inputs) -> int:
         for line in format_points(points, policy):
             print(line)
         print(f"all-reduce over the slice payloads: {fit.line()}")
+        if fit.note():
+            print(fit.note())
         unit_text = " + ".join(f"{s.count} x {s.name} [rows, {s.in_local}] @ [{s.in_local}, {hidden}]" for s in sites)
         # The all-reduce the points were timed on (shm or the backend's): a file made on one
         # prices slicing wrongly for the other.

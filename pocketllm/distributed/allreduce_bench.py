@@ -24,6 +24,14 @@ class Fit:
     def line(self) -> str:
         return f"fixed_us={self.fixed_us:.2f} bandwidth_GBps={self.bandwidth_GBps:.3f} max_rel_err={self.max_rel_err:.3f}"
 
+    def note(self) -> str | None:
+        """What an unmeasurable byte term means, for the line under the fit (its key=value line
+        stays parseable)."""
+        if math.isinf(self.bandwidth_GBps):
+            return ("note: bandwidth_GBps=inf: the larger payloads took no longer than the smaller, so the byte term is "
+                    "not measurable here (too few or too close sizes, or a noisy run); fixed_us is the mean time")
+        return None
+
     def to_json(self) -> dict:
         # JSON has no infinity: an unmeasurable byte term is null.
         return {**asdict(self), "bandwidth_GBps": None if math.isinf(self.bandwidth_GBps) else self.bandwidth_GBps}
