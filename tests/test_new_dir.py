@@ -83,3 +83,14 @@ def test_a_work_directory_left_by_a_killed_writer_is_removed_by_the_next_write(t
     gone = f".ckpt.partial-{host}-{dead}-0123abcd"
     assert [name for name, d in left.items() if not d.exists()] == [gone]
     assert f"note: removed {left[gone]}, left by an earlier run writing ckpt that was killed" in capsys.readouterr().err
+
+
+def test_quantize_copies_the_checkpoints_files_and_names_the_folders_it_leaves(ckpt_copy, tmp_path, capsys):
+    (ckpt_copy / "original").mkdir()
+    (ckpt_copy / "original" / "consolidated.pth").write_bytes(b"x")
+    (ckpt_copy / "README.md").write_text("notes")
+    out = tmp_path / "q"
+    assert main_in_process("quantize", "--ckpt", ckpt_copy, "--out", out, "--scheme", "int8") == 0
+    assert (out / "README.md").read_text() == "notes" and (out / "tokenizer.json").is_file()
+    assert not (out / "original").exists()
+    assert capsys.readouterr().out.rstrip().endswith("; not copied: original/")

@@ -92,10 +92,16 @@ def run(args) -> int:
             config["text_config"].pop("quantization_config", None)
         config["quantization_config"] = quantization_config(scheme, ignored_modules(tensors, quantized, cfg.tie_word_embeddings))
         (work / "config.json").write_text(json.dumps(config, indent=2))
-        copied = []
+        copied, skipped = [], []
         for f in sorted(src.iterdir()):
             if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX):
                 shutil.copy2(f, work / f.name)
                 copied.append(f.name)
-    print(f"wrote {src} as {scheme.name} (compressed-tensors pack-quantized, {len(quantized)} weights, {shards} shard(s)) to {out}; copied {', '.join(copied) or 'no other files'}")
+            elif f.is_dir():
+                # Folders beside a checkpoint's files (an original-format copy of the weights,
+                # say) are no part of what loads: left, and said.
+                skipped.append(f.name + "/")
+    left = f"; not copied: {', '.join(skipped)}" if skipped else ""
+    print(f"wrote {src} as {scheme.name} (compressed-tensors pack-quantized, {len(quantized)} weights, {shards} shard(s)) to {out}; "
+          f"copied {', '.join(copied) or 'no other files'}{left}")
     return 0
