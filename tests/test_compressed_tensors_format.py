@@ -82,6 +82,8 @@ def test_a_quantized_checkpoint_with_a_tied_head_loads_in_transformers_with_our_
     logits = tmp_path / "logits.safetensors"
     assert main_in_process("generate", "--ckpt", out, "--dtype", "float32", "--token-ids", "1,2,3,4,5", "--max-new-tokens", 1,
                            "--logits-out", logits) == 0
+    # A plain file's mode, as the checkpoint's own files have (not safetensors' private 0600).
+    assert logits.stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
     with safe_open(str(logits), "pt") as f:
         ours = f.get_tensor(f.keys()[0])
     assert ours.shape == theirs.shape

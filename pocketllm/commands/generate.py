@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,9 @@ def _work(run, plan, prompts, engine, device) -> int:
     def save_prompt_logits(logits) -> None:
         if tp().rank == 0:
             save_file({"logits": logits.cpu().contiguous()}, t.logits_out)
+            # safetensors writes through a private temporary file (mode 0600): given the mode any
+            # file this process creates gets, as the checkpoints written here have.
+            os.chmod(t.logits_out, 0o666 & ~_umask())
 
     stream = TextStream(load_tokenizer(ckpt)) if t.stream and tp().rank == 0 else None
     out = generate(engine, prompts[0], new_tokens, sampling, eos, save_prompt_logits if t.logits_out else None, stream)
@@ -148,6 +152,12 @@ def _work(run, plan, prompts, engine, device) -> int:
     else:
         _print_outputs(ckpt, [out])
     return 0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _print_outputs(ckpt: str | None, outputs: list[list[int]]) -> None:
