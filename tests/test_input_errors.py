@@ -184,3 +184,19 @@ def test_an_output_inside_the_checkpoint_read_is_refused_and_nothing_there_chang
 ])
 def test_a_flags_prefix_is_not_taken_for_the_flag(command, flags, refused, capsys, no_ranks):
     usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", *flags, expect=f"unrecognized arguments: {refused}")
+
+
+def test_weights_holding_nan_are_named_not_generated_from(ckpt_copy, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt_copy / "model.safetensors"
+    tensors = load_file(path)
+    name = next(n for n in sorted(tensors) if n.endswith("mlp.down_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, path)
+    # Found at the first token, after the load's lines: the run's last line, exit 2, no traceback.
+    assert main_in_process("generate", "--ckpt", ckpt_copy, "--token-ids", "1,2,3", "--max-new-tokens", 4) == 2
+    out, err = capsys.readouterr()
+    assert "generated_ids" not in out and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("pocketllm: error: the model's logits for the prompt are not finite (NaN or inf)")

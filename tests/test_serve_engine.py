@@ -210,3 +210,35 @@ def test_the_http_process_gone_closes_the_scheduler_and_says_so(engine):
     thread.join(10)
     assert not thread.is_alive(), "the driver kept waiting on a closed link"
     assert driver.lost and scheduler.closed and driver.summary() == "engine: no step ran"
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_whose_logits_are_not_finite_ends_alone_with_an_error_naming_it(engine, tokenizer, monkeypatch):
+    """Not finite logits at a request's first token (corrupt weights make them NaN; argmax would
+    then pick token 0 for ever) end that request with a 500 saying so; the others go on."""
+    import torch
+
+    poisoned = [9, 9, 9]
+    real = Scheduler._run
+
+    def run(self, spans, fed):
+        logits = real(self, spans, fed).clone()
+        for row, req in enumerate(fed[:len(logits)]):
+            if req.prompt == poisoned:
+                logits[row] = float("nan")
+        return logits
+
+    monkeypatch.setattr(Scheduler, "_run", run)
+    lp = ServePair(Scheduler(engine, max_running=4, max_len=512))
+    lp.start()
+
+    async def both():
+        return await asyncio.gather(answer(lp, tokenizer, poisoned, NEW), answer(lp, tokenizer, PROMPT, NEW), return_exceptions=True)
+
+    try:
+        failed, fine = asyncio.run(both())
+    finally:
+        lp.begin_shutdown()
+        assert lp.join(10)
+    assert isinstance(failed, ApiError) and failed.status == 500 and "logits for the prompt are not finite" in failed.message, failed
+    assert not isinstance(fine, BaseException) and len(fine[1]) == NEW and torch.isfinite(torch.tensor(fine[1])).all()

@@ -51,6 +51,7 @@ from pocketllm.engine.pass_plan import EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNA
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.request import KVUsage, Request
 from pocketllm.engine.sampling import SamplingParams, choose
+from pocketllm.errors import CheckpointError
 from pocketllm.inputs import request_problem
 from pocketllm.layers.kv_layout import blocks_for
 from pocketllm.ops.fused import step as native_step
@@ -174,6 +175,15 @@ class Scheduler:
                 self._cache(req)
             if req.fed < req.length:
                 continue  # a chunk before the last, or a replayed row: its logits choose nothing
+            if direct is None and not req.output and not bool(torch.isfinite(logits[i]).all()):
+                # The first token's logits, once per request: weights holding NaN (a corrupt file)
+                # make every logit NaN, and argmax would pick token 0 for ever without a word.
+                exc = CheckpointError("the model's logits for the prompt are not finite (NaN or inf): its weights are corrupt, "
+                                      "or overflow in this --dtype")
+                if self.lockstep:
+                    raise exc
+                events.append((self._fail(req, exc), None))
+                continue
             if direct is not None:
                 token = direct
             elif req.sampling.plain_greedy:
