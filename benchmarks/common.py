@@ -4,10 +4,13 @@ run on, `pocketllm bench --json` in a fresh process, and median (min..max) forma
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import contextlib
 import functools
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -17,8 +20,147 @@ import time
 
 import torch
 
+from pocketllm import compiled
 from pocketllm.engine.timing import TimedRun, timed_prefill
+from pocketllm.errors import UsageError
 from pocketllm.ops.registry.kinds import activation_dtype
+from pocketllm.quantization import parse_scheme
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse as the CLI's parser (pocketllm.cli._Parser): a bad flag is one line,
+    `PROG: error: MESSAGE`, exit code 2, not the whole usage block; and no prefix of a flag stands
+    for it (a script that passes unknown flags on to `pocketllm bench` would take them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def script(main):
+    """main(argv) that reports pocketllm's own usage errors (a bad checkpoint, dtype, scheme,
+    POCKETLLM_ISA, --json path, ...) as the CLI does: `NAME: error: MESSAGE`, exit code 2, no
+    traceback. Only UsageError: anything else is a bug and keeps its traceback."""
+
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            return main(argv)
+        except UsageError as exc:
+            name = os.path.basename(getattr(sys.modules.get(main.__module__), "__file__", None) or sys.argv[0])
+            print(f"{name}: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return run
+
+
+def _type(name: str):
+    """Names an argparse type function: argparse says `invalid NAME value` for its ValueError."""
+
+    def named(fn):
+        fn.__name__ = name
+        return fn
+
+    return named
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= minimum."""
+
+    @_type(f"integer >= {minimum}")
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = at_least(1)
+
+
+@_type("even count of reps")
+def even_reps(text: str) -> int:
+    """--reps: even and at least 2, so over the reps each order (alternate()) runs equally often."""
+    value = int(text)
+    if value < 2 or value % 2:
+        raise argparse.ArgumentTypeError(f"must be even and at least 2 (each order runs equally often), got {value}")
+    return value
+
+
+def int_list(minimum: int = 1):
+    """An argparse type: comma-separated integers, each >= minimum, as a list."""
+
+    @_type("comma-separated integer list")
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"each must be >= {minimum}, got {text}")
+        return values
+
+    return parse
+
+
+@_type("scheme list")
+def scheme_list(text: str) -> list[str]:
+    """Comma-separated --quantize schemes, each as the CLI accepts it, by its canonical name
+    (int4 -> int4-g128); none is refused: every entry is a quantized format."""
+    names = []
+    for x in text.split(","):
+        try:
+            scheme = parse_scheme(x, "scheme")
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if scheme is None:
+            raise argparse.ArgumentTypeError(f"'none' is not a quantized format, got {text!r}")
+        names.append(scheme.name)
+    return names
+
+
+@_type("file")
+def existing_file(text: str) -> str:
+    """An argparse type: a file that exists, as an absolute path (a script may run its peers in
+    another directory)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no file {text}")
+    return os.path.abspath(text)
+
+
+@_type("directory")
+def existing_dir(text: str) -> str:
+    """An argparse type: a directory that exists, as an absolute path."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no directory {text}")
+    return os.path.abspath(text)
+
+
+@_type("path")
+def absolute_path(text: str) -> str:
+    """An argparse type: the path as the user meant it, from this directory, whatever directory
+    the script runs the command that reads it in (pocketllm checks that it is a checkpoint)."""
+    return os.path.abspath(text)
+
+
+@_type("executable")
+def executable(text: str) -> str:
+    """An argparse type: a program that runs, a path or a name on PATH, as its absolute path:
+    checked before the run, not found missing after the model loaded and warmed up."""
+    found = shutil.which(text)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"{text} is not an executable")
+    return os.path.abspath(found)
+
+
+def machine() -> str:
+    """The machine the figures were measured on, as the first line of a script's results."""
+    return f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}"
 
 
 def read_bandwidths_gbps(mib: int = 1024, reps: int = 5) -> dict[str, float]:
@@ -79,7 +221,12 @@ def checkpoint_dir(args) -> str:
 
     ckpt = tempfile.mkdtemp(prefix="pocketllm-bench-")
     atexit.register(shutil.rmtree, ckpt, ignore_errors=True)
-    cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
+    # Its "wrote ..." line is progress, not a result: stderr, out of the figures on stdout.
+    with contextlib.redirect_stdout(sys.stderr):
+        rc = cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
+    if rc:
+        # It said why in one line (a bad --preset or --dtype); there is no checkpoint to run on.
+        raise SystemExit(rc)
     return ckpt
 
 
@@ -151,7 +298,12 @@ def parse_pairs(p, pairs: list[str]) -> list[tuple[str, str]]:
             p.error(f"--pair takes SCHEME=GGUF, got {x!r}")
         if not os.path.isfile(gguf):
             p.error(f"--pair {x}: no file {gguf}")
-        out.append(("none" if scheme == "bf16" else scheme, gguf))
+        scheme = "none" if scheme == "bf16" else scheme
+        try:
+            parse_scheme(scheme, "--pair")  # refused here, not when its model loads after the others
+        except UsageError as exc:
+            p.error(f"{x}: {exc}")
+        out.append((scheme, os.path.abspath(gguf)))
     return out
 
 
@@ -161,7 +313,10 @@ def llama_bench_tests(cmd: list[str]) -> list[dict]:
     if r.returncode != 0:
         lines = r.stderr.strip().splitlines()
         raise SystemExit(f"llama-bench failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
-    return json.loads(r.stdout)
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError:
+        raise SystemExit(f"llama-bench printed no JSON test list ({cmd[0]} is not llama-bench, or too old for -o json)") from None
 
 
 def _no_sync() -> None:
