@@ -19,7 +19,6 @@ its own random weights at the preset's shapes on the device (the speeds compare;
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,31 +26,39 @@ import time
 
 import torch
 
-from common import PocketRunner, alternate, checkpoint_dir, device_sync, gemv_only_step_seconds, projection_weights, spread, tensor_bytes
+from common import (
+    Parser, PocketRunner, absolute_path, alternate, checkpoint_dir, device_sync, even_reps, gemv_only_step_seconds, int_list, machine,
+    positive_int, projection_weights, script, spread, tensor_bytes,
+)
 from pocketllm.bench import limits
 from pocketllm.config import FULL_ATTENTION_INTERVAL
-from pocketllm.model_args import parse_dtype
+from pocketllm.device_kind import resolve_kind
+from pocketllm.errors import UsageError
+from pocketllm.model_args import check_out_path, parse_dtype
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--ckpt", type=absolute_path, help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
-    p.add_argument("--layers", type=int, help="the preset's first N layers")
+    p.add_argument("--layers", type=positive_int, help="the preset's first N layers")
     p.add_argument("--random-weights", action="store_true", help="no checkpoint: each engine's own random weights at the preset's shapes")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
-    p.add_argument("--lengths", default="512,2048")
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=4, help="reps per engine, even so each runs first equally often (default 4)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"), help="cpu, cuda or npu (default cpu)")
+    p.add_argument("--lengths", type=int_list(1), default="512,2048")
+    p.add_argument("--decode-tokens", type=positive_int, default=64)
+    p.add_argument("--reps", type=even_reps, default=4, help="reps per engine, even so each runs first equally often (default 4)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument(
         "--kernel-profile", action="store_true",
         help="after the reps, each engine's prefill at the longest length and its decode steps under torch.profiler: "
         "its kernels (CUDA) or torch ops (CPU) by time, side by side",
     )
     p.add_argument("--json", help="write every rep and the summary here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.ckpt is not None and args.random_weights:
+        p.error("--random-weights runs without a checkpoint: give --ckpt or --random-weights, not both")
+    return args
 
 
 class HFRunner:
@@ -127,24 +134,28 @@ def kernel_profiles(runners, prompt: list[int], decode_prompt: list[int], steps:
             print("\n".join(kernel_profile.describe(t, device_type)))
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Every input is checked before the first model loads: a typo must not cost a run.
+    resolve_kind(args.device)  # one line where torch sees no such device
+    dtype = parse_dtype(args.dtype)
+    check_out_path(args.json, "--json", args.ckpt)
+    if args.random_weights and args.layers is not None and args.layers < FULL_ATTENTION_INTERVAL:
+        # transformers' Qwen3.5 builds its attention mask from a full-attention layer's cache.
+        raise UsageError(f"--layers {args.layers} holds no full-attention layer (every {FULL_ATTENTION_INTERVAL}th is one), "
+                         f"which transformers' model needs: give --layers {FULL_ATTENTION_INTERVAL} or more")
+    if not args.random_weights and args.layers is not None and args.ckpt is None:
+        raise UsageError("--layers cuts a preset for --random-weights; for a checkpoint, write one with make-checkpoint --layers")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    dtype = parse_dtype(args.dtype)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
     from pocketllm.inputs import bench_ids
 
     if args.random_weights:
-        if args.layers is not None and args.layers < FULL_ATTENTION_INTERVAL:
-            # transformers' Qwen3.5 builds its attention mask from a full-attention layer's cache.
-            raise SystemExit(f"--layers {args.layers} holds no full-attention layer (every {FULL_ATTENTION_INTERVAL}th is one), "
-                             f"which transformers' model needs: give --layers {FULL_ATTENTION_INTERVAL} or more")
         pocket = PocketRunner(None, dtype, device=args.device, preset=args.preset, layers=args.layers)
         runners = [pocket, HFRunner(None, dtype, args.device, pocket.cfg)]
     else:
-        if args.layers is not None and args.ckpt is None:
-            raise SystemExit("--layers cuts a preset for --random-weights; for a checkpoint, write one with make-checkpoint --layers")
         ckpt = checkpoint_dir(args)
         runners = [PocketRunner(ckpt, dtype, device=args.device), HFRunner(ckpt, dtype, args.device)]
     vocab = runners[0].engine.cfg.vocab_size
@@ -169,6 +180,7 @@ def main(argv=None) -> int:
             tokens[r.name] = toks
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
+    print(machine())
     print(f"device={args.device} threads={args.threads} dtype={args.dtype} reps={args.reps} (median, min..max)")
     print(f"{'measure':<22}{'pocketllm':>26}{'transformers':>26}{'ratio':>8}")
     summary = {}
@@ -200,16 +212,22 @@ def main(argv=None) -> int:
               f"{100 * statistics.median(prefill[('transformers', n)]) * best / n:.0f}%")
     if args.kernel_profile:
         kernel_profiles(runners, prompts[max(lengths)], decode_prompt, args.decode_tokens, torch.device(args.device).type)
-    if args.random_weights:
-        print("greedy tokens: not compared (each engine's own random weights)")
+
+    def finish() -> int:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"prefill_tok_s": {f"{k[0]}@{k[1]}": v for k, v in prefill.items()}, "decode_tok_s": decode, "summary": summary}, f, indent=2)
         print(json.dumps(summary))
         return 0
+
+    if args.random_weights:
+        print("greedy tokens: not compared (each engine's own random weights)")
+        return finish()
     if args.device != "cpu":
         same = sum(1 for x, y in zip(tokens["pocketllm"], tokens["transformers"]) if x == y)
         print(f"greedy tokens: {same}/{len(tokens['pocketllm'])} equal")
         summary["greedy_tokens_equal"] = same == len(tokens["pocketllm"])
-        print(json.dumps(summary))
-        return 0
+        return finish()
     gemv_step = gemv_only_step_seconds(runners[0].engine.model)
     summary["gemv_only_step_tok_s"] = round(1.0 / gemv_step, 1)
     summary["gemv_only_fraction_of_limit"] = round(1.0 / gemv_step / limit, 3)
@@ -225,11 +243,7 @@ def main(argv=None) -> int:
     first_diff = next((i for i, (x, y) in enumerate(zip(tokens["pocketllm"], tokens["transformers"])) if x != y), None)
     summary["greedy_tokens_equal"] = first_diff is None
     print(f"greedy tokens: {same}/{len(tokens['pocketllm'])} equal" + ("" if first_diff is None else f", first difference at step {first_diff}"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prefill_tok_s": {f"{k[0]}@{k[1]}": v for k, v in prefill.items()}, "decode_tok_s": decode, "summary": summary}, f, indent=2)
-    print(json.dumps(summary))
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":
