@@ -158,6 +158,53 @@ def executable(text: str) -> str:
     return os.path.abspath(found)
 
 
+@_type("checkout")
+def checkout(text: str) -> str:
+    """An argparse type: a pocketllm checkout (a directory holding pocketllm/), as an absolute
+    path: a bench runs from inside it, and a missing one is found before any setting runs."""
+    if not os.path.isdir(os.path.join(text, "pocketllm")):
+        raise argparse.ArgumentTypeError(f"{text} is not a pocketllm checkout (no {os.path.join(text, 'pocketllm')} directory)")
+    return os.path.abspath(text)
+
+
+@_type("NAME=VALUE")
+def env_setting(text: str) -> tuple[str, str]:
+    """An argparse type: NAME=VALUE, a variable set for a run, as (NAME, VALUE)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"takes NAME=VALUE, got {text!r}")
+    return name, value
+
+
+@_type("switch")
+def switch_name(text: str) -> str:
+    """An argparse type: an environment variable pocketllm reads (pocketllm.switches, its seed
+    aliases too): an A/B of a name it does not read times noise as an effect."""
+    from pocketllm.switches import ALIASES, SETTINGS, nearest_name
+
+    offered = [*SETTINGS, *ALIASES.values()]
+    if text not in offered:
+        raise argparse.ArgumentTypeError(f"pocketllm reads no variable {text}; the nearest it reads is {nearest_name(text, offered)}")
+    return text
+
+
+# `pocketllm bench` flags that name a path: made absolute before a bench runs in another directory
+# (run_bench_json's cwd), so that they name what the user meant from here.
+BENCH_PATH_FLAGS = ("--ckpt", "--token-ids-file", "--calibration", "--profile-out", "--trace-out")
+
+
+def absolute_paths(bench_args: list[str]) -> list[str]:
+    """bench_args with the value of every BENCH_PATH_FLAGS flag (`--ckpt DIR` or `--ckpt=DIR`) absolute."""
+    out = list(bench_args)
+    for i, arg in enumerate(out):
+        flag, sep, value = arg.partition("=")
+        if flag in BENCH_PATH_FLAGS and sep and value:
+            out[i] = f"{flag}={os.path.abspath(value)}"
+        elif i and out[i - 1] in BENCH_PATH_FLAGS and not arg.startswith("-"):
+            out[i] = os.path.abspath(arg)
+    return out
+
+
 def machine() -> str:
     """The machine the figures were measured on, as the first line of a script's results."""
     return f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}"
@@ -235,10 +282,10 @@ def run_bench_json(bench_args: list[str], env: dict[str, str] | None = None, cwd
 
     `env` holds variables set over this process's environment; `cwd` is where the command runs,
     which also decides which tree `-m pocketllm` imports (the working directory comes first on
-    sys.path). A failed run ends this process with the bench's last line of stderr."""
+    sys.path); a path in bench_args means what it means here (absolute_paths). A failed run ends this process with the bench's last line of stderr."""
     with tempfile.TemporaryDirectory(prefix="pocketllm-bench-json-") as tmp:
         path = f"{tmp}/bench.json"
-        cmd = [sys.executable, "-m", "pocketllm", "bench", *bench_args, "--json", path]
+        cmd = [sys.executable, "-m", "pocketllm", "bench", *absolute_paths(bench_args), "--json", path]
         r = subprocess.run(cmd, check=False, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True)
         if r.returncode != 0:
             lines = r.stderr.strip().splitlines()
@@ -300,9 +347,9 @@ def parse_pairs(p, pairs: list[str]) -> list[tuple[str, str]]:
             p.error(f"--pair {x}: no file {gguf}")
         scheme = "none" if scheme == "bf16" else scheme
         try:
-            parse_scheme(scheme, "--pair")  # refused here, not when its model loads after the others
+            parse_scheme(scheme, f"--pair {x}:")  # refused here, not when its model loads after the others
         except UsageError as exc:
-            p.error(f"{x}: {exc}")
+            p.error(str(exc))
         out.append((scheme, os.path.abspath(gguf)))
     return out
 

@@ -20,39 +20,38 @@ loss at a long context is in the rows at the top.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
-from common import PocketRunner, alternate, llama_bench_tests, read_bandwidths_gbps, spread
+from common import (
+    Parser, PocketRunner, absolute_path, alternate, even_reps, executable, existing_file, int_list, llama_bench_tests, machine, positive_int,
+    read_bandwidths_gbps, script, spread,
+)
 from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
 from pocketllm.layers.kv_layout import kv_block_bytes
-from pocketllm.model_args import parse_dtype
+from pocketllm.model_args import check_out_path, parse_dtype
 from pocketllm.profiling import scopes
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ckpt", required=True, help="HF checkpoint directory pocketllm loads")
-    p.add_argument("--gguf", help="the same checkpoint as GGUF, for llama.cpp (with --llama-bench)")
-    p.add_argument("--llama-bench", help="path of the llama-bench binary (without it, pocketllm alone)")
-    p.add_argument("--depths", default="64,8000,16384", help="context lengths decode starts from (default 64,8000,16384)")
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--reps", type=int, default=4, help="reps per engine, even so each runs first equally often (default 4)")
-    p.add_argument("--threads", type=int, default=2)
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--ckpt", required=True, type=absolute_path, help="HF checkpoint directory pocketllm loads")
+    p.add_argument("--gguf", type=existing_file, help="the same checkpoint as GGUF, for llama.cpp (with --llama-bench)")
+    p.add_argument("--llama-bench", type=executable, help="path of the llama-bench binary (without it, pocketllm alone)")
+    p.add_argument("--depths", type=int_list(1), default="64,8000,16384", help="context lengths decode starts from (default 64,8000,16384)")
+    p.add_argument("--decode-tokens", type=positive_int, default=32)
+    p.add_argument("--reps", type=even_reps, default=4, help="reps per engine, even so each runs first equally often (default 4)")
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--dtype", default="bfloat16", help="pocketllm's dtype; match the GGUF's (default bfloat16)")
     p.add_argument("--profile", action="store_true", help="also time pocketllm's steps per scope at each depth")
     p.add_argument("--json", help="write every rep and the summary here")
     args = p.parse_args(argv)
-    if args.reps < 2 or args.reps % 2:
-        p.error(f"--reps must be even and at least 2, got {args.reps}")
     if (args.gguf is None) != (args.llama_bench is None):
         p.error("--gguf and --llama-bench go together")
     return args
@@ -64,7 +63,7 @@ class PocketDepths:
     def __init__(self, runner: PocketRunner, depths: list[int], steps: int, reps: int):
         self.engine, self.depths, self.steps = runner.engine, depths, steps
         vocab = self.engine.cfg.vocab_size
-        # Room for every timed rep, the two warm-up runs and the profiled one.
+        # Room for every timed rep, the warm-up run, and the profile's warm-up and profiled runs.
         self.engine.reserve_slots(len(depths), max(depths) + (reps + 3) * steps + 1)
         self.token, self.pos = {}, {}
         for slot, depth in enumerate(depths):
@@ -90,14 +89,16 @@ class PocketDepths:
         return {d: self.steps / self.decode(d) for d in alternate(self.depths, rep)}
 
     def profile(self, depth: int) -> dict[str, float]:
-        """ms per step of every scope (exclusive; "other" is the step outside any scope)."""
-        recorder = scopes.ScopeRecorder()
-        scopes.install(recorder)
-        try:
-            with scopes.scope(scopes.STACK):
-                self.decode(depth)
-        finally:
-            scopes.install(None)
+        """ms per step of every scope (exclusive; "other" is the step outside any scope), from a
+        run after an untimed one under the recorder: the first run under it pays for its setup,
+        which made the first depth profiled the slowest and the "+" column negative."""
+        for recorder in (scopes.ScopeRecorder(), scopes.ScopeRecorder()):
+            scopes.install(recorder)
+            try:
+                with scopes.scope(scopes.STACK):
+                    self.decode(depth)
+            finally:
+                scopes.install(None)
         out = {}
         for (name, site), (exclusive, _, _) in recorder.stats.items():
             label = "other" if name == scopes.STACK else f"{name}/{site}" if site else name
@@ -118,11 +119,14 @@ class LlamaDepths:
         return out
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
+    dtype = parse_dtype(args.dtype)
+    check_out_path(args.json, "--json", args.ckpt)
     torch.set_num_threads(args.threads)
-    depths = [int(x) for x in args.depths.split(",")]
-    pocket = PocketDepths(PocketRunner(args.ckpt, parse_dtype(args.dtype)), depths, args.decode_tokens, args.reps)
+    depths = args.depths
+    pocket = PocketDepths(PocketRunner(args.ckpt, dtype), depths, args.decode_tokens, args.reps)
     for d in depths:
         pocket.decode(d)
     runs = {"pocketllm": pocket.run}
@@ -141,8 +145,7 @@ def main(argv=None) -> int:
     cfg = engine.cfg
     kv_bytes_per_token = kv_block_bytes(cfg, 1, engine.dtype.itemsize, block_size=1)
     weight_bytes = decode_weight_bytes(engine.model)
-    print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}"
-          + (f", llama.cpp {llama.version}" if args.llama_bench else ""))
+    print(machine() + (f", llama.cpp {llama.version}" if args.llama_bench else ""))
     print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} decode tokens={args.decode_tokens}; decode tok/s, median (min..max)")
     print("\n".join(engine.kernels.describe()))
     print(engine.model.decode_ops.describe())
@@ -168,7 +171,6 @@ def main(argv=None) -> int:
         summary[str(d)] = entry
         print(row)
     if args.profile:
-        pocket.decode(depths[0])
         profiles = {d: pocket.profile(d) for d in depths}
         base = profiles[depths[0]]
         labels = sorted(set().union(*profiles.values()), key=lambda k: -(profiles[depths[-1]].get(k, 0) - base.get(k, 0)))

@@ -14,35 +14,30 @@ line.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
 import sys
 
 import torch
 
-from common import PocketRunner, alternate, llama_bench_tests, spread
+from common import Parser, PocketRunner, absolute_path, alternate, even_reps, executable, existing_file, int_list, llama_bench_tests, machine, positive_int, script, spread
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
-from pocketllm.model_args import parse_dtype
+from pocketllm.model_args import check_out_path, parse_dtype
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ckpt", required=True, help="HF checkpoint directory pocketllm loads")
-    p.add_argument("--gguf", required=True, help="the same checkpoint as GGUF, for llama.cpp")
-    p.add_argument("--llama-bench", required=True, help="path of the llama-bench binary")
-    p.add_argument("--lengths", default="512,2048", help="prefill lengths (default 512,2048)")
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=4, help="reps per engine, even so each runs first equally often (default 4)")
-    p.add_argument("--threads", type=int, default=2)
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--ckpt", required=True, type=absolute_path, help="HF checkpoint directory pocketllm loads")
+    p.add_argument("--gguf", required=True, type=existing_file, help="the same checkpoint as GGUF, for llama.cpp")
+    p.add_argument("--llama-bench", required=True, type=executable, help="path of the llama-bench binary")
+    p.add_argument("--lengths", type=int_list(1), default="512,2048", help="prefill lengths (default 512,2048)")
+    p.add_argument("--decode-tokens", type=positive_int, default=64)
+    p.add_argument("--reps", type=even_reps, default=4, help="reps per engine, even so each runs first equally often (default 4)")
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--dtype", default="bfloat16", help="pocketllm's dtype; match the GGUF's (default bfloat16)")
     p.add_argument("--json", help="write every rep and the summary here")
-    args = p.parse_args(argv)
-    if args.reps < 2 or args.reps % 2:
-        p.error(f"--reps must be even and at least 2, got {args.reps}")
-    return args
+    return p.parse_args(argv)
 
 
 class LlamaBench:
@@ -62,11 +57,14 @@ class LlamaBench:
         return out
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
+    dtype = parse_dtype(args.dtype)
+    check_out_path(args.json, "--json", args.ckpt)
     torch.set_num_threads(args.threads)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    pocket = PocketRunner(args.ckpt, parse_dtype(args.dtype))
+    lengths = args.lengths
+    pocket = PocketRunner(args.ckpt, dtype)
     llama = LlamaBench(args.llama_bench, args.gguf, args.threads, lengths, args.decode_tokens)
     vocab = pocket.engine.cfg.vocab_size
     prompts = {n: bench_ids(n, vocab) for n in lengths}
@@ -91,7 +89,7 @@ def main(argv=None) -> int:
                 figures[name].setdefault(key, []).append(value)
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
-    print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama.version}")
+    print(f"{machine()}, llama.cpp {llama.version}")
     print(f"threads={args.threads} dtype={args.dtype} reps={args.reps} (median, min..max)")
     print("\n".join(pocket.engine.kernels.describe()))
     print(pocket.engine.model.decode_ops.describe())

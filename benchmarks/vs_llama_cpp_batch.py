@@ -21,7 +21,6 @@ the llama.cpp binary is an AVX2 build too).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,38 +28,23 @@ import statistics
 import subprocess
 import sys
 
-from common import alternate, parse_pairs, run_bench_json, spread
+from common import Parser, absolute_path, alternate, env_setting, even_reps, executable, int_list, parse_pairs, positive_int, run_bench_json, script, spread
 from pocketllm import compiled
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ckpt", required=True, help="float checkpoint pocketllm quantizes at load (the GGUFs' source)")
-    p.add_argument("--llama-batched-bench", required=True, help="llama.cpp's llama-batched-bench binary")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--ckpt", required=True, type=absolute_path, help="float checkpoint pocketllm quantizes at load (the GGUFs' source)")
+    p.add_argument("--llama-batched-bench", required=True, type=executable, help="llama.cpp's llama-batched-bench binary")
     p.add_argument("--pair", action="append", required=True, help="SCHEME=GGUF: a pocketllm --quantize scheme (none: as stored) and the llama.cpp file set against it")
-    p.add_argument("--batches", default="1,8", help="sequences decoded together, comma-separated (default 1,8)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="each sequence's prompt (default 128)")
-    p.add_argument("--decode-tokens", type=int, default=32, help="timed decode steps (default 32)")
-    p.add_argument("--reps", type=int, default=4, help="even, so each order runs equally often (default 4)")
-    p.add_argument("--env", action="append", default=[], help="NAME=VALUE set for both engines' processes (repeatable)")
+    p.add_argument("--batches", type=int_list(1), default="1,8", help="sequences decoded together, comma-separated (default 1,8)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=128, help="each sequence's prompt (default 128)")
+    p.add_argument("--decode-tokens", type=positive_int, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--reps", type=even_reps, default=4, help="even, so each order runs equally often (default 4)")
+    p.add_argument("--env", type=env_setting, action="append", default=[], help="NAME=VALUE set for both engines' processes (repeatable)")
     args = p.parse_args(argv)
-    if args.reps < 2 or args.reps % 2:
-        p.error(f"--reps must be even and at least 2, got {args.reps}")
-    if args.prompt_tokens < 1 or args.decode_tokens < 1:
-        p.error("--prompt-tokens and --decode-tokens must be >= 1")
-    try:
-        args.batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        p.error(f"--batches takes comma-separated integers, got {args.batches!r}")
-    if any(b < 1 for b in args.batches):
-        p.error(f"--batches must be >= 1 each, got {args.batches}")
     args.pairs = parse_pairs(p, args.pair)
-    if not os.access(args.llama_batched_bench, os.X_OK):
-        p.error(f"--llama-batched-bench: {args.llama_batched_bench} is not an executable")
-    for e in args.env:
-        if "=" not in e or e.startswith("="):
-            p.error(f"--env takes NAME=VALUE, got {e!r}")
-    args.env = dict(e.split("=", 1) for e in args.env)
+    args.env = dict(args.env)
     return args
 
 
@@ -84,6 +68,7 @@ def llama(args, gguf: str, batch: int, threads: int) -> dict:
     return {"prefill": rows[-1]["speed_pp"], "decode": rows[-1]["speed_tg"]}
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
     threads = len(os.sched_getaffinity(0))

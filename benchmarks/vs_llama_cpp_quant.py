@@ -27,9 +27,7 @@ pairs, are reported as such (reps=K of N); with fewer than two it is an error.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,10 +35,14 @@ import time
 
 import torch
 
-from common import PocketRunner, alternate, llama_bench_tests, parse_pairs, read_bandwidths_gbps, spread
+from common import (
+    Parser, PocketRunner, absolute_path, at_least, alternate, even_reps, executable, llama_bench_tests, machine, parse_pairs, positive_int, read_bandwidths_gbps,
+    script, spread,
+)
 from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm import compiled
 from pocketllm.inputs import bench_ids
+from pocketllm.model_args import check_out_path
 
 # Bytes of a GGUF's tensors a decode step reads: all but the token embedding (one row of it).
 GGUF_STEP_BYTES = (
@@ -51,24 +53,20 @@ GGUF_STEP_BYTES = (
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ckpt", required=True, help="float checkpoint pocketllm quantizes at load")
-    p.add_argument("--llama-bench", required=True)
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--ckpt", required=True, type=absolute_path, help="float checkpoint pocketllm quantizes at load")
+    p.add_argument("--llama-bench", required=True, type=executable)
     p.add_argument("--pair", action="append", required=True, help="SCHEME=GGUF: a pocketllm --quantize scheme and the llama.cpp file it is set against")
-    p.add_argument("--gguf-python", help="a python with the gguf package (llama.cpp's converter venv), for the GGUFs' bytes per step")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gguf-python", type=executable, help="a python with the gguf package (llama.cpp's converter venv), for the GGUFs' bytes per step")
+    p.add_argument("--prompt-tokens", type=at_least(0), default=512)
+    p.add_argument("--decode-tokens", type=positive_int, default=64)
+    p.add_argument("--reps", type=even_reps, default=4)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--json")
     p.add_argument("--min-read-rate", type=float, default=0.0, help="start each setting's run when a 1 GiB sum reads at least this many GB/s, and run "
                    "it again when the sum after it reads less (on a host whose rate moves minute to minute: every kept figure measured in a fast window)")
     p.add_argument("--wait-seconds", type=float, default=1800.0, help="how long --min-read-rate may wait in all (default 1800); then the whole reps kept so far, in pairs, are the result")
     args = p.parse_args(argv)
-    if args.reps < 2 or args.reps % 2:
-        p.error(f"--reps must be even and at least 2, got {args.reps}")
-    if args.prompt_tokens < 0 or args.decode_tokens < 1:
-        p.error("--prompt-tokens must be >= 0 and --decode-tokens >= 1")
     args.pairs = parse_pairs(p, args.pair)
     return args
 
@@ -162,8 +160,10 @@ def run_reps(args, settings: dict, figures: dict, prompt: list[int], first: list
     return around, dropped, args.reps
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_out_path(args.json, "--json", args.ckpt)
     torch.set_num_threads(args.threads)
     settings: dict[str, object] = {}
     names = []
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     rates = [r for runs in around.values() for sums in runs for r in sums] if args.min_read_rate else first_sum + [_read_rate()]
     rate = max(rates) * 1e9
     llama_version = next((s.version for s in settings.values() if isinstance(s, Llama)), "")
-    print(f"machine: {compiled.cpu_model()} ({platform.machine()}), torch {torch.__version__}, llama.cpp {llama_version}")
+    print(f"{machine()}, llama.cpp {llama_version}")
     held = f"; each setting's run in a rep made while the sum read >= {args.min_read_rate:g} GB/s before and after it, {dropped} run(s) dropped" if args.min_read_rate else ""
     print(f"threads={args.threads} reps={kept}{'' if kept == args.reps else f' of {args.reps} (out of --wait-seconds)'} (median, min..max); read rate (1 GiB fp32 sum, best around the reps) {rate / 1e9:.1f} GB/s "
           f"(sums read {min(rates):.1f}..{max(rates):.1f}{held})")
