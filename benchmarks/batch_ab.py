@@ -11,23 +11,23 @@ variable set, e.g. POCKETLLM_BATCH_INVARIANT=0.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
-from common import alternate, run_bench_json, spread
+from common import Parser, alternate, checkout, env_setting, even_reps, int_list, machine, run_bench_json, script, spread
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--reps", type=int, default=4, help="reps per setting, even so each order runs equally often (default 4)")
-    p.add_argument("--baseline", action="append", default=[], help="a checkout whose `pocketllm bench` runs at every B too (repeatable)")
-    p.add_argument("--env", action="append", default=[], help="NAME=VALUE: this tree at every B with it set, as more settings (repeatable)")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
+    p.add_argument("--batches", type=int_list(1), default="1,8")
+    p.add_argument("--reps", type=even_reps, default=4, help="reps per setting, even so each order runs equally often (default 4)")
+    p.add_argument("--baseline", type=checkout, action="append", default=[], help="a checkout whose `pocketllm bench` runs at every B too (repeatable)")
+    p.add_argument("--env", type=env_setting, action="append", default=[], help="NAME=VALUE: this tree at every B with it set, as more settings (repeatable)")
     args, bench_args = p.parse_known_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
-    envs = [None] + [tuple(e.split("=", 1)) for e in args.env]
+    batches = args.batches
+    envs = [None, *args.env]
     settings = [(b, None, env) for env in envs for b in batches]
     settings += [(b, tree, None) for tree in args.baseline for b in batches]
     tps = {(s, kind): [] for s in settings for kind in ("prefill", "decode", "per_seq")}
@@ -40,6 +40,7 @@ def main(argv=None) -> int:
             tps[(setting, "decode")].append(out["decode_tokens_per_s"])
             tps[(setting, "per_seq")].append(out.get("decode_tokens_per_s_per_sequence", out["decode_tokens_per_s"]))
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    print(machine())
     print(f"pocketllm bench {' '.join(bench_args)}; reps={args.reps}; aggregate tok/s median (min..max); ratio of medians against the first setting")
     print(f"{'setting':<40}{'prefill':>24}{'ratio':>7}{'decode':>24}{'ratio':>7}{'decode/seq':>22}")
     base = settings[0]

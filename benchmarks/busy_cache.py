@@ -11,12 +11,11 @@ commit before the kernel registry, whose busy load wrote what it measured).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 
-from common import alternate, checkpoint_dir, run_bench_json, spread
+from common import Parser, absolute_path, alternate, checkout, checkpoint_dir, even_reps, run_bench_json, script, spread
 
 from pocketllm.bench.busy import BusyLoops
 
@@ -29,13 +28,14 @@ def kernel_lines(out: dict) -> list[str]:
     return [f"one-row ({s['gemv']['how']}): " + ", ".join(f"{k} {v}" for k, v in s["gemv"]["by_shape"].items())]
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
-    p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
+    p.add_argument("--ckpt", type=absolute_path, help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--reps", type=int, default=4, help="quiet runs per cache, even so each order runs equally often (default 4)")
-    p.add_argument("--baseline", help="a checkout to run the same comparison from")
+    p.add_argument("--reps", type=even_reps, default=4, help="quiet runs per cache, even so each order runs equally often (default 4)")
+    p.add_argument("--baseline", type=checkout, help="a checkout to run the same comparison from")
     args, bench_args = p.parse_known_args(argv)
     flags = ["--ckpt", checkpoint_dir(args), "--dtype", args.dtype, *bench_args]
     trees = [None] + ([args.baseline] if args.baseline else [])

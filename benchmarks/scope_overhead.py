@@ -11,7 +11,6 @@ PYTHONPATH, so both trees run the same command in fresh processes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -21,7 +20,7 @@ import tempfile
 import timeit
 from pathlib import Path
 
-from common import alternate, run_bench_json, spread
+from common import Parser, alternate, even_reps, run_bench_json, script, spread
 
 REPO = Path(__file__).resolve().parents[1]
 _IMPORT = re.compile(r"^from pocketllm\.profiling\.scopes import (.+)$", re.MULTILINE)
@@ -107,9 +106,10 @@ def bench(tree: Path, bench_args: list[str]) -> dict:
     return run_bench_json(bench_args, env={"PYTHONPATH": str(tree)}, cwd=tree)
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
-    p.add_argument("--reps", type=int, default=6, help="reps per tree, even so each runs first as often (default 6)")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
+    p.add_argument("--reps", type=even_reps, default=6, help="reps per tree, even so each runs first as often (default 6)")
     args, bench_args = p.parse_known_args(argv)
     print(f"one disabled scope: {disabled_scope_ns():.0f} ns")
     with tempfile.TemporaryDirectory(prefix="pocketllm-noscope-") as tmp:

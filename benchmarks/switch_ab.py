@@ -11,25 +11,25 @@ POCKETLLM_POLL_COLLECTIVES (gloo ranks poll for a collective instead of blocking
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
-from common import alternate, run_bench_json, spread
+from common import Parser, alternate, even_reps, int_list, machine, run_bench_json, script, spread, switch_name
 
 
 def bench(world: int, switch: str, value: str, bench_args: list[str]) -> dict:
     return run_bench_json(["--tp-world", str(world), *bench_args], env={switch: value})
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
-    p.add_argument("--switch", default="POCKETLLM_PIN_CPUS", help="the environment switch to compare on and off")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench` (e.g. --ckpt DIR --max-new-tokens 64).")
+    p.add_argument("--switch", type=switch_name, default="POCKETLLM_PIN_CPUS", help="the environment switch to compare on and off")
     p.add_argument("--values", default="1,0", help="the switch's two values, on then off (default 1,0)")
-    p.add_argument("--worlds", default="2,4")
-    p.add_argument("--reps", type=int, default=4, help="reps per setting, even so on and off run first equally often (default 4)")
+    p.add_argument("--worlds", type=int_list(1), default="2,4")
+    p.add_argument("--reps", type=even_reps, default=4, help="reps per setting, even so on and off run first equally often (default 4)")
     args, bench_args = p.parse_known_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds = args.worlds
     if len(args.values.split(",")) != 2:
         p.error(f"--values takes two values, on then off, not {args.values!r}")
     values = dict(zip((True, False), args.values.split(",")))
@@ -43,6 +43,7 @@ def main(argv=None) -> int:
                 tps[(w, on, "decode")].append(out["decode_tokens_per_s"])
                 cpus[(w, on)] = out["settings"]["cpus_per_rank"]
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    print(machine())
     print(f"pocketllm bench {' '.join(bench_args)}; {args.switch}={values[True]} and {values[False]}; reps={args.reps}; tok/s median (min..max)")
     print(f"{'TP':<4}{'measure':<10}{values[True]:>24}{values[False]:>24}{'ratio':>8}")
     for w in worlds:

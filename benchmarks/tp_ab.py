@@ -8,20 +8,20 @@ prefill and decode tokens/s per setting and each against TP=1.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
-from common import alternate, run_bench_json, spread
+from common import Parser, alternate, even_reps, int_list, machine, run_bench_json, script, spread
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
-    p.add_argument("--worlds", default="1,2,4")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
+    p.add_argument("--worlds", type=int_list(1), default="1,2,4")
     p.add_argument("--collectives", default="shm,gloo", help="POCKETLLM_COLLECTIVE values to run each world > 1 with")
-    p.add_argument("--reps", type=int, default=4, help="reps per setting, even so each order runs equally often (default 4)")
+    p.add_argument("--reps", type=even_reps, default=4, help="reps per setting, even so each order runs equally often (default 4)")
     args, bench_args = p.parse_known_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds = args.worlds
     settings = [(w, c) for w in worlds for c in (["-"] if w == 1 else args.collectives.split(","))]
     tps = {(s, kind): [] for s in settings for kind in ("prefill", "decode")}
     used = {}
@@ -33,6 +33,7 @@ def main(argv=None) -> int:
             tps[((world, coll), "decode")].append(out["decode_tokens_per_s"])
             used[(world, coll)] = out["settings"].get("collective")
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    print(machine())
     print(f"pocketllm bench {' '.join(bench_args)}; reps={args.reps}; tok/s median (min..max); ratio of medians against the first setting")
     print(f"{'TP':<4}{'all-reduce':<12}{'prefill':>24}{'ratio':>7}{'decode':>24}{'ratio':>7}")
     base = settings[0]
