@@ -11,30 +11,33 @@ size's median over the first size's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
-from common import alternate, spread
-from pocketllm.bench.gdn_bench import add_head_arguments, make_inputs
+from common import Parser, alternate, int_list, positive_int, script, spread
+from pocketllm.bench.gdn_bench import add_head_arguments, check_heads, make_inputs
 from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--sizes", default="32,64")
-    p.add_argument("--lengths", default="128,512,4096")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--sizes", type=int_list(1), default="32,64")
+    p.add_argument("--lengths", type=int_list(1), default="128,512,4096")
     add_head_arguments(p)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     args = p.parse_args(argv)
+    check_heads(args.key_heads, args.value_heads)
+    if args.head_dim < 1:
+        p.error(f"--head-dim must be >= 1, got {args.head_dim}")
     torch.set_num_threads(args.threads)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     print(f"threads={args.threads} Hk={args.key_heads} Hv={args.value_heads} D={args.head_dim} fp32; ms, median (min..max)")
     print(f"{'tokens':>7} {'reps':>5}" + "".join(f"{f'chunk {c}':>26}" for c in sizes) + "".join(f"{f'{c}/{sizes[0]}':>9}" for c in sizes[1:]))
-    for T in (int(n) for n in args.lengths.split(",")):
+    for T in args.lengths:
         x = make_inputs(T, args.key_heads, args.value_heads, args.head_dim, torch.float32)
         reps = max(6, 20000 // T)
         reps += reps % 2  # even, so each size runs first equally often

@@ -16,6 +16,9 @@ import time
 
 import torch
 
+from common import Parser, machine, positive_int, script
+from pocketllm.errors import UsageError
+
 
 def stream_gbps(mib: int, reps: int, kernel: str, start_at: float | None = None) -> float:
     """GB/s of the one-row kernel `kernel` over `mib` MiB of 3072x1024 bf16 weights, the best of
@@ -25,7 +28,7 @@ def stream_gbps(mib: int, reps: int, kernel: str, start_at: float | None = None)
 
     why = ONE_ROW.by_name[kernel].unavailable("bfloat16", torch.device("cpu"))
     if why:
-        raise SystemExit(f"--kernel {kernel}: {why}")
+        raise UsageError(f"--kernel {kernel}: {why}")
     run = ONE_ROW.by_name[kernel].run
     count = max(1, mib * 2**20 // (3072 * 1024 * 2))
     weights = [torch.randn(3072, 1024, dtype=torch.bfloat16) for _ in range(count)]
@@ -42,11 +45,14 @@ def stream_gbps(mib: int, reps: int, kernel: str, start_at: float | None = None)
     return count * 3072 * 1024 * 2 / best / 1e9
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--mib", type=int, default=288, help="weight MiB streamed per pass (default 288, the small preset's)")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--kernel", default="c-prefetch", help="the one-row kernel that streams (default c-prefetch)")
+    from pocketllm.ops.registry import ONE_ROW
+
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--mib", type=positive_int, default=288, help="weight MiB streamed per pass (default 288, the small preset's)")
+    p.add_argument("--reps", type=positive_int, default=10)
+    p.add_argument("--kernel", default="c-prefetch", choices=sorted(ONE_ROW.by_name), help="the one-row kernel that streams (default c-prefetch)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one measurement on this core
     p.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -58,6 +64,7 @@ def main(argv=None) -> int:
     cores = sorted(os.sched_getaffinity(0))
     worker = [sys.executable, __file__, "--mib", str(args.mib), "--reps", str(args.reps), "--kernel", args.kernel, "--worker"]
     torch.set_num_threads(len(cores))
+    print(machine())
     print(f"kernel {args.kernel}; {len(cores)} cores, one process, {len(cores)} threads: {stream_gbps(args.mib, args.reps, args.kernel):.1f} GB/s")
     for c in cores:
         alone = float(subprocess.run([*worker, str(c)], capture_output=True, text=True, check=True).stdout)

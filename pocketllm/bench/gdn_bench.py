@@ -56,15 +56,21 @@ class GdnBenchSpec:
     chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
+def check_heads(key_heads: int, value_heads: int) -> None:
+    """The head arguments (add_head_arguments) as the kernels take them: a usage error otherwise.
+    Shared with benchmarks/chunk_size.py, like the arguments."""
+    from pocketllm.errors import UsageError
+
+    if key_heads < 1 or value_heads < 1 or value_heads % key_heads:
+        raise UsageError(f"--value-heads ({value_heads}) must be a positive multiple of --key-heads ({key_heads})")
+
+
 def _validate(spec: GdnBenchSpec) -> torch.dtype:
     from pocketllm.errors import UsageError
 
     if spec.tokens < 1:
         raise UsageError(f"--tokens must be >= 1; got {spec.tokens}")
-    if spec.key_heads < 1 or spec.value_heads < 1 or spec.value_heads % spec.key_heads:
-        raise UsageError(
-            f"--value-heads ({spec.value_heads}) must be a positive multiple of --key-heads ({spec.key_heads})"
-        )
+    check_heads(spec.key_heads, spec.value_heads)
     if spec.head_dim < 1 or spec.reps < 1 or spec.chunk_size < 1:
         raise UsageError(
             f"--head-dim, --reps and --chunk-size must be >= 1; got {spec.head_dim}, {spec.reps}, {spec.chunk_size}"
