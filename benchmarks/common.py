@@ -111,13 +111,13 @@ def int_list(minimum: int = 1):
 @_type("scheme list")
 def scheme_list(text: str) -> list[str]:
     """Comma-separated --quantize schemes, each as the CLI accepts it, by its canonical name
-    (int4 -> int4-g128); none is refused: every entry is a quantized format."""
+    (int4 -> int4-g128); none is refused: every entry is a quantized format. '' is no scheme."""
     names = []
-    for x in text.split(","):
+    for x in filter(None, text.split(",")):
         try:
-            scheme = parse_scheme(x, "scheme")
+            scheme = parse_scheme(x, "")
         except UsageError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            raise argparse.ArgumentTypeError(str(exc).strip()) from None
         if scheme is None:
             raise argparse.ArgumentTypeError(f"'none' is not a quantized format, got {text!r}")
         names.append(scheme.name)

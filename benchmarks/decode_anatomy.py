@@ -29,7 +29,6 @@ are the quantized one-row kind's timed candidates; the fp32 copies are of the de
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import statistics
@@ -41,24 +40,25 @@ import torch
 
 from pocketllm import host_memory
 from pocketllm.model_args import parse_dtype
+from pocketllm.quantization import parse_scheme
 from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm.ops.quant.layout import dequantize
 from pocketllm.ops.registry import ONE, kind_for, weight_format
 from common import (
-    PocketRunner, activation_dtype, checkpoint_dir, gemv_only_step_seconds, projection_weights, read_bandwidths_gbps, spread,
-    tensor_bytes,
+    Parser, PocketRunner, absolute_path, activation_dtype, checkpoint_dir, gemv_only_step_seconds, machine, positive_int, projection_weights,
+    read_bandwidths_gbps, script, spread, tensor_bytes,
 )
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--ckpt", type=absolute_path, help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
-    p.add_argument("--steps", type=int, default=32, help="decode steps per timing")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=positive_int, default=32, help="decode steps per timing")
+    p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantize", help="a --quantize scheme to quantize the weights to at load")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     return p.parse_args(argv)
 
 
@@ -210,10 +210,12 @@ def l2_cache_text() -> str:
     return "?"
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
+    parse_scheme(args.quantize or "none")  # before a --preset checkpoint is written for it
+    torch.set_num_threads(args.threads)
     runner = PocketRunner(checkpoint_dir(args), dtype, args.quantize)
     model = runner.engine.model
     weights = projection_weights(model)
@@ -264,15 +266,18 @@ def main(argv=None) -> int:
     bandwidths = read_bandwidths_gbps()
     bandwidth = max(bandwidths.values())
     quantized = f" quantize={args.quantize}" if args.quantize else ""
+    print(machine())
     print(f"{runner.engine.describe_step()}, fed by the engine's decode loop; the rows from '4 KiB pages' on run layer by layer")
     print(f"threads={args.threads} dtype={args.dtype}{quantized} reps={args.reps} steps={args.steps}; "
           f"{step_bytes / 2**20:.1f} MiB of weights per step, {gemv_bytes / 2**20:.1f} of them in "
           f"{len(weights)} GEMV weights; {huge_mib:.0f} MiB of the engine's process on huge pages")
-    print(f"{'per decode step':<24}{'ms, median (min..max)':>28}{'GB/s of weights':>18}")
+    # As wide as the longest label: a candidate's name makes "GEMVs alone, all NAME" long.
+    width = max(24, 2 + max(map(len, ms)))
+    print(f"{'per decode step':<{width}}{'ms, median (min..max)':>28}{'GB/s of weights':>18}")
     for name, xs in ms.items():
         nbytes = f32_bytes if name.startswith("fp32") else step_bytes if name.startswith(("real", "step,")) else gemv_bytes
         rate = "" if name == "step, GEMVs ready" else f"{nbytes / statistics.median(xs) / 1e6:.1f}"
-        print(f"{name:<24}{spread(xs, 2):>28}{rate:>18}")
+        print(f"{name:<{width}}{spread(xs, 2):>28}{rate:>18}")
     print(f"one 1 GiB fp32 sum: {bandwidth:.1f} GB/s, the read bandwidth of the streaming limit ("
           + ", ".join(f"{v:.1f} on {k}" for k, v in bandwidths.items()) + ")")
     if all(outside.values()):

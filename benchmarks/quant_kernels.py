@@ -14,13 +14,12 @@ rate is the best full fp32 sum over 1 GiB (benchmarks/common.py), before and aft
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
-from common import alternate, read_bandwidths_gbps, spread
+from common import Parser, alternate, int_list, machine, positive_int, read_bandwidths_gbps, scheme_list, script, spread
 from pocketllm import compiled, host_memory
 from pocketllm.config import FULL
 from pocketllm.ops.quant import candidates as qc
@@ -187,26 +186,43 @@ def errors(fmts, scale_dtype, isa: str) -> None:
                 print(f"    {row_class:8s} {c.name:13s} {moved:7.2%} of outputs off the rounded reference, max {worst(d, ref):.2e}, RMS {rms(d, ref):.2e}")
 
 
+def _layers(args, preset: str) -> tuple[int | None, bool]:
+    """step_shapes' layers and head for the preset: --layers, else its default (with the head
+    where that is all of it)."""
+    layers = args.layers if args.layers is not None else DEFAULT_LAYERS.get(preset)
+    return layers, layers is None
+
+
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="small,qwen3.8-27b", help="comma-separated presets whose layer shapes are streamed")
-    p.add_argument("--layers", type=int, help="layers per pass (default: all of small with its head; 2 of the 27B without)")
-    p.add_argument("--schemes", default="int8,int4-g32,int4-g64,int4-g128", help="weight formats, as the registry names them ('' for none: the bf16 kernels alone)")
+    p.add_argument("--layers", type=positive_int, help="layers per pass (default: all of small with its head; 2 of the 27B without)")
+    p.add_argument("--schemes", type=scheme_list, default="int8,int4-g32,int4-g64,int4-g128", help="weight formats, as --quantize takes them ('' for none: the bf16 kernels alone)")
     p.add_argument("--bf16", default="c-prefetch", help="comma-separated bf16 candidates timed beside them on bf16 weights of the same shapes (default c-prefetch)")
     p.add_argument("--scale-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--rows", default="1", help="comma-separated x rows per call (1: one-row kernels; 2..16: few-row)")
-    p.add_argument("--reps", type=int, default=6)
+    p.add_argument("--rows", type=int_list(1), default="1", help="comma-separated x rows per call (1: one-row kernels; 2..16: few-row)")
+    p.add_argument("--reps", type=positive_int, default=6)
     p.add_argument("--isa", default="native", choices=list(compiled.ISA_FLAGS), help="the build of the compiled kernels (avx512f/avx2/scalar: with wider paths off)")
     p.add_argument("--candidates", default="", help="comma-separated candidate names to time (default: every one available)")
     p.add_argument("--errors", action="store_true", help="print each candidate's error against the reference, then the timings")
     p.add_argument("--no-timing", action="store_true", help="with --errors: only the errors")
     args = p.parse_args(argv)
-    fmts = [f for f in args.schemes.split(",") if f]
-    for f in fmts:
-        if qc.parse_format(f) is None:
-            raise SystemExit(f"--schemes: {f!r} is not int8, int4-gN or int4-gN-asym")
+    fmts = args.schemes
+    bf16_names = [n for n in args.bf16.split(",") if n]
+    for rows in args.rows:
+        table = {} if rows > 16 else (ONE_ROW if rows == 1 else FEW_ROW).by_name
+        if rows <= 16 and set(bf16_names) - set(table):
+            p.error(f"--bf16: {', '.join(sorted(set(bf16_names) - set(table)))} not among the {rows}-row candidates {', '.join(table)}")
+    # Every preset's shapes before any timing: an unknown name is refused before the first sum.
+    shapes = {preset: step_shapes(preset, *_layers(args, preset)) for preset in args.preset.split(",")}
     scale_dtype = getattr(torch, args.scale_dtype)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; compiled int4 {native.isa('int4', args.isa)}, int8 {native.isa('int8', args.isa)} ({args.isa} build)")
+    # POCKETLLM_ISA narrows --isa further (compiled.with_isa): name the build that ran.
+    order = list(compiled.ISA_FLAGS)
+    ran = max(args.isa, compiled.isa(), key=order.index)
+    build = f"{ran} build" + ("" if ran == args.isa else f"; --isa {args.isa} narrowed by {compiled.ENV_ISA}={ran}")
+    print(machine())
+    print(f"{torch.get_num_threads()} threads; compiled int4 {native.isa('int4', args.isa)}, int8 {native.isa('int8', args.isa)} ({build})")
     if args.errors:
         errors(fmts, scale_dtype, args.isa)
     if args.no_timing:
@@ -214,11 +230,9 @@ def main(argv=None) -> int:
     before = read_bandwidths_gbps()
     print("1 GiB fp32 sum, before: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in before.items()))
     names = {n for n in args.candidates.split(",") if n}
-    for preset in args.preset.split(","):
-        layers = args.layers if args.layers is not None else DEFAULT_LAYERS.get(preset)
-        shapes = step_shapes(preset, layers, head=layers is None)
-        for rows in (int(r) for r in args.rows.split(",")):
-            bench_set(preset, shapes, fmts, rows, args.reps, args.isa, names, scale_dtype, [n for n in args.bf16.split(",") if n])
+    for preset, preset_shapes in shapes.items():
+        for rows in args.rows:
+            bench_set(preset, preset_shapes, fmts, rows, args.reps, args.isa, names, scale_dtype, bf16_names)
     after = read_bandwidths_gbps()
     print("1 GiB fp32 sum, after: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in after.items()))
     return 0
