@@ -6,8 +6,10 @@ device tests (tests/device) and the device benches, and print one table of what 
     python benchmarks/device_check.py --device cpu --quick   # a dry run of this script itself
 
 Every step runs in its own process with a time limit, so one that hangs or crashes is a FAIL
-row, not the end of the check. Exit status: 0 when every step passed (skips allowed), 1 when any
-failed, 2 when there is no such device to check.
+row, not the end of the check. A figure that misses its target (the batch-8 step against the
+batch-1 step) is a `miss` row, counted apart: figures are reported, not enforced. Exit status: 0
+when every step passed (skips and misses allowed), 1 when any failed, 2 when there is no such
+device to check.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class Table:
     def failed(self) -> int:
         return sum(1 for _, outcome, _, _ in self.rows if outcome == "FAIL")
 
+    def missed(self) -> int:
+        """Rows whose step ran but whose figure missed its target ("miss"): reported, not failed."""
+        return sum(1 for _, outcome, _, _ in self.rows if outcome == "miss")
+
     def print(self) -> None:
         width = max(len(r[0]) for r in self.rows)
         print(f"{'step':<{width}}  {'result':<7} {'s':>6}  detail")
@@ -93,6 +99,13 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
         return None, out, err, time.monotonic() - t0
+
+
+def share(value: float, limit: str) -> str:
+    """A measured share of a limit, "213% of the matmul limit"; over 100% it says the limit's
+    measure was disturbed (a run cannot beat the rate it is bounded by), not a figure to read."""
+    text = f"{100 * value:.0f}% of the {limit}"
+    return text + " (over 100%: the limit's measure was disturbed)" if value > 1 else text
 
 
 def _last_line(text: str) -> str:
@@ -172,7 +185,7 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
             return None
         doc = json.loads(out_json.read_text())
     s, lim = doc["settings"], doc.get("limits", {})
-    shares = (f" ({100 * lim['prefill_share_of_matmul_limit']:.0f}% of the matmul limit)", f" ({100 * lim['decode_share_of_memory_limit']:.0f}% of the memory limit)") if lim else ("", "")
+    shares = (f" ({share(lim['prefill_share_of_matmul_limit'], 'matmul limit')})", f" ({share(lim['decode_share_of_memory_limit'], 'memory limit')})") if lim else ("", "")
     ready = f"ready in {doc['ready_seconds']:.0f} s, " if "ready_seconds" in doc else ""
     table.add(step, "pass", f"{ready}prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
                             f"{doc.get('decode_step', '')} {s['decode_step']}, gdn kernel {s['gdn_kernel']}, backend {s['backend']}", seconds)
@@ -181,6 +194,10 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
         if line.startswith(("kernel profile, ", "  ")):
             print(f"    {line}", file=sys.stderr)
     return doc
+
+
+# Issue 38's target for a batch-8 decode step against a batch-1 step.
+BATCH_8_TARGET = 1.3
 
 
 def batch_scaling(table: Table, kind: str, preset: str, tokens: int, extra: list[str], left) -> None:
@@ -192,8 +209,10 @@ def batch_scaling(table: Table, kind: str, preset: str, tokens: int, extra: list
         return
     # Steps a second: a batch of B decodes B tokens a step.
     step_1, step_8 = 1 / one["decode_tokens_per_s"], 1 / eight["decode_tokens_per_s_per_sequence"]
-    table.add(f"a batch-8 decode step against a batch-1 step, {preset} {' '.join(extra)}", "pass",
-              f"{1e3 * step_8:.2f} ms against {1e3 * step_1:.2f} ms: {step_8 / step_1:.2f}x (the target: <= 1.3x)", 0.0)
+    # The steps ran (their rows passed); this row is the figure against its target.
+    outcome = "pass" if step_8 / step_1 <= BATCH_8_TARGET else "miss"
+    table.add(f"a batch-8 decode step against a batch-1 step, {preset} {' '.join(extra)}", outcome,
+              f"{1e3 * step_8:.2f} ms against {1e3 * step_1:.2f} ms: {step_8 / step_1:.2f}x (the target: <= {BATCH_8_TARGET}x)", 0.0)
 
 
 def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) -> None:
@@ -206,7 +225,7 @@ def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) ->
         return
     s = json.loads(out.strip().splitlines()[-1])
     parts = [f"{k.removesuffix('_ratio')} {v:.2f}x" for k, v in s.items() if k.endswith("_ratio")]
-    parts += [f"{k} {v:.0%}" for k, v in s.items() if "share" in k]
+    parts += [f"{k} {share(v, 'limit')}" for k, v in s.items() if "share" in k]
     table.add(step, "pass", "; ".join(parts), seconds)
     for line in out.strip().splitlines()[:-1]:
         print(f"    {line}", file=sys.stderr)
@@ -279,8 +298,10 @@ def main(argv=None) -> int:
             table.add(name, "FAIL", f"device_check could not read its result: {type(exc).__name__}: {exc}"[:200], 0.0)
     print()
     table.print()
-    failed = table.failed()
+    failed, missed = table.failed(), table.missed()
     print(f"\n{failed} step(s) failed" if failed else "\nevery step passed or was skipped")
+    if missed:
+        print(f"{missed} figure(s) missed their target (rows 'miss': measured and reported, not a failure)")
     return 1 if failed else 0
 
 
