@@ -26,7 +26,6 @@ others take it as it is), so the error that kernel's rounding adds shows beside 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -36,32 +35,46 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import PocketRunner
+from common import Parser, PocketRunner, absolute_path, at_least, executable, existing_dir, existing_file, positive_int, scheme_list, script
 from safetensors.torch import load_file, save_file
 
 from pocketllm.engine.runner import Engine
+from pocketllm.errors import UsageError
+from pocketllm.model_args import check_out_path
 from pocketllm.loader.fp8 import to_fp8_blocks
 from pocketllm.loader.model_tensors import projection_keys
 from pocketllm.ops.quant.layout import QuantizedWeight, dequantize
 
 REPO = Path(__file__).resolve().parents[1]
+# llama.cpp's formats of the checkpoint, the reference first.
+LLAMA_KINDS = ("f32", "bf16", "Q8_0", "Q4_0", "Q4_K_M")
 SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ckpt", required=True, help="float checkpoint (bf16, as released)")
-    p.add_argument("--text", help="text file (default: the repository's docs, concatenated)")
-    p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--chunks", type=int, default=8)
-    p.add_argument("--schemes", default=",".join(SCHEMES))
-    p.add_argument("--llama-perplexity", help="path of llama.cpp's llama-perplexity")
-    p.add_argument("--gguf-dir", help="directory of the same checkpoint's GGUFs, {name}-{f32,bf16,Q8_0,Q4_0,Q4_K_M}.gguf")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--ckpt", required=True, type=absolute_path, help="float checkpoint (bf16, as released)")
+    p.add_argument("--text", type=existing_file, help="text file (default: the repository's docs, concatenated)")
+    # Each chunk scores positions ctx/2 .. ctx-2: at least one needs ctx >= 4.
+    p.add_argument("--ctx", type=at_least(4), default=512)
+    p.add_argument("--chunks", type=positive_int, default=8)
+    p.add_argument("--schemes", type=scheme_list, default=",".join(SCHEMES))
+    p.add_argument("--llama-perplexity", type=executable, help="path of llama.cpp's llama-perplexity")
+    p.add_argument("--gguf-dir", type=existing_dir, help="directory of the same checkpoint's GGUFs, {name}-{f32,bf16,Q8_0,Q4_0,Q4_K_M}.gguf")
     p.add_argument("--gguf-name", default="small")
     p.add_argument("--json", help="write the table here too")
-    p.add_argument("--decode-schemes", default="", help="int4 schemes also scored by bf16 decode steps (e.g. int4-g32,int4-g128)")
+    p.add_argument("--decode-schemes", type=scheme_list, default="", help="int4 schemes also scored by bf16 decode steps (e.g. int4-g32,int4-g128)")
     p.add_argument("--decode-kernels", default="c-prefetch,c-int8x", help="the int4 one-row kernels those decode steps are forced to")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.llama_perplexity is None) != (args.gguf_dir is None):
+        p.error("--llama-perplexity and --gguf-dir go together")
+    if any(not s.startswith("int4") for s in args.decode_schemes):
+        p.error(f"--decode-schemes takes int4 schemes (the int4 one-row kernels are forced), got {','.join(args.decode_schemes)}")
+    if args.gguf_dir:
+        missing = [f for f in (f"{args.gguf_dir}/{args.gguf_name}-{kind}.gguf" for kind in LLAMA_KINDS) if not os.path.isfile(f)]
+        if missing:
+            p.error(f"--gguf-dir: no {', '.join(missing)}")
+    return args
 
 
 def text_of(args) -> str:
@@ -157,7 +170,7 @@ def llama_rows(args, text_file: str) -> dict[str, dict]:
         ppl = re.search(r"Final estimate: PPL = ([\d.]+)", r.stdout + r.stderr)
         print(f"llama.cpp f32 perplexity over the same positions: {ppl.group(1) if ppl else '?'}", flush=True)
         rows = {}
-        for kind in ("bf16", "Q8_0", "Q4_0", "Q4_K_M"):
+        for kind in LLAMA_KINDS[1:]:
             r = subprocess.run([*common, "-m", gguf(kind), "--kl-divergence-base", base, "--kl-divergence"], check=True, capture_output=True, text=True)
             text = r.stdout + r.stderr
             kl = re.search(r"Mean\s+KLD:\s+([-\d.e]+)", text)
@@ -166,8 +179,12 @@ def llama_rows(args, text_file: str) -> dict[str, dict]:
         return rows
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_out_path(args.json, "--json", args.ckpt)
+    if not os.path.isfile(f"{args.ckpt}/tokenizer.json"):
+        raise UsageError(f"--ckpt {args.ckpt}: no tokenizer.json (write the checkpoint with `pocketllm make-checkpoint`)")
     from tokenizers import Tokenizer
 
     text = text_of(args)
@@ -190,9 +207,9 @@ def main(argv=None) -> int:
         print(name, rows[name], flush=True)
 
     add("pocketllm bf16", engine(args.ckpt, "bfloat16", None))
-    for scheme in args.schemes.split(","):
+    for scheme in args.schemes:
         add(f"pocketllm {scheme}", engine(args.ckpt, "float32", scheme))
-    for scheme in [s for s in args.decode_schemes.split(",") if s]:
+    for scheme in args.decode_schemes:
         for kernel in args.decode_kernels.split(","):
             e = forced_engine(args.ckpt, "bfloat16", scheme, f"int4-one-row={kernel}")
             name = f"pocketllm {scheme}, bf16 decode steps, {kernel}"
