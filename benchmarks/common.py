@@ -33,6 +33,9 @@ class Parser(argparse.ArgumentParser):
     for it (a script that passes unknown flags on to `pocketllm bench` would take them)."""
 
     def __init__(self, *args, **kwargs):
+        # Named after the script that builds it (its file), not sys.argv[0]: the same line whether
+        # the script runs as a file or its main() is called in-process (by a test, or another script).
+        kwargs.setdefault("prog", os.path.basename(sys._getframe(1).f_globals.get("__file__") or sys.argv[0]))
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):

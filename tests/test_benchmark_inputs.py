@@ -1,0 +1,120 @@
+"""The scripts in benchmarks/ refuse bad input as the CLI does: one line `NAME: error: MESSAGE` on
+stderr and exit code 2, before any model loads or peer runs, no traceback. Each case calls a
+script's main(argv) in this process and stops at the check, so none loads a model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import batch_ab  # noqa: E402
+import chunk_size  # noqa: E402
+import common  # noqa: E402
+import core_bandwidth  # noqa: E402
+import gemm_row_dependence  # noqa: E402
+import long_context  # noqa: E402
+import quant_accuracy  # noqa: E402
+import quant_kernels  # noqa: E402
+import switch_ab  # noqa: E402
+import vs_llama_cpp  # noqa: E402
+import vs_llama_cpp_quant  # noqa: E402
+import vs_transformers  # noqa: E402
+
+
+def refused(capsys, main, argv: list[str]) -> str:
+    """main(argv)'s one-line refusal, after checking it exits 2 with nothing else on stderr."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0], err
+    return lines[0]
+
+
+@pytest.fixture
+def gguf(tmp_path) -> str:
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"")
+    return str(path)
+
+
+CASES = [
+    (vs_transformers, ["--lengths", "a"], "--lengths"),
+    (vs_transformers, ["--lengths", "0"], "--lengths"),
+    (vs_transformers, ["--decode-tokens", "0"], "--decode-tokens"),
+    (vs_transformers, ["--threads", "0"], "--threads"),
+    (vs_transformers, ["--reps", "3"], "--reps"),
+    (vs_transformers, ["--dtype", "int8"], "--dtype"),
+    (vs_transformers, ["--ckpt", "x", "--random-weights"], "--random-weights"),
+    (vs_transformers, ["--preset", "tiny", "--json", "/nope/x.json"], "/nope"),
+    (chunk_size, ["--lengths", "x"], "--lengths"),
+    (chunk_size, ["--sizes", "0,32"], "--sizes"),
+    (chunk_size, ["--value-heads", "3", "--key-heads", "2"], "--value-heads"),
+    (gemm_row_dependence, ["--shapes", "256by128"], "--shapes"),
+    (gemm_row_dependence, ["--rows", "0"], "--rows"),
+    (gemm_row_dependence, ["--dtype", "int8"], "--dtype"),
+    (core_bandwidth, ["--kernel", "nope"], "--kernel"),
+    (core_bandwidth, ["--mib", "0"], "--mib"),
+    (batch_ab, ["--env", "NOEQUALS"], "--env"),
+    (batch_ab, ["--baseline", "/nope"], "/nope"),
+    (switch_ab, ["--switch", "NOT_A_SWITCH"], "NOT_A_SWITCH"),
+    (switch_ab, ["--reps", "3"], "--reps"),
+    (quant_kernels, ["--schemes", "int8,int3"], "int3"),
+    (quant_accuracy, ["--ckpt", "x", "--llama-perplexity", "/nope/lp", "--gguf-dir", "/nope"], "/nope/lp"),
+]
+
+
+@pytest.mark.parametrize(("script", "argv", "names"), CASES, ids=[f"{s.__name__} {' '.join(a)}" for s, a, _ in CASES])
+def test_bad_flag_is_one_line(capsys, script, argv, names):
+    line = refused(capsys, script.main, argv)
+    assert line.startswith(f"{script.__name__}.py: error: ") and names in line
+
+
+@pytest.mark.parametrize("script", [vs_llama_cpp, long_context])
+def test_missing_llama_bench_is_refused_before_the_model_loads(capsys, gguf, script):
+    line = refused(capsys, script.main, ["--ckpt", "x", "--gguf", gguf, "--llama-bench", "/nope/llama-bench"])
+    assert "/nope/llama-bench is not an executable" in line
+
+
+def test_missing_gguf_is_refused(capsys):
+    line = refused(capsys, vs_llama_cpp.main, ["--ckpt", "x", "--gguf", "/nope.gguf", "--llama-bench", "/bin/true"])
+    assert "no file /nope.gguf" in line
+
+
+def test_pair_scheme_and_binary_are_checked_first(capsys, gguf):
+    assert "not an executable" in refused(capsys, vs_llama_cpp_quant.main, ["--ckpt", "x", "--llama-bench", "/nope/lb", "--pair", f"int8={gguf}"])
+    assert "'int3' is not a scheme" in refused(capsys, vs_llama_cpp_quant.main, ["--ckpt", "x", "--llama-bench", "/bin/true", "--pair", f"int3={gguf}"])
+
+
+def test_pocketllm_usage_error_is_one_line(capsys, monkeypatch):
+    """A UsageError from pocketllm itself (here a bad POCKETLLM_ISA) is the script's one line."""
+    monkeypatch.setenv("POCKETLLM_ISA", "avx3")
+    line = refused(capsys, quant_kernels.main, ["--preset", "tiny", "--no-timing"])
+    assert line.startswith("quant_kernels.py: error: POCKETLLM_ISA='avx3'")
+
+
+def test_checkpoint_dir_stops_when_make_checkpoint_fails(capsys):
+    class Args:
+        ckpt, preset, dtype = None, "nope", "bfloat16"
+
+    with pytest.raises(SystemExit) as exc:
+        common.checkpoint_dir(Args())
+    assert exc.value.code == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+
+
+def test_quantize_schemes_as_the_cli_reads_them():
+    assert common.scheme_list("int8,int4,int4-g64-asym") == ["int8", "int4-g128", "int4-g64-asym"]
+    assert common.scheme_list("") == []
+
+
+def test_bench_path_flags_are_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    got = common.absolute_paths(["--ckpt", "tiny", "--max-new-tokens", "4", "--calibration=c.json"])
+    assert got == ["--ckpt", os.path.join(str(tmp_path), "tiny"), "--max-new-tokens", "4", f"--calibration={tmp_path}/c.json"]
