@@ -17,7 +17,6 @@ sampling and the loop.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
@@ -28,11 +27,11 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import parse_positive_list
 from pocketllm.inputs import bench_ids
 from pocketllm.model_args import parse_dtype
-from common import PocketRunner, alternate, checkpoint_dir, gemv_only_step_seconds, projection_weights, spread
+from common import Parser, PocketRunner, alternate, checkpoint_dir, gemv_only_step_seconds, projection_weights, script, spread
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", help="HF checkpoint directory (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--batches", default="1,8", help="comma-separated sequences per step")
@@ -69,6 +68,7 @@ def step_ms(engine, batch: int, prompt_tokens: int, steps: int, layered: bool) -
         run.close()
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

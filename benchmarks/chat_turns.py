@@ -9,14 +9,13 @@ reps), and the on/off ratio. The scheduler is serve's, without the HTTP side.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
-from common import alternate, spread
+from common import Parser, alternate, script, spread
 
 
 def turn_ttfts(sched, system: list[int], users: list[list[int]], answer: int) -> list[float]:
@@ -36,8 +35,9 @@ def turn_ttfts(sched, system: list[int], users: list[list[int]], answer: int) ->
     return ttfts
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--system", type=int, default=1000, help="tokens of the first prompt (default 1000)")

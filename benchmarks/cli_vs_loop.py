@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 
-from common import PocketRunner, alternate, checkpoint_dir, run_bench_json, spread
+from common import Parser, PocketRunner, alternate, checkpoint_dir, run_bench_json, script, spread
 
 from pocketllm.inputs import bench_ids
 
@@ -38,8 +38,9 @@ def loop_run(args, ckpt: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@script
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="small")
     p.add_argument("--ckpt")
     p.add_argument("--dtype", default="bfloat16")

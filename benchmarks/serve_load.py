@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common import alternate, checkpoint_dir
+from common import Parser, alternate, checkpoint_dir, script
 
 # (prompt tokens, max_tokens): short chat-sized prompts, answers long enough that decode dominates.
 MIX = [(32, 96), (128, 64), (64, 128), (256, 64), (16, 96), (96, 128), (48, 64), (192, 96)]
@@ -46,7 +46,7 @@ class Record:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", help="checkpoint with tokenizer.json (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")
@@ -198,6 +198,7 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50": round(q[49] * 1e3, 1), "p90": round(q[89] * 1e3, 1), "p99": round(q[98] * 1e3, 1)}
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
