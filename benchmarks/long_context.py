@@ -88,17 +88,25 @@ class PocketDepths:
         # The depths' order alternates too: the first timed after the other engine ran is slower.
         return {d: self.steps / self.decode(d) for d in alternate(self.depths, rep)}
 
-    def profile(self, depth: int) -> dict[str, float]:
-        """ms per step of every scope (exclusive; "other" is the step outside any scope), from a
-        run after an untimed one under the recorder: the first run under it pays for its setup,
-        which made the first depth profiled the slowest and the "+" column negative."""
-        for recorder in (scopes.ScopeRecorder(), scopes.ScopeRecorder()):
-            scopes.install(recorder)
-            try:
-                with scopes.scope(scopes.STACK):
+    def profile(self) -> dict[int, dict[str, float]]:
+        """At each depth, ms per step of every scope (exclusive; "other" is the step outside any
+        scope). Every depth runs once untimed under a recorder first: a first run under it pays
+        for its setup, which made the first depth profiled the slowest and the "+" column negative."""
+        self._recorded(self.depths)
+        return {d: self._per_step(self._recorded([d])) for d in self.depths}
+
+    def _recorded(self, depths: list[int]) -> scopes.ScopeRecorder:
+        recorder = scopes.ScopeRecorder()
+        scopes.install(recorder)
+        try:
+            with scopes.scope(scopes.STACK):
+                for depth in depths:
                     self.decode(depth)
-            finally:
-                scopes.install(None)
+        finally:
+            scopes.install(None)
+        return recorder
+
+    def _per_step(self, recorder: scopes.ScopeRecorder) -> dict[str, float]:
         out = {}
         for (name, site), (exclusive, _, _) in recorder.stats.items():
             label = "other" if name == scopes.STACK else f"{name}/{site}" if site else name
@@ -171,7 +179,7 @@ def main(argv=None) -> int:
         summary[str(d)] = entry
         print(row)
     if args.profile:
-        profiles = {d: pocket.profile(d) for d in depths}
+        profiles = pocket.profile()
         base = profiles[depths[0]]
         labels = sorted(set().union(*profiles.values()), key=lambda k: -(profiles[depths[-1]].get(k, 0) - base.get(k, 0)))
         print(f"ms per step by scope (exclusive, host clock, one run of {args.decode_tokens} steps each; + is more than at {depths[0]})")
