@@ -58,7 +58,31 @@ def build_hf_model(
         eos_token_id=None,
         pad_token_id=None,
     )
-    model = Qwen3_5ForCausalLM(cfg).eval().float()
+    return _moved_off_defaults(Qwen3_5ForCausalLM(cfg).eval().float(), seed)
+
+
+def build_hf_release_layout_model(seed: int = 0):
+    """A tiny Qwen3_5ForConditionalGeneration, the class of the released checkpoints: the text model
+    under model.language_model, a vision tower beside it (model.visual), multimodal rope sections
+    in rope_parameters, and a config whose text part is its text_config."""
+    _import_model_without_fla()
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text_config = dict(
+        vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, max_position_embeddings=512, initializer_range=0.1, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True},
+    )
+    vision_config = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                         spatial_merge_size=2, temporal_patch_size=2)
+    cfg = Qwen3_5Config(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
+    return _moved_off_defaults(Qwen3_5ForConditionalGeneration(cfg).eval().float(), seed)
+
+
+def _moved_off_defaults(model, seed: int):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

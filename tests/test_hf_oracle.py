@@ -18,7 +18,7 @@ import transformers  # noqa: F401  (a declared test dependency: a broken install
 from safetensors.torch import load_file
 
 from conftest import cli_env, generated_ids, main_in_process, run_cli
-from hf_oracle import build_hf_model, hf_greedy, hf_prefill_logits, save_hf_checkpoint
+from hf_oracle import build_hf_model, build_hf_release_layout_model, hf_greedy, hf_prefill_logits, save_hf_checkpoint
 from pocketllm.distributed.policy import comm_overlap_slices_for_rows
 
 PROMPT = [(7 * i + 3) % 200 for i in range(70)]
@@ -141,3 +141,15 @@ def test_a_long_prompt_takes_the_rules_sliced_path_and_matches_transformers(tmp_
     stdout = generate("launcher", 2, ckpt, LONG_PROMPT, LONG_NEW_TOKENS, logits_path, [], capsys, tmp_path)
     torch.testing.assert_close(load_file(str(logits_path))["logits"], ref_logits, atol=2e-4, rtol=1e-3)
     assert generated_ids(stdout) == ref_tokens
+
+
+def test_a_checkpoint_in_the_released_layout_gives_transformers_logits(tmp_path, capsys):
+    """The layout the released checkpoints have (Qwen3_5ForConditionalGeneration: the text model
+    under model.language_model beside a vision tower, multimodal rope sections, a nested
+    text_config): the text model is read from it, the rest skipped, and a prompt (text positions
+    only, where the sections rotate as one) gets transformers' logits."""
+    model = build_hf_release_layout_model()
+    ckpt = save_hf_checkpoint(model, tmp_path / "ckpt")
+    logits_path = tmp_path / "logits.safetensors"
+    generate("in-process", 1, ckpt, PROMPT, 1, logits_path, [], capsys, tmp_path)
+    torch.testing.assert_close(load_file(str(logits_path))["logits"], hf_prefill_logits(model, PROMPT), atol=2e-4, rtol=1e-3)
