@@ -258,3 +258,16 @@ def test_a_device_backends_group_reduces_the_commands_cpu_tensors(tmp_path):
         assert t.tolist() == [1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("text", ["100,264,4628,286\n", "100,264,4628,286"], ids=["a-line", "without-its-newline"])
+def test_a_file_of_the_users_own_is_refused_never_written_to_nor_to_be_removed(text, tmp_path, capsys, no_ranks):
+    """--rendezvous-file naming a file that is not pocketllm's (a token-ids file, by mistake):
+    rank 0 and the others refuse it, leave it as it was, and do not advise removing it."""
+    mine = tmp_path / "ids.txt"
+    mine.write_text(text)
+    for rank in (0, 1):
+        line = usage_error_in_process(capsys, *ARGS, "--tp-world", 2, "--tp-rank", rank, "--rendezvous-file", mine, "--device", "cpu",
+                                      expect=f"--rendezvous-file {mine} exists and is not a pocketllm rendezvous file; give a path that does not exist")
+        assert "rm -f" not in line
+        assert mine.read_text() == text

@@ -168,7 +168,8 @@ def _read(path: str) -> dict | None:
         return None
     first, newline, _ = text.partition("\n")
     if not newline:
-        return None
+        # Half written, or no rendezvous file at all (one line without its newline, say).
+        return None if MAGIC.startswith(text) else {"foreign": "1"}
     if first != MAGIC:
         # A file of another tool is never joined.
         return {"foreign": "1"}
@@ -184,8 +185,12 @@ def _read(path: str) -> dict | None:
 
 def _stale_message(path: str, fields: dict | None) -> str:
     clear = f"clear it with `{_clear_command(path)}` and start every rank again"
+    if fields and "foreign" in fields:
+        # Another tool's file, or the user's own (a token-ids file given by mistake): never
+        # written to, and not to be removed on our word.
+        return f"--rendezvous-file {path} exists and is not a pocketllm rendezvous file; give a path that does not exist"
     if not fields or "nonce" not in fields:
-        return f"--rendezvous-file {path} exists and is not a pocketllm rendezvous file; pick another path or {clear}"
+        return f"--rendezvous-file {path} exists and is not a whole pocketllm rendezvous file; pick another path or {clear}"
     origin = f"run {fields['nonce']} (rank 0 pid {fields.get('pid', '?')} on {fields.get('host', '?')}, started {fields.get('started', '?')})"
     if fields.get("host") == socket.gethostname() and _alive(fields.get("pid", "")):
         return f"--rendezvous-file {path} is in use by {origin}, which is still running; give this run another path"
@@ -224,7 +229,8 @@ def _create(path: str, world: int, wait_s: float):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         fields = _read(path)
-        _mark_refused(path)
+        if fields and "nonce" in fields:
+            _mark_refused(path)
         raise RendezvousError(_stale_message(path, fields)) from None
     except OSError as exc:
         raise RendezvousError(f"--rendezvous-file {path}: cannot create it, directory {os.path.dirname(path) or '.'} is not writable ({exc.strerror})") from None
