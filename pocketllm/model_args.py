@@ -242,6 +242,11 @@ def checked_for_run(choice: PolicyChoice, run: RunPlan, hidden: int) -> PolicyCh
     policy = choice.policy
     if not isinstance(policy, CalibratedPolicy):
         return choice
+    if run.world.size == 1:
+        # One rank slices nothing, so no calibration can be wrong for it (and none can be made
+        # for it): an exported POCKETLLM_CALIBRATION must not stop single-rank runs.
+        note = f"calibration {policy.source} unused: one rank has no all-reduce to overlap"
+        return PolicyChoice(policy, "; ".join(n for n in (choice.note, note) if n))
     note = check_calibration(
         policy.calibration, policy.source, run.device.backend, run.world.size, hidden, run.source.dtype, run.slices.force_calibration
     )

@@ -209,3 +209,13 @@ def test_flags_a_command_would_ignore_are_not_its_flags(command, flags, capsys, 
     # calibrate times every --pin count under no policy and profiles nothing; sweep times its own
     # --pin counts and names its own --policy. Neither takes the shared flags it would ignore.
     usage_error_in_process(capsys, command, "--preset", "tiny", *flags, *(["--out", "c.json"] if command == "calibrate" else []), expect=f"unrecognized arguments: {flags[0]}")
+
+
+def test_one_rank_runs_beside_an_exported_calibration_and_says_it_is_unused(tmp_path, capsys, monkeypatch):
+    # Made for TP=2 and another dtype: nothing a single rank does depends on it (it slices nothing),
+    # and no calibration can be made for one rank, so it is noted, not refused.
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(GOOD))
+    monkeypatch.setenv("POCKETLLM_CALIBRATION", str(path))
+    assert main_in_process("generate", "--preset", "tiny", "--dtype", "float32", "--token-ids", "1,2", "--max-new-tokens", 1) == 0
+    assert f"calibration {path} unused: one rank has no all-reduce to overlap" in capsys.readouterr().err
