@@ -108,7 +108,7 @@ def same_settings(renv: RankEnv, plan_json: str) -> None:
     for rank, theirs in enumerate(every[1:], start=1):
         keys = sorted(k for k in set(theirs) | set(every[0]) if theirs.get(k) != every[0].get(k))
         if keys:
-            said = "; ".join(f"{_flag(k)} {theirs.get(k)!r} on rank {rank}, {every[0].get(k)!r} on rank 0" for k in keys)
+            said = "; ".join(f"{_flag(k)} {_shown(theirs.get(k))} on rank {rank}, {_shown(every[0].get(k))} on rank 0" for k in keys)
             raise UsageError(f"the ranks were started with different settings: {said} (every rank's command must be rank 0's "
                              "but for --tp-rank and --device)")
 
@@ -121,13 +121,23 @@ def _flat(doc: dict, prefix: str = "") -> dict:
     return out
 
 
+# Plan fields whose flag is not their name.
+_FLAGS = {
+    "command": "the command",
+    "world.size": "--tp-world",
+    "world.collective": "--collective (or POCKETLLM_COLLECTIVE)",
+    "slices.ceiling": "--comm-overlap-slices",
+    "slices.pin": "--pin-slices",
+}
+
+
 def _flag(key: str) -> str:
     """The command-line spelling of a plan field, as near as it has one."""
-    if key == "command":
-        return "the command"
-    if key == "world.size":
-        return "--tp-world"
-    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+    return _FLAGS.get(key) or "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def _shown(value) -> str:
+    return "(not given)" if value is None else str(value)
 
 
 def run_rank(renv: RankEnv, body) -> int:
