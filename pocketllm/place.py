@@ -29,6 +29,10 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
         world = int(env[ENV_WORLD])
         return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
     if "RANK" in env and "WORLD_SIZE" in env:
+        if tp_rank is not None or id_path:
+            given = " and ".join(f for f, v in (("--tp-rank", tp_rank is not None), ("--rendezvous-file", bool(id_path))) if v)
+            raise UsageError(f"{given}: for ranks started by hand; under torchrun each rank is its RANK and meets the others at "
+                             "MASTER_ADDR:MASTER_PORT: drop it")
         world = _torchrun_int(env, "WORLD_SIZE", 1)
         rank = _torchrun_int(env, "RANK", 0)
         if tp_world not in (None, world):
@@ -53,6 +57,9 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
         if not id_path:
             raise UsageError("--tp-rank needs --rendezvous-file FILE, the rendezvous file every rank names")
         return RankEnv(tp_rank, tp_world, tp_rank, tp_world, id_path=os.path.abspath(id_path))
+    if id_path:
+        raise UsageError("--rendezvous-file is for ranks started by hand: give each one --tp-rank i too (--tp-world N alone starts "
+                         "every rank here, with a rendezvous of its own)")
     if tp_world == 1:
         return RankEnv(0, 1, 0, 1)
     return None

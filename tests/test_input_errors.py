@@ -145,15 +145,18 @@ def test_torchrun_env_without_tp_world_plans_for_its_world_size(capsys, no_ranks
     )
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"RANK": "1", "WORLD_SIZE": "1"}, "torchrun's RANK=1 is outside its WORLD_SIZE=1"),
-    ({"RANK": "0", "WORLD_SIZE": "two"}, "torchrun's WORLD_SIZE='two' is not an integer"),
-    ({"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "torchrun's RANK=5 is outside its WORLD_SIZE=2"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "but MASTER_ADDR and MASTER_PORT not"),
+@pytest.mark.parametrize("env, message, flags", [
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "torchrun's RANK=1 is outside its WORLD_SIZE=1", []),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "torchrun's WORLD_SIZE='two' is not an integer", []),
+    ({"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "torchrun's RANK=5 is outside its WORLD_SIZE=2", []),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "but MASTER_ADDR and MASTER_PORT not", []),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
-     "torchrun's LOCAL_RANK=3 is outside its LOCAL_WORLD_SIZE=2"),
-], ids=["rank-past-world", "world-not-int", "rank-past-world-2", "no-master", "local-rank-past"])
-def test_torchrun_variables_that_cannot_describe_a_run_are_one_line(env, message, capsys, no_ranks, monkeypatch):
+     "torchrun's LOCAL_RANK=3 is outside its LOCAL_WORLD_SIZE=2", []),
+    # A hand-started rank's flags under torchrun were ignored: every process said --tp-rank 0.
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "--tp-rank and --rendezvous-file: for ranks started by hand; under torchrun", ["--tp-rank", "0", "--rendezvous-file", "r.id"]),
+], ids=["rank-past-world", "world-not-int", "rank-past-world-2", "no-master", "local-rank-past", "hand-flags"])
+def test_torchrun_variables_that_cannot_describe_a_run_are_one_line(env, message, flags, capsys, no_ranks, monkeypatch):
     """RANK and WORLD_SIZE set by hand, or by a launcher other than torchrun: a value that cannot
     place this rank is named before it joins any group (which would fail in torch's words)."""
     import torch.distributed as dist
@@ -163,7 +166,14 @@ def test_torchrun_variables_that_cannot_describe_a_run_are_one_line(env, message
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--device", "cpu", expect=message)
+    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", 1, "--device", "cpu", *flags,
+                           expect=message)
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_rendezvous_file_without_a_rank_is_refused_not_ignored(world, capsys, no_ranks):
+    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--tp-world", world, "--nccl-id-path", "x.id",
+                           expect="--rendezvous-file is for ranks started by hand: give each one --tp-rank i too")
 
 
 def test_an_output_inside_the_checkpoint_read_is_refused_and_nothing_there_changes(ckpt_copy, capsys, no_ranks):
