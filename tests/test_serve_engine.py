@@ -242,3 +242,36 @@ def test_a_prompt_whose_logits_are_not_finite_ends_alone_with_an_error_naming_it
         assert lp.join(10)
     assert isinstance(failed, ApiError) and failed.status == 500 and "logits for the prompt are not finite" in failed.message, failed
     assert not isinstance(fine, BaseException) and len(fine[1]) == NEW and torch.isfinite(torch.tensor(fine[1])).all()
+
+
+def test_the_pools_gauges_sent_beside_the_settings_reach_metrics_before_any_request():
+    """The HTTP side's first read can take the settings and the engine's first gauges at once; the
+    gauges must not wait in the reader's buffer for the next message (an idle server's /metrics
+    had no KV series until its first request)."""
+    import socket
+
+    from pocketllm.serving import wire
+    from pocketllm.serving.engine_client import EngineClient
+    from pocketllm.serving.metrics import Metrics
+
+    engine_end, http_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    import dataclasses
+
+    from pocketllm.engine.request import KVUsage
+
+    gauges = (0, 0, dataclasses.asdict(KVUsage(blocks_total=64, blocks_used=0, block_size=16, preemptions=0)))
+    wire.send(engine_end, (wire.SETTINGS, {}))
+    wire.send(engine_end, (wire.EVENTS, [], gauges))
+    receiver = wire.Receiver(http_end)
+    assert receiver.one()[0] == wire.SETTINGS
+    client = EngineClient(http_end, Metrics(), 1000, 512, receiver)
+    client.start()
+    try:
+        deadline = time.monotonic() + 5
+        while client.gauges != gauges and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.gauges == gauges
+    finally:
+        engine_end.close()
+        client.ended.wait(5)
+        http_end.close()

@@ -133,9 +133,10 @@ class EngineClient:
             if self.stopping and not self._stop_sent:
                 self._stop_sent = True
                 self._send((wire.STOP,))
-            ready, _, _ = select.select([self.link], [], [], STOP_POLL_S)
-            if not ready:
-                continue
+            if not self._receiver.buffered:
+                ready, _, _ = select.select([self.link], [], [], STOP_POLL_S)
+                if not ready:
+                    continue
             for message in self._receiver.read():
                 self._handle(message)
         if not self.ended.is_set():

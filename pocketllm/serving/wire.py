@@ -46,6 +46,12 @@ class Receiver:
         out, self._ready = self._ready, []
         return out
 
+    @property
+    def buffered(self) -> bool:
+        """Whether whole messages wait here already (one() read more than the one it returned):
+        a select on the socket would not say so."""
+        return bool(self._ready)
+
     def one(self) -> tuple | None:
         """The next message, blocking; None at eof."""
         while not self._ready and not self.eof:
