@@ -51,6 +51,10 @@ def test_filters_match_their_references(seed):
     for p in (0.1, 0.5, 0.93):
         kept = top_p_filter(probs, p)
         assert torch.equal(kept, top_p_filter_reference(probs, p)) and kept.sum() >= p
+    # Below float32's least value a valid top_p compares as 0 in the tensors: the likeliest token
+    # is kept all the same (nothing was, and the draw indexed an empty list).
+    kept = top_p_filter(probs, 1e-46)
+    assert torch.equal(kept, top_p_filter_reference(probs, 1e-46)) and int((kept > 0).sum()) == 1
     for p in (0.05, 0.3):
         assert torch.equal(min_p_filter(probs, p), min_p_filter_reference(probs, p))
     for k in (1, 5, V - 1):

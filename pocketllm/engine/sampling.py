@@ -175,6 +175,9 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     top_p (so at least one)."""
     sorted_probs, order = torch.sort(probs, descending=True)
     keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+    # The likeliest always: a top_p below float32's least value (1e-46) compares as 0 there, and
+    # kept nothing to draw from.
+    keep[0] = True
     return torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
 
 
