@@ -17,7 +17,13 @@ from conftest import usage_error_in_process
     (["--max-len", "40000"], "--max-len must be in 2..32768"),
     (["--api-key", " "], "--api-key must not be empty"),
     (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: cannot resolve"),
-], ids=["preset", "port", "max-running", "prefill-budget", "max-len-small", "max-len-big", "api-key", "host"])
+    # Sizes past anything a pass or the host could hold: one line, not an allocation's traceback.
+    (["--kv-cache-gib", "inf"], "--kv-cache-gib must be a number > 0, got inf"),
+    (["--prefill-budget", "10000000000"], "--prefill-budget 10000000000 is more rows than --max-running x --max-len (65536)"),
+    (["--max-running", "100000000"], "the sequences' linear-attention state (--max-running 100000000: "),
+    (["--kv-cache-gib", "1000000"], "and the KV pool (--kv-cache-gib 1e+06) per rank take"),
+], ids=["preset", "port", "max-running", "prefill-budget", "max-len-small", "max-len-big", "api-key", "host", "kv-inf", "budget-past-slots",
+        "slots-past-host", "pool-past-host"])
 def test_bad_flags_are_one_line(capsys, no_ranks, tiny_ckpt, args, expect):
     ckpt = [] if args[0] == "--preset" else ["--ckpt", tiny_ckpt]
     usage_error_in_process(capsys, "serve", *ckpt, *args, "--tp-world", 2, expect=expect)
@@ -29,3 +35,21 @@ def test_a_port_in_use_is_refused_before_loading(capsys, no_ranks, tiny_ckpt):
         s.listen()
         port = s.getsockname()[1]
         usage_error_in_process(capsys, "serve", "--ckpt", tiny_ckpt, "--port", port, "--tp-world", 2, expect=f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_a_slots_linear_attention_state_is_sized_as_the_layers_allocate_it():
+    """What the launcher counts per --max-running slot (torch-free) is what the layers allocate
+    for one; split over ranks, each holds its share of the heads."""
+    import torch
+
+    from pocketllm.distributed.policy import RulePolicy
+    from pocketllm.engine.runner import Engine
+    from pocketllm.layers.kv_layout import gdn_slot_bytes
+    from pocketllm.loader.random_weights import RandomWeights
+    from pocketllm.presets import get_preset
+
+    cfg = get_preset("tiny")
+    engine = Engine(cfg, RandomWeights(cfg, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu"), RulePolicy())
+    layers = [m for m in engine.model.modules() if hasattr(m, "allocate_states") and hasattr(m, "hv")]
+    assert layers and sum(m.state_bytes() for m in layers) == gdn_slot_bytes(cfg, 1, 2)
+    assert 2 * gdn_slot_bytes(cfg, 2, 2) == gdn_slot_bytes(cfg, 1, 2)

@@ -15,7 +15,7 @@ from pocketllm.errors import UsageError
 from pocketllm.generation_config import FILE as GENERATION_FILE
 from pocketllm.generation_config import GenerationConfig, read_generation_config
 from pocketllm.inputs import load_tokenizer
-from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for, kv_block_bytes
+from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for, gdn_slot_bytes, kv_block_bytes
 from pocketllm.model_args import add_model_args, say
 from pocketllm.run_plan import RunPlan
 
@@ -106,7 +106,13 @@ def _prepare(run, plan) -> dict:
     max_len = t.max_len if t.max_len is not None else min(DEFAULT_MAX_LEN, limit)
     if not 2 <= max_len <= limit:
         raise UsageError(f"--max-len must be in 2..{limit} (the model's max_position_embeddings), got {max_len}")
+    if t.prefill_budget > t.max_running * max_len:
+        # Its rows are allocated at start: more than every slot's whole length is never read.
+        raise UsageError(f"--prefill-budget {t.prefill_budget} is more rows than --max-running x --max-len "
+                         f"({t.max_running * max_len}) a pass could ever read; give at most that")
     _check_kv_budget(t, plan, run.world.size, max_len)
+    if run.device.kind == "cpu":
+        _check_host_memory(t, plan, run.world.size)
     if t.api_key is not None and not t.api_key.strip():
         raise UsageError("--api-key must not be empty")
     _check_listen(t.host, t.port)
@@ -136,8 +142,8 @@ def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
     """--kv-cache-gib must hold one sequence of --max-len, or some request could never finish."""
     if t.kv_cache_gib is None:
         return
-    if not t.kv_cache_gib > 0:
-        raise UsageError(f"--kv-cache-gib must be > 0, got {t.kv_cache_gib}")
+    if not 0 < t.kv_cache_gib < float("inf"):
+        raise UsageError(f"--kv-cache-gib must be a number > 0, got {t.kv_cache_gib}")
     per_block = kv_block_bytes(plan.cfg, world, plan.itemsize)
     need = blocks_for(max_len)
     if per_block and int(t.kv_cache_gib * 2**30) // per_block < need:
@@ -145,6 +151,33 @@ def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
             f"--kv-cache-gib {t.kv_cache_gib:g} holds fewer positions than one sequence of --max-len {max_len} "
             f"(at least {need * per_block / 2**30:.3f} GiB per rank here); raise it or lower --max-len"
         )
+
+
+def _check_host_memory(t: Task, plan, world: int) -> None:
+    """On a CPU the ranks of one host share its memory: the GDN state of --max-running + 1 slots
+    and a --kv-cache-gib pool on every rank must fit in it (the pool is mapped lazily, so an
+    oversized one would start, and meet the kernel's OOM killer under load)."""
+    total = _host_memory_bytes()
+    if not total:
+        return
+    slots = (t.max_running + 1) * gdn_slot_bytes(plan.cfg, world, plan.itemsize)
+    pool = int(t.kv_cache_gib * 2**30) if t.kv_cache_gib is not None else 0
+    need = world * (slots + pool)
+    if need > total:
+        pool_said = f" and the KV pool (--kv-cache-gib {t.kv_cache_gib:g})" if pool else ""
+        raise UsageError(f"the sequences' linear-attention state (--max-running {t.max_running}: {slots / 2**30:.2f} GiB){pool_said} "
+                         f"per rank take {need / 2**30:.1f} GiB over {world} rank(s), more than this host's {total / 2**30:.1f} GiB; lower them")
+
+
+def _host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _pool(engine, t: Task, max_len: int) -> tuple[int, int]:

@@ -4,7 +4,7 @@ it starts a rank."""
 
 from __future__ import annotations
 
-from pocketllm.config import FULL, ModelConfig
+from pocketllm.config import FULL, LINEAR, ModelConfig
 
 # Positions per KV block. 64 rows of one head (D=256, bf16) are 32 KiB contiguous, a unit a decode
 # kernel can stream per head and split over; it divides the scheduler's prefill chunks and the
@@ -32,3 +32,13 @@ def kv_block_bytes(cfg: ModelConfig, world: int, elem_size: int, block_size: int
     kv0, kv1 = kv_head_range(cfg.num_key_value_heads, 0, world)
     layers = sum(1 for t in cfg.layer_types if t == FULL)
     return 2 * layers * (kv1 - kv0) * block_size * cfg.head_dim * elem_size
+
+
+def gdn_slot_bytes(cfg: ModelConfig, world: int, elem_size: int) -> int:
+    """Bytes one sequence's slot of linear-attention state takes on each rank: every such layer's
+    conv tail (in the weights' dtype) and fp32 recurrent state, the heads split evenly over the
+    ranks. serve holds --max-running + 1 slots of it beside the KV pool."""
+    hk, hv = cfg.linear_num_key_heads // world, cfg.linear_num_value_heads // world
+    channels = 2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
+    per_layer = (cfg.linear_conv_kernel_dim - 1) * channels * elem_size + hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return per_layer * sum(1 for t in cfg.layer_types if t == LINEAR)
