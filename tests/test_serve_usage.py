@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from conftest import usage_error_in_process
+from conftest import main_in_process, usage_error_in_process
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -19,10 +19,9 @@ from conftest import usage_error_in_process
     (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: cannot resolve"),
     # Sizes past anything a pass or the host could hold: one line, not an allocation's traceback.
     (["--kv-cache-gib", "inf"], "--kv-cache-gib must be a number > 0, got inf"),
-    (["--prefill-budget", "10000000000"], "--prefill-budget 10000000000 is more rows than --max-running x --max-len (65536)"),
     (["--max-running", "100000000"], "the sequences' linear-attention state (--max-running 100000000: "),
     (["--kv-cache-gib", "1000000"], "and the KV pool (--kv-cache-gib 1e+06) per rank take"),
-], ids=["preset", "port", "max-running", "prefill-budget", "max-len-small", "max-len-big", "api-key", "host", "kv-inf", "budget-past-slots",
+], ids=["preset", "port", "max-running", "prefill-budget", "max-len-small", "max-len-big", "api-key", "host", "kv-inf",
         "slots-past-host", "pool-past-host"])
 def test_bad_flags_are_one_line(capsys, no_ranks, tiny_ckpt, args, expect):
     ckpt = [] if args[0] == "--preset" else ["--ckpt", tiny_ckpt]
@@ -53,3 +52,21 @@ def test_a_slots_linear_attention_state_is_sized_as_the_layers_allocate_it():
     layers = [m for m in engine.model.modules() if hasattr(m, "allocate_states") and hasattr(m, "hv")]
     assert layers and sum(m.state_bytes() for m in layers) == gdn_slot_bytes(cfg, 1, 2)
     assert 2 * gdn_slot_bytes(cfg, 2, 2) == gdn_slot_bytes(cfg, 1, 2)
+
+
+def test_a_prefill_budget_past_every_slots_length_is_held_to_it(capsys, tiny_ckpt, monkeypatch):
+    """A pass's rows are allocated at start: a budget past --max-running x --max-len (which no
+    pass can read) is held to that, not allocated (10**10 rows took 80 GB, and failed)."""
+    from pocketllm.engine import scheduler
+    from pocketllm.errors import UsageError
+
+    seen = []
+
+    def stop_at_the_scheduler(self, engine, max_running, max_len, prefill_budget, **kw):
+        seen.append(prefill_budget)
+        raise UsageError("stopped before serving")
+
+    monkeypatch.setattr(scheduler.Scheduler, "__init__", stop_at_the_scheduler)
+    assert main_in_process("serve", "--ckpt", tiny_ckpt, "--max-running", 2, "--max-len", 100, "--prefill-budget", 10**10, "--port", 0) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "pocketllm: error: stopped before serving"
+    assert seen == [200]

@@ -106,10 +106,6 @@ def _prepare(run, plan) -> dict:
     max_len = t.max_len if t.max_len is not None else min(DEFAULT_MAX_LEN, limit)
     if not 2 <= max_len <= limit:
         raise UsageError(f"--max-len must be in 2..{limit} (the model's max_position_embeddings), got {max_len}")
-    if t.prefill_budget > t.max_running * max_len:
-        # Its rows are allocated at start: more than every slot's whole length is never read.
-        raise UsageError(f"--prefill-budget {t.prefill_budget} is more rows than --max-running x --max-len "
-                         f"({t.max_running * max_len}) a pass could ever read; give at most that")
     _check_kv_budget(t, plan, run.world.size, max_len)
     if run.device.kind == "cpu":
         _check_host_memory(t, plan, run.world.size)
@@ -119,7 +115,10 @@ def _prepare(run, plan) -> dict:
     from pathlib import Path
 
     name = t.served_model_name or Path(ckpt).resolve().name
-    return {"max_len": max_len, "model": name, "sampling_defaults": _sampling_defaults(t, ckpt, plan.cfg.vocab_size)}
+    # A pass's rows are allocated at start: more than every slot's whole length is never read.
+    budget = min(t.prefill_budget, t.max_running * max_len)
+    return {"max_len": max_len, "model": name, "sampling_defaults": _sampling_defaults(t, ckpt, plan.cfg.vocab_size),
+            "prefill_budget": budget}
 
 
 def _sampling_defaults(t: Task, ckpt: str, vocab: int) -> tuple:
@@ -242,14 +241,14 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     t, ckpt = run.task, run.source.ckpt
     kv_blocks, budget_blocks = _pool(engine, t, settings["max_len"])
     if tp().rank != 0:
-        follow(engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks)
+        follow(engine, t.max_running, settings["max_len"], settings["prefill_budget"], kv_blocks=kv_blocks)
         return 0
     from pocketllm.serving.engine_driver import EngineDriver
     from pocketllm.serving.http_process import end_http, start_http, stop_on_signals
 
     cache_bytes = _prefix_cache_bytes(engine, t, budget_blocks)
     scheduler = Scheduler(
-        engine, t.max_running, settings["max_len"], t.prefill_budget, kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes
+        engine, t.max_running, settings["max_len"], settings["prefill_budget"], kv_blocks=kv_blocks, prefix_cache_bytes=cache_bytes
     )
     if device.torch_device.type != "cpu" and tp().world == 1:
         # The device's kernels compiled before the first request, not on it (a CPU's are built
