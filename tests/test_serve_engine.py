@@ -83,6 +83,21 @@ def test_a_stop_string_cancels_the_request_and_frees_its_slot(engine, loop, toke
     assert loop.metrics.ended == {"stop": 1} and loop.metrics.generated_tokens < 480
 
 
+def test_a_stop_string_the_last_token_completes_is_counted_as_stop(engine, loop, tokenizer):
+    """The engine ends the request on length at the very token whose text completes the stop
+    string: the answer says stop, and so does /metrics (it counted the engine's length)."""
+    alone = generate(engine, PROMPT, NEW)
+    for k in range(NEW, 0, -1):
+        text, before = tokenizer.decode(alone[:k]), tokenizer.decode(alone[: k - 1])
+        if len(text) > len(before) and text[-1] not in before:
+            break
+    else:
+        pytest.fail(f"no token adds a character not shown before: {alone}")
+    got, _, reason, _ = asyncio.run(answer(loop, tokenizer, PROMPT, k, stop=(text[-1],)))
+    assert (got, reason) == (before, "stop")
+    assert loop.metrics.ended == {"stop": 1}
+
+
 @pytest.mark.timeout(60)
 def test_a_shutdown_ends_every_request_with_an_error_and_closes_the_scheduler(loop, tokenizer):
     async def run():

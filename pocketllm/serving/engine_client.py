@@ -35,25 +35,43 @@ class Event:
 
 
 class Sequence:
-    """One accepted request as its handler sees it: events to await, and cancel()."""
+    """One accepted request as its handler sees it: events to await, answered() once its answer
+    ends, and cancel().
 
-    def __init__(self, client: EngineClient, rid: int, sampling, queue: asyncio.Queue):
-        self._client, self.id, self.sampling, self._queue = client, rid, sampling, queue
+    /metrics counts each request once, by the finish reason its answer gave, which only the
+    handler knows (a stop string can end the text at the very token the engine ended on
+    `length`): the handler says it (answered, or cancel with answered_as), and where it leaves
+    without a word the engine's own reason is counted. Everything here, and the engine's final
+    event arriving (_Sink.arrive), runs on the event loop, one at a time."""
+
+    def __init__(self, client: EngineClient, rid: int, sampling, sink: _Sink):
+        self._client, self.id, self.sampling, self._sink = client, rid, sampling, sink
         self.done = False
 
     async def next(self) -> Event:
-        event = await self._queue.get()
+        event = await self._sink.queue.get()
         if event.finish_reason is not None or event.error is not None:
             self.done = True
         return event
 
+    def answered(self, reason: str) -> None:
+        """The answer ended with finish reason `reason` (after its last event): counted."""
+        self._sink.count(self._client.metrics, reason)
+
     def cancel(self, answered_as: str | None = None) -> None:
         """Free the request's slot at the engine's next step (a no-op once it ended).
         answered_as: the finish reason its answer gives (a stop string's "stop"), which /metrics
-        then counts it as; None: it was cancelled (its client left)."""
-        if not self.done:
-            self.done = True
-            self._client.cancel(self.id, answered_as)
+        then counts it as; None: it was cancelled (its client left), counted as the engine ends it."""
+        sink = self._sink
+        if self.done:
+            # Its last event was read, but the answer said nothing (its handler failed or left).
+            sink.count(self._client.metrics, answered_as or sink.final)
+            return
+        self.done = True
+        sink.answered_as = answered_as or "gone"
+        # The engine's last event may be here already, unread: it is counted now, as answered.
+        sink.count(self._client.metrics, answered_as or sink.final)
+        self._client.cancel(self.id)
 
 
 @dataclass(eq=False)
@@ -62,7 +80,25 @@ class _Sink:
     queue: asyncio.Queue
     arrived: float
     seen_token: bool = False
-    answered_as: str | None = None  # the finish reason its answer gave before the engine ended it
+    # Set on the event loop: how the handler ended the answer ("gone": it left without one), the
+    # engine's finish reason once its last event arrived, and whether /metrics counted it.
+    answered_as: str | None = None
+    final: str | None = None
+    counted: bool = False
+
+    def count(self, metrics: Metrics, reason: str | None) -> None:
+        if reason is not None and not self.counted:
+            self.counted = True
+            metrics.ended_with(reason)
+
+    def arrive(self, metrics: Metrics, event: Event) -> None:
+        """On the event loop: the request's event; its last one is counted here when the handler
+        already said how its answer ended, or left."""
+        if event.finish_reason is not None:
+            self.final = event.finish_reason
+            if self.answered_as is not None:
+                self.count(metrics, event.finish_reason if self.answered_as == "gone" else self.answered_as)
+        self.queue.put_nowait(event)
 
 
 class EngineClient:
@@ -93,20 +129,15 @@ class EngineClient:
         problem = request_problem(prompt, max_tokens, self.vocab, self.max_len)
         if problem:
             raise ApiError(400, problem, "prompt")
-        queue: asyncio.Queue = asyncio.Queue()
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         rid = next(self._ids)
         with self._lock:
-            self._sinks[rid] = _Sink(asyncio.get_running_loop(), queue, time.monotonic())
+            self._sinks[rid] = sink
         self._send((wire.SUBMIT, rid, list(prompt), max_tokens, sampling, tuple(eos_ids)))
         self.metrics.admitted(len(prompt))
-        return Sequence(self, rid, sampling, queue)
+        return Sequence(self, rid, sampling, sink)
 
-    def cancel(self, rid: int, answered_as: str | None = None) -> None:
-        if answered_as is not None:
-            with self._lock:
-                sink = self._sinks.get(rid)
-                if sink is not None:
-                    sink.answered_as = answered_as
+    def cancel(self, rid: int) -> None:
         self._send((wire.CANCEL, rid))
 
     def request_stop(self) -> None:
@@ -162,6 +193,7 @@ class EngineClient:
                 sink = self._sinks.pop(message[1], None)
             self.metrics.ended_with("error")
             if sink is not None:
+                sink.counted = True
                 _put(sink, Event(None, None, ApiError(500, f"the engine could not finish this request: {message[2]}")))
         elif kind == wire.STOPPING:
             self.stopping = True
@@ -179,14 +211,20 @@ class EngineClient:
     def _deliver(self, rid: int, token: int | None, finish: str | None, logprob) -> None:
         with self._lock:
             sink = self._sinks.get(rid) if finish is None else self._sinks.pop(rid, None)
-        if finish is not None:
-            self.metrics.ended_with((sink.answered_as or finish) if sink is not None else finish)
         if sink is None:
+            if finish is not None:
+                self.metrics.ended_with(finish)
             return
         if token is not None and not sink.seen_token:
             sink.seen_token = True
             self.metrics.first_token(time.monotonic() - sink.arrived)
-        _put(sink, Event(token, finish, logprob=logprob))
+        event = Event(token, finish, logprob=logprob)
+        try:
+            sink.loop.call_soon_threadsafe(sink.arrive, self.metrics, event)
+        except RuntimeError:
+            # The event loop already closed, so nothing runs on it any more: counted here as it
+            # would have been there (once, as the handler answered, or as the engine ended it).
+            sink.arrive(self.metrics, event)
 
     def _fail_all(self, why: str) -> None:
         """Refuse what comes, stop the server, then end every open request with a 500 (in that
@@ -197,6 +235,7 @@ class EngineClient:
             sinks, self._sinks = list(self._sinks.values()), {}
         error = ApiError(500, f"the engine failed: {why}")
         for sink in sinks:
+            sink.counted = True
             self.metrics.ended_with("error")
             _put(sink, Event(None, None, error))
 

@@ -62,12 +62,17 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
                 yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets)
                 return
             if event.finish_reason == "cancelled":
+                seq.answered("cancelled")
                 raise ApiError(503, "the server shut down before this request finished")
             if event.finish_reason is not None:
                 chunk += text.finish()
                 if text.stopped:
+                    # A stop string the last token (or the final flush) completed: the answer
+                    # says stop, whatever ended the engine's request, and /metrics counts it so.
+                    seq.answered("stop")
                     yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets)
                 else:
+                    seq.answered(event.finish_reason)
                     by_token = event.finish_reason == "stop" and event.token in stop_token_ids
                     yield Piece(chunk, tokens, event.finish_reason, logprobs, event.token if by_token else None, offsets)
                 return
