@@ -38,6 +38,7 @@ SETTINGS = {
     "(on a CPU; on a device off unless 1)",
     "POCKETLLM_KEEP_FREED": "0: leave glibc's malloc settings as they are",
     "POCKETLLM_CACHE_DIR": "where compiled kernels and measured choices are kept",
+    "POCKETLLM_API_KEY": "the API key serve requires (--api-key), out of the command line that every user can list",
     "POCKETLLM_ISA": "build the compiled kernels for at most this x86 set: native (the default), avx512f, avx2 or scalar",
     "POCKETLLM_FAULT": "inject a fault into one rank (tests and benchmarks/fault_timing.py)",
 }

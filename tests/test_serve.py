@@ -125,8 +125,12 @@ class Server:
 
 
 def start_server(text_ckpt, world: int, tmp_path, *flags):
-    """`pocketllm serve` of the text checkpoint at `world` ranks, started; ready() waits for it."""
-    return start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, *flags, tmp_path=tmp_path)
+    """`pocketllm serve` of the text checkpoint at `world` ranks, started; ready() waits for it. The
+    API key is given by --api-key at one rank, by POCKETLLM_API_KEY at two (out of the process list)."""
+    if world == 1:
+        return start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, *flags, tmp_path=tmp_path)
+    return start("serve", "--ckpt", text_ckpt, "--tp-world", world, "--port", 0, "--max-len", MAX_LEN, *flags, tmp_path=tmp_path,
+                 env={"POCKETLLM_API_KEY": KEY})
 
 
 def ready(run, world: int) -> Server:
@@ -410,6 +414,11 @@ def test_bad_requests_answer_4xx_json_and_the_next_succeeds(server, expected):
     for name, (status, text) in raw.items():
         assert 400 <= status < 500 and set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, (name, text)
     assert raw["no API key"][0] == 401 and raw["wrong API key"][0] == 401
+    # The scheme's name is case-insensitive (RFC 7235).
+    conn = server.connect()
+    with contextlib.closing(conn):
+        conn.request("GET", "/v1/models", headers={"Authorization": f"bearer {KEY}"})
+        assert conn.getresponse().status == 200
     assert completion(server, "Hello").choices[0].text == expected["Hello"][0]
     assert _wait_idle(server)["pocketllm_requests_running"] == 0
 

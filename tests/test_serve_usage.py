@@ -15,7 +15,7 @@ from conftest import main_in_process, usage_error_in_process
     (["--prefill-budget", "0"], "--prefill-budget must be >= 1, got 0"),
     (["--max-len", "1"], "--max-len must be in 2..32768"),
     (["--max-len", "40000"], "--max-len must be in 2..32768"),
-    (["--api-key", " "], "--api-key must not be empty"),
+    (["--api-key", " "], "--api-key (or POCKETLLM_API_KEY) must not be empty"),
     (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: cannot resolve"),
     # Sizes past anything a pass or the host could hold: one line, not an allocation's traceback.
     (["--kv-cache-gib", "inf"], "--kv-cache-gib must be a number > 0, got inf"),

@@ -5,6 +5,7 @@ other rank follows the passes rank 0 runs."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 from dataclasses import dataclass
 
@@ -18,10 +19,12 @@ from pocketllm.inputs import load_tokenizer
 from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for, gdn_slot_bytes, kv_block_bytes
 from pocketllm.model_args import add_model_args, say
 from pocketllm.run_plan import RunPlan
+from pocketllm.switches import env_value
 
 # The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
 # the scheduler keeps room for --max-running sequences of this length.
 DEFAULT_MAX_LEN = 8192
+ENV_API_KEY = "POCKETLLM_API_KEY"
 SERVE_EXTRA = "pip install -e '.[serve]'"
 
 
@@ -54,7 +57,8 @@ def add_arguments(p) -> None:
         f"chunk ended): KV blocks shared, Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's budget "
         "in copies, made as prefixes are cached (default on)",
     )
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: no authentication)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: env POCKETLLM_API_KEY, which keeps "
+                   "the key out of the process list; unset: no authentication)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
     s.add_argument(
         "--generation-config",
@@ -110,7 +114,7 @@ def _prepare(run, plan) -> dict:
     if run.device.kind == "cpu":
         _check_host_memory(t, plan, run.world.size)
     if t.api_key is not None and not t.api_key.strip():
-        raise UsageError("--api-key must not be empty")
+        raise UsageError(f"--api-key (or {ENV_API_KEY}) must not be empty")
     _check_listen(t.host, t.port)
     from pathlib import Path
 
@@ -284,8 +288,9 @@ def _work(run, plan, settings: dict, engine, device) -> int:
 
 
 def run(args) -> int:
+    api_key = args.api_key if args.api_key is not None else (env_value(os.environ, ENV_API_KEY) or None)
     task = Task(
-        args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, args.api_key,
+        args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, api_key,
         args.served_model_name, args.generation_config,
     )
     return execute(model_run_plan(args, task))

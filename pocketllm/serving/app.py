@@ -125,13 +125,15 @@ class ApiKeyCheck:
     FastAPI's http middleware, which would pass every streamed chunk through a memory stream."""
 
     def __init__(self, app, key: str):
-        self.app, self._expected = app, f"Bearer {key}".encode()
+        self.app, self._expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
+        # The scheme's name is case-insensitive (RFC 7235): "bearer KEY" is as good.
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected):
             return await self.app(scope, receive, send)
         what = "the API key is wrong" if given else "no API key given"
         body = error_body(401, f"{what}: send the header 'Authorization: Bearer KEY' with this server's --api-key", code="invalid_api_key")
