@@ -152,7 +152,7 @@ def _check_kv_budget(t: Task, plan, world: int, max_len: int) -> None:
     if per_block and int(t.kv_cache_gib * 2**30) // per_block < need:
         raise UsageError(
             f"--kv-cache-gib {t.kv_cache_gib:g} holds fewer positions than one sequence of --max-len {max_len} "
-            f"(at least {need * per_block / 2**30:.3f} GiB per rank here); raise it or lower --max-len"
+            f"(at least {need * per_block / 2**30:.3g} GiB per rank here); raise it or lower --max-len"
         )
 
 
@@ -168,8 +168,13 @@ def _check_host_memory(t: Task, plan, world: int) -> None:
     need = world * (slots + pool)
     if need > total:
         pool_said = f" and the KV pool (--kv-cache-gib {t.kv_cache_gib:g})" if pool else ""
-        raise UsageError(f"the sequences' linear-attention state (--max-running {t.max_running}: {slots / 2**30:.2f} GiB){pool_said} "
-                         f"per rank take {need / 2**30:.1f} GiB over {world} rank(s), more than this host's {total / 2**30:.1f} GiB; lower them")
+        raise UsageError(f"the sequences' linear-attention state (--max-running {t.max_running}: {_size(slots)}){pool_said} "
+                         f"per rank take {_size(need)} over {world} rank(s), more than this host's {_size(total)}; lower them")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as a person reads them: GiB from one up, MiB below (a tiny pool read 0.00 GiB)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _host_memory_bytes() -> int:
@@ -199,8 +204,9 @@ def _pool(engine, t: Task, max_len: int) -> tuple[int, int]:
         )
     say(
         f"KV cache: {blocks} blocks of {KV_BLOCK_SIZE} positions, {blocks * KV_BLOCK_SIZE} positions in all, "
-        f"{blocks * per_block / 2**30:.2f} GiB per rank ({t.max_running} sequences of {max_len} would fill "
-        f"{t.max_running * blocks_for(max_len) * per_block / 2**30:.2f} GiB)"
+        f"{_size(blocks * per_block)} per rank ({t.max_running} sequences of {max_len} would fill "
+        f"{_size(t.max_running * blocks_for(max_len) * per_block)}); linear-attention state of {t.max_running + 1} slots "
+        f"{_size((t.max_running + 1) * gdn_slot_bytes(engine.cfg, tp().world, engine.dtype.itemsize))} per rank"
     )
     return blocks, budget
 

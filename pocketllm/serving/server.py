@@ -42,7 +42,9 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             served = self.served
             auth = "API key required" if served.api_key else "no authentication"
-            print(f"serving {served.limits.model} on http://{host}:{port} (max_len={served.limits.max_len}, {auth})",
+            # An IPv6 address is bracketed in a URL (http://[::1]:8000).
+            where = f"[{host}]" if ":" in host else host
+            print(f"serving {served.limits.model} on http://{where}:{port} (max_len={served.limits.max_len}, {auth})",
                   file=sys.stderr, flush=True)
 
 
