@@ -114,8 +114,18 @@ def test_pool_use_and_preemptions_reach_metrics():
 
 def test_a_kv_budget_below_one_sequence_is_a_usage_error(capsys, no_ranks, tiny_ckpt):
     serve = ("serve", "--ckpt", tiny_ckpt, "--max-len", 4096, "--dtype", "float32")
-    usage_error_in_process(capsys, *serve, "--kv-cache-gib", "0", expect="--kv-cache-gib must be > 0, got 0.0")
+    usage_error_in_process(capsys, *serve, "--kv-cache-gib", "0", expect="--kv-cache-gib must be a number > 0, got 0.0")
     # The tiny preset's block is 16 KiB at TP=1 in fp32: 4096 positions need 64 of them, 1 MiB.
     usage_error_in_process(
-        capsys, *serve, "--kv-cache-gib", "0.0009", expect=("holds fewer positions than one sequence of --max-len 4096", "at least 0.001 GiB")
+        capsys, *serve, "--kv-cache-gib", "0.0009", expect=("holds fewer positions than one sequence of --max-len 4096", "at least 0.000977 GiB")
     )
+
+
+def test_a_preempted_request_readmitted_is_counted_once_by_the_prefix_cache(engine, prompts):
+    sched = Scheduler(engine, max_running=4, max_len=MAX_LEN, kv_blocks=4, prefix_cache_bytes=4 * engine.slots.sequence_bytes())
+    for p in prompts:
+        sched.submit(p, NEW, SamplingParams())
+    while sched.has_work:
+        sched.step()
+    assert sched.preemptions >= 1
+    assert sched.prefix.hits + sched.prefix.misses == len(prompts)

@@ -28,6 +28,7 @@ class Request:
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()  # eos ids unless ignore_eos, and stop_token_ids
     preempted: int = 0  # times its blocks were taken back and it was recomputed
+    prefix_counted: bool = False  # its prefix-cache hit or miss was counted (once: not again when readmitted)
     # Given every prompt position's fp32 logits [rows, V] as the passes read them (generate
     # --logits-out); None: only each pass's last rows are computed.
     prompt_logits: Callable[[torch.Tensor], None] | None = None

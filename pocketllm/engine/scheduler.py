@@ -284,8 +284,11 @@ class Scheduler:
             room -= cost
             self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
-            if self.prefix is not None:
+            if self.prefix is not None and not req.prefix_counted:
+                # A request's hit or miss, at its first admission: a preempted one readmitted is
+                # the same request (the counters are of requests).
                 self.prefix.count(hit)
+                req.prefix_counted = True
             if hit is not None:
                 if take:
                     self.prefix.remove(hit.id)
