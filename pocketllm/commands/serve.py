@@ -53,8 +53,9 @@ def add_arguments(p) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="start a request from the longest cached prefix of its tokens (where an earlier request stopped, or a long prompt's "
-        f"chunk ended): KV blocks shared, Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's budget "
+        help="start a request from the longest cached prefix of its tokens (where a prompt's chunk ended; where an earlier "
+        "request stopped too under POCKETLLM_BATCH_INVARIANT=0, not in the batch-invariant default): KV blocks shared, "
+        f"Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's budget "
         "in copies, made as prefixes are cached (default on)",
     )
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: env POCKETLLM_API_KEY, which keeps "
