@@ -161,6 +161,10 @@ def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], 
             elif signals and (not forward or len(signals) > 1 or time.monotonic() - forwarded_at > FORWARDED_SIGNAL_GRACE_SECONDS):
                 return signal.Signals(signals[0]).name
             failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed and forwarded_at is not None and procs[0].returncode in (-signals[0], 128 + signals[0], 130):
+                # Rank 0 ended of the signal passed on to it, before it could take it as a stop
+                # (still starting): the run was stopped, not failed.
+                return signal.Signals(signals[0]).name
             if failed:
                 return _first_failure(procs, failed, rdzv_dir)
             if all(p.returncode == 0 for p in procs):

@@ -20,7 +20,7 @@ import urllib.parse
 
 import openai
 import pytest
-from conftest import assert_nothing_left, generated_ids, kill_tagged, main_in_process, start
+from conftest import assert_nothing_left, generated_ids, kill_tagged, main_in_process, start, tagged
 
 from pocketllm.engine.runner import PREFILL_CHUNK
 from pocketllm.serving.metrics import parse as parse_metrics
@@ -493,4 +493,20 @@ def test_a_dead_rank_ends_the_server_with_the_launchers_line(started):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
     assert run.wait(timeout=20) == 1
     assert re.search(r"rank 1 failed \(killed by signal SIGKILL\)", run.last_line), run.stderr
+    assert_nothing_left(run, within=2)
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_while_the_ranks_start_is_a_stop_not_a_rank_failure(text_ckpt, tmp_path):
+    """SIGTERM to the launcher while its ranks still start: rank 0, passed the signal before serve
+    takes it as a stop, ends of it; the launcher says it stopped the run (128 + SIGTERM), not that
+    rank 0 failed (exit 1, a failure under a service manager)."""
+    run = start("serve", "--ckpt", text_ckpt, "--tp-world", 2, "--port", 0, tmp_path=tmp_path)
+    deadline = time.monotonic() + 30
+    while len(tagged(run.tag)) < 3:  # the launcher and its two ranks
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr
+        time.sleep(0.01)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=30) == 128 + signal.SIGTERM, run.stderr
+    assert run.last_line == "pocketllm: error: got SIGTERM; stopped every rank" and "failed" not in run.stderr, run.stderr
     assert_nothing_left(run, within=2)
