@@ -142,7 +142,7 @@ def prompt_list(src: PromptSource, cfg: ModelConfig, ckpt: str | None) -> list[l
     given = [n for n in ("token_ids", "token_ids_file", "prompt", "prompts_file") if getattr(src, n) is not None]
     if len(given) > 1:
         flags = ", ".join("--" + n.replace("_", "-") for n in given)
-        raise UsageError(f"give only one of --prompt, --prompts-file, --token-ids, --token-ids-file (got {flags})")
+        raise UsageError(f"give one way of giving the prompt, not {flags}")
     if src.token_ids is not None:
         prompts = [parse_token_ids(text, "--token-ids") for text in src.token_ids]
     elif src.token_ids_file is not None:

@@ -210,3 +210,13 @@ def test_weights_holding_nan_are_named_not_generated_from(ckpt_copy, capsys):
     out, err = capsys.readouterr()
     assert "generated_ids" not in out and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("pocketllm: error: the model's logits for the prompt are not finite (NaN or inf)")
+
+
+@pytest.mark.parametrize("command, args, expect", [
+    # The ids are the prompt: a --prompt-tokens beside them was dropped without a word.
+    ("bench", ["--prompt-tokens", "8", "--token-ids", "1,2"], "--prompt-tokens sizes the deterministic prompt, which --token-ids replaces"),
+    # Named as given, not as a list of flags this command may not have.
+    ("bench", ["--token-ids", "1,2", "--token-ids-file", "f.txt"], "give one way of giving the prompt, not --token-ids, --token-ids-file"),
+])
+def test_prompt_flags_that_contradict_each_other_are_refused(command, args, expect, capsys, no_ranks):
+    usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", *args, expect=expect)

@@ -23,7 +23,7 @@ from pocketllm.startup import seconds_since_start
 
 def add_arguments(p) -> None:
     add_model_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=512, help="length of the deterministic prompt (default 512)")
+    p.add_argument("--prompt-tokens", type=int, help="length of the deterministic prompt (default 512)")
     p.add_argument("--token-ids", help="use these ids as the prompt instead")
     p.add_argument("--token-ids-file", help="read the prompt ids from this file instead")
     p.add_argument("--max-new-tokens", type=int, default=32, help="timed decode steps (default 32)")
@@ -183,7 +183,12 @@ def _kernel_profile(engine, prompts: list[list[int]], new_tokens: int, device) -
 
 def run(args) -> int:
     prompt = PromptSource(token_ids=tuple_or_none(args.token_ids), token_ids_file=args.token_ids_file, max_new_tokens=args.max_new_tokens)
-    task = Task(prompt, args.prompt_tokens, args.batch, args.warmup_tokens, args.json, args.limits, args.kernel_profile)
+    given = "--token-ids" if args.token_ids is not None else "--token-ids-file" if args.token_ids_file is not None else None
+    if given and args.prompt_tokens is not None:
+        # The ids are the prompt: its length is theirs, and a --prompt-tokens beside them was dropped.
+        raise UsageError(f"--prompt-tokens sizes the deterministic prompt, which {given} replaces: give one")
+    prompt_tokens = args.prompt_tokens if args.prompt_tokens is not None else Task.prompt_tokens
+    task = Task(prompt, prompt_tokens, args.batch, args.warmup_tokens, args.json, args.limits, args.kernel_profile)
     return execute(model_run_plan(args, task, source=source_plan(args, seed_layers(args))))
 
 
