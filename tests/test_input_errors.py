@@ -217,6 +217,8 @@ def test_weights_holding_nan_are_named_not_generated_from(ckpt_copy, capsys):
     ("bench", ["--prompt-tokens", "8", "--token-ids", "1,2"], "--prompt-tokens sizes the deterministic prompt, which --token-ids replaces"),
     # Named as given, not as a list of flags this command may not have.
     ("bench", ["--token-ids", "1,2", "--token-ids-file", "f.txt"], "give one way of giving the prompt, not --token-ids, --token-ids-file"),
+    # One bound, said once: -1 was refused as below 0, then 0 as below 1.
+    ("bench", ["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1 for a bench, got -1"),
 ])
 def test_prompt_flags_that_contradict_each_other_are_refused(command, args, expect, capsys, no_ranks):
     usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", *args, expect=expect)

@@ -76,9 +76,10 @@ def seed_layers(args) -> int | None:
 
 def _prepare(run, plan):
     t = run.task
-    ids = prompt_ids(t.prompt, plan.cfg, run.source.ckpt) or checked_bench_ids(t.prompt_tokens, plan.cfg, t.prompt.max_new_tokens)
+    # Before the prompt's own checks, which take 0 new tokens (generate's --max-new-tokens may be 0).
     if t.prompt.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 for a bench, got {t.prompt.max_new_tokens}")
+    ids = prompt_ids(t.prompt, plan.cfg, run.source.ckpt) or checked_bench_ids(t.prompt_tokens, plan.cfg, t.prompt.max_new_tokens)
     check_warmup_tokens(t.warmup_tokens)
     check_out_path(t.json, "--json", run.source.ckpt)
     if t.batch < 1:
