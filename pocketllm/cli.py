@@ -10,6 +10,7 @@ import sys
 from typing import NoReturn
 
 from pocketllm import startup
+from pocketllm.distributed import rendezvous
 from pocketllm.errors import UsageError
 from pocketllm.run_plan import RunPlan, received
 from pocketllm.stdout_gone import EXIT_STATUS as STDOUT_GONE
@@ -68,6 +69,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    rendezvous.begin_command()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         given = received(os.environ)
@@ -144,14 +146,15 @@ def engine_script() -> NoReturn:
 
 
 def _tell_a_waiting_rank0(argv: list[str], message: str) -> None:
-    """A hand-started rank other than 0 refused its command: its rank 0 may already wait for it at
-    --rendezvous-file, and would wait out its bound; tell it (read from the command line as
-    given, since argparse may have refused it)."""
-    rank, path = _given(argv, "--tp-rank"), _given(argv, "--rendezvous-file")
+    """A hand-started rank other than 0 refused its command: its rank 0 may wait for it at
+    --rendezvous-file (or the seed's --nccl-id-path), or be about to, and would wait out its
+    bound; tell it (read from the command line as given, since argparse may have refused it).
+    The line is printed first: this process may then wait a few seconds for rank 0's file."""
+    rank = _given(argv, "--tp-rank")
+    path = _given(argv, "--rendezvous-file") or _given(argv, "--nccl-id-path")
     if path is None or rank is None or not rank.isdigit() or int(rank) == 0:
         return
-    from pocketllm.distributed import rendezvous
-
+    sys.stderr.flush()
     rendezvous.tell_rank0(path, int(rank), message)
 
 

@@ -97,9 +97,11 @@ def test_stream_needs_the_checkpoints_tokenizer(ckpt_copy, capsys, no_ranks):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("command", ["generate", "allreduce"])
-def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_path, capsys, no_ranks):
+def test_hand_started_rank_refuses_a_bad_timeout_before_joining(command, tmp_path, capsys, no_ranks, monkeypatch):
     # Rank 1 started by hand never runs rank 0's checks; it must refuse a bad --dist-timeout
-    # itself, not wait for a group that rank 0 will never form.
+    # itself, not wait for a group that rank 0 will never form. (It then waits the bound, here
+    # 0.1 s, for a rank 0's file to tell it.)
+    monkeypatch.setenv("POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS", "10")
     extra = ["--preset", "tiny", "--token-ids", "1,2"] if command == "generate" else []
     usage_error_in_process(
         capsys, command, *extra, "--tp-world", "2", "--tp-rank", "1", "--rendezvous-file", tmp_path / "run.id", "--dist-timeout", "-1",

@@ -78,11 +78,12 @@ def test_stale_file_is_refused_then_cleared(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_whose_command_is_refused_stops_its_waiting_rank0_at_once(tmp_path, capsys):
-    """A hand-started rank 1 refused at start (here by argparse) tells the rank 0 already waiting
-    at the file, which stops with its line at once rather than at the end of its 30 s wait."""
+def test_a_rank_whose_command_is_refused_stops_its_rank0_at_once(tmp_path, capsys):
+    """Ranks started together: rank 1 refused at start (here by argparse), before its rank 0 has
+    made the file, waits for it and tells it; rank 0 stops with rank 1's line at once rather than
+    at the end of its 30 s wait."""
     id_path = tmp_path / "run.id"
-    rank0 = waiting_rank0(id_path, tmp_path)
+    rank0 = hand_started(0, id_path, tmp_path)
     refused_at = time.monotonic()
     rc = main_in_process(*ARGS, "--tp-world", 2, "--tp-rank", 1, "--rendezvous-file", id_path, "--max-new-tokens", "many")
     assert rc == 2
@@ -94,9 +95,10 @@ def test_a_rank_whose_command_is_refused_stops_its_waiting_rank0_at_once(tmp_pat
     assert_nothing_left(rank0)
 
 
-def test_a_refusal_after_a_usage_check_is_written_to_a_live_rendezvous_file_only(tmp_path, capsys, no_ranks):
+def test_a_refusal_after_a_usage_check_is_written_to_a_live_rendezvous_file_only(tmp_path, capsys, no_ranks, monkeypatch):
     """The refusals a command's own checks make are told as argparse's are; a path that holds no
-    rendezvous file (none yet, or another tool's) is left as it was."""
+    rendezvous file (none by the end of the bound, or another tool's) is left as it was."""
+    monkeypatch.setenv("POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS", "20")  # 0.2 s for a file that never comes
     id_path = tmp_path / "run.id"
     id_path.write_text("pocketllm-rendezvous 1\nnonce=ab12\nworld=2\nhost=h\npid=1\nend\n")
     usage_error_in_process(capsys, *ARGS, "--tp-world", 2, "--tp-rank", 1, "--rendezvous-file", id_path, "--collective", "tcp",

@@ -37,9 +37,14 @@ MAGIC = "pocketllm-rendezvous 1"
 END = "end"
 REFUSED = "refused"
 FAILED = "failed"  # appended by a rank that stopped before it joined: "failed=RANK ITS ERROR"
+# How long a rank refused at start waits for its rank 0's FILE, to tell it (tell_rank0).
+TELL_WAIT_SECONDS = 10.0
 
 # Files this process must remove when the run ends (rank 0 of a hand-started run owns them).
 _owned: list[str] = []
+# Whether this process came to the rendezvous: a refusal after that finds FILE there or gone for
+# good (its rank 0 ended too), never yet to be made (tell_rank0).
+_came = False
 
 
 class RendezvousError(UsageError):
@@ -215,7 +220,16 @@ def _check_dir(path: str) -> None:
         raise RendezvousError(f"--rendezvous-file {path}: directory {parent} is not writable by this user")
 
 
+def begin_command() -> None:
+    """A command begins in this process (the CLI's main, which tests call again in one process):
+    it has not come to a rendezvous yet."""
+    global _came
+    _came = False
+
+
 def _file_rendezvous(path: str, rank: int, world: int, wait_s: float):
+    global _came
+    _came = True
     _check_dir(path)
     if rank == 0:
         return _create(path, world, wait_s)
@@ -279,11 +293,23 @@ def _mark_refused(path: str) -> None:
 def tell_rank0(path: str, rank: int, message: str) -> None:
     """A hand-started rank other than 0 that stops before it joins (its command refused) says why in
     FILE, where a rank 0 waiting for it looks, so that rank 0 stops now with this line rather than
-    at the end of its wait. Only a whole pocketllm rendezvous file is written to; a rank started
-    before its rank 0 made FILE has no one to tell, and that rank 0 waits out its bound."""
-    fields = _read(path)
-    if fields and "nonce" in fields:
-        _append(path, f"{FAILED}={rank} {' '.join(message.split())}")
+    at the end of its wait. Only a whole pocketllm rendezvous file is written to. Refused before it
+    came to the rendezvous, it waits for a FILE not made yet, up to TELL_WAIT_SECONDS (or the
+    rendezvous bound, if shorter): ranks started together (a loop, a script) refuse a flag before
+    their rank 0 has made it. A rank 0 that comes later than that waits out its bound."""
+    try:
+        bound = min(TELL_WAIT_SECONDS, wait_seconds()) if not _came else 0.0
+    except UsageError:
+        bound = 0.0  # the bound's own variable is what was refused
+    deadline = time.monotonic() + bound
+    while True:
+        fields = _read(path)
+        if fields and "nonce" in fields:
+            _append(path, f"{FAILED}={rank} {' '.join(message.split())}")
+            return
+        if (fields and "foreign" in fields) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _append(path: str, line: str) -> None:
