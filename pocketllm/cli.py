@@ -15,7 +15,7 @@ from pocketllm.errors import UsageError
 from pocketllm.run_plan import RunPlan, received
 from pocketllm.stdout_gone import EXIT_STATUS as STDOUT_GONE
 from pocketllm.stdout_gone import quiet_stdout, stdout_gone
-from pocketllm.switches import environment_notes
+from pocketllm.switches import check_switches, environment_notes
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
 # it uses (pocketllm.model_args) and its own. Only the module of the command that runs is
@@ -83,10 +83,13 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             _tell_a_waiting_rank0(argv, str(exc).split(": error: ", 1)[1])
             return 2
-        if _starts_the_run(args, os.environ):
+        starts = _starts_the_run(args, os.environ)
+        if starts:
             for line in environment_notes(os.environ):
                 print(line, file=sys.stderr, flush=True)
     try:
+        if given is None and starts:
+            check_switches(os.environ)
         if given is not None:
             # A rank the launcher started: it runs on the launcher's plan, not on a command line.
             command, text = given

@@ -151,6 +151,21 @@ def nearest_name(name: str, offered: list[str]) -> str:
     return difflib.get_close_matches(name, offered, n=1, cutoff=0.0)[0]
 
 
+# The settings that are a switch (1 or 0): their value is checked at start wherever they are set,
+# not only by a run that reads them (POCKETLLM_CUDA_GRAPH=x on a CPU ran on), as the others are
+# where they are parsed.
+SWITCHES = (
+    "POCKETLLM_PHASE_PROFILE", "POCKETLLM_HOST_PROFILE", "POCKETLLM_POLL_COLLECTIVES", "POCKETLLM_PIN_CPUS", "POCKETLLM_FUSED_DECODE",
+    "POCKETLLM_COMPILED_STEP", "POCKETLLM_CUDA_GRAPH", "POCKETLLM_BATCH_INVARIANT", "POCKETLLM_KEEP_FREED",
+)
+
+
+def check_switches(env) -> None:
+    """A usage error naming the first switch (SWITCHES) set to something other than 1 or 0."""
+    for name in SWITCHES:
+        env_switch(env, name)
+
+
 def environment_notes(env) -> list[str]:
     """One line per set POCKETLLM_* or QWEN_* variable that pocketllm does not read, naming the
     nearest name it does, and one per alias set beside its new name to another value, saying which

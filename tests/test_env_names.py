@@ -176,3 +176,12 @@ def test_both_names_set_say_which_is_used(seeds, note, capsys, no_ranks, monkeyp
 def test_the_environment_is_read_out_once_per_run(env, tp_rank, speaks):
     # The launcher (or rank 0 where there is none) warns; the ranks it starts do not repeat it.
     assert cli._starts_the_run(argparse.Namespace(tp_rank=tp_rank), env) is speaks
+
+
+@pytest.mark.parametrize("name", [*switches.SWITCHES, "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS"])
+def test_a_bad_value_is_refused_at_start_wherever_the_run_would_not_read_it(name, capsys, no_ranks, monkeypatch):
+    # A launcher's run of CPU ranks reads neither POCKETLLM_CUDA_GRAPH nor the hand-started
+    # rendezvous bound: a bad value was accepted silently there, and refused elsewhere.
+    assert name in switches.SETTINGS
+    monkeypatch.setenv(name, "maybe")
+    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--tp-world", "2", expect=f"{name}")

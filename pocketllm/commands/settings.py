@@ -9,6 +9,7 @@ import os
 
 from pocketllm.device_kind import device_index, resolve_kind
 from pocketllm.distributed.collective_choice import check_choice, resolve_choice
+from pocketllm.distributed.rendezvous import wait_seconds
 from pocketllm.errors import UsageError
 from pocketllm.fault_injection import fault_from_env
 from pocketllm.launch import ENV_CPUS
@@ -41,6 +42,8 @@ def world_plan(args, device: DevicePlan, default_world: int) -> WorldPlan:
     check_choice(choice, device.backend, asked)
     renv = rank_env(args.tp_world, args.tp_rank, args.rendezvous_file, default_world=default_world)
     size = renv.world if renv is not None else args.tp_world if args.tp_world is not None else default_world
+    if size > 1:
+        wait_seconds()  # its variable checked wherever it is set, not only where a rank by hand reads it
     cpus = getattr(args, "cpus", None)
     _check_rank_placement(cpus, device, size, renv)
     return WorldPlan(size, args.tp_rank, args.rendezvous_file, cpus, args.dist_timeout, choice, asked)
