@@ -65,7 +65,7 @@ def test_a_broken_file_is_one_line_naming_it(content, message, tmp_path, ckpt_co
 
 @pytest.mark.parametrize("fields, message", [
     ({"temperature": 3}, "temperature must be a number in [0, 2], got 3"),
-    ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
+    ({"top_p": 0}, "top_p must be a number in (0, 1], got 0"),
     ({"top_k": 2.5}, "top_k must be an integer"),
     ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0 (1 is none), got 0"),
     ({"min_p": "0.1"}, "min_p must be a number in [0, 1], got '0.1'"),

@@ -90,6 +90,9 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
     ({"model": ""}, "model is required: the name /v1/models lists"),
     ({"repetition_penalty": -1}, "repetition_penalty must be a number > 0 (1 is none), got -1"),
     ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0 (1 is none), got 0"),
+    # One range for top_p, whichever side a value falls off (they said [0, 1] and (0, 1]).
+    ({"top_p": 0}, "top_p must be a number in (0, 1], got 0"),
+    ({"top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
 ])
 def test_the_400_says_what_is_wrong_with_the_value(fields, message):
     with pytest.raises(ApiError) as err:

@@ -200,9 +200,7 @@ def check_sampling_defaults(defaults: dict, vocab: int) -> None:
 
 def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
     temperature = _number(fields, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(fields, "top_p", 1.0, 0.0, 1.0)
-    if top_p <= 0:
-        raise bad(f"top_p must be in (0, 1], got {top_p!r}", "top_p")
+    top_p = _number(fields, "top_p", 1.0, 0.0, 1.0, above_lo=True)
     # No seed: a fresh one, so that two sampled answers to one prompt differ, as with OpenAI's API.
     seed = fields.get("seed", secrets.randbits(63))
     if not is_int(seed) or not 0 <= seed < 2**63:
@@ -235,10 +233,12 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(fields: dict, name: str, default: float, lo: float, hi: float) -> float:
+def _number(fields: dict, name: str, default: float, lo: float, hi: float, above_lo: bool = False) -> float:
+    """fields[name] in [lo, hi] ((lo, hi] with above_lo), one message for every way it is not."""
     v = fields.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise bad(f"{name} must be a number in [{lo:g}, {hi:g}], got {v!r}", name)
+    inside = lambda x: (lo < x if above_lo else lo <= x) and x <= hi  # noqa: E731
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not inside(v):
+        raise bad(f"{name} must be a number in {'(' if above_lo else '['}{lo:g}, {hi:g}], got {v!r}", name)
     return float(v)
 
 
