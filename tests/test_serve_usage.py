@@ -70,3 +70,12 @@ def test_a_prefill_budget_past_every_slots_length_is_held_to_it(capsys, tiny_ckp
     assert main_in_process("serve", "--ckpt", tiny_ckpt, "--max-running", 2, "--max-len", 100, "--prefill-budget", 10**10, "--port", 0) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "pocketllm: error: stopped before serving"
     assert seen == [200]
+
+
+def test_a_checkpoint_without_a_chat_template_is_said_at_start(capsys, no_ranks, ckpt_copy):
+    (ckpt_copy / "tokenizer_config.json").unlink()
+    # Stopped by a bad port right after: the note comes from the checks before any rank starts.
+    assert main_in_process("serve", "--ckpt", ckpt_copy, "--port", 70000, "--tp-world", 2) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("pocketllm: note: the checkpoint has no chat template") and "/v1/completions serves" in lines[0]
+    assert lines[1] == "pocketllm: error: --port must be in 0..65535, got 70000"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 from pocketllm.commands.ranked import run_with_model
@@ -100,7 +101,10 @@ def _prepare(run, plan) -> dict:
     load_tokenizer(ckpt, "serve", "write a checkpoint with `pocketllm make-checkpoint`, which adds one")
     from pocketllm.serving.chat_template import load_chat_template
 
-    load_chat_template(ckpt)
+    if load_chat_template(ckpt) is None:
+        # Said at start, not only to the first chat request's client.
+        print("pocketllm: note: the checkpoint has no chat template (tokenizer_config.json or chat_template.jinja): "
+              "/v1/chat/completions answers 404 no_chat_template; /v1/completions serves", file=sys.stderr, flush=True)
     if not 0 <= t.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {t.port}")
     if t.max_running < 1:
