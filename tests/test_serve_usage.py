@@ -42,12 +42,14 @@ def test_a_slots_linear_attention_state_is_sized_as_the_layers_allocate_it():
     import torch
 
     from pocketllm.distributed.policy import RulePolicy
+    from pocketllm.distributed.state import set_tp
     from pocketllm.engine.runner import Engine
     from pocketllm.layers.kv_layout import gdn_slot_bytes
     from pocketllm.loader.random_weights import RandomWeights
     from pocketllm.presets import get_preset
 
     cfg = get_preset("tiny")
+    set_tp(0, 1)  # one rank in this process, whatever an earlier in-process rank left
     engine = Engine(cfg, RandomWeights(cfg, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu"), RulePolicy())
     layers = [m for m in engine.model.modules() if hasattr(m, "allocate_states") and hasattr(m, "hv")]
     assert layers and sum(m.state_bytes() for m in layers) == gdn_slot_bytes(cfg, 1, 2)
