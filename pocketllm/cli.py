@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             args = build_parser(argv).parse_args(argv)
         except _Refused as exc:
             print(exc, file=sys.stderr)
-            _tell_a_waiting_rank0(argv, str(exc).split(": error: ", 1)[1])
+            _tell_the_other_ranks(argv, str(exc).split(": error: ", 1)[1])
             return 2
         starts = _starts_the_run(args, os.environ)
         if starts:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"pocketllm: error: {exc}", file=sys.stderr)
         if given is None:
-            _tell_a_waiting_rank0(argv, str(exc))
+            _tell_the_other_ranks(argv, str(exc))
         return 2
     except KeyboardInterrupt:
         print("pocketllm: interrupted", file=sys.stderr)
@@ -148,17 +148,22 @@ def engine_script() -> NoReturn:
     exit_with(engine_main())
 
 
-def _tell_a_waiting_rank0(argv: list[str], message: str) -> None:
-    """A hand-started rank other than 0 refused its command: its rank 0 may wait for it at
-    --rendezvous-file (or the seed's --nccl-id-path), or be about to, and would wait out its
-    bound; tell it (read from the command line as given, since argparse may have refused it).
-    The line is printed first: this process may then wait a few seconds for rank 0's file."""
+def _tell_the_other_ranks(argv: list[str], message: str) -> None:
+    """A hand-started rank refused its command: the others, started with it, wait for it at
+    --rendezvous-file (or the seed's --nccl-id-path) and would wait out their bound. Rank 0
+    makes the file saying so (rendezvous.tell_the_others); another rank tells its rank 0 in its
+    file (tell_rank0). Read from the command line as given, since argparse may have refused it.
+    The line is printed first: this process may then wait a few seconds."""
     rank = _given(argv, "--tp-rank")
     path = _given(argv, "--rendezvous-file") or _given(argv, "--nccl-id-path")
-    if path is None or rank is None or not rank.isdigit() or int(rank) == 0:
-        return
+    if path is None or rank is None or not rank.isdigit() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return  # not a rank started by hand (under torchrun those flags are refused, and no one waits on them)
     sys.stderr.flush()
-    rendezvous.tell_rank0(path, int(rank), message)
+    if int(rank) == 0:
+        world = _given(argv, "--tp-world")
+        rendezvous.tell_the_others(path, int(world) if world and world.isdigit() else None, message)
+    else:
+        rendezvous.tell_rank0(path, int(rank), message)
 
 
 def _given(argv: list[str], flag: str) -> str | None:

@@ -276,3 +276,21 @@ def test_a_file_of_the_users_own_is_refused_never_written_to_nor_to_be_removed(t
                                       expect=f"--rendezvous-file {mine} exists and is not a pocketllm rendezvous file; give a path that does not exist")
         assert "rm -f" not in line
         assert mine.read_text() == text
+
+
+@pytest.mark.timeout(60)
+def test_a_rank0_whose_command_is_refused_stops_the_others_at_once(tmp_path, capsys):
+    """Ranks started together, rank 0 refused at start (here by argparse): it makes the file saying
+    so, the others stop with its line at once rather than wait out their bound for a file that
+    never comes, and the file is gone once they have read it."""
+    id_path = tmp_path / "run.id"
+    rank1 = hand_started(1, id_path, tmp_path)
+    refused_at = time.monotonic()
+    rc = main_in_process(*ARGS, "--tp-world", 2, "--tp-rank", 0, "--rendezvous-file", id_path, "--max-new-tokens", "many")
+    assert rc == 2
+    why = capsys.readouterr().err.strip().splitlines()[0].split(": error: ", 1)[1]
+    message = one_line_error(rank1)
+    assert message == f"pocketllm: error: rank 0 stopped before the rendezvous at --rendezvous-file {id_path}: {why}"
+    assert rank1.ended - refused_at < 10
+    assert not id_path.exists() and not (tmp_path / "run.id.store").exists()
+    assert_nothing_left(rank1)

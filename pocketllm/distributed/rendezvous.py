@@ -37,8 +37,10 @@ MAGIC = "pocketllm-rendezvous 1"
 END = "end"
 REFUSED = "refused"
 FAILED = "failed"  # appended by a rank that stopped before it joined: "failed=RANK ITS ERROR"
-# How long a rank refused at start waits for its rank 0's FILE, to tell it (tell_rank0).
+# How long a rank refused at start waits for its rank 0's FILE, to tell it (tell_rank0), or a
+# rank 0 refused at start keeps a FILE saying so for the others (tell_the_others).
 TELL_WAIT_SECONDS = 10.0
+SEEN = "seen"  # appended by a rank that read rank 0's refusal: "seen=RANK"
 
 # Files this process must remove when the run ends (rank 0 of a hand-started run owns them).
 _owned: list[str] = []
@@ -312,6 +314,45 @@ def tell_rank0(path: str, rank: int, message: str) -> None:
         time.sleep(0.05)
 
 
+def tell_the_others(path: str, world: int | None, message: str) -> None:
+    """A hand-started rank 0 refused at its start (before it came to the rendezvous) makes FILE
+    saying so, for the other ranks started with it, which would otherwise wait out their bound for
+    a FILE that never comes; it keeps FILE until every other rank of `world` has read it (or
+    TELL_WAIT_SECONDS, or the bound, have passed), then removes it. A FILE already there (another
+    run's, or left) is not touched."""
+    try:
+        bound = min(TELL_WAIT_SECONDS, wait_seconds()) if not _came else 0.0
+    except UsageError:
+        bound = 0.0
+    if bound <= 0:
+        return
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError:
+        return
+    try:
+        body = "\n".join([MAGIC, f"{FAILED}=0 {' '.join(message.split())}", f"pid={os.getpid()}", END, ""])
+        os.write(fd, body.encode())
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + bound
+    try:
+        while time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    seen = sum(1 for line in f if line.startswith(SEEN + "="))
+            except OSError:
+                return
+            if world is not None and seen >= world - 1:
+                return
+            time.sleep(0.05)
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _append(path: str, line: str) -> None:
     try:
         with open(path, "a") as f:
@@ -335,6 +376,10 @@ def _join(path: str, rank: int, world: int, wait_s: float):
         fields = _read(path)
     if "foreign" in fields or REFUSED in fields:
         raise RendezvousError(_stale_message(path, fields))
+    if "nonce" not in fields and fields.get(FAILED, "").startswith("0 ") and _alive(fields.get("pid", "")):
+        # A rank 0 refused at its start, keeping FILE a moment to say so (tell_the_others).
+        _append(path, f"{SEEN}={rank}")
+        raise RendezvousError(f"rank 0 stopped before the rendezvous at --rendezvous-file {path}: {fields[FAILED][2:]}")
     if fields.get("world") != str(world):
         raise RendezvousError(f"--rendezvous-file {path} belongs to a run of --tp-world {fields.get('world')}, this rank has --tp-world {world}")
     store = dist.FileStore(path + ".store", world)
