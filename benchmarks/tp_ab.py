@@ -8,21 +8,33 @@ prefill and decode tokens/s per setting and each against TP=1.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
 from common import Parser, alternate, even_reps, int_list, machine, run_bench_json, script, spread
+from pocketllm.distributed.collective_choice import CHOICES
+
+
+def collective_list(text: str) -> list[str]:
+    """--collectives: POCKETLLM_COLLECTIVE values, checked before the first bench (a bad one was
+    found at the first TP>1 run, after TP=1's)."""
+    names = text.split(",")
+    bad = [n for n in names if n not in CHOICES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(CHOICES)}")
+    return names
 
 
 @script
 def main(argv=None) -> int:
     p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog="Any other flag goes to `pocketllm bench`.")
     p.add_argument("--worlds", type=int_list(1), default="1,2,4")
-    p.add_argument("--collectives", default="shm,gloo", help="POCKETLLM_COLLECTIVE values to run each world > 1 with")
+    p.add_argument("--collectives", type=collective_list, default="shm,gloo", help="POCKETLLM_COLLECTIVE values to run each world > 1 with")
     p.add_argument("--reps", type=even_reps, default=4, help="reps per setting, even so each order runs equally often (default 4)")
     args, bench_args = p.parse_known_args(argv)
     worlds = args.worlds
-    settings = [(w, c) for w in worlds for c in (["-"] if w == 1 else args.collectives.split(","))]
+    settings = [(w, c) for w in worlds for c in (["-"] if w == 1 else args.collectives)]
     tps = {(s, kind): [] for s in settings for kind in ("prefill", "decode")}
     used = {}
     for rep in range(args.reps):

@@ -21,6 +21,7 @@ import long_context  # noqa: E402
 import quant_accuracy  # noqa: E402
 import quant_kernels  # noqa: E402
 import switch_ab  # noqa: E402
+import tp_ab  # noqa: E402
 import vs_llama_cpp  # noqa: E402
 import vs_llama_cpp_quant  # noqa: E402
 import vs_transformers  # noqa: E402
@@ -45,6 +46,7 @@ def gguf(tmp_path) -> str:
 
 
 CASES = [
+    (tp_ab, ["--collectives", "shm,tcp"], "--collectives"),
     (vs_transformers, ["--lengths", "a"], "--lengths"),
     (vs_transformers, ["--lengths", "0"], "--lengths"),
     (vs_transformers, ["--decode-tokens", "0"], "--decode-tokens"),
