@@ -100,6 +100,13 @@ def test_the_400_says_what_is_wrong_with_the_value(fields, message):
     assert err.value.status == 400 and err.value.message == message, err.value.message
 
 
+def test_a_whole_number_written_as_a_float_is_a_max_tokens_and_a_fraction_is_not():
+    assert completion(max_tokens=2.0).max_tokens == 2
+    with pytest.raises(ApiError) as err:
+        completion(max_tokens=2.5)
+    assert err.value.param == "max_tokens"
+
+
 def test_defaults_and_nulls():
     g = completion(temperature=None, stop=None, max_tokens=None)
     assert (g.prompt, g.max_tokens, g.sampling.temperature, g.sampling.top_p, g.stop, g.stream) == (encode("hello"), 16, 1.0, 1.0, (), False)

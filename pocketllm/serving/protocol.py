@@ -170,6 +170,8 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
         )
     room = limits.max_len - len(prompt)
     max_tokens = fields.get("max_tokens", default_max if default_max is not None else room)
+    if isinstance(max_tokens, float) and max_tokens.is_integer():
+        max_tokens = int(max_tokens)  # 2.0: a whole number as some clients' JSON writes it (vLLM takes it too)
     if not is_int(max_tokens) or max_tokens < 1:
         raise bad(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
     # A completion's default never fails a prompt that fits: it shrinks to the room left.
