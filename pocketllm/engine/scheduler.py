@@ -51,7 +51,7 @@ from pocketllm.engine.pass_plan import EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNA
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.request import KVUsage, Request
 from pocketllm.engine.sampling import SamplingParams, choose
-from pocketllm.errors import CheckpointError
+from pocketllm.errors import CheckpointError, exception_line
 from pocketllm.inputs import request_problem
 from pocketllm.layers.kv_layout import blocks_for
 from pocketllm.ops.fused import step as native_step
@@ -450,8 +450,7 @@ class Scheduler:
         """End `req` alone for what went wrong choosing its token (its sampling settings met a
         case the sampler does not handle): the pass it was in ran, and every other request goes
         on. Said on stderr in one line, as the error its client gets."""
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        req.error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        req.error = exception_line(exc)
         print(f"pocketllm: request {req.id} failed choosing its token ({req.error}); the others go on", file=sys.stderr, flush=True)
         return self._finish(req, "error")
 

@@ -63,14 +63,12 @@ class Sequence:
         answered_as: the finish reason its answer gives (a stop string's "stop"), which /metrics
         then counts it as; None: it was cancelled (its client left), counted as the engine ends it."""
         sink = self._sink
+        # The engine's last event may be here already (read or not): counted now, as answered.
+        sink.count(self._client.metrics, answered_as or sink.final)
         if self.done:
-            # Its last event was read, but the answer said nothing (its handler failed or left).
-            sink.count(self._client.metrics, answered_as or sink.final)
             return
         self.done = True
         sink.answered_as = answered_as or "gone"
-        # The engine's last event may be here already, unread: it is counted now, as answered.
-        sink.count(self._client.metrics, answered_as or sink.final)
         self._client.cancel(self.id)
 
 

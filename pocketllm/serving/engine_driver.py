@@ -18,6 +18,7 @@ import statistics
 import time
 
 from pocketllm import rank_failures
+from pocketllm.errors import exception_line
 from pocketllm.serving import wire
 
 # With nothing to do the loop wakes this often to tell the other ranks rank 0 is still there
@@ -54,7 +55,7 @@ def failure_line(exc: BaseException) -> str:
     kind = rank_failures.collective_failure(exc)
     if kind is not None:
         return f"rank 0: {rank_failures.collective_line(kind)}"
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return exception_line(exc)
 
 
 class EngineDriver:
