@@ -12,6 +12,7 @@ from typing import NoReturn
 from pocketllm import startup
 from pocketllm.distributed import rendezvous
 from pocketllm.errors import UsageError
+from pocketllm.place import under_torchrun
 from pocketllm.run_plan import RunPlan, received
 from pocketllm.stdout_gone import EXIT_STATUS as STDOUT_GONE
 from pocketllm.stdout_gone import quiet_stdout, stdout_gone
@@ -156,7 +157,7 @@ def _tell_the_other_ranks(argv: list[str], message: str) -> None:
     The line is printed first: this process may then wait a few seconds."""
     rank = _given(argv, "--tp-rank")
     path = _given(argv, "--rendezvous-file") or _given(argv, "--nccl-id-path")
-    if path is None or rank is None or not rank.isdigit() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if path is None or rank is None or not rank.isdigit() or under_torchrun():
         return  # not a rank started by hand (under torchrun those flags are refused, and no one waits on them)
     sys.stderr.flush()
     if int(rank) == 0:

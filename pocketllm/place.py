@@ -28,7 +28,7 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
     if ENV_RANK in env:
         world = int(env[ENV_WORLD])
         return RankEnv(int(env[ENV_RANK]), world, int(env[ENV_RANK]), world, file_store=env[ENV_RDZV])
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if under_torchrun(env):
         if tp_rank is not None or id_path:
             given = " and ".join(f for f, v in (("--tp-rank", tp_rank is not None), ("--rendezvous-file", bool(id_path))) if v)
             raise UsageError(f"{given}: for ranks started by hand; under torchrun each rank is its RANK and meets the others at "
@@ -63,6 +63,11 @@ def rank_env(tp_world: int | None, tp_rank: int | None, id_path: str | None, env
     if tp_world == 1:
         return RankEnv(0, 1, 0, 1)
     return None
+
+
+def under_torchrun(env=os.environ) -> bool:
+    """Whether torchrun (or a launcher like it) placed this process: its RANK and WORLD_SIZE."""
+    return "RANK" in env and "WORLD_SIZE" in env
 
 
 def _torchrun_int(env, name: str, least: int, default: int | None = None) -> int:

@@ -201,3 +201,15 @@ def memory_binder():
         return 0
 
     return bind, None
+
+
+def meminfo_bytes(field: str) -> int:
+    """A /proc/meminfo field (MemTotal, MemAvailable, ...) in bytes; 0 where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

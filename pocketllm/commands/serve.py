@@ -21,6 +21,7 @@ from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for, gdn_slot_bytes
 from pocketllm.model_args import add_model_args, say
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
+from pocketllm.topology import meminfo_bytes
 
 # The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
 # the scheduler keeps room for --max-running sequences of this length.
@@ -165,7 +166,7 @@ def _check_host_memory(t: Task, plan, world: int) -> None:
     """On a CPU the ranks of one host share its memory: the GDN state of --max-running + 1 slots
     and a --kv-cache-gib pool on every rank must fit in it (the pool is mapped lazily, so an
     oversized one would start, and meet the kernel's OOM killer under load)."""
-    total = _host_memory_bytes()
+    total = meminfo_bytes("MemTotal")
     if not total:
         return
     slots = (t.max_running + 1) * gdn_slot_bytes(plan.cfg, world, plan.itemsize)
@@ -180,17 +181,6 @@ def _check_host_memory(t: Task, plan, world: int) -> None:
 def _size(nbytes: float) -> str:
     """Bytes as a person reads them: GiB from one up, MiB below (a tiny pool read 0.00 GiB)."""
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def _host_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _pool(engine, t: Task, max_len: int) -> tuple[int, int]:

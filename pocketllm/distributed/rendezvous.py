@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 
 from pocketllm.errors import UsageError
+from pocketllm.processes import alive
 from pocketllm.switches import env_setting
 
 ENV_WAIT_ATTEMPTS = "POCKETLLM_RENDEZVOUS_WAIT_ATTEMPTS"
@@ -77,20 +78,9 @@ def remove_stale_private_dirs(root: str) -> None:
                 continue
         except OSError:
             continue
-        if not _launcher_alive(int(m.group(1))):
+        # Another user's process with the pid means this user's launcher is gone.
+        if not alive(int(m.group(1)), others_count=False):
             shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _launcher_alive(pid: int) -> bool:
-    """Whether a process of this user has this pid (a reused pid keeps a stale directory, safely)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        # Another user's process took the pid: this user's launcher is gone.
-        return False
-    return True
 
 
 def wait_seconds(env=os.environ) -> float:
@@ -205,13 +195,8 @@ def _stale_message(path: str, fields: dict | None) -> str:
 
 
 def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
+    """A pid as FILE records it (text; absent in a foreign file)."""
+    return pid.isdigit() and alive(int(pid))
 
 
 def _check_dir(path: str) -> None:
@@ -292,6 +277,17 @@ def _mark_refused(path: str) -> None:
     _append(path, f"{REFUSED}={os.getpid()}")
 
 
+def _tell_bound() -> float:
+    """How long a rank refused at start waits to tell the others (tell_rank0, tell_the_others):
+    none once it came to the rendezvous (FILE is there, or gone for good)."""
+    if _came:
+        return 0.0
+    try:
+        return min(TELL_WAIT_SECONDS, wait_seconds())
+    except UsageError:
+        return 0.0  # the bound's own variable is what was refused
+
+
 def tell_rank0(path: str, rank: int, message: str) -> None:
     """A hand-started rank other than 0 that stops before it joins (its command refused) says why in
     FILE, where a rank 0 waiting for it looks, so that rank 0 stops now with this line rather than
@@ -299,11 +295,7 @@ def tell_rank0(path: str, rank: int, message: str) -> None:
     came to the rendezvous, it waits for a FILE not made yet, up to TELL_WAIT_SECONDS (or the
     rendezvous bound, if shorter): ranks started together (a loop, a script) refuse a flag before
     their rank 0 has made it. A rank 0 that comes later than that waits out its bound."""
-    try:
-        bound = min(TELL_WAIT_SECONDS, wait_seconds()) if not _came else 0.0
-    except UsageError:
-        bound = 0.0  # the bound's own variable is what was refused
-    deadline = time.monotonic() + bound
+    deadline = time.monotonic() + _tell_bound()
     while True:
         fields = _read(path)
         if fields and "nonce" in fields:
@@ -320,10 +312,7 @@ def tell_the_others(path: str, world: int | None, message: str) -> None:
     a FILE that never comes; it keeps FILE until every other rank of `world` has read it (or
     TELL_WAIT_SECONDS, or the bound, have passed), then removes it. A FILE already there (another
     run's, or left) is not touched."""
-    try:
-        bound = min(TELL_WAIT_SECONDS, wait_seconds()) if not _came else 0.0
-    except UsageError:
-        bound = 0.0
+    bound = _tell_bound()
     if bound <= 0:
         return
     try:

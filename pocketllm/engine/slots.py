@@ -18,6 +18,7 @@ from pocketllm.engine.budgets import DEFAULT_KV_FRACTION, PREFIX_CACHE_FRACTION
 from pocketllm.engine.kv_blocks import BlockAllocator
 from pocketllm.layers.cache import CachedPrefix, PagedKV
 from pocketllm.layers.kv_layout import blocks_for, kv_block_bytes
+from pocketllm.topology import meminfo_bytes
 
 
 
@@ -169,11 +170,7 @@ def free_memory_bytes(device: torch.device) -> int:
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "npu":
         return torch.npu.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return meminfo_bytes("MemAvailable")
 
 
 def default_budget_bytes(device: torch.device, ranks_sharing: int) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pocketllm.errors import UsageError
 from pocketllm.interrupts import sigterm_interrupts
+from pocketllm.processes import alive
 
 
 def check_new_dir(out: str) -> Path:
@@ -71,17 +72,8 @@ def _remove_left_by_dead_writers(parent: Path, name: str) -> None:
     own = re.compile(rf"\.{re.escape(name)}\.partial-{re.escape(_HOST)}-(\d+)-[0-9a-f]{{8}}")
     for entry in parent.iterdir():
         m = own.fullmatch(entry.name)
-        if m is None or not entry.is_dir() or entry.is_symlink() or _alive(int(m.group(1))):
+        if m is None or not entry.is_dir() or entry.is_symlink() or alive(int(m.group(1))):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         print(f"note: removed {entry}, left by an earlier run writing {name} that was killed", file=sys.stderr, flush=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: not ours to judge
-    return True
