@@ -112,6 +112,19 @@ def test_a_refusal_after_a_usage_check_is_written_to_a_live_rendezvous_file_only
     assert not (tmp_path / "absent").exists()
 
 
+def test_a_file_removed_after_it_was_read_is_not_made_again_by_a_refused_rank(tmp_path, monkeypatch):
+    """A rank refused after the rendezvous reads FILE, and its rank 0, ending too, removes FILE
+    before the refusal is appended: appending must not make FILE again (it held that one line, no
+    run removed it, and the next run refused it as not a pocketllm file)."""
+    from pocketllm.distributed import rendezvous
+
+    id_path = tmp_path / "run.id"
+    read_then_gone = {"nonce": "ab12", "world": "2"}
+    monkeypatch.setattr(rendezvous, "_read", lambda path: read_then_gone)
+    rendezvous.tell_rank0(str(id_path), 1, "the ranks were started with different settings")
+    assert not id_path.exists()
+
+
 @pytest.mark.timeout(60)
 def test_sigterm_to_a_waiting_rank0_clears_its_file(tmp_path):
     """Unlike SIGKILL above, SIGTERM can be caught: a hand-started rank 0 waiting for the others

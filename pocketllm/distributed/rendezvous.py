@@ -343,11 +343,19 @@ def tell_the_others(path: str, world: int | None, message: str) -> None:
 
 
 def _append(path: str, line: str) -> None:
+    """Add a line to FILE as it is: never make it. FILE read a moment ago may be gone since (its
+    rank 0 ended and removed it); a FILE made here would hold this line alone, a file no run
+    removes, that the next run refuses as not pocketllm's."""
     try:
-        with open(path, "a") as f:
-            f.write(line + "\n")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return
+    try:
+        os.write(fd, (line + "\n").encode())
     except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def _join(path: str, rank: int, world: int, wait_s: float):
