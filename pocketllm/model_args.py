@@ -185,7 +185,7 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     if source.ckpt is not None:
         # The index and each shard's header, read once: validation below and loading reuse them.
         reader = CheckpointReader(source.ckpt)
-        cfg = checkpoint_config(source.ckpt, source.layers)
+        cfg = checkpoint_config(source.ckpt, source.layers, source.layers_flag)
     else:
         preset = source.preset or DEFAULT_PRESET
         cfg = preset_config(preset, source.layers)
@@ -201,7 +201,7 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     return ModelPlan(cfg, dtype, _checked_policy(policy, run, cfg), source.ckpt, preset, reader, gdn_kernel, tensors)
 
 
-def checkpoint_config(ckpt: str, layers: int | None) -> ModelConfig:
+def checkpoint_config(ckpt: str, layers: int | None, flag: str = "--layers") -> ModelConfig:
     """The checkpoint's config, cut to `layers` when given: a checkpoint's stack cannot grow. Its
     eos ids are config.json's and generation_config.json's."""
     cfg = load_config(ckpt)
@@ -210,7 +210,7 @@ def checkpoint_config(ckpt: str, layers: int | None) -> ModelConfig:
     if layers is None:
         return cfg
     if layers > cfg.num_layers:
-        raise UsageError(f"--layers {layers}: the checkpoint has only {cfg.num_layers} layers")
+        raise UsageError(f"{flag} {layers}: the checkpoint has only {cfg.num_layers} layers")
     return cfg.with_layers(layers)
 
 

@@ -58,6 +58,7 @@ class SourcePlan:
     layers: int | None = None
     dtype: str = "bfloat16"
     quantize: str | None = None  # a --quantize scheme, None when not given
+    layers_flag: str = "--layers"  # the flag `layers` came from, to name it (bench's --smoke-layers)
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,7 @@ def test_seed_flag_errors_are_one_line_exit_2(argv, needle, capsys, no_ranks):
     if "no CUDA or NPU" in needle and (torch.cuda.is_available() or npu_available()):
         pytest.skip("a device index names a real device on this machine")
     usage_error_in_process(capsys, *argv, expect=needle)
+
+
+def test_smoke_layers_past_a_checkpoints_stack_names_that_flag(tiny_ckpt, capsys, no_ranks):
+    usage_error_in_process(capsys, "engine", "--ckpt", tiny_ckpt, "--smoke-layers", "9", expect="--smoke-layers 9: the checkpoint has only 4 layers")

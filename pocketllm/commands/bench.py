@@ -190,7 +190,7 @@ def run(args) -> int:
         raise UsageError(f"--prompt-tokens sizes the deterministic prompt, which {given} replaces: give one")
     prompt_tokens = args.prompt_tokens if args.prompt_tokens is not None else Task.prompt_tokens
     task = Task(prompt, prompt_tokens, args.batch, args.warmup_tokens, args.json, args.limits, args.kernel_profile)
-    return execute(model_run_plan(args, task, source=source_plan(args, seed_layers(args))))
+    return execute(model_run_plan(args, task, source=source_plan(args, seed_layers(args), "--layers" if args.smoke_layers is None else "--smoke-layers")))
 
 
 def execute(run: RunPlan) -> int:

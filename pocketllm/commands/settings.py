@@ -60,8 +60,9 @@ def _check_rank_placement(cpus: str | None, device: DevicePlan, size: int, renv)
         raise UsageError(f"--device {device.index} names one device, and --tp-world {size} starts a rank per device: give --device {device.kind}")
 
 
-def source_plan(args, layers: int | None = None) -> SourcePlan:
-    return SourcePlan(args.preset, args.ckpt, args.layers if layers is None else layers, args.dtype, getattr(args, "quantize", None))
+def source_plan(args, layers: int | None = None, layers_flag: str = "--layers") -> SourcePlan:
+    """`layers`, from `layers_flag`, stands in for --layers where a command takes it another way."""
+    return SourcePlan(args.preset, args.ckpt, args.layers if layers is None else layers, args.dtype, getattr(args, "quantize", None), layers_flag)
 
 
 def slice_plan(args, pin: str | None = None) -> SlicePlan:
