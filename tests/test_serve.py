@@ -22,6 +22,7 @@ import openai
 import pytest
 from conftest import assert_nothing_left, generated_ids, kill_tagged, main_in_process, start, tagged
 
+import pocketllm
 from pocketllm.engine.runner import PREFILL_CHUNK
 from pocketllm.serving.metrics import parse as parse_metrics
 
@@ -226,6 +227,7 @@ def test_models_and_health(server):
         server.client.models.retrieve("org/other")
     assert server.http("GET", "/health") == (200, '{"status":"ok"}')
     assert server.http("HEAD", "/health") == (200, "")
+    assert server.http("GET", "/version") == (200, json.dumps({"version": pocketllm.__version__}, separators=(",", ":")))
 
 
 @pytest.mark.timeout(60)

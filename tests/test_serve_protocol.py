@@ -33,7 +33,8 @@ def chat(**fields):
     ({"temperature": "0.5"}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"seed": 1.5}, "seed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
@@ -87,7 +88,8 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
 
 @pytest.mark.parametrize("fields,message", [
     ({"model": 5}, "model must be a string, the name /v1/models lists; got 5"),
-    ({"model": ""}, "model is required: the name /v1/models lists"),
+    ({"model": ""}, "model is empty: give the name /v1/models lists, or leave it out"),
+    ({"n": 2}, "n must be 1 here: this server does not support other values, got 2"),
     ({"repetition_penalty": -1}, "repetition_penalty must be a number > 0 (1 is none), got -1"),
     ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0 (1 is none), got 0"),
     # One range for top_p, whichever side a value falls off (they said [0, 1] and (0, 1]).
@@ -155,9 +157,46 @@ def test_the_model_must_be_the_served_one():
     with pytest.raises(ApiError) as err:
         completion(model="other")
     assert (err.value.status, err.value.code) == (404, "model_not_found")
+    # Left out (or null), the served one, as vLLM takes it.
+    assert parse_completion({"prompt": "x"}, LIMITS, encode).prompt == encode("x")
+    assert parse_chat({"model": None, "messages": [{"role": "user", "content": "x"}]}, LIMITS, lambda m, *o: encode("x")).prompt == encode("x")
+
+
+def test_whole_numbers_written_as_floats_are_taken_in_every_integer_field():
+    g = completion(max_tokens=3.0, seed=7.0, top_k=2.0, min_tokens=1.0, logprobs=1.0, stop_token_ids=[5.0], prompt=[1.0, 2.0])
+    assert (g.max_tokens, g.sampling.seed, g.sampling.top_k, g.sampling.min_tokens, g.sampling.logprobs) == (3, 7, 2, 1, 1)
+    assert g.sampling.stop_token_ids == (5,) and g.prompt == [1, 2] and all(type(t) is int for t in g.prompt)
+    assert type(g.sampling.logprobs) is int and chat(logprobs=True, top_logprobs=2.0).sampling.logprobs == 2
+    for name in ("seed", "top_k", "min_tokens", "logprobs", "stop_token_ids"):
+        with pytest.raises(ApiError) as err:
+            completion(**{name: [1.5] if name == "stop_token_ids" else 1.5})
+        assert err.value.param == name
+
+
+def test_a_negative_seed_is_taken_as_generate_takes_it():
+    assert completion(seed=-1).sampling.seed == 2**64 - 1 and completion(seed=2**63 - 1).sampling.seed == 2**63 - 1
+
+
+def test_max_completion_tokens_is_named_in_its_errors():
+    for value in (0, 5000):
+        with pytest.raises(ApiError) as err:
+            chat(max_completion_tokens=value)
+        assert err.value.param == "max_completion_tokens" and err.value.message.startswith("max_completion_tokens"), err.value.message
+
+
+def test_openais_chat_fields_are_taken_where_they_ask_for_nothing_and_refused_otherwise():
+    neutral = dict(response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False, store=False,
+                   metadata={"k": "v"}, service_tier="auto", modalities=["text"])
+    assert chat(**neutral).prompt == chat().prompt
+    assert chat(stream=True, stream_options={"include_usage": None}).include_usage is False
+    for name, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+                        ("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1)):
+        with pytest.raises(ApiError) as err:
+            chat(**{name: value})
+        assert err.value.status == 400 and err.value.param == name, err.value.message
     with pytest.raises(ApiError) as err:
-        parse_completion({"prompt": "x"}, LIMITS, encode)
-    assert (err.value.status, err.value.param) == (400, "model")
+        chat(tool_choice="required")
+    assert err.value.message == 'tool_choice must be "none" here: this server does not support other values, got \'required\''
 
 
 @pytest.mark.parametrize("messages,param", [

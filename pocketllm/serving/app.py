@@ -1,5 +1,5 @@
 """The HTTP routes: /v1/completions, /v1/chat/completions (where the checkpoint has a chat
-template), /v1/models, /tokenize and /detokenize, /health and /metrics, with --api-key checked on
+template), /v1/models, /tokenize and /detokenize, /health, /version and /metrics, with --api-key checked on
 every request and every error, the framework's own included (a bad path, a bad method, a body
 that is not JSON), answered with an OpenAI-style JSON body."""
 
@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pocketllm import __version__
 from pocketllm.serving.admission import Admission, encode, off_loop
 from pocketllm.serving.chat_template import ChatTemplate
 from pocketllm.serving.engine_client import EngineClient
@@ -86,6 +87,11 @@ def build_app(served: Served) -> FastAPI:
         if model != served.limits.model:
             raise ApiError(404, f"the model {model!r} does not exist: this server serves {served.limits.model!r}", "model", "model_not_found")
         return card()
+
+    # vLLM's: tools that speak to either server ask it.
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics():

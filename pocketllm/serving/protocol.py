@@ -7,6 +7,7 @@ not ask."""
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 
@@ -26,12 +27,17 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "strea
            "spaces_between_special_tokens", "use_beam_search", "length_penalty", "priority"}
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
-                   "continue_final_message", "chat_template_kwargs", "echo"}
+                   "continue_final_message", "chat_template_kwargs", "echo", "response_format", "tools", "tool_choice",
+                   "parallel_tool_calls", "store", "metadata", "service_tier", "modalities"}
 # Fields accepted only at the value that asks for nothing this server does not do (vLLM's
 # defaults for its own).
 _NEUTRAL = {"n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1, "priority": 0,
             "spaces_between_special_tokens": True}
-_CHAT_NEUTRAL = {"echo": False}
+# OpenAI's chat fields for what this server does not do (tools, structured output, stored
+# completions), accepted where they ask for nothing: clients and frameworks send them so. A type
+# stands for any value of it; a tuple for any of its values.
+_CHAT_NEUTRAL = {"echo": False, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": bool,
+                 "store": False, "metadata": dict, "service_tier": ("auto", "default"), "modalities": ["text"]}
 _ABSENT_ONLY = {"suffix"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Template variables a request's chat_template_kwargs may not replace.
@@ -75,8 +81,10 @@ def parse_completion(body, limits: Limits, encode) -> Generation:
     text = _prompt_text(fields["prompt"])
     prompt = _prompt(fields["prompt"], lambda text: encode(text, flag(fields, "add_special_tokens", True)), limits.vocab_size)
     logprobs = fields.get("logprobs")
-    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-        raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
+    if logprobs is not None:
+        given, logprobs = logprobs, integer(logprobs)
+        if logprobs is None or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {given!r}", "logprobs")
     gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
     gen.echo = flag(fields, "echo", False)
     gen.prompt_text = text
@@ -96,13 +104,15 @@ def parse_chat(body, limits: Limits, render) -> Generation:
         check_message(m, i)
     if "max_tokens" in fields and "max_completion_tokens" in fields:
         raise bad("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    max_param = "max_tokens"
     if "max_completion_tokens" in fields:
-        fields["max_tokens"] = fields.pop("max_completion_tokens")
+        fields["max_tokens"], max_param = fields.pop("max_completion_tokens"), "max_completion_tokens"
     logprobs = None
     if flag(fields, "logprobs", False):
-        logprobs = fields.get("top_logprobs", 0)
-        if not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "top_logprobs")
+        given = fields.get("top_logprobs", 0)
+        logprobs = integer(given)
+        if logprobs is None or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {given!r}", "top_logprobs")
     elif "top_logprobs" in fields:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     kwargs = fields.get("chat_template_kwargs", {})
@@ -110,7 +120,7 @@ def parse_chat(body, limits: Limits, render) -> Generation:
         raise bad(f"chat_template_kwargs must be an object of template variables other than {', '.join(sorted(_TEMPLATE_OWN))}",
                   "chat_template_kwargs")
     prompt = render(messages, *chat_prompt_options(fields), kwargs, flag(fields, "add_special_tokens", False))
-    return _generation(fields, limits, prompt, "messages", None, logprobs)
+    return _generation(fields, limits, prompt, "messages", None, logprobs, max_param)
 
 
 def chat_prompt_options(fields: dict) -> tuple[bool, bool]:
@@ -134,7 +144,7 @@ def known_fields(body, known: set[str], neutral_here: dict) -> dict:
     fields = {k: v for k, v in body.items() if v is not None}
     for name, neutral in {**_NEUTRAL, **neutral_here}.items():
         if name in fields and not _same(fields[name], neutral):
-            raise bad(f"{name} must be {neutral!r} here: this server does not support other values, got {fields[name]!r}", name)
+            raise bad(f"{name} must be {_shown(neutral)} here: this server does not support other values, got {fields[name]!r}", name)
     for name in _ABSENT_ONLY:
         if name in fields:
             raise bad(f"{name} is not supported by this server", name)
@@ -146,7 +156,7 @@ def check_model(fields: dict, limits: Limits, required: bool) -> None:
         return
     model = fields.get("model")
     if model is None or model == "":
-        raise bad("model is required: the name /v1/models lists", "model")
+        raise bad("model is empty: give the name /v1/models lists, or leave it out", "model")
     if not isinstance(model, str):
         raise bad(f"model must be a string, the name /v1/models lists; got {model!r}", "model")
     if model != limits.model:
@@ -155,32 +165,47 @@ def check_model(fields: dict, limits: Limits, required: bool) -> None:
 
 def _same(v, neutral) -> bool:
     """v is neutral, and of its kind: JSON's true is not the number 1."""
+    if isinstance(neutral, tuple):
+        return any(_same(v, n) for n in neutral)
+    if isinstance(neutral, type):
+        return isinstance(v, neutral)
     if isinstance(neutral, bool):
         return v is neutral
+    if isinstance(neutral, (str, list, dict)):
+        return type(v) is type(neutral) and v == neutral
     return not isinstance(v, bool) and isinstance(v, (int, float)) and v == neutral
 
 
+def _shown(neutral) -> str:
+    if isinstance(neutral, tuple):
+        return " or ".join(map(_shown, neutral))
+    if isinstance(neutral, type):
+        return {bool: "true or false", dict: "an object"}[neutral]
+    return json.dumps(neutral)
+
+
 def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: str, default_max: int | None,
-                logprobs: int | None) -> Generation:
-    check_model(fields, limits, required=True)
+                logprobs: int | None, max_param: str = "max_tokens") -> Generation:
+    """max_param: the field max_tokens came as (chat's max_completion_tokens), named in its errors."""
+    # Left out, the served model, as vLLM takes it.
+    check_model(fields, limits, required=False)
     if len(prompt) >= limits.max_len:
         raise bad(
             f"the prompt is {len(prompt)} tokens, and this server's context is {limits.max_len} (--max-len): "
             f"leave room for at least one new token", prompt_param, "context_length_exceeded",
         )
     room = limits.max_len - len(prompt)
-    max_tokens = fields.get("max_tokens", default_max if default_max is not None else room)
-    if isinstance(max_tokens, float) and max_tokens.is_integer():
-        max_tokens = int(max_tokens)  # 2.0: a whole number as some clients' JSON writes it (vLLM takes it too)
-    if not is_int(max_tokens) or max_tokens < 1:
-        raise bad(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+    given = fields.get("max_tokens", default_max if default_max is not None else room)
+    max_tokens = integer(given)
+    if max_tokens is None or max_tokens < 1:
+        raise bad(f"{max_param} must be an integer >= 1, got {given!r}", max_param)
     # A completion's default never fails a prompt that fits: it shrinks to the room left.
     if "max_tokens" not in fields:
         max_tokens = min(max_tokens, room)
     if max_tokens > room:
         raise bad(
-            f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens is {max_tokens + len(prompt)}, "
-            f"over this server's context of {limits.max_len} (--max-len); at most {room} here", "max_tokens", "context_length_exceeded",
+            f"{max_param}={max_tokens} plus the prompt's {len(prompt)} tokens is {max_tokens + len(prompt)}, "
+            f"over this server's context of {limits.max_len} (--max-len); at most {room} here", max_param, "context_length_exceeded",
         )
     stream = flag(fields, "stream", False)
     include_usage = _stream_options(fields.get("stream_options"), stream)
@@ -204,19 +229,24 @@ def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -
     temperature = _number(fields, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(fields, "top_p", 1.0, 0.0, 1.0, above_lo=True)
     # No seed: a fresh one, so that two sampled answers to one prompt differ, as with OpenAI's API.
-    seed = fields.get("seed", secrets.randbits(63))
-    if not is_int(seed) or not 0 <= seed < 2**63:
-        raise bad(f"seed must be an integer in [0, 2**63), got {seed!r}", "seed")
-    top_k = fields.get("top_k", 0)
-    if not is_int(top_k) or top_k < -1:
-        raise bad(f"top_k must be an integer: -1 or 0 for every token, or k >= 1, got {top_k!r}", "top_k")
+    given = fields.get("seed", secrets.randbits(63))
+    seed = integer(given)
+    # vLLM's range (a signed 64-bit integer); a negative one is taken as `generate --seed` takes it.
+    if seed is None or not -(2**63) <= seed < 2**63:
+        raise bad(f"seed must be an integer in [-2**63, 2**63), got {given!r}", "seed")
+    seed %= 2**64
+    given = fields.get("top_k", 0)
+    top_k = integer(given)
+    if top_k is None or top_k < -1:
+        raise bad(f"top_k must be an integer: -1 or 0 for every token, or k >= 1, got {given!r}", "top_k")
     repetition = fields.get("repetition_penalty", 1.0)
     if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0 < repetition < float("inf"):
         raise bad(f"repetition_penalty must be a number > 0 (1 is none), got {repetition!r}", "repetition_penalty")
     repetition = float(repetition)
-    min_tokens = fields.get("min_tokens", 0)
-    if not is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
-        raise bad(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
+    given = fields.get("min_tokens", 0)
+    min_tokens = integer(given)
+    if min_tokens is None or not 0 <= min_tokens <= max_tokens:
+        raise bad(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {given!r}", "min_tokens")
     stop_token_ids = _token_ids(fields.get("stop_token_ids", []), vocab, "stop_token_ids")
     if min_tokens and len(set(stop_token_ids)) >= vocab:
         raise bad(f"min_tokens={min_tokens} with every token in stop_token_ids leaves no token to generate", "min_tokens")
@@ -231,8 +261,29 @@ def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -
     )
 
 
+def integer(v) -> int | None:
+    """v as an integer field takes it: a JSON integer, or a float with no fraction (2.0, as some
+    clients' JSON writes a whole number, and vLLM's parser takes it); None for anything else (JSON's
+    true is not 1)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
 def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return integer(v) is not None
+
+
+def token_ids(ids, vocab: int) -> list[int] | None:
+    """ids as a list of token ids in [0, vocab); None when it is not one."""
+    if not isinstance(ids, list):
+        return None
+    out = [integer(t) for t in ids]
+    return out if all(t is not None and 0 <= t < vocab for t in out) else None
 
 
 def _number(fields: dict, name: str, default: float, lo: float, hi: float, above_lo: bool = False) -> float:
@@ -252,9 +303,10 @@ def flag(fields: dict, name: str, default: bool) -> bool:
 
 
 def _token_ids(ids, vocab: int, name: str) -> tuple[int, ...]:
-    if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
+    out = token_ids(ids, vocab)
+    if out is None:
         raise bad(f"{name} must be an array of token ids in [0, {vocab}), got {ids!r}", name)
-    return tuple(ids)
+    return tuple(out)
 
 
 def _logit_bias(bias, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -279,9 +331,11 @@ def _stream_options(options, stream: bool) -> bool:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise bad(f"stream_options takes only {{\"include_usage\": bool}}, got {options!r}", "stream_options")
-    if options.get("continuous_usage_stats", False) is not False:
+    if options.get("continuous_usage_stats") not in (None, False):
         raise bad("stream_options.continuous_usage_stats is not supported by this server", "stream_options")
-    include = options.get("include_usage", False)
+    include = options.get("include_usage")
+    if include is None:
+        return False  # null: the default, as at the top level
     if not isinstance(include, bool):
         raise bad(f"stream_options.include_usage must be true or false, got {include!r}", "stream_options")
     return include
@@ -315,10 +369,11 @@ def _prompt(prompt, encode, vocab: int) -> list[int]:
             raise bad("the prompt is empty", "prompt")
         return encode(prompt)
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        for i, t in enumerate(prompt):
+        ids = [integer(t) for t in prompt]
+        for i, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} at position {i} of the prompt is outside the vocab [0, {vocab})", "prompt")
-        return list(prompt)
+        return ids
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad(f"this server takes one prompt per request, got {len(prompt)}", "prompt")
     raise bad("prompt must be a non-empty string or a non-empty array of token ids", "prompt")

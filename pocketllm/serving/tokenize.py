@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pocketllm.serving.admission import encode
 from pocketllm.serving.errors import bad
-from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, is_int, known_fields
+from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, known_fields, token_ids
 
 _COMMON = {"model", "add_special_tokens", "return_token_strs"}
 _TEXT = _COMMON | {"prompt"}
@@ -43,7 +43,7 @@ def tokenize(body, limits: Limits, tokenizer, render) -> dict:
 def detokenize(body, limits: Limits, tokenizer) -> dict:
     fields = known_fields(body, {"model", "tokens"}, {})
     check_model(fields, limits, required=False)
-    tokens = fields.get("tokens")
-    if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < limits.vocab_size for t in tokens):
+    tokens = token_ids(fields.get("tokens"), limits.vocab_size)
+    if tokens is None:
         raise bad(f"tokens must be an array of token ids in [0, {limits.vocab_size})", "tokens")
     return {"prompt": tokenizer.decode(tokens, skip_special_tokens=False)}
