@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 
-from common import Parser, PocketRunner, alternate, checkpoint_dir, run_bench_json, script, spread
+from common import Parser, PocketRunner, alternate, checkpoint_dir, even_reps, run_bench_json, script, spread
 
 from pocketllm.inputs import bench_ids
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--reps", type=int, default=6, help="even, so each side runs first equally often (default 6)")
+    p.add_argument("--reps", type=even_reps, default=6, help="even, so each side runs first equally often (default 6)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.inner:

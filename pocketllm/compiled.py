@@ -172,7 +172,8 @@ def unbuilt(loaded: tuple[ctypes.CDLL | None, str], isa_symbol: str) -> str:
     if lib is None:
         return why
     isa = getattr(lib, isa_symbol)().decode()
-    return isa if isa.startswith("unavailable") else ""
+    # The reason alone, as a failed build gives it: callers say what is unavailable.
+    return isa.removeprefix("unavailable: ") if isa.startswith("unavailable") else ""
 
 
 def source_digest(source: Path) -> str:

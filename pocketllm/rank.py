@@ -110,7 +110,7 @@ def same_settings(renv: RankEnv, plan_json: str) -> None:
         if keys:
             said = "; ".join(f"{_flag(k)} {_shown(theirs.get(k))} on rank {rank}, {_shown(every[0].get(k))} on rank 0" for k in keys)
             raise UsageError(f"the ranks were started with different settings: {said} (every rank's command must be rank 0's "
-                             "but for --tp-rank and --device)")
+                             "but for --tp-rank, --device, --dist-timeout and its output files)")
 
 
 def _flat(doc: dict, prefix: str = "") -> dict:

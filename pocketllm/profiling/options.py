@@ -65,7 +65,7 @@ def profile_options(
     if split_skew and not phase:
         raise UsageError("--split-skew splits the phase profile's all-reduce time: add --phase-profile (or POCKETLLM_PHASE_PROFILE=1)")
     if profile_out is not None and not (phase or host):
-        raise UsageError("--profile-out needs a profile: add --phase-profile or --host-profile (or POCKETLLM_PHASE_PROFILE=1)")
+        raise UsageError("--profile-out needs a profile: add --phase-profile or --host-profile (or POCKETLLM_PHASE_PROFILE=1 or POCKETLLM_HOST_PROFILE=1)")
     if profile_out is not None:
         _check_out_dir("--profile-out", profile_out)
     if trace_out is not None:
