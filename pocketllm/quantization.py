@@ -46,8 +46,9 @@ class WeightScheme:
 _SCHEME = re.compile(r"^int4(?:-g(\d+))?(-asym)?$")
 
 
-def parse_scheme(text: str, flag: str = "--quantize") -> WeightScheme | None:
-    """A `--quantize` value -> its scheme; "none" -> None. One-line usage error otherwise."""
+def parse_scheme(text: str, flag: str = "--quantize", none: bool = True) -> WeightScheme | None:
+    """A `--quantize` value -> its scheme; "none" -> None (where `none` is one). One-line usage
+    error otherwise."""
     value = (text or "").strip().lower()
     if value == "none":
         return None
@@ -58,7 +59,7 @@ def parse_scheme(text: str, flag: str = "--quantize") -> WeightScheme | None:
         group = int(m.group(1)) if m.group(1) else DEFAULT_INT4_GROUP
         if group in INT4_GROUPS:
             return WeightScheme(4, group, symmetric=m.group(2) is None)
-    raise UsageError(f"{flag} {text!r} is not a scheme: use {SCHEME_HELP}")
+    raise UsageError(f"{flag} {text!r} is not a scheme: use {SCHEME_HELP if none else SCHEME_HELP.removeprefix('none, ')}")
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,9 @@ def test_quantize_usage_errors(no_ranks, capsys, tiny_ckpt, tmp_path):
     usage_error_in_process(capsys, "generate", "--ckpt", packed, "--quantize", "int4", "--token-ids", "1", expect=("stored quantized (int8)",))
     usage_error_in_process(capsys, "quantize", "--ckpt", packed, "--out", tmp_path / "again", "--scheme", "int4", expect=("already quantized",))
     usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", tmp_path / "x", "--scheme", "none", expect=("--scheme none",))
+    # The schemes it lists are the ones it takes: none is not one here.
+    line = usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", tmp_path / "x", "--scheme", "int5", expect=("'int5' is not a scheme: use int8,",))
+    assert "none" not in line
 
 
 def test_a_broken_packed_checkpoint_is_named(tiny_ckpt, tmp_path, capsys, no_ranks):

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    scheme = parse_scheme(args.scheme, "--scheme")
+    scheme = parse_scheme(args.scheme, "--scheme", none=False)
     if scheme is None:
         raise UsageError(f"--scheme none writes nothing new: use {SCHEME_HELP.removeprefix('none, ')}")
     if args.max_shard_mib < 1:
