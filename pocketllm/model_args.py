@@ -21,6 +21,7 @@ from pocketllm.loader.model_tensors import ModelTensor, model_tensors
 from pocketllm.loader.checks import UNSET, check_split, plan_weights, validate_source
 from pocketllm.ops.gdn_choice import KernelChoice, plan_gdn_kernel
 from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
+from pocketllm.out_file import is_special
 from pocketllm.quantization import SCHEME_HELP, parse_scheme
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import bf16_layout, forces_kernels
@@ -266,6 +267,13 @@ def check_out_path(path: str | None, flag: str, ckpt: str | None = None) -> None
         raise UsageError(f"{flag} {path}: directory {directory} does not exist")
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a directory; give the file to write")
+    if is_special(path):
+        # /dev/null, /dev/stdout, a FIFO: written into (pocketllm.out_file), so it must take writes.
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {path}: is not writable by this user")
+        return
+    # A regular file is written beside itself (through a link, beside its target) and renamed.
+    directory = os.path.dirname(os.path.realpath(path))
     if not os.access(directory, os.W_OK):
         raise UsageError(f"{flag} {path}: directory {directory} is not writable")
     if ckpt is not None and os.path.isdir(ckpt):

@@ -3,7 +3,6 @@ this machine's backend, ending in the fit time = fixed + bytes / bandwidth."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
 from pocketllm.commands.ranked import run_without_model
@@ -11,6 +10,7 @@ from pocketllm.commands.settings import DEFAULT_WORLD, model_free_run_plan
 from pocketllm.errors import UsageError
 from pocketllm.flags import parse_size, size_ladder
 from pocketllm.model_args import DTYPES, add_rank_args, check_dtype, check_out_path, parse_dtype, say
+from pocketllm.out_file import write_json
 from pocketllm.run_plan import RunPlan
 
 
@@ -69,8 +69,7 @@ def _work(run, device, _inputs) -> int:
                 "sizes": [asdict(r) for r in results],
                 "fit": fit.to_json(),
             }
-            with open(t.json, "w") as f:
-                json.dump(out, f, indent=2)
+            write_json(t.json, "--json", out)
     return 0
 
 

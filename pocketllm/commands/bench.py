@@ -7,7 +7,6 @@ the seed's name, taking the seed's section 8 rank command as written (docs/seed.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 
 from pocketllm.commands.ranked import run_with_model
@@ -17,6 +16,7 @@ from pocketllm.flags import add_warmup_arg, check_warmup_tokens
 from pocketllm.inputs import PromptSource, checked_bench_ids, prompt_ids
 from pocketllm.model_args import add_model_args, check_out_path, say
 from pocketllm.profiling import kernel_profile
+from pocketllm.out_file import write_json
 from pocketllm.run_plan import RunPlan
 from pocketllm.startup import seconds_since_start
 
@@ -157,9 +157,8 @@ def _work(run, plan, ids, engine, device) -> int:
                 "decode_ops": engine.model.decode_ops.describe(),
                 "decode_step": engine.describe_step(),
             }
-            with open(t.json, "w") as f:
-                extra = {**({"limits": shares} if shares else {}), **({"kernel_profile": profiled} if profiled else {})}
-                json.dump({**result, **extra, "settings": settings}, f, indent=2)
+            extra = {**({"limits": shares} if shares else {}), **({"kernel_profile": profiled} if profiled else {})}
+            write_json(t.json, "--json", {**result, **extra, "settings": settings})
     return 0
 
 

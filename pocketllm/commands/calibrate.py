@@ -13,7 +13,6 @@ without torch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -24,6 +23,7 @@ from pocketllm.distributed.policy import CalibratedPolicy, resolve_ceiling
 from pocketllm.errors import UsageError
 from pocketllm.flags import parse_positive_list
 from pocketllm.model_args import add_rank_args, add_source_args, check_out_path, model_plan, say
+from pocketllm.out_file import write_json
 from pocketllm.run_plan import RunPlan, SlicePlan
 
 ALLREDUCE_FIT_ITERS = 10
@@ -117,8 +117,7 @@ def _work(run, device, inputs) -> int:
         # The all-reduce the points were timed on (shm or the backend's): a file made on one
         # prices slicing wrongly for the other.
         extra = {"collective": collective.name(), "model": plan.model_name, "layers": plan.cfg.num_layers, "unit": unit_text, "reps": t.reps, "threads_per_rank": torch.get_num_threads()}
-        with open(t.out, "w") as f:
-            json.dump(cal.to_json() | extra, f, indent=2)
+        write_json(t.out, "--out", cal.to_json() | extra)
         print(f"wrote {t.out}: {policy.describe()}", flush=True)
     return 0
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pocketllm.commands.settings import model_run_plan, tuple_or_none
 from pocketllm.errors import UsageError
 from pocketllm.inputs import PromptSource, load_tokenizer, prompt_list
 from pocketllm.model_args import add_model_args, check_out_path
+from pocketllm.out_file import write_out
 from pocketllm.run_plan import RunPlan
 
 
@@ -117,6 +117,7 @@ class TextStream:
 
 def _work(run, plan, prompts, engine, device) -> int:
     # A rank's imports: the launcher imports this module to check, and never imports torch.
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from pocketllm.distributed.state import tp
@@ -135,10 +136,15 @@ def _work(run, plan, prompts, engine, device) -> int:
 
     def save_prompt_logits(logits) -> None:
         if tp().rank == 0:
-            save_file({"logits": logits.cpu().contiguous()}, t.logits_out)
-            # safetensors writes through a private temporary file (mode 0600): given the mode any
-            # file this process creates gets, as the checkpoints written here have.
-            os.chmod(t.logits_out, 0o666 & ~_umask())
+            tensors = {"logits": logits.cpu().contiguous()}
+
+            def write(path: str) -> None:
+                try:
+                    save_file(tensors, path)
+                except SafetensorError as exc:  # its I/O errors (a full disk) are its own type
+                    raise OSError(str(exc).rsplit("I/O error: ", 1)[-1]) from None
+
+            write_out(t.logits_out, "--logits-out", write)
 
     stream = TextStream(load_tokenizer(ckpt)) if t.stream and tp().rank == 0 else None
     out = generate(engine, prompts[0], new_tokens, sampling, eos, save_prompt_logits if t.logits_out else None, stream)
@@ -152,12 +158,6 @@ def _work(run, plan, prompts, engine, device) -> int:
     else:
         _print_outputs(ckpt, [out])
     return 0
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _print_outputs(ckpt: str | None, outputs: list[list[int]]) -> None:

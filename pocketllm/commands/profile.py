@@ -9,7 +9,6 @@ imports the engine's modules where it runs."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from pocketllm.profiling.tables import (
     collective_table,
     two_point_fit,
 )
+from pocketllm.out_file import write_json
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
 
@@ -121,8 +121,7 @@ def _report(run, plan, device, runs: list[dict]) -> None:
             "runs": runs,
             "collective": {"points": points, "fit": fit},
         }
-        with open(t.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        write_json(t.json, "--json", doc)
 
 
 def _pick_rep(samples: list[dict], pick: str) -> int:

@@ -8,7 +8,6 @@ imports the engine's modules where it runs."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, checked_bench_ids
 from pocketllm.model_args import add_overlap_args, add_profiling_args, add_rank_args, add_source_args, check_out_path, checked_for_run, say
+from pocketllm.out_file import write_json
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
 
@@ -164,8 +164,7 @@ def _work(run, plan, inputs, engine, device) -> int:
         "calibration": run.slices.calibration or env_value(os.environ, ENV_CALIBRATION),
     }
     if t.json:
-        with open(t.json, "w") as f:
-            json.dump({"settings": settings_json, "runs": records, **report}, f, indent=2)
+        write_json(t.json, "--json", {"settings": settings_json, "runs": records, **report})
     if t.plot:
         title = f"{plan.model_name}, {plan.cfg.num_layers} layers, TP={tp().world} {settings_json['collective'] or ''}, {run.source.dtype}, {device.describe()}"
         plot_sweep(records, rows_list, [s for s, _ in settings], t.plot, title)
