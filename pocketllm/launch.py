@@ -38,6 +38,7 @@ from pocketllm import rank_failures, topology
 from pocketllm.device_kind import ENV_PIN_CPUS, ENV_RANK_CPUS, allowed_cpus
 from pocketllm.distributed import rendezvous, waiting
 from pocketllm.errors import UsageError
+from pocketllm.interrupts import STOPS
 from pocketllm.run_plan import ENV_PLAN, RunPlan
 from pocketllm.switches import env_switch, env_value
 
@@ -88,7 +89,8 @@ def spawn_local_ranks(run: RunPlan, forward_signals: bool = False, checked=None)
         except BlockingIOError:
             pass
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: a closed terminal stops the run as `kill` does, and the directory is removed.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, *STOPS)}
     try:
         checked_path = _write_checked(rdzv_dir, checked)
         for rank, cpus in enumerate(shares):
@@ -157,11 +159,11 @@ def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], 
             if signals and forward and forwarded_at is None:
                 forwarded_at = time.monotonic()
                 if procs[0].poll() is None:
-                    procs[0].send_signal(signals[0])
+                    procs[0].send_signal(_passed_on(signals[0]))
             elif signals and (not forward or len(signals) > 1 or time.monotonic() - forwarded_at > FORWARDED_SIGNAL_GRACE_SECONDS):
                 return signal.Signals(signals[0]).name
             failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed and forwarded_at is not None and procs[0].returncode in (-signals[0], 128 + signals[0], 130):
+            if failed and forwarded_at is not None and procs[0].returncode in (-_passed_on(signals[0]), 128 + _passed_on(signals[0]), 130):
                 # Rank 0 ended of the signal passed on to it, before it could take it as a stop
                 # (still starting): the run was stopped, not failed.
                 return signal.Signals(signals[0]).name
@@ -180,6 +182,12 @@ def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], 
     finally:
         for fd in sentinels:
             os.close(fd)
+
+
+def _passed_on(signum: int) -> int:
+    """The signal rank 0 gets for one the launcher got: SIGHUP as SIGTERM, which rank 0 (serve)
+    takes as a stop."""
+    return signal.SIGTERM if signum == signal.SIGHUP else signum
 
 
 def _pidfds(procs: list[subprocess.Popen]) -> dict[int, int]:

@@ -102,7 +102,7 @@ def test_hung_rank_ends_in_a_collective_timeout(hung_run):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_signal_to_the_launcher_ends_every_rank(sig, tmp_path):
     # A hung rank with a long timeout keeps the run alive until the signal.
     segments = shm_segments()

@@ -46,20 +46,21 @@ def test_an_empty_out_is_written_with_a_plain_directorys_mode(tiny_ckpt, tmp_pat
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-@pytest.mark.parametrize("how", ["error", "sigterm"])
+@pytest.mark.parametrize("how", ["error", "SIGTERM", "SIGHUP"])
 def test_a_failed_or_interrupted_write_leaves_nothing(tmp_path, how):
+    """SIGHUP as SIGTERM: the terminal a write was started from closed."""
     out = check_new_dir(str(tmp_path / "out"))
     raised = RuntimeError if how == "error" else KeyboardInterrupt
-    before = signal.getsignal(signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     with pytest.raises(raised):
         with written_whole(out) as work:
             (work / "model.safetensors").write_bytes(b"\0" * 1024)
             if how == "error":
                 raise RuntimeError("the writer failed")
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, how))
             time.sleep(5)  # the handler raises at the next bytecode, long before this ends
     assert list(tmp_path.iterdir()) == []
-    assert signal.getsignal(signal.SIGTERM) == before
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_a_work_directory_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path, capsys):

@@ -126,12 +126,14 @@ def test_a_file_removed_after_it_was_read_is_not_made_again_by_a_refused_rank(tm
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_to_a_waiting_rank0_clears_its_file(tmp_path):
-    """Unlike SIGKILL above, SIGTERM can be caught: a hand-started rank 0 waiting for the others
-    ends as an interrupted run, and leaves no file to refuse the next one."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_sigterm_to_a_waiting_rank0_clears_its_file(tmp_path, sig):
+    """Unlike SIGKILL above, SIGTERM (or SIGHUP, its terminal closed) can be caught: a
+    hand-started rank 0 waiting for the others ends as an interrupted run, and leaves no file to
+    refuse the next one."""
     id_path = tmp_path / "run.id"
     rank0 = waiting_rank0(id_path, tmp_path)
-    rank0.proc.send_signal(signal.SIGTERM)
+    rank0.proc.send_signal(sig)
     assert rank0.wait() == 130, rank0.stderr
     assert "Traceback" not in rank0.stderr and rank0.stderr.strip().splitlines()[-1] == "pocketllm: interrupted", rank0.stderr
     assert not id_path.exists() and not (tmp_path / "run.id.store").exists()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
+from pocketllm.interrupts import STOPS
 from pocketllm.serving import wire
 
 # The most the HTTP process gets, once the engine closed or failed, to answer its open connections
@@ -44,7 +45,7 @@ def end_http(proc: subprocess.Popen, link: socket.socket, grace: float = HTTP_EX
 
 @contextmanager
 def stop_on_signals(request_stop):
-    """SIGINT and SIGTERM call request_stop (which only sets a flag), and wake the engine's idle
+    """SIGINT, SIGTERM and SIGHUP call request_stop (which only sets a flag), and wake the engine's idle
     wait through the descriptor given to the body; a second signal ends the process at once."""
     r, w = os.pipe()
     os.set_blocking(w, False)
@@ -58,7 +59,7 @@ def stop_on_signals(request_stop):
             os._exit(128 + signum)
         request_stop()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, *STOPS)}
     old_fd = signal.set_wakeup_fd(w)
     try:
         yield r
