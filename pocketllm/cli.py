@@ -140,13 +140,35 @@ def exit_with(code: int) -> NoReturn:
 def script() -> NoReturn:
     """The `pocketllm` console script (and `python -m pocketllm`)."""
     startup.owned()
+    _open_standard_streams()
     exit_with(main())
 
 
 def engine_script() -> NoReturn:
     """The `pocketllm_engine` console script."""
     startup.owned()
+    _open_standard_streams()
     exit_with(engine_main())
+
+
+def _open_standard_streams() -> None:
+    """A process started with stdin, stdout or stderr closed (`>&-`, a daemon's start) gets
+    /dev/null there, as the shell's `>/dev/null` would give it: Python leaves sys.stdout None
+    (a write or flush of it was a traceback), and the next file this process or a rank it starts
+    opened took the closed number (with stderr closed, the ranks' notes went into stdout, mixed
+    with the results)."""
+    for fd, name, flags in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, flags)  # the lowest free number: fd itself, lower ones being open
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 def _tell_the_other_ranks(argv: list[str], message: str) -> None:

@@ -4,13 +4,14 @@ generation unless --ignore-eos. (Seeded sampling at every world size: test_hf_or
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
 
 import pytest
 
-from conftest import CLI_ENTRY, TAG, cli_env, generated_ids, main_in_process, tagged
+from conftest import CLI_ENTRY, TAG, cli_env, generated_ids, main_in_process, run_cli, tagged
 
 PROMPT = "11,12,13,14,15,16,17,18,19,20"
 
@@ -73,3 +74,16 @@ def test_several_prompts_texts_are_one_json_line_each_and_ids_without_text_are_n
     past = sum(t >= 256 for i in ids for t in i)
     assert past, ids
     assert f"note: {past} of the 16 generated ids are past tokenizer.json's 256 tokens and show no text" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_stdout_or_stderr_is_taken_as_dev_null():
+    """`>&-` or a daemon's start: stdout closed, the run ends 0 with no traceback (sys.stdout was
+    None); stderr closed at TP=2, the ranks' notes do not land among the results on stdout (the
+    next file opened took the closed number)."""
+    args = ("generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", "2")
+    closed_out = run_cli(*args, preexec_fn=lambda: os.close(1))
+    assert closed_out.returncode == 0 and "Traceback" not in closed_out.stderr, closed_out.stderr
+    closed_err = run_cli(*args, "--tp-world", "2", preexec_fn=lambda: os.close(2))
+    assert closed_err.returncode == 0 and len(closed_err.stdout.splitlines()) == 1, closed_err.stdout
+    assert closed_err.stdout.startswith("generated_ids=")
