@@ -15,7 +15,7 @@ from pocketllm.errors import UsageError
 from pocketllm.place import under_torchrun
 from pocketllm.run_plan import RunPlan, received
 from pocketllm.stdout_gone import EXIT_STATUS as STDOUT_GONE
-from pocketllm.stdout_gone import quiet_stdout, stdout_gone
+from pocketllm.stdout_gone import guard_stdout, quiet_stdout, stdout_gone
 from pocketllm.switches import check_switches, environment_notes
 
 # name -> (module under pocketllm, help); each module's add_arguments adds the shared flag groups
@@ -169,6 +169,7 @@ def _open_standard_streams() -> None:
             os.close(null)
         if getattr(sys, name) is None:
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+    guard_stdout()
 
 
 def _tell_the_other_ranks(argv: list[str], message: str) -> None:

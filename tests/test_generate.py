@@ -87,3 +87,13 @@ def test_a_closed_stdout_or_stderr_is_taken_as_dev_null():
     closed_err = run_cli(*args, "--tp-world", "2", preexec_fn=lambda: os.close(2))
     assert closed_err.returncode == 0 and len(closed_err.stdout.splitlines()) == 1, closed_err.stdout
     assert closed_err.stdout.startswith("generated_ids=")
+
+
+@pytest.mark.timeout(60)
+def test_results_that_cannot_be_written_to_stdout_are_one_line():
+    """`> file` on a full disk (here the full device): the one line says so, exit 2."""
+    cmd = [sys.executable, "-c", CLI_ENTRY, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", "2"]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=50)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == "pocketllm: error: cannot write the results to stdout (No space left on device)"
