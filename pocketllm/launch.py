@@ -117,7 +117,8 @@ def spawn_local_ranks(run: RunPlan, forward_signals: bool = False, checked=None)
             print(f"pocketllm: error: got {outcome}; stopped every rank", file=sys.stderr, flush=True)
             return 128 + getattr(signal, outcome)
         rank, stopped = outcome
-        line, status = rank_failures.failed_rank_line(rank, procs[rank].returncode, rank_failures.read_report(rdzv_dir, rank), stopped)
+        line, status = rank_failures.failed_rank_line(rank, procs[rank].returncode, rank_failures.read_report(rdzv_dir, rank), stopped,
+                                                      run.device.backend)
         if line:
             print(line, file=sys.stderr, flush=True)
         return status

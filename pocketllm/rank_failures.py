@@ -150,23 +150,23 @@ def _consequence(code: int | None, report: dict | None) -> int:
     return _CONSEQUENCE.get(report["kind"], 1)
 
 
-def failed_rank_line(rank: int, code: int | None, report: dict | None, stopped: bool) -> tuple[str, int]:
+def failed_rank_line(rank: int, code: int | None, report: dict | None, stopped: bool, backend: str = "gloo") -> tuple[str, int]:
     """The launcher's last line for a run that rank `rank` ended ("" for none), and the launcher's
     exit status. `stopped`: the rank was still running when the others were stopped, so its exit
-    status is the launcher's signal, not its own failure."""
+    status is the launcher's signal, not its own failure. `backend`: the run's collectives'."""
     if report and report["kind"] == "usage":
         return f"pocketllm: error: {report['line']}", 2
     if report and report["kind"] == STDOUT_GONE:
         # Nothing to say to a reader that left, as a single process would say nothing.
         return "", stdout_gone.EXIT_STATUS
     # A rank stopped by the launcher still exiting: its report says why, the signal would not.
-    how = "" if stopped and report else f" ({describe_exit(code)})"
+    how = "" if stopped and report else f" ({describe_exit(code, backend)})"
     detail = f": {report['line']}" if report else ""
     return f"pocketllm: error: rank {rank} failed{how}{detail}", 1
 
 
-def describe_exit(code: int) -> str:
-    if code == -signal.SIGABRT:
+def describe_exit(code: int, backend: str = "gloo") -> str:
+    if code == -signal.SIGABRT and backend in ("nccl", "hccl"):
         # NCCL's (and HCCL's) watchdog aborts a rank whose collective timed out or failed.
         return "killed by signal SIGABRT: on NCCL/HCCL, the watchdog's abort after a collective timed out or failed"
     if code < 0:

@@ -169,9 +169,12 @@ def test_collective_failures_are_classified(exc, kind):
 
 
 def test_an_aborted_rank_is_described_as_the_watchdog_would_have_it():
+    """Only where a watchdog runs: on gloo an abort is the process's own (a failed allocation)."""
     from pocketllm.rank_failures import describe_exit
 
-    assert "watchdog" in describe_exit(-signal.SIGABRT) and "NCCL" in describe_exit(-signal.SIGABRT)
+    for backend in ("nccl", "hccl"):
+        assert "watchdog" in describe_exit(-signal.SIGABRT, backend) and "NCCL" in describe_exit(-signal.SIGABRT, backend)
+    assert describe_exit(-signal.SIGABRT, "gloo") == "killed by signal SIGABRT"
     assert describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
 
 
