@@ -149,7 +149,10 @@ def compiled_gemv(prefetch: int, ahead: int = 0, group: bool = False) -> Kernel:
     symbol = "gemv_bf16_group" if group else "gemv_bf16"
 
     def entry():
-        # Only ever called after unavailable() built the library, which set both.
+        # Set when the library is first loaded (unavailable() loads it before any choice names
+        # this kernel); loaded here for a kernel bound without that check (a choice made by hand).
+        if _configured is None:
+            _compiled_library()
         return _c_gemv_group if group else _c_gemv
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
