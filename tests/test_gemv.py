@@ -103,6 +103,14 @@ def test_a_bound_projection_runs_the_kernel_chosen_for_each_row_count(invariant)
         if invariant:
             # Each row alone, whatever the count: the one-row kernel's bits.
             assert torch.equal(bound.alone(x), torch.cat([bound(x[i : i + 1]) for i in range(rows)]))
+    # What rank 0 prints and bench --json records is what runs, not the choice set aside.
+    lines = kernels.describe()
+    runs = {doc["rows"]: doc["runs"] for doc in kernels.to_json() if doc["kind"] == "few-row"}
+    if invariant:
+        assert lines[1].endswith("; batch-invariant, what runs instead: 16x32 mv per row") and runs[2] == {"12x32": "c", "16x32": "mv per row"}
+        assert lines[2].endswith("; batch-invariant, what runs instead: 12x32 c") and runs[8] == {"12x32": "c"}
+    else:
+        assert not any("instead" in line for line in lines) and runs == {2: {"12x32": "c", "16x32": "c"}, 8: {"12x32": "mm"}}
 
 
 def test_a_forced_few_row_kernel_that_sums_by_the_call_needs_invariance_off():

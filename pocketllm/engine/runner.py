@@ -168,7 +168,7 @@ class Engine:
             self._choose_step()
             for choice in new:
                 if self.say is not None:
-                    self.say(choice.describe())
+                    self.say(self.kernels.line(choice))
         if hasattr(self.step, "prepare"):
             # A captured step is captured now, for these slots, not on the first request; one
             # that cannot be leaves the layers' path, saying why.

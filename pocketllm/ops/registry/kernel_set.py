@@ -226,11 +226,39 @@ class KernelSet:
         return BoundKernels(weight, small, many)
 
     def describe(self) -> list[str]:
-        """One line per choice, for rank 0 to print."""
-        return [c.describe() for c in self.choices]
+        """One line per choice, for rank 0 to print: a few-row choice whose rows run otherwise
+        (bind: batch-invariant, no few-row kernel sums like the one-row choice) says what runs."""
+        return [self.line(c) for c in self.choices]
+
+    def line(self, c: Choice) -> str:
+        instead = self._instead(c)
+        shown = ", ".join(f"{k[0]}x{k[1]} {name}" if isinstance(k, tuple) else name for k, name in instead.items())
+        return c.describe() + (f"; batch-invariant, what runs instead: {shown}" if instead else "")
 
     def to_json(self) -> list[dict]:
-        return [c.to_json() for c in self.choices]
+        out = []
+        for c in self.choices:
+            doc = c.to_json()
+            for key, name in self._instead(c).items():
+                doc["runs"][f"{key[0]}x{key[1]}" if isinstance(key, tuple) else c.probe or key] = name
+            out.append(doc)
+        return out
+
+    def _instead(self, c: Choice) -> dict:
+        """The keys of a few-row choice `c` whose calls bind() gives another kernel, and what they
+        run: the few-row form of the one-row choice, or that kernel on each row in turn."""
+        one = self._find(c.fmt, ONE)
+        if not self.invariant or c.kind.rows != FEW or one is None:
+            return {}
+        out = {}
+        for key in c.by_key:
+            mine, theirs = c.runs(key), one.runs(key)
+            order = one.kind.by_name[theirs].row_order
+            if order and c.kind.by_name[mine].row_order == order:
+                continue
+            same = c.kind.by_name.get(theirs)
+            out[key] = theirs if same is not None and order and same.row_order == order else f"{theirs} per row"
+        return out
 
 
 def _by_format(weights: list) -> dict[str, list]:
