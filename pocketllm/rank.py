@@ -61,13 +61,18 @@ def checked_on_rank0(renv: RankEnv, check, join, env=os.environ):
     """Rank 0 runs check(), once, and every rank gets its result (or its one-line error) over the
     process group that join() sets up, so all ranks run on the same checked inputs or all stop.
     Under the launcher, which ran the same check before it started any rank, rank 0 shares the
-    launcher's result instead of checking again."""
+    launcher's result instead of checking again. A hand-started rank 0 whose check fails stops at
+    once, before the rendezvous, as a refused command does (the CLI tells the other ranks in its
+    --rendezvous-file: rendezvous.tell_the_others): it waited there for them first, up to the
+    bound (2 minutes), before it said what was wrong."""
     verdict = None
     if renv.rank == 0:
         launched, checked = launcher_checked(env) if renv.file_store is not None else (False, None)
         try:
             verdict = (True, checked if launched else check())
         except UsageError as exc:
+            if renv.id_path is not None:
+                raise
             verdict = (False, str(exc))
     try:
         join()

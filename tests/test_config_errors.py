@@ -96,7 +96,8 @@ def test_junk_token_ids_file_is_one_line(content, message, tmp_path, capsys, no_
 
 @pytest.mark.timeout(60)
 def test_hand_started_ranks_agree_on_rank0_verdict(ckpt_copy, tmp_path):
-    """Rank 1 does not check the inputs itself: it gets rank 0's verdict and stops quietly with it."""
+    """Rank 1 does not check the inputs itself: rank 0 stops at once with its verdict, before the
+    rendezvous (it waited there for rank 1 first), and rank 1 stops with it, naming rank 0."""
     corrupt(ckpt_copy, CONFIG_CASES["layer-types-unknown"][0])
     id_path = tmp_path / "run.id"
     # A rank 1 left waiting would end only at its 45 s timeout, well past the bound below.
@@ -105,7 +106,8 @@ def test_hand_started_ranks_agree_on_rank0_verdict(ckpt_copy, tmp_path):
     assert [r.wait() for r in runs] == [2, 2], runs[0].stderr + runs[1].stderr
     lines0 = runs[0].stderr.strip().splitlines()
     assert len(lines0) == 1 and "layer_types[1] is 'mamba'" in lines0[0], runs[0].stderr
-    assert runs[1].stderr.strip() == "", runs[1].stderr
+    verdict = lines0[0].removeprefix("pocketllm: error: ")
+    assert runs[1].stderr.strip() == f"pocketllm: error: rank 0 stopped before the rendezvous at --rendezvous-file {id_path}: {verdict}", runs[1].stderr
     assert max(r.ended for r in runs) - min(r.started for r in runs) < 30
     assert not id_path.exists()
     for r in runs:
