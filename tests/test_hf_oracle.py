@@ -90,7 +90,8 @@ def generate(mode: str, world: int, ckpt: Path, ids: list[int], new_tokens: int,
         torchrun = Path(sys.executable).with_name("torchrun")
         # No --tp-world: the world size comes from torchrun.
         cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(world), "-m", "pocketllm", *args]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=cli_env())
+        # torchrun makes a log directory in TMPDIR and leaves it: this test's, not the machine's.
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=cli_env(TMPDIR=str(tmp_path)))
         assert r.returncode == 0, r.stderr
         return r.stdout
     assert mode == "by-hand"
