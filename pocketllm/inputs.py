@@ -66,9 +66,13 @@ def bench_ids(n: int, vocab: int) -> list[int]:
 
 def prompt_problem(ids: list[int], vocab: int) -> str:
     """What makes `ids` no prompt for a model of `vocab` tokens ("" when nothing does)."""
+    if not isinstance(ids, (list, tuple)):
+        return f"the prompt must be a list of token ids (ints), got {type(ids).__name__}"
     if not ids:
         return "the prompt is empty: give at least one token"
     for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            return f"token id at position {i} of the prompt is {t!r}, not an int"
         if not 0 <= t < vocab:
             return f"token id {t} at position {i} is outside the vocab [0, {vocab})"
     return ""
@@ -81,8 +85,8 @@ def request_problem(ids: list[int], max_new_tokens: int, vocab: int, max_len: in
     problem = prompt_problem(ids, vocab)
     if problem:
         return problem
-    if max_new_tokens < 0:
-        return f"max_new_tokens must be >= 0, got {max_new_tokens}"
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        return f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}"
     if len(ids) + max_new_tokens > max_len:
         return (f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens is {len(ids) + max_new_tokens}, "
                 f"over the {max_len} positions a sequence may hold")

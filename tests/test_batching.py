@@ -112,10 +112,19 @@ def test_cancel_ends_one_request_and_leaves_the_others_alone(engine, prompts, al
 
 def test_submit_refuses_what_cannot_run(engine):
     sched = Scheduler(engine, 1, 16)
-    for bad, fragment in (([], "empty"), ([5, 1000], "outside the vocab"), ([1] * 10, "over the 16 positions")):
+    for bad, fragment in (([], "empty"), ([5, 1000], "outside the vocab"), ([1] * 10, "over the 16 positions"),
+                          (torch.tensor([1, 2]), "a list of token ids \\(ints\\), got Tensor"), ("hello", "got str"),
+                          ([1.0, 2.0], "position 0 of the prompt is 1.0, not an int"), ([True], "is True, not an int")):
         with pytest.raises(ValueError, match=fragment):
             sched.submit(bad, 7)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got 2.0"):
+        sched.submit([1], 2.0)
     sched.close()
+    # generate's own sizes come from the prompt: a bad one is named as submit names it.
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate(engine, [], 3)
+    with pytest.raises(ValueError, match="no prompts"):
+        generate_batch(engine, [], 3)
     with pytest.raises(ValueError, match="closed"):
         sched.submit([1], 1)
 

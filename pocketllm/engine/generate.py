@@ -17,6 +17,7 @@ from pocketllm.engine.runner import Engine
 from pocketllm.engine.sampling import SamplingParams
 from pocketllm.engine.scheduler import Scheduler
 from pocketllm.engine.slots import pool_blocks
+from pocketllm.inputs import prompt_problem
 
 
 def generate(
@@ -35,6 +36,9 @@ def generate(
     it (on every rank)."""
     # The prompt is read even when no token is asked for (its logits may be); the token its
     # last row chooses is then not reported.
+    problem = prompt_problem(prompt, engine.cfg.vocab_size)
+    if problem:
+        raise ValueError(problem)  # before the scheduler's sizes, which a bad prompt would make
     asked = max(max_new_tokens, 0)
     sched = Scheduler(engine, 1, len(prompt) + max(asked, 1), prefill_budget=len(prompt), lockstep=True)
     rows: list[torch.Tensor] = []
@@ -56,6 +60,8 @@ def generate_batch(engine, prompts: list[list[int]], max_new_tokens: int, sampli
     other than 0 it follows rank 0's passes and returns []. Sampled, prompt i draws with seed
     sampling.seed + i: its own stream (the same prompt twice is two samples), and the tokens it
     gets alone with that seed."""
+    if not prompts:
+        raise ValueError("no prompts: give at least one")
     max_running = min(max_running or len(prompts), len(prompts))
     max_len = max(len(p) for p in prompts) + max_new_tokens
     # The pool: what max_running sequences of max_len fill, or the default budget if smaller.
