@@ -188,7 +188,8 @@ def test_a_narrower_build_gives_the_native_builds_bits(isa):
         h_out, y = torch.empty_like(h), torch.empty_like(h)
         lib.add_rms_norm_rows_bf16(h.data_ptr(), x.data_ptr(), scale.data_ptr(), 1e-6, n, rows, h_out.data_ptr(), y.data_ptr())
         state, conv_state, out = state0.clone(), conv0.clone(), torch.empty(1, hv * dv, dtype=torch.bfloat16)
-        work = kernels.gdn_work(hk, hv, dk, dv)
+        # This build's own scratch size: gdn_work reads the library library() loaded.
+        work = torch.empty(lib.gdn_work_floats(hk, hv, dk, dv), dtype=torch.float32)
         lib.gdn_decode_bf16(
             proj.data_ptr(), taps.data_ptr(), conv_state.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), 1e-6,
             state.data_ptr(), out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),

@@ -61,12 +61,6 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-def _loaded() -> ctypes.CDLL | None:
-    """The decode library, loaded on a first call that no availability check (library())
-    preceded: a kernel called by hand, as a test may."""
-    return library()[0]
-
-
 def attention_library(isa: str = "native") -> tuple[ctypes.CDLL | None, str]:
     """The attention kernel built for one of compiled.ISA_FLAGS' paths, or (None, why not)."""
     if isa not in _attn:
@@ -93,7 +87,7 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tensor, e
         refuse("add_rms_norm_bf16", [("h", h, _BF16, n, True, None), ("x", x, _BF16, n, True, None), ("scale", scale, _F32, n, True, None)])
     h_out = torch.empty_like(h) if x is not None else h
     y = torch.empty_like(h)
-    (_lib or _loaded()).add_rms_norm_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, h.shape[-1], _ptr(h_out if x is not None else None), y.data_ptr())
+    _lib.add_rms_norm_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, h.shape[-1], _ptr(h_out if x is not None else None), y.data_ptr())
     return h_out, y
 
 
@@ -102,7 +96,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not (gate.dtype is _BF16 and up.dtype is _BF16 and up.numel() == gate.numel() and gate.is_cpu and up.is_cpu):
         refuse("silu_mul_bf16", [("gate", gate, _BF16, None, True, None), ("up", up, _BF16, gate.numel(), True, None)])
     out = torch.empty_like(gate)
-    (_lib or _loaded()).silu_mul_bf16(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    _lib.silu_mul_bf16(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
 
 
@@ -129,7 +123,7 @@ def gdn_decode(proj, taps, conv_state, neg_a, dt_bias, norm_w, eps: float, state
         ])
     out = torch.empty(1, hv * dv, dtype=proj.dtype)
     work = gdn_work(hk, hv, dk, dv)
-    (_lib or _loaded()).gdn_decode_bf16(
+    _lib.gdn_decode_bf16(
         proj.data_ptr(), taps.data_ptr(), conv_state.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
         norm_w.data_ptr(), eps, state.data_ptr(), out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),
     )
@@ -173,7 +167,7 @@ def gdn_decode_rows(proj, taps, conv_states, neg_a, dt_bias, norm_w, eps: float,
     out = torch.empty(rows, hv * dv, dtype=proj.dtype)
     work = gdn_work(hk, hv, dk, dv, rows)
     pointers = torch.tensor(conv_ptrs + state_ptrs, dtype=torch.int64)
-    (_lib or _loaded()).gdn_decode_rows_bf16(
+    _lib.gdn_decode_rows_bf16(
         proj.data_ptr(), proj.stride(0), rows, taps.data_ptr(), pointers.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
         norm_w.data_ptr(), eps, pointers.data_ptr() + rows * 8, out.data_ptr(), hk, hv, dk, dv, k, work.data_ptr(),
     )
@@ -184,7 +178,7 @@ def gdn_work(hk: int, hv: int, dk: int, dv: int, rows: int = 1) -> torch.Tensor:
     """gdn_decode_bf16's fp32 scratch (of `rows` rows: gdn_decode_rows_bf16's): it depends on the
     shape alone, so it is made once per shape and reused by every call (a process runs its passes
     one at a time)."""
-    floats = (_lib or _loaded()).gdn_work_floats(hk, hv, dk, dv) * rows
+    floats = _lib.gdn_work_floats(hk, hv, dk, dv) * rows
     work = _gdn_work.get(floats)
     if work is None:
         work = _gdn_work[floats] = torch.empty(floats, dtype=torch.float32)
@@ -284,7 +278,7 @@ def add_rms_norm_rows(h: torch.Tensor, x: torch.Tensor | None, scale: torch.Tens
         refuse("add_rms_norm_rows_bf16", [("h", h, _BF16, None, True, 2), ("x", x, _BF16, h.numel(), True, None), ("scale", scale, _F32, n, True, None)])
     h_out = torch.empty_like(h) if x is not None else h
     y = torch.empty_like(h)
-    (_lib or _loaded()).add_rms_norm_rows_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, n, rows, _ptr(h_out if x is not None else None), y.data_ptr())
+    _lib.add_rms_norm_rows_bf16(h.data_ptr(), _ptr(x), scale.data_ptr(), eps, n, rows, _ptr(h_out if x is not None else None), y.data_ptr())
     return h_out, y
 
 
@@ -298,7 +292,7 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     ):
         refuse("silu_mul_rows_bf16", [("gate", gate, _BF16, None, False, 2), ("up", up, _BF16, gate.numel(), False, 2)])
     out = torch.empty(rows, n, dtype=gate.dtype)
-    (_lib or _loaded()).silu_mul_rows_bf16(gate.data_ptr(), up.data_ptr(), gate.stride(0), n, rows, out.data_ptr())
+    _lib.silu_mul_rows_bf16(gate.data_ptr(), up.data_ptr(), gate.stride(0), n, rows, out.data_ptr())
     return out
 
 
@@ -316,7 +310,7 @@ def conv_silu_rows(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor
             ("x", x, _BF16, None, False, 2), ("taps", taps, _F32, k * ch, True, 2), ("conv_state", conv_state, _BF16, (k - 1) * ch, True, 2),
         ])
     out = torch.empty(t, ch, dtype=_BF16)
-    (_lib or _loaded()).conv_silu_rows_bf16(x.data_ptr(), x.stride(0), t, ch, taps.data_ptr(), k, conv_state.data_ptr(), out.data_ptr())
+    _lib.conv_silu_rows_bf16(x.data_ptr(), x.stride(0), t, ch, taps.data_ptr(), k, conv_state.data_ptr(), out.data_ptr())
     return out
 
 
@@ -332,5 +326,5 @@ def rms_norm_gated_rows(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
             ("x", x, _BF16, None, True, 3), ("z", z, _BF16, x.numel(), False, 3), ("weight", weight, _BF16, dv, True, None),
         ])
     out = torch.empty(t, hv, dv, dtype=_BF16)
-    (_lib or _loaded()).rms_norm_gated_rows_bf16(x.data_ptr(), z.data_ptr(), z.stride(0), hv, weight.data_ptr(), eps, dv, t * hv, out.data_ptr())
+    _lib.rms_norm_gated_rows_bf16(x.data_ptr(), z.data_ptr(), z.stride(0), hv, weight.data_ptr(), eps, dv, t * hv, out.data_ptr())
     return out

@@ -90,14 +90,6 @@ def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
     return lib, why
 
 
-def _ensure_loaded() -> None:
-    """The entry points are set when the library is first loaded: unavailable() loads it before
-    any choice names one of these kernels; a kernel bound without that check (a choice made by
-    hand, as tests make them) loads it on its first call."""
-    if _configured is None:
-        _compiled_library()
-
-
 # How far ahead the few-row c-prefetch asks for each weight row (non-temporally, gemv_bf16.c says
 # why): four cache lines, enough to cover the memory's latency at one core's streaming rate. The
 # one-row kernel reads only whether it is nonzero: it asks for whole rows a fixed count ahead.
@@ -157,7 +149,8 @@ def compiled_gemv(prefetch: int, ahead: int = 0, group: bool = False) -> Kernel:
     symbol = "gemv_bf16_group" if group else "gemv_bf16"
 
     def entry():
-        _ensure_loaded()
+        # Only ever called after unavailable() built the library, which set both (KernelSet.bind
+        # checks every kernel it binds).
         return _c_gemv_group if group else _c_gemv
 
     def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -217,7 +210,7 @@ def _rows_kernel(symbol: str, a: int, b: int) -> Kernel:
             refuse(symbol, rows_specs(x, w, out))
         if not x.is_contiguous():
             x = x.contiguous()
-        _ensure_loaded()
+        # Only ever bound after unavailable() built the library, which filled _c_rows.
         _c_rows[symbol](w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0], a, b)
 
     def native(w: torch.Tensor) -> tuple | None:
@@ -282,13 +275,11 @@ def amx_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         refuse("gemm_rows_amx_bf16", rows_specs(x, w, out))
     if not x.is_contiguous():
         x = x.contiguous()
-    _ensure_loaded()
     _amx_gemm_rows(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], x.shape[0])
 
 
 def amx_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """One row on the AMX tiles: each output the bits it gets as one row of amx_rows."""
-    _ensure_loaded()
     _gemv_call("gemv_amx_bf16", _amx_gemv, x, w, out, 0, 0)
 
 

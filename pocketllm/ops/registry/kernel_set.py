@@ -127,6 +127,7 @@ class KernelSet:
         # gets it from its pass shape instead (layers/context.py: a step of fixed rows).
         self.invariant = batch_invariant(env) and device_type == "cpu"
         self.monitor = monitor or Monitor()
+        self._runs_here: set[tuple] = set()  # kernels _check_runs found runnable
         self.choices: list[Choice] = []
         for c in choices or []:
             self.add(c)
@@ -187,6 +188,7 @@ class KernelSet:
                 raise ValueError(f"no {rows} kernel kind is declared for {fmt} weights")
             name = name or (choice.kernel_for(weight) if choice is not None else kind.default)
             cand = kind.by_name[name]
+            self._check_runs(kind, cand, fmt, weight)
             if form == _ONE and cand.takes_rows:
                 form = _ROWS
             if cand.prepare is None:
@@ -224,6 +226,18 @@ class KernelSet:
                 e = same if same is not None and row_class(rows) == FEW else each
             small[rows] = e
         return BoundKernels(weight, small, many)
+
+    def _check_runs(self, kind, cand, fmt: str, weight) -> None:
+        """A kernel runs only where its unavailable() says it can, which also builds and loads
+        what it calls: choose() checks what it picks, and a set made by hand (as tests make them)
+        is checked here, once per kernel, at bind rather than on every call."""
+        key = (kind.name, kind.family, cand.name, fmt)
+        if key in self._runs_here:
+            return
+        why = cand.unavailable(fmt, weight_device(weight))
+        if why:
+            raise ValueError(f"{kind.name} kernel {cand.name} cannot run here: {why}")
+        self._runs_here.add(key)
 
     def describe(self) -> list[str]:
         """One line per choice, for rank 0 to print: a few-row choice whose rows run otherwise
