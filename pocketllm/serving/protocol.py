@@ -82,9 +82,7 @@ def parse_completion(body, limits: Limits, encode) -> Generation:
     prompt = _prompt(fields["prompt"], lambda text: encode(text, flag(fields, "add_special_tokens", True)), limits.vocab_size)
     logprobs = fields.get("logprobs")
     if logprobs is not None:
-        given, logprobs = logprobs, integer(logprobs)
-        if logprobs is None or not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {given!r}", "logprobs")
+        logprobs = _integer(logprobs, "logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
     gen.echo = flag(fields, "echo", False)
     gen.prompt_text = text
@@ -109,10 +107,7 @@ def parse_chat(body, limits: Limits, render) -> Generation:
         fields["max_tokens"], max_param = fields.pop("max_completion_tokens"), "max_completion_tokens"
     logprobs = None
     if flag(fields, "logprobs", False):
-        given = fields.get("top_logprobs", 0)
-        logprobs = integer(given)
-        if logprobs is None or not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {given!r}", "top_logprobs")
+        logprobs = _integer(fields.get("top_logprobs", 0), "top_logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     elif "top_logprobs" in fields:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     kwargs = fields.get("chat_template_kwargs", {})
@@ -195,10 +190,7 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
             f"leave room for at least one new token", prompt_param, "context_length_exceeded",
         )
     room = limits.max_len - len(prompt)
-    given = fields.get("max_tokens", default_max if default_max is not None else room)
-    max_tokens = integer(given)
-    if max_tokens is None or max_tokens < 1:
-        raise bad(f"{max_param} must be an integer >= 1, got {given!r}", max_param)
+    max_tokens = _integer(fields.get("max_tokens", default_max if default_max is not None else room), max_param, lambda n: n >= 1, ">= 1")
     # A completion's default never fails a prompt that fits: it shrinks to the room left.
     if "max_tokens" not in fields:
         max_tokens = min(max_tokens, room)
@@ -229,24 +221,14 @@ def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -
     temperature = _number(fields, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(fields, "top_p", 1.0, 0.0, 1.0, above_lo=True)
     # No seed: a fresh one, so that two sampled answers to one prompt differ, as with OpenAI's API.
-    given = fields.get("seed", secrets.randbits(63))
-    seed = integer(given)
     # vLLM's range (a signed 64-bit integer); a negative one is taken as `generate --seed` takes it.
-    if seed is None or not -(2**63) <= seed < 2**63:
-        raise bad(f"seed must be an integer in [-2**63, 2**63), got {given!r}", "seed")
-    seed %= 2**64
-    given = fields.get("top_k", 0)
-    top_k = integer(given)
-    if top_k is None or top_k < -1:
-        raise bad(f"top_k must be an integer: -1 or 0 for every token, or k >= 1, got {given!r}", "top_k")
+    seed = _integer(fields.get("seed", secrets.randbits(63)), "seed", lambda n: -(2**63) <= n < 2**63, "in [-2**63, 2**63)") % 2**64
+    top_k = _integer(fields.get("top_k", 0), "top_k", lambda n: n >= -1, "-1 or 0 for every token, or k >= 1", sep=": ")
     repetition = fields.get("repetition_penalty", 1.0)
     if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0 < repetition < float("inf"):
         raise bad(f"repetition_penalty must be a number > 0 (1 is none), got {repetition!r}", "repetition_penalty")
     repetition = float(repetition)
-    given = fields.get("min_tokens", 0)
-    min_tokens = integer(given)
-    if min_tokens is None or not 0 <= min_tokens <= max_tokens:
-        raise bad(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {given!r}", "min_tokens")
+    min_tokens = _integer(fields.get("min_tokens", 0), "min_tokens", lambda n: 0 <= n <= max_tokens, f"in [0, max_tokens={max_tokens}]")
     stop_token_ids = _token_ids(fields.get("stop_token_ids", []), vocab, "stop_token_ids")
     if min_tokens and len(set(stop_token_ids)) >= vocab:
         raise bad(f"min_tokens={min_tokens} with every token in stop_token_ids leaves no token to generate", "min_tokens")
@@ -274,8 +256,13 @@ def integer(v) -> int | None:
     return None
 
 
-def is_int(v) -> bool:
-    return integer(v) is not None
+def _integer(v, param: str, ok, what: str, sep: str = " ") -> int:
+    """An integer field's value, refused by name (and as given) where it is not an integer `what`
+    says, ok(n) false."""
+    n = integer(v)
+    if n is None or not ok(n):
+        raise bad(f"{param} must be an integer{sep}{what}, got {v!r}", param)
+    return n
 
 
 def token_ids(ids, vocab: int) -> list[int] | None:
@@ -368,8 +355,8 @@ def _prompt(prompt, encode, vocab: int) -> list[int]:
         if not prompt:
             raise bad("the prompt is empty", "prompt")
         return encode(prompt)
-    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        ids = [integer(t) for t in prompt]
+    ids = [integer(t) for t in prompt] if isinstance(prompt, list) else []
+    if ids and all(t is not None for t in ids):
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} at position {i} of the prompt is outside the vocab [0, {vocab})", "prompt")
