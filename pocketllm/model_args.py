@@ -20,8 +20,8 @@ from pocketllm.loader.checkpoint import CheckpointReader
 from pocketllm.loader.model_tensors import ModelTensor, model_tensors
 from pocketllm.loader.checks import UNSET, check_split, plan_weights, validate_source
 from pocketllm.ops.gdn_choice import KernelChoice, plan_gdn_kernel
-from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 from pocketllm.out_file import is_special
+from pocketllm.presets import DEFAULT_PRESET, PRESETS, get_preset
 from pocketllm.quantization import SCHEME_HELP, parse_scheme
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import bf16_layout, forces_kernels

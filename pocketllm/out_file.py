@@ -11,6 +11,7 @@ nothing is lost on the way:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -89,8 +90,6 @@ def _remove(path: str | None) -> None:
 
 
 def write_json(path: str, flag: str, doc) -> None:
-    import json
-
     def write(p: str) -> None:
         with open(p, "w") as f:
             json.dump(doc, f, indent=2)

@@ -15,8 +15,8 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens
 from pocketllm.inputs import PromptSource, checked_bench_ids, prompt_ids
 from pocketllm.model_args import add_model_args, check_out_path, say
-from pocketllm.profiling import kernel_profile
 from pocketllm.out_file import write_json
+from pocketllm.profiling import kernel_profile
 from pocketllm.run_plan import RunPlan
 from pocketllm.startup import seconds_since_start
 

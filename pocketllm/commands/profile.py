@@ -19,6 +19,7 @@ from pocketllm.errors import UsageError
 from pocketllm.flags import add_warmup_arg, check_warmup_tokens, parse_positive_list
 from pocketllm.inputs import bench_ids, checked_bench_ids
 from pocketllm.model_args import add_model_args, check_out_path
+from pocketllm.out_file import write_json
 from pocketllm.profiling.tables import (
     RANK_VIEW_SCOPES,
     attribution_table,
@@ -26,7 +27,6 @@ from pocketllm.profiling.tables import (
     collective_table,
     two_point_fit,
 )
-from pocketllm.out_file import write_json
 from pocketllm.run_plan import RunPlan
 from pocketllm.switches import env_value
 
