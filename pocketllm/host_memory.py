@@ -1,5 +1,5 @@
-"""Host memory: zeroed CPU tensors for the weights placed on transparent huge pages, and glibc's
-heap kept for the activations of large passes.
+"""Host memory: zeroed CPU tensors for the weights placed on transparent huge pages, glibc's heap
+kept for the activations of large passes, and torch's per-shape GEMM caches bounded.
 
 A decode step streams every weight once. On 4 KiB pages that stream walks a new page table entry
 every 4 KiB and evicts the rest of the step's TLB entries; on 2 MiB pages it does neither, which
@@ -18,6 +18,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
+from pocketllm.errors import UsageError
 from pocketllm.switches import env_switch
 
 import torch
@@ -73,3 +74,31 @@ def keep_freed_blocks(env=os.environ) -> bool:
     except (OSError, AttributeError, TypeError):
         return False  # not glibc (musl, macOS): its allocator behaves its own way
     return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_UP_TO)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_UP_TO))
+
+
+# torch's bf16 GEMM on a CPU (oneDNN, through ideep) keeps what it builds for each new shape in two
+# caches of its own: ideep's descriptors (LRU_CACHE_CAPACITY entries) and oneDNN's primitives with
+# their generated code (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1024 each by default, an entry of each
+# ~1-2 MB together. A prefill's last chunk has as many rows as the prompt leaves (any count up to
+# the chunk), so a server's GEMM shapes never repeat for long, and the defaults let it grow by
+# more than a GB before they evict anything. A pass uses a handful of shapes (one per projection
+# weight's shape, at its row count): a bound of a few dozen passes keeps every shape a steady
+# workload repeats (the full chunk, each decode batch size where a GEMM runs it), and a shape met
+# again after it was evicted is built again, in about a millisecond (docs/serving.md).
+GEMM_CACHE_ENTRIES = 128
+GEMM_CACHES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+
+
+def bound_gemm_caches(env=os.environ) -> dict[str, str]:
+    """Bound each of torch's per-shape GEMM caches at GEMM_CACHE_ENTRIES entries, unless the user
+    has set its variable. Both are read when first used (oneDNN's once per process, ideep's once
+    per thread), so this is called before an engine runs its first GEMM. Returns the settings in
+    force. ideep's cache with no entries crashes the process at the first GEMM: a count below 1
+    is refused here, naming the variable."""
+    for name in GEMM_CACHES:
+        if not env.get(name):
+            env[name] = str(GEMM_CACHE_ENTRIES)
+    given = env["LRU_CACHE_CAPACITY"].strip()
+    if given.lstrip("+-").isdigit() and int(given) < 1:
+        raise UsageError(f"LRU_CACHE_CAPACITY={given}: torch's GEMM cache needs at least 1 entry (with none it crashes)")
+    return {name: env[name] for name in GEMM_CACHES}

@@ -166,3 +166,64 @@ def test_keep_freed_blocks_serves_large_blocks_from_a_heap_that_keeps_them():
     # 4 KiB on every use); after the call it comes from the heap, which does not shrink when it
     # is freed, so the next pass finds the memory already there.
     assert (plain_inside, applied, kept_inside, kept_shrink) == ("False", "True", "True", "0"), r.stdout
+
+
+# A fresh process (torch reads the caches' bounds once, at its first bf16 GEMM): an engine on the
+# tiny preset in bf16, its many-row projections on torch's GEMM (oneDNN's, where torch has it),
+# fed prompts of every length from 1 to 160, each pass a row count not seen before; its resident
+# memory after the 40th and the 160th, and the bounds in force.
+PROMPTS_OF_EVERY_LENGTH = """
+import os, sys, torch
+from pocketllm.distributed.policy import RulePolicy
+from pocketllm.distributed.state import set_tp
+from pocketllm.engine.generate import generate
+from pocketllm.engine.runner import Engine
+from pocketllm.loader.random_weights import RandomWeights
+from pocketllm.presets import get_preset
+
+def rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) >> 10
+
+set_tp(0, 1)
+cfg = get_preset("tiny")
+engine = Engine(cfg, RandomWeights(cfg, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu"), RulePolicy())
+marks = []
+for n in range(1, 161):
+    generate(engine, [(7 * i + n) % 100 for i in range(n)], 1)
+    if n in (40, 160):
+        marks.append(rss_mb())
+print(*marks, os.environ.get("LRU_CACHE_CAPACITY", "unset"), os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "unset"))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_an_engine_fed_prompts_of_every_length_stays_within_its_gemm_caches_bound():
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    env = cli_env(POCKETLLM_KERNELS="many-row=mm")
+    for name in host_memory.GEMM_CACHES:
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, "-c", PROMPTS_OF_EVERY_LENGTH], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    at_40, at_160, lru, onednn = r.stdout.split()
+    # Unbounded, each new row count adds an entry per projection shape to each cache, ~1-2 MB a
+    # pair: 120 more passes grew such a process by ~400 MB; bounded, the caches are full by the
+    # 40th pass and memory stays where it was.
+    assert int(at_160) - int(at_40) < 150, (at_40, at_160, lru, onednn)
+    assert (lru, onednn) == (str(host_memory.GEMM_CACHE_ENTRIES),) * 2
+
+
+def test_gemm_cache_bounds_a_user_set_are_kept_and_an_empty_cache_is_refused():
+    from pocketllm.errors import UsageError
+
+    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "4096"}
+    assert host_memory.bound_gemm_caches(env) == {"LRU_CACHE_CAPACITY": str(host_memory.GEMM_CACHE_ENTRIES), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "4096"}
+    for given in ("0", "-1"):
+        with pytest.raises(UsageError, match=f"LRU_CACHE_CAPACITY={given}: .*at least 1 entry"):
+            host_memory.bound_gemm_caches({"LRU_CACHE_CAPACITY": given})

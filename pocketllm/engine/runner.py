@@ -85,6 +85,10 @@ class PassInfo:
 class Engine:
     def __init__(self, cfg: ModelConfig, source, dtype: torch.dtype, device: torch.device, policy: SlicePolicy):
         self.cfg, self.dtype, self.device, self.policy = cfg, dtype, device, policy
+        if device.type == "cpu":
+            # Before this engine's first GEMM (the kernel measurements below): torch reads the
+            # bounds when it first builds a GEMM.
+            host_memory.bound_gemm_caches()
         self.model = Qwen35ForCausalLM(cfg, dtype, device)
         # load_weights closes the source after every parameter.
         self.loaded_bytes = load_weights(self.model, source, progress=tp().rank == 0)
