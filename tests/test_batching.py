@@ -127,6 +127,12 @@ def test_submit_refuses_what_cannot_run(engine):
         generate_batch(engine, [], 3)
     with pytest.raises(ValueError, match="closed"):
         sched.submit([1], 1)
+    # Past the positions the model was made for, as serve's --max-len and the CLI refuse them.
+    limit = engine.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_len {limit + 1} is over the model's max_position_embeddings \\({limit}\\)"):
+        Scheduler(engine, 1, limit + 1)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(engine, [1, 2], limit)
 
 
 def test_bench_batch_counts_every_sequence(engine):
