@@ -187,8 +187,10 @@ def config_from_hf_dict(raw: dict, where: str = "config.json") -> ModelConfig:
         if text[many] % text[few]:
             raise ConfigError(f"{where}: {many}={text[many]} is not a multiple of {few}={text[few]}")
     eos_ids = eos_token_ids(text.get("eos_token_id", raw.get("eos_token_id")), text["vocab_size"], where)
-    # The text config's own value wins over the outer (multimodal) one.
-    tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    # A multimodal checkpoint's head is the outer model's, and transformers ties it by the outer
+    # flag (saving a tied one, it writes its text_config's own default, false, beside it); the
+    # text_config's is read only where the outer config has none.
+    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     if not isinstance(tie, bool):
         raise ConfigError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"

@@ -61,10 +61,11 @@ def build_hf_model(
     return _moved_off_defaults(Qwen3_5ForCausalLM(cfg).eval().float(), seed)
 
 
-def build_hf_release_layout_model(seed: int = 0):
+def build_hf_release_layout_model(seed: int = 0, tie: bool = False):
     """A tiny Qwen3_5ForConditionalGeneration, the class of the released checkpoints: the text model
     under model.language_model, a vision tower beside it (model.visual), multimodal rope sections
-    in rope_parameters, and a config whose text part is its text_config."""
+    in rope_parameters, and a config whose text part is its text_config. tie: the outer config's
+    tie_word_embeddings, the flag this class reads (its text_config keeps its own default, false)."""
     _import_model_without_fla()
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -78,7 +79,7 @@ def build_hf_release_layout_model(seed: int = 0):
     )
     vision_config = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                          spatial_merge_size=2, temporal_patch_size=2)
-    cfg = Qwen3_5Config(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
+    cfg = Qwen3_5Config(text_config=text_config, vision_config=vision_config, tie_word_embeddings=tie)
     return _moved_off_defaults(Qwen3_5ForConditionalGeneration(cfg).eval().float(), seed)
 
 

@@ -144,12 +144,14 @@ def test_a_long_prompt_takes_the_rules_sliced_path_and_matches_transformers(tmp_
     assert generated_ids(stdout) == ref_tokens
 
 
-def test_a_checkpoint_in_the_released_layout_gives_transformers_logits(tmp_path, capsys):
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_a_checkpoint_in_the_released_layout_gives_transformers_logits(tmp_path, capsys, tie):
     """The layout the released checkpoints have (Qwen3_5ForConditionalGeneration: the text model
     under model.language_model beside a vision tower, multimodal rope sections, a nested
     text_config): the text model is read from it, the rest skipped, and a prompt (text positions
-    only, where the sections rotate as one) gets transformers' logits."""
-    model = build_hf_release_layout_model()
+    only, where the sections rotate as one) gets transformers' logits. Tied, as transformers saves
+    it: the outer config says so, its text_config says false, and no lm_head.weight is written."""
+    model = build_hf_release_layout_model(tie=tie)
     ckpt = save_hf_checkpoint(model, tmp_path / "ckpt")
     logits_path = tmp_path / "logits.safetensors"
     generate("in-process", 1, ckpt, PROMPT, 1, logits_path, [], capsys, tmp_path)

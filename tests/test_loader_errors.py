@@ -129,7 +129,10 @@ def test_nested_multimodal_layout_loads_and_skips_extras(tiny_ckpt, tmp_path, ca
     renamed["model.visual.patch_embed.weight"] = torch.zeros(3, 3)
     save_file(renamed, str(nested / "model.safetensors"))
     flat = json.loads((tiny_ckpt / "config.json").read_text())
-    (nested / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": flat, "tie_word_embeddings": False}))
+    # The outer flag is the one read (transformers' multimodal class ties by it): as transformers
+    # writes it, the text_config's says otherwise.
+    outer = {"model_type": "qwen3_5", "text_config": {**flat, "tie_word_embeddings": False}, "tie_word_embeddings": flat["tie_word_embeddings"]}
+    (nested / "config.json").write_text(json.dumps(outer))
     assert generated_in_process(capsys, "--ckpt", nested) == generated_in_process(capsys, "--ckpt", tiny_ckpt)
 
 
