@@ -111,6 +111,32 @@ def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(s
     assert_usage_error(r, "absent", shards[-1])
 
 
+def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it_and_the_run_says_so(sharded, tmp_path, capsys):
+    """A directory holding both model.safetensors and an index (one of them left from an earlier
+    save) is read as transformers reads it: the single file. Here it holds other weights than the
+    shards, so the tokens show which was read."""
+    from_shards = generated_in_process(capsys, "--ckpt", sharded)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(sharded / shard)))
+    tensors["model.norm.weight"] = -3 * tensors["model.norm.weight"] - 1
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for f in sharded.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, alone / f.name)
+    save_file(tensors, str(alone / "model.safetensors"))
+    from_single = generated_in_process(capsys, "--ckpt", alone)
+    assert from_single != from_shards
+    shutil.copy2(alone / "model.safetensors", sharded / "model.safetensors")
+    capsys.readouterr()
+    assert main_in_process("generate", "--ckpt", sharded, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32") == 0
+    out = capsys.readouterr()
+    assert generated_ids(out.out) == from_single
+    assert f"note: {sharded} holds both model.safetensors and model.safetensors.index.json: reading model.safetensors" in out.err, out.err
+
+
 def test_an_fp32_checkpoint_of_a_preset_holds_the_presets_weights(tmp_path, capsys):
     """A preset's weights are bf16 values whatever dtype a run holds them in; make-checkpoint
     writes those values at --dtype float32 too, so the checkpoint runs as the preset does."""

@@ -30,6 +30,10 @@ def test_a_non_empty_out_is_refused_and_left_as_it_was(ckpt_copy, tiny_ckpt, tmp
     usage_error_in_process(capsys, "make-checkpoint", "--preset", "tiny", "--out", "", expect=("--out is empty",))
     usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", "", "--scheme", "int8", expect=("--out is empty",))
     assert afile.read_text() == "x"
+    # Inside the checkpoint it would be a folder of it, for every later quantize of it to list.
+    inside = ckpt_copy / "q" / "int8"
+    usage_error_in_process(capsys, "quantize", "--ckpt", ckpt_copy, "--out", inside, "--scheme", "int8", expect=(f"--out {inside} is inside --ckpt {ckpt_copy}",))
+    assert listing(ckpt_copy) == before
 
 
 def test_an_empty_out_is_written_with_a_plain_directorys_mode(tiny_ckpt, tmp_path, capsys, no_ranks):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -45,8 +46,13 @@ def run(args) -> int:
     src = Path(args.ckpt)
     if args.out and Path(args.out).resolve() == src.resolve():
         raise UsageError("--out must be another directory than --ckpt")
+    if args.out and src.resolve() in Path(args.out).resolve().parents:
+        # It would become a folder of the source checkpoint, listed by every later quantize of it.
+        raise UsageError(f"--out {args.out} is inside --ckpt {args.ckpt}: give a directory outside the checkpoint")
     out = check_new_dir(args.out)
     reader = CheckpointReader(src)
+    if reader.note():
+        print(reader.note(), file=sys.stderr, flush=True)
     cfg = load_config(src)
     if cfg.quantization is not None and cfg.quantization.method != "fp8":
         raise UsageError(f"{src} is already quantized ({cfg.quantization.label}); quantize a float or fp8 checkpoint")

@@ -1,5 +1,6 @@
 """A HF safetensors checkpoint: `model.safetensors` or shards listed in
-`model.safetensors.index.json`, text weights under `model.` or `model.language_model.`.
+`model.safetensors.index.json` (where a directory holds both, the single file, as transformers
+reads it), text weights under `model.` or `model.language_model.`.
 Tensors are read through safetensors slices, so a rank reads only its own part. Never pickle."""
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ class CheckpointReader:
         # The check opens it as numpy arrays: the launcher runs it and never imports torch. A
         # rank reads the weights through handles of torch's.
         self._handles: dict[tuple[Path, str], object] = {}
+        # The index, where model.safetensors beside it is what is read (a note says so).
+        self.passed_over: str | None = None
         self.file_of = self._map_keys()
         self.prefix = self._text_prefix()
         # An fp8 checkpoint's block (config.json's weight_block_size), set by the plan.
         self.fp8_block: tuple[int, int] = (128, 128)
 
     def _map_keys(self) -> dict[str, Path]:
-        index = self.dir / INDEX
-        if index.is_file():
+        index, single = self.dir / INDEX, self.dir / SINGLE
+        if single.is_file() and index.is_file():
+            # Two sets of weights may disagree (one left from an earlier save): read the one
+            # transformers reads, and say so unless the index lists that file alone.
+            if self._shards_listed(index) != {SINGLE}:
+                self.passed_over = INDEX
+        elif index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -59,13 +67,25 @@ class CheckpointReader:
                 more = f" and {len(astray) - 5} more" if len(astray) > 5 else ""
                 raise CheckpointError(f"{index} maps {len(astray)} tensor(s) to a shard that does not hold them: {shown}{more}")
             return {key: self.dir / f for key, f in weight_map.items()}
-        single = self.dir / SINGLE
         if not single.is_file():
             if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")):
                 raise CheckpointError(f"{self.dir} has only pickle weights (.bin/.pt); pocketllm reads safetensors only")
             raise CheckpointError(f"{self.dir} has neither {SINGLE} nor {INDEX}")
         keys = self._check_readable(single)
         return {key: single for key in keys}
+
+    @staticmethod
+    def _shards_listed(index: Path) -> set[str]:
+        try:
+            return set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return set()
+
+    def note(self) -> str | None:
+        """What a run says about the files it reads, where a choice was made."""
+        if self.passed_over is None:
+            return None
+        return f"note: {self.dir} holds both {SINGLE} and {INDEX}: reading {SINGLE} (as transformers does), not the shards the index lists"
 
     def _check_readable(self, path: Path) -> list[str]:
         try:
