@@ -186,7 +186,7 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     if source.ckpt is not None:
         # The index and each shard's header, read once: validation below and loading reuse them.
         reader = CheckpointReader(source.ckpt)
-        cfg = checkpoint_config(source.ckpt, source.layers, source.layers_flag)
+        cfg, declared = checkpoint_config(source.ckpt, source.layers, source.layers_flag)
     else:
         preset = source.preset or DEFAULT_PRESET
         cfg = preset_config(preset, source.layers)
@@ -197,22 +197,22 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     check_split(tensors, cfg.weights, world)
     _check_forced_quantized(cfg, kind)
     if reader is not None:
-        validate_source(reader, cfg, tensors)
+        validate_source(reader, cfg, tensors, cut_from=declared)
         reader.close()
     return ModelPlan(cfg, dtype, _checked_policy(policy, run, cfg), source.ckpt, preset, reader, gdn_kernel, tensors)
 
 
-def checkpoint_config(ckpt: str, layers: int | None, flag: str = "--layers") -> ModelConfig:
-    """The checkpoint's config, cut to `layers` when given: a checkpoint's stack cannot grow. Its
-    eos ids are config.json's and generation_config.json's."""
+def checkpoint_config(ckpt: str, layers: int | None, flag: str = "--layers") -> tuple[ModelConfig, int]:
+    """The checkpoint's config, cut to `layers` when given (a checkpoint's stack cannot grow), and
+    the layers config.json declares. Its eos ids are config.json's and generation_config.json's."""
     cfg = load_config(ckpt)
     eos = merged_eos_ids(cfg.eos_token_ids, read_generation_config(ckpt, cfg.vocab_size))
     cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     if layers is None:
-        return cfg
+        return cfg, cfg.num_layers
     if layers > cfg.num_layers:
         raise UsageError(f"{flag} {layers}: the checkpoint has only {cfg.num_layers} layers")
-    return cfg.with_layers(layers)
+    return cfg.with_layers(layers), cfg.num_layers
 
 
 def _check_forced(formats, kind: str, env=os.environ) -> None:

@@ -81,6 +81,21 @@ def test_unexpected_tensor_named(ckpt_copy, capsys, no_ranks):
     generate_error(capsys, ckpt_copy, expect=("unexpected 1 tensor", "model.layers.0.mlp.extra_proj.weight"))
 
 
+def test_layers_cut_by_the_flag_are_left_unread(ckpt_copy, capsys):
+    """--layers 2 leaves the checkpoint's last two layers unread, as asked: the run is the preset's
+    at two layers (the tiny checkpoint holds the tiny preset's weights)."""
+    assert generated_in_process(capsys, "--ckpt", ckpt_copy, "--layers", 2) == generated_in_process(capsys, "--preset", "tiny", "--layers", 2)
+
+
+def test_layers_past_what_the_config_declares_are_unexpected(ckpt_copy, capsys, no_ranks):
+    # A config.json that declares two layers of the four the weights hold is wrong, not a cut.
+    path = ckpt_copy / "config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg["num_hidden_layers"] == 4
+    path.write_text(json.dumps({**cfg, "num_hidden_layers": 2, "layer_types": cfg["layer_types"][:2]}))
+    generate_error(capsys, ckpt_copy, expect=("unexpected", "model.layers.2."))
+
+
 def test_shape_mismatch_named(ckpt_copy, capsys, no_ranks):
     rewrite(ckpt_copy, lambda t: t.__setitem__("model.norm.weight", torch.zeros(63)))
     generate_error(capsys, ckpt_copy, expect="model.norm.weight has shape [63], expected [64]")

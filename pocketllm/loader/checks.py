@@ -105,17 +105,20 @@ def expected_tensors(source, cfg: ModelConfig, tensors) -> dict[str, tuple[tuple
     return expected
 
 
-def validate_source(source, cfg: ModelConfig, tensors, max_listed: int = 5) -> None:
+def validate_source(source, cfg: ModelConfig, tensors, max_listed: int = 5, cut_from: int | None = None) -> None:
     """Missing keys, unexpected keys, shape and dtype mismatches, each named, before any weight is
-    read; `tensors`: the model's (pocketllm.loader.model_tensors). Layers beyond a `--layers` cut
-    are not unexpected; a tied head's spare copy is ignored."""
+    read; `tensors`: the model's (pocketllm.loader.model_tensors). cut_from: the layers config.json
+    declares, where `--layers` cut cfg to fewer: the layers between are not unexpected, those past
+    it are (a config that declares fewer layers than the weights hold is wrong, not a cut); a tied
+    head's spare copy is ignored."""
+    cut_from = cfg.num_layers if cut_from is None else cut_from
     expected = expected_tensors(source, cfg, tensors)
     full_shape = {t.key: t.shape for t in tensors}
     present = source.canonical_keys()
 
     def beyond_cut(key: str) -> bool:
         m = _LAYER.match(key)
-        return bool(m) and int(m.group(1)) >= cfg.num_layers
+        return bool(m) and cfg.num_layers <= int(m.group(1)) < cut_from
 
     problems = []
     missing = sorted(set(expected) - present)
