@@ -245,6 +245,21 @@ def test_an_fp8_release_checkpoint_loads_converted(tiny_ckpt, tmp_path, capsys):
     assert generated_ids(capsys.readouterr().out) == one
 
 
+def test_an_fp8_weight_without_its_scales_is_named(tiny_ckpt, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from conftest import usage_error_in_process
+
+    fp8 = tmp_path / "fp8"
+    written = _fp8_release(tiny_ckpt, fp8)
+    lost = next(k for k in sorted(written) if k.endswith("_scale_inv"))
+    del written[lost]
+    save_file(written, str(fp8 / "model.safetensors"))
+    weight = lost.removesuffix("_scale_inv")
+    usage_error_in_process(capsys, "generate", "--ckpt", fp8, "--token-ids", "1,2,3", "--max-new-tokens", "2",
+                           expect=(f"{weight} is fp8 (F8_E4M3) without its scales: {lost} is missing",))
+
+
 def test_an_fp8_slice_reads_any_rows_or_columns_across_blocks():
     from pocketllm.loader.fp8 import Fp8Slice, to_fp8_blocks
 

@@ -136,7 +136,10 @@ def validate_source(source, cfg: ModelConfig, tensors, max_listed: int = 5, cut_
         if shape != want:
             problems.append(f"{key} has shape {list(shape)}, expected {list(want)}")
         dtype = sl.get_dtype()
-        if dtype not in dtypes:
+        if dtype == "F8_E4M3" and dtype not in dtypes and not source.has(key + SCALE_SUFFIX):
+            # An fp8 weight is read with its block scales: without them it cannot be.
+            problems.append(f"{key} is fp8 (F8_E4M3) without its scales: {key + SCALE_SUFFIX} is missing")
+        elif dtype not in dtypes:
             problems.append(f"{key} has dtype {dtype}, expected {' or '.join(sorted(dtypes))}")
         elif key.endswith("_shape") and (got := sl[:].tolist()) != list(full := full_shape[key.removesuffix("_shape")]):
             problems.append(f"{key} says {got}, expected {list(full)}")
