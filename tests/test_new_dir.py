@@ -27,6 +27,7 @@ def test_a_non_empty_out_is_refused_and_left_as_it_was(ckpt_copy, tiny_ckpt, tmp
     afile = tmp_path / "afile"
     afile.write_text("x")
     usage_error_in_process(capsys, "make-checkpoint", "--preset", "tiny", "--out", afile, expect=("not a directory",))
+    usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", afile / "q", "--scheme", "int8", expect=(f"--out {afile / 'q'}: {afile} is not a directory",))
     usage_error_in_process(capsys, "make-checkpoint", "--preset", "tiny", "--out", "", expect=("--out is empty",))
     usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", "", "--scheme", "int8", expect=("--out is empty",))
     assert afile.read_text() == "x"

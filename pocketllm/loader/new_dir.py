@@ -30,6 +30,13 @@ def check_new_dir(out: str) -> Path:
             raise UsageError(f"--out {path}: exists and is not a directory")
         if any(path.iterdir()):
             raise UsageError(f"--out {path}: is not empty; give a new or empty directory (nothing was written)")
+        return path
+    # A new directory is made with its parents: the nearest that exists must be a directory.
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--out {path}: {parent} is not a directory")
+            break
     return path
 
 
