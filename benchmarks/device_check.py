@@ -25,6 +25,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from common import Parser
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -204,7 +206,7 @@ def batch_scaling(table: Table, kind: str, preset: str, tokens: int, extra: list
     """bench at batch 1 and at batch 8 on the same shapes, each a row, then a row setting a step of
     eight sequences' rows against a step of one (issue 38's target: at most 1.3x)."""
     one = bench(table, kind, 1, preset, tokens, extra, left())
-    eight = bench(table, kind, 1, preset, tokens, [*extra, "--batch", "8"], left()) if left() >= 20 else None
+    eight = bench(table, kind, 1, preset, tokens, [*extra, "--batch", "8"], left()) if left() >= STEP_MIN_S else None
     if one is None or eight is None:
         return
     # Steps a second: a batch of B decodes B tokens a step.
@@ -231,15 +233,31 @@ def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) ->
         print(f"    {line}", file=sys.stderr)
 
 
+# A step that would start with less than this left is skipped rather than cut short.
+STEP_MIN_S = 20
+
+
+def _seconds(text: str) -> float:
+    """--timeout and --budget: seconds, at least STEP_MIN_S (with less no step would start, and
+    the table would read as a check that passed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not STEP_MIN_S <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be at least {STEP_MIN_S} s (a step needs that to start), got {text}")
+    return value
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"), help="what to check (cpu: a dry run of this script)")
     p.add_argument("--quick", action="store_true", help="small shapes only (a dry run's speed)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds each step may take at most (default 300)")
+    p.add_argument("--timeout", type=_seconds, default=300, help="seconds each step may take at most (default 300)")
     p.add_argument(
-        "--budget", type=float, default=480,
-        help="seconds the whole check may take (default 480): each step gets what is left, and a step that would start with "
-        "under 20 s left is skipped (the device is lent briefly: the check must end inside its lease)",
+        "--budget", type=_seconds, default=480,
+        help=f"seconds the whole check may take (default 480): each step gets what is left, and a step that would start with "
+        f"under {STEP_MIN_S} s left is skipped (the device is lent briefly: the check must end inside its lease)",
     )
     args = p.parse_args(argv)
     start = time.monotonic()
@@ -288,7 +306,7 @@ def main(argv=None) -> int:
             # The decode step captured with its all-reduces (opt-in at TP>1 until this row passes).
             steps.append(("bench tp2, captured", lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout), {"POCKETLLM_CUDA_GRAPH": "1"})))
     for name, step in steps:
-        if left(args.timeout) < 20:
+        if left(args.timeout) < STEP_MIN_S:
             table.add(name, "skip", f"out of the check's --budget of {args.budget:g} s", 0.0)
             continue
         # A step whose output this script cannot read is a failed step, not the end of the check.

@@ -16,6 +16,7 @@ import batch_ab  # noqa: E402
 import chunk_size  # noqa: E402
 import common  # noqa: E402
 import core_bandwidth  # noqa: E402
+import device_check  # noqa: E402
 import gemm_row_dependence  # noqa: E402
 import long_context  # noqa: E402
 import quant_accuracy  # noqa: E402
@@ -69,6 +70,10 @@ CASES = [
     (switch_ab, ["--reps", "3"], "--reps"),
     (quant_kernels, ["--schemes", "int8,int3"], "int3"),
     (quant_accuracy, ["--ckpt", "x", "--llama-perplexity", "/nope/lp", "--gguf-dir", "/nope"], "/nope/lp"),
+    # With less than a step needs to start, every step is skipped and the table reads as passed.
+    (device_check, ["--timeout", "0"], "--timeout"),
+    (device_check, ["--budget", "-5"], "--budget"),
+    (device_check, ["--budget", "nan"], "--budget"),
 ]
 
 
@@ -82,6 +87,16 @@ def test_bad_flag_is_one_line(capsys, script, argv, names):
 def test_missing_llama_bench_is_refused_before_the_model_loads(capsys, gguf, script):
     line = refused(capsys, script.main, ["--ckpt", "x", "--gguf", gguf, "--llama-bench", "/nope/llama-bench"])
     assert "/nope/llama-bench is not an executable" in line
+
+
+def test_device_check_without_the_device_says_so_and_exits_2(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_check.main(["--device", "cuda"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == ["device_check: no cuda device is visible to torch; nothing to check"]
+    assert captured.out.startswith("python ") and f"torch {torch.__version__}" in captured.out
 
 
 def test_missing_gguf_is_refused(capsys):

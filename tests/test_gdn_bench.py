@@ -114,18 +114,3 @@ def test_bad_values_are_usage_errors(argv, word):
     with pytest.raises(UsageError, match=word) as info:
         gdn_bench.main(parse(*argv))
     assert "\n" not in str(info.value)
-
-
-def test_device_check_without_the_device_says_so_and_exits_2(capsys, monkeypatch):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
-    spec = importlib.util.spec_from_file_location("device_check", path)
-    device_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(device_check)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert device_check.main(["--device", "cuda"]) == 2
-    captured = capsys.readouterr()
-    assert captured.err.strip().splitlines() == ["device_check: no cuda device is visible to torch; nothing to check"]
-    assert captured.out.startswith("python ") and f"torch {torch.__version__}" in captured.out
