@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 
-from common import Parser, absolute_path, alternate, checkout, checkpoint_dir, even_reps, run_bench_json, script, spread
+from common import Parser, absolute_path, alternate, checkout, checkpoint_dir, even_reps, run_bench_json, script, spread, temp_dir
 
 from pocketllm.bench.busy import BusyLoops
 
@@ -39,7 +38,8 @@ def main(argv=None) -> int:
     args, bench_args = p.parse_known_args(argv)
     flags = ["--ckpt", checkpoint_dir(args), "--dtype", args.dtype, *bench_args]
     trees = [None] + ([args.baseline] if args.baseline else [])
-    root = tempfile.mkdtemp(prefix="pocketllm-busy-cache-")
+    # The caches' measured choices and compiled kernels are this run's alone: gone when it ends.
+    root = temp_dir("pocketllm-busy-cache-")
     caches = {(t, c): f"{root}/{i}-{c}" for i, t in enumerate(trees) for c in ("busy", "quiet")}
     for tree in trees:
         name = "this tree" if tree is None else f"baseline {tree}"

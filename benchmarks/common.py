@@ -262,6 +262,13 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes for t in tensors)
 
 
+def temp_dir(prefix: str) -> str:
+    """A new temporary directory, removed with what it holds when the process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def checkpoint_dir(args) -> str:
     """--ckpt, or --preset written as a checkpoint in a temporary directory, removed when the
     process exits: both engines (and every benchmark here) read the same safetensors."""
@@ -269,8 +276,7 @@ def checkpoint_dir(args) -> str:
         return args.ckpt
     from pocketllm.cli import main as cli
 
-    ckpt = tempfile.mkdtemp(prefix="pocketllm-bench-")
-    atexit.register(shutil.rmtree, ckpt, ignore_errors=True)
+    ckpt = temp_dir("pocketllm-bench-")
     # Its "wrote ..." line is progress, not a result: stderr, out of the figures on stdout.
     with contextlib.redirect_stdout(sys.stderr):
         rc = cli(["make-checkpoint", "--preset", args.preset, "--out", ckpt, "--dtype", args.dtype])
