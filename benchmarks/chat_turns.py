@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from common import Parser, alternate, script, spread
+from common import Parser, alternate, even_reps, positive_int, script, spread
+
+from pocketllm.errors import UsageError
 
 
 def turn_ttfts(sched, system: list[int], users: list[list[int]], answer: int) -> list[float]:
@@ -40,12 +42,12 @@ def main(argv=None) -> int:
     p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--system", type=int, default=1000, help="tokens of the first prompt (default 1000)")
-    p.add_argument("--user", type=int, default=100, help="tokens each later turn adds (default 100)")
-    p.add_argument("--answer", type=int, default=32, help="tokens of each answer (default 32)")
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--reps", type=int, default=4)
-    p.add_argument("--chunk", type=int, help="the engine's prefill chunk (default: the engine's own)")
+    p.add_argument("--system", type=positive_int, default=1000, help="tokens of the first prompt (default 1000)")
+    p.add_argument("--user", type=positive_int, default=100, help="tokens each later turn adds (default 100)")
+    p.add_argument("--answer", type=positive_int, default=32, help="tokens of each answer (default 32)")
+    p.add_argument("--turns", type=positive_int, default=4)
+    p.add_argument("--reps", type=even_reps, default=4, help="reps of each setting, even so each order runs equally often (default 4)")
+    p.add_argument("--chunk", type=positive_int, help="the engine's prefill chunk (default: the engine's own)")
     args = p.parse_args(argv)
 
     from pocketllm.distributed.policy import RulePolicy
@@ -57,11 +59,13 @@ def main(argv=None) -> int:
 
     set_tp(0, 1)
     cfg = get_preset(args.preset)
+    max_len = args.system + args.turns * (args.user + args.answer)
+    if max_len > cfg.max_position_embeddings:
+        raise UsageError(f"--system + --turns x (--user + --answer) is {max_len} tokens, over the model's {cfg.max_position_embeddings}")
     dtype = getattr(torch, args.dtype)
     engine = Engine(cfg, RandomWeights(cfg, dtype=dtype), dtype, torch.device("cpu"), RulePolicy())
     if args.chunk:
         engine.prefill_chunk = args.chunk
-    max_len = args.system + args.turns * (args.user + args.answer)
     vocab = cfg.vocab_size
 
     def ids(n: int, seed: int) -> list[int]:

@@ -86,6 +86,15 @@ def at_least(minimum: int):
 positive_int = at_least(1)
 
 
+@_type("number > 0")
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, a rate)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 @_type("even count of reps")
 def even_reps(text: str) -> int:
     """--reps: even and at least 2, so over the reps each order (alternate()) runs equally often."""

@@ -8,14 +8,13 @@ error comes when a peer's collective times out) to the launcher's error line and
 launcher's exit; prints median (min..max) per case.
 """
 
-import argparse
 import os
 import subprocess
 import sys
 import threading
 import time
 
-from common import spread
+from common import Parser, positive_int, spread
 
 PROMPT = ",".join(str((7 * i + 3) % 997) for i in range(40))
 
@@ -37,8 +36,8 @@ def one(world, fault, timeout):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--runs", type=int, default=5, help="runs per case (default 5)")
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--runs", type=positive_int, default=5, help="runs per case (default 5)")
     n = p.parse_args().runs
     cases = [
         ("kill rank 1 of 2 at prefill", 2, "rank=1,at=prefill,kind=kill", 30),

@@ -33,6 +33,8 @@ from common import (
 )
 from pocketllm.bench.limits import decode_weight_bytes
 from pocketllm import compiled
+from pocketllm.config import load_config
+from pocketllm.errors import UsageError
 from pocketllm.inputs import bench_ids
 from pocketllm.layers.kv_layout import kv_block_bytes
 from pocketllm.model_args import check_out_path, parse_dtype
@@ -57,14 +59,19 @@ def parse_args(argv=None):
     return args
 
 
+def positions_needed(depths: list[int], steps: int, reps: int) -> int:
+    """A sequence's positions: the deepest, and room for every timed rep, the warm-up run, and the
+    profile's warm-up and profiled runs."""
+    return max(depths) + (reps + 3) * steps + 1
+
+
 class PocketDepths:
     """One sequence per depth in the engine's slots, decoded a run of steps at a time."""
 
     def __init__(self, runner: PocketRunner, depths: list[int], steps: int, reps: int):
         self.engine, self.depths, self.steps = runner.engine, depths, steps
         vocab = self.engine.cfg.vocab_size
-        # Room for every timed rep, the warm-up run, and the profile's warm-up and profiled runs.
-        self.engine.reserve_slots(len(depths), max(depths) + (reps + 3) * steps + 1)
+        self.engine.reserve_slots(len(depths), positions_needed(depths, steps, reps))
         self.token, self.pos = {}, {}
         for slot, depth in enumerate(depths):
             print(f"pocketllm: prefilling {depth} tokens", file=sys.stderr, flush=True)
@@ -132,8 +139,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dtype = parse_dtype(args.dtype)
     check_out_path(args.json, "--json", args.ckpt)
-    torch.set_num_threads(args.threads)
     depths = args.depths
+    limit = load_config(args.ckpt).max_position_embeddings
+    if positions_needed(depths, args.decode_tokens, args.reps) > limit:
+        raise UsageError(f"--depths up to {max(depths)} and {args.reps} reps of {args.decode_tokens} --decode-tokens need "
+                         f"{positions_needed(depths, args.decode_tokens, args.reps)} positions, over the model's {limit}")
+    torch.set_num_threads(args.threads)
     pocket = PocketDepths(PocketRunner(args.ckpt, dtype), depths, args.decode_tokens, args.reps)
     for d in depths:
         pocket.decode(d)

@@ -208,6 +208,12 @@ def main(argv=None) -> int:
     p.add_argument("--errors", action="store_true", help="print each candidate's error against the reference, then the timings")
     p.add_argument("--no-timing", action="store_true", help="with --errors: only the errors")
     args = p.parse_args(argv)
+    if args.no_timing and not args.errors:
+        p.error("--no-timing goes with --errors (alone it would print nothing)")
+    names = {n for n in args.candidates.split(",") if n}
+    known = {c.name for table in qc.BY_ROWS.values() for c in table}
+    if names - known:
+        p.error(f"--candidates: no candidate {', '.join(sorted(names - known))}; the quantized candidates: {', '.join(sorted(known))}")
     fmts = args.schemes
     bf16_names = [n for n in args.bf16.split(",") if n]
     for rows in args.rows:
@@ -229,7 +235,6 @@ def main(argv=None) -> int:
         return 0
     before = read_bandwidths_gbps()
     print("1 GiB fp32 sum, before: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in before.items()))
-    names = {n for n in args.candidates.split(",") if n}
     for preset, preset_shapes in shapes.items():
         for rows in args.rows:
             bench_set(preset, preset_shapes, fmts, rows, args.reps, args.isa, names, scale_dtype, bf16_names)

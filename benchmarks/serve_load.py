@@ -28,7 +28,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common import Parser, alternate, checkpoint_dir, script
+from common import Parser, alternate, checkpoint_dir, int_list, positive_float, positive_int, script
+
+from pocketllm.model_args import check_out_path
+from pocketllm.out_file import write_json
 
 # (prompt tokens, max_tokens): short chat-sized prompts, answers long enough that decode dominates.
 MIX = [(32, 96), (128, 64), (64, 128), (256, 64), (16, 96), (96, 128), (48, 64), (192, 96)]
@@ -50,14 +53,17 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", help="checkpoint with tokenizer.json (default: write --preset to a temp dir)")
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tp-world", type=int, default=1)
-    p.add_argument("--max-running", type=int, default=8)
-    p.add_argument("--clients", default="1,8", help="client counts, one level each (default 1,8)")
-    p.add_argument("--requests-per-client", type=int, default=4)
-    p.add_argument("--reps", type=int, default=1, help="runs of every level, interleaved (default 1)")
-    p.add_argument("--max-seconds", type=float, default=300, help="per level: no request starts after this (default 300)")
+    p.add_argument("--tp-world", type=positive_int, default=1)
+    p.add_argument("--max-running", type=positive_int, default=8)
+    p.add_argument("--clients", type=int_list(1), default=[1, 8], help="client counts, one level each (default 1,8)")
+    p.add_argument("--requests-per-client", type=positive_int, default=4)
+    p.add_argument("--reps", type=positive_int, default=1, help="runs of every level, interleaved (default 1)")
+    p.add_argument("--max-seconds", type=positive_float, default=300, help="per level: no request starts after this (default 300)")
     p.add_argument("--json", help="write the settings and every level's figures here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Before the run, not after it: a path that cannot be written would lose every figure.
+    check_out_path(args.json, "--json", args.ckpt)
+    return args
 
 
 def start_server(args, ckpt: str, max_len: int | None = None, extra: list[str] = (), env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, list[str]]:
@@ -201,7 +207,7 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 @script
 def main(argv=None) -> int:
     args = parse_args(argv)
-    levels = [int(c) for c in args.clients.split(",")]
+    levels = args.clients
     ckpt = checkpoint_dir(argparse.Namespace(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype))
     proc, addr, server_lines = start_server(args, ckpt)
     try:
@@ -242,8 +248,7 @@ def main(argv=None) -> int:
                 "max_running": args.max_running, "mix": MIX, "requests_per_client": args.requests_per_client,
                 "machine": f"{platform.machine()} {os.cpu_count()} cores", "server_log": "".join(server_lines[-5:])}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": settings, "levels": results, "medians": summary}, f, indent=2)
+        write_json(args.json, "--json", {"settings": settings, "levels": results, "medians": summary})
     lost = any(r["requests_failed"] or r["requests_not_started"] for r in results)
     return 1 if lost or rc != 0 else 0
 

@@ -20,7 +20,6 @@ alternation) and summarizes them all, so a long comparison can run in short wind
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -34,9 +33,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import alternate, spread
+from common import Parser, alternate, positive_int, spread
 from serve_load import start_server, stop_server
 
+from pocketllm.errors import UsageError
+from pocketllm.model_args import check_out_path
+from pocketllm.out_file import write_json
 from pocketllm.serving.metrics import parse
 
 SERVED_NAME = "bench"
@@ -65,20 +67,20 @@ def dataset_flags(args) -> dict[str, list[str]]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ckpt", required=True, help="HF checkpoint with tokenizer.json, served by both")
     p.add_argument("--vllm", default=str(PEER_DIR / "vllm"), help=f"the vllm command (default {PEER_DIR}/vllm, VLLM_CPU_PEER_DIR)")
-    p.add_argument("--reps", type=int, default=2, help="rep pairs to run now (default 2)")
+    p.add_argument("--reps", type=positive_int, default=2, help="rep pairs to run now (default 2)")
     p.add_argument("--datasets", default="random,prefix_repetition", help="of random, prefix_repetition (default both)")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-concurrency", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=256, help="random: prompt tokens (default 256)")
-    p.add_argument("--output-len", type=int, default=64, help="output tokens, both datasets (default 64)")
-    p.add_argument("--prefix-len", type=int, default=256, help="prefix_repetition: shared prefix tokens (default 256)")
-    p.add_argument("--suffix-len", type=int, default=256, help="prefix_repetition: tokens after it (default 256)")
-    p.add_argument("--num-prefixes", type=int, default=4, help="prefix_repetition: distinct prefixes (default 4)")
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--max-concurrency", type=positive_int, default=8)
+    p.add_argument("--input-len", type=positive_int, default=256, help="random: prompt tokens (default 256)")
+    p.add_argument("--output-len", type=positive_int, default=64, help="output tokens, both datasets (default 64)")
+    p.add_argument("--prefix-len", type=positive_int, default=256, help="prefix_repetition: shared prefix tokens (default 256)")
+    p.add_argument("--suffix-len", type=positive_int, default=256, help="prefix_repetition: tokens after it (default 256)")
+    p.add_argument("--num-prefixes", type=positive_int, default=4, help="prefix_repetition: distinct prefixes (default 4)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-running", type=int, default=8, help="pocketllm --max-running (default 8)")
+    p.add_argument("--max-running", type=positive_int, default=8, help="pocketllm --max-running (default 8)")
     p.add_argument("--pocketllm", action="append", metavar="NAME=FLAGS",
                    help="a pocketllm server with these extra serve flags (repeatable; default one, 'pocketllm', with none)")
     p.add_argument("--vllm-args", default="--enforce-eager", help="extra vllm serve flags (default --enforce-eager)")
@@ -86,6 +88,11 @@ def parse_args(argv=None):
     p.add_argument("--servers", default=None, help="run only these of the servers' names (default all)")
     p.add_argument("--results", help="JSON file of reps: read, extended with this run's, written back")
     args = p.parse_args(argv)
+    # Before any server starts: a rep takes minutes, and its figures go there.
+    try:
+        check_out_path(args.results, "--results", args.ckpt)
+    except UsageError as exc:
+        p.error(str(exc))
     args.datasets = args.datasets.split(",")
     bad = [d for d in args.datasets if d not in dataset_flags(args)]
     if bad:
@@ -239,7 +246,12 @@ def main(argv=None) -> int:
     check_peer(args.vllm)  # its client drives pocketllm too
     if not (Path(args.ckpt) / "tokenizer.json").exists():
         raise SystemExit(f"--ckpt {args.ckpt}: no tokenizer.json (write the checkpoint with `pocketllm make-checkpoint`)")
-    previous = json.loads(Path(args.results).read_text())["reps"] if args.results and Path(args.results).exists() else []
+    previous = []
+    if args.results and Path(args.results).exists():
+        try:
+            previous = json.loads(Path(args.results).read_text())["reps"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"--results {args.results}: not a results file of this script ({type(exc).__name__}: {exc}); give another path")
     first = 1 + max((r["rep"] for r in previous), default=-1)
     log_dir = tempfile.mkdtemp(prefix="vs-vllm-logs-")
     print(f"machine: {platform.machine()} {os.cpu_count()} cores; servers {', '.join(servers)}; datasets {', '.join(args.datasets)}; "
@@ -248,7 +260,7 @@ def main(argv=None) -> int:
     for rep in range(first, first + args.reps):
         rows += run_rep(args, rep, servers, log_dir)
         if args.results:
-            Path(args.results).write_text(json.dumps({"settings": settings(args), "reps": rows}, indent=1))
+            write_json(args.results, "--results", {"settings": settings(args), "reps": rows})
     summary = summarize(rows, list(dict.fromkeys([*servers, *(r["server"] for r in rows)])), args.datasets)
     print(json.dumps({"settings": settings(args), "summary": summary}))
     return 1 if any(r["failed"] for r in rows) else 0

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import batch_ab  # noqa: E402
+import chat_turns  # noqa: E402
 import chunk_size  # noqa: E402
 import common  # noqa: E402
 import core_bandwidth  # noqa: E402
@@ -21,11 +22,13 @@ import gemm_row_dependence  # noqa: E402
 import long_context  # noqa: E402
 import quant_accuracy  # noqa: E402
 import quant_kernels  # noqa: E402
+import serve_load  # noqa: E402
 import switch_ab  # noqa: E402
 import tp_ab  # noqa: E402
 import vs_llama_cpp  # noqa: E402
 import vs_llama_cpp_quant  # noqa: E402
 import vs_transformers  # noqa: E402
+import vs_vllm  # noqa: E402
 
 
 def refused(capsys, main, argv: list[str]) -> str:
@@ -74,6 +77,17 @@ CASES = [
     (device_check, ["--timeout", "0"], "--timeout"),
     (device_check, ["--budget", "-5"], "--budget"),
     (device_check, ["--budget", "nan"], "--budget"),
+    (quant_kernels, ["--candidates", "c,nope"], "nope"),
+    (quant_kernels, ["--no-timing"], "--no-timing goes with --errors"),
+    # The results of a whole run would be lost at its end, or nothing would run.
+    (serve_load, ["--json", "/nope/x.json"], "/nope"),
+    (serve_load, ["--clients", "1,0"], "--clients"),
+    (serve_load, ["--requests-per-client", "0"], "--requests-per-client"),
+    (vs_vllm, ["--ckpt", "x", "--results", "/nope/r.json"], "/nope"),
+    (vs_vllm, ["--ckpt", "x", "--num-prompts", "0"], "--num-prompts"),
+    (chat_turns, ["--answer", "0"], "--answer"),
+    (chat_turns, ["--reps", "3"], "--reps"),
+    (chat_turns, ["--preset", "tiny", "--system", "40000"], "over the model's 32768"),
 ]
 
 
@@ -99,6 +113,11 @@ def test_device_check_without_the_device_says_so_and_exits_2(capsys, monkeypatch
     assert captured.out.startswith("python ") and f"torch {torch.__version__}" in captured.out
 
 
+def test_depths_past_the_models_positions_are_refused_before_it_loads(capsys, tiny_ckpt):
+    line = refused(capsys, long_context.main, ["--ckpt", str(tiny_ckpt), "--depths", "64,40000", "--decode-tokens", "2", "--reps", "2"])
+    assert "--depths up to 40000" in line and "over the model's 32768" in line
+
+
 def test_missing_gguf_is_refused(capsys):
     line = refused(capsys, vs_llama_cpp.main, ["--ckpt", "x", "--gguf", "/nope.gguf", "--llama-bench", "/bin/true"])
     assert "no file /nope.gguf" in line
@@ -112,7 +131,7 @@ def test_pair_scheme_and_binary_are_checked_first(capsys, gguf):
 def test_pocketllm_usage_error_is_one_line(capsys, monkeypatch):
     """A UsageError from pocketllm itself (here a bad POCKETLLM_ISA) is the script's one line."""
     monkeypatch.setenv("POCKETLLM_ISA", "avx3")
-    line = refused(capsys, quant_kernels.main, ["--preset", "tiny", "--no-timing"])
+    line = refused(capsys, quant_kernels.main, ["--preset", "tiny", "--errors", "--no-timing"])
     assert line.startswith("quant_kernels.py: error: POCKETLLM_ISA='avx3'")
 
 
