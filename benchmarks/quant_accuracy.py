@@ -49,6 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 # llama.cpp's formats of the checkpoint, the reference first.
 LLAMA_KINDS = ("f32", "bf16", "Q8_0", "Q4_0", "Q4_K_M")
 SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym"]
+# llama-perplexity keeps its KL statistics to itself under this many scored positions.
+LLAMA_MIN_SCORED = 100
 
 
 def parse_args(argv=None):
@@ -68,6 +70,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.llama_perplexity is None) != (args.gguf_dir is None):
         p.error("--llama-perplexity and --gguf-dir go together")
+    scored = args.chunks * (args.ctx // 2 - 1)
+    if args.llama_perplexity and scored < LLAMA_MIN_SCORED:
+        p.error(f"--ctx {args.ctx} x --chunks {args.chunks} scores {scored} positions: llama-perplexity gives no KL statistics "
+                f"under {LLAMA_MIN_SCORED} (its rows would be empty)")
     if any(not s.startswith("int4") for s in args.decode_schemes):
         p.error(f"--decode-schemes takes int4 schemes (the int4 one-row kernels are forced), got {','.join(args.decode_schemes)}")
     if args.gguf_dir:
@@ -161,18 +167,27 @@ def fp8_release(src: str, out: Path) -> None:
     shutil.copy(Path(src, "tokenizer.json"), out / "tokenizer.json")
 
 
+def run_llama(cmd: list[str]) -> str:
+    """llama-perplexity's output; where it fails, its own last line, as this script's one line."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        how = f"signal {-r.returncode}" if r.returncode < 0 else f"status {r.returncode}"
+        raise UsageError(f"llama-perplexity failed ({how}) on {cmd[cmd.index('-m') + 1]}: {lines[-1] if lines else 'no output'}")
+    return r.stdout + r.stderr
+
+
 def llama_rows(args, text_file: str) -> dict[str, dict]:
     gguf = lambda kind: str(Path(args.gguf_dir) / f"{args.gguf_name}-{kind}.gguf")  # noqa: E731
     common = [args.llama_perplexity, "-f", text_file, "-c", str(args.ctx), "--chunks", str(args.chunks), "-t", "2"]
     with tempfile.TemporaryDirectory() as tmp:
         base = f"{tmp}/base.kld"
-        r = subprocess.run([*common, "-m", gguf("f32"), "--kl-divergence-base", base], check=True, capture_output=True, text=True)
-        ppl = re.search(r"Final estimate: PPL = ([\d.]+)", r.stdout + r.stderr)
+        text = run_llama([*common, "-m", gguf("f32"), "--kl-divergence-base", base])
+        ppl = re.search(r"Final estimate: PPL = ([\d.]+)", text)
         print(f"llama.cpp f32 perplexity over the same positions: {ppl.group(1) if ppl else '?'}", flush=True)
         rows = {}
         for kind in LLAMA_KINDS[1:]:
-            r = subprocess.run([*common, "-m", gguf(kind), "--kl-divergence-base", base, "--kl-divergence"], check=True, capture_output=True, text=True)
-            text = r.stdout + r.stderr
+            text = run_llama([*common, "-m", gguf(kind), "--kl-divergence-base", base, "--kl-divergence"])
             kl = re.search(r"Mean\s+KLD:\s+([-\d.e]+)", text)
             top = re.search(r"Same top p:\s+([\d.]+)", text)
             rows[f"llama.cpp {kind}"] = {"rel_logit_error": None, "mean_kl": float(kl.group(1)) if kl else None, "top1_agreement": float(top.group(1)) / 100 if top else None}

@@ -118,6 +118,20 @@ def test_depths_past_the_models_positions_are_refused_before_it_loads(capsys, ti
     assert "--depths up to 40000" in line and "over the model's 32768" in line
 
 
+def test_llama_perplexity_too_few_positions_or_its_crash_is_one_line(capsys, tmp_path):
+    from pocketllm.errors import UsageError
+
+    # 2 chunks of 64 score 62 positions: llama-perplexity would print no KL statistics at all.
+    line = refused(capsys, quant_accuracy.main, ["--ckpt", "x", "--ctx", "64", "--chunks", "2", "--llama-perplexity", "/bin/true", "--gguf-dir", str(tmp_path)])
+    assert "scores 62 positions" in line and "under 100" in line
+    crashing = tmp_path / "llama-perplexity"
+    crashing.write_text("#!/bin/sh\necho 'loading model' >&2\necho 'GGML_ASSERT(sect_dims <= ne0) failed' >&2\nkill -ABRT $$\n")
+    crashing.chmod(0o755)
+    with pytest.raises(UsageError) as exc:
+        quant_accuracy.run_llama([str(crashing), "-f", "text", "-m", "tiny-f32.gguf"])
+    assert str(exc.value) == "llama-perplexity failed (signal 6) on tiny-f32.gguf: GGML_ASSERT(sect_dims <= ne0) failed"
+
+
 def test_missing_gguf_is_refused(capsys):
     line = refused(capsys, vs_llama_cpp.main, ["--ckpt", "x", "--gguf", "/nope.gguf", "--llama-bench", "/bin/true"])
     assert "no file /nope.gguf" in line
