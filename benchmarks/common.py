@@ -46,16 +46,21 @@ class Parser(argparse.ArgumentParser):
 def script(main):
     """main(argv) that reports pocketllm's own usage errors (a bad checkpoint, dtype, scheme,
     POCKETLLM_ISA, --json path, ...) as the CLI does: `NAME: error: MESSAGE`, exit code 2, no
-    traceback. Only UsageError: anything else is a bug and keeps its traceback."""
+    traceback; and Ctrl-C as the CLI does, `NAME: interrupted`, exit code 130 (the script's own
+    cleanup, a server stopped or a temporary checkpoint removed, has run by then). Only these:
+    anything else is a bug and keeps its traceback."""
 
     @functools.wraps(main)
     def run(argv=None):
+        name = os.path.basename(getattr(sys.modules.get(main.__module__), "__file__", None) or sys.argv[0])
         try:
             return main(argv)
         except UsageError as exc:
-            name = os.path.basename(getattr(sys.modules.get(main.__module__), "__file__", None) or sys.argv[0])
             print(f"{name}: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
+        except KeyboardInterrupt:
+            print(f"{name}: interrupted", file=sys.stderr)
+            raise SystemExit(130) from None
 
     return run
 

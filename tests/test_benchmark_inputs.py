@@ -168,3 +168,16 @@ def test_bench_path_flags_are_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     got = common.absolute_paths(["--ckpt", "tiny", "--max-new-tokens", "4", "--calibration=c.json"])
     assert got == ["--ckpt", os.path.join(str(tmp_path), "tiny"), "--max-new-tokens", "4", f"--calibration={tmp_path}/c.json"]
+
+
+def test_ctrl_c_in_a_script_is_one_line_with_the_clis_status(capsys):
+    """A script stopped by Ctrl-C says so in one line, exit 130, as the CLI does (serve_load's
+    server is stopped and its temporary checkpoint removed on the way out)."""
+    @common.script
+    def main(argv=None):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 130
+    assert capsys.readouterr().err.strip() == f"{Path(__file__).name}: interrupted"
