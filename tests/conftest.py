@@ -60,7 +60,8 @@ script()
 
 # Set beside POCKETLLM_CACHE_DIR to the test session's private cache (a name pocketllm never reads).
 SESSION_CACHE = "TESTS_SESSION_KERNEL_CACHE"
-CACHE_ENV = (compiled.ENV_CACHE_DIR, SESSION_CACHE)
+# matplotlib's font cache (the sweep's plot) goes there too, not into the user's home.
+CACHE_ENV = (compiled.ENV_CACHE_DIR, SESSION_CACHE, "MPLCONFIGDIR")
 # (the directory this session made, or None where it inherited one; CACHE_ENV's values before)
 _CACHE = pytest.StashKey[tuple[str | None, dict]]()
 

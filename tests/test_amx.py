@@ -1,9 +1,12 @@
 """The AMX tile kernels where the CPU has them: the one-row form sums each row as the few-row tile
 product does, so a batch-invariant set given the one-row form (forced) takes the tiles at every
 row count, a decode row getting the same bits in any batch; a forced few-row AMX kernel without it
-is refused; and the compiled decode step calls the one-row form as the layers do."""
+is refused (on any CPU); where there are no tiles, forcing them is refused naming why; and the
+compiled decode step calls the one-row form as the layers do."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -13,11 +16,11 @@ from pocketllm.errors import UsageError
 from pocketllm.ops.gemv import kernels as gemv
 from pocketllm.ops.registry import FEW_ROW, ONE_ROW, KernelSet, check_forced
 
-pytestmark = pytest.mark.skipif(
-    bool(gemv.amx_unavailable("bfloat16", torch.device("cpu"))), reason=f"no AMX tiles here: {gemv.amx_unavailable('bfloat16', torch.device('cpu'))}"
-)
+NO_TILES = gemv.amx_unavailable("bfloat16", torch.device("cpu"))
+needs_tiles = pytest.mark.skipif(bool(NO_TILES), reason=NO_TILES)
 
 
+@needs_tiles
 def test_one_row_on_the_tiles_is_each_row_of_the_few_row_tiles_bit_for_bit():
     g = torch.Generator().manual_seed(4)
     # Widths the tiles cover, one they do not (the AVX-512 path for the whole weight), weight
@@ -35,6 +38,7 @@ def test_one_row_on_the_tiles_is_each_row_of_the_few_row_tiles_bit_for_bit():
         assert bool(((rows.float() - x.float() @ w.float().t()).abs() <= 2**-7 * terms + 1e-6).all())
 
 
+@needs_tiles
 def test_a_batch_invariant_set_takes_the_tiles_beside_the_one_row_tiles(monkeypatch):
     w = torch.randn(64, 256).bfloat16()
     env = {"POCKETLLM_KERNELS": "one-row=amx"}
@@ -53,15 +57,27 @@ def test_a_batch_invariant_set_takes_the_tiles_beside_the_one_row_tiles(monkeypa
 
 
 def test_a_forced_few_row_tile_kernel_needs_the_one_row_tiles_beside_it():
+    # The rule holds whatever the CPU: it is checked before whether the tiles are there.
     with pytest.raises(UsageError, match="force one-row=amx too"):
         check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "few-row=amx"})
     with pytest.raises(UsageError, match="sums a row otherwise"):
         check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "one-row=c,few-row=amx"})
+
+
+@pytest.mark.skipif(not NO_TILES, reason="this CPU has AMX tiles")
+def test_forcing_the_tiles_where_there_are_none_is_refused_naming_why():
+    with pytest.raises(UsageError, match=re.escape(f"POCKETLLM_KERNELS=one-row=amx: {NO_TILES}")):
+        check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "one-row=amx,few-row=amx"})
+
+
+@needs_tiles
+def test_forced_tiles_with_the_one_row_tiles_or_without_invariance_are_taken():
     check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "one-row=amx,few-row=amx"})
     check_forced(["bfloat16"], "cpu", {"POCKETLLM_KERNELS": "few-row=amx", "POCKETLLM_BATCH_INVARIANT": "0"})
     assert "amx" not in ONE_ROW.timed("bfloat16", torch.device("cpu")) and "amx" in FEW_ROW.timed("bfloat16", torch.device("cpu"))
 
 
+@needs_tiles
 def test_the_compiled_step_runs_the_one_row_tiles_as_the_layers_do(monkeypatch):
     monkeypatch.setenv("POCKETLLM_KERNELS", "one-row=amx")
     engine = tiny_engine(torch.bfloat16)
