@@ -129,10 +129,10 @@ def test_submit_refuses_what_cannot_run(engine):
         sched.submit([1], 1)
     # Past the positions the model was made for, as serve's --max-len and the CLI refuse them.
     limit = engine.cfg.max_position_embeddings
-    with pytest.raises(ValueError, match=f"max_len {limit + 1} is over the model's max_position_embeddings \\({limit}\\)"):
-        Scheduler(engine, 1, limit + 1)
+    with pytest.raises(ValueError, match=f"max_len {limit + 2} would read {limit + 1} positions, over the model's max_position_embeddings \\({limit}\\)"):
+        Scheduler(engine, 1, limit + 2)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        generate(engine, [1, 2], limit)
+        generate(engine, [1, 2], limit + 1)
 
 
 def test_bench_batch_counts_every_sequence(engine):

@@ -7,6 +7,8 @@ exit status and the clean stderr of an actual process stay covered."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import free_port, main_in_process, start, usage_error_in_process, usage_line
@@ -121,6 +123,19 @@ def test_a_prompt_past_the_models_positions_is_refused_before_its_ids_are_made(c
     # 10**9 ids as a Python list would take minutes and tens of GiB: the length is checked first
     # (refused in well under a second; a list being built would be timed out here, at a few GiB).
     usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", str(10**9), expect="over max_position_embeddings=")
+
+
+def test_a_bench_that_fills_the_models_positions_runs_and_one_past_is_refused(ckpt_copy, capsys):
+    """A bench's --max-new-tokens N timed steps read the prompt and N tokens after it (the last
+    token chosen is never read): prompt + N up to max_position_embeddings runs, one more is the
+    one-line refusal."""
+    path = ckpt_copy / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_position_embeddings": 64}))
+    capsys.readouterr()
+    rc = main_in_process("bench", "--ckpt", ckpt_copy, "--prompt-tokens", 60, "--max-new-tokens", 4)
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    usage_error_in_process(capsys, "bench", "--ckpt", ckpt_copy, "--prompt-tokens", 61, "--max-new-tokens", 4, expect="is 65, over max_position_embeddings=64")
 
 
 @pytest.mark.parametrize("command", ["bench", "profile"])

@@ -81,9 +81,14 @@ class Scheduler:
             raise ValueError(f"max_running, max_len and prefill_budget must be >= 1, got {max_running}, {max_len}, {prefill_budget}")
         if lockstep and prefix_cache_bytes:
             raise ValueError("a lockstep scheduler keeps no prefix cache")
-        # serve's --max-len and generate's prompt + new tokens are held to the same bound.
-        if max_len > engine.cfg.max_position_embeddings:
-            raise ValueError(f"max_len {max_len} is over the model's max_position_embeddings ({engine.cfg.max_position_embeddings})")
+        # A sequence's last token is never fed back, so max_len - 1 positions are read at most: a
+        # bench's N timed steps after the prompt's token hold prompt + N + 1 tokens in prompt + N
+        # positions. (serve's --max-len and generate's prompt + new tokens are held to the
+        # positions themselves, the stricter count users know from transformers and vLLM.)
+        if max_len - 1 > engine.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_len {max_len} would read {max_len - 1} positions, over the model's max_position_embeddings ({engine.cfg.max_position_embeddings})"
+            )
         self.engine, self.max_running, self.max_len, self.prefill_budget = engine, max_running, max_len, prefill_budget
         self.lockstep = lockstep
         self.vocab = engine.cfg.vocab_size
