@@ -109,8 +109,11 @@ def hf_prefill_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    # The mask given: without one, transformers infers it from pad_token_id and masks every id 0
+    # in the prompt (the long prompts here hold some), so the reference would read another prompt.
+    prompt = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
         )
     return out[0, len(ids) :].tolist()
