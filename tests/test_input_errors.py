@@ -125,6 +125,12 @@ def test_a_prompt_past_the_models_positions_is_refused_before_its_ids_are_made(c
     usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", str(10**9), expect="over max_position_embeddings=")
 
 
+def test_a_bench_given_several_prompts_says_it_times_one(capsys, no_ranks):
+    # generate takes a repeated --token-ids as several prompts; a bench kept the last one silently.
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--tp-world", "2", "--token-ids", "1,2,3", "--token-ids", "4",
+                           expect="--token-ids given 2 times: a bench times one prompt")
+
+
 def test_a_bench_that_fills_the_models_positions_runs_and_one_past_is_refused(ckpt_copy, capsys):
     """A bench's --max-new-tokens N timed steps read the prompt and N tokens after it (the last
     token chosen is never read): prompt + N up to max_position_embeddings runs, one more is the

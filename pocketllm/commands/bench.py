@@ -24,7 +24,7 @@ from pocketllm.startup import seconds_since_start
 def add_arguments(p) -> None:
     add_model_args(p)
     p.add_argument("--prompt-tokens", type=int, help="length of the deterministic prompt (default 512)")
-    p.add_argument("--token-ids", help="use these ids as the prompt instead")
+    p.add_argument("--token-ids", action="append", help="use these ids as the prompt instead (once: --batch runs several sequences of it)")
     p.add_argument("--token-ids-file", help="read the prompt ids from this file instead")
     p.add_argument("--max-new-tokens", type=int, default=32, help="timed decode steps (default 32)")
     p.add_argument(
@@ -182,6 +182,9 @@ def _kernel_profile(engine, prompts: list[list[int]], new_tokens: int, device) -
 
 
 def run(args) -> int:
+    if args.token_ids is not None and len(args.token_ids) > 1:
+        # generate reads a repeated --token-ids as several prompts; a bench times one prompt.
+        raise UsageError(f"--token-ids given {len(args.token_ids)} times: a bench times one prompt (--batch B runs B sequences of it)")
     prompt = PromptSource(token_ids=tuple_or_none(args.token_ids), token_ids_file=args.token_ids_file, max_new_tokens=args.max_new_tokens)
     given = "--token-ids" if args.token_ids is not None else "--token-ids-file" if args.token_ids_file is not None else None
     if given and args.prompt_tokens is not None:
