@@ -3,8 +3,8 @@ quietly with the status a shell gives a process SIGPIPE ended, as a program that
 would, rather than with a traceback of the broken pipe. Python ignores SIGPIPE, so the write raises
 BrokenPipeError instead; only one whose stdout has lost its reader is taken so (a socket's is not).
 
-Any other failed write of the results (`> file` on a full disk) is one line naming it
-(StdoutError, through guard_stdout), not a traceback."""
+Any other failed write of the results (`> file` on a full disk, text a stdout's encoding cannot
+hold) is one line naming it (StdoutError, through guard_stdout), not a traceback."""
 
 from __future__ import annotations
 
@@ -58,6 +58,12 @@ class _GuardedStdout:
         except OSError as exc:
             quiet_stdout()
             raise StdoutError(f"cannot write the results to stdout ({exc.strerror or exc})") from None
+        except UnicodeEncodeError as exc:
+            # Nothing of the failed write reached the stream: what came before it stays.
+            raise StdoutError(
+                f"cannot write the results to stdout: its encoding, {exc.encoding}, has no {exc.object[exc.start:exc.end]!r} "
+                "(PYTHONIOENCODING=utf-8 gives it one)"
+            ) from None
 
     def write(self, text: str) -> int:
         return self._guarded(self._stream.write, text)

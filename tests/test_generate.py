@@ -90,6 +90,22 @@ def test_a_closed_stdout_or_stderr_is_taken_as_dev_null():
 
 
 @pytest.mark.timeout(60)
+def test_text_a_stdouts_encoding_cannot_hold_is_one_line():
+    """PYTHONIOENCODING=ascii (or a console's code page) and a token's text outside it: one line
+    naming the encoding, not an encoding traceback halfway through the results."""
+    import io
+
+    from pocketllm.stdout_gone import StdoutError, _GuardedStdout
+
+    raw = io.BytesIO()
+    out = _GuardedStdout(io.TextIOWrapper(raw, encoding="ascii"))
+    out.write("generated_ids=1,2\n")
+    with pytest.raises(StdoutError, match="its encoding, ascii, has no '中' \\(PYTHONIOENCODING=utf-8 gives it one\\)"):
+        out.write("ok 中\n")
+    out.flush()
+    assert raw.getvalue() == b"generated_ids=1,2\n"
+
+
 def test_results_that_cannot_be_written_to_stdout_are_one_line():
     """`> file` on a full disk (here the full device): the one line says so, exit 2."""
     cmd = [sys.executable, "-c", CLI_ENTRY, "generate", "--preset", "tiny", "--token-ids", "1,2", "--max-new-tokens", "2"]
