@@ -194,7 +194,7 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
     tensors = model_tensors(cfg)
     cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested, tensors))
     check_tp_split(cfg, world)
-    check_split(tensors, cfg.weights, world)
+    check_split(tensors, cfg.weights, world, "" if requested is UNSET else f"--quantize {source.quantize}")
     _check_forced_quantized(cfg, kind)
     if reader is not None:
         validate_source(reader, cfg, tensors, cut_from=declared)

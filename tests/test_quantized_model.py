@@ -140,9 +140,12 @@ def test_quantize_usage_errors(no_ranks, capsys, tiny_ckpt, tmp_path):
     usage_error_in_process(capsys, "generate", "--preset", "tiny", "--quantize", "int3", "--token-ids", "1", expect=("--quantize 'int3'", "int4-g64-asym"))
     usage_error_in_process(
         capsys, "generate", "--preset", "tiny", "--quantize", "int4-g32", "--tp-world", "4", "--token-ids", "1",
-        expect=("o_proj", "16 of its 64 inputs", "groups of 32"),
+        expect=("--quantize int4-g32 at --tp-world 4:", "o_proj", "16 of its 64 inputs", "groups of 32"),
     )
     usage_error_in_process(capsys, "generate", "--preset", "tiny", "--quantize", "int4-g128", "--token-ids", "1", expect=("64 inputs", "int4-g32, int4-g64"))
+    # The flag as given, and what plain int4 means.
+    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--quantize", "int4", "--token-ids", "1", expect=("--quantize int4 (int4-g128): ", "64 inputs"))
+    usage_error_in_process(capsys, "quantize", "--ckpt", tiny_ckpt, "--out", tmp_path / "g128", "--scheme", "int4", expect=("--scheme int4 (int4-g128): ",))
     packed = tmp_path / "q"
     assert main_in_process("quantize", "--ckpt", tiny_ckpt, "--out", packed, "--scheme", "int8") == 0
     capsys.readouterr()

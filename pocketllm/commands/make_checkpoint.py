@@ -79,7 +79,7 @@ def run(args) -> int:
     model = model_tensors(cfg)
     if scheme is not None:
         check_host()
-        check_split(model, WeightPlan(scheme), 1)
+        check_split(model, WeightPlan(scheme), 1, f"--quantize {args.quantize}")
     source = RandomWeights(cfg, seed=args.seed, dtype=dtype, tensors=model)
     tensors = [Entry(name, dtype, tuple(shape)) for name, shape in source.shapes.items()]
     quantized = {t.key: scheme for t in projections(model)} if scheme is not None else {}

@@ -59,7 +59,7 @@ def run(args) -> int:
     # The input is checked as a run would load it, then the scheme against the model's shapes.
     model = model_tensors(cfg)
     validate_source(reader, dataclasses.replace(cfg, weights=plan_weights(cfg, reader, UNSET, model)), model)
-    check_split(model, WeightPlan(scheme), 1)
+    check_split(model, WeightPlan(scheme), 1, f"--scheme {args.scheme}")
 
     fp8 = {k.removesuffix(SCALE_SUFFIX) for k in reader.file_of if k.endswith(SCALE_SUFFIX)}
     tensors = []

@@ -51,25 +51,32 @@ def plan_weights(cfg: ModelConfig, source, requested, tensors) -> WeightPlan | N
     return WeightPlan(None, "compressed-tensors", tuple(overrides))
 
 
-def check_split(tensors, plan: WeightPlan | None, world: int) -> None:
+def check_split(tensors, plan: WeightPlan | None, world: int, asked: str = "") -> None:
     """Every quantized weight's inputs must split into its groups, and at --tp-world a
     row-parallel shard must hold whole groups (and, packed, whole int32 words): one line naming
-    the first of the model's `tensors` that does not, before any rank starts."""
+    the first of the model's `tensors` that does not, before any rank starts. asked: the flag and
+    value that chose the scheme (`--quantize int4`), named with it; none for a checkpoint's own."""
     if plan is None:
         return
+
+    def named(scheme) -> str:
+        if not asked:
+            return scheme.name
+        return asked if asked.endswith(" " + scheme.name) else f"{asked} ({scheme.name})"
+
     for t in projections(tensors):
         key, cols, row_parallel = t.key, t.shape[1], t.row_parallel
         scheme = plan.scheme_for(key)
         if scheme is None:
             continue
         if scheme.bits == 4 and cols % scheme.group:
-            raise UsageError(f"{scheme.name}: {key} has {cols} inputs, not a whole number of groups of {scheme.group}; use {_smaller(cols)}")
+            raise UsageError(f"{named(scheme)}: {key} has {cols} inputs, not a whole number of groups of {scheme.group}; use {_smaller(cols)}")
         local = cols // world
         if row_parallel and world > 1:
             if scheme.bits == 4 and local % scheme.group:
                 fix = "fewer ranks (the checkpoint's groups are fixed)" if plan.source == "compressed-tensors" else f"{_smaller(local)} or fewer ranks"
                 raise UsageError(
-                    f"{scheme.name} at --tp-world {world}: each rank's shard of {key} holds {local} of its {cols} inputs, "
+                    f"{named(scheme)} at --tp-world {world}: each rank's shard of {key} holds {local} of its {cols} inputs, "
                     f"not whole groups of {scheme.group}; use {fix}"
                 )
             if plan.source == "compressed-tensors" and local % (32 // scheme.bits):
