@@ -104,18 +104,20 @@ def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int
 def checked_bench_ids(n: int, cfg: ModelConfig, max_new_tokens: int) -> list[int]:
     """bench_ids(n) for cfg, its length checked before a list of n ids is made (the ids are the
     vocab's by construction, and bench_ids refuses n < 1)."""
-    check_length(n, cfg, max_new_tokens)
+    check_length(n, cfg, max_new_tokens, sized_by="--prompt-tokens")
     return bench_ids(n, cfg.vocab_size)
 
 
-def check_length(prompt_tokens: int, cfg: ModelConfig, max_new_tokens: int) -> None:
-    """A prompt of that many tokens and the new ones fit the model's positions."""
+def check_length(prompt_tokens: int, cfg: ModelConfig, max_new_tokens: int, sized_by: str = "") -> None:
+    """A prompt of that many tokens and the new ones fit the model's positions. sized_by: the flag
+    that sized the prompt, named in the refusal (its default may be what ran over)."""
     if max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     total = prompt_tokens + max_new_tokens
     if total > cfg.max_position_embeddings:
+        by = f" ({sized_by})" if sized_by else ""
         raise UsageError(
-            f"prompt of {prompt_tokens} tokens plus {max_new_tokens} new tokens is {total}, "
+            f"prompt of {prompt_tokens} tokens{by} plus {max_new_tokens} new tokens (--max-new-tokens) is {total}, "
             f"over max_position_embeddings={cfg.max_position_embeddings}"
         )
 

@@ -141,7 +141,7 @@ def test_a_bench_that_fills_the_models_positions_runs_and_one_past_is_refused(ck
     rc = main_in_process("bench", "--ckpt", ckpt_copy, "--prompt-tokens", 60, "--max-new-tokens", 4)
     assert rc == 0, capsys.readouterr().err
     capsys.readouterr()
-    usage_error_in_process(capsys, "bench", "--ckpt", ckpt_copy, "--prompt-tokens", 61, "--max-new-tokens", 4, expect="is 65, over max_position_embeddings=64")
+    usage_error_in_process(capsys, "bench", "--ckpt", ckpt_copy, "--prompt-tokens", 61, "--max-new-tokens", 4, expect="prompt of 61 tokens (--prompt-tokens) plus 4 new tokens (--max-new-tokens) is 65, over max_position_embeddings=64")
 
 
 @pytest.mark.parametrize("command", ["bench", "profile"])
