@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import feed, tiny_engine, generated_ids, run_cli, usage_error_in_process
+from conftest import feed, generated_ids, main_in_process, run_cli, tiny_engine, usage_error_in_process
 from hf_oracle import build_hf_model, hf_greedy, save_hf_checkpoint
 
 from pocketllm.engine.generate import generate
@@ -155,6 +155,15 @@ def test_prompts_file_lines_are_checked(capsys, tiny_ckpt, tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("one\n\nthree\n")
     usage_error_in_process(capsys, "generate", "--ckpt", tiny_ckpt, "--prompts-file", path, expect="line 2 is empty")
+
+
+def test_a_prompts_files_texts_are_text_lines_however_many_it_holds(capsys, tiny_ckpt, tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text("one\n")
+    capsys.readouterr()
+    assert main_in_process("generate", "--ckpt", tiny_ckpt, "--prompts-file", path, "--max-new-tokens", 3) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("generated_ids=") and lines[1].startswith("text=\""), lines
 
 
 def test_a_batch_at_tp2_matches_transformers(tmp_path):

@@ -128,10 +128,13 @@ def _work(run, plan, prompts, engine, device) -> int:
     new_tokens = t.prompt.max_new_tokens
     eos = () if t.ignore_eos else plan.cfg.eos_token_ids
     sampling = SamplingParams(t.temperature, t.top_p, t.seed)
+    # A prompts file's texts are always `text=` lines, however many lines it has: a script reading
+    # them cannot know the count ahead.
+    listed = len(prompts) > 1 or t.prompt.prompts_file is not None
     if len(prompts) > 1:
         outputs = generate_batch(engine, prompts, new_tokens, sampling, eos, t.max_running)
         if tp().rank == 0:
-            _print_outputs(ckpt, outputs)
+            _print_outputs(ckpt, outputs, listed)
         return 0
 
     def save_prompt_logits(logits) -> None:
@@ -156,15 +159,15 @@ def _work(run, plan, prompts, engine, device) -> int:
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
         _note_ids_without_text(stream.tokenizer, out)
     else:
-        _print_outputs(ckpt, [out])
+        _print_outputs(ckpt, [out], listed)
     return 0
 
 
-def _print_outputs(ckpt: str | None, outputs: list[list[int]]) -> None:
+def _print_outputs(ckpt: str | None, outputs: list[list[int]], listed: bool) -> None:
     """One generated_ids= line per prompt in the order given, then, with a tokenizer, the texts:
-    one prompt's as it decodes; several prompts' one `text=` line each, in the same order, as a
-    JSON string (a text holding a newline, or none at all, would otherwise not say which prompt's
-    it is)."""
+    one prompt's as it decodes; several prompts' (listed) one `text=` line each, in the same
+    order, as a JSON string (a text holding a newline, or none at all, would otherwise not say
+    which prompt's it is)."""
     for out in outputs:
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
     if ckpt is None or not (Path(ckpt) / "tokenizer.json").is_file():
@@ -172,7 +175,7 @@ def _print_outputs(ckpt: str | None, outputs: list[list[int]]) -> None:
     tok = load_tokenizer(ckpt)
     for out in outputs:
         text = tok.decode(out)
-        print(text if len(outputs) == 1 else "text=" + json.dumps(text, ensure_ascii=False), flush=True)
+        print("text=" + json.dumps(text, ensure_ascii=False) if listed else text, flush=True)
     _note_ids_without_text(tok, [t for out in outputs for t in out])
 
 
