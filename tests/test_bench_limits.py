@@ -41,3 +41,26 @@ def test_a_steps_weight_bytes_and_a_prefills_flops_count_what_the_model_holds(tm
     assert limits.decode_weight_bytes(model) < projections + cfg.vocab_size * cfg.hidden_size * 4
     head = weights[-1].numel()
     assert limits.prefill_gemm_flops(model, 10) == 2 * 10 * (sum(w.numel() for w in weights) - head) + 2 * head
+
+
+def test_a_bench_timed_on_a_busy_machine_says_its_figures_are_low(tmp_path, capsys, monkeypatch):
+    """What the window's load monitor (ops.registry.trust, tested with real busy loops in
+    test_registry) found while the figures were timed goes into the JSON, and a busy machine is a
+    note on stderr. Here the monitor's verdict is set, so the test does not depend on this
+    machine's own load."""
+    from pocketllm.ops.registry import trust
+
+    out = tmp_path / "bench.json"
+    verdicts = []
+
+    def stop(self, started):
+        verdicts.append(trust.Verdict(True, 0.42, 0.01, 1.0))
+        return verdicts[-1]
+
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(trust.Monitor, "stop", stop)
+        assert main_in_process("bench", "--preset", "tiny", "--prompt-tokens", 16, "--max-new-tokens", 4, "--json", out) == 0
+    err = capsys.readouterr().err
+    assert json.loads(out.read_text())["machine_load"] == {"others_share": 0.42, "steal_share": 0.01, "busy": True}
+    assert "note: the machine was busy while the figures were timed (other processes took 42% of the CPUs, 1% stolen)" in err, err

@@ -110,8 +110,9 @@ def _work(run, plan, ids, engine, device) -> int:
     # A rank's imports: the launcher imports this module to check, and never imports torch.
     from pocketllm.bench import limits
     from pocketllm.commands.on_rank import cpus_per_rank, peak_rss_mib_per_rank, per_rank, run_settings
-    from pocketllm.distributed.state import tp
+    from pocketllm.distributed.state import group_pids, tp
     from pocketllm.engine.timing import timed_batch, timed_prefill_decode, warm_up, warm_up_batch
+    from pocketllm.ops.registry.trust import Monitor
 
     t = run.task
     new_tokens = t.prompt.max_new_tokens
@@ -125,11 +126,20 @@ def _work(run, plan, ids, engine, device) -> int:
     ready = seconds_since_start()
     if ready is not None:
         say(f"ready {ready:.1f} s after the process started (loaded and warmed up)")
+    # Other processes' CPU time while the figures were timed (this run's ranks' own not counted):
+    # a figure taken on a busy machine is low by an unknown amount, and says so.
+    monitor = Monitor(peers=group_pids())
+    started = monitor.start()
     with engine.tagged(timed=True):
         if t.batch == 1:
             result = timed_prefill_decode(engine, ids, new_tokens, device.synchronize)
         else:
             result = timed_batch(engine, prompts, new_tokens, device.synchronize)
+    load = monitor.stop(started)
+    if load.known:
+        result["machine_load"] = {"others_share": round(load.others, 3), "steal_share": round(load.steal, 3), "busy": load.disturbed}
+        if load.disturbed:
+            say(f"note: the machine was busy while the figures were timed ({load.describe()}): they are low by an unknown amount")
     if ready is not None:
         result["ready_seconds"] = ready
     profiled = _kernel_profile(engine, prompts, new_tokens, device) if t.kernel_profile else None
