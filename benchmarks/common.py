@@ -305,14 +305,16 @@ def run_bench_json(bench_args: list[str], env: dict[str, str] | None = None, cwd
 
     `env` holds variables set over this process's environment; `cwd` is where the command runs,
     which also decides which tree `-m pocketllm` imports (the working directory comes first on
-    sys.path); a path in bench_args means what it means here (absolute_paths). A failed run ends this process with the bench's last line of stderr."""
+    sys.path); a path in bench_args means what it means here (absolute_paths). A failed run ends this process with the bench's last line of stderr,
+    and exit code 2 where the bench refused its flags (flags this script passed on as given)."""
     with tempfile.TemporaryDirectory(prefix="pocketllm-bench-json-") as tmp:
         path = f"{tmp}/bench.json"
         cmd = [sys.executable, "-m", "pocketllm", "bench", *absolute_paths(bench_args), "--json", path]
         r = subprocess.run(cmd, check=False, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True)
         if r.returncode != 0:
             lines = r.stderr.strip().splitlines()
-            raise SystemExit(f"pocketllm bench failed: {lines[-1]}" if lines else f"pocketllm bench failed with exit code {r.returncode} and no message")
+            print(f"pocketllm bench failed: {lines[-1]}" if lines else f"pocketllm bench failed with exit code {r.returncode} and no message", file=sys.stderr)
+            raise SystemExit(2 if r.returncode == 2 else 1)
         with open(path) as f:
             return json.load(f)
 

@@ -132,6 +132,13 @@ def test_llama_perplexity_too_few_positions_or_its_crash_is_one_line(capsys, tmp
     assert str(exc.value) == "llama-perplexity failed (signal 6) on tiny-f32.gguf: GGML_ASSERT(sect_dims <= ne0) failed"
 
 
+def test_a_bench_flag_passed_on_and_refused_is_the_scripts_usage_error(capsys, tiny_ckpt):
+    """Flags a script passes on to `pocketllm bench` as given: bench's refusal ends the script with
+    bench's line and bench's exit code 2, not 1."""
+    line = refused(capsys, batch_ab.main, ["--ckpt", str(tiny_ckpt), "--bogus", "1"])
+    assert line == "pocketllm bench failed: pocketllm: error: unrecognized arguments: --bogus 1"
+
+
 def test_missing_gguf_is_refused(capsys):
     line = refused(capsys, vs_llama_cpp.main, ["--ckpt", "x", "--gguf", "/nope.gguf", "--llama-bench", "/bin/true"])
     assert "no file /nope.gguf" in line
