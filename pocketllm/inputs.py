@@ -93,10 +93,12 @@ def request_problem(ids: list[int], max_new_tokens: int, vocab: int, max_len: in
     return ""
 
 
-def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int) -> list[int]:
+def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int, given_by: str = "") -> list[int]:
+    """ids as a prompt of cfg's model, refused naming `given_by` (the flag, file or line it came
+    from) where it cannot be one."""
     problem = prompt_problem(ids, cfg.vocab_size)
     if problem:
-        raise UsageError(problem)
+        raise UsageError(f"{given_by}: {problem}" if given_by else problem)
     check_length(len(ids), cfg, max_new_tokens)
     return ids
 
@@ -151,18 +153,23 @@ def prompt_list(src: PromptSource, cfg: ModelConfig, ckpt: str | None) -> list[l
         raise UsageError(f"give one way of giving the prompt, not {flags}")
     if src.token_ids is not None:
         prompts = [parse_token_ids(text, "--token-ids") for text in src.token_ids]
+        given_by = ["--token-ids"] if len(prompts) == 1 else [f"--token-ids #{i}" for i in range(1, len(prompts) + 1)]
     elif src.token_ids_file is not None:
         prompts = [read_token_ids_file(src.token_ids_file)]
+        given_by = [f"--token-ids-file {src.token_ids_file}"]
     elif src.prompt is not None:
-        if not all(src.prompt):
-            raise UsageError("the prompt is empty: give at least one token")
+        given_by = ["--prompt"] if len(src.prompt) == 1 else [f"--prompt #{i}" for i in range(1, len(src.prompt) + 1)]
+        for text, by in zip(src.prompt, given_by):
+            if not text:
+                raise UsageError(f"{by} is empty: give at least one token")
         tok = load_tokenizer(ckpt)
         prompts = [tok.encode(t).ids for t in src.prompt]
     elif src.prompts_file is not None:
         prompts = _read_prompts_file(src.prompts_file, ckpt)
+        given_by = [f"--prompts-file {src.prompts_file} line {n}" for n in range(1, len(prompts) + 1)]
     else:
         return []
-    return [check_ids(ids, cfg, src.max_new_tokens) for ids in prompts]
+    return [check_ids(ids, cfg, src.max_new_tokens, by) for ids, by in zip(prompts, given_by)]
 
 
 def _read_prompts_file(path: str, ckpt: str | None) -> list[list[int]]:
@@ -173,7 +180,8 @@ def _read_prompts_file(path: str, ckpt: str | None) -> list[list[int]]:
     if not lines:
         raise UsageError(f"--prompts-file {path} is empty: give one prompt per line")
     for n, line in enumerate(lines, 1):
-        if not line.strip():
+        # A line of spaces is text (a tokenizer gives it tokens); only an empty one is refused.
+        if not line:
             raise UsageError(f"--prompts-file {path}: line {n} is empty (one prompt per line)")
     tok = load_tokenizer(ckpt, "--prompts-file", "pass --token-ids instead")
     return [tok.encode(line).ids for line in lines]

@@ -14,9 +14,10 @@ import pytest
 from conftest import free_port, main_in_process, start, usage_error_in_process, usage_line
 
 CASES = {
-    "negative-id": (["--token-ids", "1,-2,3"], "token id -2 at position 1 is outside the vocab [0, 1000)"),
-    "id-over-vocab": (["--token-ids", "1,1000"], "token id 1000 at position 1 is outside the vocab"),
-    "empty-prompt": (["--token-ids", ""], "the prompt is empty"),
+    "negative-id": (["--token-ids", "1,-2,3"], "--token-ids: token id -2 at position 1 is outside the vocab [0, 1000)"),
+    "id-over-vocab": (["--token-ids", "1,1000"], "--token-ids: token id 1000 at position 1 is outside the vocab"),
+    "id-over-vocab-second": (["--token-ids", "1", "--token-ids", "1,1000"], "--token-ids #2: token id 1000 at position 1 is outside the vocab"),
+    "empty-prompt": (["--token-ids", ""], "--token-ids: the prompt is empty"),
     "over-max-positions": (["--token-ids", "1,2", "--max-new-tokens", "40000"], "over max_position_embeddings=32768"),
     "junk-id": (["--token-ids", "1,x2,3"], "'x2' is not an integer token id"),
     "id-left-out": (["--token-ids", "1,,3"], "--token-ids: an id is missing between commas"),
@@ -123,6 +124,15 @@ def test_a_prompt_past_the_models_positions_is_refused_before_its_ids_are_made(c
     # 10**9 ids as a Python list would take minutes and tens of GiB: the length is checked first
     # (refused in well under a second; a list being built would be timed out here, at a few GiB).
     usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", str(10**9), expect="over max_position_embeddings=")
+
+
+def test_a_bad_prompt_names_the_flag_or_file_it_came_from(tmp_path, tiny_ckpt, capsys, no_ranks):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 5000\n")
+    usage_error_in_process(capsys, "generate", "--preset", "tiny", "--tp-world", "2", "--token-ids-file", ids,
+                           expect=f"--token-ids-file {ids}: token id 5000 at position 1 is outside the vocab")
+    usage_error_in_process(capsys, "generate", "--ckpt", tiny_ckpt, "--tp-world", "2", "--prompt", "hi", "--prompt", "",
+                           expect="--prompt #2 is empty: give at least one token")
 
 
 def test_a_bench_given_several_prompts_says_it_times_one(capsys, no_ranks):
