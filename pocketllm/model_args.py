@@ -84,7 +84,7 @@ def add_overlap_args(p: argparse.ArgumentParser, pin: bool = True, policy: bool 
     o = p.add_argument_group("collective overlap")
     o.add_argument("--comm-overlap-slices", help="the slice rule's ceiling (env POCKETLLM_COMM_OVERLAP_SLICES, alias QWEN_COMM_OVERLAP_SLICES, default 4; 0 or 1 disables slicing)")
     if pin:
-        o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says (env POCKETLLM_PIN_SLICES)")
+        o.add_argument("--pin-slices", help="use exactly K slices at every site, whatever the rule says; 0 or 1 runs unsliced (env POCKETLLM_PIN_SLICES)")
     if policy:
         o.add_argument("--overlap-policy", choices=OVERLAP_POLICIES, help="rule (the default) or calibrated (the default when a calibration is given)")
     o.add_argument("--calibration", help="a `pocketllm calibrate` file for the calibrated policy (env POCKETLLM_CALIBRATION)")
