@@ -69,7 +69,7 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--preset", help=f"embedded model with seeded random weights: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
     g.add_argument("--ckpt", help="HF checkpoint directory (config.json + safetensors)")
-    g.add_argument("--layers", type=int, help="cut the stack to N layers keeping the 3:1 linear/full pattern")
+    g.add_argument("--layers", type=int, help="run the first N layers (a preset's stack, 3 linear to 1 full, grows or is cut to N: under 4 it has no full-attention layer)")
     g.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 (default) or float16; GDN state and norms stay fp32")
     g.add_argument(
         "--quantize",
