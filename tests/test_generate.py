@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -77,6 +78,26 @@ def test_several_prompts_texts_are_one_json_line_each_and_ids_without_text_are_n
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(120)
+def test_ctrl_c_prints_what_was_generated_before_it(tmp_path):
+    """Ctrl-C in a long generation: the tokens chosen so far are printed as a finished run's are,
+    a note says how many of how many, and the run ends as interrupted (130)."""
+    import signal
+
+    from conftest import start
+
+    run = start("generate", "--preset", "tiny", "--layers", 24, "--token-ids", "1,2,3", "--max-new-tokens", 32000, tmp_path=tmp_path)
+    run.line_time("gdn kernel:")
+    time.sleep(0.3)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130, run.stderr
+    (line,) = run.stdout.splitlines()
+    ids = line.removeprefix("generated_ids=").split(",")
+    assert line.startswith("generated_ids=") and 0 < len(ids) < 32000, line[:200]
+    assert f"note: interrupted after {len(ids)} of 32000 new tokens" in run.stderr
+    assert run.last_line == "pocketllm: interrupted", run.stderr
+
+
 def test_a_closed_stdout_or_stderr_is_taken_as_dev_null():
     """`>&-` or a daemon's start: stdout closed, the run ends 0 with no traceback (sys.stdout was
     None); stderr closed at TP=2, the ranks' notes do not land among the results on stdout (the

@@ -150,17 +150,34 @@ def _work(run, plan, prompts, engine, device) -> int:
             write_out(t.logits_out, "--logits-out", write)
 
     stream = TextStream(load_tokenizer(ckpt)) if t.stream and tp().rank == 0 else None
-    out = generate(engine, prompts[0], new_tokens, sampling, eos, save_prompt_logits if t.logits_out else None, stream)
-    if tp().rank != 0:
-        return 0
-    # Streamed, the text came first and the ids close it; otherwise the ids come first.
+    got: list[int] = []  # the tokens so far, printed if Ctrl-C ends the run before its end
+
+    def on_token(token: int) -> None:
+        got.append(token)
+        if stream is not None:
+            stream(token)
+
+    try:
+        out = generate(engine, prompts[0], new_tokens, sampling, eos, save_prompt_logits if t.logits_out else None, on_token)
+    except KeyboardInterrupt:
+        if tp().rank == 0 and got:
+            _print_result(ckpt, got, stream, listed)
+            print(f"note: interrupted after {len(got)} of {new_tokens} new tokens; the results above are those", file=sys.stderr, flush=True)
+        raise
+    if tp().rank == 0:
+        _print_result(ckpt, out, stream, listed)
+    return 0
+
+
+def _print_result(ckpt: str | None, out: list[int], stream, listed: bool) -> None:
+    """One prompt's results: streamed, the text came first and the ids close it; otherwise the ids
+    come first."""
     if stream is not None:
         stream.finish(out)
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
         _note_ids_without_text(stream.tokenizer, out)
     else:
         _print_outputs(ckpt, [out], listed)
-    return 0
 
 
 def _print_outputs(ckpt: str | None, outputs: list[list[int]], listed: bool) -> None:
