@@ -117,11 +117,11 @@ def check_length(prompt_tokens: int, cfg: ModelConfig, max_new_tokens: int, size
         raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     total = prompt_tokens + max_new_tokens
     if total > cfg.max_position_embeddings:
-        by = f" ({sized_by})" if sized_by else ""
-        raise UsageError(
-            f"prompt of {prompt_tokens} tokens{by} plus {max_new_tokens} new tokens (--max-new-tokens) is {total}, "
-            f"over max_position_embeddings={cfg.max_position_embeddings}"
-        )
+        what = f"prompt of {prompt_tokens} tokens" + (f" ({sized_by})" if sized_by else "")
+        # profile asks for no new tokens, and has no --max-new-tokens to name.
+        if max_new_tokens:
+            what += f" plus {max_new_tokens} new tokens (--max-new-tokens) is {total}"
+        raise UsageError(f"{what}, over max_position_embeddings={cfg.max_position_embeddings}")
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,12 @@ def prompt_list(src: PromptSource, cfg: ModelConfig, ckpt: str | None) -> list[l
         raise UsageError(f"give one way of giving the prompt, not {flags}")
     if src.token_ids is not None:
         prompts = [parse_token_ids(text, "--token-ids") for text in src.token_ids]
-        given_by = ["--token-ids"] if len(prompts) == 1 else [f"--token-ids #{i}" for i in range(1, len(prompts) + 1)]
+        given_by = _each("--token-ids", len(prompts))
     elif src.token_ids_file is not None:
         prompts = [read_token_ids_file(src.token_ids_file)]
         given_by = [f"--token-ids-file {src.token_ids_file}"]
     elif src.prompt is not None:
-        given_by = ["--prompt"] if len(src.prompt) == 1 else [f"--prompt #{i}" for i in range(1, len(src.prompt) + 1)]
+        given_by = _each("--prompt", len(src.prompt))
         for text, by in zip(src.prompt, given_by):
             if not text:
                 raise UsageError(f"{by} is empty: give at least one token")
@@ -170,6 +170,11 @@ def prompt_list(src: PromptSource, cfg: ModelConfig, ckpt: str | None) -> list[l
     else:
         return []
     return [check_ids(ids, cfg, src.max_new_tokens, by) for ids, by in zip(prompts, given_by)]
+
+
+def _each(flag: str, n: int) -> list[str]:
+    """How each of n prompts a repeatable flag gave is named: the flag, numbered where repeated."""
+    return [flag] if n == 1 else [f"{flag} #{i}" for i in range(1, n + 1)]
 
 
 def _read_prompts_file(path: str, ckpt: str | None) -> list[list[int]]:
