@@ -78,8 +78,8 @@ def load_then_work(run: RunPlan, renv, device, checked, work) -> int:
             f"loaded {plan.model_name}: {plan.cfg.num_layers} layers, TP={tp().world}, {dtype} on {device.describe()}, "
             f"{engine.loaded_bytes / 2**20:.0f} MiB on rank 0 in {time.perf_counter() - t0:.1f} s"
         )
-        if plan.reader is not None and plan.reader.note():
-            say(plan.reader.note())
+        if plan.reader is not None and plan.reader.note:
+            say(plan.reader.note)
         if plan.cfg.weights is not None:
             on = "" if device.torch_device.type == "cpu" else f"; dequantized to {dtype} on {device.torch_device.type}, the quantized kernels being CPU-only"
             say(plan.cfg.weights.describe() + on)

@@ -51,8 +51,8 @@ def run(args) -> int:
         raise UsageError(f"--out {args.out} is inside --ckpt {args.ckpt}: give a directory outside the checkpoint")
     out = check_new_dir(args.out)
     reader = CheckpointReader(src)
-    if reader.note():
-        print(reader.note(), file=sys.stderr, flush=True)
+    if reader.note:
+        print(reader.note, file=sys.stderr, flush=True)
     cfg = load_config(src)
     if cfg.quantization is not None and cfg.quantization.method != "fp8":
         raise UsageError(f"{src} is already quantized ({cfg.quantization.label}); quantize a float or fp8 checkpoint")

@@ -33,8 +33,8 @@ class CheckpointReader:
         # The check opens it as numpy arrays: the launcher runs it and never imports torch. A
         # rank reads the weights through handles of torch's.
         self._handles: dict[tuple[Path, str], object] = {}
-        # The index, where model.safetensors beside it is what is read (a note says so).
-        self.passed_over: str | None = None
+        # What a run says about the files it reads, where _map_keys made a choice.
+        self.note: str | None = None
         self.file_of = self._map_keys()
         self.prefix = self._text_prefix()
         # An fp8 checkpoint's block (config.json's weight_block_size), set by the plan.
@@ -46,7 +46,7 @@ class CheckpointReader:
             # Two sets of weights may disagree (one left from an earlier save): read the one
             # transformers reads, and say so unless the index lists that file alone.
             if self._shards_listed(index) != {SINGLE}:
-                self.passed_over = INDEX
+                self.note = f"note: {self.dir} holds both {SINGLE} and {INDEX}: reading {SINGLE} (as transformers does), not the shards the index lists"
         elif index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -80,12 +80,6 @@ class CheckpointReader:
             return set(json.loads(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return set()
-
-    def note(self) -> str | None:
-        """What a run says about the files it reads, where a choice was made."""
-        if self.passed_over is None:
-            return None
-        return f"note: {self.dir} holds both {SINGLE} and {INDEX}: reading {SINGLE} (as transformers does), not the shards the index lists"
 
     def _check_readable(self, path: Path) -> list[str]:
         try:
