@@ -140,10 +140,10 @@ def main(argv=None) -> int:
     dtype = parse_dtype(args.dtype)
     check_out_path(args.json, "--json", args.ckpt)
     depths = args.depths
-    limit = load_config(args.ckpt).max_position_embeddings
-    if positions_needed(depths, args.decode_tokens, args.reps) > limit:
+    limit, needed = load_config(args.ckpt).max_position_embeddings, positions_needed(depths, args.decode_tokens, args.reps)
+    if needed > limit:
         raise UsageError(f"--depths up to {max(depths)} and {args.reps} reps of {args.decode_tokens} --decode-tokens need "
-                         f"{positions_needed(depths, args.decode_tokens, args.reps)} positions, over the model's {limit}")
+                         f"{needed} positions, over the model's {limit}")
     torch.set_num_threads(args.threads)
     pocket = PocketDepths(PocketRunner(args.ckpt, dtype), depths, args.decode_tokens, args.reps)
     for d in depths:

@@ -33,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import Parser, alternate, positive_int, spread
+from common import Parser, alternate, positive_int, script, spread
 from serve_load import start_server, stop_server
 
 from pocketllm.errors import UsageError
@@ -89,10 +89,7 @@ def parse_args(argv=None):
     p.add_argument("--results", help="JSON file of reps: read, extended with this run's, written back")
     args = p.parse_args(argv)
     # Before any server starts: a rep takes minutes, and its figures go there.
-    try:
-        check_out_path(args.results, "--results", args.ckpt)
-    except UsageError as exc:
-        p.error(str(exc))
+    check_out_path(args.results, "--results", args.ckpt)
     args.datasets = args.datasets.split(",")
     bad = [d for d in args.datasets if d not in dataset_flags(args)]
     if bad:
@@ -234,6 +231,7 @@ def summarize(rows: list[dict], servers: list[str], datasets: list[str]) -> dict
     return summary
 
 
+@script
 def main(argv=None) -> int:
     args = parse_args(argv)
     servers = ["vllm", *args.variants]
@@ -251,7 +249,7 @@ def main(argv=None) -> int:
         try:
             previous = json.loads(Path(args.results).read_text())["reps"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"--results {args.results}: not a results file of this script ({type(exc).__name__}: {exc}); give another path")
+            raise UsageError(f"--results {args.results}: not a results file of this script ({type(exc).__name__}: {exc}); give another path") from None
     first = 1 + max((r["rep"] for r in previous), default=-1)
     log_dir = tempfile.mkdtemp(prefix="vs-vllm-logs-")
     print(f"machine: {platform.machine()} {os.cpu_count()} cores; servers {', '.join(servers)}; datasets {', '.join(args.datasets)}; "
