@@ -18,6 +18,7 @@ import chunk_size  # noqa: E402
 import common  # noqa: E402
 import core_bandwidth  # noqa: E402
 import device_check  # noqa: E402
+import gemm_cache_memory  # noqa: E402
 import gemm_row_dependence  # noqa: E402
 import long_context  # noqa: E402
 import quant_accuracy  # noqa: E402
@@ -85,6 +86,9 @@ CASES = [
     (serve_load, ["--requests-per-client", "0"], "--requests-per-client"),
     (vs_vllm, ["--ckpt", "x", "--results", "/nope/r.json"], "/nope"),
     (vs_vllm, ["--ckpt", "x", "--num-prompts", "0"], "--num-prompts"),
+    (gemm_cache_memory, ["--prompts", "1"], "--prompts"),
+    (gemm_cache_memory, ["--lengths", "5-2"], "--lengths"),
+    (gemm_cache_memory, ["--preset", "tiny", "--lengths", "1-40000"], "positions"),
     (chat_turns, ["--answer", "0"], "--answer"),
     (chat_turns, ["--reps", "3"], "--reps"),
     (chat_turns, ["--preset", "tiny", "--system", "40000"], "over the model's 32768"),
