@@ -157,6 +157,54 @@ def test_an_engine_failure_ends_every_request_with_a_500_and_stops_the_server(en
     assert refused.value.status == 500
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("ending", ["failed", "closed"])
+def test_a_request_submitted_as_the_engine_ends_is_answered_not_left_waiting(ending, monkeypatch):
+    """The link's reader thread ends every open request when the engine fails or closes; a request
+    submitted on the event loop at that moment (here: while it is checked) is refused, or ended
+    with the others, never left waiting for an engine that reads no more (the lost-peer test above
+    hung so once in CI)."""
+    import socket
+
+    from pocketllm.serving import engine_client, wire
+    from pocketllm.serving.metrics import Metrics
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = engine_client.EngineClient(theirs, Metrics(), 1000, 64)
+    message = (wire.FAILED, "rank 0: lost") if ending == "failed" else (wire.CLOSED,)
+    real = engine_client.request_problem
+
+    def meanwhile(*args):
+        client._handle(message)  # as the reader thread would, between the checks and the registration
+        return real(*args)
+
+    async def run():
+        with monkeypatch.context() as m:
+            m.setattr(engine_client, "request_problem", meanwhile)
+            with pytest.raises(ApiError) as refused:
+                client.submit([1, 2], 4, SamplingParams(), ())
+        return refused.value
+
+    try:
+        refused = asyncio.run(run())
+        assert refused.status == (500 if ending == "failed" else 503), refused
+
+        # One registered before a close the engine never answered (sent after it stopped reading).
+        if ending == "closed":
+            client2 = engine_client.EngineClient(theirs, Metrics(), 1000, 64)
+
+            async def orphaned():
+                seq = client2.submit([1, 2], 4, SamplingParams(), ())
+                client2._handle((wire.CLOSED,))
+                return await asyncio.wait_for(seq.next(), 5)
+
+            event = asyncio.run(orphaned())
+            assert event.error is not None and event.error.status == 503, event
+    finally:
+        ours.close()
+        theirs.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_request_whose_token_cannot_be_chosen_ends_alone_and_the_rest_go_on(engine, tokenizer, monkeypatch, capfd):
     """A sampler error in one request (here made by wrapping the scheduler's choose) ends that

@@ -120,20 +120,27 @@ class EngineClient:
 
     def submit(self, prompt: list[int], max_tokens: int, sampling, eos_ids) -> Sequence:
         """Called on the event loop; a refused request raises ApiError."""
-        if self.failure is not None:
-            raise ApiError(500, f"the engine failed and the server is stopping: {self.failure}")
-        if self.stopping:
-            raise ApiError(503, "the server is shutting down and takes no new requests")
+        self._refuse_if_ended()
         problem = request_problem(prompt, max_tokens, self.vocab, self.max_len)
         if problem:
             raise ApiError(400, problem, "prompt")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
-        rid = next(self._ids)
+        # Checked again where the sink is registered, under the lock the reader thread ends the
+        # open requests under: a failure or close between the two is either seen here or finds
+        # this sink among those it ends (registered after, it would wait for ever).
         with self._lock:
+            self._refuse_if_ended()
+            rid = next(self._ids)
             self._sinks[rid] = sink
         self._send((wire.SUBMIT, rid, list(prompt), max_tokens, sampling, tuple(eos_ids)))
         self.metrics.admitted(len(prompt))
         return Sequence(self, rid, sampling, sink)
+
+    def _refuse_if_ended(self) -> None:
+        if self.failure is not None:
+            raise ApiError(500, f"the engine failed and the server is stopping: {self.failure}")
+        if self.stopping or self.ended.is_set():
+            raise ApiError(503, "the server is shutting down and takes no new requests")
 
     def cancel(self, rid: int) -> None:
         self._send((wire.CANCEL, rid))
@@ -196,8 +203,16 @@ class EngineClient:
         elif kind == wire.STOPPING:
             self.stopping = True
         elif kind == wire.CLOSED:
-            self.stopping = True
+            # The engine answered every request it read before closing: one still open was sent
+            # after it stopped reading, and nothing would answer it.
+            with self._lock:
+                self.stopping = True
+                left, self._sinks = list(self._sinks.values()), {}
             self._end()
+            for sink in left:
+                sink.counted = True
+                self.metrics.ended_with("error")
+                _put(sink, Event(None, None, ApiError(503, "the server is shutting down and takes no new requests")))
         elif kind == wire.FAILED:
             self._fail_all(message[1])
 
@@ -227,10 +242,10 @@ class EngineClient:
     def _fail_all(self, why: str) -> None:
         """Refuse what comes, stop the server, then end every open request with a 500 (in that
         order: a handler that sees its error sees the server stopping too)."""
-        self.failure = why
-        self._end()
         with self._lock:
+            self.failure = why
             sinks, self._sinks = list(self._sinks.values()), {}
+        self._end()
         error = ApiError(500, f"the engine failed: {why}")
         for sink in sinks:
             sink.counted = True
