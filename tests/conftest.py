@@ -469,6 +469,23 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return out
 
 
+def metaspace_tokenizer(size: int):
+    """A SentencePiece-style tokenizer (Metaspace, as Llama's and Mistral's): id i is the word
+    "▁w{i}", so every id decodes to " w{i}" except as a sequence's first token, whose leading
+    space the decoder drops."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"\u2581w{i}": i for i in range(size)}, unk_token="\u2581w0"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    return tok
+
+
+def words(ids) -> str:
+    """What ids of metaspace_tokenizer add after a prompt."""
+    return "".join(f" w{i}" for i in ids)
+
+
 @pytest.fixture
 def ckpt_copy(tiny_ckpt, tmp_path) -> Path:
     """A private copy of the tiny checkpoint, for a test to break."""

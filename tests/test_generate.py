@@ -78,7 +78,6 @@ def test_several_prompts_texts_are_one_json_line_each_and_ids_without_text_are_n
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.timeout(120)
 def test_ctrl_c_prints_what_was_generated_before_it(tmp_path):
     """Ctrl-C in a long generation: the tokens chosen so far are printed as a finished run's are,
     a note says how many of how many, and the run ends as interrupted (130)."""
@@ -88,7 +87,9 @@ def test_ctrl_c_prints_what_was_generated_before_it(tmp_path):
 
     run = start("generate", "--preset", "tiny", "--layers", 24, "--token-ids", "1,2,3", "--max-new-tokens", 32000, tmp_path=tmp_path)
     run.line_time("gdn kernel:")
-    time.sleep(0.3)
+    # Past the prompt's pass into decoding, even on a loaded machine: nothing says when the first
+    # token is chosen (0.3 s was not enough once, with the suite beside other work).
+    time.sleep(1.5)
     run.proc.send_signal(signal.SIGINT)
     assert run.wait() == 130, run.stderr
     (line,) = run.stdout.splitlines()

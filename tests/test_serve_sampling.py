@@ -17,7 +17,7 @@ import time
 import openai
 import pytest
 import torch
-from conftest import ServePair, feed, tiny_engine
+from conftest import ServePair, feed, metaspace_tokenizer, tiny_engine, words
 
 from pocketllm.commands.make_checkpoint import CHAT_TEMPLATE, write_byte_tokenizer
 from pocketllm.engine.sampling import apply_penalties_reference
@@ -120,6 +120,24 @@ def server(tokenizer, eos):
     s = Server(tiny_engine(), tokenizer, eos)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def metaspace_server(eos):
+    s = Server(tiny_engine(), metaspace_tokenizer(1000), eos)
+    yield s
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_text_continues_the_prompts_with_a_decoder_that_drops_a_first_space(metaspace_server):
+    # A Metaspace decoder drops the leading space of a sequence's first word: the completion's
+    # first word is not one, and keeps it, whole or streamed, as vLLM's text does.
+    c = complete(metaspace_server, prompt=[1, 2, 3], max_tokens=5, ignore_eos=True)
+    assert c.text == words(c.model_extra["token_ids"]) and c.text.startswith(" w")
+    chunks = list(metaspace_server.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, temperature=0, stream=True,
+                                                             extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
 
 
 def complete(server, prompt=PROMPT, max_tokens=NEW, **extra):

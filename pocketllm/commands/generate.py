@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pocketllm import continuation
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan, tuple_or_none
 from pocketllm.errors import UsageError
@@ -87,12 +88,11 @@ class TextStream:
     decodes to beyond what was streamed (such a held-back tail), so the streamed text ends equal
     to the tokenizer's decode of all the tokens. Should the stream fail or disagree with that
     decode, the stream stops and finish() prints the whole decode on a line of its own: the
-    generation goes on either way."""
+    generation goes on either way. The text continues the prompt's (pocketllm.continuation)."""
 
-    def __init__(self, tokenizer):
-        from tokenizers.decoders import DecodeStream
-
-        self.tokenizer, self.stream, self.shown = tokenizer, DecodeStream(skip_special_tokens=True), ""
+    def __init__(self, tokenizer, prompt: list[int] = ()):
+        self.context = continuation.context_of(prompt)
+        self.tokenizer, self.stream, self.shown = tokenizer, continuation.stream(self.context), ""
         self.failed = False
 
     def __call__(self, token: int) -> None:
@@ -108,7 +108,7 @@ class TextStream:
             print(chunk, end="", flush=True)
 
     def finish(self, tokens: list[int]) -> None:
-        full = self.tokenizer.decode(tokens)
+        full = continuation.text_after(self.tokenizer, self.context, tokens)
         if self.failed or not full.startswith(self.shown):
             print("\n" + full, flush=True)
         else:
@@ -134,7 +134,7 @@ def _work(run, plan, prompts, engine, device) -> int:
     if len(prompts) > 1:
         outputs = generate_batch(engine, prompts, new_tokens, sampling, eos, t.max_running)
         if tp().rank == 0:
-            _print_outputs(ckpt, outputs, listed)
+            _print_outputs(ckpt, prompts, outputs, listed)
         return 0
 
     def save_prompt_logits(logits) -> None:
@@ -149,7 +149,7 @@ def _work(run, plan, prompts, engine, device) -> int:
 
             write_out(t.logits_out, "--logits-out", write)
 
-    stream = TextStream(load_tokenizer(ckpt)) if t.stream and tp().rank == 0 else None
+    stream = TextStream(load_tokenizer(ckpt), prompts[0]) if t.stream and tp().rank == 0 else None
     got: list[int] = []  # the tokens so far, printed if Ctrl-C ends the run before its end
 
     def on_token(token: int) -> None:
@@ -161,15 +161,15 @@ def _work(run, plan, prompts, engine, device) -> int:
         out = generate(engine, prompts[0], new_tokens, sampling, eos, save_prompt_logits if t.logits_out else None, on_token)
     except KeyboardInterrupt:
         if tp().rank == 0 and got:
-            _print_result(ckpt, got, stream, listed)
+            _print_result(ckpt, prompts[0], got, stream, listed)
             print(f"note: interrupted after {len(got)} of {new_tokens} new tokens; the results above are those", file=sys.stderr, flush=True)
         raise
     if tp().rank == 0:
-        _print_result(ckpt, out, stream, listed)
+        _print_result(ckpt, prompts[0], out, stream, listed)
     return 0
 
 
-def _print_result(ckpt: str | None, out: list[int], stream, listed: bool) -> None:
+def _print_result(ckpt: str | None, prompt: list[int], out: list[int], stream, listed: bool) -> None:
     """One prompt's results: streamed, the text came first and the ids close it; otherwise the ids
     come first."""
     if stream is not None:
@@ -177,21 +177,21 @@ def _print_result(ckpt: str | None, out: list[int], stream, listed: bool) -> Non
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
         _note_ids_without_text(stream.tokenizer, out)
     else:
-        _print_outputs(ckpt, [out], listed)
+        _print_outputs(ckpt, [prompt], [out], listed)
 
 
-def _print_outputs(ckpt: str | None, outputs: list[list[int]], listed: bool) -> None:
+def _print_outputs(ckpt: str | None, prompts: list[list[int]], outputs: list[list[int]], listed: bool) -> None:
     """One generated_ids= line per prompt in the order given, then, with a tokenizer, the texts:
     one prompt's as it decodes; several prompts' (listed) one `text=` line each, in the same
     order, as a JSON string (a text holding a newline, or none at all, would otherwise not say
-    which prompt's it is)."""
+    which prompt's it is). Each text is what its ids add after its prompt's."""
     for out in outputs:
         print("generated_ids=" + ",".join(map(str, out)), flush=True)
     if ckpt is None or not (Path(ckpt) / "tokenizer.json").is_file():
         return
     tok = load_tokenizer(ckpt)
-    for out in outputs:
-        text = tok.decode(out)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        text = continuation.text_after(tok, continuation.context_of(prompt), out)
         print("text=" + json.dumps(text, ensure_ascii=False) if listed else text, flush=True)
     _note_ids_without_text(tok, [t for out in outputs for t in out])
 

@@ -233,7 +233,7 @@ def _renderer(served: Served, check=None):
 async def _answer(served: Served, request: Request, gen: Generation, kind: str, shape):
     seq = served.engine.submit(gen.prompt, gen.max_tokens, gen.sampling, served.eos_ids)
     usage = Usage(len(gen.prompt))
-    text = OutputText(served.tokenizer, gen.stop, gen.skip_special_tokens, gen.include_stop, gen.sampling.min_tokens)
+    text = OutputText(served.tokenizer, gen.stop, gen.skip_special_tokens, gen.include_stop, gen.sampling.min_tokens, gen.prompt)
     head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.limits.model}
     parts = pieces(seq, text, usage, gen.include_stop)
     if gen.stream:

@@ -4,20 +4,23 @@ character until the character completes); the text is searched for each stop str
 and text that could be the start of a stop string is held back until it is known not to be, so a
 stream never shows a stop string, not even part of one (unless it is to be included, when the
 text ends after it). As in vLLM, a stop string ending within the first min_tokens tokens' text does
-not count. Without a stop string the text ends equal to the tokenizer's decode of every token, as
-`pocketllm generate` prints it."""
+not count. Without a stop string the text ends equal to the tokenizer's decode of every token after
+the prompt's last few (pocketllm.continuation), as `pocketllm generate` prints it."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pocketllm import continuation
 
 
 class OutputText:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False,
-                 min_tokens: int = 0):
-        from tokenizers.decoders import DecodeStream
-
+                 min_tokens: int = 0, context: Sequence[int] = ()):
         self.tokenizer, self.stop = tokenizer, stop
         self.skip_special, self.include_stop, self.min_tokens = skip_special_tokens, include_stop, min_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.context = continuation.context_of(context)  # the prompt's last ids: the text continues them
+        self._stream = continuation.stream(self.context, skip_special_tokens)
         self.stop_reason: str | None = None  # the stop string that ended the text
         self.tokens: list[int] = []
         self.text = ""  # everything decoded so far, cut before a stop string once one appears
@@ -37,7 +40,7 @@ class OutputText:
             except Exception:  # tokenizers raises its own exception types; fall back to whole decodes
                 self._failed = True
         if self._failed:
-            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
+            self.text = self._decode()
         if len(self.tokens) <= self.min_tokens:
             self._searched = len(self.text)
         else:
@@ -48,7 +51,7 @@ class OutputText:
         """The text still to show once generation ended: what was held back, and any tail the
         incremental decode still held (a character cut short by the last token)."""
         if not self.stopped:
-            full = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
+            full = self._decode()
             # A full decode that does not extend what was shown cannot be shown without taking
             # text back; the stream keeps what it sent.
             if full.startswith(self.text[: self.shown]):
@@ -56,6 +59,9 @@ class OutputText:
                 if len(self.tokens) > self.min_tokens:
                     self._find_stop()
         return self._release(final=True)
+
+    def _decode(self) -> str:
+        return continuation.text_after(self.tokenizer, self.context, self.tokens, self.skip_special)
 
     def _find_stop(self) -> None:
         if not self.stop:
