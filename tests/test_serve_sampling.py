@@ -298,9 +298,13 @@ def test_tokenize_and_detokenize_round_trip(server, tokenizer):
     status, r = server.post("/tokenize", {"model": MODEL, "messages": messages, "continue_final_message": True})
     assert status == 400 and r["error"]["param"] == "continue_final_message"
     for path, body, param in [("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"), ("/tokenize", {"prompt": 5}, "prompt"),
-                              ("/detokenize", {"tokens": [1, 1000]}, "tokens"), ("/tokenize", {"model": "other", "prompt": "x"}, "model")]:
+                              ("/detokenize", {"tokens": [1, 1000]}, "tokens"), ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
+                              ("/tokenize", {"messages": messages, "prompt": "x"}, "prompt"),
+                              ("/tokenize", {"messages": messages, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")]:
         status, r = server.post(path, body)
         assert 400 <= status < 500 and r["error"]["param"] == param, (path, body, r)
+        # The same line a chat completion gives, never the template engine's own words.
+        assert "jinja" not in r["error"]["message"].lower() and "Error" not in r["error"]["message"], r
 
 
 @pytest.mark.timeout(60)

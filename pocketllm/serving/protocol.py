@@ -110,11 +110,7 @@ def parse_chat(body, limits: Limits, render) -> Generation:
         logprobs = _integer(fields.get("top_logprobs", 0), "top_logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     elif "top_logprobs" in fields:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    kwargs = fields.get("chat_template_kwargs", {})
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k not in _TEMPLATE_OWN for k in kwargs):
-        raise bad(f"chat_template_kwargs must be an object of template variables other than {', '.join(sorted(_TEMPLATE_OWN))}",
-                  "chat_template_kwargs")
-    prompt = render(messages, *chat_prompt_options(fields), kwargs, flag(fields, "add_special_tokens", False))
+    prompt = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False))
     return _generation(fields, limits, prompt, "messages", None, logprobs, max_param)
 
 
@@ -127,6 +123,16 @@ def chat_prompt_options(fields: dict) -> tuple[bool, bool]:
         raise bad("continue_final_message needs add_generation_prompt: false (the prompt cannot both end inside the final "
                   "message and open a new one)", "continue_final_message")
     return generation_prompt, continue_final
+
+
+def template_kwargs(fields: dict) -> dict:
+    """A request's chat_template_kwargs, checked: the variables the server passes itself are not
+    the request's to replace."""
+    kwargs = fields.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k not in _TEMPLATE_OWN for k in kwargs):
+        raise bad(f"chat_template_kwargs must be an object of template variables other than {', '.join(sorted(_TEMPLATE_OWN))}",
+                  "chat_template_kwargs")
+    return kwargs
 
 
 def known_fields(body, known: set[str], neutral_here: dict) -> dict:

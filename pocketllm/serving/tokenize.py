@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pocketllm.serving.admission import encode
 from pocketllm.serving.errors import bad
-from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, known_fields, token_ids
+from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, known_fields, template_kwargs, token_ids
 
 _COMMON = {"model", "add_special_tokens", "return_token_strs"}
 _TEXT = _COMMON | {"prompt"}
@@ -17,6 +17,8 @@ def tokenize(body, limits: Limits, tokenizer, render) -> dict:
     """body: {prompt} or {messages}; render(messages, add_generation_prompt, continue_final_message,
     template_kwargs, add_special_tokens) -> ids, None when the model has no chat template."""
     chat = isinstance(body, dict) and "messages" in body
+    if chat and "prompt" in body:
+        raise bad("give prompt or messages, not both", "prompt")
     fields = known_fields(body, _CHAT if chat else _TEXT, {})
     check_model(fields, limits, required=False)
     if chat:
@@ -27,10 +29,7 @@ def tokenize(body, limits: Limits, tokenizer, render) -> dict:
             raise bad("messages must be a non-empty array of {role, content} objects", "messages")
         for i, m in enumerate(messages):
             check_message(m, i)
-        kwargs = fields.get("chat_template_kwargs", {})
-        if not isinstance(kwargs, dict):
-            raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
-        ids = render(messages, *chat_prompt_options(fields), kwargs, flag(fields, "add_special_tokens", False))
+        ids = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False))
     else:
         prompt = fields.get("prompt")
         if not isinstance(prompt, str):
