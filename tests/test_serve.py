@@ -390,7 +390,7 @@ def test_bad_requests_answer_4xx_json_and_the_next_succeeds(server, expected):
     bad = {
         "unknown field": (dict(extra_body={"frobnicate": 1}), 400, "frobnicate"),
         "bad value": (dict(temperature=-1), 400, "temperature"),
-        "n=2": (dict(n=2), 400, "n"),
+        "n=65": (dict(n=65), 400, "n"),
         "prompt too long": (dict(prompt=long_prompt), 400, "prompt"),
         "max_tokens too big": (dict(max_tokens=MAX_LEN), 400, "max_tokens"),
         "token id outside the vocab": (dict(prompt=[1, 5000]), 400, "prompt"),
@@ -426,40 +426,42 @@ def test_bad_requests_answer_4xx_json_and_the_next_succeeds(server, expected):
 
 
 @pytest.mark.timeout(60)
-def test_a_client_leaving_mid_stream_frees_its_sequence(server):
+@pytest.mark.parametrize("n", [1, 2], ids=["one-choice", "two-choices"])
+def test_a_client_leaving_mid_stream_frees_its_sequence(server, n):
     before = server.metrics()
     new = MAX_LEN - 8
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": new, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": new, "temperature": 0, "stream": True, "n": n}
     conn, r = server.open("POST", "/v1/completions", data=body)
     with contextlib.closing(conn):
         assert r.status == 200
         events = 0
-        while events < 3:
+        while events < 3 * n:
             events += r.readline().startswith(b"data: ")
-        assert server.metrics()["pocketllm_requests_running"] == 1
+        assert server.metrics()["pocketllm_requests_running"] == n
     m = _wait_idle(server)
     assert m["pocketllm_requests_running"] == 0
     cancelled = 'pocketllm_requests_ended_total{how="cancelled"}'
-    assert m[cancelled] == before.get(cancelled, 0) + 1
+    assert m[cancelled] == before.get(cancelled, 0) + n
     # Freed early, not run to its end.
     assert m["pocketllm_generation_tokens_total"] - before["pocketllm_generation_tokens_total"] < new
 
 
 @pytest.mark.timeout(60)
-def test_a_client_leaving_before_a_whole_answer_frees_its_sequence(server):
+def test_a_client_leaving_before_a_whole_answer_frees_its_sequences(server):
+    # Two prompts: both sequences are ended.
     before = server.metrics()
     new = MAX_LEN - 8
     conn = server.connect()
-    conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": new, "temperature": 0}),
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": ["Hello", "Hi"], "max_tokens": new, "temperature": 0}),
                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     deadline = time.monotonic() + 10
-    while server.metrics()["pocketllm_requests_running"] == 0 and time.monotonic() < deadline:
+    while server.metrics()["pocketllm_requests_running"] < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     conn.close()
     m = _wait_idle(server)
     cancelled = 'pocketllm_requests_ended_total{how="cancelled"}'
-    assert m["pocketllm_requests_running"] == 0 and m[cancelled] == before.get(cancelled, 0) + 1
-    assert m["pocketllm_generation_tokens_total"] - before["pocketllm_generation_tokens_total"] < new
+    assert m["pocketllm_requests_running"] == 0 and m[cancelled] == before.get(cancelled, 0) + 2
+    assert m["pocketllm_generation_tokens_total"] - before["pocketllm_generation_tokens_total"] < 2 * new
 
 
 @pytest.mark.timeout(60)

@@ -17,13 +17,24 @@ def encode(text: str, add_special_tokens: bool = False) -> list[int]:
     return [ord(c) for c in text]
 
 
-def completion(**fields):
+def completions(**fields):
+    """Every choice's Generation."""
     return parse_completion({"model": "m", "prompt": "hello", **fields}, LIMITS, encode)
 
 
-def chat(**fields):
+def completion(**fields):
+    (g,) = completions(**fields)
+    return g
+
+
+def chats(**fields):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     return parse_chat(body, LIMITS, lambda messages, *options: encode("".join(m["content"] for m in messages)))
+
+
+def chat(**fields):
+    (g,) = chats(**fields)
+    return g
 
 
 @pytest.mark.parametrize("fields,param", [
@@ -41,8 +52,12 @@ def chat(**fields):
     ({"stream": 1}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 65}, "n"),
     ({"n": True}, "n"),
+    ({"n": 2, "best_of": 3}, "best_of"),
+    ({"best_of": 2}, "best_of"),
+    ({"prompt": ["a"] * 33, "n": 2}, "n"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 2, "echo": True}, "echo"),
@@ -74,7 +89,9 @@ def chat(**fields):
     ({"guided_json": {}}, "guided_json"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": ["a", 5]}, "prompt"),
+    ({"prompt": [[1], [1000]]}, "prompt"),
     ({"prompt": [1, 1000]}, "prompt"),
     ({"prompt": [1, True]}, "prompt"),
     ({"prompt": "x" * 100}, "prompt"),
@@ -89,7 +106,8 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
 @pytest.mark.parametrize("fields,message", [
     ({"model": 5}, "model must be a string, the name /v1/models lists; got 5"),
     ({"model": ""}, "model is empty: give the name /v1/models lists, or leave it out"),
-    ({"n": 2}, "n must be 1 here: this server does not support other values, got 2"),
+    ({"n": 65}, "n must be an integer in [1, 64], got 65"),
+    ({"prompt": ["a", "x" * 100]}, "prompt[1]: the prompt is 100 tokens, and this server's context is 100 (--max-len): leave room for at least one new token"),
     ({"repetition_penalty": -1}, "repetition_penalty must be a number > 0 (1 is none), got -1"),
     ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0 (1 is none), got 0"),
     # One range for top_p, whichever side a value falls off (they said [0, 1] and (0, 1]).
@@ -122,13 +140,28 @@ def test_defaults_and_nulls():
     assert (g.prompt, g.stop, g.include_usage, g.sampling.seed) == ([5, 6, 7], ("\n",), True, 3)
 
 
+def test_a_request_is_one_generation_per_choice_numbered_as_vllm_numbers_them():
+    gens = completions(prompt=["ab", [7, 8, 9]], n=3, seed=5, best_of=3, max_tokens=4)
+    assert [g.index for g in gens] == list(range(6)) and {g.n for g in gens} == {3}
+    assert [g.prompt for g in gens] == [encode("ab")] * 3 + [[7, 8, 9]] * 3
+    assert [g.prompt_text for g in gens] == ["ab"] * 3 + [None] * 3
+    # A prompt's choices sample from seeds of their own, each prompt's from the one given.
+    assert [g.sampling.seed for g in gens] == [5, 6, 7] * 2
+    assert {g.max_tokens for g in gens} == {4}
+    # Each prompt's default max_tokens is its own room.
+    assert [g.max_tokens for g in completions(prompt=["x" * 90, "y"])] == [10, 16]
+    assert [g.index for g in chats(n=2)] == [0, 1] and chats(n=2)[0].prompt == chats(n=2)[1].prompt
+    # An array of one prompt is that prompt.
+    assert completion(prompt=["hi"]).prompt_text == "hi"
+
+
 def test_the_checkpoints_sampling_defaults_fill_what_a_request_leaves_out():
     limits = Limits("m", max_len=100, vocab_size=1000, sampling_defaults={"temperature": 0.6, "top_k": 20, "top_p": 0.95})
-    p = parse_completion({"model": "m", "prompt": "hello", "top_p": 0.5, "temperature": None}, limits, encode).sampling
+    p = parse_completion({"model": "m", "prompt": "hello", "top_p": 0.5, "temperature": None}, limits, encode)[0].sampling
     # Left out or null: the checkpoint's; given: the request's.
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.6, 20, 0.5, 0.0)
     greedy = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}, limits,
-                        lambda messages, *options: encode("hi")).sampling
+                        lambda messages, *options: encode("hi"))[0].sampling
     assert greedy.temperature == 0 and greedy.plain_greedy
 
 
@@ -158,8 +191,8 @@ def test_the_model_must_be_the_served_one():
         completion(model="other")
     assert (err.value.status, err.value.code) == (404, "model_not_found")
     # Left out (or null), the served one, as vLLM takes it.
-    assert parse_completion({"prompt": "x"}, LIMITS, encode).prompt == encode("x")
-    assert parse_chat({"model": None, "messages": [{"role": "user", "content": "x"}]}, LIMITS, lambda m, *o: encode("x")).prompt == encode("x")
+    assert parse_completion({"prompt": "x"}, LIMITS, encode)[0].prompt == encode("x")
+    assert parse_chat({"model": None, "messages": [{"role": "user", "content": "x"}]}, LIMITS, lambda m, *o: encode("x"))[0].prompt == encode("x")
 
 
 def test_whole_numbers_written_as_floats_are_taken_in_every_integer_field():

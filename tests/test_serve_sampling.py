@@ -140,6 +140,38 @@ def test_the_text_continues_the_prompts_with_a_decoder_that_drops_a_first_space(
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
 
 
+@pytest.mark.timeout(60)
+def test_n_choices_and_a_list_of_prompts_are_the_requests_one_at_a_time(server, tokenizer):
+    # Choice j of n is the one request with seed + j; prompt i's choices are i * n + j; the usage
+    # counts each prompt once, as vLLM's does.
+    prompts, n, seed = [PROMPT, [65, 66, 67, 10]], 2, 11
+    args = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=seed, extra_body={"return_token_ids": True, "ignore_eos": True})
+    alone = {(i, j): server.client.completions.create(prompt=p, **{**args, "seed": seed + j})
+             for i, p in enumerate(prompts) for j in range(n)}
+    r = server.client.completions.create(prompt=prompts, n=n, **args)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        one = alone[divmod(c.index, n)].choices[0]
+        assert (c.text, c.model_extra["token_ids"]) == (one.text, one.model_extra["token_ids"])
+        assert c.model_extra["prompt_token_ids"] == alone[divmod(c.index, n)].model_extra["prompt_token_ids"]
+    assert len({tuple(c.model_extra["token_ids"]) for c in r.choices}) == 4  # sampled: all differ
+    prompt_tokens = sum(alone[i, 0].usage.prompt_tokens for i in range(len(prompts)))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 4 * 6)
+    # Streamed, each choice's chunks carry its index and add up to its text; chat the same.
+    chunks = list(server.client.completions.create(prompt=prompts, n=n, stream=True, stream_options={"include_usage": True}, **args))
+    texts = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(4)]
+    assert texts == [c.text for c in r.choices] and chunks[-1].usage.completion_tokens == 24
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=1.0, extra_body={"ignore_eos": True})
+    whole = server.client.chat.completions.create(n=3, seed=seed, **chat)
+    assert [whole.choices[j].message.content for j in range(3)] == \
+        [server.client.chat.completions.create(seed=seed + j, **chat).choices[0].message.content for j in range(3)]
+    deltas = {}
+    for ch in server.client.chat.completions.create(n=3, seed=seed, stream=True, **chat):
+        for c in ch.choices:
+            deltas[c.index] = deltas.get(c.index, "") + (c.delta.content or "")
+    assert deltas == {j: whole.choices[j].message.content for j in range(3)}
+
+
 def complete(server, prompt=PROMPT, max_tokens=NEW, **extra):
     """A greedy completion; fields OpenAI's client does not name travel in extra_body."""
     named = {k: extra.pop(k) for k in ("logprobs", "echo", "stop", "temperature", "seed", "logit_bias") if k in extra}

@@ -25,7 +25,7 @@ from pocketllm.serving.admission import Admission, encode, off_loop
 from pocketllm.serving.chat_template import ChatTemplate
 from pocketllm.serving.engine_client import EngineClient
 from pocketllm.serving.errors import ApiError, bad, error_body
-from pocketllm.serving.generation import Piece, Usage, pieces
+from pocketllm.serving.generation import Piece, Usage, interleaved, pieces
 from pocketllm.serving.logprobs import Names, TokenBytes, chat_logprobs, completion_logprobs
 from pocketllm.serving.protocol import Generation, Limits, parse_chat, parse_completion
 from pocketllm.serving.streaming import EventStream
@@ -102,8 +102,8 @@ def build_app(served: Served) -> FastAPI:
     async def completions(request: Request):
         body = await _json(request, admission)
         encoder = _encoder(served.tokenizer, functools.partial(admission.check_text, param="prompt"))
-        gen = await off_loop(parse_completion, body, served.limits, encoder)
-        return await _answer(served, request, gen, "cmpl", CompletionShape(served.tokenizer, gen))
+        gens = await off_loop(parse_completion, body, served.limits, encoder)
+        return await _answer(served, request, gens, "cmpl", [CompletionShape(served.tokenizer, g) for g in gens])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -111,8 +111,8 @@ def build_app(served: Served) -> FastAPI:
             raise ApiError(404, "this model has no chat template (tokenizer_config.json's chat_template): use /v1/completions", code="no_chat_template")
         body = await _json(request, admission)
         renderer = _renderer(served, functools.partial(admission.check_text, param="messages"))
-        gen = await off_loop(parse_chat, body, served.limits, renderer)
-        return await _answer(served, request, gen, "chatcmpl", ChatShape(served.tokenizer, gen, token_bytes))
+        gens = await off_loop(parse_chat, body, served.limits, renderer)
+        return await _answer(served, request, gens, "chatcmpl", [ChatShape(served.tokenizer, g, token_bytes) for g in gens])
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
@@ -230,19 +230,34 @@ def _renderer(served: Served, check=None):
     return render
 
 
-async def _answer(served: Served, request: Request, gen: Generation, kind: str, shape):
-    seq = served.engine.submit(gen.prompt, gen.max_tokens, gen.sampling, served.eos_ids)
-    usage = Usage(len(gen.prompt))
-    text = OutputText(served.tokenizer, gen.stop, gen.skip_special_tokens, gen.include_stop, gen.sampling.min_tokens, gen.prompt)
+async def _answer(served: Served, request: Request, gens: list[Generation], kind: str, shapes: list):
+    """One sequence per choice (gens, and their shapes, in choice order), their pieces as they
+    come; the request's usage counts each prompt once, as vLLM's does."""
+    seqs = []
+    try:
+        for g in gens:
+            seqs.append(served.engine.submit(g.prompt, g.max_tokens, g.sampling, served.eos_ids))
+    except BaseException:
+        for seq in seqs:
+            seq.cancel()
+        raise
+
+    def cancel() -> None:
+        for seq in seqs:
+            seq.cancel()
+
+    gen = gens[0]
+    usage = Usage(sum(len(g.prompt) for g in gens[:: gen.n]))
     head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.limits.model}
-    parts = pieces(seq, text, usage, gen.include_stop)
+    parts = interleaved([pieces(seq, OutputText(served.tokenizer, g.stop, g.skip_special_tokens, g.include_stop, g.sampling.min_tokens, g.prompt),
+                                usage, g.include_stop) for seq, g in zip(seqs, gens, strict=True)])
     if gen.stream:
-        return EventStream(_chunks(parts, head, shape, gen, usage), seq.cancel)
-    collected: list[Piece] = []
+        return EventStream(_chunks(parts, head, shapes, gen, usage), cancel)
+    collected: list[list[Piece]] = [[] for _ in gens]
 
     async def collect():
-        async for piece in parts:
-            collected.append(piece)
+        async for i, piece in parts:
+            collected[i].append(piece)
 
     task = asyncio.ensure_future(collect())
     try:
@@ -255,27 +270,31 @@ async def _answer(served: Served, request: Request, gen: Generation, kind: str, 
                 raise ApiError(400, "the client disconnected")
         task.result()
     finally:
-        seq.cancel()
+        cancel()
         await parts.aclose()
-    whole = Piece("".join(p.text for p in collected), [t for p in collected for t in p.token_ids], collected[-1].finish_reason,
-                  [lp for p in collected for lp in p.logprobs], collected[-1].stop_reason, [o for p in collected for o in p.text_offsets])
-    choice = shape.body(whole)
-    if gen.return_token_ids:
-        choice["token_ids"] = whole.token_ids
-    extra = {"prompt_token_ids": gen.prompt} if gen.return_token_ids else {}
-    return {**head, "object": shape.object, "choices": [choice], "usage": usage.body(), **extra}
+    choices = []
+    for g, shape, got in zip(gens, shapes, collected, strict=True):
+        whole = Piece("".join(p.text for p in got), [t for p in got for t in p.token_ids], got[-1].finish_reason,
+                      [lp for p in got for lp in p.logprobs], got[-1].stop_reason, [o for p in got for o in p.text_offsets])
+        choice = shape.body(whole)
+        if g.return_token_ids:
+            # Each choice's prompt too where a completion has several, as vLLM's choices carry it.
+            choice.update({"token_ids": whole.token_ids, **({"prompt_token_ids": g.prompt} if gen.n < len(gens) else {})})
+        choices.append(choice)
+    extra = {"prompt_token_ids": gen.prompt} if gen.return_token_ids and gen.n == len(gens) else {}
+    return {**head, "object": shapes[0].object, "choices": choices, "usage": usage.body(), **extra}
 
 
-async def _chunks(parts, head: dict, shape, gen: Generation, usage: Usage):
-    async for piece in parts:
-        choice = shape.chunk(piece)
+async def _chunks(parts, head: dict, shapes: list, gen: Generation, usage: Usage):
+    async for i, piece in parts:
+        choice = shapes[i].chunk(piece)
         if gen.return_token_ids:
             choice["token_ids"] = piece.token_ids
         # With include_usage, every chunk carries usage: null and one last chunk carries it, as OpenAI streams it.
         extra = {"usage": None} if gen.include_usage else {}
-        yield {**head, "object": shape.chunk_object, "choices": [choice], **extra}
+        yield {**head, "object": shapes[i].chunk_object, "choices": [choice], **extra}
     if gen.include_usage:
-        yield {**head, "object": shape.chunk_object, "choices": [], "usage": usage.body()}
+        yield {**head, "object": shapes[0].chunk_object, "choices": [], "usage": usage.body()}
 
 
 class CompletionShape:
@@ -303,7 +322,7 @@ class CompletionShape:
         logprobs = None
         if self.gen.sampling.logprobs is not None:
             logprobs = completion_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs, piece.text_offsets)
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
+        return {"index": self.gen.index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
 
 class ChatShape:
@@ -321,11 +340,11 @@ class ChatShape:
         else:
             delta = {"content": piece.text} if piece.text or not piece.finish_reason else {}
         self.first = False
-        return {"index": 0, "delta": delta, "logprobs": self._logprobs(piece), "finish_reason": piece.finish_reason,
+        return {"index": self.gen.index, "delta": delta, "logprobs": self._logprobs(piece), "finish_reason": piece.finish_reason,
                 "stop_reason": piece.stop_reason}
 
     def body(self, piece: Piece) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": piece.text}, "logprobs": self._logprobs(piece),
+        return {"index": self.gen.index, "message": {"role": "assistant", "content": piece.text}, "logprobs": self._logprobs(piece),
                 "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
     def _logprobs(self, piece: Piece) -> dict | None:

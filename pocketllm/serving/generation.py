@@ -1,10 +1,11 @@
 """One request's answer as it is made: its tokens from the engine turned into text pieces (with
 their logprobs, when asked), a stop string ending it early (the request is cancelled, so its slot
 frees at the next step), and the finish reason, vLLM's stop reason and usage at the end. Both
-endpoints, streamed or not, are built on this."""
+endpoints, streamed or not, are built on this; a request of several choices interleaves theirs."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -80,3 +81,44 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
                 yield Piece(chunk, tokens, None, logprobs, text_offsets=offsets)
     finally:
         seq.cancel()
+
+
+async def interleaved(choices: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """(i, piece) for the pieces of every choice's `pieces` as each comes, each choice's in its
+    order. The first error of any ends them all (raised here); leaving early closes every one,
+    which cancels its request."""
+    if len(choices) == 1:
+        try:
+            async for piece in choices[0]:
+                yield 0, piece
+        finally:
+            await choices[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, parts: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in parts:
+                queue.put_nowait((i, piece))
+            queue.put_nowait((i, done))
+        except Exception as exc:  # an ApiError (shut down, engine failed): the request's answer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, parts)) for i, parts in enumerate(choices)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for parts in choices:
+            await parts.aclose()

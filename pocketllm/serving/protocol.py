@@ -1,15 +1,16 @@
 """The two generation requests, /v1/completions and /v1/chat/completions, parsed from their JSON
 bodies and checked field by field into one Generation. The fields are OpenAI's and the sampling
 extensions of vLLM's OpenAI-compatible server (top_k, min_p, repetition_penalty, ignore_eos, ...),
-each applied. A field neither defines, or a value this server cannot honour (n=2, beam search),
-is refused by name rather than ignored: a client must never get an answer to a question it did
-not ask."""
+each applied. A field neither defines, or a value this server cannot honour (beam search), is
+refused by name rather than ignored: a client must never get an answer to a question it did not
+ask. A request is parsed into one Generation per choice: a completion's prompts (a string, token
+ids, or an array of either) times n, numbered as vLLM numbers them."""
 
 from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pocketllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pocketllm.serving.errors import ApiError, bad
@@ -18,6 +19,9 @@ from pocketllm.serving.errors import ApiError, bad
 MAX_STOP = 4
 # OpenAI's default max_tokens for a completion; a chat runs to the end of the context.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# At most this many choices in one request (its prompts times n): each is a sequence of its own,
+# queued as separate requests would be.
+MAX_CHOICES = 64
 
 # Fields either endpoint takes: OpenAI's, then vLLM's.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
@@ -31,8 +35,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
                    "parallel_tool_calls", "store", "metadata", "service_tier", "modalities"}
 # Fields accepted only at the value that asks for nothing this server does not do (vLLM's
 # defaults for its own).
-_NEUTRAL = {"n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1, "priority": 0,
-            "spaces_between_special_tokens": True}
+_NEUTRAL = {"use_beam_search": False, "length_penalty": 1, "priority": 0, "spaces_between_special_tokens": True}
 # OpenAI's chat fields for what this server does not do (tools, structured output, stored
 # completions), accepted where they ask for nothing: clients and frameworks send them so. A type
 # stands for any value of it; a tuple for any of its values.
@@ -60,6 +63,10 @@ class Generation:
     include_stop: bool = False
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False  # logprobs name tokens `token_id:N`
+    # The choice's place in the answer: prompt i's j-th of n choices is i * n + j. The n choices of
+    # one prompt take seeds seed, seed + 1, ..., so that sampled they differ, as in vLLM.
+    index: int = 0
+    n: int = 1
 
 
 @dataclass
@@ -73,25 +80,53 @@ class Limits:
     sampling_defaults: dict = field(default_factory=dict)
 
 
-def parse_completion(body, limits: Limits, encode) -> Generation:
-    """body: the parsed JSON; encode(text, add_special_tokens) -> token ids."""
+def parse_completion(body, limits: Limits, encode) -> list[Generation]:
+    """body: the parsed JSON; encode(text, add_special_tokens) -> token ids. One Generation per
+    choice."""
     fields = known_fields(body, _COMPLETION, {})
     if "prompt" not in fields:
         raise bad("prompt is required", "prompt")
-    text = _prompt_text(fields["prompt"])
-    prompt = _prompt(fields["prompt"], lambda text: encode(text, flag(fields, "add_special_tokens", True)), limits.vocab_size)
+    items = _prompt_items(fields["prompt"])
+    n = _choices(fields, len(items))
     logprobs = fields.get("logprobs")
     if logprobs is not None:
         logprobs = _integer(logprobs, "logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
-    gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
-    gen.echo = flag(fields, "echo", False)
-    gen.prompt_text = text
-    if gen.echo and logprobs is not None:
+    echo = flag(fields, "echo", False)
+    if echo and logprobs is not None:
         raise bad("echo with logprobs would need the prompt's logprobs, which this server does not compute", "echo")
-    return gen
+    gens = []
+    for i, item in enumerate(items):
+        try:
+            prompt = _prompt(item, lambda text: encode(text, flag(fields, "add_special_tokens", True)), limits.vocab_size)
+            gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
+        except ApiError as exc:
+            if len(items) > 1:  # which of them
+                exc.message = f"prompt[{i}]: {exc.message}"
+                exc.args = (exc.message,)
+            raise
+        gen.echo, gen.prompt_text = echo, item if isinstance(item, str) else None
+        gens.append(gen)
+    return _each_choice(gens, n)
 
 
-def parse_chat(body, limits: Limits, render) -> Generation:
+def _choices(fields: dict, prompts: int) -> int:
+    """n, checked: with the prompts, at most MAX_CHOICES choices; best_of, if given, n (vLLM's
+    engine has no best-of-more-than-n sampling either)."""
+    n = _integer(fields.get("n", 1), "n", lambda n: 1 <= n <= MAX_CHOICES, f"in [1, {MAX_CHOICES}]")
+    if prompts * n > MAX_CHOICES:
+        raise bad(f"{prompts} prompts times n={n} is {prompts * n} choices; this server answers at most {MAX_CHOICES} in one request", "n")
+    best_of = fields.get("best_of", n)
+    if integer(best_of) != n:
+        raise bad(f"best_of must be n ({n}) here: this server does not sample more choices than it returns, got {best_of!r}", "best_of")
+    return n
+
+
+def _each_choice(gens: list[Generation], n: int) -> list[Generation]:
+    return [replace(g, index=i * n + j, n=n, sampling=replace(g.sampling, seed=(g.sampling.seed + j) % 2**64))
+            for i, g in enumerate(gens) for j in range(n)]
+
+
+def parse_chat(body, limits: Limits, render) -> list[Generation]:
     """render(messages, add_generation_prompt, continue_final_message, template_kwargs,
     add_special_tokens) -> token ids, the chat template applied."""
     fields = known_fields(body, _CHAT, _CHAT_NEUTRAL)
@@ -110,8 +145,9 @@ def parse_chat(body, limits: Limits, render) -> Generation:
         logprobs = _integer(fields.get("top_logprobs", 0), "top_logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     elif "top_logprobs" in fields:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    n = _choices(fields, 1)
     prompt = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False))
-    return _generation(fields, limits, prompt, "messages", None, logprobs, max_param)
+    return _each_choice([_generation(fields, limits, prompt, "messages", None, logprobs, max_param)], n)
 
 
 def chat_prompt_options(fields: dict) -> tuple[bool, bool]:
@@ -345,18 +381,15 @@ def _stop(stop) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt_text(prompt) -> str | None:
-    """The prompt's text as sent, when it is one (alone or the one entry of an array)."""
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else None
+def _prompt_items(prompt) -> list:
+    """A completion's prompts: a string, an array of token ids, or an array of those."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return [prompt]
 
 
 def _prompt(prompt, encode, vocab: int) -> list[int]:
-    """A string, an array of token ids, or an array holding one of those: this server answers one
-    prompt per request."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    """One prompt: a string or an array of token ids."""
     if isinstance(prompt, str):
         if not prompt:
             raise bad("the prompt is empty", "prompt")
@@ -367,8 +400,6 @@ def _prompt(prompt, encode, vocab: int) -> list[int]:
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} at position {i} of the prompt is outside the vocab [0, {vocab})", "prompt")
         return ids
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad(f"this server takes one prompt per request, got {len(prompt)}", "prompt")
     raise bad("prompt must be a non-empty string or a non-empty array of token ids", "prompt")
 
 
