@@ -122,3 +122,22 @@ def test_a_template_that_does_not_parse_is_a_usage_error(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"}))
     with pytest.raises(UsageError, match="does not parse"):
         load_chat_template(str(tmp_path))
+
+
+# Qwen's way of putting a request's tools in the system turn.
+QWEN_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_a_requests_tools_render_as_transformers_renders_them(tmp_path):
+    messages = CHATS["plain"]
+    want = hf_tokenizer(tmp_path, QWEN_TOOLS, {}).apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    got = ChatTemplate(QWEN_TOOLS).render(messages, tools=TOOLS)
+    assert got == want and '"name": "get_weather"' in got
+    assert "<tools>" not in ChatTemplate(QWEN_TOOLS).render(messages)

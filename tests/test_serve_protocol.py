@@ -222,7 +222,7 @@ def test_openais_chat_fields_are_taken_where_they_ask_for_nothing_and_refused_ot
                    metadata={"k": "v"}, service_tier="auto", modalities=["text"])
     assert chat(**neutral).prompt == chat().prompt
     assert chat(stream=True, stream_options={"include_usage": None}).include_usage is False
-    for name, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+    for name, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
                         ("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1)):
         with pytest.raises(ApiError) as err:
             chat(**{name: value})
@@ -230,6 +230,22 @@ def test_openais_chat_fields_are_taken_where_they_ask_for_nothing_and_refused_ot
     with pytest.raises(ApiError) as err:
         chat(tool_choice="required")
     assert err.value.message == 'tool_choice must be "none" here: this server does not support other values, got \'required\''
+
+
+def test_tools_reach_the_template_with_tool_choice_none_and_are_refused_without_it():
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    seen = []
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "none"}
+    parse_chat(body, LIMITS, lambda messages, *options: seen.append(options[-1]) or [1])
+    assert seen == [[tool]]
+    # Left out, tool_choice is "auto": a tool call this server would not parse.
+    for fields, param in (({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
+                          ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0]"),
+                          ({"tools": [tool, {"type": "function", "function": {"name": ""}}], "tool_choice": "none"}, "tools[1]"),
+                          ({"tools": {"f": tool}, "tool_choice": "none"}, "tools")):
+        with pytest.raises(ApiError) as err:
+            chat(**fields)
+        assert err.value.status == 400 and err.value.param == param, err.value.message
 
 
 @pytest.mark.parametrize("messages,param", [

@@ -320,6 +320,12 @@ def test_tokenize_and_detokenize_round_trip(server, tokenizer):
     status, r = server.post("/tokenize", {"model": MODEL, "messages": messages})
     chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"return_token_ids": True})
     assert status == 200 and r["tokens"] == chat.model_extra["prompt_token_ids"]
+    # A framework's tools, sent with tool_choice "none": taken by both (this template renders none).
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    status, r = server.post("/tokenize", {"model": MODEL, "messages": messages, "tools": tools})
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, tools=tools, tool_choice="none",
+                                                 extra_body={"return_token_ids": True})
+    assert status == 200 and r["tokens"] == chat.model_extra["prompt_token_ids"]
     # Continuing the final message: both end where its text does (the turn left open).
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, it"}]
     options = {"add_generation_prompt": False, "continue_final_message": True}

@@ -223,8 +223,9 @@ def _encoder(tokenizer, check=None):
 def _renderer(served: Served, check=None):
     """The chat template applied and its text encoded, as _encoder; check(text) sees the rendered text."""
 
-    def render(messages, add_generation_prompt: bool, continue_final: bool, template_kwargs: dict, add_special_tokens: bool) -> list[int]:
-        text = served.chat_template.render(messages, add_generation_prompt, template_kwargs, continue_final)
+    def render(messages, add_generation_prompt: bool, continue_final: bool, template_kwargs: dict, add_special_tokens: bool,
+               tools: list[dict] | None = None) -> list[int]:
+        text = served.chat_template.render(messages, add_generation_prompt, template_kwargs, continue_final, tools)
         return _encoder(served.tokenizer, check)(text, add_special_tokens, empty_ok=True)
 
     return render

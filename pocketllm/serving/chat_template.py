@@ -39,18 +39,20 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None, continue_final: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None, continue_final: bool = False,
+               tools: list[dict] | None = None) -> str:
         """The prompt text; a template that refuses the messages (raise_exception, or any error
         rendering them) is the request's fault: a 400 naming what the template said. `extra`
         holds more template variables (a request's chat_template_kwargs), over the special tokens.
         continue_final: the text ends where the final message's text does (its turn left open),
-        as transformers' continue_final_message renders it."""
+        as transformers' continue_final_message renders it. tools: the request's, as given (the
+        template renders them as transformers' apply_chat_template passes them)."""
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         if continue_final:
             chat[-1] = _marked(chat[-1])
         variables = {**self.special_tokens, **(extra or {})}
         try:
-            text = self.template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables)
+            text = self.template.render(messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables)
         except self._jinja.exceptions.TemplateError as exc:
             raise bad(f"the chat template refused these messages: {exc}", "messages") from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:

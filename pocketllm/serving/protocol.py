@@ -39,7 +39,7 @@ _NEUTRAL = {"use_beam_search": False, "length_penalty": 1, "priority": 0, "space
 # OpenAI's chat fields for what this server does not do (tools, structured output, stored
 # completions), accepted where they ask for nothing: clients and frameworks send them so. A type
 # stands for any value of it; a tuple for any of its values.
-_CHAT_NEUTRAL = {"echo": False, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": bool,
+_CHAT_NEUTRAL = {"echo": False, "response_format": {"type": "text"}, "tool_choice": "none", "parallel_tool_calls": bool,
                  "store": False, "metadata": dict, "service_tier": ("auto", "default"), "modalities": ["text"]}
 _ABSENT_ONLY = {"suffix"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -128,7 +128,7 @@ def _each_choice(gens: list[Generation], n: int) -> list[Generation]:
 
 def parse_chat(body, limits: Limits, render) -> list[Generation]:
     """render(messages, add_generation_prompt, continue_final_message, template_kwargs,
-    add_special_tokens) -> token ids, the chat template applied."""
+    add_special_tokens, tools) -> token ids, the chat template applied."""
     fields = known_fields(body, _CHAT, _CHAT_NEUTRAL)
     messages = fields.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -146,7 +146,7 @@ def parse_chat(body, limits: Limits, render) -> list[Generation]:
     elif "top_logprobs" in fields:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     n = _choices(fields, 1)
-    prompt = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False))
+    prompt = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False), tools_of(fields))
     return _each_choice([_generation(fields, limits, prompt, "messages", None, logprobs, max_param)], n)
 
 
@@ -159,6 +159,29 @@ def chat_prompt_options(fields: dict) -> tuple[bool, bool]:
         raise bad("continue_final_message needs add_generation_prompt: false (the prompt cannot both end inside the final "
                   "message and open a new one)", "continue_final_message")
     return generation_prompt, continue_final
+
+
+def tools_of(fields: dict, choice: bool = True) -> list[dict] | None:
+    """A request's tools, for the chat template to render (None: none given). A chat completion
+    (`choice`) takes them only with tool_choice "none", rendered into the prompt as vLLM renders
+    them then: frameworks send their tools on every call, and this server never parses a tool call
+    out of the model's text, so it cannot honour "auto" (the default with tools), "required" or a
+    named function. /tokenize renders them as they come."""
+    tools = fields.get("tools")
+    if tools is None or tools == []:
+        return None
+    if choice and fields.get("tool_choice") != "none":
+        raise bad('tools need tool_choice: "none" here (left out, it is "auto"): this server does not parse tool calls', "tool_choice")
+    if not isinstance(tools, list):
+        raise bad("tools must be an array of {\"type\": \"function\", \"function\": {\"name\": ...}} objects", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str) or not function["name"] or \
+                not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": a non-empty string, \"description\"?: "
+                      f"a string, \"parameters\"?: an object}}}}, got {tool!r}", f"tools[{i}]")
+    return tools
 
 
 def template_kwargs(fields: dict) -> dict:

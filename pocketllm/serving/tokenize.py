@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from pocketllm.serving.admission import encode
 from pocketllm.serving.errors import bad
-from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, known_fields, template_kwargs, token_ids
+from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, known_fields, template_kwargs, token_ids, tools_of
 
 _COMMON = {"model", "add_special_tokens", "return_token_strs"}
 _TEXT = _COMMON | {"prompt"}
-_CHAT = _COMMON | {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+_CHAT = _COMMON | {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"}
 
 
 def tokenize(body, limits: Limits, tokenizer, render) -> dict:
     """body: {prompt} or {messages}; render(messages, add_generation_prompt, continue_final_message,
-    template_kwargs, add_special_tokens) -> ids, None when the model has no chat template."""
+    template_kwargs, add_special_tokens, tools) -> ids, None when the model has no chat template."""
     chat = isinstance(body, dict) and "messages" in body
     if chat and "prompt" in body:
         raise bad("give prompt or messages, not both", "prompt")
@@ -29,7 +29,7 @@ def tokenize(body, limits: Limits, tokenizer, render) -> dict:
             raise bad("messages must be a non-empty array of {role, content} objects", "messages")
         for i, m in enumerate(messages):
             check_message(m, i)
-        ids = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False))
+        ids = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False), tools_of(fields, choice=False))
     else:
         prompt = fields.get("prompt")
         if not isinstance(prompt, str):
