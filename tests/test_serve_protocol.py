@@ -219,11 +219,12 @@ def test_max_completion_tokens_is_named_in_its_errors():
 
 def test_openais_chat_fields_are_taken_where_they_ask_for_nothing_and_refused_otherwise():
     neutral = dict(response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False, store=False,
-                   metadata={"k": "v"}, service_tier="auto", modalities=["text"])
+                   metadata={"k": "v"}, service_tier="auto", modalities=["text"], prompt_cache_key="k", safety_identifier="u")
     assert chat(**neutral).prompt == chat().prompt
     assert chat(stream=True, stream_options={"include_usage": None}).include_usage is False
     for name, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
-                        ("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1)):
+                        ("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1),
+                        ("prompt_cache_key", 5), ("safety_identifier", ["u"])):
         with pytest.raises(ApiError) as err:
             chat(**{name: value})
         assert err.value.status == 400 and err.value.param == name, err.value.message

@@ -32,7 +32,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "strea
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
                    "continue_final_message", "chat_template_kwargs", "echo", "response_format", "tools", "tool_choice",
-                   "parallel_tool_calls", "store", "metadata", "service_tier", "modalities"}
+                   "parallel_tool_calls", "store", "metadata", "service_tier", "modalities", "prompt_cache_key", "safety_identifier"}
 # Fields accepted only at the value that asks for nothing this server does not do (vLLM's
 # defaults for its own).
 _NEUTRAL = {"use_beam_search": False, "length_penalty": 1, "priority": 0, "spaces_between_special_tokens": True}
@@ -40,7 +40,10 @@ _NEUTRAL = {"use_beam_search": False, "length_penalty": 1, "priority": 0, "space
 # completions), accepted where they ask for nothing: clients and frameworks send them so. A type
 # stands for any value of it; a tuple for any of its values.
 _CHAT_NEUTRAL = {"echo": False, "response_format": {"type": "text"}, "tool_choice": "none", "parallel_tool_calls": bool,
-                 "store": False, "metadata": dict, "service_tier": ("auto", "default"), "modalities": ["text"]}
+                 "store": False, "metadata": dict, "service_tier": ("auto", "default"), "modalities": ["text"],
+                 # Hints for OpenAI's routing and abuse checks, nothing about the answer (this
+                 # server's prefix cache finds shared prefixes itself).
+                 "prompt_cache_key": str, "safety_identifier": str}
 _ABSENT_ONLY = {"suffix"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Template variables a request's chat_template_kwargs may not replace.
@@ -240,7 +243,7 @@ def _shown(neutral) -> str:
     if isinstance(neutral, tuple):
         return " or ".join(map(_shown, neutral))
     if isinstance(neutral, type):
-        return {bool: "true or false", dict: "an object"}[neutral]
+        return {bool: "true or false", dict: "an object", str: "a string"}[neutral]
     return json.dumps(neutral)
 
 
