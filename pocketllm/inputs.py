@@ -103,10 +103,10 @@ def check_ids(ids: list[int], cfg: ModelConfig, max_new_tokens: int, given_by: s
     return ids
 
 
-def checked_bench_ids(n: int, cfg: ModelConfig, max_new_tokens: int) -> list[int]:
+def checked_bench_ids(n: int, cfg: ModelConfig, max_new_tokens: int, sized_by: str = "--prompt-tokens") -> list[int]:
     """bench_ids(n) for cfg, its length checked before a list of n ids is made (the ids are the
-    vocab's by construction, and bench_ids refuses n < 1)."""
-    check_length(n, cfg, max_new_tokens, sized_by="--prompt-tokens")
+    vocab's by construction, and bench_ids refuses n < 1); sized_by: the flag that gave n."""
+    check_length(n, cfg, max_new_tokens, sized_by=sized_by)
     return bench_ids(n, cfg.vocab_size)
 
 

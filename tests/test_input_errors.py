@@ -119,13 +119,13 @@ def test_an_empty_source_is_refused_not_read_as_the_default(flag, what, capsys, 
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("command", ["bench", "profile"])
-def test_a_prompt_past_the_models_positions_is_refused_before_its_ids_are_made(command, capsys, no_ranks):
+@pytest.mark.parametrize("command,sized_by", [("bench", "--prompt-tokens"), ("profile", "--prompt-tokens"), ("sweep", "--rows")])
+def test_a_prompt_past_the_models_positions_is_refused_before_its_ids_are_made(command, sized_by, capsys, no_ranks):
     # 10**9 ids as a Python list would take minutes and tens of GiB: the length is checked first
     # (refused in well under a second; a list being built would be timed out here, at a few GiB).
-    line = usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", str(10**9), expect="over max_position_embeddings=")
+    line = usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", sized_by, str(10**9), expect="over max_position_embeddings=")
     # The flag that sized the prompt is named; profile asks for no new tokens and has no flag for them.
-    assert "tokens (--prompt-tokens)" in line and (("new tokens (--max-new-tokens)" in line) == (command == "bench")), line
+    assert f"tokens ({sized_by})" in line and (("new tokens (--max-new-tokens)" in line) == (command != "profile")), line
 
 
 def test_a_bad_prompt_names_the_flag_or_file_it_came_from(tmp_path, tiny_ckpt, capsys, no_ranks):

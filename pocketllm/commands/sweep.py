@@ -103,7 +103,7 @@ def _prepare(run, plan):
     settings = build_settings(run, plan)
     if len({s.name for s, _ in settings}) != len(settings):
         raise UsageError(f"--pin {t.pin}: a slice count is repeated")
-    checked_bench_ids(max(rows_list), plan.cfg, t.max_new_tokens)
+    checked_bench_ids(max(rows_list), plan.cfg, t.max_new_tokens, sized_by="--rows")
     check_out_path(t.json, "--json", run.source.ckpt)
     check_out_path(t.plot, "--plot", run.source.ckpt)
     if t.plot and Path(t.plot).suffix.lower() != ".png":
