@@ -9,7 +9,7 @@ import os
 import sys
 from typing import NoReturn
 
-from pocketllm import startup
+from pocketllm import __version__, startup
 from pocketllm.distributed import rendezvous
 from pocketllm.errors import UsageError
 from pocketllm.place import under_torchrun
@@ -54,8 +54,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser for `argv`: every command listed, and the flags of the one argv names (the top
-    level has no flag but --help, so that is the first word not starting with '-')."""
+    level has no flag but --help and --version, so that is the first word not starting with '-')."""
     parser = _Parser(prog="pocketllm", description="Tensor-parallel inference and measurement for the Qwen3.5/Qwen3.8 hybrid decoder.")
+    parser.add_argument("--version", action="version", version=f"pocketllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
@@ -79,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if given is None:
         try:
+            # Parsing imports the command's module, and so torch: a second or more of a core.
             args = build_parser(argv).parse_args(argv)
         except _Refused as exc:
             print(exc, file=sys.stderr)
             _tell_the_other_ranks(argv, str(exc).split(": error: ", 1)[1])
             return 2
+        except KeyboardInterrupt:
+            print("pocketllm: interrupted", file=sys.stderr)
+            return 130
         starts = _starts_the_run(args, os.environ)
         if starts:
             for line in environment_notes(os.environ):

@@ -25,11 +25,32 @@ assert "torch" not in sys.modules, "torch was imported"
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["policy", "--rows", "512,4096"], ["policy", "--rows", "4096", "--pin-slices", "2"], ["generate", "--help"], ["serve", "--help"]],
+    [["--help"], ["--version"], ["policy", "--rows", "512,4096"], ["policy", "--rows", "4096", "--pin-slices", "2"], ["generate", "--help"], ["serve", "--help"]],
 )
 def test_answers_that_need_no_model_do_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_version_is_the_packages():
+    from pocketllm import __version__
+
+    done = subprocess.run([sys.executable, "-m", "pocketllm", "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"pocketllm {__version__}\n"), done.stderr
+
+
+def test_ctrl_c_while_the_command_line_is_read_is_an_interrupt_not_a_traceback(monkeypatch, capsys):
+    # Reading it imports the command's module and torch, a second or more: a Ctrl-C lands there.
+    from conftest import main_in_process
+
+    from pocketllm import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main_in_process("make-checkpoint", "--preset", "tiny", "--out", "x") == 130
+    assert capsys.readouterr().err == "pocketllm: interrupted\n"
 
 
 def test_a_command_still_gets_its_own_flags():
