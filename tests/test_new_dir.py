@@ -43,6 +43,8 @@ def test_an_empty_out_is_written_with_a_plain_directorys_mode(tiny_ckpt, tmp_pat
     assert main_in_process("quantize", "--ckpt", tiny_ckpt, "--out", empty, "--scheme", "int8") == 0
     fresh = tmp_path / "a" / "b"
     assert main_in_process("make-checkpoint", "--preset", "tiny", "--out", fresh) == 0
+    # stderr is no terminal here: no progress bar left in it as carriage-return lines (a log's).
+    assert "\r" not in capsys.readouterr().err
     umask = os.umask(0)
     os.umask(umask)
     for out in (empty, fresh):

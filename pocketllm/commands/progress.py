@@ -23,4 +23,5 @@ def row_progress(total_rows: int, desc: str):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total_rows, unit="row", desc=desc, leave=False, dynamic_ncols=True, mininterval=1.0)
+    # disable=None: drawn where stderr is a terminal; a log gets no carriage-return lines.
+    return tqdm(total=total_rows, unit="row", desc=desc, leave=False, dynamic_ncols=True, mininterval=1.0, disable=None)

@@ -58,7 +58,8 @@ def write_quantized(
     source's bytes. Returns the number of shards."""
     entries = output_entries([Entry(e.name, dtype_of(e), e.shape) if e.name not in quantized else e for e in tensors], quantized, scale_dtype)
     writer = ShardWriter(out, entries, max_bytes)
-    bar = tqdm(total=sum(e.nbytes for e in tensors), unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False, dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=sum(e.nbytes for e in tensors), unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False, dynamic_ncols=True, mininterval=1.0,
+               disable=None)  # drawn where stderr is a terminal only, as the loading bar
     try:
         for e, r0, block in _read_ahead(tensors, blocks):
             scheme = quantized.get(e.name)
