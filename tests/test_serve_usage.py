@@ -81,3 +81,13 @@ def test_a_checkpoint_without_a_chat_template_is_said_at_start(capsys, no_ranks,
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].startswith("pocketllm: note: the checkpoint has no chat template") and "/v1/completions serves" in lines[0]
     assert lines[1] == "pocketllm: error: --port must be in 0..65535, got 70000"
+
+
+def test_listening_beyond_this_machine_without_a_key_is_said():
+    from pocketllm.serving.server import exposure_note
+
+    for host in ("0.0.0.0", "::", "192.168.1.5", "myhost"):
+        assert "with no API key" in exposure_note(host, None), host
+        assert exposure_note(host, "k") is None
+    for host in ("127.0.0.1", "::1", "127.0.0.2"):
+        assert exposure_note(host, None) is None, host

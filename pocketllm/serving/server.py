@@ -7,6 +7,7 @@ skips that wait. An engine failure, or the engine process gone, ends every open 
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 import time
 
@@ -46,6 +47,23 @@ class _Server(uvicorn.Server):
             where = f"[{host}]" if ":" in host else host
             print(f"serving {served.limits.model} on http://{where}:{port} (max_len={served.limits.max_len}, {auth})",
                   file=sys.stderr, flush=True)
+            note = exposure_note(host, served.api_key)
+            if note:
+                print(note, file=sys.stderr, flush=True)
+
+
+def exposure_note(host: str, api_key: str | None) -> str | None:
+    """The line said when the server listens beyond this machine with no key: anyone who reaches
+    the port may use the model (README: such a host wants a key)."""
+    if api_key:
+        return None
+    try:
+        if ipaddress.ip_address(host.split("%", 1)[0]).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (f"note: listening on {host} with no API key: anyone who can reach this port can use the model; "
+            f"set POCKETLLM_API_KEY (or --api-key) to require one")
 
 
 def serve(served: Served, host: str, port: int) -> int:
