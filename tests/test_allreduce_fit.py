@@ -161,3 +161,11 @@ def test_on_the_ranks_only_rank_0_prepares(tmp_path):
     # Each rank preparing for itself would leave prepared.1 and hand rank 1 its own id.
     assert sorted(f.name for f in tmp_path.glob("prepared.*")) == ["prepared.0"]
     assert (tmp_path / "inputs.0").read_text() == (tmp_path / "inputs.1").read_text() == str(procs[0].pid)
+
+
+def test_a_line_below_zero_at_zero_bytes_is_fitted_through_zero():
+    # 10 us per KB less 5 us: the line's intercept is negative; no latency is less than none, so
+    # the fit holds it at zero and keeps the byte term (their relative-error best through zero).
+    fit = fit_latency_bandwidth([1000, 2000, 4000], [5.0, 15.0, 35.0])
+    assert fit.fixed_us == 0.0 and fit.bandwidth_GBps == pytest.approx(1000 / 8.0 / 1e3, rel=0.5)
+    assert all(fit.predict_us(x) > 0 for x in (1000, 2000, 4000))

@@ -54,8 +54,13 @@ def fit_latency_bandwidth(nbytes: list[float], times_us: list[float]) -> Fit:
     sxy = sum(wi * x * t for wi, x, t in zip(w, nbytes, times_us))
     det = sw * sxx - sx * sx
     slope = (sw * sxy - sx * sy) / det  # us per byte
+    fixed = (sy - slope * sx) / sw
+    if slope > 0 and fixed < 0:
+        # A line that would take negative time at zero bytes (noise, or sizes all far above the
+        # fixed cost): no latency is less than none, so the byte term alone, fixed held at zero.
+        slope, fixed = sxy / sxx, 0.0
     if slope > 0:
-        fixed, bandwidth = (sy - slope * sx) / sw, 1.0 / (slope * 1e3)  # bytes/us -> GB/s
+        bandwidth = 1.0 / (slope * 1e3)  # bytes/us -> GB/s
     else:
         # Time that does not grow with the bytes (noise over a few small sizes): the fixed term
         # alone, fitted with the byte term held at zero, not the intercept of a falling line.
