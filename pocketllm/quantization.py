@@ -168,5 +168,5 @@ class WeightPlan:
     def describe(self) -> str:
         names = self.formats()
         kept = sum(1 for _, s in self.overrides if s is None)
-        how = {"load": "quantized at load", "compressed-tensors": "as stored (compressed-tensors)", "fp8": "converted from the fp8 checkpoint at load"}[self.source]
+        how = {"load": "quantized at load", "compressed-tensors": "as stored, compressed-tensors", "fp8": "converted from the fp8 checkpoint at load"}[self.source]
         return f"weights {', '.join(names) or 'unquantized'} ({how}" + (f"; {kept} kept unquantized" if kept else "") + ")"

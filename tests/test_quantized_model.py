@@ -133,7 +133,7 @@ def test_a_packed_checkpoint_gives_the_tokens_of_quantizing_at_load(tiny_ckpt, t
             assert main_in_process(*args) == 0
             captured = capsys.readouterr()
             assert generated_ids(captured.out) == at_load, (scheme, ckpt)
-            assert f"weights {scheme} (as stored (compressed-tensors))" in captured.err
+            assert f"weights {scheme} (as stored, compressed-tensors)" in captured.err
 
 
 def test_quantize_usage_errors(no_ranks, capsys, tiny_ckpt, tmp_path):
