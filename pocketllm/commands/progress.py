@@ -23,5 +23,6 @@ def row_progress(total_rows: int, desc: str):
         return _NoBar()
     from tqdm import tqdm
 
-    # disable=None: drawn where stderr is a terminal; a log gets no carriage-return lines.
-    return tqdm(total=total_rows, unit="row", desc=desc, leave=False, dynamic_ncols=True, mininterval=1.0, disable=None)
+    # Drawn into a log too (unlike the byte-counting bars of loading and writing): a sweep or a
+    # calibration runs for minutes, and its rep and setting are what a log of it can show.
+    return tqdm(total=total_rows, unit="row", desc=desc, leave=False, dynamic_ncols=True, mininterval=1.0)
