@@ -563,7 +563,7 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
 
     def broadcast(buf, src=0, idle=False):
         received.buf.copy_(buf)
-        ops, spans = received.decode()
+        ops, spans, all_logits = received.decode()
         pass_plan.apply(follower, ops)
         seen.extend(ops)
         if not spans:
@@ -571,7 +571,7 @@ def follow_in_process(monkeypatch, leader, follower, max_running: int, max_ops: 
         assert follower.slots.blocks.free == leader.slots.blocks.free and follower.slots.blocks.holders == leader.slots.blocks.holders
         assert [t.held for t in follower.slots.blocks.tables] == [t.held for t in leader.slots.blocks.tables]
         assert {k: (c.length, c.blocks) for k, c in follower.slots.cached.items()} == {k: (c.length, c.blocks) for k, c in leader.slots.cached.items()}
-        pass_plan.run_pass_plan(follower, [], spans)
+        pass_plan.run_pass_plan(follower, [], spans, all_logits)
 
     monkeypatch.setattr(scheduler, "tp", lambda: TPState(0, 2))
     monkeypatch.setattr(pass_plan, "broadcast_", broadcast)

@@ -256,6 +256,36 @@ def test_a_sampled_completion_equals_generate_with_the_same_seed(server, text_ck
     assert "sampling defaults from generation_config.json: temperature=1.5, top_p=0.9 (a request's own fields win" in server.run.stderr
 
 
+@pytest.fixture(scope="module")
+def prompt_logprobs(text_ckpt, tokenizer, tmp_path_factory):
+    """PROMPTS[1]'s ids, and each position's log_softmax from generate --logits-out (fp32, TP=1)."""
+    import torch
+    from safetensors.torch import load_file
+
+    ids = tokenizer.encode(PROMPTS[1]).ids
+    out = tmp_path_factory.mktemp("logits") / "logits.safetensors"
+    generate_cli(text_ckpt, ids, 1, "--logits-out", out)
+    return ids, torch.log_softmax(load_file(out)["logits"].double(), dim=-1)
+
+
+@pytest.mark.timeout(60)
+def test_echo_with_logprobs_scores_the_prompt_as_generates_logits_do(server, prompt_logprobs):
+    # What evaluation harnesses send for a loglikelihood (echo, logprobs, max_tokens 0 or 1): each
+    # prompt token's logprob under the position before it, at either TP (every rank runs the head
+    # over every row), whether or not the prompt's prefix is cached.
+    ids, want = prompt_logprobs
+    for max_tokens in (0, 1, 1):
+        r = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=max_tokens, temperature=0, echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text.startswith(PROMPTS[1]) and len(lp.tokens) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx([float(want[p - 1, ids[p]]) for p in range(1, len(ids))], abs=1e-4)
+        assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)]) and lp.text_offset[0] == 0
+        assert r.usage.completion_tokens == max_tokens and r.choices[0].finish_reason == "length"
+        if max_tokens:
+            assert lp.text_offset[-1] == len(PROMPTS[1])
+
+
 @pytest.mark.timeout(60)
 def test_streamed_completions_equal_generate(server, expected):
     for prompt in PROMPTS[:2]:

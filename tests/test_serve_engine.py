@@ -284,8 +284,8 @@ def test_a_prompt_whose_logits_are_not_finite_ends_alone_with_an_error_naming_it
     poisoned = [9, 9, 9]
     real = Scheduler._run
 
-    def run(self, spans, fed):
-        logits = real(self, spans, fed).clone()
+    def run(self, spans, fed, keep):
+        logits = real(self, spans, fed, keep).clone()
         for row, req in enumerate(fed[:len(logits)]):
             if req.prompt == poisoned:
                 logits[row] = float("nan")

@@ -60,7 +60,7 @@ def chat(**fields):
     ({"prompt": ["a"] * 33, "n": 2}, "n"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"logprobs": 2, "echo": True}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
     ({"echo": 1}, "echo"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": "1"}, "frequency_penalty"),
@@ -153,6 +153,13 @@ def test_a_request_is_one_generation_per_choice_numbered_as_vllm_numbers_them():
     assert [g.index for g in chats(n=2)] == [0, 1] and chats(n=2)[0].prompt == chats(n=2)[1].prompt
     # An array of one prompt is that prompt.
     assert completion(prompt=["hi"]).prompt_text == "hi"
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_and_max_tokens_0_scores_the_prompt_alone():
+    g = completion(echo=True, logprobs=2, max_tokens=0)
+    assert (g.max_tokens, g.sampling.logprobs, g.sampling.prompt_logprobs) == (0, 2, 2)
+    assert completion(echo=True, max_tokens=0).sampling.prompt_logprobs is None
+    assert completion(logprobs=2).sampling.prompt_logprobs is None
 
 
 def test_the_checkpoints_sampling_defaults_fill_what_a_request_leaves_out():

@@ -225,6 +225,41 @@ def test_eos_min_tokens_ignore_eos_and_stop_token_ids(server, engine, eos, token
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_an_echoed_prompts_logprobs_come_first_whole_streamed_and_for_each_prompt(server, engine, tokenizer):
+    # A loglikelihood request of an evaluation harness: several prompts, echo, logprobs, max_tokens
+    # 0 or 1. Each prompt position's logprob is the log_softmax of the engine's logits of the
+    # position before it; the new tokens' offsets follow the prompt's text.
+    prompts = ["abc abd", "x y <300> z"]
+    for p in prompts:
+        ids = tokenizer.encode(p).ids
+        want = torch.log_softmax(feed(engine, ids, all_logits=True).double(), dim=-1)
+        for max_tokens in (0, 2):
+            c = complete(server, prompt=p, max_tokens=max_tokens, echo=True, logprobs=2, ignore_eos=True)
+            lp = c.logprobs
+            assert c.text.startswith(p) and len(lp.tokens) == len(ids) + max_tokens
+            assert lp.tokens[: len(ids)] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert lp.token_logprobs[1 : len(ids)] == pytest.approx([float(want[i - 1, ids[i]]) for i in range(1, len(ids))], abs=1e-4)
+            for i in range(1, len(ids)):
+                names = {tokenizer.decode([t], skip_special_tokens=False) for t in torch.topk(want[i - 1], 2).indices.tolist() + [ids[i]]}
+                assert set(lp.top_logprobs[i]) == names
+            assert lp.text_offset[: len(ids)] == [len(tokenizer.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
+            plain = complete(server, prompt=p, max_tokens=max_tokens, logprobs=2, ignore_eos=True) if max_tokens else None
+            assert lp.text_offset[len(ids) :] == ([len(p) + o for o in plain.logprobs.text_offset] if plain else [])
+            # Streamed: the prompt's part comes on the first chunk, and the parts add up to the whole.
+            chunks = list(server.client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0, echo=True, logprobs=2,
+                                                           stream=True, extra_body={"ignore_eos": True}))
+            parts = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+            assert len(parts[0].tokens) >= len(ids)
+            assert [v for part in parts for v in part.token_logprobs] == lp.token_logprobs
+            assert [v for part in parts for v in part.text_offset] == lp.text_offset
+    both = server.client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    for p, c in zip(prompts, both.choices, strict=True):
+        alone = complete(server, prompt=p, max_tokens=1, echo=True, logprobs=1)
+        assert (c.text, c.logprobs.token_logprobs) == (alone.text, alone.logprobs.token_logprobs)
+
+
 def test_logprobs_are_the_log_softmax_of_the_engines_logits(server, engine, eos, tokenizer):
     prompt = list(PROMPT.encode())
     ids, rows = reference(engine, prompt, 8, (eos,))

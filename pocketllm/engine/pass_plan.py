@@ -1,7 +1,8 @@
 """What rank 0 tells the other ranks before each pass, and what every rank then runs: the block and
 prefix cache operations since the last pass, in order (free a slot's KV blocks, cache a prefix of
 a slot's sequence, start a slot from a cached prefix, forget one), then the pass's spans (slot,
-start position, ids). Rank 0 runs each operation as it decides it and sends them with the next
+start position, ids), and whether it reads every row's logits (a request keeping its prompt's:
+the head then runs over every row, and its collectives with it, on every rank). Rank 0 runs each operation as it decides it and sends them with the next
 pass; run in the same order on every rank, they leave every rank's blocks, tables and cache
 entries alike."""
 
@@ -38,19 +39,19 @@ def apply(engine, ops: list[tuple[int, int, int, int]]) -> None:
 
 
 class PassPlan:
-    """One plan in the fixed-size int64 form rank 0 broadcasts: [spans, operations, then
-    (code, a, b, c) per operation, then (slot, start, rows) per span, then every span's ids]. A
-    step with more operations than MAX_OPS sends them over several plans, all but the last
-    without spans."""
+    """One plan in the fixed-size int64 form rank 0 broadcasts: [spans, operations, every row's
+    logits (0 or 1), then (code, a, b, c) per operation, then (slot, start, rows) per span, then
+    every span's ids]. A step with more operations than MAX_OPS sends them over several plans, all
+    but the last without spans."""
 
     def __init__(self, max_spans: int, max_rows: int, device):
         self.max_spans, self.max_ops = max_spans, MAX_OPS
-        self._spans_at = 2 + 4 * MAX_OPS
+        self._spans_at = 3 + 4 * MAX_OPS
         self._ids_at = self._spans_at + 3 * max_spans
         self.buf = torch.zeros(self._ids_at + max_rows, dtype=torch.long, device=device)
 
-    def encode(self, ops: list, spans: list[tuple[int, int, list[int]]]) -> None:
-        head = [len(spans), len(ops)] + [v for op in ops for v in op]
+    def encode(self, ops: list, spans: list[tuple[int, int, list[int]]], all_logits: bool = False) -> None:
+        head = [len(spans), len(ops), int(all_logits)] + [v for op in ops for v in op]
         self.buf[: len(head)] = torch.tensor(head, dtype=torch.long)
         triples = [v for slot, start, ids in spans for v in (slot, start, len(ids))]
         self.buf[self._spans_at : self._spans_at + len(triples)] = torch.tensor(triples, dtype=torch.long)
@@ -60,27 +61,27 @@ class PassPlan:
     def close(self) -> None:
         self.buf[0] = CLOSE
 
-    def decode(self) -> tuple[list, list[tuple[int, int, torch.Tensor]]] | None:
-        """(operations, spans), or None for the plan that ends the run."""
+    def decode(self) -> tuple[list, list[tuple[int, int, torch.Tensor]], bool] | None:
+        """(operations, spans, every row's logits), or None for the plan that ends the run."""
         values = self.buf.cpu()
-        n, m = int(values[0]), int(values[1])
+        n, m, all_logits = int(values[0]), int(values[1]), bool(values[2])
         if n == CLOSE:
             return None
-        ops = [tuple(values[2 + 4 * i : 6 + 4 * i].tolist()) for i in range(m)]
+        ops = [tuple(values[3 + 4 * i : 7 + 4 * i].tolist()) for i in range(m)]
         spans, pos = [], self._ids_at
         for i in range(n):
             slot, start, rows = (int(v) for v in values[self._spans_at + 3 * i : self._spans_at + 3 * i + 3])
             spans.append((slot, start, values[pos : pos + rows].clone()))
             pos += rows
-        return ops, spans
+        return ops, spans, all_logits
 
-    def send(self, ops: list, spans: list) -> None:
+    def send(self, ops: list, spans: list, all_logits: bool = False) -> None:
         """Broadcast ops and spans (rank 0), over as many plans as the ops need."""
         while len(ops) > self.max_ops:
             self.encode(ops[: self.max_ops], [])
             broadcast_(self.buf)
             ops = ops[self.max_ops :]
-        self.encode(ops, spans)
+        self.encode(ops, spans, all_logits)
         broadcast_(self.buf)
 
 
@@ -97,11 +98,11 @@ def pass_plan_for(engine, max_running: int, prefill_budget: int) -> PassPlan:
     return PassPlan(max_running + REPLAY_ROWS, rows, engine.device)
 
 
-def run_pass_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
+def run_pass_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]], all_logits: bool = False) -> torch.Tensor | None:
     """What every rank runs for a plan: its operations in order, then the pass if it has spans (a
     span starting at position 0 begins a new sequence in its slot)."""
     apply(engine, ops)
-    return engine.run_packed(spans) if spans else None
+    return engine.run_packed(spans, all_logits=all_logits) if spans else None
 
 
 def follow(engine, max_running: int, max_len: int, prefill_budget: int = DEFAULT_PREFILL_BUDGET, kv_blocks: int | None = None) -> None:

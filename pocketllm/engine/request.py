@@ -32,6 +32,15 @@ class Request:
     # Given every prompt position's fp32 logits [rows, V] as the passes read them (generate
     # --logits-out); None: only each pass's last rows are computed.
     prompt_logits: Callable[[torch.Tensor], None] | None = None
+    # Position p's TokenLogprob (p >= 1: prompt[p] under the logits of position p - 1), when
+    # sampling.prompt_logprobs asks; filled as the passes read the prompt (again alike if a
+    # preemption recomputes it).
+    prompt_logprobs: dict = field(default_factory=dict)
+
+    @property
+    def keeps_prompt_rows(self) -> bool:
+        """Whether the passes over its prompt read every row's logits for it."""
+        return self.prompt_logits is not None or self.sampling.prompt_logprobs is not None
 
     def tokens(self, end: int) -> list[int]:
         """Its first `end` positions' ids: the prompt, then the tokens chosen."""

@@ -40,6 +40,18 @@ def choose(logits: torch.Tensor, params: SamplingParams, prompt: list[int], outp
     return token, TokenLogprob(token, float(logprobs[token]), top)
 
 
+def prompt_logprobs(logits: torch.Tensor, following: list[int], n: int) -> list[TokenLogprob]:
+    """For each row of logits [rows, V], the logprob of the token that follows it in the prompt
+    (following[i] for row i) under the row's raw log_softmax, and the n likeliest there."""
+    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(following, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+    tops = [[] for _ in following]
+    if n > 0:
+        values, ids = torch.topk(logprobs, n, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(following, chosen, tops)]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
     """A token drawn from one row of logits [V] by temperature, min-p, top-k and top-p (greedy at
     temperature 0, which ignores the other three), with `gen` as the only source of randomness."""

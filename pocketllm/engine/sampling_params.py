@@ -25,6 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none reported; N: the chosen token's and the N likeliest
+    # None: none; N: every prompt token's after the first (under the logits of the position before
+    # it) and the N likeliest there, as vLLM's prompt_logprobs (a completion's echo with logprobs).
+    prompt_logprobs: int | None = None
 
     @property
     def plain_greedy(self) -> bool:

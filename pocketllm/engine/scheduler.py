@@ -50,7 +50,7 @@ from pocketllm.engine.budgets import DEFAULT_PREFILL_BUDGET
 from pocketllm.engine.pass_plan import EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, pass_plan_for, run_pass_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.request import KVUsage, Request
-from pocketllm.engine.sampling import SamplingParams, choose
+from pocketllm.engine.sampling import SamplingParams, choose, prompt_logprobs
 from pocketllm.errors import CheckpointError, exception_line
 from pocketllm.inputs import request_problem
 from pocketllm.layers.kv_layout import blocks_for
@@ -165,10 +165,11 @@ class Scheduler:
         self.last_spans = len(spans)
         if not spans:
             return events
-        self._broadcast(spans)
+        keep = [req.keeps_prompt_rows and start < len(req.prompt) for req, (_, start, _) in zip(fed, spans)]
+        self._broadcast(spans, any(keep))
         direct = self._direct_row(spans, fed)
         if direct is None:
-            logits = self._run(spans, fed)
+            logits = self._run(spans, fed, keep)
             greedy = native_step.argmax_rows(logits) or torch.argmax(logits, dim=-1).tolist()
         # A request's spans are consecutive (replayed rows are one span each): its last one's
         # logits are the ones that may choose a token.
@@ -183,6 +184,9 @@ class Scheduler:
                 self._cache(req)
             if req.fed < req.length:
                 continue  # a chunk before the last, or a replayed row: its logits choose nothing
+            if req.max_new_tokens == 0:
+                events.append((self._finish(req, "length"), None))  # read for its prompt's logprobs alone
+                continue
             if direct is None and not req.output and not bool(torch.isfinite(logits[i]).all()):
                 # The first token's logits, once per request: weights holding NaN (a corrupt file)
                 # make every logit NaN, and argmax would pick token 0 for ever without a word.
@@ -229,22 +233,30 @@ class Scheduler:
         if len(spans) != 1:
             return None
         (slot, start, ids), req = spans[0], fed[0]
-        if len(ids) != 1 or start == 0 or start + 1 != req.length or not req.sampling.plain_greedy or req.prompt_logits is not None:
+        if len(ids) != 1 or start == 0 or start + 1 != req.length or not req.sampling.plain_greedy or req.keeps_prompt_rows:
             return None
         return self.engine.greedy_row(slot, start, ids[0])
 
-    def _run(self, spans: list, fed: list[Request]) -> torch.Tensor:
+    def _run(self, spans: list, fed: list[Request], keep: list[bool]) -> torch.Tensor:
         """The pass: the logits of each span's last row [len(spans), V], after handing every
-        prompt row's logits to the requests that keep them."""
+        prompt row's logits to the requests that keep them (keep: per span)."""
         tensors = [(slot, start, torch.tensor(ids, dtype=torch.long)) for slot, start, ids in spans]
-        keep = [req.prompt_logits is not None and start < len(req.prompt) for req, (_, start, _) in zip(fed, spans)]
         if not any(keep):
             return run_pass_plan(self.engine, [], tensors)
         every = self.engine.run_packed(tensors, all_logits=True)
         ends, row = [], 0
         for req, (_, start, ids), kept in zip(fed, spans, keep):
             if kept:
-                req.prompt_logits(every[row : row + min(len(ids), len(req.prompt) - start)])
+                rows = every[row : row + min(len(ids), len(req.prompt) - start)]
+                if req.prompt_logits is not None:
+                    req.prompt_logits(rows)
+                if req.sampling.prompt_logprobs is not None:
+                    # Row p reads the logits that prompt[p + 1] is scored under; the last
+                    # prompt row's choose the first new token instead.
+                    n = min(len(rows), len(req.prompt) - 1 - start)
+                    if n > 0:
+                        scored = prompt_logprobs(rows[:n], req.prompt[start + 1 : start + 1 + n], req.sampling.prompt_logprobs)
+                        req.prompt_logprobs.update(zip(range(start + 1, start + 1 + n), scored))
             row += len(ids)
             ends.append(row - 1)
         return every[ends]
@@ -273,13 +285,16 @@ class Scheduler:
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            if req.max_new_tokens == 0:
+            if req.max_new_tokens == 0 and not req.keeps_prompt_rows:
                 self.waiting.popleft()
                 events.append((self._finish(req, "length"), None))
                 continue
             # Batch-invariant, every entry is a prompt's own chunk ends: one for this request's
-            # prompt, never into the tokens it chose (it replays those as decode rows).
-            hit = self.prefix.lookup(req.prompt if self.invariant else req.tokens(req.length)) if self.prefix is not None else None
+            # prompt, never into the tokens it chose (it replays those as decode rows). A request
+            # that keeps its prompt's logits runs the whole prompt: a cached prefix would skip them.
+            hit = None
+            if self.prefix is not None and not req.keeps_prompt_rows:
+                hit = self.prefix.lookup(req.prompt if self.invariant else req.tokens(req.length))
             # A hit shares the cached prefix's whole blocks; its partial last block is copied, or,
             # when the pool has no block for the copy and nothing else holds it, taken over.
             cost = blocks_for(req.length, bs) - (hit.length // bs if hit else 0)
@@ -435,13 +450,14 @@ class Scheduler:
     def keep_alive(self) -> None:
         """Call while idle (no step to run): tells the other ranks rank 0 is still there."""
         if time.monotonic() - self._last_broadcast >= KEEP_ALIVE_SECONDS:
-            self._broadcast([])
+            self._broadcast([], False)
 
-    def _broadcast(self, spans: list) -> None:
-        """Send the other ranks the plan: the operations since the last one, and the spans."""
+    def _broadcast(self, spans: list, all_logits: bool) -> None:
+        """Send the other ranks the plan: the operations since the last one, the spans, and
+        whether the pass reads every row's logits."""
         ops, self._ops = self._ops, []
         if tp().world > 1 and not self.lockstep:
-            self.plan.send(ops, spans)
+            self.plan.send(ops, spans, all_logits)
             self._last_broadcast = time.monotonic()
 
     def _finish(self, req: Request, reason: str) -> Request:

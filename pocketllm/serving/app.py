@@ -26,7 +26,7 @@ from pocketllm.serving.chat_template import ChatTemplate
 from pocketllm.serving.engine_client import EngineClient
 from pocketllm.serving.errors import ApiError, bad, error_body
 from pocketllm.serving.generation import Piece, Usage, interleaved, pieces
-from pocketllm.serving.logprobs import Names, TokenBytes, chat_logprobs, completion_logprobs
+from pocketllm.serving.logprobs import Names, TokenBytes, chat_logprobs, completion_logprobs, completion_prompt_logprobs, prompt_offsets
 from pocketllm.serving.protocol import Generation, Limits, parse_chat, parse_completion
 from pocketllm.serving.streaming import EventStream
 from pocketllm.serving.text import OutputText
@@ -276,7 +276,8 @@ async def _answer(served: Served, request: Request, gens: list[Generation], kind
     choices = []
     for g, shape, got in zip(gens, shapes, collected, strict=True):
         whole = Piece("".join(p.text for p in got), [t for p in got for t in p.token_ids], got[-1].finish_reason,
-                      [lp for p in got for lp in p.logprobs], got[-1].stop_reason, [o for p in got for o in p.text_offsets])
+                      [lp for p in got for lp in p.logprobs], got[-1].stop_reason, [o for p in got for o in p.text_offsets],
+                      got[0].prompt_logprobs)
         choice = shape.body(whole)
         if g.return_token_ids:
             # Each choice's prompt too where a completion has several, as vLLM's choices carry it.
@@ -300,8 +301,8 @@ async def _chunks(parts, head: dict, shapes: list, gen: Generation, usage: Usage
 
 class CompletionShape:
     """A /v1/completions choice, whole or as chunks: the text (after the prompt's, with echo), its
-    logprobs with each token's offset into that text (no echo with logprobs: protocol.py), and how
-    it finished."""
+    logprobs with each token's offset into that text (with echo, the prompt's tokens' first, on
+    the first chunk), and how it finished."""
 
     object = chunk_object = "text_completion"
 
@@ -311,6 +312,7 @@ class CompletionShape:
         if gen.echo:
             # The prompt as sent (its special tokens too); token ids, all of them decoded.
             self.prefix = gen.prompt_text if gen.prompt_text is not None else tokenizer.decode(gen.prompt, skip_special_tokens=False)
+        self.shift = len(self.prefix)  # where the new tokens' text begins in the choice's
 
     def chunk(self, piece: Piece) -> dict:
         text, self.prefix = self.prefix + piece.text, ""
@@ -322,7 +324,12 @@ class CompletionShape:
     def _choice(self, text: str, piece: Piece) -> dict:
         logprobs = None
         if self.gen.sampling.logprobs is not None:
-            logprobs = completion_logprobs(Names(self.tokenizer, self.gen.tokens_as_ids), piece.logprobs, piece.text_offsets)
+            name = Names(self.tokenizer, self.gen.tokens_as_ids)
+            logprobs = completion_logprobs(name, piece.logprobs, [o + self.shift for o in piece.text_offsets])
+            if piece.prompt_logprobs is not None:
+                offsets = [min(o, self.shift) for o in prompt_offsets(self.tokenizer, self.gen.prompt)]
+                ahead = completion_prompt_logprobs(name, self.gen.prompt, piece.prompt_logprobs, offsets)
+                logprobs = {k: ahead[k] + logprobs[k] for k in logprobs}
         return {"index": self.gen.index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
 

@@ -32,6 +32,7 @@ class Event:
     finish_reason: str | None  # set on the request's last event: stop, length or cancelled
     error: ApiError | None = None
     logprob: object = None  # the token's TokenLogprob, when the request asked for logprobs
+    prompt_logprobs: list | None = None  # per prompt position (the first None), on the first event, when asked
 
 
 class Sequence:
@@ -183,11 +184,11 @@ class EngineClient:
         if kind == wire.EVENTS:
             self.gauges = message[2]
             # One step's tokens counted at once (the rate's window holds one entry a step).
-            tokens = sum(1 for _, token, _, _ in message[1] if token is not None)
+            tokens = sum(1 for _, token, *_ in message[1] if token is not None)
             if tokens:
                 self.metrics.tokens(tokens)
-            for rid, token, finish, logprob in message[1]:
-                self._deliver(rid, token, finish, logprob)
+            for rid, token, finish, logprob, prompt_logprobs in message[1]:
+                self._deliver(rid, token, finish, logprob, prompt_logprobs)
         elif kind == wire.REFUSED:
             with self._lock:
                 sink = self._sinks.pop(message[1], None)
@@ -221,7 +222,7 @@ class EngineClient:
             self.ended.set()
             self.on_end()
 
-    def _deliver(self, rid: int, token: int | None, finish: str | None, logprob) -> None:
+    def _deliver(self, rid: int, token: int | None, finish: str | None, logprob, prompt_logprobs=None) -> None:
         with self._lock:
             sink = self._sinks.get(rid) if finish is None else self._sinks.pop(rid, None)
         if sink is None:
@@ -231,7 +232,7 @@ class EngineClient:
         if token is not None and not sink.seen_token:
             sink.seen_token = True
             self.metrics.first_token(time.monotonic() - sink.arrived)
-        event = Event(token, finish, logprob=logprob)
+        event = Event(token, finish, logprob=logprob, prompt_logprobs=prompt_logprobs)
         try:
             sink.loop.call_soon_threadsafe(sink.arrive, self.metrics, event)
         except RuntimeError:

@@ -147,7 +147,7 @@ class EngineDriver:
         if kind == wire.SUBMIT:
             _, rid, prompt, max_tokens, sampling, eos_ids = message
             if self.stopping:
-                self._send((wire.EVENTS, [(rid, None, "cancelled", None)], self._gauges()))
+                self._send((wire.EVENTS, [(rid, None, "cancelled", None, None)], self._gauges()))
                 return
             try:
                 request = self.scheduler.submit(prompt, max_tokens, sampling, eos_ids)
@@ -190,10 +190,21 @@ class EngineDriver:
             # Read here, in the step that appended it.
             logprob = request.logprobs[-1] if token is not None and request.sampling.logprobs is not None else None
             finish = (request.finish_reason or "cancelled") if request.finished else None
-            out.append((rid, token, finish, logprob))
+            out.append((rid, token, finish, logprob, self._prompt_logprobs(request, token)))
         self._send((wire.EVENTS, out, self._gauges()))
         for message in failed:
             self._send(message)
+
+    @staticmethod
+    def _prompt_logprobs(request, token) -> list | None:
+        """A request's prompt logprobs, on its first event once its prompt has run: the one with
+        its first token, or its last where it asked for none (max_tokens 0, with echo)."""
+        if request.sampling.prompt_logprobs is None:
+            return None
+        first = len(request.output) == 1 if token is not None else (request.finish_reason == "length" and not request.output)
+        if not first:
+            return None
+        return [None] + [request.prompt_logprobs.get(p) for p in range(1, len(request.prompt))]
 
     def _gauges(self) -> tuple:
         s = self.scheduler

@@ -24,6 +24,8 @@ class Piece:
     # Per token, where its text begins in the answer's text: the length of the text the tokens
     # before it decoded to (a token that shows nothing, or completes a character, begins there).
     text_offsets: list[int] = field(default_factory=list)
+    # On the first piece, when the request asked: a TokenLogprob per prompt position (the first None).
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -37,15 +39,25 @@ class Usage:
 
 
 async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bool = False) -> AsyncIterator[Piece]:
-    """The answer's pieces, the last one with its finish reason. Raises ApiError when the request
-    ends without finishing (the server shut down, the engine failed). Leaving early (a client gone)
-    cancels the request."""
+    """The answer's pieces, the last one with its finish reason, the first with the prompt's
+    logprobs when the request asked for them. Raises ApiError when the request ends without
+    finishing (the server shut down, the engine failed). Leaving early (a client gone) cancels the
+    request."""
     stop_token_ids = seq.sampling.stop_token_ids
+    prompt = None  # the prompt's logprobs, until a piece carries them
+
+    def with_prompt(piece: Piece) -> Piece:
+        nonlocal prompt
+        piece.prompt_logprobs, prompt = prompt, None
+        return piece
+
     try:
         while True:
             event = await seq.next()
             if event.error is not None:
                 raise event.error
+            if event.prompt_logprobs is not None:
+                prompt = event.prompt_logprobs
             tokens, logprobs, offsets = [], [], []
             chunk = ""
             if event.token is not None:
@@ -60,7 +72,7 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
                     chunk = text.add(event.token)
             if text.stopped:
                 seq.cancel(answered_as="stop")
-                yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets)
+                yield with_prompt(Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets))
                 return
             if event.finish_reason == "cancelled":
                 seq.answered("cancelled")
@@ -71,14 +83,14 @@ async def pieces(seq: Sequence, text: OutputText, usage: Usage, include_stop: bo
                     # A stop string the last token (or the final flush) completed: the answer
                     # says stop, whatever ended the engine's request, and /metrics counts it so.
                     seq.answered("stop")
-                    yield Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets)
+                    yield with_prompt(Piece(chunk, tokens, "stop", logprobs, text.stop_reason, offsets))
                 else:
                     seq.answered(event.finish_reason)
                     by_token = event.finish_reason == "stop" and event.token in stop_token_ids
-                    yield Piece(chunk, tokens, event.finish_reason, logprobs, event.token if by_token else None, offsets)
+                    yield with_prompt(Piece(chunk, tokens, event.finish_reason, logprobs, event.token if by_token else None, offsets))
                 return
             if chunk or tokens:
-                yield Piece(chunk, tokens, None, logprobs, text_offsets=offsets)
+                yield with_prompt(Piece(chunk, tokens, None, logprobs, text_offsets=offsets))
     finally:
         seq.cancel()
 

@@ -4,7 +4,9 @@ return_tokens_as_token_ids; -inf, which JSON cannot carry, is written as -9999.0
 and vLLM write it.
 
 /v1/completions (`logprobs: N`): {tokens, token_logprobs, top_logprobs, text_offset}, each
-position's top_logprobs holding the N likeliest tokens and the chosen one.
+position's top_logprobs holding the N likeliest tokens and the chosen one; with echo, the prompt's
+tokens first, the first of them with null logprobs (nothing comes before it), as OpenAI's API
+and vLLM answer it.
 /v1/chat/completions (`logprobs: true`, `top_logprobs: N`): {content: [{token, logprob, bytes,
 top_logprobs: the N likeliest, likeliest first}]}, `bytes` each token's own bytes (TokenBytes)."""
 
@@ -57,14 +59,44 @@ def completion_logprobs(name: Names, logprobs: list, offsets: list[int]) -> dict
     character, or `token_id:N`, is not its share of the text)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp, offset in zip(logprobs, offsets, strict=True):
-        top: dict[str, float] = {}
-        # Likeliest first: where two tokens share a name, the name keeps the higher logprob.
-        for t, v in [*lp.top, (lp.token, lp.logprob)]:
-            top.setdefault(name(t), _value(v))
-        name_ = name(lp.token)
-        out["tokens"].append(name_)
+        out["tokens"].append(name(lp.token))
         out["token_logprobs"].append(_value(lp.logprob))
-        out["top_logprobs"].append(top)
+        out["top_logprobs"].append(_top(name, lp))
+        out["text_offset"].append(offset)
+    return out
+
+
+def _top(name: Names, lp) -> dict[str, float]:
+    """The N likeliest and the chosen token, by name. Likeliest first: where two tokens share a
+    name, the name keeps the higher logprob."""
+    top: dict[str, float] = {}
+    for t, v in [*lp.top, (lp.token, lp.logprob)]:
+        top.setdefault(name(t), _value(v))
+    return top
+
+
+def prompt_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """Where each prompt token's text begins in the prompt's decode (special tokens included)."""
+    from tokenizers.decoders import DecodeStream
+
+    stream, text, offsets = DecodeStream(skip_special_tokens=False), 0, []
+    for t in ids:
+        offsets.append(text)
+        try:
+            text += len(stream.step(tokenizer, t) or "")
+        except Exception:  # tokenizers raises its own exception types: the rest as whole decodes
+            return offsets[:-1] + [len(tokenizer.decode(ids[:i], skip_special_tokens=False)) for i in range(len(offsets) - 1, len(ids))]
+    return offsets
+
+
+def completion_prompt_logprobs(name: Names, prompt: list[int], logprobs: list, offsets: list[int]) -> dict:
+    """The echoed prompt's part of a completion's logprobs: logprobs[p] is position p's
+    TokenLogprob (None for the first)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp, offset in zip(prompt, logprobs, offsets, strict=True):
+        out["tokens"].append(name(t))
+        out["token_logprobs"].append(None if lp is None else _value(lp.logprob))
+        out["top_logprobs"].append(None if lp is None else _top(name, lp))
         out["text_offset"].append(offset)
     return out
 

@@ -95,13 +95,15 @@ def parse_completion(body, limits: Limits, encode) -> list[Generation]:
     if logprobs is not None:
         logprobs = _integer(logprobs, "logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     echo = flag(fields, "echo", False)
-    if echo and logprobs is not None:
-        raise bad("echo with logprobs would need the prompt's logprobs, which this server does not compute", "echo")
     gens = []
     for i, item in enumerate(items):
         try:
             prompt = _prompt(item, lambda text: encode(text, flag(fields, "add_special_tokens", True)), limits.vocab_size)
-            gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
+            # Echoed with logprobs, the prompt's own are reported too, and max_tokens 0 scores the
+            # prompt alone, as vLLM does (what evaluation harnesses ask for a loglikelihood).
+            gen = _generation(fields, limits, prompt, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, logprobs, least=0 if echo else 1)
+            if echo and logprobs is not None:
+                gen.sampling.prompt_logprobs = logprobs
         except ApiError as exc:
             if len(items) > 1:  # which of them
                 exc.message = f"prompt[{i}]: {exc.message}"
@@ -248,8 +250,9 @@ def _shown(neutral) -> str:
 
 
 def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: str, default_max: int | None,
-                logprobs: int | None, max_param: str = "max_tokens") -> Generation:
-    """max_param: the field max_tokens came as (chat's max_completion_tokens), named in its errors."""
+                logprobs: int | None, max_param: str = "max_tokens", least: int = 1) -> Generation:
+    """max_param: the field max_tokens came as (chat's max_completion_tokens), named in its errors;
+    least: the fewest new tokens it may ask (0: the prompt echoed alone)."""
     # Left out, the served model, as vLLM takes it.
     check_model(fields, limits, required=False)
     if len(prompt) >= limits.max_len:
@@ -258,7 +261,7 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
             f"leave room for at least one new token", prompt_param, "context_length_exceeded",
         )
     room = limits.max_len - len(prompt)
-    max_tokens = _integer(fields.get("max_tokens", default_max if default_max is not None else room), max_param, lambda n: n >= 1, ">= 1")
+    max_tokens = _integer(fields.get("max_tokens", default_max if default_max is not None else room), max_param, lambda n: n >= least, f">= {least}")
     # A completion's default never fails a prompt that fits: it shrinks to the room left.
     if "max_tokens" not in fields:
         max_tokens = min(max_tokens, room)

@@ -6,7 +6,9 @@ started, so nothing else can write to it.
 HTTP process to engine process: (SUBMIT, id, prompt, max_tokens, sampling, eos_ids), (CANCEL, id),
 (STOP,), (UNUSABLE, message) when it cannot serve (the address taken).
 Engine process to HTTP process: (SETTINGS, dict) first; then after each step (EVENTS, [(id,
-token, finish_reason, logprob)], (running, waiting, kv usage as a dict)); (REFUSED, id, message);
+token, finish_reason, logprob, prompt_logprobs)], (running, waiting, kv usage as a dict)), a
+request's prompt_logprobs (one per prompt position, the first None) on its first event, when it
+asked for them; (REFUSED, id, message);
 (REQUEST_FAILED, id, message) for a request the engine ended alone on an error, the rest going on;
 (STOPPING,) once it admits nothing more; (CLOSED,) once the scheduler closed; (FAILED, message)
 when the engine failed."""
