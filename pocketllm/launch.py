@@ -55,20 +55,18 @@ ENV_CPUS = "POCKETLLM_CPUS"
 ENV_PIN_MAP = "POCKETLLM_LAUNCH_PIN_MAP"
 # The most a rank gets to end after SIGTERM before it is killed.
 TERMINATE_GRACE_SECONDS = 3.0
-# With signals forwarded (serve), the most the ranks get to end themselves after rank 0 got one.
-FORWARDED_SIGNAL_GRACE_SECONDS = 8.0
 # The most the launcher waits for the rank it names to finish exiting on its own.
 ROOT_CAUSE_WAIT_SECONDS = 1.0
 
 
-def spawn_local_ranks(run: RunPlan, forward_signals: bool = False, checked=None) -> int:
+def spawn_local_ranks(run: RunPlan, forward_signals: float = 0.0, checked=None) -> int:
     """Start the plan's world of ranks of its command, each given the plan (ENV_PLAN) rather than
     the command line and `checked`, what the launcher's check of its inputs returned (ENV_CHECKED),
     and supervise them. When one fails, stop the rest and name the first
-    failure; on SIGINT/SIGTERM stop every rank. With forward_signals the first SIGINT/SIGTERM goes
-    to rank 0 instead, which ends the run itself (every rank exiting 0 is a clean exit, 0); a
-    second signal, or the ranks still running FORWARDED_SIGNAL_GRACE_SECONDS later, stops them
-    all. The plan's cpus are --cpus (else POCKETLLM_CPUS; else the launcher plans the map from its
+    failure; on SIGINT/SIGTERM stop every rank. With forward_signals (seconds, > 0) the first
+    SIGINT/SIGTERM goes to rank 0 instead, which ends the run itself (every rank exiting 0 is a
+    clean exit, 0); a second signal, or the ranks still running that many seconds later (rank 0
+    stuck in a collective a hung peer never joins), stops them all. The plan's cpus are --cpus (else POCKETLLM_CPUS; else the launcher plans the map from its
     own cores). Returns the exit status."""
     world, cpus, plan_json = run.world.size, run.world.cpus, run.to_json()
     # Read here only so that a bad value starts no rank; each rank reads it for its own backend.
@@ -149,7 +147,7 @@ def launcher_checked(env=os.environ):
         return True, pickle.load(f)
 
 
-def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], rdzv_dir: str, forward: bool = False):
+def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], rdzv_dir: str, forward: float = 0.0):
     """Wait on every rank's pidfd (a sentinel that becomes readable when the rank ends) and on the
     signal pipe. Returns None when all ranks succeed, the first failure as _first_failure gives
     it, or the name of the signal that stopped the launcher (see spawn_local_ranks for forward)."""
@@ -161,7 +159,7 @@ def _supervise(procs: list[subprocess.Popen], wake_fd: int, signals: list[int], 
                 forwarded_at = time.monotonic()
                 if procs[0].poll() is None:
                     procs[0].send_signal(_passed_on(signals[0]))
-            elif signals and (not forward or len(signals) > 1 or time.monotonic() - forwarded_at > FORWARDED_SIGNAL_GRACE_SECONDS):
+            elif signals and (not forward or len(signals) > 1 or time.monotonic() - forwarded_at > forward):
                 return signal.Signals(signals[0]).name
             failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
             if failed and forwarded_at is not None and procs[0].returncode in (-_passed_on(signals[0]), 128 + _passed_on(signals[0]), 130):

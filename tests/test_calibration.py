@@ -188,7 +188,7 @@ def test_calibrate_at_tp2_writes_a_usable_file(tmp_path, monkeypatch):
     # The same run's bench accepts it: the launcher, which checks the file against the run before
     # it starts a rank, goes on to start two.
     started = []
-    monkeypatch.setattr(ranked, "spawn_local_ranks", lambda run, forward_signals=False, checked=None: started.append(run.world.size) or 0)
+    monkeypatch.setattr(ranked, "spawn_local_ranks", lambda run, forward_signals=0.0, checked=None: started.append(run.world.size) or 0)
     assert main_in_process("bench", "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", "64", "--max-new-tokens", "1", "--calibration", out) == 0
     assert started == [2]
 

@@ -59,7 +59,7 @@ def test_the_launcher_resolves_the_device_once_and_its_plan_is_what_a_rank_recei
     for mod in [m for name, m in sys.modules.items() if name.startswith("pocketllm") and getattr(m, "resolve_kind", None) is real]:
         monkeypatch.setattr(mod, "resolve_kind", counted)
     started, handed = [], []
-    monkeypatch.setattr(ranked, "spawn_local_ranks", lambda run, forward_signals=False, checked=None: started.append(run) or handed.append(checked) or 0)
+    monkeypatch.setattr(ranked, "spawn_local_ranks", lambda run, forward_signals=0.0, checked=None: started.append(run) or handed.append(checked) or 0)
     argv = ["bench", "--preset", "tiny", "--tp-world", "2", "--prompt-tokens", "8", "--max-new-tokens", "3", "--phase-profile", "--pin-slices", "2"]
     assert main_in_process(*argv) == 0
     (plan,) = started

@@ -18,6 +18,10 @@ from pocketllm.model_args import add_model_args, check_out_path
 from pocketllm.out_file import write_out
 from pocketllm.run_plan import RunPlan
 
+# After a launcher passed rank 0 a Ctrl-C, the most the ranks get to end the run themselves: rank 0
+# takes it between two ops of a step; longer means it waits in a collective a hung peer never joins.
+INTERRUPT_GRACE_S = 2.0
+
 
 def add_arguments(p) -> None:
     add_model_args(p)
@@ -216,4 +220,6 @@ def run(args) -> int:
 
 
 def execute(run: RunPlan) -> int:
-    return run_with_model(run, _prepare, _work)
+    # A Ctrl-C goes to rank 0 (the launcher's ranks run in a process group of their own), which
+    # prints what it generated so far, as a run at one rank does, before the others are stopped.
+    return run_with_model(run, _prepare, _work, forward_signals=INTERRUPT_GRACE_S)

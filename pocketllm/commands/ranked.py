@@ -19,11 +19,11 @@ from pocketllm.run_plan import RunPlan
 from pocketllm.startup import importing
 
 
-def run_with_model(run: RunPlan, prepare, work, forward_signals: bool = False) -> int:
+def run_with_model(run: RunPlan, prepare, work, forward_signals: float = 0.0) -> int:
     """prepare(run, plan) checks the command's own inputs against the checked model plan and
     returns them; work(run, plan, inputs, engine, device) runs on every rank with the engine
-    loaded. forward_signals: a launcher passes SIGINT/SIGTERM to rank 0 and lets the ranks end
-    themselves (serve), instead of stopping them."""
+    loaded. forward_signals (seconds): a launcher passes SIGINT/SIGTERM to rank 0 and lets the
+    ranks end themselves for that long (serve, generate), instead of stopping them at once."""
     renv = place_of(run)
 
     def loaded_work(device, checked) -> int:
@@ -41,7 +41,7 @@ def place_of(run: RunPlan):
     return rank_env(w.size, w.rank, w.rendezvous_file, default_world=w.size)
 
 
-def run_on_every_rank(run: RunPlan, renv, check, on_rank, forward_signals: bool = False) -> int:
+def run_on_every_rank(run: RunPlan, renv, check, on_rank, forward_signals: float = 0.0) -> int:
     """The sequence every command that runs on ranks shares. With no renv (this process starts the
     ranks): check(), then start the plan's world of ranks, each given the plan and check()'s
     result. On a rank: set up the plan's device; rank 0 shares the launcher's result, or with no

@@ -26,6 +26,9 @@ from pocketllm.topology import meminfo_bytes
 # The longest sequence a slot holds unless --max-len says otherwise, below the model's own limit:
 # the scheduler keeps room for --max-running sequences of this length.
 DEFAULT_MAX_LEN = 8192
+# After a launcher passed rank 0 a stop, the most the ranks get to end the run themselves: open
+# requests answered, the engine closed.
+STOP_GRACE_S = 8.0
 ENV_API_KEY = "POCKETLLM_API_KEY"
 SERVE_EXTRA = "pip install -e '.[serve]'"
 
@@ -298,4 +301,4 @@ def run(args) -> int:
 
 
 def execute(run: RunPlan) -> int:
-    return run_with_model(run, _prepare, _work, forward_signals=True)
+    return run_with_model(run, _prepare, _work, forward_signals=STOP_GRACE_S)
