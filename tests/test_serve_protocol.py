@@ -105,6 +105,9 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
 
 @pytest.mark.parametrize("fields,message", [
     ({"model": 5}, "model must be a string, the name /v1/models lists; got 5"),
+    ({"prompt": [None, 116, 104]}, "token id at position 0 of the prompt is null, not an integer"),
+    ({"prompt": [116, 1.5]}, "token id at position 1 of the prompt is 1.5, not an integer"),
+    ({"prompt": [[5], [116, "a"]]}, "prompt[1]: token id at position 1 of the prompt is \"a\", not an integer"),
     ({"model": ""}, "model is empty: give the name /v1/models lists, or leave it out"),
     ({"n": 65}, "n must be an integer in [1, 64], got 65"),
     ({"prompt": ["a", "x" * 100]}, "prompt[1]: the prompt is 100 tokens, and this server's context is 100 (--max-len): leave room for at least one new token"),

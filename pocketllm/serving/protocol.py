@@ -429,6 +429,10 @@ def _prompt(prompt, encode, vocab: int) -> list[int]:
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} at position {i} of the prompt is outside the vocab [0, {vocab})", "prompt")
         return ids
+    if ids and any(isinstance(t, (int, float)) and not isinstance(t, bool) for t in prompt):
+        # An array of ids with one that is not (a harness's null where a tokenizer has no BOS).
+        i = next(i for i, t in enumerate(ids) if t is None)
+        raise bad(f"token id at position {i} of the prompt is {json.dumps(prompt[i])}, not an integer", "prompt")
     raise bad("prompt must be a non-empty string or a non-empty array of token ids", "prompt")
 
 
