@@ -240,6 +240,15 @@ def test_a_device_pass_of_decode_rows_beside_a_prompt_runs_the_rows_as_a_step(mo
     layers_engine = _device_step_engine(monkeypatch, prompts)
     layers_engine.step = None
     torch.testing.assert_close(mixed, layers_engine.run_packed(spans), atol=5e-5, rtol=1e-5)
+    # Beside a prompt whose every row's logits are read (a request scoring its prompt), the rows
+    # still go through the step, with the same bits; the prompt's rows are those of a pass of it
+    # alone, its last row the same as without them.
+    every_engine = _device_step_engine(monkeypatch, prompts)
+    every = every_engine.run_packed(spans, all_logits=True)
+    assert every_engine.direct_steps == 2 and every.shape[0] == 2 + new.shape[0]
+    assert torch.equal(every[0], rows[0]) and torch.equal(every[-1], rows[1])
+    assert torch.equal(every[1 : 1 + new.shape[0]], _device_step_engine(monkeypatch, prompts).run_packed([spans[1]], all_logits=True))
+    assert torch.equal(every[new.shape[0]], alone[0])
     # A sequence with two spans in the pass is not split off: its second row needs the first's state.
     both = _device_step_engine(monkeypatch, prompts)
     both.run_packed([(0, 40, torch.tensor([7])), (0, 41, torch.tensor([9])), (2, 0, new)])

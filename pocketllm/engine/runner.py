@@ -221,8 +221,8 @@ class Engine:
                 logits = self.step.logits(int(ids[0]), start, slot).view(1, -1)
                 self._after_direct(info)
                 return logits
-        if len(spans) > 1 and not all_logits and hasattr(self.step, "rows"):
-            stepped = self._through_step(spans)
+        if len(spans) > 1 and hasattr(self.step, "rows"):
+            stepped = self._through_step(spans, all_logits)
             if stepped is not None:
                 return stepped
         # A pass of decode steps only (its label for profiles and hooks too).
@@ -246,13 +246,15 @@ class Engine:
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
         return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
 
-    def _through_step(self, spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor | None:
-        """The spans' last-row logits where the step backend takes the pass's decode rows (a row
-        going on in a slot no other span holds: a sequence's second row needs its first's state):
-        a pass of such rows alone, as one step; on a device, such rows beside prompt rows too, the
-        rest then a pass of the layers of its own. In that one pass each decode row would be a
-        segment of its own, every op of its mixer launched for it alone, with other bits than a
-        step gives it. None where the step does not take them (the layers run the pass)."""
+    def _through_step(self, spans: list[tuple[int, int, torch.Tensor]], all_logits: bool = False) -> torch.Tensor | None:
+        """The spans' last-row logits (every row's, with all_logits) where the step backend takes
+        the pass's decode rows (a row going on in a slot no other span holds: a sequence's second
+        row needs its first's state): a pass of such rows alone, as one step; on a device, such
+        rows beside prompt rows too, the rest then a pass of the layers of its own. In that one
+        pass each decode row would be a segment of its own, every op of its mixer launched for it
+        alone, with other bits than a step gives it; a request that reads every row of its prompt
+        beside them must not change theirs. None where the step does not take them (the layers run
+        the pass)."""
         per_slot = Counter(slot for slot, _, _ in spans)
         rows = [i for i, (slot, start, ids) in enumerate(spans) if ids.shape[0] == 1 and start > 0 and per_slot[slot] == 1]
         if not rows or (len(rows) < len(spans) and self.pass_shape.cpu_forms):
@@ -267,9 +269,21 @@ class Engine:
             return logits
         taken = set(rows)
         others = [i for i in range(len(spans)) if i not in taken]
+        rest = self.run_packed([spans[i] for i in others], all_logits=all_logits).to(logits.device)
+        if all_logits:
+            # Every row in span order: a decode row's one, then each other span's rows.
+            parts, at, k = [], 0, 0
+            for i, (_, _, ids) in enumerate(spans):
+                if i in taken:
+                    parts.append(logits[k : k + 1])
+                    k += 1
+                else:
+                    parts.append(rest[at : at + ids.shape[0]])
+                    at += ids.shape[0]
+            return torch.cat(parts)
         mixed = logits.new_empty(len(spans), logits.shape[-1])
         mixed[rows] = logits
-        mixed[others] = self.run_packed([spans[i] for i in others]).to(mixed.device)
+        mixed[others] = rest
         return mixed
 
     def greedy_row(self, slot: int, pos: int, token: int) -> int:
