@@ -13,12 +13,20 @@ from collections.abc import Sequence
 CONTEXT_TOKENS = 6
 
 
-def context_of(prompt: Sequence[int]) -> list[int]:
-    return [int(t) for t in prompt[-CONTEXT_TOKENS:]]
+def context_of(tokenizer, prompt: Sequence[int], skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's last ids the new ones are decoded after: none where their text ends in U+FFFD
+    (a prompt cut inside a character, or holding that character), which a DecodeStream seeded with
+    them would repeat as the first new text; a character cut at the window's start is left out."""
+    ids = [int(t) for t in prompt[-CONTEXT_TOKENS:]]
+    while ids and tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).startswith("\ufffd"):
+        ids = ids[1:]
+    if ids and tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+        return []
+    return ids
 
 
 def stream(context: Sequence[int], skip_special_tokens: bool = True):
-    """A tokenizers DecodeStream whose first step continues `context` (ids from context_of)."""
+    """A tokenizers DecodeStream whose first step continues `context` (context_of's ids)."""
     from tokenizers.decoders import DecodeStream
 
     return DecodeStream(list(context), skip_special_tokens=skip_special_tokens) if context else DecodeStream(skip_special_tokens=skip_special_tokens)

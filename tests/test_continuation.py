@@ -61,3 +61,30 @@ def test_generate_prints_the_text_after_the_prompt(ckpt, how, capsys, tmp_path):
     text = [line for line in out.splitlines() if not line.startswith("generated_ids=")]
     want = "text=" + json.dumps(words(ids)) if "--prompts-file" in how else words(ids)
     assert text == [want], out
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory):
+    from pocketllm.commands.make_checkpoint import write_byte_tokenizer
+    from pocketllm.inputs import load_tokenizer
+
+    d = tmp_path_factory.mktemp("bytes")
+    write_byte_tokenizer(d / "tokenizer.json")
+    return load_tokenizer(str(d))
+
+
+@pytest.mark.parametrize("prompt", [
+    [*b"caf", 0xC3],  # cut inside "é": the new tokens may complete it
+    [*"abc \ufffd".encode()],  # the replacement character itself, as scraped text holds it
+    [*"\U0001F600".encode(), *b"abcde"],  # a character cut at the window's start
+], ids=["cut-character", "replacement-character", "cut-at-the-window"])
+def test_a_prompt_ending_in_a_replacement_character_never_shows_in_the_new_text(byte_tok, prompt, capsys):
+    new = [0xA9, *b" ok"]
+    want = byte_tok.decode(new)  # "\ufffd ok": the new tokens' own text, none of the prompt's
+    out = OutputText(byte_tok, (), context=prompt)
+    assert "".join([*(out.add(t) for t in new), out.finish()]) == want
+    stream = TextStream(byte_tok, prompt)
+    for t in new:
+        stream(t)
+    stream.finish(new)
+    assert capsys.readouterr().out == want + "\n"

@@ -95,7 +95,7 @@ class TextStream:
     generation goes on either way. The text continues the prompt's (pocketllm.continuation)."""
 
     def __init__(self, tokenizer, prompt: list[int] = ()):
-        self.context = continuation.context_of(prompt)
+        self.context = continuation.context_of(tokenizer, prompt)
         self.tokenizer, self.stream, self.shown = tokenizer, continuation.stream(self.context), ""
         self.failed = False
 
@@ -195,7 +195,7 @@ def _print_outputs(ckpt: str | None, prompts: list[list[int]], outputs: list[lis
         return
     tok = load_tokenizer(ckpt)
     for prompt, out in zip(prompts, outputs, strict=True):
-        text = continuation.text_after(tok, continuation.context_of(prompt), out)
+        text = continuation.text_after(tok, continuation.context_of(tok, prompt), out)
         print("text=" + json.dumps(text, ensure_ascii=False) if listed else text, flush=True)
     _note_ids_without_text(tok, [t for out in outputs for t in out])
 

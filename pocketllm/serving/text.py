@@ -19,7 +19,7 @@ class OutputText:
                  min_tokens: int = 0, context: Sequence[int] = ()):
         self.tokenizer, self.stop = tokenizer, stop
         self.skip_special, self.include_stop, self.min_tokens = skip_special_tokens, include_stop, min_tokens
-        self.context = continuation.context_of(context)  # the prompt's last ids: the text continues them
+        self.context = continuation.context_of(tokenizer, context, skip_special_tokens)  # the text continues them
         self._stream = continuation.stream(self.context, skip_special_tokens)
         self.stop_reason: str | None = None  # the stop string that ended the text
         self.tokens: list[int] = []
