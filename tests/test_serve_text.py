@@ -75,3 +75,20 @@ def test_include_stop_keeps_the_stop_string_and_min_tokens_lets_an_early_one_pas
     # The first "XY" ends within the first 7 tokens, so it does not count; the second does.
     out, pieces = feed(tokenizer, "one XY two XY three", stop=["XY"], min_tokens=7)
     assert "".join(pieces) == "one XY two " and out.stopped
+
+
+def test_an_echoed_prompts_offsets_are_into_the_text_as_sent(tokenizer):
+    # A tokenizer that adds a BOS: the ids decode to "<256>hello", the echo shows "hello".
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    from pocketllm.serving.logprobs import prompt_offsets
+
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.add_special_tokens([AddedToken("<256>", normalized=False, special=True)])
+    tok.post_processor = processors.TemplateProcessing(single="<256> $A", special_tokens=[("<256>", 256)])
+    ids = tok.encode("héllo").ids
+    assert ids[0] == 256 and len(ids) == 7
+    assert prompt_offsets(tok, ids, "héllo") == [0, 0, 1, 1, 2, 3, 4]
+    # Given as ids, the echo is their decode, BOS included: offsets into it.
+    assert prompt_offsets(tok, ids) == [0, 5, 6, 6, 7, 8, 9]
+    assert prompt_offsets(tokenizer, list("héllo".encode()), "héllo") == [0, 1, 1, 2, 3, 4]

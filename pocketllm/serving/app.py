@@ -327,7 +327,7 @@ class CompletionShape:
             name = Names(self.tokenizer, self.gen.tokens_as_ids)
             logprobs = completion_logprobs(name, piece.logprobs, [o + self.shift for o in piece.text_offsets])
             if piece.prompt_logprobs is not None:
-                offsets = [min(o, self.shift) for o in prompt_offsets(self.tokenizer, self.gen.prompt)]
+                offsets = prompt_offsets(self.tokenizer, self.gen.prompt, self.gen.prompt_text)
                 ahead = completion_prompt_logprobs(name, self.gen.prompt, piece.prompt_logprobs, offsets)
                 logprobs = {k: ahead[k] + logprobs[k] for k in logprobs}
         return {"index": self.gen.index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}

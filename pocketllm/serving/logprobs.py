@@ -75,8 +75,20 @@ def _top(name: Names, lp) -> dict[str, float]:
     return top
 
 
-def prompt_offsets(tokenizer, ids: list[int]) -> list[int]:
-    """Where each prompt token's text begins in the prompt's decode (special tokens included)."""
+def prompt_offsets(tokenizer, ids: list[int], text: str | None = None) -> list[int]:
+    """Where each prompt token's text begins in the echoed prompt: `text` as sent, or the ids'
+    decode (special tokens included) where they came as ids. A text the ids do not decode back to
+    (a BOS the tokenizer adds, a normalizer) is measured by the tokenizer's own offsets into it."""
+    if text is not None and tokenizer.decode(ids, skip_special_tokens=False) != text:
+        for special in (True, False):
+            encoding = tokenizer.encode(text, add_special_tokens=special)
+            if encoding.ids == ids:
+                return [start for start, _ in encoding.offsets]
+        return [min(o, len(text)) for o in _decoded_offsets(tokenizer, ids)]
+    return _decoded_offsets(tokenizer, ids)
+
+
+def _decoded_offsets(tokenizer, ids: list[int]) -> list[int]:
     from tokenizers.decoders import DecodeStream
 
     stream, text, offsets = DecodeStream(skip_special_tokens=False), 0, []
