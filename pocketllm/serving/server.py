@@ -54,7 +54,8 @@ class _Server(uvicorn.Server):
 
 def exposure_note(host: str, api_key: str | None) -> str | None:
     """The line said when the server listens beyond this machine with no key: anyone who reaches
-    the port may use the model (README: such a host wants a key)."""
+    the port may use the model (README: such a host wants a key). host: the address the socket
+    is bound to (a name given as --host is resolved by then), so a name is taken as exposed."""
     if api_key:
         return None
     try:
