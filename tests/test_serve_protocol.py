@@ -162,6 +162,13 @@ def test_echo_with_logprobs_asks_for_the_prompts_and_max_tokens_0_scores_the_pro
     g = completion(echo=True, logprobs=2, max_tokens=0)
     assert (g.max_tokens, g.sampling.logprobs, g.sampling.prompt_logprobs) == (0, 2, 2)
     assert completion(echo=True, max_tokens=0).sampling.prompt_logprobs is None
+    # A prompt the whole context long can be scored (no new token), not continued.
+    assert completion(prompt="x" * 100, echo=True, logprobs=0, max_tokens=0).max_tokens == 0
+    assert completion(prompt="x" * 100, echo=True, logprobs=0).max_tokens == 0  # the default shrinks to the room
+    with pytest.raises(ApiError, match="leave room for at least one new token"):
+        completion(prompt="x" * 100, logprobs=0)
+    with pytest.raises(ApiError, match="it holds no more"):
+        completion(prompt="x" * 101, echo=True, max_tokens=0)
     assert completion(logprobs=2).sampling.prompt_logprobs is None
 
 
@@ -252,6 +259,7 @@ def test_tools_reach_the_template_with_tool_choice_none_and_are_refused_without_
     # Left out, tool_choice is "auto": a tool call this server would not parse.
     for fields, param in (({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
                           ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0]"),
+                          ({"tools": [{"type": "function"}]}, "tools[0]"),
                           ({"tools": [tool, {"type": "function", "function": {"name": ""}}], "tool_choice": "none"}, "tools[1]"),
                           ({"tools": {"f": tool}, "tool_choice": "none"}, "tools")):
         with pytest.raises(ApiError) as err:

@@ -42,9 +42,11 @@ def choose(logits: torch.Tensor, params: SamplingParams, prompt: list[int], outp
 
 def prompt_logprobs(logits: torch.Tensor, following: list[int], n: int) -> list[TokenLogprob]:
     """For each row of logits [rows, V], the logprob of the token that follows it in the prompt
-    (following[i] for row i) under the row's raw log_softmax, and the n likeliest there."""
-    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(following, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+    (following[i] for row i) under the row's raw log_softmax, and the n likeliest there. Computed
+    where the logits are (a device's): only those few values a row come to the host."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(following, dtype=torch.long, device=logprobs.device).view(-1, 1)
+    chosen = logprobs.gather(1, targets).view(-1).tolist()
     tops = [[] for _ in following]
     if n > 0:
         values, ids = torch.topk(logprobs, n, dim=-1)

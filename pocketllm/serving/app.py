@@ -288,13 +288,17 @@ async def _answer(served: Served, request: Request, gens: list[Generation], kind
 
 
 async def _chunks(parts, head: dict, shapes: list, gen: Generation, usage: Usage):
-    async for i, piece in parts:
-        choice = shapes[i].chunk(piece)
-        if gen.return_token_ids:
-            choice["token_ids"] = piece.token_ids
-        # With include_usage, every chunk carries usage: null and one last chunk carries it, as OpenAI streams it.
-        extra = {"usage": None} if gen.include_usage else {}
-        yield {**head, "object": shapes[i].chunk_object, "choices": [choice], **extra}
+    try:
+        async for i, piece in parts:
+            choice = shapes[i].chunk(piece)
+            if gen.return_token_ids:
+                choice["token_ids"] = piece.token_ids
+            # With include_usage, every chunk carries usage: null and one last chunk carries it, as OpenAI streams it.
+            extra = {"usage": None} if gen.include_usage else {}
+            yield {**head, "object": shapes[i].chunk_object, "choices": [choice], **extra}
+    finally:
+        # Closed with the stream (a client gone): the choices' pieces now, not when collected.
+        await parts.aclose()
     if gen.include_usage:
         yield {**head, "object": shapes[0].chunk_object, "choices": [], "usage": usage.body()}
 

@@ -175,8 +175,6 @@ def tools_of(fields: dict, choice: bool = True) -> list[dict] | None:
     tools = fields.get("tools")
     if tools is None or tools == []:
         return None
-    if choice and fields.get("tool_choice") != "none":
-        raise bad('tools need tool_choice: "none" here (left out, it is "auto"): this server does not parse tool calls', "tool_choice")
     if not isinstance(tools, list):
         raise bad("tools must be an array of {\"type\": \"function\", \"function\": {\"name\": ...}} objects", "tools")
     for i, tool in enumerate(tools):
@@ -186,6 +184,8 @@ def tools_of(fields: dict, choice: bool = True) -> list[dict] | None:
                 not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
             raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": a non-empty string, \"description\"?: "
                       f"a string, \"parameters\"?: an object}}}}, got {tool!r}", f"tools[{i}]")
+    if choice and fields.get("tool_choice") != "none":
+        raise bad('tools need tool_choice: "none" here (left out, it is "auto"): this server does not parse tool calls', "tool_choice")
     return tools
 
 
@@ -255,10 +255,11 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
     least: the fewest new tokens it may ask (0: the prompt echoed alone)."""
     # Left out, the served model, as vLLM takes it.
     check_model(fields, limits, required=False)
-    if len(prompt) >= limits.max_len:
+    if len(prompt) > limits.max_len - least:
+        room_for = "leave room for at least one new token" if least else "it holds no more"
         raise bad(
-            f"the prompt is {len(prompt)} tokens, and this server's context is {limits.max_len} (--max-len): "
-            f"leave room for at least one new token", prompt_param, "context_length_exceeded",
+            f"the prompt is {len(prompt)} tokens, and this server's context is {limits.max_len} (--max-len): {room_for}",
+            prompt_param, "context_length_exceeded",
         )
     room = limits.max_len - len(prompt)
     max_tokens = _integer(fields.get("max_tokens", default_max if default_max is not None else room), max_param, lambda n: n >= least, f">= {least}")
