@@ -29,7 +29,9 @@ def stream(context: Sequence[int], skip_special_tokens: bool = True):
     """A tokenizers DecodeStream whose first step continues `context` (context_of's ids)."""
     from tokenizers.decoders import DecodeStream
 
-    return DecodeStream(list(context), skip_special_tokens=skip_special_tokens) if context else DecodeStream(skip_special_tokens=skip_special_tokens)
+    if not context:
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+    return DecodeStream(list(context), skip_special_tokens=skip_special_tokens)
 
 
 def text_after(tokenizer, context: Sequence[int], tokens: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -62,12 +62,13 @@ ROOT_CAUSE_WAIT_SECONDS = 1.0
 def spawn_local_ranks(run: RunPlan, forward_signals: float = 0.0, checked=None) -> int:
     """Start the plan's world of ranks of its command, each given the plan (ENV_PLAN) rather than
     the command line and `checked`, what the launcher's check of its inputs returned (ENV_CHECKED),
-    and supervise them. When one fails, stop the rest and name the first
-    failure; on SIGINT/SIGTERM stop every rank. With forward_signals (seconds, > 0) the first
-    SIGINT/SIGTERM goes to rank 0 instead, which ends the run itself (every rank exiting 0 is a
-    clean exit, 0); a second signal, or the ranks still running that many seconds later (rank 0
-    stuck in a collective a hung peer never joins), stops them all. The plan's cpus are --cpus (else POCKETLLM_CPUS; else the launcher plans the map from its
-    own cores). Returns the exit status."""
+    and supervise them. When one fails, stop the rest and name the first failure; on
+    SIGINT/SIGTERM stop every rank. With forward_signals (seconds, > 0) the first SIGINT/SIGTERM
+    goes to rank 0 instead, which ends the run itself (every rank exiting 0 is a clean exit, 0); a
+    second signal, or the ranks still running that many seconds later (rank 0 stuck in a
+    collective a hung peer never joins), stops them all. The plan's cpus are --cpus (else
+    POCKETLLM_CPUS; else the launcher plans the map from its own cores). Returns the exit
+    status."""
     world, cpus, plan_json = run.world.size, run.world.cpus, run.to_json()
     # Read here only so that a bad value starts no rank; each rank reads it for its own backend.
     env_switch(os.environ, waiting.ENV_POLL, default=True)

@@ -2,9 +2,9 @@
 prefix cache operations since the last pass, in order (free a slot's KV blocks, cache a prefix of
 a slot's sequence, start a slot from a cached prefix, forget one), then the pass's spans (slot,
 start position, ids), and whether it reads every row's logits (a request keeping its prompt's:
-the head then runs over every row, and its collectives with it, on every rank). Rank 0 runs each operation as it decides it and sends them with the next
-pass; run in the same order on every rank, they leave every rank's blocks, tables and cache
-entries alike."""
+the head then runs over every row, and its collectives with it, on every rank). Rank 0 runs each
+operation as it decides it and sends them with the next pass; run in the same order on every
+rank, they leave every rank's blocks, tables and cache entries alike."""
 
 from __future__ import annotations
 
