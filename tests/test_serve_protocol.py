@@ -52,6 +52,7 @@ def chat(**fields):
     ({"stream": 1}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": 1}}, "stream_options"),
     ({"n": 0}, "n"),
     ({"n": 65}, "n"),
     ({"n": True}, "n"),
@@ -239,6 +240,9 @@ def test_openais_chat_fields_are_taken_where_they_ask_for_nothing_and_refused_ot
                    metadata={"k": "v"}, service_tier="auto", modalities=["text"], prompt_cache_key="k", safety_identifier="u")
     assert chat(**neutral).prompt == chat().prompt
     assert chat(stream=True, stream_options={"include_usage": None}).include_usage is False
+    # vLLM's continuous usage: the usage so far on every chunk, beside include_usage only.
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert (chat(stream=True, stream_options=both).continuous_usage, chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage) == (True, False)
     for name, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
                         ("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1),
                         ("prompt_cache_key", 5), ("safety_identifier", ["u"])):

@@ -161,6 +161,13 @@ def test_n_choices_and_a_list_of_prompts_are_the_requests_one_at_a_time(server, 
     chunks = list(server.client.completions.create(prompt=prompts, n=n, stream=True, stream_options={"include_usage": True}, **args))
     texts = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(4)]
     assert texts == [c.text for c in r.choices] and chunks[-1].usage.completion_tokens == 24
+    assert all(ch.usage is None for ch in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, each prompt counted once.
+    chunks = list(server.client.completions.create(prompt=prompts, n=n, stream=True, **args,
+                                                   stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 24 and not chunks[-1].choices
+    assert {ch.usage.prompt_tokens for ch in chunks} == {prompt_tokens}
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=1.0, extra_body={"ignore_eos": True})
     whole = server.client.chat.completions.create(n=3, seed=seed, **chat)
     assert [whole.choices[j].message.content for j in range(3)] == \

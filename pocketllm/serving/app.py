@@ -293,8 +293,9 @@ async def _chunks(parts, head: dict, shapes: list, gen: Generation, usage: Usage
             choice = shapes[i].chunk(piece)
             if gen.return_token_ids:
                 choice["token_ids"] = piece.token_ids
-            # With include_usage, every chunk carries usage: null and one last chunk carries it, as OpenAI streams it.
-            extra = {"usage": None} if gen.include_usage else {}
+            # With include_usage, every chunk carries usage: null and one last chunk carries it, as OpenAI streams it
+            # (the usage so far, with vLLM's continuous_usage_stats).
+            extra = {"usage": usage.body() if gen.continuous_usage else None} if gen.include_usage else {}
             yield {**head, "object": shapes[i].chunk_object, "choices": [choice], **extra}
     finally:
         # Closed with the stream (a client gone): the choices' pieces now, not when collected.

@@ -70,6 +70,7 @@ class Generation:
     # one prompt take seeds seed, seed + 1, ..., so that sampled they differ, as in vLLM.
     index: int = 0
     n: int = 1
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far on every chunk
 
 
 @dataclass
@@ -272,7 +273,7 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
             f"over this server's context of {limits.max_len} (--max-len); at most {room} here", max_param, "context_length_exceeded",
         )
     stream = flag(fields, "stream", False)
-    include_usage = _stream_options(fields.get("stream_options"), stream)
+    include_usage, continuous_usage = _stream_options(fields.get("stream_options"), stream)
     user = fields.get("user", "")
     if not isinstance(user, str):
         raise bad(f"user must be a string, got {user!r}", "user")
@@ -280,7 +281,7 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
     return Generation(prompt, max_tokens, sampling, _stop(fields.get("stop")), stream, include_usage,
                       flag(fields, "return_token_ids", False), include_stop=flag(fields, "include_stop_str_in_output", False),
                       skip_special_tokens=flag(fields, "skip_special_tokens", True),
-                      tokens_as_ids=flag(fields, "return_tokens_as_token_ids", False))
+                      tokens_as_ids=flag(fields, "return_tokens_as_token_ids", False), continuous_usage=continuous_usage)
 
 
 def check_sampling_defaults(defaults: dict, vocab: int) -> None:
@@ -383,21 +384,23 @@ def _logit_bias(bias, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _stream_options(options, stream: bool) -> bool:
+def _stream_options(options, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): the last chunk carries the usage; with vLLM's
+    continuous_usage_stats too, every chunk carries the usage so far (as vLLM's, only beside
+    include_usage)."""
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise bad(f"stream_options takes only {{\"include_usage\": bool}}, got {options!r}", "stream_options")
-    if options.get("continuous_usage_stats") not in (None, False):
-        raise bad("stream_options.continuous_usage_stats is not supported by this server", "stream_options")
-    include = options.get("include_usage")
-    if include is None:
-        return False  # null: the default, as at the top level
-    if not isinstance(include, bool):
-        raise bad(f"stream_options.include_usage must be true or false, got {include!r}", "stream_options")
-    return include
+        raise bad(f"stream_options takes only include_usage and continuous_usage_stats (true or false), got {options!r}", "stream_options")
+    got = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise bad(f"stream_options.{name} must be true or false, got {value!r}", "stream_options")
+        got.append(bool(value))  # null: the default, as at the top level
+    return got[0], got[0] and got[1]
 
 
 def _stop(stop) -> tuple[str, ...]:
