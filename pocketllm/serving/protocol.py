@@ -13,7 +13,9 @@ import secrets
 from dataclasses import dataclass, field, replace
 
 from pocketllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pocketllm.serving.chat_fields import chat_prompt_options, check_message, template_kwargs, tools_of
 from pocketllm.serving.errors import ApiError, bad
+from pocketllm.serving.fields import check_model, checked_integer, checked_number, checked_token_ids, flag, integer, known_fields
 
 # At most this many stop strings, as OpenAI's API allows.
 MAX_STOP = 4
@@ -45,9 +47,6 @@ _CHAT_NEUTRAL = {"echo": False, "response_format": {"type": "text"}, "tool_choic
                  # server's prefix cache finds shared prefixes itself).
                  "prompt_cache_key": str, "safety_identifier": str}
 _ABSENT_ONLY = {"suffix"}
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-# Template variables a request's chat_template_kwargs may not replace.
-_TEMPLATE_OWN = {"messages", "tools", "documents", "add_generation_prompt"}
 
 
 @dataclass
@@ -87,14 +86,14 @@ class Limits:
 def parse_completion(body, limits: Limits, encode) -> list[Generation]:
     """body: the parsed JSON; encode(text, add_special_tokens) -> token ids. One Generation per
     choice."""
-    fields = known_fields(body, _COMPLETION, {})
+    fields = known_fields(body, _COMPLETION, _NEUTRAL, _ABSENT_ONLY)
     if "prompt" not in fields:
         raise bad("prompt is required", "prompt")
     items = _prompt_items(fields["prompt"])
     n = _choices(fields, len(items))
     logprobs = fields.get("logprobs")
     if logprobs is not None:
-        logprobs = _integer(logprobs, "logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+        logprobs = checked_integer(logprobs, "logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     echo = flag(fields, "echo", False)
     gens = []
     for i, item in enumerate(items):
@@ -118,7 +117,7 @@ def parse_completion(body, limits: Limits, encode) -> list[Generation]:
 def _choices(fields: dict, prompts: int) -> int:
     """n, checked: with the prompts, at most MAX_CHOICES choices; best_of, if given, n (vLLM's
     engine has no best-of-more-than-n sampling either)."""
-    n = _integer(fields.get("n", 1), "n", lambda n: 1 <= n <= MAX_CHOICES, f"in [1, {MAX_CHOICES}]")
+    n = checked_integer(fields.get("n", 1), "n", lambda n: 1 <= n <= MAX_CHOICES, f"in [1, {MAX_CHOICES}]")
     if prompts * n > MAX_CHOICES:
         raise bad(f"{prompts} prompts times n={n} is {prompts * n} choices; this server answers at most {MAX_CHOICES} in one request", "n")
     best_of = fields.get("best_of", n)
@@ -135,7 +134,7 @@ def _each_choice(gens: list[Generation], n: int) -> list[Generation]:
 def parse_chat(body, limits: Limits, render) -> list[Generation]:
     """render(messages, add_generation_prompt, continue_final_message, template_kwargs,
     add_special_tokens, tools) -> token ids, the chat template applied."""
-    fields = known_fields(body, _CHAT, _CHAT_NEUTRAL)
+    fields = known_fields(body, _CHAT, {**_NEUTRAL, **_CHAT_NEUTRAL}, _ABSENT_ONLY)
     messages = fields.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty array of {role, content} objects", "messages")
@@ -148,106 +147,12 @@ def parse_chat(body, limits: Limits, render) -> list[Generation]:
         fields["max_tokens"], max_param = fields.pop("max_completion_tokens"), "max_completion_tokens"
     logprobs = None
     if flag(fields, "logprobs", False):
-        logprobs = _integer(fields.get("top_logprobs", 0), "top_logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+        logprobs = checked_integer(fields.get("top_logprobs", 0), "top_logprobs", lambda n: 0 <= n <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     elif "top_logprobs" in fields:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     n = _choices(fields, 1)
     prompt = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False), tools_of(fields))
     return _each_choice([_generation(fields, limits, prompt, "messages", None, logprobs, max_param)], n)
-
-
-def chat_prompt_options(fields: dict) -> tuple[bool, bool]:
-    """(add_generation_prompt, continue_final_message) as vLLM takes them: the prompt ends with
-    the template's opening of the assistant's turn (the default), or inside the final message, for
-    the model to go on with it; not both."""
-    generation_prompt, continue_final = flag(fields, "add_generation_prompt", True), flag(fields, "continue_final_message", False)
-    if generation_prompt and continue_final:
-        raise bad("continue_final_message needs add_generation_prompt: false (the prompt cannot both end inside the final "
-                  "message and open a new one)", "continue_final_message")
-    return generation_prompt, continue_final
-
-
-def tools_of(fields: dict, choice: bool = True) -> list[dict] | None:
-    """A request's tools, for the chat template to render (None: none given). A chat completion
-    (`choice`) takes them only with tool_choice "none", rendered into the prompt as vLLM renders
-    them then: frameworks send their tools on every call, and this server never parses a tool call
-    out of the model's text, so it cannot honour "auto" (the default with tools), "required" or a
-    named function. /tokenize renders them as they come."""
-    tools = fields.get("tools")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list):
-        raise bad("tools must be an array of {\"type\": \"function\", \"function\": {\"name\": ...}} objects", "tools")
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) or \
-                not isinstance(function.get("name"), str) or not function["name"] or \
-                not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
-            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": a non-empty string, \"description\"?: "
-                      f"a string, \"parameters\"?: an object}}}}, got {tool!r}", f"tools[{i}]")
-    if choice and fields.get("tool_choice") != "none":
-        raise bad('tools need tool_choice: "none" here (left out, it is "auto"): this server does not parse tool calls', "tool_choice")
-    return tools
-
-
-def template_kwargs(fields: dict) -> dict:
-    """A request's chat_template_kwargs, checked: the variables the server passes itself are not
-    the request's to replace."""
-    kwargs = fields.get("chat_template_kwargs", {})
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k not in _TEMPLATE_OWN for k in kwargs):
-        raise bad(f"chat_template_kwargs must be an object of template variables other than {', '.join(sorted(_TEMPLATE_OWN))}",
-                  "chat_template_kwargs")
-    return kwargs
-
-
-def known_fields(body, known: set[str], neutral_here: dict) -> dict:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    for name in body:
-        if name not in known:
-            raise bad(f"unrecognized request argument {name!r}: this server takes {', '.join(sorted(known))}", name)
-    # An explicit null means the default, as in OpenAI's API.
-    fields = {k: v for k, v in body.items() if v is not None}
-    for name, neutral in {**_NEUTRAL, **neutral_here}.items():
-        if name in fields and not _same(fields[name], neutral):
-            raise bad(f"{name} must be {_shown(neutral)} here: this server does not support other values, got {fields[name]!r}", name)
-    for name in _ABSENT_ONLY:
-        if name in fields:
-            raise bad(f"{name} is not supported by this server", name)
-    return fields
-
-
-def check_model(fields: dict, limits: Limits, required: bool) -> None:
-    if "model" not in fields and not required:
-        return
-    model = fields.get("model")
-    if model is None or model == "":
-        raise bad("model is empty: give the name /v1/models lists, or leave it out", "model")
-    if not isinstance(model, str):
-        raise bad(f"model must be a string, the name /v1/models lists; got {model!r}", "model")
-    if model != limits.model:
-        raise ApiError(404, f"the model {model!r} does not exist: this server serves {limits.model!r}", "model", "model_not_found")
-
-
-def _same(v, neutral) -> bool:
-    """v is neutral, and of its kind: JSON's true is not the number 1."""
-    if isinstance(neutral, tuple):
-        return any(_same(v, n) for n in neutral)
-    if isinstance(neutral, type):
-        return isinstance(v, neutral)
-    if isinstance(neutral, bool):
-        return v is neutral
-    if isinstance(neutral, (str, list, dict)):
-        return type(v) is type(neutral) and v == neutral
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == neutral
-
-
-def _shown(neutral) -> str:
-    if isinstance(neutral, tuple):
-        return " or ".join(map(_shown, neutral))
-    if isinstance(neutral, type):
-        return {bool: "true or false", dict: "an object", str: "a string"}[neutral]
-    return json.dumps(neutral)
 
 
 def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: str, default_max: int | None,
@@ -263,7 +168,7 @@ def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: s
             prompt_param, "context_length_exceeded",
         )
     room = limits.max_len - len(prompt)
-    max_tokens = _integer(fields.get("max_tokens", default_max if default_max is not None else room), max_param, lambda n: n >= least, f">= {least}")
+    max_tokens = checked_integer(fields.get("max_tokens", default_max if default_max is not None else room), max_param, lambda n: n >= least, f">= {least}")
     # A completion's default never fails a prompt that fits: it shrinks to the room left.
     if "max_tokens" not in fields:
         max_tokens = min(max_tokens, room)
@@ -291,82 +196,29 @@ def check_sampling_defaults(defaults: dict, vocab: int) -> None:
 
 
 def _sampling(fields: dict, vocab: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    temperature = _number(fields, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(fields, "top_p", 1.0, 0.0, 1.0, above_lo=True)
+    temperature = checked_number(fields, "temperature", 1.0, 0.0, 2.0)
+    top_p = checked_number(fields, "top_p", 1.0, 0.0, 1.0, above_lo=True)
     # No seed: a fresh one, so that two sampled answers to one prompt differ, as with OpenAI's API.
     # vLLM's range (a signed 64-bit integer); a negative one is taken as `generate --seed` takes it.
-    seed = _integer(fields.get("seed", secrets.randbits(63)), "seed", lambda n: -(2**63) <= n < 2**63, "in [-2**63, 2**63)") % 2**64
-    top_k = _integer(fields.get("top_k", 0), "top_k", lambda n: n >= -1, "-1 or 0 for every token, or k >= 1", sep=": ")
+    seed = checked_integer(fields.get("seed", secrets.randbits(63)), "seed", lambda n: -(2**63) <= n < 2**63, "in [-2**63, 2**63)") % 2**64
+    top_k = checked_integer(fields.get("top_k", 0), "top_k", lambda n: n >= -1, "-1 or 0 for every token, or k >= 1", sep=": ")
     repetition = fields.get("repetition_penalty", 1.0)
     if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0 < repetition < float("inf"):
         raise bad(f"repetition_penalty must be a number > 0 (1 is none), got {repetition!r}", "repetition_penalty")
     repetition = float(repetition)
-    min_tokens = _integer(fields.get("min_tokens", 0), "min_tokens", lambda n: 0 <= n <= max_tokens, f"in [0, max_tokens={max_tokens}]")
-    stop_token_ids = _token_ids(fields.get("stop_token_ids", []), vocab, "stop_token_ids")
+    min_tokens = checked_integer(fields.get("min_tokens", 0), "min_tokens", lambda n: 0 <= n <= max_tokens, f"in [0, max_tokens={max_tokens}]")
+    stop_token_ids = checked_token_ids(fields.get("stop_token_ids", []), vocab, "stop_token_ids")
     if min_tokens and len(set(stop_token_ids)) >= vocab:
         raise bad(f"min_tokens={min_tokens} with every token in stop_token_ids leaves no token to generate", "min_tokens")
     return SamplingParams(
-        temperature, top_p, seed, top_k=max(top_k, 0), min_p=_number(fields, "min_p", 0.0, 0.0, 1.0),
+        temperature, top_p, seed, top_k=max(top_k, 0), min_p=checked_number(fields, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=repetition,
-        presence_penalty=_number(fields, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(fields, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=checked_number(fields, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=checked_number(fields, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(fields.get("logit_bias", {}), vocab),
         min_tokens=min_tokens, stop_token_ids=stop_token_ids,
         ignore_eos=flag(fields, "ignore_eos", False), logprobs=logprobs,
     )
-
-
-def integer(v) -> int | None:
-    """v as an integer field takes it: a JSON integer, or a float with no fraction (2.0, as some
-    clients' JSON writes a whole number, and vLLM's parser takes it); None for anything else (JSON's
-    true is not 1)."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    return None
-
-
-def _integer(v, param: str, ok, what: str, sep: str = " ") -> int:
-    """An integer field's value, refused by name (and as given) where it is not an integer `what`
-    says, ok(n) false."""
-    n = integer(v)
-    if n is None or not ok(n):
-        raise bad(f"{param} must be an integer{sep}{what}, got {v!r}", param)
-    return n
-
-
-def token_ids(ids, vocab: int) -> list[int] | None:
-    """ids as a list of token ids in [0, vocab); None when it is not one."""
-    if not isinstance(ids, list):
-        return None
-    out = [integer(t) for t in ids]
-    return out if all(t is not None and 0 <= t < vocab for t in out) else None
-
-
-def _number(fields: dict, name: str, default: float, lo: float, hi: float, above_lo: bool = False) -> float:
-    """fields[name] in [lo, hi] ((lo, hi] with above_lo), one message for every way it is not."""
-    v = fields.get(name, default)
-    inside = lambda x: (lo < x if above_lo else lo <= x) and x <= hi  # noqa: E731
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not inside(v):
-        raise bad(f"{name} must be a number in {'(' if above_lo else '['}{lo:g}, {hi:g}], got {v!r}", name)
-    return float(v)
-
-
-def flag(fields: dict, name: str, default: bool) -> bool:
-    v = fields.get(name, default)
-    if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {v!r}", name)
-    return v
-
-
-def _token_ids(ids, vocab: int, name: str) -> tuple[int, ...]:
-    out = token_ids(ids, vocab)
-    if out is None:
-        raise bad(f"{name} must be an array of token ids in [0, {vocab}), got {ids!r}", name)
-    return tuple(out)
 
 
 def _logit_bias(bias, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -440,19 +292,3 @@ def _prompt(prompt, encode, vocab: int) -> list[int]:
     raise bad("prompt must be a non-empty string or a non-empty array of token ids", "prompt")
 
 
-def check_message(m, i: int) -> None:
-    param = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad(f"{param} must be an object with role and content", param)
-    role = m.get("role")
-    if role not in _ROLES:
-        raise bad(f"{param}.role must be one of {', '.join(_ROLES)}, got {role!r}", f"{param}.role")
-    content = m.get("content")
-    if content is None and role != "assistant":
-        raise bad(f"{param}.content is required for role {role!r}", f"{param}.content")
-    if content is not None and not isinstance(content, str):
-        parts_ok = isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-        )
-        if not parts_ok:
-            raise bad(f"{param}.content must be a string or an array of {{\"type\": \"text\", \"text\": ...}} parts", f"{param}.content")

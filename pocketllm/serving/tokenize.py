@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pocketllm.serving.admission import encode
 from pocketllm.serving.errors import bad
-from pocketllm.serving.protocol import Limits, chat_prompt_options, check_message, check_model, flag, known_fields, template_kwargs, token_ids, tools_of
+from pocketllm.serving.chat_fields import chat_prompt_options, check_message, template_kwargs, tools_of
+from pocketllm.serving.fields import check_model, flag, known_fields, token_ids
+from pocketllm.serving.protocol import Limits
 
 _COMMON = {"model", "add_special_tokens", "return_token_strs"}
 _TEXT = _COMMON | {"prompt"}
