@@ -44,9 +44,15 @@ class Names:
 
     def __init__(self, tokenizer, as_ids: bool = False, token_bytes: TokenBytes | None = None):
         self.tokenizer, self.as_ids, self.token_bytes = tokenizer, as_ids, token_bytes
+        self._names: dict[int, str] = {}  # a prompt's logprobs name the same few tokens many times
 
     def __call__(self, token: int) -> str:
-        return f"token_id:{token}" if self.as_ids else self.tokenizer.decode([token], skip_special_tokens=False)
+        if self.as_ids:
+            return f"token_id:{token}"
+        name = self._names.get(token)
+        if name is None:
+            name = self._names[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return name
 
 
 def _value(logprob: float) -> float:
