@@ -68,10 +68,22 @@ def invariant_server(text_ckpt, tmp_path_factory):  # noqa: F811
 @pytest.mark.timeout(300)
 def test_asked_for_batch_invariance_concurrent_answers_are_the_lone_ones(invariant_server):
     """The device's batch-invariant shape (one captured step of 8 rows): each of eight concurrent
-    requests gets the tokens it gets alone."""
+    requests gets the tokens it gets alone, with requests scoring their prompts (echo with logprobs,
+    which read every prompt row's logits) beside them too."""
     assert "decode step: cuda graph (every step at 8 rows: batch-invariant)" in invariant_server.run.stderr, invariant_server.run.stderr
     alone = {p: _complete(invariant_server, p) for p in PROMPTS}
     load = PROMPTS * 2
     with concurrent.futures.ThreadPoolExecutor(len(load)) as pool:
         together = list(pool.map(lambda p: _complete(invariant_server, p), load))
     assert together == [alone[p] for p in load]
+
+    def score(prompt: str) -> list:
+        r = invariant_server.client.completions.create(model=MODEL, prompt=prompt * 20, max_tokens=0, echo=True, logprobs=1)
+        return r.choices[0].logprobs.token_logprobs
+
+    with concurrent.futures.ThreadPoolExecutor(len(load) + 4) as pool:
+        scored = [pool.submit(score, p) for p in PROMPTS]
+        together = list(pool.map(lambda p: _complete(invariant_server, p), load))
+        scores = [f.result() for f in scored]
+    assert together == [alone[p] for p in load]
+    assert all(s[0] is None and len(s) > 20 and all(v is not None for v in s[1:]) for s in scores)
