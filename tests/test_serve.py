@@ -496,7 +496,8 @@ def test_a_client_leaving_before_a_whole_answer_frees_its_sequences(server):
 
 @pytest.mark.timeout(60)
 def test_sigint_ends_every_rank_with_exit_0_and_the_open_stream_with_an_error(server):
-    stream = server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=MAX_LEN - 8, temperature=0, stream=True)
+    # Two choices at TP=2 (their pieces interleaved end on the first error), one at TP=1.
+    stream = server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=MAX_LEN - 8, temperature=0, stream=True, n=server.world)
     next(iter(stream))
     sent = time.monotonic()
     server.run.proc.send_signal(signal.SIGINT)
