@@ -24,6 +24,7 @@ import long_context  # noqa: E402
 import quant_accuracy  # noqa: E402
 import quant_kernels  # noqa: E402
 import serve_load  # noqa: E402
+import shared_prompt  # noqa: E402
 import switch_ab  # noqa: E402
 import tp_ab  # noqa: E402
 import vs_llama_cpp  # noqa: E402
@@ -92,6 +93,9 @@ CASES = [
     (chat_turns, ["--answer", "0"], "--answer"),
     (chat_turns, ["--reps", "3"], "--reps"),
     (chat_turns, ["--preset", "tiny", "--system", "40000"], "over the model's 32768"),
+    (shared_prompt, ["--n", "0"], "--n"),
+    (shared_prompt, ["--reps", "3"], "--reps"),
+    (shared_prompt, ["--preset", "tiny", "--prompt-tokens", "40000"], "over the model's 32768"),
 ]
 
 

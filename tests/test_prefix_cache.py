@@ -93,6 +93,34 @@ def test_a_request_for_its_prompts_logprobs_runs_its_whole_prompt_past_a_cached_
     assert sched.kv_usage().prefix_hits == 0
 
 
+def test_requests_sharing_a_prompt_read_it_once_and_start_from_its_chunk_ends(engine, monkeypatch):
+    # A request's n choices (the same prompt three times) and a harness's prompts sharing a
+    # context: the later ones wait for the first to cache its chunk ends, then read only the rest,
+    # with the tokens each gets alone.
+    context = ids(150, 5)
+    prompts = [context + ids(50, 6)] * 3 + [context + ids(20, 7)]
+    cold = [generate(engine, p, NEW) for p in prompts]
+    sched = Scheduler(engine, 4, 400, prefix_cache_bytes=entries(engine, 8))
+    read = []
+    real = engine.run_packed
+
+    def counting(spans, all_logits=False):
+        read.extend(min(start + ids.shape[0], 150) - start for _, start, ids in spans if start < 150)  # of the first 150 positions
+        return real(spans, all_logits=all_logits)
+
+    monkeypatch.setattr(engine, "run_packed", counting)
+    reqs = [sched.submit(p, NEW) for p in prompts]
+    while sched.has_work:
+        sched.step()
+    assert [r.output for r in reqs] == cold
+    # The first reads the 200-token prompt; the others start from its entry at 192 (the same
+    # prompt) or at 128 (the shared context), so of the context's 150 positions only the first
+    # prompt's and the last one's 128..149 are read.
+    assert sum(read) == 150 + (150 - 128), read
+    usage = sched.kv_usage()
+    assert (usage.prefix_hits, usage.prefix_misses) == (3, 1)
+
+
 def test_a_chat_turn_starts_at_the_last_chunk_end_of_the_history(engine):
     turn1 = ids(150, 1)
     reply = generate(engine, turn1, NEW)

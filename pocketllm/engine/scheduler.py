@@ -38,6 +38,7 @@ blocks and cache entries are taken and freed alike."""
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
@@ -295,6 +296,8 @@ class Scheduler:
             hit = None
             if self.prefix is not None and not req.keeps_prompt_rows:
                 hit = self.prefix.lookup(req.prompt if self.invariant else req.tokens(req.length))
+                if self._wait_for_its_prefix(req, hit):
+                    break
             # A hit shares the cached prefix's whole blocks; its partial last block is copied, or,
             # when the pool has no block for the copy and nothing else holds it, taken over.
             cost = blocks_for(req.length, bs) - (hit.length // bs if hit else 0)
@@ -325,6 +328,25 @@ class Scheduler:
             every = sorted(zip(spans + more, fed + more_fed), key=lambda sr: sr[1].prefilling(True))  # stable
             return [s for s, _ in every], [r for _, r in every]
         return spans + more, fed + more_fed
+
+    def _wait_for_its_prefix(self, req: Request, hit) -> bool:
+        """Whether `req` should wait for a running request still reading the same prompt to cache a
+        chunk end of it that `req` has no entry for yet (a request's n choices, a harness's
+        prompts sharing a context): started now, it would read those chunks again beside it, the
+        same rows twice; started after, from the entry, bit for bit as a cold start
+        (batch-invariant: entries sit at chunk ends only)."""
+        if not self.invariant:
+            return False
+        have = hit.length if hit is not None else 0
+        for other in self.running:
+            if other.fed >= len(other.prompt):
+                continue
+            # The last entry `req` could start from: a lookup leaves it one position to run.
+            common = min(len(os.path.commonprefix([req.prompt, other.prompt])), len(req.prompt) - 1)
+            end = common // self.chunk * self.chunk
+            if end > max(other.fed, have) and end >= self.slots.block_size:
+                return True
+        return False
 
     def _spans(self, requests: list[Request], budget: int) -> tuple[list, list[Request], int]:
         """(slot, start, ids) for each span of rows this pass feeds, and the request of each, the
