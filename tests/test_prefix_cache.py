@@ -76,19 +76,20 @@ def test_a_restored_slot_runs_on_exactly_as_the_cached_sequence(engine, length):
 def test_a_request_for_its_prompts_logprobs_runs_its_whole_prompt_past_a_cached_prefix(engine):
     # A cached prefix would skip the positions whose logits score the prompt: such a request takes
     # no hit, and its logprobs are the ones a cold pass gives.
-    from pocketllm.engine.sampling import SamplingParams
+    from pocketllm.engine.sampling import PromptLogprobs
 
     prompt = ids(150, 3)
     sched = Scheduler(engine, 2, 400, prefix_cache_bytes=entries(engine, 8))
     drain(sched, prompt)
     assert sched.kv_usage().prefix_misses == 1 and engine.slots.cached
-    req = sched.submit(prompt, 0, SamplingParams(prompt_logprobs=1))
+    scores = PromptLogprobs(prompt, 1)
+    req = sched.submit(prompt, 0, prompt_logits=scores)
     while sched.has_work:
         sched.step()
     assert (req.finish_reason, req.output) == ("length", [])
-    assert sorted(req.prompt_logprobs) == list(range(1, len(prompt)))
+    assert sorted(scores.scored) == list(range(1, len(prompt)))
     want = torch.log_softmax(feed(engine, prompt, all_logits=True).double(), dim=-1)
-    got = [req.prompt_logprobs[p].logprob for p in range(1, len(prompt))]
+    got = [scores.scored[p].logprob for p in range(1, len(prompt))]
     assert got == pytest.approx([float(want[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-4)
     assert sched.kv_usage().prefix_hits == 0
 

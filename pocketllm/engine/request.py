@@ -29,18 +29,11 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # eos ids unless ignore_eos, and stop_token_ids
     preempted: int = 0  # times its blocks were taken back and it was recomputed
     prefix_counted: bool = False  # its prefix-cache hit or miss was counted (once: not again when readmitted)
-    # Given every prompt position's fp32 logits [rows, V] as the passes read them (generate
-    # --logits-out); None: only each pass's last rows are computed.
-    prompt_logits: Callable[[torch.Tensor], None] | None = None
-    # Position p's TokenLogprob (p >= 1: prompt[p] under the logits of position p - 1), when
-    # sampling.prompt_logprobs asks; filled as the passes read the prompt (again alike if a
-    # preemption recomputes it).
-    prompt_logprobs: dict = field(default_factory=dict)
-
-    @property
-    def keeps_prompt_rows(self) -> bool:
-        """Whether the passes over its prompt read every row's logits for it."""
-        return self.prompt_logits is not None or self.sampling.prompt_logprobs is not None
+    # Given (start, fp32 logits [rows, V]) for each span of prompt positions from `start` as the
+    # passes read them (generate --logits-out, serve's prompt logprobs: sampling.PromptLogprobs);
+    # None: only each pass's last rows are computed. Such a request reads its whole prompt (no
+    # cached prefix), again after a preemption.
+    prompt_logits: Callable[[int, torch.Tensor], None] | None = None
 
     def tokens(self, end: int) -> list[int]:
         """Its first `end` positions' ids: the prompt, then the tokens chosen."""

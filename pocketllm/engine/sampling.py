@@ -54,6 +54,27 @@ def prompt_logprobs(logits: torch.Tensor, following: list[int], n: int) -> list[
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(following, chosen, tops)]
 
 
+class PromptLogprobs:
+    """A request's prompt_logits reader (Request.prompt_logits) that keeps vLLM's prompt_logprobs:
+    for each prompt position p >= 1, prompt[p]'s logprob under the logits of position p - 1, and
+    the n likeliest there. Kept by position, so rows a preemption reads again refill them alike."""
+
+    def __init__(self, prompt: list[int], n: int):
+        self.prompt, self.n = list(prompt), n
+        self.scored: dict[int, TokenLogprob] = {}
+
+    def __call__(self, start: int, rows: torch.Tensor) -> None:
+        # Row i reads the logits prompt[start + i + 1] is scored under; the last prompt row's
+        # choose the first new token instead.
+        n = min(len(rows), len(self.prompt) - 1 - start)
+        if n > 0:
+            self.scored.update(zip(range(start + 1, start + 1 + n), prompt_logprobs(rows[:n], self.prompt[start + 1 : start + 1 + n], self.n)))
+
+    def listed(self) -> list[TokenLogprob | None]:
+        """One per prompt position, the first None (nothing comes before it)."""
+        return [None] + [self.scored.get(p) for p in range(1, len(self.prompt))]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
     """A token drawn from one row of logits [V] by temperature, min-p, top-k and top-p (greedy at
     temperature 0, which ignores the other three), with `gen` as the only source of randomness."""

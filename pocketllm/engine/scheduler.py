@@ -51,7 +51,7 @@ from pocketllm.engine.budgets import DEFAULT_PREFILL_BUDGET
 from pocketllm.engine.pass_plan import EVICT, RELEASE, REPLAY_ROWS, RESTORE, SNAPSHOT, apply, pass_plan_for, run_pass_plan
 from pocketllm.engine.prefix_cache import PrefixCache
 from pocketllm.engine.request import KVUsage, Request
-from pocketllm.engine.sampling import SamplingParams, choose, prompt_logprobs
+from pocketllm.engine.sampling import SamplingParams, choose
 from pocketllm.errors import CheckpointError, exception_line
 from pocketllm.inputs import request_problem
 from pocketllm.layers.kv_layout import blocks_for
@@ -166,7 +166,7 @@ class Scheduler:
         self.last_spans = len(spans)
         if not spans:
             return events
-        keep = [req.keeps_prompt_rows and start < len(req.prompt) for req, (_, start, _) in zip(fed, spans)]
+        keep = [req.prompt_logits is not None and start < len(req.prompt) for req, (_, start, _) in zip(fed, spans)]
         self._broadcast(spans, any(keep))
         direct = self._direct_row(spans, fed)
         if direct is None:
@@ -186,7 +186,7 @@ class Scheduler:
             if req.fed < req.length:
                 continue  # a chunk before the last, or a replayed row: its logits choose nothing
             if req.max_new_tokens == 0:
-                events.append((self._finish(req, "length"), None))  # read for its prompt's logprobs alone
+                events.append((self._finish(req, "length"), None))  # read for its prompt's logits alone
                 continue
             if direct is None and not req.output and not bool(torch.isfinite(logits[i]).all()):
                 # The first token's logits, once per request: weights holding NaN (a corrupt file)
@@ -234,7 +234,7 @@ class Scheduler:
         if len(spans) != 1:
             return None
         (slot, start, ids), req = spans[0], fed[0]
-        if len(ids) != 1 or start == 0 or start + 1 != req.length or not req.sampling.plain_greedy or req.keeps_prompt_rows:
+        if len(ids) != 1 or start == 0 or start + 1 != req.length or not req.sampling.plain_greedy or req.prompt_logits is not None:
             return None
         return self.engine.greedy_row(slot, start, ids[0])
 
@@ -248,16 +248,7 @@ class Scheduler:
         ends, row = [], 0
         for req, (_, start, ids), kept in zip(fed, spans, keep):
             if kept:
-                rows = every[row : row + min(len(ids), len(req.prompt) - start)]
-                if req.prompt_logits is not None:
-                    req.prompt_logits(rows)
-                if req.sampling.prompt_logprobs is not None:
-                    # Row p reads the logits that prompt[p + 1] is scored under; the last
-                    # prompt row's choose the first new token instead.
-                    n = min(len(rows), len(req.prompt) - 1 - start)
-                    if n > 0:
-                        scored = prompt_logprobs(rows[:n], req.prompt[start + 1 : start + 1 + n], req.sampling.prompt_logprobs)
-                        req.prompt_logprobs.update(zip(range(start + 1, start + 1 + n), scored))
+                req.prompt_logits(start, every[row : row + min(len(ids), len(req.prompt) - start)])
             row += len(ids)
             ends.append(row - 1)
         return every[ends]
@@ -286,7 +277,7 @@ class Scheduler:
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            if req.max_new_tokens == 0 and not req.keeps_prompt_rows:
+            if req.max_new_tokens == 0 and req.prompt_logits is None:
                 self.waiting.popleft()
                 events.append((self._finish(req, "length"), None))
                 continue
@@ -294,7 +285,7 @@ class Scheduler:
             # prompt, never into the tokens it chose (it replays those as decode rows). A request
             # that keeps its prompt's logits runs the whole prompt: a cached prefix would skip them.
             hit = None
-            if self.prefix is not None and not req.keeps_prompt_rows:
+            if self.prefix is not None and req.prompt_logits is None:
                 hit = self.prefix.lookup(req.prompt if self.invariant else req.tokens(req.length))
                 if self._wait_for_its_prefix(req, hit):
                     break

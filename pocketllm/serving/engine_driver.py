@@ -18,6 +18,7 @@ import statistics
 import time
 
 from pocketllm import rank_failures
+from pocketllm.engine.sampling import PromptLogprobs
 from pocketllm.errors import exception_line
 from pocketllm.serving import wire
 
@@ -149,8 +150,9 @@ class EngineDriver:
             if self.stopping:
                 self._send((wire.EVENTS, [(rid, None, "cancelled", None, None)], self._gauges()))
                 return
+            scores = PromptLogprobs(prompt, sampling.prompt_logprobs) if sampling.prompt_logprobs is not None else None
             try:
-                request = self.scheduler.submit(prompt, max_tokens, sampling, eos_ids)
+                request = self.scheduler.submit(prompt, max_tokens, sampling, eos_ids, prompt_logits=scores)
             except ValueError as exc:
                 self._send((wire.REFUSED, rid, str(exc)))
                 return
@@ -199,12 +201,10 @@ class EngineDriver:
     def _prompt_logprobs(request, token) -> list | None:
         """A request's prompt logprobs, on its first event once its prompt has run: the one with
         its first token, or its last where it asked for none (max_tokens 0, with echo)."""
-        if request.sampling.prompt_logprobs is None:
+        if request.prompt_logits is None:
             return None
         first = len(request.output) == 1 if token is not None else (request.finish_reason == "length" and not request.output)
-        if not first:
-            return None
-        return [None] + [request.prompt_logprobs.get(p) for p in range(1, len(request.prompt))]
+        return request.prompt_logits.listed() if first else None
 
     def _gauges(self) -> tuple:
         s = self.scheduler
