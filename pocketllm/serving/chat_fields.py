@@ -56,6 +56,16 @@ def template_kwargs(fields: dict) -> dict:
     return kwargs
 
 
+def checked_messages(fields: dict) -> list[dict]:
+    """A request's messages, each checked (check_message)."""
+    messages = fields.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty array of {role, content} objects", "messages")
+    for i, m in enumerate(messages):
+        check_message(m, i)
+    return messages
+
+
 def check_message(m, i: int) -> None:
     param = f"messages[{i}]"
     if not isinstance(m, dict):

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 
 from pocketllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pocketllm.serving.chat_fields import chat_prompt_options, check_message, template_kwargs, tools_of
+from pocketllm.serving.chat_fields import chat_prompt_options, checked_messages, template_kwargs, tools_of
 from pocketllm.serving.errors import ApiError, bad
 from pocketllm.serving.fields import check_model, checked_integer, checked_number, checked_token_ids, flag, integer, known_fields
 
@@ -135,11 +135,7 @@ def parse_chat(body, limits: Limits, render) -> list[Generation]:
     """render(messages, add_generation_prompt, continue_final_message, template_kwargs,
     add_special_tokens, tools) -> token ids, the chat template applied."""
     fields = known_fields(body, _CHAT, {**_NEUTRAL, **_CHAT_NEUTRAL}, _ABSENT_ONLY)
-    messages = fields.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty array of {role, content} objects", "messages")
-    for i, m in enumerate(messages):
-        check_message(m, i)
+    messages = checked_messages(fields)
     if "max_tokens" in fields and "max_completion_tokens" in fields:
         raise bad("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     max_param = "max_tokens"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pocketllm.serving.admission import encode
 from pocketllm.serving.errors import bad
-from pocketllm.serving.chat_fields import chat_prompt_options, check_message, template_kwargs, tools_of
+from pocketllm.serving.chat_fields import chat_prompt_options, checked_messages, template_kwargs, tools_of
 from pocketllm.serving.fields import check_model, flag, known_fields, token_ids
 from pocketllm.serving.protocol import Limits
 
@@ -26,11 +26,7 @@ def tokenize(body, limits: Limits, tokenizer, render) -> dict:
     if chat:
         if render is None:
             raise bad("this model has no chat template (tokenizer_config.json's chat_template): tokenize a prompt instead", "messages")
-        messages = fields["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise bad("messages must be a non-empty array of {role, content} objects", "messages")
-        for i, m in enumerate(messages):
-            check_message(m, i)
+        messages = checked_messages(fields)
         ids = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False), tools_of(fields, choice=False))
     else:
         prompt = fields.get("prompt")
