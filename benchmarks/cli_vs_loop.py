@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 
-from common import Parser, PocketRunner, alternate, checkpoint_dir, even_reps, run_bench_json, script, spread
+from common import Parser, PocketRunner, alternate, checkpoint_dir, even_reps, run_bench_json, run_json_line, script, spread
 
 from pocketllm.inputs import bench_ids
 
@@ -31,11 +30,7 @@ def inner(args) -> None:
 
 def loop_run(args, ckpt: str) -> dict:
     cmd = [sys.executable, __file__, "--inner", "--ckpt", ckpt, "--dtype", args.dtype, "--prompt-tokens", str(args.prompt_tokens), "--steps", str(args.steps)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        lines = r.stderr.strip().splitlines()
-        raise SystemExit(f"the runner failed: {lines[-1] if lines else r.returncode}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_json_line(cmd, "the runner")
 
 
 @script

@@ -319,6 +319,16 @@ def run_bench_json(bench_args: list[str], env: dict[str, str] | None = None, cwd
             return json.load(f)
 
 
+def run_json_line(cmd: list[str], what: str, env: dict[str, str] | None = None) -> dict:
+    """A child process's result: its last line of stdout, a JSON object. A failed run ends this
+    process with `what` and the child's last line of stderr."""
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        lines = r.stderr.strip().splitlines()
+        raise SystemExit(f"{what} failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 class PocketRunner:
     name = "pocketllm"
 

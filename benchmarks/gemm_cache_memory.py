@@ -11,12 +11,10 @@ tokens a second, medians (min..max) over the reps (docs/serving.md).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
-from common import Parser, alternate, at_least, even_reps, positive_int, script, spread
+from common import Parser, alternate, at_least, even_reps, positive_int, run_json_line, script, spread
 
 from pocketllm.errors import UsageError
 from pocketllm.host_memory import GEMM_CACHE_ENTRIES, GEMM_CACHES
@@ -73,11 +71,7 @@ def parse_lengths(text: str) -> tuple[int, int]:
 def one_run(args, lo: int, hi: int, env: dict) -> dict:
     full = {k: v for k, v in os.environ.items() if k not in GEMM_CACHES}
     cmd = [sys.executable, "-c", RUN, args.preset, str(args.layers), str(args.prompts), str(lo), str(hi)]
-    r = subprocess.run(cmd, env={**full, **env}, capture_output=True, text=True)
-    if r.returncode != 0:
-        lines = r.stderr.strip().splitlines()
-        raise SystemExit(f"a run failed: {lines[-1] if lines else f'exit code {r.returncode}'}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_json_line(cmd, "a run", {**full, **env})
 
 
 @script
