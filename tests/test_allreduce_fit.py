@@ -91,8 +91,10 @@ def test_allreduce_command_at_tp2(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0].split() == ["size_bytes", "count", "dtype", "time_us", "device_us", "algbw_GBps", "busbw_GBps"]
-    assert len(lines) == 1 + 7 + 1
-    fit_fields = dict(p.split("=") for p in lines[-1].split())
+    # The fit's line, and under it the note a noisy run's unmeasurable byte term adds (payloads of
+    # 1-64 KiB over gloo are latency alone; once in a few runs the larger took no longer).
+    assert len(lines) == 1 + 7 + 1 or (len(lines) == 1 + 7 + 2 and lines[-1].startswith("note: bandwidth_GBps=inf")), lines
+    fit_fields = dict(p.split("=") for p in lines[8].split())
     assert set(fit_fields) == {"fixed_us", "bandwidth_GBps", "max_rel_err"}
     data = json.loads(out.read_text())
     assert data["backend"] == "gloo" and data["world"] == 2 and len(data["sizes"]) == 7
