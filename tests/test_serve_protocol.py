@@ -243,7 +243,7 @@ def test_openais_chat_fields_are_taken_where_they_ask_for_nothing_and_refused_ot
     # vLLM's continuous usage: the usage so far on every chunk, beside include_usage only.
     both = {"include_usage": True, "continuous_usage_stats": True}
     assert (chat(stream=True, stream_options=both).continuous_usage, chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage) == (True, False)
-    for name, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
+    for name, value in (("response_format", {"type": "json_object"}),
                         ("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1),
                         ("prompt_cache_key", 5), ("safety_identifier", ["u"])):
         with pytest.raises(ApiError) as err:
@@ -251,17 +251,22 @@ def test_openais_chat_fields_are_taken_where_they_ask_for_nothing_and_refused_ot
         assert err.value.status == 400 and err.value.param == name, err.value.message
     with pytest.raises(ApiError) as err:
         chat(tool_choice="required")
-    assert err.value.message == 'tool_choice must be "none" here: this server does not support other values, got \'required\''
+    assert err.value.param == "tool_choice" and err.value.message.startswith('tool_choice must be "auto" or "none" here, got \'required\'')
 
 
-def test_tools_reach_the_template_with_tool_choice_none_and_are_refused_without_it():
+def test_tools_reach_the_template_and_with_tool_choice_auto_the_answer_is_read_for_their_calls():
     tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
-    seen = []
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "none"}
-    parse_chat(body, LIMITS, lambda messages, *options: seen.append(options[-1]) or [1])
-    assert seen == [[tool]]
-    # Left out, tool_choice is "auto": a tool call this server would not parse.
-    for fields, param in (({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
+    for choice, read in (({"tool_choice": "none"}, None), ({"tool_choice": "auto"}, [tool]), ({}, [tool])):
+        seen = []
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], **choice}
+        (gen,) = parse_chat(body, LIMITS, lambda messages, *options: seen.append(options[-1]) or [1])
+        assert seen == [[tool]] and gen.tools == read and not gen.first_tool_only, choice
+    (gen,) = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "parallel_tool_calls": False}, LIMITS, lambda *a: [1])
+    assert gen.first_tool_only
+    # What would need the sampling held to a call's form, and tools that are not tools.
+    named = {"type": "function", "function": {"name": "f"}}
+    for fields, param in (({"tools": [tool], "tool_choice": "required"}, "tool_choice"), ({"tools": [tool], "tool_choice": named}, "tool_choice"),
+                          ({"tool_choice": "required"}, "tool_choice"),
                           ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0]"),
                           ({"tools": [{"type": "function"}]}, "tools[0]"),
                           ({"tools": [tool, {"type": "function", "function": {"name": ""}}], "tool_choice": "none"}, "tools[1]"),

@@ -129,6 +129,54 @@ def metaspace_server(eos):
     s.close()
 
 
+# Added tokens that spell tool calls, for logit_bias to make the model write them: a content line
+# ending in the opening tag's first half, the rest of an XML call; a JSON call whole.
+TOOL_TEXT = {
+    300: "Let me check.\n<tool",
+    301: "_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    302: '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def tools_server(eos, tmp_path_factory):
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("tools") / "tokenizer.json"
+    write_byte_tokenizer(path)
+    tok = Tokenizer.from_file(str(path))
+    tok.add_tokens([AddedToken(TOOL_TEXT.get(i, f"<{i}>"), normalized=False, special=False) for i in range(256, 1000)])
+    assert tok.get_vocab_size() == 1000 and tok.decode([301]) == TOOL_TEXT[301]
+    s = Server(tiny_engine(), tok, eos)
+    yield s
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_tool_choice_auto_the_models_tool_calls_come_back_as_tool_calls_whole_and_streamed(tools_server):
+    # logit_bias (and a presence penalty, for the second token) makes the model write the calls.
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    cases = [({"300": 100, "301": 99}, 2, "Let me check.\n", {"city": "Paris", "days": 3}), ({"302": 100}, 1, None, {"city": "Oslo"})]
+    for bias, new, content, args in cases:
+        ask = dict(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=new, temperature=0, logit_bias=bias, presence_penalty=2)
+        whole = tools_server.client.chat.completions.create(**ask).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content == content, whole
+        (call,) = whole.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and json.loads(call.function.arguments) == args
+        chunks = [c.choices[0] for c in tools_server.client.chat.completions.create(**ask, stream=True) if c.choices]
+        # The content line goes out without the opening tag's half that ends its token.
+        assert "".join(c.delta.content or "" for c in chunks) == (content or "")
+        streamed = [tc for c in chunks for tc in c.delta.tool_calls or []]
+        assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [(0, "get_weather", args)]
+        assert streamed[0].id.startswith("chatcmpl-tool-") and [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"]
+        # tool_choice "none": the same tokens, as text.
+        plain = tools_server.client.chat.completions.create(**ask, tool_choice="none").choices[0]
+        assert plain.message.content == "".join(TOOL_TEXT[int(t)] for t in bias) and not plain.message.tool_calls
+        assert plain.finish_reason == "length"
+
+
 @pytest.mark.timeout(60)
 def test_the_text_continues_the_prompts_with_a_decoder_that_drops_a_first_space(metaspace_server):
     # A Metaspace decoder drops the leading space of a sequence's first word: the completion's

@@ -31,6 +31,7 @@ from pocketllm.serving.protocol import Generation, Limits, parse_chat, parse_com
 from pocketllm.serving.streaming import EventStream
 from pocketllm.serving.text import OutputText
 from pocketllm.serving.tokenize import detokenize, tokenize
+from pocketllm.serving.tool_calls import ToolCallStream, split_tool_calls
 
 # How often a non-streamed request checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -339,26 +340,43 @@ class CompletionShape:
 
 
 class ChatShape:
-    """A /v1/chat/completions choice, whole (a message) or as chunks (deltas, the role on the first)."""
+    """A /v1/chat/completions choice, whole (a message) or as chunks (deltas, the role on the
+    first). With tools to read (tool_choice "auto"), the model's tool calls come out of its text
+    as the message's tool_calls, finishing as "tool_calls"; streamed, the text from a call's
+    opening tag on waits for the end, whose chunk carries the calls whole."""
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, tokenizer, gen: Generation, token_bytes: TokenBytes):
         self.tokenizer, self.gen, self.token_bytes = tokenizer, gen, token_bytes
         self.first = True
+        self.calls = ToolCallStream(gen.tools, gen.first_tool_only) if gen.tools else None
 
     def chunk(self, piece: Piece) -> dict:
+        text, calls, finish = piece.text, [], piece.finish_reason
+        if self.calls is not None:
+            text = self.calls.feed(piece.text)
+            if finish is not None:
+                rest, calls = self.calls.finish()
+                text += rest
         if self.first:
-            delta = {"role": "assistant", "content": piece.text}
+            delta = {"role": "assistant", "content": text}
         else:
-            delta = {"content": piece.text} if piece.text or not piece.finish_reason else {}
+            delta = {"content": text} if text or not finish else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish = "tool_calls"
         self.first = False
-        return {"index": self.gen.index, "delta": delta, "logprobs": self._logprobs(piece), "finish_reason": piece.finish_reason,
+        return {"index": self.gen.index, "delta": delta, "logprobs": self._logprobs(piece), "finish_reason": finish,
                 "stop_reason": piece.stop_reason}
 
     def body(self, piece: Piece) -> dict:
-        return {"index": self.gen.index, "message": {"role": "assistant", "content": piece.text}, "logprobs": self._logprobs(piece),
-                "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
+        content, calls = piece.text, []
+        if self.gen.tools:
+            content, calls = split_tool_calls(piece.text, self.gen.tools, self.gen.first_tool_only)
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        return {"index": self.gen.index, "message": message, "logprobs": self._logprobs(piece),
+                "finish_reason": "tool_calls" if calls else piece.finish_reason, "stop_reason": piece.stop_reason}
 
     def _logprobs(self, piece: Piece) -> dict | None:
         if self.gen.sampling.logprobs is None:

@@ -25,10 +25,13 @@ def chat_prompt_options(fields: dict) -> tuple[bool, bool]:
 
 def tools_of(fields: dict, choice: bool = True) -> list[dict] | None:
     """A request's tools, for the chat template to render (None: none given). A chat completion
-    (`choice`) takes them only with tool_choice "none", rendered into the prompt as vLLM renders
-    them then: frameworks send their tools on every call, and this server never parses a tool call
-    out of the model's text, so it cannot honour "auto" (the default with tools), "required" or a
-    named function. /tokenize renders them as they come."""
+    (`choice`) takes them with tool_choice "auto" (the default with tools: the model's tool calls
+    are read out of its text, tool_calls.py) or "none" (rendered, never read); "required" and a
+    named function would need the sampling held to a call's form, which this server does not do.
+    /tokenize renders them as they come."""
+    if choice and fields.get("tool_choice", "auto") not in ("auto", "none"):
+        raise bad(f'tool_choice must be "auto" or "none" here, got {fields["tool_choice"]!r}: "required" and a named function '
+                  'need the sampling held to a tool call\'s form, which this server does not do', "tool_choice")
     tools = fields.get("tools")
     if tools is None or tools == []:
         return None
@@ -41,8 +44,6 @@ def tools_of(fields: dict, choice: bool = True) -> list[dict] | None:
                 not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
             raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": a non-empty string, \"description\"?: "
                       f"a string, \"parameters\"?: an object}}}}, got {tool!r}", f"tools[{i}]")
-    if choice and fields.get("tool_choice") != "none":
-        raise bad('tools need tool_choice: "none" here (left out, it is "auto"): this server does not parse tool calls', "tool_choice")
     return tools
 
 

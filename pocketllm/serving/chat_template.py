@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pocketllm.errors import UsageError
 from pocketllm.serving.errors import bad
+from pocketllm.serving.tool_calls import with_parsed_arguments
 
 # The special-token names transformers passes to a template as variables.
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -46,8 +47,9 @@ class ChatTemplate:
         holds more template variables (a request's chat_template_kwargs), over the special tokens.
         continue_final: the text ends where the final message's text does (its turn left open),
         as transformers' continue_final_message renders it. tools: the request's, as given (the
-        template renders them as transformers' apply_chat_template passes them)."""
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        template renders them as transformers' apply_chat_template passes them). An assistant
+        message's tool calls reach it with their arguments as objects."""
+        chat = [{k: v for k, v in m.items() if v is not None} for m in with_parsed_arguments(messages)]
         if continue_final:
             chat[-1] = _marked(chat[-1])
         variables = {**self.special_tokens, **(extra or {})}

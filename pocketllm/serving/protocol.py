@@ -38,10 +38,10 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
 # Fields accepted only at the value that asks for nothing this server does not do (vLLM's
 # defaults for its own).
 _NEUTRAL = {"use_beam_search": False, "length_penalty": 1, "priority": 0, "spaces_between_special_tokens": True}
-# OpenAI's chat fields for what this server does not do (tools, structured output, stored
-# completions), accepted where they ask for nothing: clients and frameworks send them so. A type
+# OpenAI's chat fields for what this server does not do (structured output, stored completions),
+# accepted where they ask for nothing: clients and frameworks send them so. A type
 # stands for any value of it; a tuple for any of its values.
-_CHAT_NEUTRAL = {"echo": False, "response_format": {"type": "text"}, "tool_choice": "none", "parallel_tool_calls": bool,
+_CHAT_NEUTRAL = {"echo": False, "response_format": {"type": "text"}, "parallel_tool_calls": bool,
                  "store": False, "metadata": dict, "service_tier": ("auto", "default"), "modalities": ["text"],
                  # Hints for OpenAI's routing and abuse checks, nothing about the answer (this
                  # server's prefix cache finds shared prefixes itself).
@@ -70,6 +70,9 @@ class Generation:
     index: int = 0
     n: int = 1
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far on every chunk
+    # A chat answer's tools to read calls of (tool_choice "auto"), None: its text is all content.
+    tools: list[dict] | None = None
+    first_tool_only: bool = False  # parallel_tool_calls false: the first call alone
 
 
 @dataclass
@@ -147,8 +150,13 @@ def parse_chat(body, limits: Limits, render) -> list[Generation]:
     elif "top_logprobs" in fields:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     n = _choices(fields, 1)
-    prompt = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False), tools_of(fields))
-    return _each_choice([_generation(fields, limits, prompt, "messages", None, logprobs, max_param)], n)
+    tools = tools_of(fields)
+    prompt = render(messages, *chat_prompt_options(fields), template_kwargs(fields), flag(fields, "add_special_tokens", False), tools)
+    gen = _generation(fields, limits, prompt, "messages", None, logprobs, max_param)
+    # With tool_choice "auto" the answer is read for calls of them; with "none" they are only rendered.
+    read = tools if fields.get("tool_choice", "auto") == "auto" else None
+    gen = replace(gen, tools=read, first_tool_only=not flag(fields, "parallel_tool_calls", True))
+    return _each_choice([gen], n)
 
 
 def _generation(fields: dict, limits: Limits, prompt: list[int], prompt_param: str, default_max: int | None,
