@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pocketllm.engine.sampling import (
+    PROMPT_LOGPROB_ROWS,
     SamplingParams,
     apply_penalties_,
     apply_penalties_reference,
@@ -17,6 +18,7 @@ from pocketllm.engine.sampling import (
     likeliest_reference,
     min_p_filter,
     min_p_filter_reference,
+    prompt_logprobs,
     top_k_filter,
     top_k_filter_reference,
     top_p_filter,
@@ -143,3 +145,18 @@ def test_logits_a_softmax_cannot_take_still_give_a_token():
     assert {choose(x, near_zero, seen, [], (), gen)[0] for _ in range(50)} == set(seen)
     masked = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=tuple(range(V)), seed=0)
     assert 0 <= choose(x, masked, [1], [], (), gen)[0] < V
+
+
+def test_prompt_logprobs_of_many_rows_are_each_rows_log_softmax():
+    # More rows than are taken at a time, in bf16 as a pass's logits come: each row's own fp32
+    # log_softmax, the following token's entry and the n likeliest, wherever the blocks are cut.
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2 * PROMPT_LOGPROB_ROWS + 7, 500, generator=g) * 4).bfloat16()
+    following = torch.randint(0, 500, (len(logits),), generator=g).tolist()
+    got = prompt_logprobs(logits, following, 3)
+    assert len(got) == len(logits)
+    for row, token, lp in zip(logits, following, got):
+        want = torch.log_softmax(row.float(), dim=-1)
+        values, ids = torch.topk(want, 3)
+        assert (lp.token, lp.logprob) == (token, float(want[token]))
+        assert lp.top == list(zip(ids.tolist(), values.tolist()))

@@ -40,18 +40,27 @@ def choose(logits: torch.Tensor, params: SamplingParams, prompt: list[int], outp
     return token, TokenLogprob(token, float(logprobs[token]), top)
 
 
+# Rows of a prompt's logits turned into logprobs at a time: the fp32 log_softmax of a pass's every
+# row at once would be another copy of its logits (1 MB a row at a 248k vocabulary).
+PROMPT_LOGPROB_ROWS = 64
+
+
 def prompt_logprobs(logits: torch.Tensor, following: list[int], n: int) -> list[TokenLogprob]:
     """For each row of logits [rows, V], the logprob of the token that follows it in the prompt
     (following[i] for row i) under the row's raw log_softmax, and the n likeliest there. Computed
     where the logits are (a device's): only those few values a row come to the host."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(following, dtype=torch.long, device=logprobs.device).view(-1, 1)
-    chosen = logprobs.gather(1, targets).view(-1).tolist()
-    tops = [[] for _ in following]
-    if n > 0:
-        values, ids = torch.topk(logprobs, n, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return [TokenLogprob(t, lp, top) for t, lp, top in zip(following, chosen, tops)]
+    out = []
+    for r in range(0, len(following), PROMPT_LOGPROB_ROWS):
+        logprobs = torch.log_softmax(logits[r : r + PROMPT_LOGPROB_ROWS].float(), dim=-1)
+        block = following[r : r + PROMPT_LOGPROB_ROWS]
+        targets = torch.tensor(block, dtype=torch.long, device=logprobs.device).view(-1, 1)
+        chosen = logprobs.gather(1, targets).view(-1).tolist()
+        tops = [[] for _ in block]
+        if n > 0:
+            values, ids = torch.topk(logprobs, n, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        out += [TokenLogprob(t, lp, top) for t, lp, top in zip(block, chosen, tops)]
+    return out
 
 
 class PromptLogprobs:
