@@ -83,11 +83,12 @@ def eos(engine):
 
 
 class Server:
-    def __init__(self, engine, tokenizer, eos: int):
+    def __init__(self, engine, tokenizer, eos: int, template: str = CHAT_TEMPLATE, reasoning_parser: str | None = None):
         import uvicorn
 
         self.loop = ServePair(Scheduler(engine, max_running=4, max_len=MAX_LEN))
-        served = Served(Limits(MODEL, MAX_LEN, 1000), tokenizer, ChatTemplate(CHAT_TEMPLATE), (eos,), self.loop.client)
+        limits = Limits(MODEL, MAX_LEN, 1000, reasoning_parser=reasoning_parser)
+        served = Served(limits, tokenizer, ChatTemplate(template), (eos,), self.loop.client)
         config = uvicorn.Config(build_app(served), host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="off")
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
@@ -129,19 +130,25 @@ def metaspace_server(eos):
     s.close()
 
 
-# Added tokens that spell tool calls, for logit_bias to make the model write them: a content line
-# ending in the opening tag's first half, the rest of an XML call; a JSON call whole.
+# Added tokens that spell tool calls and reasoning, for logit_bias to make the model write them: a
+# content line ending in the opening tag's first half, the rest of an XML call; a JSON call whole;
+# reasoning ending in the closing tag's first half, its rest and the content; reasoning closed.
 TOOL_TEXT = {
     300: "Let me check.\n<tool",
     301: "_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
     302: '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    303: "Thinking it over.</thi",
+    304: "nk>\n\nThe answer.",
+    305: "Hmm.\n</think>\n\n",
 }
+# make-checkpoint's template, its generation prompt opening a reasoning block as Qwen3.5's does.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
 
 
 @pytest.fixture(scope="module")
-def tools_server(eos, tmp_path_factory):
+def spelling_tokenizer(tmp_path_factory):
     from tokenizers import AddedToken, Tokenizer
 
     path = tmp_path_factory.mktemp("tools") / "tokenizer.json"
@@ -149,9 +156,48 @@ def tools_server(eos, tmp_path_factory):
     tok = Tokenizer.from_file(str(path))
     tok.add_tokens([AddedToken(TOOL_TEXT.get(i, f"<{i}>"), normalized=False, special=False) for i in range(256, 1000)])
     assert tok.get_vocab_size() == 1000 and tok.decode([301]) == TOOL_TEXT[301]
-    s = Server(tiny_engine(), tok, eos)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tools_server(eos, spelling_tokenizer):
+    s = Server(tiny_engine(), spelling_tokenizer, eos)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(eos, spelling_tokenizer):
+    s = Server(tiny_engine(), spelling_tokenizer, eos, THINKING_TEMPLATE, reasoning_parser="qwen3")
+    yield s
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_a_reasoning_parser_the_reasoning_comes_apart_from_the_content_whole_and_streamed(reasoning_server, tools_server):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    # logit_bias makes the model write the first token, its repetition penalty (halving it) the second.
+    cases = [
+        (dict(logit_bias={"303": 100, "304": 90}, max_tokens=2), "Thinking it over.", "The answer.", None),
+        # Cut inside its reasoning: all of it reasoning.
+        (dict(logit_bias={"303": 100}, max_tokens=1), "Thinking it over.</thi", "", None),
+        # Reasoning, then a tool call: the call is read from the content.
+        (dict(logit_bias={"305": 100, "302": 90}, max_tokens=2, tools=[WEATHER]), "Hmm.\n", None, {"city": "Oslo"}),
+    ]
+    for ask, reasoning, content, call in cases:
+        ask = dict(model=MODEL, messages=messages, temperature=0, extra_body={"repetition_penalty": 2}, **ask)
+        whole = reasoning_server.client.chat.completions.create(**ask).choices[0]
+        extra = whole.message.model_extra
+        assert (extra["reasoning"], extra["reasoning_content"], whole.message.content) == (reasoning, reasoning, content), whole
+        assert [json.loads(c.function.arguments) for c in whole.message.tool_calls or []] == ([call] if call else [])
+        chunks = [c.choices[0] for c in reasoning_server.client.chat.completions.create(**ask, stream=True) if c.choices]
+        assert "".join(c.delta.model_extra.get("reasoning") or "" for c in chunks) == reasoning
+        assert "".join(c.delta.content or "" for c in chunks) == (content or "")
+        assert [json.loads(tc.function.arguments) for c in chunks for tc in c.delta.tool_calls or []] == ([call] if call else [])
+    # Without the parser, the same tokens are all content.
+    plain = tools_server.client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body={"repetition_penalty": 2},
+                                                         **cases[0][0]).choices[0].message
+    assert plain.content == TOOL_TEXT[303] + TOOL_TEXT[304] and "reasoning" not in plain.model_extra
 
 
 @pytest.mark.timeout(60)

@@ -74,6 +74,12 @@ def add_arguments(p) -> None:
         "repetition_penalty) are the defaults of a request that leaves them out, as vLLM's server does; none: the API's own "
         "defaults. Its eos ids end answers either way",
     )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3",),
+        help="qwen3: a chat answer's reasoning (up to </think>) comes back as the message's `reasoning` (and `reasoning_content`, "
+        "its older name), the rest as its content, as vLLM's --reasoning-parser qwen3 returns them (default: all of it is content)",
+    )
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class Task:
     api_key: str | None = None
     served_model_name: str | None = None
     generation_config: str = "auto"
+    reasoning_parser: str | None = None
 
 
 def _prepare(run, plan) -> dict:
@@ -271,7 +278,7 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     proc, link = start_http({
         "ckpt": ckpt, "host": t.host, "port": t.port, "model": settings["model"], "max_len": settings["max_len"],
         "vocab": plan.cfg.vocab_size, "eos_ids": tuple(plan.cfg.eos_token_ids), "api_key": t.api_key,
-        "sampling_defaults": defaults,
+        "sampling_defaults": defaults, "reasoning_parser": t.reasoning_parser,
     })
     driver = EngineDriver(scheduler, link)
     with stop_on_signals(driver.request_stop) as wake_fd:

@@ -28,6 +28,7 @@ from pocketllm.serving.errors import ApiError, bad, error_body
 from pocketllm.serving.generation import Piece, Usage, interleaved, pieces
 from pocketllm.serving.logprobs import Names, TokenBytes, chat_logprobs, completion_logprobs, completion_prompt_logprobs, prompt_offsets
 from pocketllm.serving.protocol import Generation, Limits, parse_chat, parse_completion
+from pocketllm.serving.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from pocketllm.serving.streaming import EventStream
 from pocketllm.serving.text import OutputText
 from pocketllm.serving.tokenize import detokenize, tokenize
@@ -339,11 +340,16 @@ class CompletionShape:
         return {"index": self.gen.index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
 
 
+# A chat prompt's last tokens, decoded, hold its generation prompt (whether it opened a reasoning block).
+PROMPT_TAIL_TOKENS = 32
+
+
 class ChatShape:
     """A /v1/chat/completions choice, whole (a message) or as chunks (deltas, the role on the
-    first). With tools to read (tool_choice "auto"), the model's tool calls come out of its text
-    as the message's tool_calls, finishing as "tool_calls"; streamed, the text from a call's
-    opening tag on waits for the end, whose chunk carries the calls whole."""
+    first). With serve --reasoning-parser, the answer's reasoning comes apart from its content
+    (reasoning.py). With tools to read (tool_choice "auto"), the model's tool calls come out of
+    its content as the message's tool_calls, finishing as "tool_calls"; streamed, the text from a
+    call's opening tag on waits for the end, whose chunk carries the calls whole."""
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
@@ -351,18 +357,27 @@ class ChatShape:
         self.tokenizer, self.gen, self.token_bytes = tokenizer, gen, token_bytes
         self.first = True
         self.calls = ToolCallStream(gen.tools, gen.first_tool_only) if gen.tools else None
+        self.opens_reasoning = gen.reasoning and opens_reasoning(tokenizer.decode(gen.prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+        self.thinking = ReasoningStream(self.opens_reasoning) if gen.reasoning else None
 
     def chunk(self, piece: Piece) -> dict:
-        text, calls, finish = piece.text, [], piece.finish_reason
+        text, calls, finish, reasoning = piece.text, [], piece.finish_reason, ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.feed(piece.text)
+            if finish is not None:
+                more, rest = self.thinking.finish()
+                reasoning, text = reasoning + more, text + rest
         if self.calls is not None:
-            text = self.calls.feed(piece.text)
+            text = self.calls.feed(text)
             if finish is not None:
                 rest, calls = self.calls.finish()
                 text += rest
         if self.first:
             delta = {"role": "assistant", "content": text}
         else:
-            delta = {"content": text} if text or not finish else {}
+            delta = {"content": text} if text or not (finish or reasoning) else {}
+        if reasoning:
+            delta.update(reasoning=reasoning, reasoning_content=reasoning)
         if calls:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             finish = "tool_calls"
@@ -371,10 +386,14 @@ class ChatShape:
                 "stop_reason": piece.stop_reason}
 
     def body(self, piece: Piece) -> dict:
-        content, calls = piece.text, []
+        reasoning, content, calls = None, piece.text, []
+        if self.gen.reasoning:
+            reasoning, content = split_reasoning(piece.text, self.opens_reasoning)
         if self.gen.tools:
-            content, calls = split_tool_calls(piece.text, self.gen.tools, self.gen.first_tool_only)
+            content, calls = split_tool_calls(content, self.gen.tools, self.gen.first_tool_only)
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        if reasoning is not None:
+            message.update(reasoning=reasoning, reasoning_content=reasoning)
         return {"index": self.gen.index, "message": message, "logprobs": self._logprobs(piece),
                 "finish_reason": "tool_calls" if calls else piece.finish_reason, "stop_reason": piece.stop_reason}
 

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
 
     client = EngineClient(link, Metrics(), s["vocab"], s["max_len"], receiver)
     served = Served(
-        limits=Limits(s["model"], s["max_len"], s["vocab"], dict(s["sampling_defaults"])),
+        limits=Limits(s["model"], s["max_len"], s["vocab"], dict(s["sampling_defaults"]), s["reasoning_parser"]),
         tokenizer=load_tokenizer(s["ckpt"]),
         chat_template=load_chat_template(s["ckpt"]),
         eos_ids=tuple(s["eos_ids"]),

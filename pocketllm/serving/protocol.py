@@ -73,6 +73,7 @@ class Generation:
     # A chat answer's tools to read calls of (tool_choice "auto"), None: its text is all content.
     tools: list[dict] | None = None
     first_tool_only: bool = False  # parallel_tool_calls false: the first call alone
+    reasoning: bool = False  # a chat answer's reasoning told from its content (reasoning.py)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Limits:
     max_len: int
     vocab_size: int
     sampling_defaults: dict = field(default_factory=dict)
+    reasoning_parser: str | None = None  # serve --reasoning-parser: chat answers' reasoning told from their content
 
 
 def parse_completion(body, limits: Limits, encode) -> list[Generation]:
@@ -155,7 +157,7 @@ def parse_chat(body, limits: Limits, render) -> list[Generation]:
     gen = _generation(fields, limits, prompt, "messages", None, logprobs, max_param)
     # With tool_choice "auto" the answer is read for calls of them; with "none" they are only rendered.
     read = tools if fields.get("tool_choice", "auto") == "auto" else None
-    gen = replace(gen, tools=read, first_tool_only=not flag(fields, "parallel_tool_calls", True))
+    gen = replace(gen, tools=read, first_tool_only=not flag(fields, "parallel_tool_calls", True), reasoning=limits.reasoning_parser is not None)
     return _each_choice([gen], n)
 
 
