@@ -34,6 +34,12 @@ def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str =
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
+    return mapped_bytes(nbytes).view(dtype).view(shape)
+
+
+def mapped_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` zero bytes (uint8) on an anonymous mapping of their own, starting on a 2 MiB
+    boundary, their whole huge pages advised; unmapped when the last view dies."""
     # One huge page of slack so the tensor can start on a 2 MiB boundary; the slack is never
     # touched, so it costs address space, not memory. Anonymous pages read as zero until written.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -43,12 +49,40 @@ def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str =
     # Only the tensor's whole huge pages are advised: a huge page over its tail would also cover
     # slack it never uses, up to 2 MiB of memory per weight.
     whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    except OSError:
-        # A kernel built without THP refuses the advice; plain pages still work.
-        pass
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    if whole and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, start, whole)
+        except OSError:
+            # A kernel built without THP refuses the advice; plain pages still work.
+            pass
+    return raw[start : start + nbytes]
+
+
+class Arena:
+    """Tensors carved one after another out of `nbytes` on a mapping of their own (mapped_bytes),
+    each 64-byte aligned; the mapping goes when the last of them does. For long-lived copies that
+    must not sit in glibc's heap: there, among a pass's short-lived buffers (kept by
+    keep_freed_blocks), they fragment it, and the heap never shrinks."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int):
+        self.raw = mapped_bytes(max(nbytes, 1))
+        self.used = 0
+
+    @staticmethod
+    def room(tensors: Sequence[torch.Tensor]) -> int:
+        """The bytes an arena needs to hold copies of `tensors`, alignment included."""
+        return sum(t.numel() * t.element_size() + Arena.ALIGN for t in tensors)
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor of t's shape and dtype, from the arena."""
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        end = start + t.numel() * t.element_size()
+        if end > len(self.raw):
+            raise ValueError(f"the arena holds {len(self.raw)} bytes, and {end} are asked")
+        self.used = end
+        return self.raw[start:end].view(t.dtype).view(t.shape)
 
 
 ENV_KEEP_FREED = "POCKETLLM_KEEP_FREED"

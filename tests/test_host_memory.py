@@ -93,6 +93,23 @@ def test_mapping_lives_while_a_view_does_and_is_unmapped_after():
     assert not mapped(base)
 
 
+def test_an_arenas_tensors_are_aligned_on_one_mapping_that_goes_with_the_last_of_them():
+    a, b = torch.arange(10, dtype=torch.float32).view(2, 5), torch.arange(7, dtype=torch.bfloat16)
+    arena = host_memory.Arena(host_memory.Arena.room([a, b]))
+    x, y = arena.like(a).copy_(a), arena.like(b).copy_(b)
+    assert torch.equal(x, a) and torch.equal(y, b) and (x.shape, y.dtype) == (a.shape, b.dtype)
+    assert x.data_ptr() % 64 == y.data_ptr() % 64 == 0 and y.data_ptr() > x.data_ptr()
+    with pytest.raises(ValueError, match="the arena holds"):
+        arena.like(torch.empty(100))
+    base = arena.raw.untyped_storage().data_ptr()
+    del arena, x
+    gc.collect()
+    assert mapped(base) and torch.equal(y, b)
+    del y
+    gc.collect()
+    assert not mapped(base)
+
+
 def test_engine_on_huge_pages_matches_transformers(tmp_path):
     # vocab 8300 x hidden 64 in fp32 is 2.1 MB: the embedding and the head take the huge-page path.
     from pocketllm.config import load_config

@@ -8,9 +8,13 @@ other ranks replay every cache operation; the counts reach /metrics."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import feed, follow_in_process, tiny_engine
+
+from pocketllm import host_memory
 
 from pocketllm.engine.generate import generate
 from pocketllm.engine.pass_plan import EVICT, RESTORE, SNAPSHOT
@@ -71,6 +75,26 @@ def test_a_restored_slot_runs_on_exactly_as_the_cached_sequence(engine, length):
     torch.testing.assert_close(feed(engine, seq[length:], length, slot=1), want, atol=0, rtol=0)
     engine.slots.blocks.adopt(2, engine.slots.cached[7].blocks)
     assert not torch.equal(feed(engine, seq[length:], length, slot=2), want)
+
+
+def test_an_entrys_state_copies_live_on_a_mapping_of_their_own_that_its_eviction_gives_back(engine):
+    # Not in glibc's heap, where long-lived copies among a pass's short-lived buffers held it
+    # apart and it never shrank: one mapping per entry, unmapped when the entry is evicted.
+    from test_host_memory import mapped
+
+    engine.reserve_slots(2, 300)
+    feed(engine, ids(70, 3), slot=0)
+    engine.slots.snapshot(0, 4, 70)
+    copies = [t for saved in engine.slots.cached[4].saved if saved for t in saved]
+    assert copies and len({t.untyped_storage().data_ptr() for t in copies}) == 1
+    base = copies[0].untyped_storage().data_ptr()
+    assert mapped(base) and min(t.data_ptr() for t in copies) % host_memory.HUGE_PAGE == 0
+    live = [(s.conv, s.recurrent) for s in engine.slots[0] if hasattr(s, "recurrent")]
+    assert all(torch.equal(a, b) for pair, saved in zip(live, [s for s in engine.slots.cached[4].saved if s]) for a, b in zip(pair, saved))
+    del copies
+    engine.slots.evict(4)
+    gc.collect()
+    assert not mapped(base)
 
 
 def test_a_request_for_its_prompts_logprobs_runs_its_whole_prompt_past_a_cached_prefix(engine):

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from pocketllm import host_memory
 from pocketllm.config import FULL
 from pocketllm.distributed.state import all_gather_cat, tp
 from pocketllm.engine.budgets import DEFAULT_KV_FRACTION, PREFIX_CACHE_FRACTION
@@ -108,7 +109,17 @@ class Slots:
         layer's own state. The positions in those blocks never change: the sequence only appends."""
         blocks = self.blocks.tables[slot].held[: blocks_for(length, self.blocks.block_size)]
         self.blocks.hold(blocks)
-        self.cached[entry] = CachedPrefix(length, list(blocks), [state.save() for state in self.states[slot]])
+        self.cached[entry] = CachedPrefix(length, list(blocks), self._copies(self.states[slot]))
+
+    def _copies(self, states: list) -> list:
+        """Copies of a sequence's layer states, for a prefix cache entry: on a CPU in one Arena of
+        their own, so that an entry, long-lived among a pass's short-lived buffers, never holds
+        glibc's heap apart (a server's memory grew by half again in that slack and never came
+        back), and its memory goes back to the system when it is evicted."""
+        if self.device.type != "cpu":
+            return [state.save() for state in states]
+        arena = host_memory.Arena(host_memory.Arena.room([t for state in states for t in state.tensors()]))
+        return [state.save(arena.like) for state in states]
 
     def restore(self, slot: int, entry: int, take: bool = False) -> None:
         """Start the sequence in `slot` (released) from prefix cache entry `entry`, as if it had

@@ -28,9 +28,13 @@ class GDNState:
         self.conv.zero_()
         self.recurrent.zero_()
 
-    def save(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the state, to go on from later (load)."""
-        return self.conv.clone(), self.recurrent.clone()
+    def save(self, like=torch.empty_like) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the state, to go on from later (load), into tensors like(t) gives."""
+        return like(self.conv).copy_(self.conv), like(self.recurrent).copy_(self.recurrent)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What save copies."""
+        return self.conv, self.recurrent
 
     def load(self, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.conv.copy_(saved[0])
@@ -100,8 +104,11 @@ class PagedKV:
     def reset(self) -> None:
         pass
 
-    def save(self) -> None:
+    def save(self, like=None) -> None:
         return None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()
 
     def load(self, saved: None) -> None:
         pass
