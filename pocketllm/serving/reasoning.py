@@ -7,6 +7,8 @@ the content's. An answer cut inside its reasoning (max_tokens) is all reasoning.
 
 from __future__ import annotations
 
+from pocketllm.serving.text import ends_in_start_of
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -68,16 +70,8 @@ class ReasoningStream:
         if end < 0:
             if final:
                 return text, ""
-            return text[: len(text) - _partial(text, CLOSE)], ""
+            return text[: len(text) - ends_in_start_of(text, CLOSE)], ""
         content = text[end + len(CLOSE) :]
         if not final and not content.strip("\n"):
             return text[:end], ""  # the newlines after the tag may go on
         return text[:end], content.lstrip("\n")
-
-
-def _partial(text: str, tag: str) -> int:
-    """How many of the text's last characters begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -89,10 +89,13 @@ class OutputText:
     def _held_back(self) -> int:
         """Characters at the end of the text that begin some stop string."""
         tail = self.text[self.shown :]
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(tail)), longest, -1):
-                if tail.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+        return max((ends_in_start_of(tail, s) for s in self.stop), default=0)
+
+
+def ends_in_start_of(text: str, tag: str) -> int:
+    """How many of the text's last characters begin `tag` (short of all of it): what a stream
+    holds back while it may yet turn out to be the tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

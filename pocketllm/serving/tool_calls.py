@@ -20,6 +20,8 @@ import json
 import re
 import uuid
 
+from pocketllm.serving.text import ends_in_start_of
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _THINK_END = "</think>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
@@ -120,7 +122,7 @@ class ToolCallStream:
         """What of the text so far (with `piece`) can go out as content now."""
         self.text += piece
         at = self.text.find(OPEN, self._searched_from())
-        end = at if at >= 0 else len(self.text) - _partial_open(self.text)
+        end = at if at >= 0 else len(self.text) - ends_in_start_of(self.text, OPEN)
         out, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
         return out
 
@@ -134,14 +136,6 @@ class ToolCallStream:
     def _searched_from(self) -> int:
         think = self.text.rfind(_THINK_END)
         return 0 if think < 0 else think + len(_THINK_END)
-
-
-def _partial_open(text: str) -> int:
-    """How many of the text's last characters begin the opening tag (and so may be it)."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def with_parsed_arguments(messages: list[dict]) -> list[dict]:
