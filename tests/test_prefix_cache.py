@@ -118,6 +118,31 @@ def test_a_request_for_its_prompts_logprobs_runs_its_whole_prompt_past_a_cached_
     assert sched.kv_usage().prefix_hits == 0
 
 
+def test_a_request_scoring_its_prompt_caches_none_of_it_and_none_waits_for_it(engine, monkeypatch):
+    # It never reads the cache, so it leaves nothing there; a request on the same prompt beside
+    # it does not wait for chunk ends it will not cache, and runs as it would alone.
+    from pocketllm.engine.sampling import PromptLogprobs
+
+    prompt = ids(200, 8)
+    cold = generate(engine, prompt, NEW)
+    sched = Scheduler(engine, 2, 400, prefix_cache_bytes=entries(engine, 8))
+    engine.slots.cached.clear()
+    snapshots = []
+    real = engine.slots.snapshot
+    monkeypatch.setattr(engine.slots, "snapshot", lambda *a: snapshots.append(a) or real(*a))
+    scoring = sched.submit(prompt, 0, prompt_logits=PromptLogprobs(prompt, 0))
+    sched.step()
+    plain = sched.submit(prompt, NEW)
+    sched.step()
+    assert plain.slot is not None and scoring.fed < len(prompt), "it waited for the scoring request"
+    slot = plain.slot
+    while sched.has_work:
+        sched.step()
+    assert plain.output == cold and scoring.finish_reason == "length"
+    # Only the plain request's own chunk ends were cached.
+    assert {a[0] for a in snapshots} == {slot}
+
+
 def test_requests_sharing_a_prompt_read_it_once_and_start_from_its_chunk_ends(engine, monkeypatch):
     # A request's n choices (the same prompt three times) and a harness's prompts sharing a
     # context: the later ones wait for the first to cache its chunk ends, then read only the rest,

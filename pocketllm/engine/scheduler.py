@@ -330,8 +330,8 @@ class Scheduler:
             return False
         have = hit.length if hit is not None else 0
         for other in self.running:
-            if other.fed >= len(other.prompt):
-                continue
+            if other.fed >= len(other.prompt) or other.prompt_logits is not None:
+                continue  # past its prompt, or caching none of it
             # The last entry `req` could start from: a lookup leaves it one position to run.
             common = min(len(os.path.commonprefix([req.prompt, other.prompt])), len(req.prompt) - 1)
             end = common // self.chunk * self.chunk
@@ -413,8 +413,11 @@ class Scheduler:
         """Cache the positions `req` has run so far (it has at least a block of them), making
         room under the cache's budget by forgetting the least recently used. Batch-invariant, only
         at the end of one of its prompt's chunks that ends on a multiple of the chunk: what any
-        request with this prefix computes there in its own prompt's chunks, bit for bit."""
-        if self.prefix is None or req.fed < self.slots.block_size or self.closed:
+        request with this prefix computes there in its own prompt's chunks, bit for bit. Not a
+        request that keeps its prompt's logits: it never reads the cache (a hit would skip the rows
+        it scores), and an evaluation harness sends thousands of them, each of whose chunk ends
+        would copy a sequence's state (147 MiB at the 27B) and push out prefixes others read."""
+        if self.prefix is None or req.fed < self.slots.block_size or self.closed or req.prompt_logits is not None:
             return
         if self.invariant and (req.fed > len(req.prompt) or req.fed % self.chunk):
             return
