@@ -97,6 +97,25 @@ def test_an_entrys_state_copies_live_on_a_mapping_of_their_own_that_its_eviction
     assert not mapped(base)
 
 
+def test_a_prefix_is_cached_in_the_heap_when_no_mapping_can_be_made(engine, monkeypatch):
+    # The system's mappings run out (vm.max_map_count): the copies come from the heap, and a slot
+    # restored from them runs on as the cached sequence does.
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    seq = ids(110, 9)
+    engine.reserve_slots(2, 300)
+    feed(engine, seq[:70], slot=0)
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    engine.slots.snapshot(0, 5, 70)
+    monkeypatch.undo()
+    want = feed(engine, seq[70:], 70, slot=0)
+    engine.slots.restore(1, 5)
+    torch.testing.assert_close(feed(engine, seq[70:], 70, slot=1), want, atol=0, rtol=0)
+
+
 def test_a_request_for_its_prompts_logprobs_runs_its_whole_prompt_past_a_cached_prefix(engine):
     # A cached prefix would skip the positions whose logits score the prompt: such a request takes
     # no hit, and its logprobs are the ones a cold pass gives.

@@ -118,7 +118,12 @@ class Slots:
         back), and its memory goes back to the system when it is evicted."""
         if self.device.type != "cpu":
             return [state.save() for state in states]
-        arena = host_memory.Arena(host_memory.Arena.room([t for state in states for t in state.tensors()]))
+        try:
+            arena = host_memory.Arena(host_memory.Arena.room([t for state in states for t in state.tensors()]))
+        except OSError:
+            # Out of mappings (vm.max_map_count: a model of tiny state with a pool of many
+            # thousand blocks could cache that many prefixes): copies in the heap still serve.
+            return [state.save() for state in states]
         return [state.save(arena.like) for state in states]
 
     def restore(self, slot: int, entry: int, take: bool = False) -> None:
