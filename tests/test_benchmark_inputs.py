@@ -24,6 +24,7 @@ import long_context  # noqa: E402
 import quant_accuracy  # noqa: E402
 import quant_kernels  # noqa: E402
 import serve_load  # noqa: E402
+import serve_memory  # noqa: E402
 import shared_prompt  # noqa: E402
 import switch_ab  # noqa: E402
 import tp_ab  # noqa: E402
@@ -85,6 +86,8 @@ CASES = [
     (serve_load, ["--json", "/nope/x.json"], "/nope"),
     (serve_load, ["--clients", "1,0"], "--clients"),
     (serve_load, ["--requests-per-client", "0"], "--requests-per-client"),
+    (serve_memory, ["--clients", "0"], "--clients"),
+    (serve_memory, ["--max-len", "600"], "--max-len"),
     (vs_vllm, ["--ckpt", "x", "--results", "/nope/r.json"], "/nope"),
     (vs_vllm, ["--ckpt", "x", "--num-prompts", "0"], "--num-prompts"),
     (gemm_cache_memory, ["--prompts", "1"], "--prompts"),
