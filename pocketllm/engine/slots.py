@@ -116,15 +116,15 @@ class Slots:
         their own, so that an entry, long-lived among a pass's short-lived buffers, never holds
         glibc's heap apart (a server's memory grew by half again in that slack and never came
         back), and its memory goes back to the system when it is evicted."""
-        if self.device.type != "cpu":
-            return [state.save() for state in states]
-        try:
-            arena = host_memory.Arena(host_memory.Arena.room([t for state in states for t in state.tensors()]))
-        except OSError:
-            # Out of mappings (vm.max_map_count: a model of tiny state with a pool of many
-            # thousand blocks could cache that many prefixes): copies in the heap still serve.
-            return [state.save() for state in states]
-        return [state.save(arena.like) for state in states]
+        like = torch.empty_like
+        if self.device.type == "cpu":
+            try:
+                like = host_memory.Arena(host_memory.Arena.room([t for state in states for t in state.tensors()])).like
+            except OSError:
+                # Out of mappings (vm.max_map_count: a model of tiny state with a pool of many
+                # thousand blocks could cache that many prefixes): copies in the heap still serve.
+                pass
+        return [state.save(like) for state in states]
 
     def restore(self, slot: int, entry: int, take: bool = False) -> None:
         """Start the sequence in `slot` (released) from prefix cache entry `entry`, as if it had
