@@ -33,45 +33,46 @@ def split_reasoning(text: str, open_: bool) -> tuple[str | None, str]:
 class ReasoningStream:
     """A streamed answer cut into reasoning and content as split_reasoning cuts the whole: each
     piece's share of each, text that could still begin a tag (or be the newlines after `</think>`)
-    held back until it cannot."""
+    held back until it cannot. Only the held-back text is kept and searched: a piece costs its own
+    length, not the answer's."""
 
     def __init__(self, open_: bool):
-        self.text = ""
-        # Where the text stands: "start" (no block yet, one may open), "reasoning", "content".
+        # "start" (no block yet, one may open), "reasoning", "after" (the newlines after the
+        # closing tag), "content".
         self.state = "reasoning" if open_ else "start"
-        self.open_ = open_
-        self.sent_reasoning = self.sent_content = 0  # how much of each has gone out
+        self.held = ""
 
     def feed(self, piece: str) -> tuple[str, str]:
-        """(reasoning, content) to send now, the text so far with `piece`."""
-        self.text += piece
-        return self._release(final=False)
+        """(reasoning, content) to send now, with `piece`."""
+        self.held += piece
+        reasoning = content = ""
+        if self.state == "start":
+            stripped = self.held.lstrip()
+            if OPEN.startswith(stripped):
+                return "", ""  # only whitespace, or what may yet be the opening tag
+            if stripped.startswith(OPEN):
+                self.state, self.held = "reasoning", stripped[len(OPEN) :]
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            end = self.held.find(CLOSE)
+            if end < 0:
+                keep = ends_in_start_of(self.held, CLOSE)
+                reasoning, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+                return reasoning, ""
+            reasoning, self.state, self.held = self.held[:end], "after", self.held[end + len(CLOSE) :]
+        if self.state == "after":
+            self.held = self.held.lstrip("\n")
+            if self.held:
+                self.state = "content"
+        if self.state == "content":
+            content, self.held = self.held, ""
+        return reasoning, content
 
     def finish(self) -> tuple[str, str]:
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> tuple[str, str]:
-        reasoning, content = self._split(final)
-        out = reasoning[self.sent_reasoning :], content[self.sent_content :]
-        self.sent_reasoning, self.sent_content = len(reasoning), len(content)
-        return out
-
-    def _split(self, final: bool) -> tuple[str, str]:
-        """The reasoning and content that can be told now (all of both when final)."""
-        text = self.text
-        if not self.open_:
-            stripped = text.lstrip()
-            if not final and OPEN.startswith(stripped):
-                return "", ""  # only whitespace, or what may yet be the opening tag
-            if not stripped.startswith(OPEN):
-                return "", text
-            text = stripped[len(OPEN) :]
-        end = text.find(CLOSE)
-        if end < 0:
-            if final:
-                return text, ""
-            return text[: len(text) - ends_in_start_of(text, CLOSE)], ""
-        content = text[end + len(CLOSE) :]
-        if not final and not content.strip("\n"):
-            return text[:end], ""  # the newlines after the tag may go on
-        return text[:end], content.lstrip("\n")
+        """What is still held, once the answer is whole: reasoning cut before its end, or text
+        that turned out to begin no tag."""
+        held, self.held = self.held, ""
+        if self.state == "reasoning":
+            return held, ""
+        return "", "" if self.state == "after" else held

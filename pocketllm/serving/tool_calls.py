@@ -20,10 +20,10 @@ import json
 import re
 import uuid
 
+from pocketllm.serving.reasoning import CLOSE as CLOSE_REASONING
 from pocketllm.serving.text import ends_in_start_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_THINK_END = "</think>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -34,8 +34,8 @@ def split_tool_calls(text: str, tools: list[dict], first_only: bool = False) -> 
     function: {name, arguments as a JSON string}}) and the content before them (None where blank);
     (text, []) where it holds none, or a block that does not parse. first_only: the first call
     alone (parallel_tool_calls false)."""
-    start = text.rfind(_THINK_END)
-    start = 0 if start < 0 else start + len(_THINK_END)
+    start = text.rfind(CLOSE_REASONING)
+    start = 0 if start < 0 else start + len(CLOSE_REASONING)
     at = text.find(OPEN, start)
     if at < 0:
         return text, []
@@ -110,32 +110,43 @@ def _typed(value: str, schema) -> object:
 
 
 class ToolCallStream:
-    """A streamed answer's content as it may be sent: the text up to a tool call's opening tag, the
-    end of it held back while it could still be that tag's beginning; from the tag on, everything
-    waits for the end (finish), which parses it."""
+    """A streamed answer's content as it may be sent: the text up to a tool call's opening tag (the
+    first after a reasoning block's end), the end of it held back while it could still be that
+    tag's beginning; from the tag on, everything waits for the end (finish), which parses it. Only
+    the held text's new part is searched: a piece costs its own length, not the answer's."""
 
     def __init__(self, tools: list[dict], first_only: bool = False):
         self.tools, self.first_only = tools, first_only
-        self.text, self.sent = "", 0
+        self.pieces: list[str] = []  # the whole answer, for finish to parse
+        self.held = ""  # not sent yet
+        self.sent = 0  # characters sent
+        self.opened = -1  # where in `held` a call's opening tag begins
+        self.searched = 0  # how much of `held` has been searched for either tag
 
     def feed(self, piece: str) -> str:
         """What of the text so far (with `piece`) can go out as content now."""
-        self.text += piece
-        at = self.text.find(OPEN, self._searched_from())
-        end = at if at >= 0 else len(self.text) - ends_in_start_of(self.text, OPEN)
-        out, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
+        self.pieces.append(piece)
+        self.held += piece
+        # A tag may straddle the searched part's end.
+        think = self.held.rfind(CLOSE_REASONING, max(0, self.searched - len(CLOSE_REASONING) + 1))
+        after = 0 if think < 0 else think + len(CLOSE_REASONING)
+        if think >= 0:
+            self.opened = -1  # a tag inside the reasoning opened no call
+        if self.opened < 0:
+            self.opened = self.held.find(OPEN, max(after, self.searched - len(OPEN) + 1))
+        end = self.opened if self.opened >= 0 else len(self.held) - ends_in_start_of(self.held, OPEN)
+        out, self.held = self.held[:end], self.held[end:]
+        self.sent += end
+        self.searched = len(self.held)
+        self.opened = 0 if self.opened >= 0 else -1
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
         """(the content not yet sent, the calls) once the answer is whole."""
-        content, calls = split_tool_calls(self.text, self.tools, self.first_only)
+        content, calls = split_tool_calls("".join(self.pieces), self.tools, self.first_only)
         if not calls:
-            return self.text[self.sent :], []
+            return self.held, []
         return (content or "")[self.sent :], calls
-
-    def _searched_from(self) -> int:
-        think = self.text.rfind(_THINK_END)
-        return 0 if think < 0 else think + len(_THINK_END)
 
 
 def with_parsed_arguments(messages: list[dict]) -> list[dict]:
