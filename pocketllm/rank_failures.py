@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 from pocketllm import stdout_gone
@@ -25,6 +26,9 @@ ENV_REPORT = "POCKETLLM_LAUNCH_REPORT"
 _CONSEQUENCE = {"timeout": 2, "peer": 3}
 # The report of a rank whose stdout lost its reader (pocketllm/stdout_gone.py): no failure to name.
 STDOUT_GONE = "stdout-gone"
+# The report of a failure the rank words whole (serve's HTTP process gone): the launcher's line is
+# the one the same command prints without a launcher, whatever the world size.
+OWN_LINE = "own-line"
 
 # Where this rank is, for the line a failed collective leaves.
 _where = {"place": "starting", "timeout_s": None}
@@ -122,6 +126,16 @@ def leave_report(kind: str, line: str) -> None:
         pass
 
 
+def fail_with(line: str) -> int:
+    """End this rank's command with `line` as the run's last line: left for the launcher, or
+    printed where none started the rank. Returns the exit status (1)."""
+    if env_value(os.environ, ENV_REPORT):
+        leave_report(OWN_LINE, line)
+    else:
+        print(f"pocketllm: error: {line}", file=sys.stderr, flush=True)
+    return 1
+
+
 def report_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"rank{rank}.report")
 
@@ -156,6 +170,8 @@ def failed_rank_line(rank: int, code: int | None, report: dict | None, stopped: 
     status is the launcher's signal, not its own failure. `backend`: the run's collectives'."""
     if report and report["kind"] == "usage":
         return f"pocketllm: error: {report['line']}", 2
+    if report and report["kind"] == OWN_LINE:
+        return f"pocketllm: error: {report['line']}", 1
     if report and report["kind"] == STDOUT_GONE:
         # Nothing to say to a reader that left, as a single process would say nothing.
         return "", stdout_gone.EXIT_STATUS

@@ -13,6 +13,7 @@ import contextlib
 import http.client
 import io
 import json
+import os
 import re
 import signal
 import time
@@ -177,6 +178,8 @@ def started(text_ckpt, tmp_path_factory):
     # (An engine failure on rank 0 itself: tests/test_serve_engine.py.)
     runs["dead-rank"] = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", 2, "--port", 0, "--max-len", 64,
                               tmp_path=tmp_path_factory.mktemp("serve-dead-rank"), env={"POCKETLLM_FAULT": "rank=1,at=decode,kind=kill"})
+    runs["http-dies"] = start("serve", "--ckpt", text_ckpt, "--dtype", "float32", "--tp-world", 2, "--port", 0, "--max-len", 64,
+                              tmp_path=tmp_path_factory.mktemp("serve-http-dies"))
     try:
         yield runs
     finally:
@@ -528,6 +531,21 @@ def test_a_dead_rank_ends_the_server_with_the_launchers_line(started):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
     assert run.wait(timeout=20) == 1
     assert re.search(r"rank 1 failed \(killed by signal SIGKILL\)", run.last_line), run.stderr
+    assert_nothing_left(run, within=2)
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_http_process_ends_the_server_with_one_line_as_at_tp1(started):
+    """The HTTP process killed under a TP=2 server: the ranks end, and the launcher's one line is
+    the one serve prints at TP=1 (not that line and then a second naming rank 0's exit code)."""
+    run = started["http-dies"]
+    run.line_time("serving ", timeout=START_TIMEOUT_S)
+    http = [pid for pid in tagged(run.tag) if b"pocketllm.serving.http_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(http) == 1, http
+    os.kill(http[0], signal.SIGKILL)
+    assert run.wait(timeout=20) == 1, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == ["pocketllm: error: the HTTP process ended before the server was stopped (exit status -9)"], run.stderr
     assert_nothing_left(run, within=2)
 
 

@@ -10,6 +10,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from pocketllm import rank_failures
 from pocketllm.commands.ranked import run_with_model
 from pocketllm.commands.settings import model_run_plan
 from pocketllm.engine.budgets import DEFAULT_KV_FRACTION, DEFAULT_PREFILL_BUDGET, PREFIX_CACHE_FRACTION
@@ -290,9 +291,9 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     if driver.unusable is not None:
         raise UsageError(driver.unusable)
     if driver.lost:
-        # The scheduler closed (every other rank's follow ended): one line, no traceback.
-        say(f"pocketllm: error: the HTTP process ended before the server was stopped (exit status {rc})")
-        return 1
+        # The scheduler closed (every other rank's follow ended): one line, no traceback, the
+        # same at any world size.
+        return rank_failures.fail_with(f"the HTTP process ended before the server was stopped (exit status {rc})")
     say(driver.summary())
     say("server stopped")
     return 0
