@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pocketllm.errors import UsageError
+from pocketllm.errors import UsageError, not_a_file
 from pocketllm.quantization import CheckpointQuant, WeightPlan, parse_quantization_config
 
 LINEAR = "linear_attention"
@@ -249,8 +250,10 @@ def read_json(path: Path):
 
 def load_config(ckpt_dir: Path) -> ModelConfig:
     path = Path(ckpt_dir) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"{path}: no config.json in the checkpoint directory")
+    if not_a_file(path):
+        raise ConfigError(f"{path} {not_a_file(path)}")
     return config_from_hf_dict(read_json(path), where=str(path))
 
 

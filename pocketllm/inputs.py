@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pocketllm.config import ModelConfig
-from pocketllm.errors import UsageError
+from pocketllm.errors import UsageError, not_a_file
 
 # The seed's resident-bench prompt, repeated to the requested length.
 BENCH_PATTERN = (100, 264, 4628, 286, 1879, 310, 278, 4221, 13, 576)
@@ -42,8 +42,8 @@ def load_tokenizer(ckpt: str | None, flag: str = "--prompt", instead: str = "pas
     if ckpt is None:
         raise UsageError(f"{flag} needs a checkpoint with tokenizer.json (--ckpt DIR), and presets have none; {instead}")
     path = Path(ckpt) / "tokenizer.json"
-    if not path.is_file():
-        raise UsageError(f"{flag} needs {path}, which does not exist; {instead}")
+    if not_a_file(path):
+        raise UsageError(f"{flag} needs {path}, which {not_a_file(path)}; {instead}")
     return _read_tokenizer(str(path))
 
 

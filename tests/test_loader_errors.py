@@ -10,6 +10,7 @@ process stay covered."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -69,6 +70,29 @@ def test_missing_directory(tmp_path, capsys, no_ranks):
 
 def test_a_file_given_as_the_checkpoint_is_named(tiny_ckpt, capsys, no_ranks):
     generate_error(capsys, tiny_ckpt / "config.json", expect=("config.json is not a directory",))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+@pytest.mark.parametrize("what", ["a directory", "a link to nothing", "a FIFO"])
+def test_a_checkpoint_file_that_is_no_file_says_what_it_is(ckpt_copy, name, what, capsys, no_ranks):
+    """A checkpoint's file replaced by something that cannot be read as one is named for what it
+    is, not said to be absent (and a FIFO is never opened: a read would block)."""
+    path = ckpt_copy / name
+    path.unlink()
+    if what == "a directory":
+        path.mkdir()
+        expect = f"{path} is a directory"
+    elif what == "a link to nothing":
+        path.symlink_to(ckpt_copy / "gone")
+        expect = f"{path} is a symbolic link to {ckpt_copy / 'gone'}, which does not exist"
+    else:
+        os.mkfifo(path)
+        expect = f"{path} is not a regular file"
+    if name == "tokenizer.json":
+        line = usage_error_in_process(capsys, "generate", "--ckpt", ckpt_copy, "--prompt", "hi", "--max-new-tokens", 1)
+        assert f"--prompt needs {expect.replace(f'{path} is', f'{path}, which is')}" in line, line
+    else:
+        generate_error(capsys, ckpt_copy, expect=expect)
 
 
 def test_missing_tensor_named(ckpt_copy, capsys, no_ranks):

@@ -6,11 +6,12 @@ Tensors are read through safetensors slices, so a rank reads only its own part. 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from pocketllm.errors import CheckpointError
+from pocketllm.errors import CheckpointError, not_a_file
 from pocketllm.loader.formats import SCALE_SUFFIX
 
 INDEX = "model.safetensors.index.json"
@@ -68,6 +69,10 @@ class CheckpointReader:
                 raise CheckpointError(f"{index} maps {len(astray)} tensor(s) to a shard that does not hold them: {shown}{more}")
             return {key: self.dir / f for key, f in weight_map.items()}
         if not single.is_file():
+            for path in (single, index):
+                # There, but nothing to read: say what it is rather than that it is absent.
+                if os.path.lexists(path):
+                    raise CheckpointError(f"{path} {not_a_file(path)}")
             if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")):
                 raise CheckpointError(f"{self.dir} has only pickle weights (.bin/.pt); pocketllm reads safetensors only")
             raise CheckpointError(f"{self.dir} has neither {SINGLE} nor {INDEX}")
