@@ -12,12 +12,26 @@ import pytest
 import torch
 from conftest import feed, tiny_engine
 
+from pocketllm import compiled
 from pocketllm.errors import UsageError
 from pocketllm.ops.gemv import kernels as gemv
 from pocketllm.ops.registry import FEW_ROW, ONE_ROW, KernelSet, check_forced
 
 NO_TILES = gemv.amx_unavailable("bfloat16", torch.device("cpu"))
 needs_tiles = pytest.mark.skipif(bool(NO_TILES), reason=NO_TILES)
+
+
+@needs_tiles
+def test_the_avx512f_build_leaves_the_tiles_out(monkeypatch):
+    """POCKETLLM_ISA=avx512f holds the kernels to what a CPU with AVX-512 but not its BF16 runs
+    (Skylake to Ice Lake), and such a CPU has no tiles: a run so held, on this CPU that has them,
+    neither measures nor runs them."""
+    monkeypatch.setenv(compiled.ENV_ISA, "avx512f")
+    lib, why = compiled.load(gemv.SOURCE, signatures=gemv._SIGNATURES)
+    assert lib is not None, why
+    assert lib.amx_bf16_enable() == 0
+    monkeypatch.setenv(compiled.ENV_ISA, "native")
+    assert compiled.load(gemv.SOURCE, signatures=gemv._SIGNATURES)[0].amx_bf16_enable() == 1
 
 
 @needs_tiles
