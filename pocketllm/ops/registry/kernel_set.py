@@ -258,6 +258,11 @@ class KernelSet:
             out.append(doc)
         return out
 
+    def runs(self, c: Choice, weight) -> str:
+        """What `weight`'s calls of choice `c` run once bound: its chosen kernel, or what bind()
+        gives instead (the one-row choice's few-row form, or "NAME per row")."""
+        return self._instead(c).get(key_of(c.kind, weight), c.kernel_for(weight))
+
     def _instead(self, c: Choice) -> dict:
         """The keys of a few-row choice `c` whose calls bind() gives another kernel, and what they
         run: the few-row form of the one-row choice, or that kernel on each row in turn."""
