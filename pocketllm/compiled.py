@@ -38,9 +38,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # Extra flags that turn the wider instruction sets off, so that every path a kernel source compiles
 # (its #if branches) can be built and checked on one machine: for tests, benchmarks and ENV_ISA.
 # avx512f stands for the CPUs with AVX-512 but not its BF16 (Skylake to Ice Lake), which have no
-# AMX either: POCKETLLM_NO_AMX leaves the tile kernels out (a define, where -mno-amx-tile would
+# AMX either: NO_AMX_TILES leaves the tile kernels out (a define, where -mno-amx-tile would
 # fail the build on compilers older than AMX).
-ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16", "-DPOCKETLLM_NO_AMX"), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
+ISA_FLAGS = {"native": (), "avx512f": ("-mno-avx512bf16", "-DNO_AMX_TILES"), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 # Forces one of ISA_FLAGS' builds on every kernel (default native): the narrower x86 paths run,
 # and are tested, on a CPU with wider ones. It only turns paths off, so on a CPU that lacks the
 # named set the kernels are built for what the CPU has.

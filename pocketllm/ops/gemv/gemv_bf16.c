@@ -591,8 +591,8 @@ int gemm_rows_wide_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64
  * multiply-adds where an AVX-512 BF16 dot product does 32: at eight rows the AVX-512 tile above is
  * limited by its arithmetic, the AMX one by memory. */
 /* AVX-512 too: a build with AVX turned off keeps the AMX macros but not their intrinsics. */
-/* POCKETLLM_NO_AMX: the AVX-512-without-BF16 build (compiled.py's ISA_FLAGS) leaves them out. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__) && !defined(POCKETLLM_NO_AMX)
+/* NO_AMX_TILES: the AVX-512-without-BF16 build (compiled.py's ISA_FLAGS) leaves them out. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__) && !defined(NO_AMX_TILES)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
