@@ -1,4 +1,4 @@
-"""Batch invariance (bf16, the default; in process at TP=1): what a sequence's rows get does not
+"""Batch invariance (bf16, the default, and int4 weights; in process at TP=1): what a sequence's rows get does not
 depend on what else a pass holds. A decode row's logits are bit for bit the same alone, beside
 other decode rows and beside other prompts' chunks; a prompt chunk's the same alone and packed
 with others; and through the scheduler a request's every logits row is the same alone, among
@@ -22,6 +22,7 @@ from pocketllm.ops.gemv import panels
 from pocketllm.ops.registry import layout
 from pocketllm.ops.registry.kinds import FEW, ONE, kind_for, weight_format
 from pocketllm.presets import get_preset
+from pocketllm.quantization import WeightPlan, parse_scheme
 
 torch.set_num_threads(2)
 
@@ -35,17 +36,22 @@ LENGTHS = (1, 60, 5, 70, 100, 33)
 PARAMS = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=5)] * 3
 
 
-@pytest.fixture(scope="module", params=["rows", "panels"])
+@pytest.fixture(scope="module", params=["rows", "panels", "int4-g32"])
 def engine(request):
     """The measured kernels (tests/test_gemv.py checks the one-row kernel run row by row, where no
     few-row kernel sums like it), the bf16 weights held as loaded and in panels
-    (tests/test_panels.py; where the CPU has no AVX2, panels are not offered)."""
+    (tests/test_panels.py; where the CPU has no AVX2, panels are not offered), and quantized at
+    load to int4 in groups of 32 (whose measured kernels may round x to int8, as llama.cpp's do)."""
     if request.param == "panels" and panels.unavailable():
         pytest.skip(f"panels: {panels.unavailable()}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(layout.ENV, request.param)
-        engine = tiny_engine(torch.bfloat16, cfg=WIDE)
-    assert engine.layout.layout == request.param
+    if request.param.startswith("int"):
+        engine = tiny_engine(torch.bfloat16, cfg=dataclasses.replace(WIDE, weights=WeightPlan(parse_scheme(request.param))))
+        assert weight_format(engine.model.layers[0].mlp.down.weight) == request.param
+    else:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(layout.ENV, request.param)
+            engine = tiny_engine(torch.bfloat16, cfg=WIDE)
+        assert engine.layout.layout == request.param
     engine.prefill_chunk = CHUNK
     return engine
 

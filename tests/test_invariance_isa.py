@@ -5,8 +5,10 @@ ONEDNN_MAX_CPU_ISA and MKL's MKL_ENABLE_INSTRUCTIONS for the fp32 GEMM, read onc
 starts), so that a CPU with wider paths also checks what a Skylake or an AVX2-only CPU runs. A
 set the CPU does not report is skipped, and so is the one the CPU's own build is (the suite's own
 run of tests/test_invariance.py covers it). The kernels are forced, not measured: the compiled
-one-row and few-row kernels (the batch-invariant ones) and torch's GEMM in the weight's dtype,
-whose rows on these paths need not get the same bits in calls of other row counts."""
+one-row and few-row kernels (the batch-invariant ones; for int4 weights the ones that widen them,
+whose builds tests/test_quant_kernels.py needs anyway) and torch's GEMM in the weight's dtype (on
+the weights widened, for int4), whose rows on these paths need not get the same bits in calls of
+other row counts."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ NARROWER = {
     "avx512f": ("avx512f", {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}),
     "avx2": ("avx2", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
 }
-KERNELS = "one-row=c,few-row=c,many-row=mm"
+KERNELS = "one-row=c,few-row=c,many-row=mm,int4-one-row=c,int4-few-row=c,int4-many-row=dequant-bf16"
 
 
 def why_not(isa: str) -> str | None:
