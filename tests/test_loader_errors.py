@@ -72,13 +72,13 @@ def test_a_file_given_as_the_checkpoint_is_named(tiny_ckpt, capsys, no_ranks):
     generate_error(capsys, tiny_ckpt / "config.json", expect=("config.json is not a directory",))
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json", "generation_config.json"])
 @pytest.mark.parametrize("what", ["a directory", "a link to nothing", "a FIFO"])
 def test_a_checkpoint_file_that_is_no_file_says_what_it_is(ckpt_copy, name, what, capsys, no_ranks):
     """A checkpoint's file replaced by something that cannot be read as one is named for what it
     is, not said to be absent (and a FIFO is never opened: a read would block)."""
     path = ckpt_copy / name
-    path.unlink()
+    path.unlink(missing_ok=True)
     if what == "a directory":
         path.mkdir()
         expect = f"{path} is a directory"
@@ -148,6 +148,10 @@ def test_sharded_checkpoint_loads_as_the_preset_runs_and_absent_shard_is_named(s
     (sharded / shards[-1]).unlink()
     r = run_cli("generate", "--ckpt", sharded, "--token-ids", PROMPT, "--max-new-tokens", 4, "--dtype", "float32")
     assert_usage_error(r, "absent", shards[-1])
+    # There, but no file: named for what it is.
+    (sharded / shards[-1]).mkdir()
+    usage_error_in_process(capsys, "generate", "--ckpt", sharded, "--token-ids", PROMPT, "--max-new-tokens", 4,
+                           expect=f"names shard(s) that are no file to read: {shards[-1]} (is a directory)")
 
 
 def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it_and_the_run_says_so(sharded, tmp_path, capsys):

@@ -60,6 +60,9 @@ class CheckpointReader:
                 raise CheckpointError(f"{index} names shard(s) outside the checkpoint directory: {', '.join(outside[:3])}")
             missing = sorted({f for f in weight_map.values() if not (self.dir / f).is_file()})
             if missing:
+                there = [f"{f} ({not_a_file(self.dir / f)})" for f in missing if os.path.lexists(self.dir / f)]
+                if there:
+                    raise CheckpointError(f"{index} names shard(s) that are no file to read: {', '.join(there)}")
                 raise CheckpointError(f"{index} names shard(s) that are absent: {', '.join(missing)}")
             held = {f: set(self._check_readable(self.dir / f)) for f in sorted(set(weight_map.values()))}
             astray = sorted(key for key, f in weight_map.items() if key not in held[f])
