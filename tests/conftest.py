@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 # session sets, _use_a_private_cache); every CLI call a test makes, in a subprocess or in this
 # process, runs without them.
 UNSET_FOR_CLI = tuple(name for name in (*SETTINGS, *ALIASES.values(), *RENAMED) if name != compiled.ENV_CACHE_DIR)
+# Those of them the developer's environment held when the session started.
+EXPORTED = {name: os.environ[name] for name in UNSET_FOR_CLI if name in os.environ}
 
 # Every CLI run a test starts in a subprocess (run_cli, start) is `python -m pocketllm ARGS` plus one
 # check: a process about to start ranks must not have imported torch (a launcher checks the run and
@@ -206,12 +208,18 @@ def main_in_process(*argv) -> int:
     """`pocketllm ARGS` called in this process (no interpreter or torch start); its exit code. What
     main() may change in this process is put back so later tests do not inherit it: a single-rank
     run gives itself every core (device.setup_device), and logging.basicConfig adds a root handler
-    holding this test's captured stderr when pytest's logging plugin is off."""
+    holding this test's captured stderr when pytest's logging plugin is off. A setting the
+    developer exported is left out of the call, as run_cli leaves it out of a subprocess's; one
+    the test set itself stays."""
     threads = torch.get_num_threads()
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
-        return cli.main([str(a) for a in argv])
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in EXPORTED.items():
+                if os.environ.get(name) == value:
+                    mp.delenv(name)
+            return cli.main([str(a) for a in argv])
     except SystemExit as exc:
         # argparse refuses a flag by exiting from inside main().
         return exc.code
