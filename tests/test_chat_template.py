@@ -108,6 +108,20 @@ def test_a_template_that_refuses_the_messages_is_a_400_with_its_words():
     assert err.value.status == 400 and err.value.param == "messages" and "must alternate" in err.value.message
 
 
+def test_a_developer_message_is_the_system_prompt_to_a_template_without_that_role():
+    """OpenAI's "developer" role renders as the system prompt where the template knows only
+    "system" (as Qwen3.5's, which raises on any other role), and as itself where it names it."""
+    strict = ("{%- for m in messages %}{%- if m.role not in ['system', 'user', 'assistant'] %}"
+              "{{ raise_exception('Unexpected message role.') }}{%- endif %}"
+              "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}")
+    chat = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ChatTemplate(strict).render(chat, add_generation_prompt=False) == ChatTemplate(strict).render(as_system, add_generation_prompt=False)
+    assert "<|im_start|>system\nBe brief." in ChatTemplate(strict).render(chat, add_generation_prompt=False)
+    naming = strict.replace("['system', 'user', 'assistant']", "['system', 'developer', 'user', 'assistant']")
+    assert "<|im_start|>developer\nBe brief." in ChatTemplate(naming).render(chat, add_generation_prompt=False)
+
+
 def test_loaded_from_tokenizer_config_or_chat_template_jinja(tmp_path):
     assert load_chat_template(str(tmp_path)) is None
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")

@@ -39,6 +39,10 @@ class ChatTemplate:
         self._jinja = jinja2
         self.template = env.from_string(source)
         self.special_tokens = dict(special_tokens or {})
+        # OpenAI's "developer" role is its newer name for the system prompt. Templates that do not
+        # name it (Qwen3.5's among them) refuse it as an unknown role or leave it out, so there it
+        # reaches the template as "system", as vLLM and llama.cpp pass it.
+        self.takes_developer = "developer" in source
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None, continue_final: bool = False,
                tools: list[dict] | None = None) -> str:
@@ -48,8 +52,11 @@ class ChatTemplate:
         continue_final: the text ends where the final message's text does (its turn left open),
         as transformers' continue_final_message renders it. tools: the request's, as given (the
         template renders them as transformers' apply_chat_template passes them). An assistant
-        message's tool calls reach it with their arguments as objects."""
+        message's tool calls reach it with their arguments as objects; a "developer" message
+        reaches a template that does not name that role as "system"."""
         chat = [{k: v for k, v in m.items() if v is not None} for m in with_parsed_arguments(messages)]
+        if not self.takes_developer:
+            chat = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in chat]
         if continue_final:
             chat[-1] = _marked(chat[-1])
         variables = {**self.special_tokens, **(extra or {})}
