@@ -142,6 +142,13 @@ def test_defaults_and_nulls():
     assert chat(max_completion_tokens=7).max_tokens == 7
     g = completion(prompt=[[5, 6, 7]], stop="\n", stream=True, stream_options={"include_usage": True}, seed=3, n=1, user="u")
     assert (g.prompt, g.stop, g.include_usage, g.sampling.seed) == ([5, 6, 7], ("\n",), True, 3)
+    # A null asks for nothing, under any name: OpenAI's fields this server does not take, written
+    # out as null by clients that send every field, are no error; given a value, they are.
+    assert chat(functions=None, audio=None, prediction=None).prompt == chat().prompt
+    assert completion(suffix=None).prompt == completion().prompt
+    with pytest.raises(ApiError) as err:
+        chat(functions=[])
+    assert err.value.status == 400 and err.value.param == "functions"
 
 
 def test_a_request_is_one_generation_per_choice_numbered_as_vllm_numbers_them():

@@ -12,12 +12,14 @@ from pocketllm.serving.errors import ApiError, bad
 
 def known_fields(body, known: set[str], neutral: dict, absent_only: frozenset = frozenset()) -> dict:
     """The body's fields, nulls left out (an explicit null means the default, as in OpenAI's API):
-    any name outside `known`, a name of `neutral` at another value than its (a value or a type, or
-    a tuple of values), or a name of `absent_only` given, is a 400 naming it."""
+    any name outside `known` given a value, a name of `neutral` at another value than its (a value
+    or a type, or a tuple of values), or a name of `absent_only` given, is a 400 naming it. A null
+    asks for nothing, whatever its name: clients that write out every field of OpenAI's (as null
+    where unset) send fields this server does not take."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    for name in body:
-        if name not in known:
+    for name, value in body.items():
+        if name not in known and value is not None:
             raise bad(f"unrecognized request argument {name!r}: this server takes {', '.join(sorted(known))}", name)
     fields = {k: v for k, v in body.items() if v is not None}
     for name, value in neutral.items():
