@@ -449,6 +449,10 @@ def test_bad_requests_answer_4xx_json_and_the_next_succeeds(server, expected):
     for name, (status, text) in raw.items():
         assert 400 <= status < 500 and set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, (name, text)
     assert raw["no API key"][0] == 401 and raw["wrong API key"][0] == 401
+    # A path's wrong method: 405 naming the ones it takes, in the Allow header HTTP asks for.
+    conn, r = server.open("GET", "/v1/completions")
+    with contextlib.closing(conn):
+        assert r.status == 405 and r.getheader("Allow") == "POST" and set(json.loads(r.read())["error"]) == {"message", "type", "param", "code"}
     # The scheme's name is case-insensitive (RFC 7235).
     conn = server.connect()
     with contextlib.closing(conn):

@@ -62,7 +62,8 @@ def build_app(served: Served) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        # Its headers too: a 405's Allow names the methods the path takes.
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
     if served.api_key is not None:
         app.add_middleware(ApiKeyCheck, key=served.api_key)
