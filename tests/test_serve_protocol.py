@@ -140,6 +140,11 @@ def test_defaults_and_nulls():
     assert completion(prompt="x" * 90).max_tokens == 10
     assert chat().max_tokens == 98
     assert chat(max_completion_tokens=7).max_tokens == 7
+    # Both at one value are one ask (a client forwarding one as the other); at two they are a 400.
+    assert chat(max_completion_tokens=7, max_tokens=7).max_tokens == 7
+    with pytest.raises(ApiError) as err:
+        chat(max_completion_tokens=7, max_tokens=8)
+    assert err.value.param == "max_completion_tokens" and "differ" in err.value.message
     g = completion(prompt=[[5, 6, 7]], stop="\n", stream=True, stream_options={"include_usage": True}, seed=3, n=1, user="u")
     assert (g.prompt, g.stop, g.include_usage, g.sampling.seed) == ([5, 6, 7], ("\n",), True, 3)
     # A null asks for nothing, under any name: OpenAI's fields this server does not take, written

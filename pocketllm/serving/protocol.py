@@ -141,8 +141,9 @@ def parse_chat(body, limits: Limits, render) -> list[Generation]:
     add_special_tokens, tools) -> token ids, the chat template applied."""
     fields = known_fields(body, _CHAT, {**_NEUTRAL, **_CHAT_NEUTRAL}, _ABSENT_ONLY)
     messages = checked_messages(fields)
-    if "max_tokens" in fields and "max_completion_tokens" in fields:
-        raise bad("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    # Both may come from a client that forwards one as the other: at one value they are one ask.
+    if "max_tokens" in fields and "max_completion_tokens" in fields and fields.pop("max_tokens") != fields["max_completion_tokens"]:
+        raise bad("max_tokens and max_completion_tokens differ: give one of them, or both at one value", "max_completion_tokens")
     max_param = "max_tokens"
     if "max_completion_tokens" in fields:
         fields["max_tokens"], max_param = fields.pop("max_completion_tokens"), "max_completion_tokens"
