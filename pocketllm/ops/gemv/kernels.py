@@ -76,12 +76,13 @@ _SIGNATURES = {
 
 
 def _compiled_library() -> tuple[ctypes.CDLL | None, str]:
-    global _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv, _configured
+    global _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv, _configured, _amx_enabled
     lib, why = compiled.load(SOURCE, signatures=_SIGNATURES)
     # Each library object once: a process whose build changes (another POCKETLLM_ISA or cache
     # directory, as tests run) gets a new one, whose entry points then take over.
     if lib is not None and lib is not _configured:
         _configured = lib
+        _amx_enabled = None  # this build's own answer: one held to AVX-512F has no tiles
         _c_gemv, _c_gemv_group, _amx_gemm_rows, _amx_gemv = lib.gemv_bf16, lib.gemv_bf16_group, lib.gemm_rows_amx_bf16, lib.gemv_amx_bf16
         _c_rows.update(
             gemm_rows_bf16=lib.gemm_rows_bf16, gemm_rows_next_bf16=lib.gemm_rows_next_bf16, gemm_rows_wide_bf16=lib.gemm_rows_wide_bf16,
