@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
 from conftest import main_in_process, usage_error_in_process
+
+from pocketllm.commands import serve
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -91,3 +94,18 @@ def test_listening_beyond_this_machine_without_a_key_is_said():
         assert exposure_note(host, "k") is None
     for host in ("127.0.0.1", "::1", "127.0.0.2"):
         assert exposure_note(host, None) is None, host
+
+
+def test_every_flag_reaches_the_servers_settings(monkeypatch, tiny_ckpt):
+    """Each of serve's flags, at a value other than its default, is the one its run plan holds
+    (--reasoning-parser was parsed and then left out, so it did nothing)."""
+    given = dict(host="127.0.0.2", port=8123, max_running=3, max_len=96, prefill_budget=77, kv_cache_gib=0.5,
+                 enable_prefix_caching=False, api_key="k", served_model_name="m", generation_config="none", reasoning_parser="qwen3")
+    assert set(given) == {f.name for f in dataclasses.fields(serve.Task)}
+    assert all(getattr(serve.Task(), k) != v for k, v in given.items())
+    plans = []
+    monkeypatch.setattr(serve, "execute", lambda plan: plans.append(plan) or 0)
+    argv = ["--no-enable-prefix-caching" if k == "enable_prefix_caching" else f"--{k.replace('_', '-')}={v}"
+            for k, v in given.items()]
+    assert main_in_process("serve", "--ckpt", tiny_ckpt, *argv) == 0
+    assert plans[0].task == serve.Task(**given)

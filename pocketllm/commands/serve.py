@@ -8,7 +8,7 @@ import argparse
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pocketllm import rank_failures
 from pocketllm.commands.ranked import run_with_model
@@ -301,10 +301,8 @@ def _work(run, plan, settings: dict, engine, device) -> int:
 
 def run(args) -> int:
     api_key = args.api_key if args.api_key is not None else (env_value(os.environ, ENV_API_KEY) or None)
-    task = Task(
-        args.host, args.port, args.max_running, args.max_len, args.prefill_budget, args.kv_cache_gib, args.enable_prefix_caching, api_key,
-        args.served_model_name, args.generation_config,
-    )
+    # Every setting by its flag's name, so none is left out (--reasoning-parser was).
+    task = Task(**{f.name: getattr(args, f.name) for f in fields(Task)} | {"api_key": api_key})
     return execute(model_run_plan(args, task))
 
 
