@@ -45,7 +45,8 @@ class _Server(uvicorn.Server):
             auth = "API key required" if served.api_key else "no authentication"
             # An IPv6 address is bracketed in a URL (http://[::1]:8000).
             where = f"[{host}]" if ":" in host else host
-            print(f"serving {served.limits.model} on http://{where}:{port} (max_len={served.limits.max_len}, {auth})",
+            reasoning = f", reasoning parser {served.limits.reasoning_parser}" if served.limits.reasoning_parser else ""
+            print(f"serving {served.limits.model} on http://{where}:{port} (max_len={served.limits.max_len}, {auth}{reasoning})",
                   file=sys.stderr, flush=True)
             note = exposure_note(host, served.api_key)
             if note:
