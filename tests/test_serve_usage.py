@@ -24,8 +24,10 @@ from pocketllm.commands import serve
     (["--kv-cache-gib", "inf"], "--kv-cache-gib must be a number > 0, got inf"),
     (["--max-running", "100000000"], "the sequences' linear-attention state (--max-running 100000000: "),
     (["--kv-cache-gib", "1000000"], "and the KV pool (--kv-cache-gib 1e+06) per rank take"),
+    (["--allowed-origins", "http://a.example,localhost:3000"], "--allowed-origins: 'localhost:3000' is not an origin"),
+    (["--allowed-origins", "https://a.example/app"], "--allowed-origins: 'https://a.example/app' is not an origin"),
 ], ids=["preset", "port", "max-running", "prefill-budget", "max-len-small", "max-len-big", "api-key", "host", "kv-inf",
-        "slots-past-host", "pool-past-host"])
+        "slots-past-host", "pool-past-host", "origin-no-scheme", "origin-path"])
 def test_bad_flags_are_one_line(capsys, no_ranks, tiny_ckpt, args, expect):
     ckpt = [] if args[0] == "--preset" else ["--ckpt", tiny_ckpt]
     usage_error_in_process(capsys, "serve", *ckpt, *args, "--tp-world", 2, expect=expect)
@@ -100,7 +102,8 @@ def test_every_flag_reaches_the_servers_settings(monkeypatch, tiny_ckpt):
     """Each of serve's flags, at a value other than its default, is the one its run plan holds
     (--reasoning-parser was parsed and then left out, so it did nothing)."""
     given = dict(host="127.0.0.2", port=8123, max_running=3, max_len=96, prefill_budget=77, kv_cache_gib=0.5,
-                 enable_prefix_caching=False, api_key="k", served_model_name="m", generation_config="none", reasoning_parser="qwen3")
+                 enable_prefix_caching=False, api_key="k", served_model_name="m", generation_config="none", reasoning_parser="qwen3",
+                 allowed_origins="http://localhost:3000")
     assert set(given) == {f.name for f in dataclasses.fields(serve.Task)}
     assert all(getattr(serve.Task(), k) != v for k, v in given.items())
     plans = []

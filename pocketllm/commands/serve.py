@@ -66,6 +66,9 @@ def add_arguments(p) -> None:
     )
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request (default: env POCKETLLM_API_KEY, which keeps "
                    "the key out of the process list; unset: no authentication)")
+    s.add_argument("--allowed-origins", default="",
+                   help="origins whose web pages may call this server (CORS), comma-separated (https://app.example,http://localhost:3000), "
+                   "or * for any (default: none, so a browser refuses a page of another origin the answers)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint directory's name)")
     s.add_argument(
         "--generation-config",
@@ -98,6 +101,7 @@ class Task:
     served_model_name: str | None = None
     generation_config: str = "auto"
     reasoning_parser: str | None = None
+    allowed_origins: str = ""
 
 
 def _prepare(run, plan) -> dict:
@@ -132,6 +136,7 @@ def _prepare(run, plan) -> dict:
         _check_host_memory(t, plan, run.world.size)
     if t.api_key is not None and not t.api_key.strip():
         raise UsageError(f"--api-key (or {ENV_API_KEY}) must not be empty")
+    origins(t.allowed_origins)
     _check_listen(t.host, t.port)
     from pathlib import Path
 
@@ -279,7 +284,7 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     proc, link = start_http({
         "ckpt": ckpt, "host": t.host, "port": t.port, "model": settings["model"], "max_len": settings["max_len"],
         "vocab": plan.cfg.vocab_size, "eos_ids": tuple(plan.cfg.eos_token_ids), "api_key": t.api_key,
-        "sampling_defaults": defaults, "reasoning_parser": t.reasoning_parser,
+        "sampling_defaults": defaults, "reasoning_parser": t.reasoning_parser, "allowed_origins": origins(t.allowed_origins),
     })
     driver = EngineDriver(scheduler, link)
     with stop_on_signals(driver.request_stop) as wake_fd:
@@ -297,6 +302,16 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     say(driver.summary())
     say("server stopped")
     return 0
+
+
+def origins(flag: str) -> tuple[str, ...]:
+    """--allowed-origins as a list: each an origin (scheme://host[:port], no path) or *."""
+    found = tuple(o.strip() for o in flag.split(",") if o.strip())
+    for o in found:
+        scheme, sep, rest = o.partition("://")
+        if o != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+            raise UsageError(f"--allowed-origins: {o!r} is not an origin: give scheme://host[:port] (https://app.example), or *")
+    return found
 
 
 def run(args) -> int:

@@ -49,6 +49,8 @@ class Served:
     engine: EngineClient
     api_key: str | None = None
     created: int = 0
+    # Origins whose web pages may call this server (CORS): () none, ("*",) any.
+    allowed_origins: tuple[str, ...] = ()
 
 
 def build_app(served: Served) -> FastAPI:
@@ -67,6 +69,12 @@ def build_app(served: Served) -> FastAPI:
 
     if served.api_key is not None:
         app.add_middleware(ApiKeyCheck, key=served.api_key)
+    if served.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Added last, so outermost: a browser's preflight (OPTIONS, which carries no key) is
+        # answered before the key check, and a refusal carries the headers its page needs to read it.
+        app.add_middleware(CORSMiddleware, allow_origins=list(served.allowed_origins), allow_methods=["*"], allow_headers=["*"])
 
     # HEAD too: load balancers and container health checks probe with it.
     @app.api_route("/health", methods=["GET", "HEAD"])

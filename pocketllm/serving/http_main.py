@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
         eos_ids=tuple(s["eos_ids"]),
         engine=client,
         api_key=s["api_key"],
+        allowed_origins=tuple(s["allowed_origins"]),
     )
     return serve(served, s["host"], s["port"])
 
