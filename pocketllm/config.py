@@ -239,7 +239,11 @@ def eos_token_ids(eos, vocab_size: int, where: str) -> tuple[int, ...]:
 
 
 def read_json(path: Path):
-    """A checkpoint's JSON file, parsed; one line naming it when it cannot be read or is not JSON."""
+    """A checkpoint's JSON file, parsed; one line naming it when it cannot be read (a directory, a
+    FIFO, which would block the read, or a link to nothing named for what it is) or is not JSON."""
+    why = not_a_file(path)
+    if why:
+        raise ConfigError(f"{path} {why}")
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
@@ -252,8 +256,6 @@ def load_config(ckpt_dir: Path) -> ModelConfig:
     path = Path(ckpt_dir) / "config.json"
     if not os.path.lexists(path):
         raise ConfigError(f"{path}: no config.json in the checkpoint directory")
-    if not_a_file(path):
-        raise ConfigError(f"{path} {not_a_file(path)}")
     return config_from_hf_dict(read_json(path), where=str(path))
 
 

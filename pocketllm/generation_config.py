@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pocketllm.config import ConfigError, eos_token_ids, read_json
-from pocketllm.errors import not_a_file
 
 FILE = "generation_config.json"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -37,8 +36,6 @@ def read_generation_config(ckpt_dir, vocab_size: int) -> GenerationConfig:
     path = Path(ckpt_dir) / FILE
     if not os.path.lexists(path):
         return GenerationConfig()
-    if not_a_file(path):
-        raise ConfigError(f"{path} {not_a_file(path)}")
     raw = read_json(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")

@@ -42,8 +42,9 @@ def load_tokenizer(ckpt: str | None, flag: str = "--prompt", instead: str = "pas
     if ckpt is None:
         raise UsageError(f"{flag} needs a checkpoint with tokenizer.json (--ckpt DIR), and presets have none; {instead}")
     path = Path(ckpt) / "tokenizer.json"
-    if not_a_file(path):
-        raise UsageError(f"{flag} needs {path}, which {not_a_file(path)}; {instead}")
+    why = not_a_file(path)
+    if why:
+        raise UsageError(f"{flag} needs {path}, which {why}; {instead}")
     return _read_tokenizer(str(path))
 
 

@@ -136,7 +136,7 @@ def _prepare(run, plan) -> dict:
         _check_host_memory(t, plan, run.world.size)
     if t.api_key is not None and not t.api_key.strip():
         raise UsageError(f"--api-key (or {ENV_API_KEY}) must not be empty")
-    origins(t.allowed_origins)
+    allowed_origins = origins(t.allowed_origins)
     _check_listen(t.host, t.port)
     from pathlib import Path
 
@@ -144,7 +144,7 @@ def _prepare(run, plan) -> dict:
     # A pass's rows are allocated at start: more than every slot's whole length is never read.
     budget = min(t.prefill_budget, t.max_running * max_len)
     return {"max_len": max_len, "model": name, "sampling_defaults": _sampling_defaults(t, ckpt, plan.cfg.vocab_size),
-            "prefill_budget": budget}
+            "prefill_budget": budget, "allowed_origins": allowed_origins}
 
 
 def _sampling_defaults(t: Task, ckpt: str, vocab: int) -> tuple:
@@ -284,7 +284,7 @@ def _work(run, plan, settings: dict, engine, device) -> int:
     proc, link = start_http({
         "ckpt": ckpt, "host": t.host, "port": t.port, "model": settings["model"], "max_len": settings["max_len"],
         "vocab": plan.cfg.vocab_size, "eos_ids": tuple(plan.cfg.eos_token_ids), "api_key": t.api_key,
-        "sampling_defaults": defaults, "reasoning_parser": t.reasoning_parser, "allowed_origins": origins(t.allowed_origins),
+        "sampling_defaults": defaults, "reasoning_parser": t.reasoning_parser, "allowed_origins": settings["allowed_origins"],
     })
     driver = EngineDriver(scheduler, link)
     with stop_on_signals(driver.request_stop) as wake_fd:

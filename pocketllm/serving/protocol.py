@@ -142,8 +142,9 @@ def parse_chat(body, limits: Limits, render) -> list[Generation]:
     fields = known_fields(body, _CHAT, {**_NEUTRAL, **_CHAT_NEUTRAL}, _ABSENT_ONLY)
     messages = checked_messages(fields)
     # Both may come from a client that forwards one as the other: at one value they are one ask.
-    if "max_tokens" in fields and "max_completion_tokens" in fields and fields.pop("max_tokens") != fields["max_completion_tokens"]:
-        raise bad("max_tokens and max_completion_tokens differ: give one of them, or both at one value", "max_completion_tokens")
+    if "max_tokens" in fields and "max_completion_tokens" in fields:
+        if fields.pop("max_tokens") != fields["max_completion_tokens"]:
+            raise bad("max_tokens and max_completion_tokens differ: give one of them, or both at one value", "max_completion_tokens")
     max_param = "max_tokens"
     if "max_completion_tokens" in fields:
         fields["max_tokens"], max_param = fields.pop("max_completion_tokens"), "max_completion_tokens"
