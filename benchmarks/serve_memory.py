@@ -25,6 +25,8 @@ from pathlib import Path
 from common import Parser, checkpoint_dir, machine, positive_float, script
 from serve_load import start_server, stop_server
 
+from pocketllm.serving.metrics import parse
+
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi "
          "omega").split()
 # Characters of a prompt: 600 tokens with make-checkpoint's byte-level tokenizer.
@@ -53,9 +55,8 @@ def cached_prefixes(addr: str) -> str:
     host, port = addr.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    found = [line.split()[-1] for line in text.splitlines() if line.startswith("pocketllm_prefix_cache_entries")]
-    return found[0] if found else "-"
+    entries = parse(conn.getresponse().read().decode()).get("pocketllm_prefix_cache_entries")
+    return "-" if entries is None else f"{entries:.0f}"
 
 
 @script
