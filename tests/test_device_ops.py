@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from device_op_cases import CASES
-from triton_on_cpu import REPO, compile_for_gpu, recorded_launches, run_interpreted
+from triton_on_cpu import REPO, compile_for_gpu, local_memory_bytes, recorded_launches, run_interpreted
 from pocketllm.ops.device import CUSTOM_OPS, TORCH_OPS, _probed, device_ops, kernels, probe
 from pocketllm.profiling.op_count import count_ops
 
@@ -82,18 +82,23 @@ def compiled_or_raise(compiled: list) -> list:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
 def test_each_kernel_compiles_for_a_gpu(case, for_sm90):
-    """The interpreter runs some things the compiler refuses: compile each launch for sm_90."""
+    """The interpreter runs some things the compiler refuses: compile each launch for sm_90. None
+    spills registers to local memory."""
     compiled = compiled_or_raise(for_sm90[case.op])
     assert compiled and all(k.asm["cubin"] for k in compiled)
+    assert [local_memory_bytes(k) for k in compiled] == [0] * len(compiled)
 
 
 def test_decode_attention_compiles_for_the_27b_heads_within_shared_memory(for_sm90):
     """The engine's blocks of 64 positions and the 27B's heads (24 query heads over 4 KV heads of
     256) in bf16 for sm_90, the shares' kernel and the combining one: the shared memory a program
-    takes within the 227 KiB sm_90 allows."""
+    takes within the 227 KiB sm_90 allows, and no local memory: registers spilled there would be
+    read and written in every tile of every decode step (a head of 256 widened to fp32 before its
+    dot did that)."""
     shares, combine = compiled_or_raise(for_sm90["27b-decode-attention"])
     for kernel in (shares, combine):
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+        assert local_memory_bytes(kernel) == 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)

@@ -12,8 +12,10 @@ process sees it."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -145,7 +147,9 @@ def compiled_for_gpu_all(module, calls, arch: int = 90) -> list:
 def recorded_launches(module, calls) -> list:
     """The launches of calls [(launcher, args), ...] of module's kernels (_kernel, and any
     _..._kernel a launcher runs after it), recorded one call at a time with stand-ins in their
-    place, each as what triton.compile takes: (source, options), in launch order."""
+    place, each as what triton.compile takes: (source, options), in launch order. As Triton's
+    launcher does, an argument gets the hint that it is a multiple of 16 (a pointer's address, an
+    int) where it is: the code a GPU runs is compiled with them, and its registers differ without."""
     kernels, recorded = _kernels_of(module), []
     for name, kernel in kernels.items():
         setattr(module, name, _Recorder(recorded, kernel))
@@ -159,21 +163,38 @@ def recorded_launches(module, calls) -> list:
     for kernel, positional, keywords in recorded:
         options = {name: keywords.pop(name) for name in _OPTIONS if name in keywords}
         bound = dict(zip([p.name for p in kernel.params], positional)) | keywords
-        signature, constants = {}, {}
-        for param in kernel.params:
+        signature, constants, hints = {}, {}, {}
+        for i, param in enumerate(kernel.params):
             value = bound[param.name]
             if param.is_constexpr or (type(value) is int and value == 1):
                 signature[param.name], constants[param.name] = "constexpr", value
             elif isinstance(value, torch.Tensor):
                 signature[param.name] = "*" + _TYPES[value.dtype]
+                if value.data_ptr() % 16 == 0:
+                    hints[(i,)] = [["tt.divisibility", 16]]
             elif type(value) is int:
                 signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+                if value % 16 == 0:
+                    hints[(i,)] = [["tt.divisibility", 16]]
             elif type(value) is float:
                 signature[param.name] = "fp32"
             else:
                 raise TypeError(f"{param.name}: no Triton type for {value!r}")
-        launches.append((triton.compiler.ASTSource(kernel, signature, constants), options))
+        launches.append((triton.compiler.ASTSource(kernel, signature, constants, hints), options))
     return launches
+
+
+def local_memory_bytes(compiled) -> int:
+    """Bytes of local memory (register spills, the stack) a thread of a compiled kernel uses, as
+    the CUDA binary utility in Triton's wheel reads its cubin."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = [int(n) for n in re.findall(r"\b(?:STACK|LOCAL):(\d+)", usage)]
+    assert found, usage
+    return max(found)
 
 
 def compile_for_gpu(launches, arch: int = 90, keep_errors: bool = False) -> list:

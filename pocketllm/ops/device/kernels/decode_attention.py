@@ -14,8 +14,13 @@ Both loops' bounds are read from pos inside the kernels: the grids and every sha
 the tables (a share per SPLIT positions they can hold, those past a row's position doing nothing),
 so a captured CUDA graph replays them at any positions.
 
-Each query head's scores are a dot of its q with a tile of keys, in fp32 ("ieee": no TF32, as the
-torch form's fp32 matmul): tl.dot wants 16 rows at least, so the G heads are padded to 16.
+Each query head's scores are a dot of its q with a tile of keys: in fp32 ("ieee": no TF32, as the
+torch form's fp32 matmul) for fp32 rows; for bf16 and fp16 rows a dot of the rows as they are with
+fp32 sums, whose products are exact in fp32, so it differs from the torch form's widened matmul by
+the order of its sums alone. An fp32 dot over the head's whole width (256 on the 27B) is lowered to
+plain FMAs holding both operands' slices per thread, which spill to local memory on a GPU. Under
+Triton's interpreter (the CPU tests) the narrow rows are widened first: its dot multiplies bf16's
+stored bits as integers. tl.dot wants 16 rows at least, so the G heads are padded to 16.
 A row's bits depend on its position alone: not on the other rows of the call, nor on the table's
 width M (the shares it holds are cut at the same places, and only they are combined)."""
 
@@ -37,7 +42,7 @@ SPLIT = 256
 @triton.jit
 def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_ptr, acc_ptr, scale, n, group, heads_kv,
             block_size, splits, q_row, q_head, table_row, table_col,
-            G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr):
+            G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, NARROW: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
     share = tl.program_id(2)
@@ -50,7 +55,9 @@ def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_p
         keys = tl.arange(0, BLOCK_N)
         head = kv * group + g  # [G]: the query heads of this KV head (those past `group` padding)
         q_mask = (g < group)[:, None] & (cols < n)[None, :]
-        q = tl.load(q_ptr + b * q_row + head[:, None] * q_head + cols[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + b * q_row + head[:, None] * q_head + cols[None, :], mask=q_mask, other=0.0)
+        if not NARROW:
+            q = q.to(tl.float32)
         top = tl.full([G], float("-inf"), tl.float32)
         total = tl.zeros([G], tl.float32)
         acc = tl.zeros([G, BLOCK_D], tl.float32)
@@ -63,8 +70,11 @@ def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_p
             rows = (block * heads_kv + kv) * block_size + first % block_size + keys
             kv_mask = live[:, None] & (cols < n)[None, :]
             offsets = rows[:, None] * n + cols[None, :]
-            k = tl.load(k_pool_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, BLOCK_N]
+            k = tl.load(k_pool_ptr + offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if NARROW:
+                s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale  # [G, BLOCK_N]
+            else:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             s = tl.where(live[None, :], s, float("-inf"))
             new_top = tl.maximum(top, tl.max(s, axis=1))
             # A share's first tile holds its first position: new_top is finite from it on, and
@@ -129,6 +139,7 @@ def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
         _kernel[(b, heads_kv, splits)](q, k_pool, v_pool, tables, pos, top, total, acc, scale, n, group, heads_kv, block_size,
                                        splits, q.stride(0), q.stride(1), tables.stride(0), tables.stride(1),
                                        G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
+                                       NARROW=q.dtype == k_pool.dtype and q.dtype in (torch.bfloat16, torch.float16) and not triton.knobs.runtime.interpret,
                                        num_warps=4, enable_fp_fusion=False)
         _combine_kernel[(b, h)](top, total, acc, pos, out, n, h, splits, BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
                                 num_warps=max(1, min(4, block_d // 64)), enable_fp_fusion=False)
