@@ -92,7 +92,13 @@ class GatedAttention(nn.Module):
             else:
                 self.decode_ops.device.write_kv(kv.pool.k, kv.pool.v, kv.table.ids, seq.start, k, v)
         with scope("full_attention"):
-            out = cached_attention(q, k, v, kv, seq.start, self.scale)
+            if seq.rows == 1 and seq.start > 0 and not seq.cpu_forms:
+                # A device's decode row outside a captured step (TP>1, POCKETLLM_CUDA_GRAPH=0): the
+                # step's kernel, reading only the positions the row holds, and its bits.
+                at = torch.full((1,), seq.start, dtype=torch.long, device=q.device)
+                out = self.decode_ops.device.decode_attention_rows(q, kv.pool.k, kv.pool.v, kv.table.ids[None], at, self.scale)
+            else:
+                out = cached_attention(q, k, v, kv, seq.start, self.scale)
         return self._gated(out, gate)
 
     def _attend_rows(self, qkv: torch.Tensor, rows: DecodeRows, pool: KVPool, cpu_forms: bool) -> torch.Tensor:

@@ -76,7 +76,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, pos: int, scale: float) -> to
     q's dtype. One sequence's case of decode_attention_rows, over its table's whole capacity as a
     step of several sequences reads it (a row's sums change with the positions they run over, so
     the two read alike to get alike bits)."""
-    at = torch.tensor([pos], device=q.device)
+    # A fill on the device, not a copy from the host, which would wait for the device's queue.
+    at = torch.full((1,), pos, dtype=torch.long, device=q.device)
     return decode_attention_rows(q[None], kv.pool, kv.table.ids[None], at, scale)[0]
 
 
