@@ -262,4 +262,7 @@ def test_bench_prints_the_kernel_once_and_writes_it_to_json(monkeypatch, capsys,
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdn kernel: ")]
     name = forced or "chunk"
     assert lines == [f"gdn kernel: {name} ({'forced by POCKETLLM_GDN_KERNEL' if forced else 'torch chunked kernel on cpu'})"]
-    assert json.loads(out.read_text())["settings"]["gdn_kernel"] == name
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["gdn_kernel"] == name and "gdn kernel: " + settings["gdn_kernel_line"] == lines[0]
+    # What a device's pass would run between its GEMMs: on a CPU the torch forms, said so.
+    assert settings["device_ops"] == "device ops: torch"

@@ -158,6 +158,8 @@ def _work(run, plan, ids, engine, device) -> int:
                 **run_settings(run, plan, device),
                 "policy": plan.policy.policy.describe(),
                 "gdn_kernel": engine.model.gdn_kernel.name if engine.model.gdn_kernel else None,
+                # With its reason: whether a device's decode rows run the Triton kernel, or why not.
+                "gdn_kernel_line": engine.model.gdn_kernel.describe() if engine.model.gdn_kernel else None,
                 "peak_rss_mib_per_rank": rss,
                 "weights_mib_per_rank": weights,
                 "load_peak_rss_over_baseline_mib_per_rank": load_peak,
@@ -165,6 +167,8 @@ def _work(run, plan, ids, engine, device) -> int:
                 "weights": plan.cfg.weights.describe() if plan.cfg.weights is not None else "unquantized",
                 "kernels": engine.kernels.to_json(),
                 "decode_ops": engine.model.decode_ops.describe(),
+                # What a device's pass runs between its GEMMs: the Triton kernels, or the torch forms and why.
+                "device_ops": engine.model.decode_ops.device.describe(),
                 "decode_step": engine.describe_step(),
             }
             extra = {**({"limits": shares} if shares else {}), **({"kernel_profile": profiled} if profiled else {})}
