@@ -4,9 +4,11 @@ device tests (tests/device) and the device benches, and print one table of what 
     python benchmarks/device_check.py                 # the device torch sees (cuda, else npu)
     python benchmarks/device_check.py --device npu
     python benchmarks/device_check.py --device cpu --quick   # a dry run of this script itself
+    python benchmarks/device_check.py --out DIR      # every step's whole output kept in DIR
 
 Every step runs in its own process with a time limit, so one that hangs or crashes is a FAIL
-row, not the end of the check. A figure that misses its target (the batch-8 step against the
+row, not the end of the check; one past its limit gets Ctrl-C first (pytest then reports the
+tests that finished, and a test's server is stopped by its fixture). A figure that misses its target (the batch-8 step against the
 batch-1 step) is a `miss` row, counted apart: figures are reported, not enforced. Exit status: 0
 when every step passed (skips and misses allowed), 1 when any failed, 2 when there is no such
 device to check.
@@ -18,6 +20,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,9 +28,13 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from common import Parser
-
 REPO = Path(__file__).resolve().parents[1]
+# A checkout that is not installed runs as one that is (a machine with no package index: the
+# packages it lacks carried as wheels and put on PYTHONPATH, docs/devices.md); main() passes the
+# same on to every step.
+sys.path.insert(0, str(REPO))
+
+from common import Parser  # noqa: E402
 
 
 def _version(dist: str) -> str:
@@ -72,9 +79,12 @@ def detect(requested: str) -> tuple[str | None, int]:
 class Table:
     def __init__(self):
         self.rows: list[tuple[str, str, str, float]] = []
+        self.docs: dict[str, object] = {}  # a step's whole result (a bench's --json), for --out
 
-    def add(self, step: str, outcome: str, detail: str, seconds: float) -> None:
+    def add(self, step: str, outcome: str, detail: str, seconds: float, doc: object = None) -> None:
         self.rows.append((step, outcome, detail, seconds))
+        if doc is not None:
+            self.docs[step] = doc
         if outcome != "skip":
             print(f"  {outcome:<7} {step} ({seconds:.1f} s) {detail}", file=sys.stderr, flush=True)
 
@@ -92,15 +102,43 @@ class Table:
             print(f"{step:<{width}}  {outcome:<7} {seconds:6.1f}  {detail}")
 
 
+# Seconds a step past its limit has to end after Ctrl-C, before it is killed (inside its limit).
+GRACE_S = 15
+# --out's log: every step's command, exit and whole output (None: not kept).
+LOG: list | None = None
+
+
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str, float]:
+    """cmd's exit code (None: past its limit), stdout, stderr and seconds. Past timeout - GRACE_S
+    its process group gets Ctrl-C, then SIGKILL once GRACE_S more have passed."""
     t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=None if env is None else {**os.environ, **env})
     try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
-        return r.returncode, r.stdout, r.stderr, time.monotonic() - t0
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        return None, out, err, time.monotonic() - t0
+        out, err = proc.communicate(timeout=max(1.0, timeout - GRACE_S))
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        rc = None
+    # What the step left running in its group (a server whose test was killed) goes with it.
+    _signal_group(proc.pid, signal.SIGKILL)
+    seconds = time.monotonic() - t0
+    if LOG is not None:
+        LOG.append(f"===== {' '.join(cmd)}\n{'' if env is None else f'with {env}'}\nexit {'(past its limit)' if rc is None else rc} "
+                   f"after {seconds:.1f} s\n----- stdout\n{out}\n----- stderr\n{err}\n")
+    return rc, out, err, seconds
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def share(value: float, limit: str) -> str:
@@ -132,7 +170,10 @@ def device_tests(table: Table, timeout: float, kernel_cases: bool = False) -> No
     its JUnit XML."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "device.xml"
-        rc, out, err, seconds = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *device_test_files(kernel_cases)], timeout)
+        # A file that cannot be collected (an import its machine lacks) is a failed row of its
+        # own, not the end of the step's other files.
+        rc, out, err, seconds = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                                      f"--junitxml={xml}", *device_test_files(kernel_cases)], timeout)
         if not xml.exists():
             why = "timed out" if rc is None else f"exit {rc}"
             table.add("tests/device", "FAIL", f"pytest {why}: {_last_line(err or out)}", seconds)
@@ -156,6 +197,26 @@ def device_tests(table: Table, timeout: float, kernel_cases: bool = False) -> No
             table.add("tests/device", "FAIL", "pytest timed out: the rows above are the tests that finished", seconds)
 
 
+def fla_imports(table: Table, timeout: float) -> None:
+    """Whether fla imports (the `cuda` extra): without it both engines' figures are of their torch
+    paths (pocketllm's GDN the torch chunked kernel, transformers' Qwen3.5 its torch forms)."""
+    rc, _, err, seconds = _run([sys.executable, "-c", "import fla.ops.gated_delta_rule"], timeout)
+    if rc == 0:
+        table.add("fla imports", "pass", f"fla-core {_version('fla-core')}", seconds)
+    else:
+        table.add("fla imports", "FAIL", f"{'timed out' if rc is None else _last_line(err)}: the figures below are of both engines' "
+                  f"torch paths (install the cuda extra, or its wheels: docs/devices.md)", seconds)
+
+
+def keep(out: Path, machine: list[str], table: Table) -> None:
+    """--out: the log so far and the table with every step's figures, rewritten after each step
+    (a check cut short keeps what it did)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "device_check.log").write_text("".join(LOG or []))
+    rows = [dict(zip(("step", "result", "detail", "seconds"), row)) for row in table.rows]
+    (out / "results.json").write_text(json.dumps({"machine": machine, "rows": rows, "results": table.docs}, indent=1) + "\n")
+
+
 def gdn_bench(table: Table, kind: str, dtype: str, tokens: int, reps: int, timeout: float) -> None:
     step = f"gdn-bench --device {kind} --dtype {dtype} --tokens {tokens}"
     rc, out, err, seconds = _run([sys.executable, "-m", "pocketllm", "gdn-bench", "--device", kind, "--dtype", dtype, "--tokens", str(tokens), "--reps", str(reps)], timeout)
@@ -166,7 +227,7 @@ def gdn_bench(table: Table, kind: str, dtype: str, tokens: int, reps: int, timeo
     detail = f"device kernel {summary['device_kernel']}"
     if summary["device_kernel_vs_chunked"] is not None:
         detail += f" at {summary['device_kernel_vs_chunked']:.3f}x the torch chunked kernel's time"
-    table.add(step, "pass", f"{detail}; recurrence at {summary['vs_recurrent']:.2f}x; all outputs agree", seconds)
+    table.add(step, "pass", f"{detail}; recurrence at {summary['vs_recurrent']:.2f}x; all outputs agree", seconds, summary)
 
 
 def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float, env: dict | None = None) -> dict | None:
@@ -189,8 +250,10 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
     s, lim = doc["settings"], doc.get("limits", {})
     shares = (f" ({share(lim['prefill_share_of_matmul_limit'], 'matmul limit')})", f" ({share(lim['decode_share_of_memory_limit'], 'memory limit')})") if lim else ("", "")
     ready = f"ready in {doc['ready_seconds']:.0f} s, " if "ready_seconds" in doc else ""
+    # What ran: a device op or kernel that failed its probe leaves the torch forms running, slowly.
     table.add(step, "pass", f"{ready}prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
-                            f"{doc.get('decode_step', '')} {s['decode_step']}, gdn kernel {s['gdn_kernel']}, backend {s['backend']}", seconds)
+                            f"{doc.get('decode_step', '')} {s['decode_step']}, {s['device_ops']}, gdn kernel {s['gdn_kernel_line']}, backend {s['backend']}",
+              seconds, doc)
     # --kernel-profile's tables, as rank 0 printed them.
     for line in (err.splitlines() if "kernel_profile" in doc else []):
         if line.startswith(("kernel profile, ", "  ")):
@@ -228,7 +291,7 @@ def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) ->
     s = json.loads(out.strip().splitlines()[-1])
     parts = [f"{k.removesuffix('_ratio')} {v:.2f}x" for k, v in s.items() if k.endswith("_ratio")]
     parts += [f"{k} {share(v, 'limit')}" for k, v in s.items() if "share" in k]
-    table.add(step, "pass", "; ".join(parts), seconds)
+    table.add(step, "pass", "; ".join(parts), seconds, s)
     for line in out.strip().splitlines()[:-1]:
         print(f"    {line}", file=sys.stderr)
 
@@ -259,7 +322,11 @@ def main(argv=None) -> int:
         help=f"seconds the whole check may take (default 480): each step gets what is left, and a step that would start with "
         f"under {STEP_MIN_S} s left is skipped (the device is lent briefly: the check must end inside its lease)",
     )
+    p.add_argument("--out", type=Path, help="a folder to keep device_check.log (each step's command, exit and whole output) and results.json "
+                   "(the table and each step's figures, a bench's --json document whole) in, rewritten after each step")
     args = p.parse_args(argv)
+    global LOG
+    LOG = [] if args.out is not None else None
     start = time.monotonic()
 
     def left(cap: float) -> float:
@@ -271,7 +338,9 @@ def main(argv=None) -> int:
         for line in describe_machine("cpu"):
             print(line)
         return 2
-    for line in describe_machine(kind):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    machine = describe_machine(kind)
+    for line in machine:
         print(line)
     table = Table()
     tokens = 256 if args.quick else 4096
@@ -284,7 +353,8 @@ def main(argv=None) -> int:
     vs_big = ["--preset", big, "--layers", "4", "--random-weights", "--lengths", str(big_prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2",
               "--kernel-profile"]
     # In the order of what a short lease must not miss.
-    steps = [
+    steps = [("fla imports", lambda: fla_imports(table, left(60)))] if kind == "cuda" else []
+    steps += [
         ("tests/device", lambda: device_tests(table, left(args.timeout))),
         ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
         ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
@@ -314,6 +384,8 @@ def main(argv=None) -> int:
             step()
         except Exception as exc:
             table.add(name, "FAIL", f"device_check could not read its result: {type(exc).__name__}: {exc}"[:200], 0.0)
+        if args.out is not None:
+            keep(args.out, machine, table)
     print()
     table.print()
     failed, missed = table.failed(), table.missed()

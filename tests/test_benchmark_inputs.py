@@ -124,6 +124,17 @@ def test_device_check_without_the_device_says_so_and_exits_2(capsys, monkeypatch
     assert captured.out.startswith("python ") and f"torch {torch.__version__}" in captured.out
 
 
+def test_a_device_check_step_past_its_limit_gets_ctrl_c_first_and_its_output_is_kept(monkeypatch):
+    """A step past its limit is interrupted as by Ctrl-C (pytest then reports the tests that
+    finished, a test's server is stopped by its fixture) before any kill, and what it printed is
+    kept, in --out's log too."""
+    monkeypatch.setattr(device_check, "LOG", [])
+    code = "import time\ntry:\n    print('started', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('reported what finished')\n"
+    rc, out, _, seconds = device_check._run([sys.executable, "-c", code], device_check.GRACE_S + 1)
+    assert rc is None and out == "started\nreported what finished\n" and seconds < device_check.GRACE_S
+    assert "reported what finished" in device_check.LOG[0] and "past its limit" in device_check.LOG[0]
+
+
 def test_depths_past_the_models_positions_are_refused_before_it_loads(capsys, tiny_ckpt):
     line = refused(capsys, long_context.main, ["--ckpt", str(tiny_ckpt), "--depths", "64,40000", "--decode-tokens", "2", "--reps", "2"])
     assert "--depths up to 40000" in line and "over the model's 32768" in line
