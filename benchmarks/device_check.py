@@ -113,7 +113,7 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
     its process group gets Ctrl-C, then SIGKILL once GRACE_S more have passed."""
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=None if env is None else {**os.environ, **env})
+                            preexec_fn=_ctrl_c_heard, env=None if env is None else {**os.environ, **env})
     try:
         out, err = proc.communicate(timeout=max(1.0, timeout - GRACE_S))
         rc = proc.returncode
@@ -132,6 +132,12 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
         LOG.append(f"===== {' '.join(cmd)}\n{'' if env is None else f'with {env}'}\nexit {'(past its limit)' if rc is None else rc} "
                    f"after {seconds:.1f} s\n----- stdout\n{out}\n----- stderr\n{err}\n")
     return rc, out, err, seconds
+
+
+def _ctrl_c_heard() -> None:
+    """In the step's process before it starts: SIGINT's default action, which a check started in
+    the background (`&` in a script) would otherwise pass on ignored, so Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _signal_group(pid: int, sig: int) -> None:
