@@ -8,10 +8,10 @@ device tests (tests/device) and the device benches, and print one table of what 
 
 Every step runs in its own process with a time limit, so one that hangs or crashes is a FAIL
 row, not the end of the check; one past its limit gets Ctrl-C first (pytest then reports the
-tests that finished, and a test's server is stopped by its fixture). A figure that misses its target (the batch-8 step against the
-batch-1 step) is a `miss` row, counted apart: figures are reported, not enforced. Exit status: 0
-when every step passed (skips and misses allowed), 1 when any failed, 2 when there is no such
-device to check.
+tests that finished, and a test's server is stopped by its fixture). A figure that misses its
+target (the batch-8 step against the batch-1 step) is a `miss` row, counted apart: figures are
+reported, not enforced. Exit status: 0 when every step passed (skips and misses allowed), 1 when
+any failed, 2 when there is no such device to check.
 """
 
 from __future__ import annotations
