@@ -297,6 +297,10 @@ def vs_transformers(table: Table, kind: str, args: list[str], timeout: float) ->
     s = json.loads(out.strip().splitlines()[-1])
     parts = [f"{k.removesuffix('_ratio')} {v:.2f}x" for k, v in s.items() if k.endswith("_ratio")]
     parts += [f"{k} {share(v, 'limit')}" for k, v in s.items() if "share" in k]
+    if "greedy_tokens_equal" in s:
+        # From one checkpoint both engines read: tokens apart are worth a look in the log (in bf16
+        # a near tie may part two right engines).
+        parts.append("greedy tokens equal" if s["greedy_tokens_equal"] else "greedy tokens DIFFER (the log has both)")
     table.add(step, "pass", "; ".join(parts), seconds, s)
     for line in out.strip().splitlines()[:-1]:
         print(f"    {line}", file=sys.stderr)

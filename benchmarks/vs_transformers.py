@@ -19,6 +19,7 @@ its own random weights at the preset's shapes on the device (the speeds compare;
 
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
 import sys
@@ -75,6 +76,10 @@ class HFRunner:
         else:
             with torch.device(self.device):
                 self.model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**cfg.to_hf_dict()), dtype=dtype).eval()
+        # The forward's cache argument: `cache` in recent releases, `past_key_values` before (5.17
+        # among them). The other name would go into **kwargs unread, and each step would start
+        # from an empty cache: a decode of one token with no context, timed as a decode.
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def _ids(self, ids) -> torch.Tensor:
         return torch.tensor([ids], device=self.device)
@@ -100,11 +105,15 @@ class HFRunner:
         def steps():
             nonlocal cache
             for _ in range(n):
-                out = self.model(self._ids([tokens[-1]]), cache=cache, use_cache=True)
+                out = self.model(self._ids([tokens[-1]]), **{self.cache_arg: cache}, use_cache=True)
                 cache = out.cache if hasattr(out, "cache") else out.past_key_values
                 tokens.append(int(torch.argmax(out.logits[0, -1])))
 
-        return (measure or self._seconds)(steps), tokens
+        result = (measure or self._seconds)(steps)
+        if cache.get_seq_length() != len(ids) + n:
+            raise RuntimeError(f"transformers' cache holds {cache.get_seq_length()} positions after a prompt of {len(ids)} and {n} steps "
+                               f"(passed as {self.cache_arg!r}): its steps did not go on from it")
+        return result, tokens
 
     def _seconds(self, fn) -> float:
         """Seconds of fn(), device-synchronised at both ends."""
