@@ -5,8 +5,10 @@ summed on its own: the wall time (device-synchronised, as the timed figures are)
 device spent running kernels, their count, and the kernels that took most of it. Busy time far
 below the wall is a pass bound by its launches (Python issuing ops), not by its kernels; the top
 kernels say which of them to make faster. The phase profile (--phase-profile) times the model's
-phases with a synchronisation at each edge; this one does not stop the device, so the busy share
-is the one a user's run gets.
+phases with a synchronisation at each edge; this one does not stop the device, but recording
+each op costs the host a few microseconds, so a pass that launches many small ops from Python
+reads less busy here than in its timed run (a captured graph's replay, one launch, much less so):
+the timed figures are the unprofiled ones.
 
 On CUDA the rows are the device's kernels (and copies), timed by the device; their sum is the busy
 time, which at TP>1 may pass the wall where a collective's kernels on their own stream overlap
