@@ -255,8 +255,10 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
         doc = json.loads(out_json.read_text())
     s, lim = doc["settings"], doc.get("limits", {})
     shares = (f" ({share(lim['prefill_share_of_matmul_limit'], 'matmul limit')})", f" ({share(lim['decode_share_of_memory_limit'], 'memory limit')})") if lim else ("", "")
-    # Triton's cache holds the kernels by this step (the steps before compiled them): a second start's time.
-    ready = f"ready in {doc['ready_seconds']:.0f} s (Triton's cache warm), " if "ready_seconds" in doc else ""
+    # On CUDA, Triton's cache holds the kernels by this step (the steps before compiled them): a
+    # second start's time.
+    warm = " (Triton's cache warm)" if kind == "cuda" else ""
+    ready = f"ready in {doc['ready_seconds']:.0f} s{warm}, " if "ready_seconds" in doc else ""
     # What ran: a device op or kernel that failed its probe leaves the torch forms running, slowly.
     table.add(step, "pass", f"{ready}prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
                             f"{doc.get('decode_step', '')} {s['decode_step']}, {s['device_ops']}, gdn kernel {s['gdn_kernel_line']}, backend {s['backend']}",
