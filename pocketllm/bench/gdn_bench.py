@@ -145,10 +145,13 @@ def _variants(spec: GdnBenchSpec, inputs, device_kernel=None):
         from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
     except ImportError:
         return variants
-    # transformers takes [B, T, H, D] with q, k at key heads and always scales q by Dk**-0.5
-    # itself, so it gets the unscaled (still normalised) q.
-    q_hf = (q.float() * q.shape[-1] ** 0.5).to(q.dtype)[None]
-    k_hf, v_hf, g_hf, b_hf = k[None], v[None], g[None], beta[None]
+    # transformers takes [B, T, H, D] and always scales q by Dk**-0.5 itself, so it gets the
+    # unscaled (still normalised) q. q and k go at value heads, each key head repeated for its
+    # group, as its layer passes them up to 5.17 (later releases group them in the function, and
+    # take them repeated alike).
+    groups = v.shape[1] // k.shape[1]
+    q_hf = (q.float() * q.shape[-1] ** 0.5).to(q.dtype).repeat_interleave(groups, dim=1)[None]
+    k_hf, v_hf, g_hf, b_hf = k.repeat_interleave(groups, dim=1)[None], v[None], g[None], beta[None]
 
     def transformers_call(fn):
         def call():
