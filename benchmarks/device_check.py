@@ -365,6 +365,9 @@ def main(argv=None) -> int:
     # With each engine's kernels by device time, side by side: where the 27B layers' time goes.
     vs_big = ["--preset", big, "--layers", "4", "--random-weights", "--lengths", str(big_prompt), "--decode-tokens", "16" if args.quick else "64", "--reps", "2",
               "--kernel-profile"]
+    # Four of the 27B's layers; 128 decode steps a run (each step a few milliseconds): the batch-8
+    # against batch-1 ratio divides two runs' single timings, which 32 steps would leave noisy.
+    batch_flags = ["--layers", "4", "--max-new-tokens", "32" if args.quick else "128"]
     # In the order of what a short lease must not miss.
     steps = [("fla imports", lambda: fla_imports(table, left(60)))] if kind == "cuda" else []
     steps += [
@@ -374,9 +377,9 @@ def main(argv=None) -> int:
         ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
         # Eight sequences' decode rows a step (the captured graphs' bucket 8 on a GPU) against one
         # sequence's, at four layers of the 27B's shapes.
-        ("bench batch 1 and 8", lambda: batch_scaling(table, kind, big, batch_prompt, ["--layers", "4"], lambda: left(args.timeout))),
+        ("bench batch 1 and 8", lambda: batch_scaling(table, kind, big, batch_prompt, batch_flags, lambda: left(args.timeout))),
         # Batch 8 asked for batch invariance (a device's batch-invariant shape): what it costs.
-        ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, big, batch_prompt, ["--layers", "4", "--batch", "8"], left(args.timeout),
+        ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, big, batch_prompt, [*batch_flags, "--batch", "8"], left(args.timeout),
                                                          {"POCKETLLM_BATCH_INVARIANT": "1"})),
         ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), kernel_cases=True)),
         ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
