@@ -190,7 +190,11 @@ def device_tests(table: Table, timeout: float, kernel_cases: bool = False) -> No
             problem = next((case.find(tag) for tag in ("failure", "error") if case.find(tag) is not None), None)
             skipped = case.find("skipped")
             if problem is not None:
-                table.add(name, "FAIL", (problem.get("message") or "").splitlines()[0][:200] if problem.get("message") else "", float(case.get("time", 0)))
+                # A file that could not be collected says only "collection failure": its error's
+                # last line (an import the machine lacks) says why.
+                message = (problem.get("message") or "").strip()
+                why = _last_line(problem.text or "") if message in ("", "collection failure") else message.splitlines()[0][:200]
+                table.add(name, "FAIL", why, float(case.get("time", 0)))
             elif skipped is not None:
                 # One row per reason: the other device's tests skip here by design.
                 reason = (skipped.get("message") or "").removeprefix("Skipped: ")[:200]

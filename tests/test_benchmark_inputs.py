@@ -135,6 +135,20 @@ def test_a_device_check_step_past_its_limit_gets_ctrl_c_first_and_its_output_is_
     assert "reported what finished" in device_check.LOG[0] and "past its limit" in device_check.LOG[0]
 
 
+def test_a_device_test_file_that_cannot_be_imported_is_a_row_naming_why_and_the_rest_still_run(monkeypatch, tmp_path):
+    """tests/device on a machine that lacks a package one file imports: that file is a FAIL row
+    with the import's error, and the other files' tests still run, each a row."""
+    (tmp_path / "test_lacks.py").write_text("import no_such_package_here\n\n\ndef test_never():\n    pass\n")
+    (tmp_path / "test_runs.py").write_text("def test_runs():\n    pass\n")
+    monkeypatch.setattr(device_check, "device_test_files", lambda kernel_cases: [str(tmp_path / "test_lacks.py"), str(tmp_path / "test_runs.py")])
+    table = device_check.Table()
+    device_check.device_tests(table, 60)
+    rows = {step: (outcome, detail) for step, outcome, detail, _ in table.rows}
+    assert rows["test_runs::test_runs"] == ("pass", "")
+    failed = [(step, detail) for step, (outcome, detail) in rows.items() if outcome == "FAIL"]
+    assert len(failed) == 1 and "No module named 'no_such_package_here'" in failed[0][1], rows
+
+
 def test_depths_past_the_models_positions_are_refused_before_it_loads(capsys, tiny_ckpt):
     line = refused(capsys, long_context.main, ["--ckpt", str(tiny_ckpt), "--depths", "64,40000", "--decode-tokens", "2", "--reps", "2"])
     assert "--depths up to 40000" in line and "over the model's 32768" in line
