@@ -125,6 +125,28 @@ def test_a_bad_token_or_too_many_rows_is_refused_before_the_step_runs(monkeypatc
         fixed.step.rows([1] * 5, [60] * 5, [0, 1, 2, 3, 0])
 
 
+def test_reserving_slots_says_the_buckets_the_step_now_holds(monkeypatch):
+    """The step line said at load knows no buckets (no slots yet): once the slots are reserved and
+    the step prepared for them, the engine says it again with them, once."""
+    from pocketllm.engine import decode_step
+
+    class Uncaptured(GraphStep):
+        why_not = staticmethod(lambda model: "")
+
+        def __init__(self, engine):
+            super().__init__(engine, capture=False)
+
+    monkeypatch.setattr(decode_step, "BACKENDS", (("cuda graph", Uncaptured),))
+    engine = tiny_engine(torch.float32)
+    said = []
+    engine.say = said.append
+    assert engine.describe_step() == "decode step: fixed buffers, uncaptured"
+    engine.reserve_slots(3, 100)
+    assert [line for line in said if line.startswith("decode step: ")] == ["decode step: fixed buffers, uncaptured (B buckets 1,2,3)"]
+    engine.reserve_slots(3, 100)
+    assert len([line for line in said if line.startswith("decode step: ")]) == 1
+
+
 def test_a_step_backend_that_cannot_get_ready_leaves_the_layers_path_saying_why(monkeypatch):
     from pocketllm.engine import decode_step
 

@@ -176,13 +176,16 @@ class Engine:
         if hasattr(self.step, "prepare"):
             # A captured step is captured now, for these slots, not on the first request; one
             # that cannot be leaves the layers' path, saying why.
+            said = self.describe_step()
             try:
                 self.step.prepare()
             except Exception as exc:  # any failure to capture or check the step: do not trust it
                 self.step_choice = decode_step.failed(self.step_choice, exc)
                 self.step = None
-                if self.say is not None:
-                    self.say(self.describe_step())
+            # What the step holds now (a captured step's buckets, set for these slots), where the
+            # line said at load could not know it.
+            if self.say is not None and self.describe_step() != said:
+                self.say(self.describe_step())
 
     def warm_up_shapes(self, slot: int = 0) -> None:
         """One untimed pass of each row-count class a device's kernels compile for (Triton
