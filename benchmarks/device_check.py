@@ -159,30 +159,36 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-# The device tests that hold each Triton kernel to its torch form case by case (dozens of kernel
-# variants to compile on a cold cache): run after the figures, so a short lease gets those first.
-# The engine's own device tests (runs, oracle, graphs, serve, the GDN kernels) run before.
+# tests/device in three steps. The engine's own device tests (runs against the oracle, the
+# captured graphs, the GDN kernels) come first; after the figures, so that a short lease gets
+# those, the serve tests (two servers, each first start compiling fla's kernels for the model's
+# heads) and the files that hold each Triton kernel to its torch form case by case (dozens of
+# kernel variants to compile on a cold cache).
+SERVE = ("test_serve_on_cuda.py",)
 KERNEL_CASES = ("test_device_ops_on_cuda.py", "test_gated_delta_rows_on_cuda.py", "test_decode_attention_on_cuda.py")
 
 
-def device_test_files(kernel_cases: bool) -> list[str]:
-    """tests/device's files: the kernel case files, or every other one."""
-    files = sorted(Path("tests/device").glob("test_*.py"))
-    return [str(f) for f in files if (f.name in KERNEL_CASES) == kernel_cases]
+def device_test_files(group: str) -> list[str]:
+    """tests/device's files of a group: "serve", "kernel cases", or "engine" (every other one)."""
+    files = sorted((REPO / "tests" / "device").glob("test_*.py"))
+    named = {"serve": SERVE, "kernel cases": KERNEL_CASES}
+    if group in named:
+        return [str(f) for f in files if f.name in named[group]]
+    return [str(f) for f in files if f.name not in SERVE + KERNEL_CASES]
 
 
-def device_tests(table: Table, timeout: float, kernel_cases: bool = False) -> None:
-    """tests/device under pytest (its kernel case files, or the rest), one row per test, read from
-    its JUnit XML."""
+def device_tests(table: Table, timeout: float, group: str = "engine") -> None:
+    """A group of tests/device's files under pytest (device_test_files), one row per test, read
+    from its JUnit XML."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "device.xml"
         # A file that cannot be collected (an import its machine lacks) is a failed row of its
         # own, not the end of the step's other files.
         rc, out, err, seconds = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                                      f"--junitxml={xml}", *device_test_files(kernel_cases)], timeout)
+                                      f"--junitxml={xml}", *device_test_files(group)], timeout)
         if not xml.exists():
             why = "timed out" if rc is None else f"exit {rc}"
-            table.add("tests/device", "FAIL", f"pytest {why}: {_last_line(err or out)}", seconds)
+            table.add(f"tests/device {group}", "FAIL", f"pytest {why}: {_last_line(err or out)}", seconds)
             return
         skips: dict[str, int] = {}
         for case in ET.parse(xml).getroot().iter("testcase"):
@@ -202,9 +208,9 @@ def device_tests(table: Table, timeout: float, kernel_cases: bool = False) -> No
             else:
                 table.add(name, "pass", "", float(case.get("time", 0)))
         for reason, n in skips.items():
-            table.add(f"tests/device: {n} test(s)", "skip", reason, 0.0)
+            table.add(f"tests/device {group}: {n} test(s)", "skip", reason, 0.0)
         if rc is None:
-            table.add("tests/device", "FAIL", "pytest timed out: the rows above are the tests that finished", seconds)
+            table.add(f"tests/device {group}", "FAIL", "pytest timed out: the rows above are the tests that finished", seconds)
 
 
 def fla_imports(table: Table, timeout: float) -> None:
@@ -378,7 +384,7 @@ def main(argv=None) -> int:
     # In the order of what a short lease must not miss.
     steps = [("fla imports", lambda: fla_imports(table, left(60)))] if kind == "cuda" else []
     steps += [
-        ("tests/device", lambda: device_tests(table, left(args.timeout))),
+        ("tests/device engine", lambda: device_tests(table, left(args.timeout))),
         ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
         ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
         ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
@@ -388,7 +394,8 @@ def main(argv=None) -> int:
         # Batch 8 asked for batch invariance (a device's batch-invariant shape): what it costs.
         ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, big, batch_prompt, [*batch_flags, "--batch", "8"], left(args.timeout),
                                                          {"POCKETLLM_BATCH_INVARIANT": "1"})),
-        ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), kernel_cases=True)),
+        ("tests/device serve", lambda: device_tests(table, left(args.timeout), "serve")),
+        ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), "kernel cases")),
         ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
         ("bench tp1 host profile", lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], left(args.timeout))),
         ("gdn-bench float32", lambda: gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, left(args.timeout))),

@@ -140,7 +140,7 @@ def test_a_device_test_file_that_cannot_be_imported_is_a_row_naming_why_and_the_
     with the import's error, and the other files' tests still run, each a row."""
     (tmp_path / "test_lacks.py").write_text("import no_such_package_here\n\n\ndef test_never():\n    pass\n")
     (tmp_path / "test_runs.py").write_text("def test_runs():\n    pass\n")
-    monkeypatch.setattr(device_check, "device_test_files", lambda kernel_cases: [str(tmp_path / "test_lacks.py"), str(tmp_path / "test_runs.py")])
+    monkeypatch.setattr(device_check, "device_test_files", lambda group: [str(tmp_path / "test_lacks.py"), str(tmp_path / "test_runs.py")])
     table = device_check.Table()
     device_check.device_tests(table, 60)
     rows = {step: (outcome, detail) for step, outcome, detail, _ in table.rows}

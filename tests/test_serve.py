@@ -135,10 +135,10 @@ def start_server(text_ckpt, world: int, tmp_path, *flags):
                  env={"POCKETLLM_API_KEY": KEY})
 
 
-def ready(run, world: int) -> Server:
-    """The started server once it says it is serving (killed if it never does)."""
+def ready(run, world: int, timeout: float = START_TIMEOUT_S) -> Server:
+    """The started server once it says it is serving (killed if it never does within `timeout`)."""
     try:
-        run.line_time("serving ", timeout=START_TIMEOUT_S)
+        run.line_time("serving ", timeout=timeout)
     except AssertionError:
         run.proc.kill()
         raise
@@ -153,10 +153,10 @@ def stop(run) -> None:
     assert_nothing_left(run, within=5)
 
 
-def serving(text_ckpt, world: int, tmp_path, *flags):
+def serving(text_ckpt, world: int, tmp_path, *flags, start_timeout: float = START_TIMEOUT_S):
     """A server of the text checkpoint at `world` ranks, for a module's tests; stopped after."""
     run = start_server(text_ckpt, world, tmp_path, *flags)
-    yield ready(run, world)
+    yield ready(run, world, start_timeout)
     stop(run)
 
 

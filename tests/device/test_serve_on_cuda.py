@@ -22,9 +22,14 @@ from test_serve import KEY, MAX_LEN, MODEL, NEW, PROMPTS, ready, serving, stop, 
 pytestmark = pytest.mark.skipif(cuda_count() == 0, reason="no CUDA device")
 
 
+# A server's first start on a machine compiles fla's kernels for this model's head sizes (about
+# 90 s cold) and the engine's Triton kernels, and captures its graphs, before it serves.
+DEVICE_START_S = 240
+
+
 @pytest.fixture(scope="module")
 def cuda_server(text_ckpt, tmp_path_factory):  # noqa: F811
-    yield from serving(text_ckpt, 1, tmp_path_factory.mktemp("serve-cuda"), "--device", "cuda", "--max-running", 8)
+    yield from serving(text_ckpt, 1, tmp_path_factory.mktemp("serve-cuda"), "--device", "cuda", "--max-running", 8, start_timeout=DEVICE_START_S)
 
 
 def _complete(server, prompt: str) -> tuple[list[int], str | None]:
@@ -32,7 +37,7 @@ def _complete(server, prompt: str) -> tuple[list[int], str | None]:
     return r.choices[0].model_extra["token_ids"], r.choices[0].finish_reason
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_serve_on_cuda_decodes_on_the_graphs(cuda_server, text_ckpt, tokenizer):  # noqa: F811
     assert "decode step: cuda graph (B buckets 1,2,4,8)" in cuda_server.run.stderr, cuda_server.run.stderr
     alone = {p: _complete(cuda_server, p) for p in PROMPTS}
@@ -41,13 +46,15 @@ def test_serve_on_cuda_decodes_on_the_graphs(cuda_server, text_ckpt, tokenizer):
                     "--max-new-tokens", NEW, timeout=300)
         assert r.returncode == 0, r.stderr
         assert (ids, reason) == (generated_ids(r.stdout), "length"), prompt
+    # Eight at once, twice: every answer whole. Their tokens are not compared: by default a device
+    # promises no batch invariance (which requests share a pass, and the bucket a step replays,
+    # follow the requests' timing, and a bf16 near tie can go either way); the test below holds the
+    # batch-invariant shape to it.
     load = PROMPTS * 2
-    answers = []
     for _ in range(2):
         with concurrent.futures.ThreadPoolExecutor(len(load)) as pool:
-            answers.append(list(pool.map(lambda p: _complete(cuda_server, p), load)))
-    assert all(len(ids) == NEW and reason == "length" for ids, reason in answers[0])
-    assert answers[0] == answers[1]
+            answers = list(pool.map(lambda p: _complete(cuda_server, p), load))
+        assert all(len(ids) == NEW and reason == "length" for ids, reason in answers), answers
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +68,11 @@ def tokenizer(text_ckpt):  # noqa: F811
 def invariant_server(text_ckpt, tmp_path_factory):  # noqa: F811
     run = start("serve", "--ckpt", text_ckpt, "--tp-world", 1, "--port", 0, "--max-len", MAX_LEN, "--api-key", KEY, "--device", "cuda",
                 "--max-running", 8, tmp_path=tmp_path_factory.mktemp("serve-cuda-invariant"), env={"POCKETLLM_BATCH_INVARIANT": "1"})
-    yield ready(run, 1)
+    yield ready(run, 1, DEVICE_START_S)
     stop(run)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_asked_for_batch_invariance_concurrent_answers_are_the_lone_ones(invariant_server):
     """The device's batch-invariant shape (one captured step of 8 rows): each of eight concurrent
     requests gets the tokens it gets alone, with requests scoring their prompts (echo with logprobs,
