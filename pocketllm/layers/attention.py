@@ -17,6 +17,7 @@ from pocketllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.paged_attention import cached_attention, decode_attention_rows, write_kv, write_kv_rows
 from pocketllm.ops.fused import decode_ops
+from pocketllm.ops.paged_kv import decode_attention_rows_torch
 from pocketllm.ops.rotary import apply_rotary
 from pocketllm.profiling.scopes import scope
 
@@ -92,13 +93,10 @@ class GatedAttention(nn.Module):
             else:
                 self.decode_ops.device.write_kv(kv.pool.k, kv.pool.v, kv.table.ids, seq.start, k, v)
         with scope("full_attention"):
-            if seq.rows == 1 and seq.start > 0 and not seq.cpu_forms:
-                # A device's decode row outside a captured step (TP>1, POCKETLLM_CUDA_GRAPH=0): the
-                # step's kernel, reading only the positions the row holds, and its bits.
-                at = torch.full((1,), seq.start, dtype=torch.long, device=q.device)
-                out = self.decode_ops.device.decode_attention_rows(q, kv.pool.k, kv.pool.v, kv.table.ids[None], at, self.scale)
-            else:
-                out = cached_attention(q, k, v, kv, seq.start, self.scale)
+            # A device's decode row (outside a captured step: TP>1, POCKETLLM_CUDA_GRAPH=0) reads
+            # through the step's kernel, only the positions the row holds, with the step's bits.
+            rows = decode_attention_rows_torch if seq.cpu_forms else self.decode_ops.device.decode_attention_rows
+            out = cached_attention(q, k, v, kv, seq.start, self.scale, rows)
         return self._gated(out, gate)
 
     def _attend_rows(self, qkv: torch.Tensor, rows: DecodeRows, pool: KVPool, cpu_forms: bool) -> torch.Tensor:

@@ -59,26 +59,29 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     )[0]
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, start: int, scale: float) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, start: int, scale: float,
+                     rows_attention=decode_attention_rows_torch) -> torch.Tensor:
     """q [T, H, D] of positions start..start+T-1 over positions 0..start+T-1 of the sequence, whose
-    new keys and values k, v [T, Hkv, D] are already written into its blocks: [T, H, D]."""
+    new keys and values k, v [T, Hkv, D] are already written into its blocks: [T, H, D]. A decode
+    row reads its blocks through `rows_attention` (decode_attention_rows_torch's contract; a
+    device passes its kernel)."""
     t = q.shape[0]
     if start == 0:
         return attention_core(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), 0, scale).transpose(0, 1)
     if t == 1:
-        return decode_attention(q[0], kv, start, scale)[None]
+        return decode_attention(q[0], kv, start, scale, rows_attention)[None]
     keys, values = gather_kv(kv, start + t)
     return attention_core(q.transpose(0, 1), keys, values, start, scale).transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, kv: PagedKV, pos: int, scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv: PagedKV, pos: int, scale: float, rows_attention=decode_attention_rows_torch) -> torch.Tensor:
     """One row at position pos: q [H, D] over positions 0..pos of the sequence's blocks; [H, D] in
     q's dtype. One sequence's case of decode_attention_rows, over its table's whole capacity as a
     step of several sequences reads it (a row's sums change with the positions they run over, so
     the two read alike to get alike bits)."""
     # A fill on the device, not a copy from the host, which would wait for the device's queue.
     at = torch.full((1,), pos, dtype=torch.long, device=q.device)
-    return decode_attention_rows(q[None], kv.pool, kv.table.ids[None], at, scale)[0]
+    return rows_attention(q[None], kv.pool.k, kv.pool.v, kv.table.ids[None], at, scale)[0]
 
 
 def write_kv_rows(pool: KVPool, tables: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
