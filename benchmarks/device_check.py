@@ -104,8 +104,8 @@ class Table:
 
 # Seconds a step past its limit has to end after Ctrl-C, before it is killed (inside its limit).
 GRACE_S = 15
-# --out's log: every step's command, exit and whole output (None: not kept).
-LOG: list | None = None
+# --out's log, each step's command, exit and whole output appended as it ends (None: not kept).
+LOG: Path | None = None
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str, float]:
@@ -129,8 +129,9 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
     _signal_group(proc.pid, signal.SIGKILL)
     seconds = time.monotonic() - t0
     if LOG is not None:
-        LOG.append(f"===== {' '.join(cmd)}\n{'' if env is None else f'with {env}'}\nexit {'(past its limit)' if rc is None else rc} "
-                   f"after {seconds:.1f} s\n----- stdout\n{out}\n----- stderr\n{err}\n")
+        with LOG.open("a") as f:
+            f.write(f"===== {' '.join(cmd)}\n{'' if env is None else f'with {env}'}\nexit {'(past its limit)' if rc is None else rc} "
+                    f"after {seconds:.1f} s\n----- stdout\n{out}\n----- stderr\n{err}\n")
     return rc, out, err, seconds
 
 
@@ -225,10 +226,8 @@ def fla_imports(table: Table, timeout: float) -> None:
 
 
 def keep(out: Path, machine: list[str], table: Table) -> None:
-    """--out: the log so far and the table with every step's figures, rewritten after each step
-    (a check cut short keeps what it did)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "device_check.log").write_text("".join(LOG or []))
+    """--out: the table with every step's figures, rewritten after each step (a check cut short
+    keeps what it did; the log beside it grows as each step ends)."""
     rows = [dict(zip(("step", "result", "detail", "seconds"), row)) for row in table.rows]
     (out / "results.json").write_text(json.dumps({"machine": machine, "rows": rows, "results": table.docs}, indent=1) + "\n")
 
@@ -349,7 +348,10 @@ def main(argv=None) -> int:
                    "(the table and each step's figures, a bench's --json document whole) in, rewritten after each step")
     args = p.parse_args(argv)
     global LOG
-    LOG = [] if args.out is not None else None
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        LOG = args.out / "device_check.log"
+        LOG.write_text("")
     start = time.monotonic()
 
     def left(cap: float) -> float:

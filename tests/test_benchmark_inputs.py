@@ -124,15 +124,16 @@ def test_device_check_without_the_device_says_so_and_exits_2(capsys, monkeypatch
     assert captured.out.startswith("python ") and f"torch {torch.__version__}" in captured.out
 
 
-def test_a_device_check_step_past_its_limit_gets_ctrl_c_first_and_its_output_is_kept(monkeypatch):
+def test_a_device_check_step_past_its_limit_gets_ctrl_c_first_and_its_output_is_kept(monkeypatch, tmp_path):
     """A step past its limit is interrupted as by Ctrl-C (pytest then reports the tests that
     finished, a test's server is stopped by its fixture) before any kill, and what it printed is
     kept, in --out's log too."""
-    monkeypatch.setattr(device_check, "LOG", [])
+    monkeypatch.setattr(device_check, "LOG", tmp_path / "device_check.log")
     code = "import time\ntry:\n    print('started', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('reported what finished')\n"
     rc, out, _, seconds = device_check._run([sys.executable, "-c", code], device_check.GRACE_S + 1)
     assert rc is None and out == "started\nreported what finished\n" and seconds < device_check.GRACE_S
-    assert "reported what finished" in device_check.LOG[0] and "past its limit" in device_check.LOG[0]
+    log = device_check.LOG.read_text()
+    assert "reported what finished" in log and "past its limit" in log
 
 
 def test_a_device_test_file_that_cannot_be_imported_is_a_row_naming_why_and_the_rest_still_run(monkeypatch, tmp_path):
