@@ -269,9 +269,9 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
     warm = " (Triton's cache warm)" if kind == "cuda" else ""
     ready = f"ready in {doc['ready_seconds']:.0f} s{warm}, " if "ready_seconds" in doc else ""
     # What ran: a device op or kernel that failed its probe leaves the torch forms running, slowly.
-    table.add(step, "pass", f"{ready}prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, "
-                            f"{doc.get('decode_step', '')} {s['decode_step']}, {s['device_ops']}, gdn kernel {s['gdn_kernel_line']}, backend {s['backend']}",
-              seconds, doc)
+    ran = f"{doc.get('decode_step', '')} {s['decode_step']}, {s['device_ops']}, gdn kernel {s['gdn_kernel_line']}, backend {s['backend']}"
+    table.add(step, "pass", f"{ready}prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, "
+                            f"decode {doc['decode_tokens_per_s']:.1f} tok/s{shares[1]}, {ran}", seconds, doc)
     # --kernel-profile's tables, as rank 0 printed them.
     for line in (err.splitlines() if "kernel_profile" in doc else []):
         if line.startswith(("kernel profile, ", "  ")):

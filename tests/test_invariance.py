@@ -1,5 +1,5 @@
-"""Batch invariance (bf16, the default, and int4 weights; in process at TP=1): what a sequence's rows get does not
-depend on what else a pass holds. A decode row's logits are bit for bit the same alone, beside
+"""Batch invariance (bf16, the default, and int4 weights; in process at TP=1): what a sequence's
+rows get does not depend on what else a pass holds. A decode row's logits are bit for bit the same alone, beside
 other decode rows and beside other prompts' chunks; a prompt chunk's the same alone and packed
 with others; and through the scheduler a request's every logits row is the same alone, among
 others with prompts read over several passes, after a preemption (its prompt read again, its

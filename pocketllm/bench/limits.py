@@ -6,8 +6,8 @@ figures as a share of the limit beside it.
 On a CPU the memory rate is a read (an fp32 sum over a buffer far beyond cache, on huge pages as
 the engine's weights are, as a decode step streams them); on a device the faster of a
 device-to-device copy, counting the bytes read and written, and an fp32 sum (a read alone, as a
-decode step's: a device's memory may read faster than it mixes reads and writes). Each is the best of a few runs, so a moment's
-disturbance does not lower the limit. Weights that fit in a CPU's last-level cache read faster
+decode step's: a device's memory may read faster than it mixes reads and writes). Each is the
+best of a few runs, so a moment's disturbance does not lower the limit. Weights that fit in a CPU's last-level cache read faster
 than memory: a small model's share of this limit can pass 100%."""
 
 from __future__ import annotations

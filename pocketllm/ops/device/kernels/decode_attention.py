@@ -136,11 +136,12 @@ def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
         top, total = (torch.empty(b, h, splits, dtype=torch.float32, device=q.device) for _ in range(2))
         acc = torch.empty(b, h, splits, n, dtype=torch.float32, device=q.device)
         block_d = triton.next_power_of_2(n)
+        # Under Triton's interpreter narrow rows are widened first (the module's docstring says why).
+        narrow = q.dtype == k_pool.dtype and q.dtype in (torch.bfloat16, torch.float16) and not triton.knobs.runtime.interpret
         _kernel[(b, heads_kv, splits)](q, k_pool, v_pool, tables, pos, top, total, acc, scale, n, group, heads_kv, block_size,
                                        splits, q.stride(0), q.stride(1), tables.stride(0), tables.stride(1),
                                        G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
-                                       NARROW=q.dtype == k_pool.dtype and q.dtype in (torch.bfloat16, torch.float16) and not triton.knobs.runtime.interpret,
-                                       num_warps=4, enable_fp_fusion=False)
+                                       NARROW=narrow, num_warps=4, enable_fp_fusion=False)
         _combine_kernel[(b, h)](top, total, acc, pos, out, n, h, splits, BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
                                 num_warps=max(1, min(4, block_d // 64)), enable_fp_fusion=False)
     return out
