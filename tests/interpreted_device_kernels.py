@@ -231,3 +231,33 @@ def test_decode_attention_bits_do_not_depend_on_the_tables_width():
     wider = torch.cat((tables, tables, tables[:, :3]), dim=1)
     launch = kernels.decode_attention.decode_attention_rows
     assert torch.equal(launch(q, k_pool, v_pool, tables, pos, scale), launch(q, k_pool, v_pool, wider, pos, scale))
+
+
+class _Grids:
+    """A kernel's launches recorded (the grid of each), then made as they would be."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_cuts_a_row_longer_than_its_shares_into_longer_shares(dtype, monkeypatch):
+    """A device's rows hold at most `shares` shares (twice its SMs' programs): a row longer than
+    that many shares of SPLIT positions is cut into `shares` shares of more tiles each (ending
+    inside a KV block), combined as the short shares are; a table wider than that many shares
+    launches no more programs for them, and a row's bits do not depend on how wide its table is."""
+    split = kernels.decode_attention.SPLIT
+    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(dtype, 4, 32, block_size=64, capacity=3 * split + 64)
+    pos = torch.tensor([split - 1, split + 40, 2 * split + 40, 3 * split + 63])
+    grids = _Grids(kernels.decode_attention._kernel)
+    monkeypatch.setattr(kernels.decode_attention, "_kernel", grids)
+    launch = kernels.decode_attention.decode_attention_rows
+    mine = launch(q, *only_what_rows_hold(k_pool, v_pool, tables, pos), tables, pos, scale, shares=2)
+    ATTENTION.check(mine, torch_forms.decode_attention_rows_torch(q, k_pool, v_pool, tables, pos, scale))
+    wider = torch.cat((tables, tables), dim=1)
+    assert torch.equal(launch(q, k_pool, v_pool, wider, pos, scale, shares=2), launch(q, k_pool, v_pool, tables, pos, scale, shares=2))
+    assert [grid[2] for grid in grids.grids] == [2, 2, 2]

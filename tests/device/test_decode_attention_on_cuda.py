@@ -67,6 +67,23 @@ def test_the_kernel_reads_only_what_each_row_holds_at_the_engines_shapes(dtype):
     assert rel_err(mine, theirs) <= (1e-5 if dtype == torch.float32 else 2**-8)
 
 
+def test_rows_longer_than_the_devices_shares_at_the_engines_shapes():
+    """Held to 3 shares (a device's are twice its SMs' programs, more than these rows need), every
+    row past 768 positions is cut into 3 shares of more tiles: against float64 as above, and each
+    row's bits those of a call of the row alone."""
+    from pocketllm.ops.device.kernels import decode_attention
+
+    args = _inputs(torch.bfloat16, "cuda")
+    q, k_pool, v_pool, tables, pos, scale = args
+    mine = decode_attention.decode_attention_rows(q, *only_what_rows_hold(k_pool, v_pool, tables, pos), tables, pos, scale, shares=3)
+    truth = _float64(*args)
+    err = (mine.cpu().double() - truth).abs()
+    assert (err <= truth.abs() * 2**-8 + 1e-6 * truth.abs().max()).all(), f"{err.max():.2e}"
+    for r in (0, 4, 7):
+        alone = decode_attention.decode_attention_rows(q[r : r + 1], k_pool, v_pool, tables[r : r + 1], pos[r : r + 1], scale, shares=3)
+        assert torch.equal(alone[0], mine[r])
+
+
 def test_a_cuda_graph_replays_it_at_other_positions():
     """Captured once at some positions, replayed after the positions and q change in place: what
     the op gives eagerly at the new ones, bit for bit."""

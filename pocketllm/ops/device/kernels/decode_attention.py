@@ -3,16 +3,21 @@ contract: q [B, H, D] at positions pos [B], the KV pools [blocks, Hkv, block_siz
 block tables [B, M]). The torch form gathers every block each table lists, widens it to fp32 and
 masks the positions past a row's own; here the kernels read only the positions 0..pos of each row.
 
-Flash-decoding in two kernels. A row's positions are cut at multiples of SPLIT into shares; one
+Flash-decoding in two kernels. A row's positions are cut into shares of SPLIT positions, or, for
+a row longer than `shares` of those, into `shares` shares of a whole number of tiles each; one
 program per (row, KV head, share) reads its share tile by tile through the table, for the G = H /
 Hkv query heads that share the KV head, with an online softmax (a running max, sum and weighted
 sum of values, all fp32), and writes the three. One program per (row, query head) then combines
 its row's live shares in order: rescaled to their common max, summed, divided. One program per
 (row, KV head) over all of a row's positions would be four programs for a row of the 27B (Hkv =
-4), a few of the device's SMs doing all the reading; shares make it a program per SPLIT positions.
+4), a few of the device's SMs doing all the reading; shares make it a program per SPLIT positions
+up to twice the device's SMs for a row. That bound keeps the grid and the fp32 partials (B x H x
+shares x D) the size of the device, not of the tables: a share per SPLIT positions a table can
+hold would make them grow with --max-len (6.4 GB of partials for 256 rows of 262144 positions at
+the 27B's heads, and a million programs a layer, nearly all of them doing nothing).
 Both loops' bounds are read from pos inside the kernels: the grids and every shape stay those of
-the tables (a share per SPLIT positions they can hold, those past a row's position doing nothing),
-so a captured CUDA graph replays them at any positions.
+the tables (shares past a row's position doing nothing), so a captured CUDA graph replays them at
+any positions.
 
 Each query head's scores are a dot of its q with a tile of keys: in fp32 ("ieee": no TF32, as the
 torch form's fp32 matmul) for fp32 rows; for bf16 and fp16 rows a dot of the rows as they are with
@@ -21,10 +26,13 @@ the order of its sums alone. An fp32 dot over the head's whole width (256 on the
 plain FMAs holding both operands' slices per thread, which spill to local memory on a GPU. Under
 Triton's interpreter (the CPU tests) the narrow rows are widened first: its dot multiplies bf16's
 stored bits as integers. tl.dot wants 16 rows at least, so the G heads are padded to 16.
-A row's bits depend on its position alone: not on the other rows of the call, nor on the table's
-width M (the shares it holds are cut at the same places, and only they are combined)."""
+A row's bits depend on its position (and the device's `shares`) alone: not on the other rows of the
+call, nor on the table's width M (the shares it holds are cut at the same places, and only they
+are combined)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -35,21 +43,43 @@ from .arith import rounded
 # Keys read per step of a program's loop: a tile inside one KV block (which must hold a whole
 # number of them).
 TILE = 32
-# Positions of a row one program reads at most (a whole number of tiles).
+# Positions of a row one program reads, unless the row is longer than the device's shares of them
+# (a whole number of tiles).
 SPLIT = 256
+# A row's shares at most, off a GPU (Triton's interpreter): few, so that the CPU tests' rows of a
+# few thousand positions reach shares longer than SPLIT.
+INTERPRETED_SHARES = 4
+
+
+@functools.cache
+def device_shares(device: torch.device, heads_kv: int) -> int:
+    """A row's shares at most on `device`: its KV heads' programs over them fill each SM twice."""
+    if device.type != "cuda":
+        return INTERPRETED_SHARES
+    return max(1, -(-2 * torch.cuda.get_device_properties(device).multi_processor_count // heads_kv))
+
+
+@triton.jit
+def _span(pos, BLOCK_N: tl.constexpr, TILES: tl.constexpr, shares):
+    """The tiles of a row at position pos; of each of its shares (TILES, or more where the row
+    holds more than `shares` shares of them); and how many shares it holds."""
+    tiles = (pos // BLOCK_N + 1).to(tl.int32)
+    span = tl.maximum(TILES, tl.cdiv(tiles, shares))
+    return tiles, span, tl.cdiv(tiles, span)
 
 
 @triton.jit
 def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_ptr, acc_ptr, scale, n, group, heads_kv,
-            block_size, splits, q_row, q_head, table_row, table_col,
+            block_size, splits, shares, q_row, q_head, table_row, table_col,
             G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, NARROW: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
     share = tl.program_id(2)
     pos = tl.load(pos_ptr + b)
+    tiles, span, held = _span(pos, BLOCK_N, TILES, shares)
     # A share past the row's position reads and writes nothing (the combine reads only the live
     # ones): at short positions most of a wide table's programs end here.
-    if share * TILES * BLOCK_N <= pos:
+    if share < held:
         g = tl.arange(0, G)
         cols = tl.arange(0, BLOCK_D)
         keys = tl.arange(0, BLOCK_N)
@@ -61,7 +91,7 @@ def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_p
         top = tl.full([G], float("-inf"), tl.float32)
         total = tl.zeros([G], tl.float32)
         acc = tl.zeros([G, BLOCK_D], tl.float32)
-        for t in range(share * TILES, tl.minimum(pos // BLOCK_N + 1, (share + 1) * TILES)):
+        for t in range(share * span, tl.minimum(tiles, (share + 1) * span)):
             first = t * BLOCK_N
             block = tl.load(tables_ptr + b * table_row + (first // block_size) * table_col).to(tl.int64)
             at = first + keys  # [BLOCK_N] positions
@@ -92,13 +122,13 @@ def _kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, top_ptr, total_p
 
 
 @triton.jit
-def _combine_kernel(top_ptr, total_ptr, acc_ptr, pos_ptr, out_ptr, n, heads, splits,
+def _combine_kernel(top_ptr, total_ptr, acc_ptr, pos_ptr, out_ptr, n, heads, splits, shares,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = cols < n
-    live = tl.load(pos_ptr + b) // BLOCK_N // TILES + 1  # the shares holding the row's positions
+    _, _, live = _span(tl.load(pos_ptr + b), BLOCK_N, TILES, shares)  # the shares holding the row's positions
     base = (b * heads + head) * splits
     top = tl.load(top_ptr + base)  # share 0 holds position 0: finite
     for share in range(1, live):
@@ -115,11 +145,12 @@ def _combine_kernel(top_ptr, total_ptr, acc_ptr, pos_ptr, out_ptr, n, heads, spl
 
 
 def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, pos: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, shares: int | None = None) -> torch.Tensor:
     """decode_attention_rows_torch's contract: q [B, H, D] (last dim contiguous) at positions pos
     [B] (long, each within its table: pos // block_size < M) over the blocks tables [B, M] (int32)
     lists in the contiguous pools [blocks, Hkv, block_size, D] (block_size a multiple of 16);
-    [B, H, D] new and contiguous, in q's dtype."""
+    [B, H, D] new and contiguous, in q's dtype. `shares`: a row's shares at most (default: the
+    device's, device_shares)."""
     b, h, n = q.shape
     heads_kv, block_size = k_pool.shape[1], k_pool.shape[2]
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or v_pool.shape != k_pool.shape or k_pool.shape[3] != n \
@@ -132,16 +163,18 @@ def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
         group = h // heads_kv
         tile = TILE if block_size % TILE == 0 else 16
         tiles = SPLIT // tile
-        splits = triton.cdiv(tables.shape[1] * block_size, SPLIT)
+        shares = shares or device_shares(q.device, heads_kv)
+        # The shares a row of the table's width can hold: no more than that, nor than `shares`.
+        splits = min(triton.cdiv(tables.shape[1] * block_size, SPLIT), shares)
         top, total = (torch.empty(b, h, splits, dtype=torch.float32, device=q.device) for _ in range(2))
         acc = torch.empty(b, h, splits, n, dtype=torch.float32, device=q.device)
         block_d = triton.next_power_of_2(n)
         # Under Triton's interpreter narrow rows are widened first (the module's docstring says why).
         narrow = q.dtype == k_pool.dtype and q.dtype in (torch.bfloat16, torch.float16) and not triton.knobs.runtime.interpret
         _kernel[(b, heads_kv, splits)](q, k_pool, v_pool, tables, pos, top, total, acc, scale, n, group, heads_kv, block_size,
-                                       splits, q.stride(0), q.stride(1), tables.stride(0), tables.stride(1),
+                                       splits, shares, q.stride(0), q.stride(1), tables.stride(0), tables.stride(1),
                                        G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
                                        NARROW=narrow, num_warps=4, enable_fp_fusion=False)
-        _combine_kernel[(b, h)](top, total, acc, pos, out, n, h, splits, BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
+        _combine_kernel[(b, h)](top, total, acc, pos, out, n, h, splits, shares, BLOCK_N=tile, BLOCK_D=block_d, TILES=tiles,
                                 num_warps=max(1, min(4, block_d // 64)), enable_fp_fusion=False)
     return out
