@@ -244,15 +244,15 @@ class _Grids:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_cuts_a_row_longer_than_its_shares_into_longer_shares(dtype, monkeypatch):
+def test_decode_attention_cuts_a_row_longer_than_its_shares_into_longer_shares(monkeypatch):
     """A device's rows hold at most `shares` shares (twice its SMs' programs): a row longer than
     that many shares of SPLIT positions is cut into `shares` shares of more tiles each (ending
     inside a KV block), combined as the short shares are; a table wider than that many shares
-    launches no more programs for them, and a row's bits do not depend on how wide its table is."""
+    launches no more programs for them, and a row's bits do not depend on how wide its table is.
+    (bf16 alone: the cuts and the combine are the same code for fp32 rows.)"""
     split = kernels.decode_attention.SPLIT
-    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(dtype, 4, 32, block_size=64, capacity=3 * split + 64)
-    pos = torch.tensor([split - 1, split + 40, 2 * split + 40, 3 * split + 63])
+    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(torch.bfloat16, 3, 32, block_size=64, capacity=3 * split + 64)
+    pos = torch.tensor([split + 40, 2 * split + 40, 3 * split + 63])
     grids = _Grids(kernels.decode_attention._kernel)
     monkeypatch.setattr(kernels.decode_attention, "_kernel", grids)
     launch = kernels.decode_attention.decode_attention_rows
