@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, 
 from pocketllm.ops.gated_delta.naive import gated_delta_step_reference_
 from pocketllm.ops.gated_delta.backends import KernelChoice, probe, select_gdn_kernel
 from pocketllm.ops.gdn_choice import CHOICES, choose_gdn_kernel
-from pocketllm.ops.gated_delta.fla_adapter import fla_decode_rows_, fla_decode_step_, fla_prefill
+from pocketllm.ops.gated_delta.fla_adapter import AUTOTUNING_CACHE, fla_decode_rows_, fla_decode_step_, fla_prefill
 from numerics import assert_close_rel
 from test_gated_delta import make_inputs, reference_f64
 
@@ -40,7 +41,13 @@ HEADS = [pytest.param(1, 3, id="Hk1-Hv3"), pytest.param(2, 2, id="Hk2-Hv2"), pyt
 def fla(monkeypatch):
     stand_in = FlaStandIn(installed_fla_signatures() if fla_installed() else RECORDED_FLA)
     install_fla(monkeypatch, stand_in)
-    return stand_in
+    # The adapter sets Triton's autotuning switch where it is unset: as it was after the test.
+    was = os.environ.get(AUTOTUNING_CACHE)
+    yield stand_in
+    if was is None:
+        os.environ.pop(AUTOTUNING_CACHE, None)
+    else:
+        os.environ[AUTOTUNING_CACHE] = was
 
 
 @pytest.mark.skipif(not fla_installed(), reason="fla is not installed: the recorded signatures stand in")
@@ -67,6 +74,18 @@ def test_fla_prefill_through_its_signature(fla, Hk, Hv, with_state):
     (_, call), = fla.calls
     # fla groups value heads itself: q and k reach it at key heads, in v's dtype.
     assert call["q"].shape[2] == Hk and call["q"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("exported", [None, "0"], ids=["unset", "exported-0"])
+def test_fla_is_imported_with_triton_keeping_its_autotuning_on_disk_unless_the_user_said(fla, exported):
+    """fla's autotuners read Triton's switch when fla is imported: a second start then reads the
+    timings the first measured instead of tuning again; a value the user exported stays."""
+    os.environ.pop(AUTOTUNING_CACHE, None)
+    if exported is not None:
+        os.environ[AUTOTUNING_CACHE] = exported
+    q, k, v, g, beta, _ = make_inputs(4, 1, 1, 16, 8)
+    fla_prefill(q, k, v, g, beta)
+    assert os.environ[AUTOTUNING_CACHE] == (exported or "1")
 
 
 @pytest.mark.parametrize("Hk, Hv", HEADS)

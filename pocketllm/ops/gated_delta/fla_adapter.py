@@ -10,9 +10,17 @@ argument after v goes by keyword: in the recurrent form the fifth slot is `gk`, 
 
 from __future__ import annotations
 
+import os
+
+# Triton's switch that keeps autotuning timings on disk (beside its compiled kernels).
+AUTOTUNING_CACHE = "TRITON_CACHE_AUTOTUNING"
 
 
 def _ops():
+    # fla autotunes its kernels in each process that first calls them, which is seconds of every
+    # start; Triton keeps the timings on disk only when asked, so a second start reads them. Its
+    # autotuners read the switch when fla is imported; one the user set is left as it is.
+    os.environ.setdefault(AUTOTUNING_CACHE, "1")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
