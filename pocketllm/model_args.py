@@ -192,7 +192,7 @@ def model_plan(run: RunPlan, with_policy: bool = True) -> ModelPlan:
         cfg = preset_config(preset, source.layers)
     # The one walk down the layers: the weight plan, the split check and validation read its list.
     tensors = model_tensors(cfg)
-    cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested, tensors))
+    cfg = dataclasses.replace(cfg, weights=plan_weights(cfg, reader, requested, tensors, kind))
     check_tp_split(cfg, world)
     check_split(tensors, cfg.weights, world, "" if requested is UNSET else f"--quantize {source.quantize}")
     _check_forced_quantized(cfg, kind)

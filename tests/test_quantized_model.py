@@ -119,6 +119,49 @@ def test_an_int4_row_parallel_shard_is_the_slice_of_the_whole_matrix(scheme):
             assert torch.equal(dequantize(part), whole[:, rank * local : (rank + 1) * local]), (world, rank)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
+def test_off_a_cpu_each_quantized_weight_is_placed_dequantized_in_the_run_dtype_and_freed_from_the_host(scheme, monkeypatch):
+    """The quantized kernels are CPU code: on another device the loader places each quantized
+    weight as its dequantized values in the run's dtype (here on `meta`, which holds shapes and
+    dtypes alone), and each host weight is freed once it is placed, so the host holds the
+    quantized model one weight at a time."""
+    import gc
+    import weakref
+
+    from pocketllm.loader import load, quantized
+    from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
+
+    set_tp(0, 1)
+    cfg = dataclasses.replace(get_preset("tiny"), weights=WeightPlan(parse_scheme(scheme)))
+    model = Qwen35ForCausalLM(cfg, torch.bfloat16, torch.device("meta"))
+    host = [weakref.ref(w.qweight) for w in model.projection_weights() if isinstance(w, QuantizedWeight)]
+    alive = []
+
+    def placing(qw, dtype, device):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in host))
+        return quantized.for_device(qw, dtype, device)
+
+    monkeypatch.setattr(load, "for_device", placing)
+    load.load_weights(model, RandomWeights(cfg))
+    gc.collect()
+    assert len(host) == len(model.projections()) and alive == list(range(len(host), 0, -1))
+    assert not any(ref() is not None for ref in host)
+    for weight in model.projection_weights():
+        assert weight.dtype == torch.bfloat16 and weight.is_meta
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
+def test_a_weight_dequantized_on_a_device_a_block_of_rows_at_a_time_is_dequantize_in_the_run_dtype(scheme, monkeypatch):
+    from pocketllm.loader import quantized
+
+    s = parse_scheme(scheme)
+    qw = quantize(random_tensor("w", (19, 64), seed=3), s.kind, s.group, s.symmetric)
+    monkeypatch.setattr(quantized, "DEQUANTIZE_ROWS", 8)
+    placed = quantized.dequantized_on(qw, torch.bfloat16, torch.device("cpu"))
+    assert torch.equal(placed, dequantize(qw).to(torch.bfloat16))
+
+
 def test_a_packed_checkpoint_gives_the_tokens_of_quantizing_at_load(tiny_ckpt, tmp_path, capsys):
     for scheme in ("int8", "int4-g32-asym"):
         out = tmp_path / scheme
@@ -246,6 +289,25 @@ def test_an_fp8_release_checkpoint_loads_converted(tiny_ckpt, tmp_path, capsys):
     capsys.readouterr()
     assert main_in_process(*base, "--ckpt", packed) == 0
     assert generated_ids(capsys.readouterr().out) == one
+
+
+def test_an_fp8_release_loads_as_its_floats_off_a_cpu_unless_asked(tiny_ckpt, tmp_path):
+    """A device runs quantized weights dequantized: int8 on the way from fp8 would add its rounding
+    to fp8's and save nothing, so off a CPU the release's default is its values as floats."""
+    from pocketllm.loader.checkpoint import CheckpointReader
+    from pocketllm.loader.checks import UNSET, plan_weights
+    from pocketllm.loader.model_tensors import model_tensors
+    from pocketllm.model_args import checkpoint_config
+
+    _fp8_release(tiny_ckpt, tmp_path / "fp8")
+    cfg, _ = checkpoint_config(str(tmp_path / "fp8"), None)
+    reader = CheckpointReader(str(tmp_path / "fp8"))
+    plan = lambda requested, kind: plan_weights(cfg, reader, requested, model_tensors(cfg), kind)  # noqa: E731
+    assert plan(UNSET, "cpu").formats() == ["int8"]
+    for kind in ("cuda", "npu"):
+        assert plan(UNSET, kind) is None
+        assert plan(parse_scheme("int4-g32"), kind).formats() == ["int4-g32"]
+    reader.close()
 
 
 def test_an_fp8_weight_without_its_scales_is_named(tiny_ckpt, tmp_path, capsys):

@@ -88,8 +88,8 @@ def quantized_param(shape: Sequence[int], scheme: WeightScheme, sources: Sequenc
     out, cols = shape
     per_byte = 2 if scheme.bits == 4 else 1
     group = scheme.group if scheme.bits == 4 else cols
-    dtype = torch.uint8 if scheme.bits == 4 else torch.int8
-    qw = QuantizedWeight(scheme.kind, group, host_memory.zeros((out, cols // per_byte), dtype), torch.zeros(out, cols // group))
+    stored = torch.uint8 if scheme.bits == 4 else torch.int8
+    qw = QuantizedWeight(scheme.kind, group, host_memory.zeros((out, cols // per_byte), stored), torch.zeros(out, cols // group))
     qw.sources = list(sources)
     qw.plan = scheme
     qw.target = (dtype, torch.device(device))

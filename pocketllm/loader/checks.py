@@ -19,19 +19,20 @@ FP8_DEFAULT = WeightScheme(8)
 UNSET = "unset"
 
 
-def plan_weights(cfg: ModelConfig, source, requested, tensors) -> WeightPlan | None:
+def plan_weights(cfg: ModelConfig, source, requested, tensors, device_kind: str = "cpu") -> WeightPlan | None:
     """The run's weight plan. `requested`: the --quantize scheme, None for `none`, UNSET when
     the flag was not given; `tensors`: the model's (pocketllm.loader.model_tensors). A float
     checkpoint (or preset) is quantized at load as asked; a compressed-tensors one runs as stored;
-    an fp8 one is converted at load (FP8_DEFAULT unless asked otherwise, `none` for floats in the
-    run's dtype)."""
+    an fp8 one is converted at load (unless asked otherwise: FP8_DEFAULT on a CPU; elsewhere
+    floats in the run's dtype, `none`, since a device runs quantized weights dequantized and int8
+    on the way would add its rounding to fp8's and save no memory)."""
     quant = cfg.quantization
     if quant is None:
         return None if requested in (UNSET, None) else WeightPlan(requested)
     keys = [t.key for t in projections(tensors)]
     if quant.method == "fp8":
         source.fp8_block = quant.block
-        target = FP8_DEFAULT if requested == UNSET else requested
+        target = (FP8_DEFAULT if device_kind == "cpu" else None) if requested == UNSET else requested
         stored = {k for k in keys if source.has(k + SCALE_SUFFIX)}
         return WeightPlan(None, "fp8", tuple((k, target if k in stored else None) for k in keys)) if target is not None and stored else None
     check_host()

@@ -54,9 +54,27 @@ def fill_quantized(qw: QuantizedWeight, source) -> int:
     return qw.nbytes
 
 
+# Output rows dequantized at a time on a device: the fp32 temporary stays small beside the weight
+# (a whole 27B vocabulary head in fp32 would be 4.7 GiB).
+DEQUANTIZE_ROWS = 4096
+
+
 def for_device(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
     """What a filled weight runs as on `device`: itself on a CPU, where the quantized kernels
     are; elsewhere its dequantized values in the run's dtype (the same numbers, not the bytes)."""
     if device.type == "cpu":
         return qw
-    return dequantize(qw).to(dtype).to(device)
+    return dequantized_on(qw, dtype, device)
+
+
+def dequantized_on(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """dequantize(qw) in `dtype` on `device`, widened there from the stored bytes a block of rows
+    at a time: the host sends a quarter (int8) or an eighth (int4) of the fp32 matrix's bytes and
+    never holds a float copy of it."""
+    zeros = None if qw.zeros is None else qw.zeros.to(device)
+    moved = QuantizedWeight(qw.scheme, qw.group, qw.qweight.to(device), qw.scales.to(device), zeros)
+    out = torch.empty(qw.shape, dtype=dtype, device=device)
+    for r0 in range(0, out.shape[0], DEQUANTIZE_ROWS):
+        r1 = min(r0 + DEQUANTIZE_ROWS, out.shape[0])
+        out[r0:r1] = dequantize(moved.rows(r0, r1))
+    return out
