@@ -175,6 +175,10 @@ def run_rank(renv: RankEnv, body) -> int:
         return STDOUT_EXIT
     except Exception as exc:
         kind = rank_failures.collective_failure(exc)
+        memory = None if kind is not None else rank_failures.out_of_memory(exc)
+        if memory is not None:
+            # One line, as the launcher's for any failed rank: a traceback adds nothing to it.
+            return rank_failures.fail_with(f"rank {renv.rank}: {memory}")
         if kind is None:
             rank_failures.leave_report("exception", traceback.format_exception_only(exc)[-1].strip())
             raise

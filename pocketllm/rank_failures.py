@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -96,6 +97,22 @@ def collective_failure(exc: BaseException) -> str | None:
     if any(m in text for m in ("closed by peer", "reset by peer", "broken pipe", "connection refused", "econnreset")):
         return "peer"
     return None
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """What a rank says about an allocation its device or its host refused (torch's
+    OutOfMemoryError on CUDA, the message torch_npu's says; the CPU allocator's refusal), or None
+    for any other exception. torch's own sentences on where the memory went are kept as far as
+    what was free; its advice on allocator settings is left out."""
+    text = " ".join(str(exc).split())
+    if type(exc).__name__ == "OutOfMemoryError" or re.match(r"\w+ out of memory", text):
+        said = ". ".join(text.split(". ")[:3]).rstrip(".")
+    elif found := re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text):
+        said = f"the host refused {int(found.group(1)) / 2**30:.2f} GiB"
+    else:
+        return None
+    return (f"out of memory ({said}): the weights, the KV cache and the working memory do not fit; more ranks (--tp-world), "
+            f"fewer sequences at once or shorter ones take less")
 
 
 def collective_line(kind: str) -> str:

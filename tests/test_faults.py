@@ -168,6 +168,44 @@ def test_collective_failures_are_classified(exc, kind):
     assert collective_failure(exc) == kind
 
 
+# torch's message for a CUDA allocation refused (2.13), its advice on allocator settings last.
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. "
+            "Including non-PyTorch memory, this process has 78.10 GiB memory in use. If reserved but unallocated memory is large "
+            "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def test_an_allocation_refused_is_named_with_what_was_free():
+    import torch
+
+    from pocketllm.rank_failures import out_of_memory
+
+    line = out_of_memory(torch.OutOfMemoryError(CUDA_OOM))
+    assert line.startswith("out of memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+                           "of which 1.06 GiB is free): ") and "PYTORCH_CUDA_ALLOC_CONF" not in line
+    with pytest.raises(RuntimeError) as refused:
+        torch.empty(2**46, dtype=torch.uint8)  # 64 TiB: the CPU allocator refuses it at once
+    assert out_of_memory(refused.value).startswith("out of memory (the host refused 65536.00 GiB): ")
+    assert out_of_memory(RuntimeError("shape mismatch")) is None
+
+
+def test_a_rank_out_of_memory_ends_the_run_with_one_line(monkeypatch, capsys):
+    """Where its weights or KV cache do not fit: exit 1 and one line saying what was free, not a
+    traceback (TP=1 runs the rank in the command's own process; a launcher prints the same line)."""
+    import torch
+
+    from conftest import main_in_process
+    from pocketllm.engine import runner
+
+    def refuse(*args, **kwargs):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(runner, "load_weights", refuse)
+    assert main_in_process("bench", "--preset", "tiny", "--prompt-tokens", "8", "--max-new-tokens", "2") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("pocketllm: error: rank 0: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB."), err
+    assert not any("Traceback" in line for line in err), err
+
+
 def test_an_aborted_rank_is_described_as_the_watchdog_would_have_it():
     """Only where a watchdog runs: on gloo an abort is the process's own (a failed allocation)."""
     from pocketllm.rank_failures import describe_exit
