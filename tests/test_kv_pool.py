@@ -129,3 +129,19 @@ def test_a_preempted_request_readmitted_is_counted_once_by_the_prefix_cache(engi
         sched.step()
     assert sched.preemptions >= 1
     assert sched.prefix.hits + sched.prefix.misses == len(prompts)
+
+
+def test_a_devices_free_memory_counts_what_torchs_allocator_holds_unused(monkeypatch):
+    """The driver counts memory torch's allocator keeps for reuse as taken; the pool's default
+    budget counts it free (torch gives it back before an allocation fails), or a pool sized after
+    the weights' temporaries were freed would come out smaller by them."""
+    import torch
+
+    from pocketllm.engine.slots import free_memory_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 50 * gib)
+    assert free_memory_bytes(torch.device("cuda", 0)) == 13 * gib
+

@@ -181,11 +181,13 @@ class Slots:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Memory free for the pool right now: the device's on CUDA/NPU, MemAvailable on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "npu":
-        return torch.npu.mem_get_info(device)[0]
+    """Memory free for the pool right now: the device's on CUDA/NPU, MemAvailable on a CPU. On a
+    device that counts what torch's allocator holds unused (freed by this process, kept for
+    reuse: the random weights' temporaries, say), which the driver counts as taken: torch gives
+    it back and retries before an allocation fails."""
+    if device.type in ("cuda", "npu"):
+        backend = getattr(torch, device.type)
+        return backend.mem_get_info(device)[0] + backend.memory_reserved(device) - backend.memory_allocated(device)
     return meminfo_bytes("MemAvailable")
 
 
