@@ -233,6 +233,18 @@ def test_decode_attention_bits_do_not_depend_on_the_tables_width():
     assert torch.equal(launch(q, k_pool, v_pool, tables, pos, scale), launch(q, k_pool, v_pool, wider, pos, scale))
 
 
+class _Poisoned:
+    """The torch module with every new tensor full of NaN: a kernel that reads memory it did not
+    write in the same call (a share's partials) shows it."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+
 class _Grids:
     """A kernel's launches recorded (the grid of each), then made as they would be."""
 
@@ -249,12 +261,14 @@ def test_decode_attention_cuts_a_row_longer_than_its_shares_into_longer_shares(m
     that many shares of SPLIT positions is cut into `shares` shares of more tiles each (ending
     inside a KV block), combined as the short shares are; a table wider than that many shares
     launches no more programs for them, and a row's bits do not depend on how wide its table is.
-    (bf16 alone: the cuts and the combine are the same code for fp32 rows.)"""
+    The partials start as NaN: the combine reads only the shares written in the call. (bf16
+    alone: the cuts and the combine are the same code for fp32 rows.)"""
     split = kernels.decode_attention.SPLIT
-    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(torch.bfloat16, 3, 32, block_size=64, capacity=3 * split + 64)
-    pos = torch.tensor([split + 40, 2 * split + 40, 3 * split + 63])
+    q, k_pool, v_pool, tables, _, scale = decode_attention_inputs(torch.bfloat16, 4, 32, block_size=64, capacity=3 * split + 64)
+    pos = torch.tensor([100, split + 40, 2 * split + 40, 3 * split + 63])
     grids = _Grids(kernels.decode_attention._kernel)
     monkeypatch.setattr(kernels.decode_attention, "_kernel", grids)
+    monkeypatch.setattr(kernels.decode_attention, "torch", _Poisoned())
     launch = kernels.decode_attention.decode_attention_rows
     mine = launch(q, *only_what_rows_hold(k_pool, v_pool, tables, pos), tables, pos, scale, shares=2)
     ATTENTION.check(mine, torch_forms.decode_attention_rows_torch(q, k_pool, v_pool, tables, pos, scale))

@@ -100,3 +100,26 @@ def test_a_cuda_graph_replays_it_at_other_positions():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, CUSTOM_OPS.decode_attention_rows(q, k_pool, v_pool, tables, pos, scale))
+
+
+def test_a_cuda_graph_of_rows_longer_than_their_shares_replays_at_other_positions():
+    """Held to 3 shares, captured where every row fits shares of 256 positions and replayed where
+    most rows are cut into 3 longer shares (and the other way): the eager call's bits."""
+    from pocketllm.ops.device.kernels import decode_attention
+
+    q, k_pool, v_pool, tables, pos, scale = _inputs(torch.bfloat16, "cuda")
+    launch = lambda: decode_attention.decode_attention_rows(q, k_pool, v_pool, tables, pos, scale, shares=3)  # noqa: E731
+    pos.copy_(torch.tensor([0, 63, 64, 700, 767, 255, 256, 500], device="cuda"))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch()
+    for positions in ([4479, 768, 769, 1000, 4095, 767, 2048, 3001], [0, 63, 64, 700, 767, 255, 256, 500]):
+        pos.copy_(torch.tensor(positions, device="cuda"))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, launch()), positions

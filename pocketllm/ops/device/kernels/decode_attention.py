@@ -11,9 +11,9 @@ sum of values, all fp32), and writes the three. One program per (row, query head
 its row's live shares in order: rescaled to their common max, summed, divided. One program per
 (row, KV head) over all of a row's positions would be four programs for a row of the 27B (Hkv =
 4), a few of the device's SMs doing all the reading; shares make it a program per SPLIT positions
-up to twice the device's SMs for a row. That bound keeps the grid and the fp32 partials (B x H x
-shares x D) the size of the device, not of the tables: a share per SPLIT positions a table can
-hold would make them grow with --max-len (6.4 GB of partials for 256 rows of 262144 positions at
+up to twice the device's SMs for a row. That bound sizes the grid and the fp32 partials (B x H x
+shares x D) by the rows and the device, not by the tables' width: a share per SPLIT positions a
+table can hold would make them grow with --max-len (6.4 GB of partials for 256 rows of 262144 positions at
 the 27B's heads, and a million programs a layer, nearly all of them doing nothing).
 Both loops' bounds are read from pos inside the kernels: the grids and every shape stay those of
 the tables (shares past a row's position doing nothing), so a captured CUDA graph replays them at
@@ -154,10 +154,10 @@ def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     b, h, n = q.shape
     heads_kv, block_size = k_pool.shape[1], k_pool.shape[2]
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or v_pool.shape != k_pool.shape or k_pool.shape[3] != n \
-            or h % heads_kv or q.stride(-1) != 1 or block_size % 16 or tables.shape[0] != b or pos.shape != (b,):
+            or h % heads_kv or q.stride(-1) != 1 or block_size % 16 or tables.shape[0] != b or pos.shape != (b,) or not pos.is_contiguous():
         raise ValueError(f"q {tuple(q.shape)}, pools {tuple(k_pool.shape)}, tables {tuple(tables.shape)}, pos {tuple(pos.shape)}: "
                          f"q must be [B, H, D] rows (last dim contiguous) over contiguous [blocks, Hkv, block_size, D] pools "
-                         f"with H a multiple of Hkv and block_size of 16, tables [B, M], pos [B]")
+                         f"with H a multiple of Hkv and block_size of 16, tables [B, M], pos [B] contiguous")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b:
         group = h // heads_kv
