@@ -27,10 +27,10 @@ def oracle(tmp_path_factory):
     return ckpt, hf_prefill_logits(model, PROMPT), hf_greedy(model, PROMPT, 8)
 
 
-def _logits(ckpt, device: str, dtype: str, tmp_path, name: str):
+def _logits(ckpt, device: str, dtype: str, tmp_path, name: str, *flags):
     out = tmp_path / f"{name}.safetensors"
     r = run_cli("generate", "--ckpt", ckpt, "--device", device, "--dtype", dtype, "--token-ids", ",".join(map(str, PROMPT)),
-                "--max-new-tokens", 8, "--logits-out", out, timeout=300)
+                "--max-new-tokens", 8, "--logits-out", out, *flags, timeout=300)
     assert r.returncode == 0, r.stderr
     return load_file(str(out))["logits"], generated_ids(r.stdout), r.stderr
 
@@ -53,6 +53,19 @@ def test_bfloat16_on_the_device_is_as_close_to_transformers_as_on_cpu(oracle, ki
     err = lambda x: (x - ref_logits).abs().max().item()  # noqa: E731
     # Two bf16 implementations differ by bf16 rounding; the device's may not be far worse.
     assert err(device_logits) <= 2 * err(cpu_logits) + 1e-2, (err(device_logits), err(cpu_logits))
+
+
+@on_devices()
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
+def test_a_quantized_run_on_the_device_gives_the_cpus_numbers(oracle, kind, scheme, tmp_path):
+    """Off the CPU quantized weights run as their dequantized values in the run's dtype: in fp32,
+    the logits of the CPU's quantized kernels up to the order of their sums, and its tokens."""
+    ckpt = oracle[0]
+    device_logits, device_tokens, stderr = _logits(ckpt, kind, "float32", tmp_path, "device", "--quantize", scheme)
+    cpu_logits, cpu_tokens, _ = _logits(ckpt, "cpu", "float32", tmp_path, "cpu", "--quantize", scheme)
+    assert f"dequantized to torch.float32 on {kind}" in stderr, stderr
+    torch.testing.assert_close(device_logits, cpu_logits, atol=1e-4, rtol=1e-4)
+    assert device_tokens == cpu_tokens
 
 
 def _bench(kind, world: int, tmp_path):
