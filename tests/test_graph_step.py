@@ -204,8 +204,9 @@ def _tp_rank(rank: int, world: int, port: int) -> None:
         got = feed(fixed, [token], start=pos).clone()
         assert torch.equal(got, want), f"rank {rank}, step {step}: {(got - want).abs().max()}"
         token, pos = int(torch.argmax(want)), pos + 1
-    # Rows of three sequences at once (bucket 4): every rank's all-reduces are the same calls.
-    spans = [(0, pos, torch.tensor([token])), (1, len(PROMPTS[1]), torch.tensor([12])), (2, len(PROMPTS[2]), torch.tensor([13]))]
+    # Rows of three sequences at once (bucket 4): every rank's all-reduces are the same calls. The
+    # last row's token is past rank 0's half of the embedding: an id of the whole vocabulary.
+    spans = [(0, pos, torch.tensor([token])), (1, len(PROMPTS[1]), torch.tensor([12])), (2, len(PROMPTS[2]), torch.tensor([cfg.vocab_size - 1]))]
     want = layers.run_packed(spans)
     torch.testing.assert_close(fixed.run_packed(spans).clone(), want, rtol=1e-5, atol=1e-5)
     assert fixed.direct_steps == 5 + 3

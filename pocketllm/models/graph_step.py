@@ -70,7 +70,8 @@ class GraphStep:
         self.slices_for = engine.policy.slices_for_rows
         self.device = self.model.embed.weight.device
         self.capture = self.device.type == "cuda" if capture is None else capture
-        self.vocab = self.model.embed.weight.shape[0]
+        # The whole vocabulary's ids: at TP>1 the embedding here holds only this rank's rows of it.
+        self.vocab = engine.cfg.vocab_size
         self._generation = -1
         self.buckets: tuple[int, ...] = ()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
