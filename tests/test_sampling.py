@@ -47,6 +47,19 @@ def test_penalties_match_the_reference(repetition, frequency, presence):
         assert got[5] != x[5] and got[30] != x[30]
 
 
+def test_a_nucleus_past_the_first_likeliest_looked_at_is_found_whole(monkeypatch):
+    """top_p_filter looks for the nucleus among the k likeliest, k growing while their mass is
+    under top_p: held to 3 to start, nuclei of one token to the whole row, flat and peaked."""
+    import pocketllm.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_FIRST", 3)
+    monkeypatch.setattr(sampling, "NUCLEUS_GROWTH", 2)
+    for scale in (0.1, 3.0):
+        probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(7)) * scale, dim=-1)
+        for p in (1e-46, 0.1, 0.5, 0.93, 0.999999, 1.0 - 1e-9):
+            assert torch.equal(top_p_filter(probs, p), top_p_filter_reference(probs, p)), (scale, p)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_filters_match_their_references(seed):
     probs = torch.softmax(logits_row(seed), dim=-1)
