@@ -172,6 +172,31 @@ def test_a_step_backend_that_cannot_get_ready_leaves_the_layers_path_saying_why(
     assert feed(engine, [4], start=3).shape == (1000,) and engine.direct_steps == 0
 
 
+def test_at_tp_above_1_a_step_that_cannot_get_ready_ends_the_run(monkeypatch):
+    """Every rank must run the same collectives: one rank falling back to the layers' path alone
+    would all-reduce other shapes than its peers' step, so at TP>1 the failure is the run's."""
+    from types import SimpleNamespace
+
+    from pocketllm.engine import decode_step, runner
+
+    class Broken:
+        why_not = staticmethod(lambda model: "")
+
+        def __init__(self, engine):
+            pass
+
+        def prepare(self):
+            raise RuntimeError("capture failed\nat some depth")
+
+    monkeypatch.setattr(decode_step, "BACKENDS", (("cuda graph", Broken),))
+    engine = tiny_engine(torch.float32)
+    monkeypatch.setattr(runner, "tp", lambda: SimpleNamespace(rank=1, world=2))
+    with pytest.raises(RuntimeError) as failure:
+        engine.reserve_slots(2, 100)
+    assert str(failure.value) == ("decode step: cuda graph failed on rank 1 at TP=2: RuntimeError: capture failed "
+                                  "(POCKETLLM_CUDA_GRAPH=0 runs the layers' path)")
+
+
 def _tp_rank(rank: int, world: int, port: int) -> None:
     """One rank of the TP=2 check below: the layers' engine and the fixed step's, the same
     sequences fed to both, their decode rows compared."""

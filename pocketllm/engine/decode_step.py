@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pocketllm.models.compiled_step import CompiledStep
-from pocketllm.models.graph_step import GraphStep
+from pocketllm.models.graph_step import ENV_GRAPH, GraphStep
 
 # Tried in order; the first that can run the model's step is taken. (name, class)
 BACKENDS = (("cuda graph", GraphStep), ("one compiled call", CompiledStep))
@@ -39,10 +39,18 @@ class StepChoice:
         return f"decode step: {self.backend.describe() if hasattr(self.backend, 'describe') else self.name}"
 
 
+def first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+def without(choice: StepChoice) -> str:
+    """How a run goes without the choice's backend, where a switch says it ("" where none does)."""
+    return f" ({ENV_GRAPH}=0 runs the layers' path)" if choice.name == "cuda graph" else ""
+
+
 def failed(choice: StepChoice, exc: Exception) -> StepChoice:
     """The layers' path after `choice`'s backend failed to get ready (its exception's first line)."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return StepChoice(None, "layer by layer", f"{choice.name} failed: {type(exc).__name__}: {first}".rstrip(": "))
+    return StepChoice(None, "layer by layer", f"{choice.name} failed: {type(exc).__name__}: {first_line(exc)}".rstrip(": "))
 
 
 def choose(engine) -> StepChoice:

@@ -180,6 +180,12 @@ class Engine:
             try:
                 self.step.prepare()
             except Exception as exc:  # any failure to capture or check the step: do not trust it
+                if tp().world > 1:
+                    # A rank alone on the layers' path would all-reduce other shapes than its
+                    # peers' step (NCCL hangs on that, or sums garbage), and one that failed inside
+                    # the warm-up leaves its peers waiting in a collective: the run ends instead.
+                    raise RuntimeError(f"decode step: {self.step_choice.name} failed on rank {tp().rank} at TP={tp().world}: "
+                                       f"{type(exc).__name__}: {decode_step.first_line(exc)}{decode_step.without(self.step_choice)}") from exc
                 self.step_choice = decode_step.failed(self.step_choice, exc)
                 self.step = None
             # What the step holds now (a captured step's buckets, set for these slots), where the
