@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.device_kind import ENV_RANK_CPUS, allowed_cpus, cpu_count
+from pocketllm.errors import UsageError
 from pocketllm.run_plan import BACKENDS
 from pocketllm.switches import env_value
 from pocketllm.topology import physical_cores
@@ -63,10 +64,15 @@ def setup_device(kind: str, index: int | None, local_rank: int, world: int) -> D
     named one, else its local rank's); on CPU give it one torch thread per physical core it may
     run on: all of them when the launcher pinned it, else its share of them."""
     info = DeviceInfo(kind, (local_rank if index is None else index) if kind != "cpu" else 0)
-    if kind == "cuda":
-        torch.cuda.set_device(info.index)
-    elif kind == "npu":
-        torch.npu.set_device(info.index)
+    if kind in ("cuda", "npu"):
+        backend = getattr(torch, kind)
+        count = backend.device_count()
+        if info.index >= count:
+            # torch's own word would be an "invalid device ordinal" traceback from deep inside.
+            given = "--device names" if index is not None else f"local rank {local_rank} of {world} would take"
+            raise UsageError(f"{given} {kind}:{info.index}, but this host shows {count} {kind} device(s)"
+                             f"{'' if index is not None else f': run at most {count} ranks on it (--tp-world)'}")
+        backend.set_device(info.index)
     elif env_value(os.environ, ENV_RANK_CPUS):
         # Pinned by the launcher: every core this rank may run on is its own.
         torch.set_num_threads(physical_cores(allowed_cpus()))

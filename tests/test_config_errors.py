@@ -112,3 +112,19 @@ def test_hand_started_ranks_agree_on_rank0_verdict(ckpt_copy, tmp_path):
     assert not id_path.exists()
     for r in runs:
         assert_nothing_left(r)
+
+
+def test_a_rank_past_the_hosts_devices_is_one_line(monkeypatch):
+    """More ranks on a host than it has GPUs (or --device naming one it lacks): one line naming
+    the device and the count, where torch would raise "invalid device ordinal" from inside."""
+    import torch
+
+    from pocketllm import device
+    from pocketllm.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail(f"bound cuda:{index}"))
+    with pytest.raises(UsageError, match=r"^local rank 3 of 4 would take cuda:3, but this host shows 2 cuda device\(s\): run at most 2 ranks on it \(--tp-world\)$"):
+        device.setup_device("cuda", None, local_rank=3, world=4)
+    with pytest.raises(UsageError, match=r"^--device names cuda:5, but this host shows 2 cuda device\(s\)$"):
+        device.setup_device("cuda", 5, local_rank=0, world=1)

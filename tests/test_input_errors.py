@@ -205,6 +205,22 @@ def test_torchrun_variables_that_cannot_describe_a_run_are_one_line(env, message
                            expect=message)
 
 
+def test_one_device_index_for_every_rank_torchrun_starts_on_a_host_is_refused():
+    """torchrun gives every rank of a host one command line: --device N would put them all on one
+    GPU (NCCL refuses two ranks on one). Hand-started ranks each name their own."""
+    from pocketllm.commands.settings import _check_rank_placement
+    from pocketllm.errors import UsageError
+    from pocketllm.place import RankEnv
+    from pocketllm.run_plan import DevicePlan
+
+    torchrun = RankEnv(rank=1, world=2, local_rank=1, local_world=2)
+    with pytest.raises(UsageError, match=r"^--device 1 names one device for each of this host's 2 ranks: give --device cuda "):
+        _check_rank_placement(None, DevicePlan("1", "cuda", 1), 2, torchrun)
+    _check_rank_placement(None, DevicePlan("cuda", "cuda"), 2, torchrun)
+    _check_rank_placement(None, DevicePlan("1", "cuda", 1), 2, RankEnv(rank=1, world=2, local_rank=1, local_world=2, id_path="r.id"))
+    _check_rank_placement(None, DevicePlan("1", "cuda", 1), 2, RankEnv(rank=1, world=2, local_rank=0, local_world=1))
+
+
 @pytest.mark.parametrize("world", ["1", "2"])
 def test_a_rendezvous_file_without_a_rank_is_refused_not_ignored(world, capsys, no_ranks):
     usage_error_in_process(capsys, "generate", "--preset", "tiny", "--token-ids", "1,2", "--tp-world", world, "--nccl-id-path", "x.id",
