@@ -43,7 +43,8 @@ def generate(
     sched = Scheduler(engine, 1, len(prompt) + max(asked, 1), prefill_budget=len(prompt), lockstep=True)
     rows: list[torch.Tensor] = []
     try:
-        req = sched.submit(prompt, max(asked, 1), sampling, eos_ids, prompt_logits=(lambda start, logits: rows.append(logits)) if prompt_logits else None)
+        # Each pass's rows to the host as they come: a device would hold them all twice (kept, then joined).
+        req = sched.submit(prompt, max(asked, 1), sampling, eos_ids, prompt_logits=(lambda start, logits: rows.append(logits.cpu())) if prompt_logits else None)
         while sched.has_work:
             for _, token in sched.step():
                 if token is not None and on_token is not None and asked:
