@@ -84,6 +84,18 @@ def test_bench_at_tp1_on_the_device(kind, tmp_path):
 
 
 @on_devices(min_count=2)
+def test_tp2_over_the_device_backend_gives_tp1s_numbers(oracle, kind, tmp_path):
+    """fp32 at TP=2 over NCCL/HCCL, each row-parallel projection cut into 4 slices whose
+    all-reduces overlap the next slice's GEMM (the seed's path, async on the device's streams):
+    TP=1's logits up to the order of the sums, and its tokens."""
+    ckpt = oracle[0]
+    one, one_tokens, _ = _logits(ckpt, kind, "float32", tmp_path, "tp1")
+    two, two_tokens, _ = _logits(ckpt, kind, "float32", tmp_path, "tp2", "--tp-world", 2, "--pin-slices", 4, "--dist-timeout", 120)
+    torch.testing.assert_close(two, one, atol=1e-4, rtol=1e-4)
+    assert two_tokens == one_tokens
+
+
+@on_devices(min_count=2)
 def test_bench_at_tp2_over_the_device_backend(kind, tmp_path):
     doc = _bench(kind, 2, tmp_path)
     assert doc["settings"]["backend"] == {"cuda": "nccl", "npu": "hccl"}[kind]
