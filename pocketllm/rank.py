@@ -48,9 +48,9 @@ def setup_collective(renv: RankEnv, choice: str, backend: str, asked: str = "") 
     rank_failures.set_place("loading")
 
 
-def leave_group() -> None:
+def leave_group(failed: bool = False) -> None:
     collective.close()
-    rendezvous.leave_group()
+    rendezvous.leave_group(failed)
 
 
 class RefusedByRank0(UsageError):
@@ -152,12 +152,14 @@ def run_rank(renv: RankEnv, body) -> int:
     written before the group is left: peers notice a rank leave at once, and the launcher must
     already know which rank failed first."""
     launched = rank_failures.ENV_REPORT in os.environ
+    code = None
     try:
         # A rank started by hand is stopped as any process is, by SIGTERM too: it unwinds as at
         # Ctrl-C (one line, exit 130, rank 0's rendezvous file removed). A launcher's ranks keep
         # the default: the launcher stops them with it and names how each ended.
         with sigterm_interrupts() if renv.id_path is not None else contextlib.nullcontext():
-            return body()
+            code = body()
+            return code
     except RefusedByRank0 as exc:
         rank_failures.leave_report("usage", str(exc))
         return 2
@@ -188,4 +190,4 @@ def run_rank(renv: RankEnv, body) -> int:
             print(f"pocketllm: error: rank {renv.rank}: {line}", file=sys.stderr, flush=True)
         return 1
     finally:
-        leave_group()
+        leave_group(failed=code != 0)

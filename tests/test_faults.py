@@ -235,3 +235,26 @@ def test_the_rank_named_is_the_one_least_likely_to_have_failed_because_of_anothe
 
     failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
     assert first_failure(codes, failed, reports) == named
+
+
+@pytest.mark.parametrize("backend, failed, called", [
+    ("cpu:gloo,cuda:nccl", True, "abort"),
+    ("cpu:gloo,npu:hccl", True, "abort"),
+    ("cpu:gloo,cuda:nccl", False, "destroy"),
+    ("cpu:gloo,cuda:gloo", True, "destroy"),
+])
+def test_a_failed_rank_aborts_a_group_whose_destroy_would_wait_for_its_collectives(backend, failed, called, monkeypatch):
+    """NCCL's (and HCCL's) destroy waits for the collectives in flight: after a failure its peers
+    never match them, so the rank would wait for the watchdog. It aborts the group there instead;
+    gloo's peers see a destroyed rank leave at once, and a run that ended well destroys it."""
+    from torch.distributed import distributed_c10d
+
+    from pocketllm.distributed import rendezvous
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: calls.append("destroy"))
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda group=None: calls.append("abort"))
+    rendezvous.leave_group(failed=failed)
+    assert calls == [called]

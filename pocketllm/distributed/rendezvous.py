@@ -100,7 +100,7 @@ def join_group(backend: str, rank: int, world: int, timeout_s: float, store_path
     try:
         _join_group(backend, rank, world, timedelta(seconds=timeout_s), store_path, id_path)
     except BaseException:
-        leave_group()
+        leave_group(failed=True)
         raise
 
 
@@ -140,11 +140,23 @@ def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_p
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-def leave_group() -> None:
+# Backends whose destroy_process_group waits for the collectives in flight to finish (torch's NCCL
+# since 2.6; HCCL's after it).
+_FLUSHING = ("nccl", "hccl")
+
+
+def leave_group(failed: bool = False) -> None:
+    """Leave the process group (and remove a rendezvous file this rank made). failed: the rank is
+    ending on a failure, when a collective it started may never be matched by its peers."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if failed and any(b in str(dist.get_backend()) for b in _FLUSHING):
+            # Destroying would wait for that collective until the watchdog's timeout (minutes);
+            # aborted, the rank ends at once, and its peers see it leave as on gloo.
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     while _owned:
         try:
             os.unlink(_owned.pop())
