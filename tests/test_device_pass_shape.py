@@ -321,3 +321,21 @@ def test_in_a_devices_invariant_shape_a_sequences_logits_do_not_depend_on_the_ot
         busy_steps.append(busy.run_packed(spans)[0])
     for mine, theirs in zip(busy_steps, steps, strict=True):
         assert torch.equal(mine, theirs)
+
+
+def test_a_devices_invariant_step_runs_the_devices_forms_over_all_its_rows(monkeypatch):
+    """Batch-invariant on a device, a step's norms and SiLU-and-multiply take the device's forms
+    over all its rows at once (each row's bits are its own there), as in the default shape: not
+    the CPU's one-row torch forms row by row, five ops a row."""
+    from pocketllm.layers.context import DEVICE_INVARIANT_PASS
+    from pocketllm.profiling.op_count import count_ops
+
+    prompts = [prompt(n, seed) for seed, n in enumerate((60, 5, 130))]
+    counts = []
+    for shape in (DEVICE_PASS, DEVICE_INVARIANT_PASS):
+        engine = _device_step_engine(monkeypatch, prompts, shape=shape, device_kernels=True)
+        _, count = count_ops(engine.run_packed, [(slot, len(ids), torch.tensor([7 + slot])) for slot, ids in enumerate(prompts)])
+        assert engine.direct_steps == 3, shape.name
+        counts.append(count.kernels)
+    default, invariant = counts
+    assert invariant == default, {op: (default[op], invariant[op]) for op in set(default) | set(invariant) if default[op] != invariant[op]}

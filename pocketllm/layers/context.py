@@ -118,14 +118,16 @@ def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: b
     device's forms over all of them: a device's pass)."""
     if not invariant:
         return (Part(0, rows, one_row(rows), slices, cpu_forms=cpu_forms),)
+    # A device's forms (cpu_forms False) give each row its own bits in a call of any rows, so its
+    # parts take them over all their rows too.
     parts: list[Part] = []
     for s in segments:
         if s.one_row and parts and parts[-1].alone:
-            parts[-1] = Part(parts[-1].start, s.row0 + 1, True)
+            parts[-1] = Part(parts[-1].start, s.row0 + 1, True, cpu_forms=cpu_forms)
         elif s.one_row:
-            parts.append(Part(s.row0, s.row0 + 1, True))
+            parts.append(Part(s.row0, s.row0 + 1, True, cpu_forms=cpu_forms))
         else:
-            parts.append(Part(s.row0, s.row0 + s.rows, False, slices_for(s.rows), many=True))
+            parts.append(Part(s.row0, s.row0 + s.rows, False, slices_for(s.rows), many=True, cpu_forms=cpu_forms))
     return tuple(parts)
 
 
