@@ -17,20 +17,22 @@ from pocketllm.config import FULL
 from pocketllm.layers import attention
 from pocketllm.layers.context import CPU_PASS, DEVICE_PASS, PassShape
 from pocketllm.ops.device import CUSTOM_OPS
+from pocketllm.profiling.op_count import copies
 
 torch.set_num_threads(2)
 
 # The most aten ops that may launch work (views not counted) one layer of a device-shaped prefill
-# issues, whatever the prompt's length: what the torch forms issue now, fp32, the first layer one
-# op fewer (no residual add). A GDN layer: two residual adds with their norms (4), 4 GEMMs with
-# their outputs (8), the conv (window, state, conv1d, SiLU), the q/k l2 norm and q's scale (6),
-# the gates (4), the gated delta rule as one call (fla's is one on a device) and its state copy,
-# the gated norm (4), SiLU-and-multiply (2). Attention: the same adds, norms, GEMMs and SiLU-and-
-# multiply (14), the q/k norms (2), rope (14), the KV write (9 index ops, 2 index_puts), SDPA, the
-# output gate (2). Each fused kernel registered as a pocketllm:: custom op counts as one op:
-# tighten these as they replace torch forms.
-GDN_LAYER_OPS = 34
-ATTENTION_LAYER_OPS = 44
+# issues, whatever the prompt's length: what the torch forms issue now, fp32, the first layer one op
+# fewer (no residual add); an op marked as a view that copied counts. A GDN layer: two residual adds
+# with their norms (4), 4 GEMMs with their outputs (8), the conv (window, state, conv1d, SiLU, its
+# output made contiguous as the device's kernel writes it), the q/k l2 norm and q's scale (6), the
+# gates (4), the gated delta rule as one call (fla's is one on a device) and its state copy, the
+# gated norm (4), SiLU-and-multiply (2). Attention: the same adds, norms, GEMMs and SiLU-and-
+# multiply (14), the q/k norms (2), rope (14), the KV write (9 index ops, the block ids widened to
+# long, 2 index_puts), SDPA, the output gate (2). Each fused kernel registered as a pocketllm::
+# custom op counts as one op: tighten these as they replace torch forms.
+GDN_LAYER_OPS = 35
+ATTENTION_LAYER_OPS = 45
 # The same with the device's fused ops (ops/device: the custom ops, Triton kernels on CUDA, one op
 # each): a GDN layer's two residual adds with their norms, conv, q/k l2 norm, gates, gated norm and
 # SiLU-and-multiply one op each (7), its GEMMs (8), the gated delta rule and its state copy (2);
@@ -61,7 +63,8 @@ def prompt(n: int, seed: int = 0) -> torch.Tensor:
 
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops issued that may launch work (views, which only describe a tensor, not
-    counted), but those of a call it takes as one (while paused)."""
+    counted; an op marked as a view that copied is), but those of a call it takes as one (while
+    paused)."""
 
     def __init__(self):
         super().__init__()
@@ -69,9 +72,10 @@ class OpCounter(TorchDispatchMode):
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused and not func.is_view:
+        out = func(*args, **(kwargs or {}))
+        if not self.paused and (not func.is_view or copies(func, args, out)):
             self.ops += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 @dataclasses.dataclass

@@ -116,11 +116,11 @@ class GatedAttention(nn.Module):
 
     def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_forms: bool):
         """Rows [T, q+k+v local] -> q [T, H, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv,
-        D], the output gate [T, H*D]."""
+        D], the output gate [T, H, D] (a view of the rows: _gated reads it in place)."""
         t, d = qkv.shape[0], self.head_dim
         q_gate, k, v = qkv.split(self.qkv_proj.part_sizes, dim=-1)
         q_gate = q_gate.view(t, self.heads, 2 * d)
-        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(t, self.heads * d)
+        q, gate = q_gate[..., :d], q_gate[..., d:]
         k = k.view(t, self.kv_heads, d)
         # A device's pass: one kernel each (Triton on CUDA); a CPU's: the torch forms.
         with scope("norms", "qk"):
@@ -135,5 +135,7 @@ class GatedAttention(nn.Module):
         return q, k, v.view(t, self.kv_heads, d), gate
 
     def _gated(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """out [T, H, D] (or [T, H*D]) * sigmoid(gate [T, H, D]) as [T, H*D]: the gate read where
+        the projection wrote it (made contiguous first, it was one more copy of it a layer)."""
         with scope("gates", "full"):
-            return out.reshape(gate.shape) * torch.sigmoid(gate)
+            return (out.reshape(gate.shape) * torch.sigmoid(gate)).reshape(gate.shape[0], -1)

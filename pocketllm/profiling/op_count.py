@@ -1,12 +1,14 @@
 """The torch ops a callable issues, as the dispatcher sees them: what a test bounds when it bounds
 the kernels a pass launches. A custom op (one fused kernel, pocketllm.ops.device) counts once,
-a torch form's every aten op counts. Views and allocations launch no kernel and are told apart."""
+a torch form's every aten op counts. Views and allocations launch no kernel and are told apart; an
+op marked as a view that copied counts as a kernel, under its name and " (copy)"."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that allocate without writing: no kernel runs.
@@ -27,17 +29,30 @@ class OpCount:
         return sum(self.kernels.values())
 
 
+def copies(func, args: tuple, out) -> bool:
+    """Whether an op the dispatcher calls a view made a tensor of its own: under inference_mode
+    reshape, contiguous and to() reach a dispatch mode whole, marked as views (their schemas may
+    alias), whether they returned a view or copied."""
+    if not func.is_view or not isinstance(out, torch.Tensor):
+        return False
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    return out.untyped_storage().data_ptr() not in inputs
+
+
 class _Counting(TorchDispatchMode):
     def __init__(self, count: OpCount):
         super().__init__()
         self.count = count
 
     def __torch_dispatch__(self, func, types, args: tuple = (), kwargs: dict | None = None):
+        out = func(*args, **(kwargs or {}))
         name = func.name()
-        self.count.ops[name] += 1
-        if func.is_view or name.split(".")[0] in _ALLOCATIONS:
+        if copies(func, args, out):
+            name += " (copy)"
+        elif func.is_view or name.split(".")[0] in _ALLOCATIONS:
             self.count.no_kernel.add(name)
-        return func(*args, **(kwargs or {}))
+        self.count.ops[name] += 1
+        return out
 
 
 def count_ops(fn, *args, **kwargs):
