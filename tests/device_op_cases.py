@@ -81,6 +81,19 @@ def kv_inputs(dtype, rows: int, width: int, device="cpu"):
     return k_pool, v_pool, table, 5, k, v
 
 
+def kv_rows_inputs(dtype, rows: int, width: int, device="cpu"):
+    """A decode step's rows: pools of blocks of 16 positions, 2 heads; each row's table 3 blocks
+    of its own, out of order; its position cycling through 0, a block's last, the next block's
+    first and further in (the rest of the pools left as they were)."""
+    g = gen(13)
+    k_pool, v_pool = (_randn(g, 3 * rows + 2, 2, 16, width, dtype=dtype, device=device) for _ in range(2))
+    tables = torch.randperm(3 * rows + 2, generator=g)[: 3 * rows].view(rows, 3).to(torch.int32).to(device)
+    pos = torch.tensor([(0, 15, 16, 40, 47)[r % 5] for r in range(rows)], device=device)
+    k = _randn(g, rows, 2, width, dtype=dtype, device=device)
+    v = _randn(g, rows, 2, 2 * width, dtype=dtype, device=device)[..., width:]
+    return k_pool, v_pool, tables, pos, k, v
+
+
 # Decode attention rows: 6 query heads over 2 KV heads, blocks of 16 positions, 6 blocks a table;
 # a row's position cycles through 0, a block's last, the next block's first and several blocks in.
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_BLOCK, ATTN_TABLE = 6, 2, 16, 6
@@ -222,6 +235,8 @@ CASES = [
     Case("apply_rotary_torch", "apply_rotary", "apply_rotary", _apply_rotary, "rope", torch_forms.apply_rotary_torch,
          {torch.bfloat16: 1, torch.float32: 1}, rows_of=(0, 1, 2)),
     Case("write_kv_torch", "write_kv", "write_kv", kv_inputs, "kv_write", torch_forms.write_kv_torch,
+         {torch.bfloat16: 0, torch.float32: 0}, outputs=lambda result, args: (args[0], args[1])),
+    Case("write_kv_rows_torch", "write_kv_rows", "write_kv_rows", kv_rows_inputs, "kv_write", torch_forms.write_kv_rows_torch,
          {torch.bfloat16: 0, torch.float32: 0}, outputs=lambda result, args: (args[0], args[1])),
     # An online softmax over tiles against one softmax over every position: fp32 sums in another order.
     Case("decode_attention_rows_torch", "decode_attention_rows", "decode_attention_rows", decode_attention_inputs,

@@ -31,7 +31,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 KERNEL_OPS = DeviceOps(
     add_rms_norm.add_rms_norm, gated_norm.rms_norm_gated, qk_l2_norm.qk_l2_norm, gdn_gates.gdn_gates, silu_mul.silu_mul,
     causal_conv.causal_conv1d_prefill_, causal_conv_rows.causal_conv1d_rows_indexed_, rope.apply_rotary, kv_write.write_kv,
-    decode_attention.decode_attention_rows, True, "interpreted",
+    kv_write.write_kv_rows, decode_attention.decode_attention_rows, True, "interpreted",
 )
 # Under the interpreter a kernel costs a millisecond or more a program (the norms run a program a
 # row and head), so the check is cut in two about equal halves, each in its own process of

@@ -213,8 +213,8 @@ def test_a_device_shaped_decode_step_reads_each_attention_layers_cache_in_one_op
     """Decode rows of three sequences through the step (graph_step, uncaptured) in the device's
     shape, with the device's custom ops (their torch forms on a CPU, which test_device_ops.py
     holds them to): each full-attention layer's read of the paged cache is one op,
-    pocketllm::decode_attention_rows, and each GDN layer's conv one op,
-    pocketllm::causal_conv1d_rows_indexed_ (a Triton kernel each on CUDA)."""
+    pocketllm::decode_attention_rows, its write one op, pocketllm::write_kv_rows, and each GDN
+    layer's conv one op, pocketllm::causal_conv1d_rows_indexed_ (a Triton kernel each on CUDA)."""
     from pocketllm.profiling.op_count import count_ops
 
     prompts = [prompt(n, seed) for seed, n in enumerate((60, 5, 130))]
@@ -223,6 +223,7 @@ def test_a_device_shaped_decode_step_reads_each_attention_layers_cache_in_one_op
     assert engine.direct_steps == 3, "the rows did not go to the step"
     full = sum(layer.kind == FULL for layer in engine.model.layers)
     assert count.kernels["pocketllm::decode_attention_rows"] == full and logits.isfinite().all()
+    assert count.kernels["pocketllm::write_kv_rows"] == full and not count.kernels["aten::index_put_"]
     assert count.kernels["pocketllm::causal_conv1d_rows_indexed_"] == len(engine.model.layers) - full
 
 

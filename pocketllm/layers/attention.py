@@ -105,7 +105,11 @@ class GatedAttention(nn.Module):
         call of each op, the same ops on each row."""
         q, k, v, gate = self._heads(qkv, rows.cos, rows.sin, cpu_forms)
         with scope("kv_write"):
-            write_kv_rows(pool, rows.tables, rows.pos, k, v)
+            if cpu_forms:
+                write_kv_rows(pool, rows.tables, rows.pos, k, v)
+            else:
+                # A device's step: one kernel (Triton on CUDA) where the torch form is a dozen ops.
+                self.decode_ops.device.write_kv_rows(pool.k, pool.v, rows.tables, rows.pos, k, v)
         with scope("full_attention"):
             if cpu_forms:
                 out = decode_attention_rows(q, pool, rows.tables, rows.pos, self.scale)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.layers.cache import KVPool, PagedKV
-from pocketllm.ops.paged_kv import decode_attention_rows_torch, flat_rows, write_kv_torch
+from pocketllm.ops.paged_kv import decode_attention_rows_torch, flat_rows, write_kv_rows_torch, write_kv_torch
 
 
 def write_kv(kv: PagedKV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -86,13 +86,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, pos: int, scale: float, rows_
 
 def write_kv_rows(pool: KVPool, tables: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """One position of each of B sequences: keys and values [B, Hkv, D] at positions pos [B]
-    (long) into the blocks each sequence's table row (tables [B, M] int32) lists. Nothing in it is
-    sized by the data or branches on it: a captured decode step runs it as it is."""
-    heads, bs, d = pool.k.shape[1], pool.block_size, pool.k.shape[-1]
-    block = tables.gather(1, (pos // bs)[:, None]).long()  # [B, 1]
-    rows = ((block * heads + torch.arange(heads, device=pos.device)[None, :]) * bs + (pos % bs)[:, None]).flatten()
-    pool.k.view(-1, d)[rows] = k.reshape(-1, d)
-    pool.v.view(-1, d)[rows] = v.reshape(-1, d)
+    (long) into the blocks each sequence's table row (tables [B, M] int32) lists
+    (ops/paged_kv.write_kv_rows_torch on the pool's tensors)."""
+    write_kv_rows_torch(pool.k, pool.v, tables, pos, k, v)
 
 
 def decode_attention_rows(q: torch.Tensor, pool: KVPool, tables: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:

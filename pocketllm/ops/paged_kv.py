@@ -25,6 +25,18 @@ def write_kv_torch(k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tens
     v_pool.view(-1, d)[rows] = v.transpose(0, 1)
 
 
+def write_kv_rows_torch(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> None:
+    """One position of each of B sequences: keys and values [B, Hkv, D] at positions pos [B]
+    (long) into the pools at the blocks each sequence's table row (tables [B, M] int32) lists.
+    Nothing in it is sized by the data or branches on it: a captured decode step runs it as it is."""
+    heads, bs, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[-1]
+    block = tables.gather(1, (pos // bs)[:, None]).long()  # [B, 1]
+    rows = ((block * heads + torch.arange(heads, device=pos.device)[None, :]) * bs + (pos % bs)[:, None]).flatten()
+    k_pool.view(-1, d)[rows] = k.reshape(-1, d)
+    v_pool.view(-1, d)[rows] = v.reshape(-1, d)
+
+
 def decode_attention_rows_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, pos: torch.Tensor,
                                 scale: float) -> torch.Tensor:
     """One row of each of B sequences: q [B, H, D] at positions pos [B] (long) over positions

@@ -3,8 +3,9 @@ allows: the residual add with the RMSNorm, the GDN's gated RMSNorm, its q/k l2 n
 SiLU-and-multiply, the causal conv, rope and the KV write, each one Triton kernel over all of a
 pass's rows (kernels/) where the torch form is several ops, each a pass over every row; and for a
 decode step of B sequences, the paged attention read, one kernel over its rows that reads only the
-positions each row holds where the torch form gathers every block of the tables, and the conv, one
-kernel that advances each sequence's window where it lies in the layer's stacked state. Each has
+positions each row holds where the torch form gathers every block of the tables, the KV write of
+its rows, and the conv, one kernel that advances each sequence's window where it lies in the
+layer's stacked state. Each has
 its torch form beside it with the same signature (torch_forms.py); both are torch custom ops
 (library.py), the kernel on CUDA and the torch form elsewhere.
 
@@ -34,6 +35,7 @@ class DeviceOps:
     causal_conv1d_rows_indexed_: object  # (x, taps, states, slots) -> out, the slots' windows advanced
     apply_rotary: object  # (x, cos, sin) -> out
     write_kv: object  # (k_pool, v_pool, table, start, k, v) -> None
+    write_kv_rows: object  # (k_pool, v_pool, tables, pos, k, v) -> None: a decode step's rows
     decode_attention_rows: object  # (q, k_pool, v_pool, tables, pos, scale) -> out
     kernels: bool  # True: the custom ops, Triton kernels on CUDA
     note: str
@@ -45,7 +47,8 @@ class DeviceOps:
 TORCH_OPS = DeviceOps(
     torch_forms.add_rms_norm_torch, torch_forms.rms_norm_gated, torch_forms.qk_l2_norm_torch, torch_forms.gdn_gates_torch,
     torch_forms.silu_mul_torch, torch_forms.causal_conv1d_prefill_, torch_forms.causal_conv1d_rows_indexed_,
-    torch_forms.apply_rotary_torch, torch_forms.write_kv_torch, torch_forms.decode_attention_rows_torch, False, "",
+    torch_forms.apply_rotary_torch, torch_forms.write_kv_torch, torch_forms.write_kv_rows_torch, torch_forms.decode_attention_rows_torch,
+    False, "",
 )
 
 # The custom ops: one op each to torch, a Triton kernel on CUDA, the torch form on other devices
@@ -53,7 +56,7 @@ TORCH_OPS = DeviceOps(
 CUSTOM_OPS = DeviceOps(
     library.add_rms_norm, library.rms_norm_gated_op, library.qk_l2_norm_op, library.gdn_gates_op, library.silu_mul_op,
     library.causal_conv1d_prefill_op, library.causal_conv1d_rows_indexed_op, library.apply_rotary_op, library.write_kv_op,
-    library.decode_attention_rows_op, True, "",
+    library.write_kv_rows_op, library.decode_attention_rows_op, True, "",
 )
 
 

@@ -179,6 +179,21 @@ def _(k_pool, v_pool, table, start, k, v):
     return None
 
 
+@torch.library.custom_op("pocketllm::write_kv_rows", mutates_args=("k_pool", "v_pool"))
+def write_kv_rows_op(k_pool: Tensor, v_pool: Tensor, tables: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+    torch_forms.write_kv_rows_torch(k_pool, v_pool, tables, pos, k, v)
+
+
+@write_kv_rows_op.register_kernel("cuda")
+def _(k_pool, v_pool, tables, pos, k, v):
+    _kernel("kv_write", "write_kv_rows")(k_pool, v_pool, tables, pos, k, v)
+
+
+@write_kv_rows_op.register_fake
+def _(k_pool, v_pool, tables, pos, k, v):
+    return None
+
+
 @torch.library.custom_op("pocketllm::decode_attention_rows", mutates_args=())
 def decode_attention_rows_op(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, pos: Tensor, scale: float) -> Tensor:
     return torch_forms.decode_attention_rows_torch(q, k_pool, v_pool, tables, pos, scale)

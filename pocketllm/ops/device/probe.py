@@ -35,6 +35,8 @@ def _inputs(device, gen: torch.Generator) -> dict[str, tuple]:
                                         torch.tensor([4, 0, 2, 5, 1], device=device)),
         "apply_rotary": (heads, cos, sin),
         "write_kv": (pool(), pool(), table, 14, randn(ROWS, 2, D), randn(ROWS, 2, D)),
+        "write_kv_rows": (pool(), pool(), torch.stack((table, table.flip(0))), torch.tensor([17, 40], device=device), randn(2, 2, D),
+                          randn(2, 2, D)),
         "decode_attention_rows": (randn(2, HEADS, D), randn(blocks, 2, block_size, D), randn(blocks, 2, block_size, D),
                                   torch.stack((table, table.flip(0))), torch.tensor([0, 40], device=device), D**-0.5),
     }
@@ -42,7 +44,7 @@ def _inputs(device, gen: torch.Generator) -> dict[str, tuple]:
 
 def _outputs(result, inputs: tuple) -> list[torch.Tensor]:
     """What an op gives: its returns, and the tensors it writes in place."""
-    if result is None:  # the KV write: its pools
+    if result is None:  # the KV writes: their pools
         return [inputs[0], inputs[1]]
     outs = list(result) if isinstance(result, tuple) else [result]
     return [t for t in outs if isinstance(t, torch.Tensor)]

@@ -11,7 +11,7 @@ from pocketllm.ops import causal_conv, norms
 from pocketllm.ops.causal_conv import causal_conv1d_rows_indexed_
 from pocketllm.ops import rowwise
 from pocketllm.ops.rowwise import silu_mul_torch
-from pocketllm.ops.paged_kv import decode_attention_rows_torch, write_kv_torch
+from pocketllm.ops.paged_kv import decode_attention_rows_torch, write_kv_rows_torch, write_kv_torch
 from pocketllm.ops.rotary import apply_rotary as apply_rotary_torch
 
 # A device runs each over all of a pass's rows in one call: so do these, on any device (a CPU's
@@ -53,5 +53,5 @@ def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bi
 
 __all__ = [
     "add_rms_norm_torch", "apply_rotary_torch", "causal_conv1d_prefill_", "causal_conv1d_rows_indexed_", "decode_attention_rows_torch",
-    "gdn_gates_torch", "qk_l2_norm_torch", "rms_norm_gated", "rms_norm_scaled", "silu_mul_torch", "write_kv_torch",
+    "gdn_gates_torch", "qk_l2_norm_torch", "rms_norm_gated", "rms_norm_scaled", "silu_mul_torch", "write_kv_rows_torch", "write_kv_torch",
 ]

@@ -1,8 +1,10 @@
 """A pass's keys and values into a sequence's paged KV blocks (layers.paged_attention.write_kv's
-contract, on the tensors: pools [blocks, Hkv, block_size, D], the sequence's block table). The
-torch form builds the flat row index of every (head, position) and scatters twice; here one
-program per (position, head) copies that row of k and of v to where the table says. A copy: the
-bits are the inputs'."""
+contract, on the tensors: pools [blocks, Hkv, block_size, D], the sequence's block table), and a
+decode step's, one position of each of B sequences (ops/paged_kv.write_kv_rows_torch's). The
+torch forms build the flat row index of every (head, position) and scatter twice (the step's, a
+dozen small ops a layer); here one program per (position or row, head) copies that row of k and
+of v to where the table says, the step's reading each row's position and block from the device.
+A copy: the bits are the inputs'."""
 
 from __future__ import annotations
 
@@ -39,3 +41,35 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, st
         block = triton.next_power_of_2(n)
         _kernel[(t, heads)](k, v, k_pool, v_pool, table, start, n, heads, k_pool.shape[2], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                             BLOCK=block, **launch_options(block))
+
+
+@triton.jit
+def _rows_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, n, heads, block_size, k_row, k_head, v_row, v_head,
+                 table_row, table_col, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    pos = tl.load(pos_ptr + b)
+    block = tl.load(tables_ptr + b * table_row + (pos // block_size) * table_col).to(tl.int64)
+    dst = ((block * heads + h) * block_size + pos % block_size) * n + cols
+    tl.store(k_pool_ptr + dst, tl.load(k_ptr + b * k_row + h * k_head + cols, mask=mask), mask=mask)
+    tl.store(v_pool_ptr + dst, tl.load(v_ptr + b * v_row + h * v_head + cols, mask=mask), mask=mask)
+
+
+def write_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+    """k, v [B, Hkv, D] (last dim contiguous) of one position of each of B sequences, pos [B]
+    (long, contiguous), into k_pool, v_pool [blocks, Hkv, block_size, D] (contiguous, k's dtype) at
+    the blocks each row of tables [B, M] (int32) lists."""
+    b, heads, n = k.shape
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or k_pool.shape[1] != heads or k_pool.shape[3] != n \
+            or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1 or k_pool.dtype != k.dtype or v_pool.dtype != v.dtype \
+            or tables.shape[0] != b or pos.shape != (b,) or not pos.is_contiguous():
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, pools {tuple(k_pool.shape)}, tables {tuple(tables.shape)}, "
+                         f"pos {tuple(pos.shape)}: k and v must be [B, Hkv, D] rows of contiguous [blocks, Hkv, block_size, D] "
+                         f"pools of their dtype, tables [B, M], pos [B] contiguous")
+    if b:
+        block = triton.next_power_of_2(n)
+        _rows_kernel[(b, heads)](k, v, k_pool, v_pool, tables, pos, n, heads, k_pool.shape[2], k.stride(0), k.stride(1), v.stride(0),
+                                 v.stride(1), tables.stride(0), tables.stride(1), BLOCK=block, **launch_options(block))
