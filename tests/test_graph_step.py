@@ -147,17 +147,20 @@ def test_reserving_slots_says_the_buckets_the_step_now_holds(monkeypatch):
     assert len([line for line in said if line.startswith("decode step: ")]) == 1
 
 
+class Broken:
+    """A step backend for the engine's device that fails to get ready."""
+
+    why_not = staticmethod(lambda model: "")
+
+    def __init__(self, engine):
+        pass
+
+    def prepare(self):
+        raise RuntimeError("capture failed\nat some depth")
+
+
 def test_a_step_backend_that_cannot_get_ready_leaves_the_layers_path_saying_why(monkeypatch):
     from pocketllm.engine import decode_step
-
-    class Broken:
-        why_not = staticmethod(lambda model: "")
-
-        def __init__(self, engine):
-            pass
-
-        def prepare(self):
-            raise RuntimeError("capture failed\nat some depth")
 
     monkeypatch.setattr(decode_step, "BACKENDS", (("cuda graph", Broken),))
     engine = tiny_engine(torch.float32)
@@ -178,15 +181,6 @@ def test_at_tp_above_1_a_step_that_cannot_get_ready_ends_the_run(monkeypatch):
     from types import SimpleNamespace
 
     from pocketllm.engine import decode_step, runner
-
-    class Broken:
-        why_not = staticmethod(lambda model: "")
-
-        def __init__(self, engine):
-            pass
-
-        def prepare(self):
-            raise RuntimeError("capture failed\nat some depth")
 
     monkeypatch.setattr(decode_step, "BACKENDS", (("cuda graph", Broken),))
     engine = tiny_engine(torch.float32)
