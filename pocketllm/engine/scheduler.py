@@ -175,6 +175,13 @@ class Scheduler:
         # A request's spans are consecutive (replayed rows are one span each): its last one's
         # logits are the ones that may choose a token.
         ends = {id(req): i for i, req in enumerate(fed)}
+        host = {}
+        if direct is None and logits.device.type != "cpu":
+            # The rows that sample come to the host in one copy (one wait for the device), not one
+            # a request: sampling runs there, with each request's own generator.
+            sampled = [i for i, req in enumerate(fed) if ends[id(req)] == i and not req.sampling.plain_greedy]
+            if sampled:
+                host = dict(zip(sampled, logits[sampled].float().cpu()))
         for req, (_, _, rows) in zip(fed, spans):
             req.fed += len(rows)
         chosen = []
@@ -203,7 +210,7 @@ class Scheduler:
                 token = greedy[i]
             else:
                 try:
-                    token, logprob = choose(logits[i], req.sampling, req.prompt, req.output, req.eos_ids, req.generator)
+                    token, logprob = choose(host.get(i, logits[i]), req.sampling, req.prompt, req.output, req.eos_ids, req.generator)
                 except Exception as exc:
                     if self.lockstep:
                         raise  # every rank drew alike and fails alike: the run's own error

@@ -68,6 +68,17 @@ def test_a_quantized_run_on_the_device_gives_the_cpus_numbers(oracle, kind, sche
     assert device_tokens == cpu_tokens
 
 
+@on_devices()
+def test_a_seeded_sample_on_the_device_is_the_same_twice(oracle, kind, tmp_path):
+    """Sampling on the host from the device's logits (the sampled rows copied at once a step),
+    each request's own generator: a seed gives its tokens again, and they are the vocabulary's."""
+    ckpt = oracle[0]
+    runs = [_logits(ckpt, kind, "float32", tmp_path, f"sampled{i}", "--temperature", "0.9", "--top-p", "0.95", "--seed", 3)
+            for i in range(2)]
+    (_, first, _), (_, second, _) = runs
+    assert first == second and len(first) == 8 and all(0 <= t < 251 for t in first), (first, second)
+
+
 def _bench(kind, world: int, tmp_path):
     out = tmp_path / f"bench-tp{world}.json"
     r = run_cli("bench", "--preset", "tiny", "--device", kind, "--tp-world", world, "--prompt-tokens", 256, "--max-new-tokens", 8,
