@@ -95,6 +95,9 @@ def resolve_kind(requested: str) -> str:
         else:
             kind = "npu" if npu_available() else "cpu"
     elif kind == "cuda" and not cuda_available():
+        if not torch_has_gpu_build():
+            # Not a driver or CUDA_VISIBLE_DEVICES matter: this torch cannot see a GPU at all.
+            raise UsageError("--device cuda: the installed torch is a CPU-only build; install a CUDA build of torch")
         raise UsageError("--device cuda: no CUDA device is visible to torch")
     elif kind == "npu" and not npu_available():
         raise UsageError("--device npu: torch_npu is not installed or sees no NPU")

@@ -219,6 +219,8 @@ def test_unforced_choice(device, have_fla, have_npu):
             assert "TF32" in choice.reason
         if name == "chunk" and (device, have_npu) == ("npu", True):
             assert "bfloat16-only" in choice.reason
+        if (device, have_fla) == ("cuda", False) and dtype != torch.float32:
+            assert choice.reason.endswith("fla is not installed (pip install -e '.[cuda]')"), choice
 
 
 def _forced_ok(forced, device, dtype, have_fla, have_npu) -> bool:

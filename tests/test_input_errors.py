@@ -273,3 +273,15 @@ def test_weights_holding_nan_are_named_not_generated_from(ckpt_copy, capsys):
 ])
 def test_prompt_flags_that_contradict_each_other_are_refused(command, args, expect, capsys, no_ranks):
     usage_error_in_process(capsys, command, "--preset", "tiny", "--tp-world", "2", *args, expect=expect)
+
+
+def test_device_cuda_on_a_cpu_only_torch_says_so(capsys, no_ranks, monkeypatch):
+    """A CPU-only torch cannot see a GPU whatever the driver: the line says which it is."""
+    from pocketllm import device_kind
+
+    monkeypatch.setattr(device_kind, "cuda_available", lambda: False)
+    monkeypatch.setattr(device_kind, "torch_has_gpu_build", lambda: False)
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cuda",
+                           expect="--device cuda: the installed torch is a CPU-only build; install a CUDA build of torch")
+    monkeypatch.setattr(device_kind, "torch_has_gpu_build", lambda: True)
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cuda", expect="--device cuda: no CUDA device is visible to torch")

@@ -151,10 +151,12 @@ def leave_group(failed: bool = False) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        if failed and any(b in str(dist.get_backend()) for b in _FLUSHING):
+        # torch's private abort (2.5 on; before it destroy did not wait for collectives in flight).
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if failed and abort is not None and any(b in str(dist.get_backend()) for b in _FLUSHING):
             # Destroying would wait for that collective until the watchdog's timeout (minutes);
             # aborted, the rank ends at once, and its peers see it leave as on gloo.
-            dist.distributed_c10d._abort_process_group()
+            abort()
         else:
             dist.destroy_process_group()
     while _owned:

@@ -64,6 +64,9 @@ def choose_gdn_kernel(device_type: str, dtype, forced: str, have_fla: bool, have
             if dname in NPU_DTYPES:
                 return KernelChoice("npu", "torch_npu.npu_chunk_gated_delta_rule, bfloat16")
             return KernelChoice("chunk", f"torch chunked kernel: the CANN op is bfloat16-only, not {dname}")
+        if device_type == "cuda" and dname in FLA_DTYPES:
+            # Said where a user reads it: without fla a device's prefill runs the torch form.
+            return KernelChoice("chunk", "torch chunked kernel on cuda: fla is not installed (pip install -e '.[cuda]')")
         return KernelChoice("chunk", f"torch chunked kernel on {device_type}")
     if forced not in CHOICES:
         raise GdnKernelError(f"{source}={forced!r} is not a GDN kernel; valid: {', '.join(CHOICES)}")
