@@ -160,22 +160,25 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-# tests/device in three steps. The engine's own device tests (runs against the oracle, the
+# tests/device in four steps. The engine's own device tests (runs against the oracle, the
 # captured graphs, the GDN kernels) come first; after the figures, so that a short lease gets
-# those, the serve tests (two servers, each first start compiling fla's kernels for the model's
-# heads) and the files that hold each Triton kernel to its torch form case by case (dozens of
-# kernel variants to compile on a cold cache).
+# those, more runs of the CLI and the engine against their own numbers elsewhere (a dozen
+# processes, and fla compiled for another model's heads), the serve tests (two servers, each first
+# start compiling fla's kernels for the model's heads) and the files that hold each Triton kernel
+# to its torch form case by case (dozens of kernel variants to compile on a cold cache).
+RUNS = ("test_device_cli_runs.py", "test_gdn_passes_on_cuda.py")
 SERVE = ("test_serve_on_cuda.py",)
 KERNEL_CASES = ("test_device_ops_on_cuda.py", "test_gated_delta_rows_on_cuda.py", "test_decode_attention_on_cuda.py")
 
 
 def device_test_files(group: str) -> list[str]:
-    """tests/device's files of a group: "serve", "kernel cases", or "engine" (every other one)."""
+    """tests/device's files of a group: "runs", "serve", "kernel cases", or "engine" (every other
+    one)."""
     files = sorted((REPO / "tests" / "device").glob("test_*.py"))
-    named = {"serve": SERVE, "kernel cases": KERNEL_CASES}
+    named = {"runs": RUNS, "serve": SERVE, "kernel cases": KERNEL_CASES}
     if group in named:
         return [str(f) for f in files if f.name in named[group]]
-    return [str(f) for f in files if f.name not in SERVE + KERNEL_CASES]
+    return [str(f) for f in files if f.name not in RUNS + SERVE + KERNEL_CASES]
 
 
 def device_tests(table: Table, timeout: float, group: str = "engine") -> None:
@@ -396,6 +399,7 @@ def main(argv=None) -> int:
         # Batch 8 asked for batch invariance (a device's batch-invariant shape): what it costs.
         ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, big, batch_prompt, [*batch_flags, "--batch", "8"], left(args.timeout),
                                                          {"POCKETLLM_BATCH_INVARIANT": "1"})),
+        ("tests/device runs", lambda: device_tests(table, left(args.timeout), "runs")),
         ("tests/device serve", lambda: device_tests(table, left(args.timeout), "serve")),
         ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), "kernel cases")),
         ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),

@@ -9,30 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from device_caps import fla_installed, npu_op_present, on_devices
+from oracle_runs import PROMPT, generate_logits as _logits, oracle_model, saved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import generated_ids, run_cli  # noqa: E402
-from hf_oracle import build_hf_model, hf_greedy, hf_prefill_logits, save_hf_checkpoint  # noqa: E402
-
-PROMPT = [(7 * i + 3) % 200 for i in range(70)]
+from conftest import run_cli  # noqa: E402
+from hf_oracle import hf_greedy, hf_prefill_logits  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    model = build_hf_model(vocab=251, kv_heads=1)
-    ckpt = save_hf_checkpoint(model, tmp_path_factory.mktemp("oracle"))
+    model = oracle_model()
+    ckpt = saved(model, tmp_path_factory.mktemp("oracle"))
     return ckpt, hf_prefill_logits(model, PROMPT), hf_greedy(model, PROMPT, 8)
-
-
-def _logits(ckpt, device: str, dtype: str, tmp_path, name: str, *flags):
-    out = tmp_path / f"{name}.safetensors"
-    r = run_cli("generate", "--ckpt", ckpt, "--device", device, "--dtype", dtype, "--token-ids", ",".join(map(str, PROMPT)),
-                "--max-new-tokens", 8, "--logits-out", out, *flags, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return load_file(str(out))["logits"], generated_ids(r.stdout), r.stderr
 
 
 @on_devices()
@@ -55,30 +44,6 @@ def test_bfloat16_on_the_device_is_as_close_to_transformers_as_on_cpu(oracle, ki
     assert err(device_logits) <= 2 * err(cpu_logits) + 1e-2, (err(device_logits), err(cpu_logits))
 
 
-@on_devices()
-@pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
-def test_a_quantized_run_on_the_device_gives_the_cpus_numbers(oracle, kind, scheme, tmp_path):
-    """Off the CPU quantized weights run as their dequantized values in the run's dtype: in fp32,
-    the logits of the CPU's quantized kernels up to the order of their sums, and its tokens."""
-    ckpt = oracle[0]
-    device_logits, device_tokens, stderr = _logits(ckpt, kind, "float32", tmp_path, "device", "--quantize", scheme)
-    cpu_logits, cpu_tokens, _ = _logits(ckpt, "cpu", "float32", tmp_path, "cpu", "--quantize", scheme)
-    assert f"dequantized to torch.float32 on {kind}" in stderr, stderr
-    torch.testing.assert_close(device_logits, cpu_logits, atol=1e-4, rtol=1e-4)
-    assert device_tokens == cpu_tokens
-
-
-@on_devices()
-def test_a_seeded_sample_on_the_device_is_the_same_twice(oracle, kind, tmp_path):
-    """Sampling on the host from the device's logits (the sampled rows copied at once a step),
-    each request's own generator: a seed gives its tokens again, and they are the vocabulary's."""
-    ckpt = oracle[0]
-    runs = [_logits(ckpt, kind, "float32", tmp_path, f"sampled{i}", "--temperature", "0.9", "--top-p", "0.95", "--seed", 3)
-            for i in range(2)]
-    (_, first, _), (_, second, _) = runs
-    assert first == second and len(first) == 8 and all(0 <= t < 251 for t in first), (first, second)
-
-
 def _bench(kind, world: int, tmp_path):
     out = tmp_path / f"bench-tp{world}.json"
     r = run_cli("bench", "--preset", "tiny", "--device", kind, "--tp-world", world, "--prompt-tokens", 256, "--max-new-tokens", 8,
@@ -92,18 +57,6 @@ def test_bench_at_tp1_on_the_device(kind, tmp_path):
     doc = _bench(kind, 1, tmp_path)
     assert doc["prefill_tokens_per_s"] > 0 and doc["decode_tokens_per_s"] > 0
     assert doc["settings"]["gdn_kernel"] in ("fla", "npu", "chunk")
-
-
-@on_devices(min_count=2)
-def test_tp2_over_the_device_backend_gives_tp1s_numbers(oracle, kind, tmp_path):
-    """fp32 at TP=2 over NCCL/HCCL, each row-parallel projection cut into 4 slices whose
-    all-reduces overlap the next slice's GEMM (the seed's path, async on the device's streams):
-    TP=1's logits up to the order of the sums, and its tokens."""
-    ckpt = oracle[0]
-    one, one_tokens, _ = _logits(ckpt, kind, "float32", tmp_path, "tp1")
-    two, two_tokens, _ = _logits(ckpt, kind, "float32", tmp_path, "tp2", "--tp-world", 2, "--pin-slices", 4, "--dist-timeout", 120)
-    torch.testing.assert_close(two, one, atol=1e-4, rtol=1e-4)
-    assert two_tokens == one_tokens
 
 
 @on_devices(min_count=2)
