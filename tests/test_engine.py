@@ -106,6 +106,28 @@ def test_every_row_logits_end_with_the_one_row_heads_logits():
     assert every.shape == (64, cfg.vocab_size)
 
 
+def test_a_prompt_longer_than_a_pass_runs_in_passes_with_the_tokens_and_logits_of_one(engine, monkeypatch):
+    """generate carries at most LONGEST_PASS_ROWS prompt rows a pass (its activations bounded): a
+    longer prompt runs in passes of that many, cut where the CPU's chunks end, with one pass's
+    tokens and prompt logits."""
+    from pocketllm.engine import budgets
+
+    prompt = ids(600).tolist()
+    kept = []
+    whole = generate(engine, prompt, 4, prompt_logits=kept.append)
+    passes = []
+    real = engine.run_packed
+    monkeypatch.setattr(engine, "run_packed", lambda spans, **kw: passes.append(sum(len(t) for _, _, t in spans)) or real(spans, **kw))
+    monkeypatch.setattr(budgets, "LONGEST_PASS_ROWS", 256)
+    assert generate(engine, prompt, 4, prompt_logits=kept.append) == whole
+    assert passes[:3] == [256, 256, 88]
+    # Each pass's last row is the one-row head's (as a prompt's last row always is): there alone
+    # the logits may differ, by the two heads' rounding.
+    differ = (kept[1] != kept[0]).any(dim=-1).nonzero().flatten().tolist()
+    assert set(differ) <= {255, 511}, differ
+    torch.testing.assert_close(kept[1], kept[0], rtol=1e-5, atol=1e-5)
+
+
 def test_each_token_is_handed_over_before_the_step_it_feeds(engine, monkeypatch):
     # What `generate --stream` prints by: token k arrives after k decode steps, not at the end.
     decodes, seen = [], []

@@ -6,6 +6,11 @@ against them before it starts a rank."""
 # sequence: the plan buffer every rank allocates holds that many rows. Chosen by measurement with
 # vLLM's load generator (docs/serving.md, "Against vLLM").
 DEFAULT_PREFILL_BUDGET = 1024
+# Prompt rows one pass of `generate` carries at most: a longer prompt runs in passes of this many,
+# its state carried between them, so its activations stay about a GiB at the 27B's widths (some
+# 150 KB a row) where a 128k-token prompt in one pass held some 18 GB beside the weights. A
+# multiple of the CPU's 256-row chunks, so a CPU's tokens are those of one pass.
+LONGEST_PASS_ROWS = 8192
 # The default KV pool budget: this fraction of the memory free once the weights are loaded (host
 # memory on a CPU, shared by the ranks on the host; the device's own on CUDA/NPU), leaving the rest
 # for activations, the per-sequence Gated DeltaNet state and whatever else runs there.

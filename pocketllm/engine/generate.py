@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from pocketllm.distributed.state import tp
+from pocketllm.engine import budgets
 from pocketllm.engine.pass_plan import follow
 from pocketllm.engine.runner import Engine
 from pocketllm.engine.sampling import SamplingParams
@@ -40,7 +41,7 @@ def generate(
     if problem:
         raise ValueError(problem)  # before the scheduler's sizes, which a bad prompt would make
     asked = max(max_new_tokens, 0)
-    sched = Scheduler(engine, 1, len(prompt) + max(asked, 1), prefill_budget=len(prompt), lockstep=True)
+    sched = Scheduler(engine, 1, len(prompt) + max(asked, 1), prefill_budget=min(len(prompt), budgets.LONGEST_PASS_ROWS), lockstep=True)
     rows: list[torch.Tensor] = []
     try:
         # Each pass's rows to the host as they come: a device would hold them all twice (kept, then joined).
