@@ -11,7 +11,7 @@ import re
 from pocketllm.errors import UsageError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
-DEVICE_HELP = "auto (default), cpu, cuda, npu, or N: device N of the one auto finds (the seed's --device 0; on CPU only 0)"
+DEVICE_HELP = "auto (default), cpu, cuda, npu, cuda:N or npu:N, or N: device N of the one auto finds (the seed's --device 0; on CPU only 0)"
 # Set by the launcher for each rank it pinned: that its cores are its own (the rank reads them from
 # its affinity; the value lists them as a cpulist, for anyone inspecting the process).
 ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
@@ -72,8 +72,11 @@ def parse_device(requested: str) -> tuple[str, int | None]:
     text = str(requested).strip()
     if text.isdigit():
         return "auto", int(text)
+    kind, colon, index = text.partition(":")
+    if colon and kind in ("cuda", "npu") and index.isdigit():
+        return kind, int(index)  # torch's spelling of device N of a kind
     if text not in DEVICE_CHOICES:
-        raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)} or a device index N")
+        raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)}, cuda:N, npu:N or a device index N")
     return text, None
 
 
@@ -104,7 +107,7 @@ def resolve_kind(requested: str) -> str:
     if index is not None and index >= _device_count(kind):
         if kind == "cpu":
             raise UsageError(f"--device {index}: no CUDA or NPU device is visible, and the CPU is device 0 (give --device 0, cpu or auto)")
-        raise UsageError(f"--device {index}: torch sees {_device_count(kind)} {kind} device(s), 0..{_device_count(kind) - 1}")
+        raise UsageError(f"--device {str(requested).strip()}: torch sees {_device_count(kind)} {kind} device(s), 0..{_device_count(kind) - 1}")
     return kind
 
 

@@ -285,3 +285,16 @@ def test_device_cuda_on_a_cpu_only_torch_says_so(capsys, no_ranks, monkeypatch):
                            expect="--device cuda: the installed torch is a CPU-only build; install a CUDA build of torch")
     monkeypatch.setattr(device_kind, "torch_has_gpu_build", lambda: True)
     usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cuda", expect="--device cuda: no CUDA device is visible to torch")
+
+
+def test_device_takes_torchs_kind_and_index_spelling(capsys, no_ranks, monkeypatch):
+    """--device cuda:1 is device 1 of CUDA's (torch's own spelling), held to the count torch sees;
+    a spelling of no kind is refused naming what is taken."""
+    from pocketllm import device_kind
+
+    assert device_kind.parse_device("cuda:1") == ("cuda", 1) and device_kind.parse_device(" npu:0 ") == ("npu", 0)
+    monkeypatch.setattr(device_kind, "cuda_available", lambda: True)
+    monkeypatch.setattr(device_kind, "_device_count", lambda kind: 1)
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cuda:1", expect="--device cuda:1: torch sees 1 cuda device(s), 0..0")
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cpu:0",
+                           expect="--device 'cpu:0' is not one of auto, cpu, cuda, npu, cuda:N, npu:N or a device index N")

@@ -114,7 +114,7 @@ def test_the_seeds_profile_variables_print_their_profiles(variable, block, layer
     [
         (("bench", "--preset", "tiny", "--device", "1"), "--device 1: no CUDA or NPU device is visible, and the CPU is device 0"),
         (("generate", "--preset", "tiny", "--token-ids", "1,2", "--device", "3", "--tp-world", "2"), "--device 3: no CUDA or NPU device"),
-        (("bench", "--preset", "tiny", "--device", "gpu"), "--device 'gpu' is not one of auto, cpu, cuda, npu or a device index N"),
+        (("bench", "--preset", "tiny", "--device", "gpu"), "--device 'gpu' is not one of auto, cpu, cuda, npu, cuda:N, npu:N or a device index N"),
         (("engine", "--preset", "tiny", "--smoke-layers", "-1"), "--smoke-layers must be >= 0 (0 runs every layer), got -1"),
         (("engine", "--preset", "tiny", "--smoke-layers", "0", "--layers", "2"), "--smoke-layers 0 and --layers 2 disagree"),
         (("bench", "--preset", "tiny", "--tp-world", "1", "--cpus", "0"), "--cpus pins the ranks that --tp-world N starts here"),
