@@ -344,3 +344,16 @@ def test_a_devices_invariant_step_runs_the_devices_forms_over_all_its_rows(monke
         counts.append(count.kernels)
     default, invariant = counts
     assert invariant == default, {op: (default[op], invariant[op]) for op in set(default) | set(invariant) if default[op] != invariant[op]}
+
+
+def test_a_devices_invariant_pass_without_kernels_takes_each_rows_forms_as_a_cpu_does():
+    """The device's kernels give each row its own bits in a call of many rows; without them (the
+    torch forms: no Triton, a kernel that failed its probe, an NPU) a batch-invariant pass runs its
+    rows' norms as a CPU's do, each as it would alone. A pass that is not invariant takes the
+    device's forms either way."""
+    from pocketllm.layers.context import DEVICE_INVARIANT_PASS, part_forms_on_cpu
+
+    assert not part_forms_on_cpu(DEVICE_INVARIANT_PASS, True, device_kernels=True)
+    assert part_forms_on_cpu(DEVICE_INVARIANT_PASS, True, device_kernels=False)
+    assert not part_forms_on_cpu(DEVICE_PASS, False, device_kernels=False)
+    assert part_forms_on_cpu(CPU_PASS, True, device_kernels=False) and part_forms_on_cpu(CPU_PASS, False, device_kernels=True)

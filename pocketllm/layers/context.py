@@ -110,6 +110,14 @@ class Part:
         return kernels.alone if self.alone else kernels.many if self.many else kernels
 
 
+def part_forms_on_cpu(shape: PassShape, invariant: bool, device_kernels: bool) -> bool:
+    """Whether a pass's parts take the CPU's row-wise forms (parts_of's cpu_forms): on a CPU; and
+    on a device whose batch-invariant pass has no kernels that give each row its own bits in a
+    call of many rows (its ops' torch forms reduce as torch chooses for the row count), so its
+    rows go as they would alone."""
+    return shape.cpu_forms or (invariant and not device_kernels)
+
+
 def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: bool, slices_for: Callable[[int], int], cpu_forms: bool = True) -> tuple[Part, ...]:
     """How a pass's rows are cut into calls. Batch-invariant: every prompt segment alone, and the
     single rows of consecutive one-row segments together, so nothing a row gets depends on the
@@ -118,8 +126,8 @@ def parts_of(segments: tuple[Segment, ...], rows: int, slices: int, invariant: b
     device's forms over all of them: a device's pass)."""
     if not invariant:
         return (Part(0, rows, one_row(rows), slices, cpu_forms=cpu_forms),)
-    # A device's forms (cpu_forms False) give each row its own bits in a call of any rows, so its
-    # parts take them over all their rows too.
+    # A device's kernels (cpu_forms False: part_forms_on_cpu) give each row its own bits in a call
+    # of any rows, so its parts take them over all their rows too.
     parts: list[Part] = []
     for s in segments:
         if s.one_row and parts and parts[-1].alone:

@@ -23,7 +23,7 @@ import os
 import torch
 
 from pocketllm.distributed.state import tp
-from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, parts_of
+from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, part_forms_on_cpu, parts_of
 from pocketllm.switches import env_switch, env_value
 
 ENV_GRAPH = "POCKETLLM_CUDA_GRAPH"
@@ -129,7 +129,8 @@ class GraphStep:
         # A pass of one-row segments, cut into calls as such a pass of the layers' path is.
         one = tuple(Segment(i, 0, 1, cos[:0], sin[:0]) for i in range(bucket))
         slices = self.slices_for(bucket)
-        parts = parts_of(one, bucket, slices, self.invariant, self.slices_for, self.shape.cpu_forms)
+        on_cpu = part_forms_on_cpu(self.shape, self.invariant, model.decode_ops.device.kernels)
+        parts = parts_of(one, bucket, slices, self.invariant, self.slices_for, on_cpu)
         ctx = ForwardContext(slices, (), bucket, parts, tuple(range(bucket)), self.invariant, decode_rows=rows, shape=self.shape)
         states = [[slots.stacked_state(i) for i in range(len(model.layers))]]
         return model(ids, ctx, states)

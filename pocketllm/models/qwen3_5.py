@@ -10,7 +10,7 @@ from torch import nn
 from pocketllm import host_memory
 from pocketllm.config import FULL, ModelConfig
 from pocketllm.layers import row_forms
-from pocketllm.layers.context import CPU_PASS, ForwardContext, Part, PassShape, Segment, parts_of
+from pocketllm.layers.context import CPU_PASS, ForwardContext, Part, PassShape, Segment, part_forms_on_cpu, parts_of
 from pocketllm.layers.attention import GatedAttention
 from pocketllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pocketllm.layers.gdn import GatedDeltaNet
@@ -128,7 +128,7 @@ class Qwen35ForCausalLM(nn.Module):
             segments.append(Segment(row0, start, rows, cos, sin, shape.cpu_forms))
             row0 += rows
         segments = tuple(segments)
-        parts = parts_of(segments, row0, slices, invariant, slices_for, shape.cpu_forms)
+        parts = parts_of(segments, row0, slices, invariant, slices_for, part_forms_on_cpu(shape, invariant, self.decode_ops.device.kernels))
         return ForwardContext(slices, segments, row0, parts, tuple(last), invariant, shape=shape)
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext, states: list, all_logits: bool = False) -> torch.Tensor:
