@@ -71,7 +71,7 @@ def setup_device(kind: str, index: int | None, local_rank: int, world: int) -> D
             # torch's own word would be an "invalid device ordinal" traceback from deep inside.
             given = "--device names" if index is not None else f"local rank {local_rank} of {world} would take"
             raise UsageError(f"{given} {kind}:{info.index}, but this host shows {count} {kind} device(s)"
-                             f"{'' if index is not None else f': run at most {count} ranks on it (--tp-world)'}")
+                             f"{'' if index is not None else f': run at most {count} ranks on it'}")
         backend.set_device(info.index)
     elif env_value(os.environ, ENV_RANK_CPUS):
         # Pinned by the launcher: every core this rank may run on is its own.

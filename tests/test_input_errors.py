@@ -205,15 +205,19 @@ def test_torchrun_variables_that_cannot_describe_a_run_are_one_line(env, message
                            expect=message)
 
 
-def test_one_device_index_for_every_rank_torchrun_starts_on_a_host_is_refused():
+def test_one_device_index_for_every_rank_torchrun_starts_on_a_host_is_refused(monkeypatch):
     """torchrun gives every rank of a host one command line: --device N would put them all on one
-    GPU (NCCL refuses two ranks on one). Hand-started ranks each name their own."""
+    GPU (NCCL refuses two ranks on one). Hand-started ranks each name their own, by flags or by
+    RANK and WORLD_SIZE alone (no LOCAL_WORLD_SIZE: torchrun always sets it)."""
     from pocketllm.commands.settings import _check_rank_placement
     from pocketllm.errors import UsageError
     from pocketllm.place import RankEnv
     from pocketllm.run_plan import DevicePlan
 
     torchrun = RankEnv(rank=1, world=2, local_rank=1, local_world=2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    _check_rank_placement(None, DevicePlan("1", "cuda", 1), 2, torchrun)  # RANK and WORLD_SIZE set by hand
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(UsageError, match=r"^--device 1 names one device for each of this host's 2 ranks: give --device cuda "):
         _check_rank_placement(None, DevicePlan("1", "cuda", 1), 2, torchrun)
     _check_rank_placement(None, DevicePlan("cuda", "cuda"), 2, torchrun)

@@ -58,9 +58,11 @@ def _check_rank_placement(cpus: str | None, device: DevicePlan, size: int, renv)
             raise UsageError(f"{given} pins the ranks that --tp-world N starts here; pin a single-rank, hand-started or torchrun process with taskset -c")
     if renv is None and size > 1 and device.index is not None and device.kind != "cpu":
         raise UsageError(f"--device {device.requested} names one device, and --tp-world {size} starts a rank per device: give --device {device.kind}")
-    if renv is not None and renv.local_world > 1 and renv.id_path is None and device.index is not None and device.kind != "cpu":
-        # torchrun gives every rank on the host the same command line: each would take that one
-        # device (NCCL refuses two ranks on one GPU). A hand-started rank names its own.
+    if renv is not None and renv.id_path is None and renv.local_world > 1 and os.environ.get("LOCAL_WORLD_SIZE", "").strip() \
+            and device.index is not None and device.kind != "cpu":
+        # torchrun (which sets LOCAL_WORLD_SIZE) gives every rank on the host the same command
+        # line: each would take that one device (NCCL refuses two ranks on one GPU). A rank
+        # started by hand, by flags or by RANK and WORLD_SIZE alone, names its own.
         raise UsageError(f"--device {device.requested} names one device for each of this host's {renv.local_world} ranks: "
                          f"give --device {device.kind} (each rank takes its LOCAL_RANK's)")
 
