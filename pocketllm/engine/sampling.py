@@ -216,21 +216,24 @@ def top_k_filter_reference(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, t
 
 # The likeliest tokens a nucleus is first looked for among, and the factor their count grows by
 # while their mass is under top_p: a nucleus is usually a few dozen tokens, and sorting a whole
-# vocabulary row on the host (248k at the 27B's) cost 20 ms a token a request.
+# vocabulary row on the host (248k at the 27B's) cost 20 ms a token a request. Past a quarter of
+# the row the whole row is sorted: a top-k that large costs more than the sort.
 NUCLEUS_FIRST, NUCLEUS_GROWTH = 128, 8
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [V] with only the nucleus kept: the likeliest tokens whose mass before each is under
     top_p (so at least one). Found among the k likeliest, k growing until their mass reaches
-    top_p: every token after them has at least that much before it, so none would be kept."""
-    k = min(NUCLEUS_FIRST, probs.shape[0])
+    top_p: every token after them has at least that much before it, so none would be kept (which
+    of several equally likely tokens at its edge is kept is the top-k's or the sort's choice)."""
+    v = probs.shape[0]
+    k = min(NUCLEUS_FIRST, v)
     while True:
-        sorted_probs, order = torch.topk(probs, k)
+        sorted_probs, order = torch.topk(probs, k) if k < v else torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_probs, dim=-1)
-        if k == probs.shape[0] or float(cum[-1]) >= top_p:
+        if k == v or float(cum[-1]) >= top_p:
             break
-        k = min(k * NUCLEUS_GROWTH, probs.shape[0])
+        k = k * NUCLEUS_GROWTH if k * NUCLEUS_GROWTH * 4 < v else v
     keep = cum - sorted_probs < top_p
     # The likeliest always: a top_p below float32's least value (1e-46) compares as 0 there, and
     # kept nothing to draw from.

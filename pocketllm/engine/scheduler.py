@@ -176,9 +176,9 @@ class Scheduler:
         # logits are the ones that may choose a token.
         ends = {id(req): i for i, req in enumerate(fed)}
         host = {}
-        if direct is None and logits.device.type != "cpu":
-            # The rows that sample come to the host in one copy (one wait for the device), not one
-            # a request: sampling runs there, with each request's own generator.
+        if direct is None:
+            # The rows that sample come to the host in one copy (on a device, one wait for it), not
+            # one a request: sampling runs there, with each request's own generator.
             sampled = [i for i, req in enumerate(fed) if ends[id(req)] == i and not req.sampling.plain_greedy]
             if sampled:
                 host = dict(zip(sampled, logits[sampled].float().cpu()))
