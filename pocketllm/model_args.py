@@ -74,7 +74,7 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantize",
         help=f"hold the projection and head weights quantized, weight-only: {SCHEME_HELP} (docs/quantization.md); "
-        "a quantized checkpoint needs no flag, an fp8 one loads as int8 unless told otherwise",
+        "a quantized checkpoint needs no flag, an fp8 one loads as int8 on a CPU (as floats on a GPU or NPU) unless told otherwise",
     )
 
 

@@ -64,6 +64,9 @@ def for_device(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
     are; elsewhere its dequantized values in the run's dtype (the same numbers, not the bytes)."""
     if device.type == "cpu":
         return qw
+    if device.type == "npu":
+        # An NPU has not run these unpacking ops yet: widened on the host, as before, and moved.
+        return dequantize(qw).to(dtype).to(device)
     return dequantized_on(qw, dtype, device)
 
 
