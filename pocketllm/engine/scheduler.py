@@ -177,11 +177,11 @@ class Scheduler:
         ends = {id(req): i for i, req in enumerate(fed)}
         host = {}
         if direct is None:
-            # The rows that sample come to the host in one copy (on a device, one wait for it), not
-            # one a request: sampling runs there, with each request's own generator.
+            # The rows that sample, on the host where sampling runs: a device's in one copy (one
+            # wait for it), not one a request; a CPU's as they are.
             sampled = [i for i, req in enumerate(fed) if ends[id(req)] == i and not req.sampling.plain_greedy]
             if sampled:
-                host = dict(zip(sampled, logits[sampled].float().cpu()))
+                host = dict(zip(sampled, logits[sampled].cpu() if logits.device.type != "cpu" else (logits[i] for i in sampled)))
         for req, (_, _, rows) in zip(fed, spans):
             req.fed += len(rows)
         chosen = []
