@@ -48,3 +48,17 @@ def on_devices(min_count: int = 1):
 
 def synchronize(kind: str) -> None:
     (torch.cuda if kind == "cuda" else torch.npu).synchronize()
+
+
+def captured(fn):
+    """fn() run once on a side stream (its lazy setup, its compiles) and then captured as a CUDA
+    graph: (the graph, what the captured call returned, which each replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_caps import cuda_count
+from device_caps import captured, cuda_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from device_op_cases import only_what_rows_hold  # noqa: E402
@@ -88,13 +88,7 @@ def test_a_cuda_graph_replays_it_at_other_positions():
     """Captured once at some positions, replayed after the positions and q change in place: what
     the op gives eagerly at the new ones, bit for bit."""
     q, k_pool, v_pool, tables, pos, scale = _inputs(torch.bfloat16, "cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        CUSTOM_OPS.decode_attention_rows(q, k_pool, v_pool, tables, pos, scale)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = CUSTOM_OPS.decode_attention_rows(q, k_pool, v_pool, tables, pos, scale)
+    graph, out = captured(lambda: CUSTOM_OPS.decode_attention_rows(q, k_pool, v_pool, tables, pos, scale))
     pos.copy_(torch.tensor([4479, 1, 65, 0, 128, 3000, 4095, 64], device="cuda"))
     q.copy_(torch.randn_like(q))
     graph.replay()
@@ -110,13 +104,7 @@ def test_a_cuda_graph_of_rows_longer_than_their_shares_replays_at_other_position
     q, k_pool, v_pool, tables, pos, scale = _inputs(torch.bfloat16, "cuda")
     launch = lambda: decode_attention.decode_attention_rows(q, k_pool, v_pool, tables, pos, scale, shares=3)  # noqa: E731
     pos.copy_(torch.tensor([0, 63, 64, 700, 767, 255, 256, 500], device="cuda"))
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        launch()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = launch()
+    graph, out = captured(launch)
     for positions in ([4479, 768, 769, 1000, 4095, 767, 2048, 3001], [0, 63, 64, 700, 767, 255, 256, 500]):
         pos.copy_(torch.tensor(positions, device="cuda"))
         q.copy_(torch.randn_like(q))

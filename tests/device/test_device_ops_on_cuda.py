@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_caps import cuda_count
+from device_caps import captured, cuda_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from device_op_cases import CASES, ROW_SHAPES, conv_inputs  # noqa: E402
@@ -100,13 +100,7 @@ def test_a_cuda_graph_replays_the_custom_ops():
         return total, normed, CUSTOM_OPS.causal_conv1d_prefill_(*conv_args)
 
     state = conv_args[2].clone()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
+    graph, outputs = captured(step)
     for t in (norm_args[0], conv_args[0], kv_args[4]):
         t.copy_(torch.randn_like(t))
     conv_args[2].copy_(state)
