@@ -66,12 +66,12 @@ def setup_device(kind: str, index: int | None, local_rank: int, world: int) -> D
     info = DeviceInfo(kind, (local_rank if index is None else index) if kind != "cpu" else 0)
     if kind in ("cuda", "npu"):
         backend = getattr(torch, kind)
-        count = backend.device_count()
-        if info.index >= count:
-            # torch's own word would be an "invalid device ordinal" traceback from deep inside.
-            given = "--device names" if index is not None else f"local rank {local_rank} of {world} would take"
-            raise UsageError(f"{given} {kind}:{info.index}, but this host shows {count} {kind} device(s)"
-                             f"{'' if index is not None else f': run at most {count} ranks on it'}")
+        # A --device index is held to the count when the run is planned (device_kind.resolve_kind);
+        # a rank's local rank is known only here. torch's own word would be an "invalid device
+        # ordinal" traceback from deep inside.
+        if index is None and local_rank >= backend.device_count():
+            raise UsageError(f"local rank {local_rank} of {world} would take {kind}:{local_rank}, but this host shows "
+                             f"{backend.device_count()} {kind} device(s): run at most {backend.device_count()} ranks on it")
         backend.set_device(info.index)
     elif env_value(os.environ, ENV_RANK_CPUS):
         # Pinned by the launcher: every core this rank may run on is its own.
