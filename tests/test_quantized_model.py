@@ -138,7 +138,6 @@ def test_off_a_cpu_each_quantized_weight_is_placed_dequantized_in_the_run_dtype_
     alive = []
 
     def placing(qw, dtype, device):
-        gc.collect()
         alive.append(sum(ref() is not None for ref in host))
         return quantized.for_device(qw, dtype, device)
 
