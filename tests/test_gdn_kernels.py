@@ -29,6 +29,7 @@ from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, 
 from pocketllm.ops.gated_delta.naive import gated_delta_step_reference_
 from pocketllm.ops.gated_delta.backends import KernelChoice, probe, select_gdn_kernel
 from pocketllm.ops.gdn_choice import CHOICES, choose_gdn_kernel
+from pocketllm.ops.gated_delta import fla_adapter
 from pocketllm.ops.gated_delta.fla_adapter import AUTOTUNING_CACHE, fla_decode_rows_, fla_decode_step_, fla_prefill
 from numerics import assert_close_rel
 from test_gated_delta import make_inputs, reference_f64
@@ -41,6 +42,9 @@ HEADS = [pytest.param(1, 3, id="Hk1-Hv3"), pytest.param(2, 2, id="Hk2-Hv2"), pyt
 def fla(monkeypatch):
     stand_in = FlaStandIn(installed_fla_signatures() if fla_installed() else RECORDED_FLA)
     install_fla(monkeypatch, stand_in)
+    # No layout tuned yet, and a tuning length the stand-in's per-token reference runs quickly.
+    monkeypatch.setattr(fla_adapter, "_tuned", set())
+    monkeypatch.setattr(fla_adapter, "TUNE_ROWS", 96)
     # The adapter sets Triton's autotuning switch where it is unset: as it was after the test.
     was = os.environ.get(AUTOTUNING_CACHE)
     yield stand_in
@@ -71,9 +75,47 @@ def test_fla_prefill_through_its_signature(fla, Hk, Hv, with_state):
     assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
     assert_close_rel(out, ref_out, tol=3e-2)
     assert_close_rel(final, ref_state, tol=3e-2)
-    (_, call), = fla.calls
+    (_, call) = fla.calls[-1]
     # fla groups value heads itself: q and k reach it at key heads, in v's dtype.
     assert call["q"].shape[2] == Hk and call["q"].dtype == torch.bfloat16
+
+
+def test_the_first_fla_prefill_at_a_layout_is_preceded_by_one_at_the_tuning_length(fla):
+    """fla's autotuners keep the configs the first call at a head layout timed, for every length
+    after it: a short first prompt would pick them by launch cost. The first call at each layout
+    (heads, dims, dtypes, with or without a state) is preceded by one of TUNE_ROWS rows like it; the
+    caller's state and result are its own."""
+    rows = fla_adapter.TUNE_ROWS
+
+    def called(T, Hk=1, Hv=3, with_state=True):
+        q, k, v, g, beta, state = make_inputs(T, Hk, Hv, 16, 8)
+        v = v.to(torch.bfloat16)
+        before, initial = len(fla.calls), (state if with_state else None)
+        kept = None if initial is None else initial.clone()
+        out, final = fla_prefill(q, k, v, g, beta, initial)
+        if initial is not None:
+            assert torch.equal(initial, kept)
+        ref_out, ref_state = reference_f64(q, k, v, g, beta, initial)
+        assert_close_rel(out, ref_out, tol=3e-2)
+        assert_close_rel(final, ref_state, tol=3e-2)
+        new = [c for _, c in fla.calls[before:]]
+        assert new[-1]["q"].shape[1] == T
+        return new[:-1]
+
+    def like(tune, Hk=1, Hv=3, with_state=True):
+        assert tune["q"].shape == (1, rows, Hk, 16) and tune["v"].shape == (1, rows, Hv, 8)
+        assert [tune[n].dtype for n in ("q", "k", "v", "g", "beta")] == [torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+        assert (tune["initial_state"] is not None) == with_state and tune["output_final_state"]
+
+    (tune,) = called(5)
+    like(tune)
+    assert called(7) == []  # tuned at this layout already
+    (tune,) = called(7, with_state=False)  # no state: another kernel variant, another key
+    like(tune, with_state=False)
+    (tune,) = called(9, Hk=2, Hv=6)
+    like(tune, Hk=2, Hv=6)
+    assert called(rows, Hk=2, Hv=2) == []  # a first call that long tunes as it runs
+    assert called(3, Hk=2, Hv=2) == []
 
 
 @pytest.mark.parametrize("exported", [None, "0"], ids=["unset", "exported-0"])
@@ -192,8 +234,9 @@ def test_a_passing_device_kernel_is_probed_once_and_kept(monkeypatch, fla):
     _planned(monkeypatch, "fla")
     first = select_gdn_kernel(CPU, torch.bfloat16, env={})
     calls = len(fla.calls)
-    # The probe: a prefill, a decode step and a decode of two sequences' rows.
-    assert first.name == "fla" and first.prefill is fla_prefill and first.decode_step_ is fla_decode_step_ and calls == 3
+    # The probe: a prefill (after its layout's tuning call), a decode step and a decode of two
+    # sequences' rows.
+    assert first.name == "fla" and first.prefill is fla_prefill and first.decode_step_ is fla_decode_step_ and calls == 4
     assert first.decode_rows_indexed_.args == (fla_decode_rows_,)  # fla's rows, gathered and put back
     assert select_gdn_kernel(CPU, torch.bfloat16, env={}) is first and len(fla.calls) == calls
 
