@@ -329,6 +329,17 @@ def run_json_line(cmd: list[str], what: str, env: dict[str, str] | None = None) 
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def one_rank_plan(ckpt: str | None, dtype: torch.dtype | str, quantize: str | None = None, device: str = "cpu", preset: str | None = None,
+                  layers: int | None = None):
+    """A TP=1 run's model plan, planned and checked as the commands plan theirs: from the
+    checkpoint, or (ckpt None) `preset` cut to `layers`."""
+    from pocketllm.model_args import model_plan
+    from pocketllm.run_plan import RunPlan, SourcePlan
+
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return model_plan(RunPlan.one_rank(SourcePlan(ckpt=ckpt, preset=preset, layers=layers, dtype=name, quantize=quantize), torch.device(device).type))
+
+
 class PocketRunner:
     name = "pocketllm"
 
@@ -339,17 +350,14 @@ class PocketRunner:
         from pocketllm.distributed.policy import RulePolicy
         from pocketllm.distributed.state import set_tp
         from pocketllm.engine.runner import Engine
-        from pocketllm.model_args import model_plan
-        from pocketllm.run_plan import RunPlan, SourcePlan
 
-        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-        kind = torch.device(device).type
-        plan = model_plan(RunPlan.one_rank(SourcePlan(ckpt=ckpt, preset=preset, layers=layers, dtype=name, quantize=quantize), kind))
+        plan = one_rank_plan(ckpt, dtype, quantize, device, preset, layers)
         set_tp(0, 1)
         self.cfg = plan.cfg
         self.device = torch.device(device)
         self.sync = device_sync(self.device)
         self.engine = Engine(plan.cfg, plan.open_source(self.device), plan.dtype, self.device, RulePolicy())
+        self.vocab_size = plan.cfg.vocab_size
 
     def prefill(self, ids: list[int], measure=None):
         """Seconds of one prefill of ids from a fresh sequence; with `measure`, what measure(run

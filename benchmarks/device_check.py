@@ -24,8 +24,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,14 +108,25 @@ class Table:
 GRACE_S = 15
 # --out's log, each step's command, exit and whole output appended as it ends (None: not kept).
 LOG: Path | None = None
+# One step's output at a time into it (the warm-up's processes end in threads of their own).
+_LOG_WRITE = threading.Lock()
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str, float]:
     """cmd's exit code (None: past its limit), stdout, stderr and seconds. Past timeout - GRACE_S
     its process group gets Ctrl-C, then SIGKILL once GRACE_S more have passed."""
+    return _finish(cmd, env, *_start(cmd, env), timeout)
+
+
+def _start(cmd: list[str], env: dict | None) -> tuple[subprocess.Popen, float]:
+    # In the main thread: a fork running preexec_fn while other threads hold locks can deadlock.
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=_ctrl_c_heard, env=None if env is None else {**os.environ, **env})
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_ctrl_c_heard, env=None if env is None else {**os.environ, **env}), t0
+
+
+def _finish(cmd: list[str], env: dict | None, proc: subprocess.Popen, t0: float, timeout: float) -> tuple[int | None, str, str, float]:
+    """_run's wait for a started process (see _run)."""
     try:
         out, err = proc.communicate(timeout=max(1.0, timeout - GRACE_S))
         rc = proc.returncode
@@ -129,7 +142,7 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
     _signal_group(proc.pid, signal.SIGKILL)
     seconds = time.monotonic() - t0
     if LOG is not None:
-        with LOG.open("a") as f:
+        with _LOG_WRITE, LOG.open("a") as f:
             f.write(f"===== {' '.join(cmd)}\n{'' if env is None else f'with {env}'}\nexit {'(past its limit)' if rc is None else rc} "
                     f"after {seconds:.1f} s\n----- stdout\n{out}\n----- stderr\n{err}\n")
     return rc, out, err, seconds
@@ -228,6 +241,34 @@ def fla_imports(table: Table, timeout: float) -> None:
                   f"torch paths (install the cuda extra, or its wheels: docs/devices.md)", seconds)
 
 
+# Which of Triton's and fla's switches keep autotuning timings on disk: off in the warm-up's
+# processes, whose timings are taken side by side on one device (the timed steps tune again, alone,
+# from the compiled kernels the warm-up left in the cache).
+UNKEPT_TIMINGS = {"TRITON_CACHE_AUTOTUNING": "0", "FLA_CACHE_RESULTS": "0"}
+
+
+def warm_up(table: Table, kind: str, runs: dict[str, list[str]], timeout: float) -> bool:
+    """benchmarks/vs_transformers.py --warm-up-only for each engine at each of `runs`' shapes, all
+    at once: each compiles its own kernels (fla's autotuning compiles every config, once per head
+    layout: about 90 s each, one after another were the steps to do it themselves) into Triton's
+    on-disk cache, on cores that would otherwise be idle. A row each; True when all passed."""
+    jobs = {f"warm-up: {name}, {engine}": [sys.executable, "benchmarks/vs_transformers.py", "--device", kind, *args, "--warm-up-only", "--engine", engine]
+            for name, args in runs.items() for engine in ("pocketllm", "transformers")}
+    started = {step: (cmd, _start(cmd, UNKEPT_TIMINGS)) for step, cmd in jobs.items()}
+    # Each read in a thread of its own: a process whose pipe is not read stops when it fills.
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        done = {step: pool.submit(_finish, cmd, UNKEPT_TIMINGS, *proc_t0, timeout) for step, (cmd, proc_t0) in started.items()}
+    passed = True
+    for step, future in done.items():
+        rc, out, err, seconds = future.result()
+        if rc == 0:
+            table.add(step, "pass", _last_line(out), seconds)
+        else:
+            passed = False
+            table.add(step, "FAIL", "timed out" if rc is None else f"exit {rc}: {_last_line(err)}", seconds)
+    return passed
+
+
 def keep(out: Path, machine: list[str], table: Table) -> None:
     """--out: the table with every step's figures, rewritten after each step (a check cut short
     keeps what it did; the log beside it grows as each step ends)."""
@@ -248,9 +289,11 @@ def gdn_bench(table: Table, kind: str, dtype: str, tokens: int, reps: int, timeo
     table.add(step, "pass", f"{detail}; recurrence at {summary['vs_recurrent']:.2f}x; all outputs agree", seconds, summary)
 
 
-def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float, env: dict | None = None) -> dict | None:
+def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: list[str], timeout: float, env: dict | None = None,
+          warm: bool = False) -> dict | None:
     """One `pocketllm bench` run: a row with its figures, and its --json document (None when it
-    failed)."""
+    failed). warm: the steps before left its kernels in Triton's cache (its ready time is then a
+    second start's)."""
     step = "".join(f"{k}={v} " for k, v in (env or {}).items())
     step += f"bench --device {kind} --tp-world {world} --preset {preset} --prompt-tokens {tokens}" + (f" {' '.join(extra)}" if extra else "")
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,10 +310,7 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
         doc = json.loads(out_json.read_text())
     s, lim = doc["settings"], doc.get("limits", {})
     shares = (f" ({share(lim['prefill_share_of_matmul_limit'], 'matmul limit')})", f" ({share(lim['decode_share_of_memory_limit'], 'memory limit')})") if lim else ("", "")
-    # On CUDA, Triton's cache holds the kernels by this step (the steps before compiled them): a
-    # second start's time.
-    warm = " (Triton's cache warm)" if kind == "cuda" else ""
-    ready = f"ready in {doc['ready_seconds']:.0f} s{warm}, " if "ready_seconds" in doc else ""
+    ready = f"ready in {doc['ready_seconds']:.0f} s{' (Triton cache warm)' if warm else ''}, " if "ready_seconds" in doc else ""
     # What ran: a device op or kernel that failed its probe leaves the torch forms running, slowly.
     ran = f"{doc.get('decode_step', '')} {s['decode_step']}, {s['device_ops']}, gdn kernel {s['gdn_kernel_line']}, backend {s['backend']}"
     table.add(step, "pass", f"{ready}prefill {doc['prefill_tokens_per_s']:.0f} tok/s{shares[0]}, "
@@ -284,13 +324,15 @@ def bench(table: Table, kind: str, world: int, preset: str, tokens: int, extra: 
 
 # Issue 38's target for a batch-8 decode step against a batch-1 step.
 BATCH_8_TARGET = 1.3
+# Seconds the batch-8 run needs at least (a model's load, warm-up and 128 steps).
+BATCH_8_NEEDS = 45
 
 
 def batch_scaling(table: Table, kind: str, preset: str, tokens: int, extra: list[str], left) -> None:
     """bench at batch 1 and at batch 8 on the same shapes, each a row, then a row setting a step of
     eight sequences' rows against a step of one (issue 38's target: at most 1.3x)."""
     one = bench(table, kind, 1, preset, tokens, extra, left())
-    eight = bench(table, kind, 1, preset, tokens, [*extra, "--batch", "8"], left()) if left() >= STEP_MIN_S else None
+    eight = bench(table, kind, 1, preset, tokens, [*extra, "--batch", "8"], left()) if left() >= BATCH_8_NEEDS else None
     if one is None or eight is None:
         return
     # Steps a second: a batch of B decodes B tokens a step.
@@ -345,7 +387,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--budget", type=_seconds, default=480,
         help=f"seconds the whole check may take (default 480): each step gets what is left, and a step that would start with "
-        f"under {STEP_MIN_S} s left is skipped (the device is lent briefly: the check must end inside its lease)",
+        f"with less left than it needs (from {STEP_MIN_S} s to a few minutes) is skipped (the device is lent briefly: the check must end "
+        f"inside its lease)",
     )
     p.add_argument("--out", type=Path, help="a folder to keep device_check.log (each step's command, exit and whole output) and results.json "
                    "(the table and each step's figures, a bench's --json document whole) in, rewritten after each step")
@@ -386,34 +429,42 @@ def main(argv=None) -> int:
     # Four of the 27B's layers; 128 decode steps a run (each step a few milliseconds): the batch-8
     # against batch-1 ratio divides two runs' single timings, which 32 steps would leave noisy.
     batch_flags = ["--layers", "4", "--max-new-tokens", "32" if args.quick else "128"]
-    # In the order of what a short lease must not miss.
-    steps = [("fla imports", lambda: fla_imports(table, left(60)))] if kind == "cuda" else []
+    # In the order of what a short lease must not miss: the issue's figures first, the tests after.
+    # Each step: (name, the seconds it needs at least to be worth starting, the step).
+    warmed: list[bool] = []
+    steps = [("fla imports", STEP_MIN_S, lambda: fla_imports(table, left(60)))] if kind == "cuda" else []
+    if kind != "npu":
+        # Both engines' kernels at both shapes compiled side by side, before any is timed (on a
+        # CPU, a dry run of the step).
+        steps.append(("warm-up", 120, lambda: warmed.append(warm_up(table, kind, {"27B shapes x4": vs_big, "small": vs_small}, left(args.timeout)))))
     steps += [
-        ("tests/device engine", lambda: device_tests(table, left(args.timeout))),
-        ("vs transformers, small", lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
-        ("vs transformers, 27B shapes x4", lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
-        ("bench 27B, every layer", lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout))),
+        ("vs transformers, 27B shapes x4", 90, lambda: vs_transformers(table, kind, vs_big, left(args.timeout))),
+        # Its layers' kernels are those of the step before: in Triton's cache, where the warm-up passed.
+        ("bench 27B, every layer", 120, lambda: bench(table, kind, 1, big, big_prompt, [], left(args.timeout), warm=kind == "cuda" and any(warmed))),
         # Eight sequences' decode rows a step (the captured graphs' bucket 8 on a GPU) against one
         # sequence's, at four layers of the 27B's shapes.
-        ("bench batch 1 and 8", lambda: batch_scaling(table, kind, big, batch_prompt, batch_flags, lambda: left(args.timeout))),
+        ("bench batch 1 and 8", 90, lambda: batch_scaling(table, kind, big, batch_prompt, batch_flags, lambda: left(args.timeout))),
+        ("vs transformers, small", 90, lambda: vs_transformers(table, kind, vs_small, left(args.timeout))),
+        ("tests/device engine", 90, lambda: device_tests(table, left(args.timeout))),
         # Batch 8 asked for batch invariance (a device's batch-invariant shape): what it costs.
-        ("bench batch 8, batch-invariant", lambda: bench(table, kind, 1, big, batch_prompt, [*batch_flags, "--batch", "8"], left(args.timeout),
-                                                         {"POCKETLLM_BATCH_INVARIANT": "1"})),
-        ("tests/device runs", lambda: device_tests(table, left(args.timeout), "runs")),
-        ("tests/device serve", lambda: device_tests(table, left(args.timeout), "serve")),
-        ("tests/device kernel cases", lambda: device_tests(table, left(args.timeout), "kernel cases")),
-        ("gdn-bench bfloat16", lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
-        ("bench tp1 host profile", lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], left(args.timeout))),
-        ("gdn-bench float32", lambda: gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, left(args.timeout))),
+        ("bench batch 8, batch-invariant", 60, lambda: bench(table, kind, 1, big, batch_prompt, [*batch_flags, "--batch", "8"], left(args.timeout),
+                                                             {"POCKETLLM_BATCH_INVARIANT": "1"})),
+        ("tests/device runs", 90, lambda: device_tests(table, left(args.timeout), "runs")),
+        ("tests/device serve", 120, lambda: device_tests(table, left(args.timeout), "serve")),
+        ("tests/device kernel cases", 60, lambda: device_tests(table, left(args.timeout), "kernel cases")),
+        ("gdn-bench bfloat16", 30, lambda: gdn_bench(table, kind, "bfloat16", tokens, 2 if args.quick else 5, left(args.timeout))),
+        ("bench tp1 host profile", 30, lambda: bench(table, kind, 1, "tiny", 64, ["--host-profile", "--profile-out", "DIR"], left(args.timeout))),
+        ("gdn-bench float32", 30, lambda: gdn_bench(table, kind, "float32", tokens, 2 if args.quick else 3, left(args.timeout))),
     ]
     if count >= 2 and kind != "cpu":
-        steps.append(("bench tp2", lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout))))
+        steps.append(("bench tp2", 60, lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout))))
         if kind == "cuda":
             # The decode step captured with its all-reduces (opt-in at TP>1 until this row passes).
-            steps.append(("bench tp2, captured", lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout), {"POCKETLLM_CUDA_GRAPH": "1"})))
-    for name, step in steps:
-        if left(args.timeout) < STEP_MIN_S:
-            table.add(name, "skip", f"out of the check's --budget of {args.budget:g} s", 0.0)
+            steps.append(("bench tp2, captured", 60, lambda: bench(table, kind, 2, preset, prompt, [], left(args.timeout), {"POCKETLLM_CUDA_GRAPH": "1"})))
+    for name, needs, step in steps:
+        # A step started with less than it needs would be cut short and read as a failure.
+        if left(args.timeout) < min(needs, args.timeout):
+            table.add(name, "skip", f"out of the check's --budget of {args.budget:g} s (it needs about {needs} s)", 0.0)
             continue
         # A step whose output this script cannot read is a failed step, not the end of the check.
         try:

@@ -15,6 +15,8 @@ its own random weights at the preset's shapes on the device (the speeds compare;
     python benchmarks/vs_transformers.py [--ckpt DIR | --preset small [--layers N] [--random-weights]]
         [--device cpu|cuda|npu] [--lengths 512,2048] [--decode-tokens 64] [--reps 4] [--dtype bfloat16] [--threads 2]
         [--kernel-profile]
+    python benchmarks/vs_transformers.py --device cuda ... --warm-up-only [--engine pocketllm|transformers]
+        # the warm-up alone, untimed: fills Triton's on-disk cache with the kernels a timed run compiles
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from common import (
     Parser, PocketRunner, absolute_path, alternate, checkpoint_dir, device_sync, even_reps, gemv_only_step_seconds, int_list, machine,
-    positive_int, projection_weights, script, spread, tensor_bytes,
+    one_rank_plan, positive_int, projection_weights, script, spread, tensor_bytes,
 )
 from pocketllm.bench import limits
 from pocketllm.config import FULL_ATTENTION_INTERVAL
@@ -56,7 +58,15 @@ def parse_args(argv=None):
         "its kernels (CUDA) or torch ops (CPU) by time, side by side",
     )
     p.add_argument("--json", help="write every rep and the summary here")
+    p.add_argument(
+        "--warm-up-only", action="store_true",
+        help="load and run the warm-up at every length, untimed, then stop: on a device it leaves the kernels a timed run "
+        "compiles in Triton's on-disk cache (benchmarks/device_check.py warms each engine's shapes side by side this way)",
+    )
+    p.add_argument("--engine", choices=("both", "pocketllm", "transformers"), default="both", help="--warm-up-only: which engine (default both)")
     args = p.parse_args(argv)
+    if args.engine != "both" and not args.warm_up_only:
+        p.error("--engine picks one engine for --warm-up-only; a timed run sets the two side by side")
     if args.ckpt is not None and args.random_weights:
         p.error("--random-weights runs without a checkpoint: give --ckpt or --random-weights, not both")
     return args
@@ -79,6 +89,7 @@ class HFRunner:
         # The forward's cache argument: `cache` in recent releases, `past_key_values` before (5.17
         # among them). The other name would go into **kwargs unread, and each step would start
         # from an empty cache: a decode of one token with no context, timed as a decode.
+        self.vocab_size = self.model.config.vocab_size
         self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def _ids(self, ids) -> torch.Tensor:
@@ -143,6 +154,21 @@ def kernel_profiles(runners, prompt: list[int], decode_prompt: list[int], steps:
             print("\n".join(kernel_profile.describe(t, device_type)))
 
 
+def make_runners(args, dtype: torch.dtype) -> list:
+    """The engines --engine names, pocketllm first: from the checkpoint, or with --random-weights
+    each its own at the preset's shapes (cut to --layers, as pocketllm plans them)."""
+    both = args.engine == "both"
+    if args.random_weights:
+        cfg = one_rank_plan(None, dtype, device=args.device, preset=args.preset, layers=args.layers).cfg
+        pocket = lambda: PocketRunner(None, dtype, device=args.device, preset=args.preset, layers=args.layers)  # noqa: E731
+        hf = lambda: HFRunner(None, dtype, args.device, cfg)  # noqa: E731
+    else:
+        ckpt = checkpoint_dir(args)
+        pocket = lambda: PocketRunner(ckpt, dtype, device=args.device)  # noqa: E731
+        hf = lambda: HFRunner(ckpt, dtype, args.device)  # noqa: E731
+    return ([pocket()] if both or args.engine == "pocketllm" else []) + ([hf()] if both or args.engine == "transformers" else [])
+
+
 @script
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -161,13 +187,8 @@ def main(argv=None) -> int:
     lengths = args.lengths
     from pocketllm.inputs import bench_ids
 
-    if args.random_weights:
-        pocket = PocketRunner(None, dtype, device=args.device, preset=args.preset, layers=args.layers)
-        runners = [pocket, HFRunner(None, dtype, args.device, pocket.cfg)]
-    else:
-        ckpt = checkpoint_dir(args)
-        runners = [PocketRunner(ckpt, dtype, device=args.device), HFRunner(ckpt, dtype, args.device)]
-    vocab = runners[0].engine.cfg.vocab_size
+    runners = make_runners(args, dtype)
+    vocab = runners[0].vocab_size
     prompts = {n: bench_ids(n, vocab) for n in lengths}
     decode_prompt = bench_ids(32, vocab)
     # Warm-up at every timed length: a first pass at a shape pays for per-shape setup.
@@ -175,6 +196,9 @@ def main(argv=None) -> int:
         for n in lengths:
             r.prefill(prompts[n])
         r.decode(decode_prompt, 2)
+    if args.warm_up_only:
+        print(f"warmed up: {', '.join(r.name for r in runners)} at {','.join(map(str, lengths))} tokens and 2 decode steps, untimed")
+        return 0
     prefill = {(r.name, n): [] for r in runners for n in lengths}
     decode = {r.name: [] for r in runners}
     tokens = {}

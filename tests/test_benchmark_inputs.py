@@ -61,6 +61,7 @@ CASES = [
     (vs_transformers, ["--reps", "3"], "--reps"),
     (vs_transformers, ["--dtype", "int8"], "--dtype"),
     (vs_transformers, ["--ckpt", "x", "--random-weights"], "--random-weights"),
+    (vs_transformers, ["--engine", "pocketllm"], "--engine"),
     (vs_transformers, ["--preset", "tiny", "--json", "/nope/x.json"], "/nope"),
     (chunk_size, ["--lengths", "x"], "--lengths"),
     (chunk_size, ["--sizes", "0,32"], "--sizes"),
