@@ -254,10 +254,14 @@ def test_a_device_pass_of_decode_rows_beside_a_prompt_runs_the_rows_as_a_step(mo
     assert torch.equal(every[0], rows[0]) and torch.equal(every[-1], rows[1])
     assert torch.equal(every[1 : 1 + new.shape[0]], _device_step_engine(monkeypatch, prompts).run_packed([spans[1]], all_logits=True))
     assert torch.equal(every[new.shape[0]], alone[0])
-    # A sequence with two spans in the pass is not split off: its second row needs the first's state.
+    # A sequence with two decode rows in the pass (its second row needs the first's state) takes
+    # two steps, one a row, with the bits of two passes of a row each.
     both = _device_step_engine(monkeypatch, prompts)
-    both.run_packed([(0, 40, torch.tensor([7])), (0, 41, torch.tensor([9])), (2, 0, new)])
-    assert both.direct_steps == 0
+    two = both.run_packed([(0, 40, torch.tensor([7])), (0, 41, torch.tensor([9])), (2, 0, new)])
+    assert both.direct_steps == 2
+    one_by_one = _device_step_engine(monkeypatch, prompts)
+    one_by_one.run_packed([(0, 40, torch.tensor([7]))])
+    assert torch.equal(two[0], rows[0]) and torch.equal(two[1], one_by_one.run_packed([(0, 41, torch.tensor([9]))])[0])
 
 
 def test_a_devices_kernels_read_a_steps_weights_once():
@@ -325,6 +329,19 @@ def test_in_a_devices_invariant_shape_a_sequences_logits_do_not_depend_on_the_ot
             spans.append((2, 0, z[:256]))  # a prompt chunk beside the decode rows
         busy_steps.append(busy.run_packed(spans)[0])
     for mine, theirs in zip(busy_steps, steps, strict=True):
+        assert torch.equal(mine, theirs)
+
+    # Its chosen tokens replayed after a preemption (the scheduler gives them as one-row spans of
+    # its slot in one pass), beside another sequence's decode row and a third's prompt: each row
+    # goes through a step of its own, with the bits the steps gave it.
+    replayed = engine()
+    replayed.run_packed([(0, 0, x)])
+    replayed.run_packed([(1, 0, y)])
+    spans = [(0, 40 + i, torch.tensor([7 + i])) for i in range(3)] + [(1, 9, torch.tensor([3])), (2, 0, z[:256])]
+    before = replayed.direct_steps
+    again = replayed.run_packed(spans)
+    assert replayed.direct_steps - before == 4  # three steps: slot 0's rows and, in the first, slot 1's
+    for mine, theirs in zip(again[:3], steps, strict=True):
         assert torch.equal(mine, theirs)
 
 

@@ -262,38 +262,54 @@ class Engine:
         rows beside prompt rows too, the rest then a pass of the layers of its own. In that one
         pass each decode row would be a segment of its own, every op of its mixer launched for it
         alone, with other bits than a step gives it; a request that reads every row of its prompt
-        beside them must not change theirs. None where the step does not take them (the layers run
-        the pass)."""
+        beside them must not change theirs. On a device a slot whose every span is one decode row
+        (a preempted request's chosen tokens replayed, in order) is stepped too, its k-th row in
+        the pass's k-th step: each row gets the bits a step gave it the first time. None where the
+        step does not take them (the layers run the pass)."""
         per_slot = Counter(slot for slot, _, _ in spans)
-        rows = [i for i, (slot, start, ids) in enumerate(spans) if ids.shape[0] == 1 and start > 0 and per_slot[slot] == 1]
-        if not rows or (len(rows) < len(spans) and self.pass_shape.cpu_forms):
+        one_row = [ids.shape[0] == 1 and start > 0 for _, start, ids in spans]
+        if self.pass_shape.cpu_forms:
+            # On a CPU a row's bits do not depend on the rows beside it: a pass that is not all
+            # single decode rows runs on the layers.
+            waves = [[i for i, (slot, _, _) in enumerate(spans) if one_row[i] and per_slot[slot] == 1]]
+            if len(waves[0]) < len(spans):
+                return None
+        else:
+            stepped = {slot for slot in per_slot if all(one_row[i] for i, (s, _, _) in enumerate(spans) if s == slot)}
+            waves, seen = [], Counter()
+            for i, (slot, _, _) in enumerate(spans):
+                if slot in stepped:
+                    if seen[slot] == len(waves):
+                        waves.append([])
+                    waves[seen[slot]].append(i)
+                    seen[slot] += 1
+        if not waves or not waves[0]:
             return None
-        info = self._direct_rows([spans[i][:2] for i in rows])
-        if info is None:
-            return None
-        tokens = torch.cat([spans[i][2] for i in rows]).tolist()  # one op, not one per row
-        logits = self.step.rows(tokens, [spans[i][1] for i in rows], [spans[i][0] for i in rows])
-        self._after_direct(info)
-        if len(rows) == len(spans):
-            return logits
-        taken = set(rows)
-        others = [i for i in range(len(spans)) if i not in taken]
-        rest = self.run_packed([spans[i] for i in others], all_logits=all_logits).to(logits.device)
-        if all_logits:
-            # Every row in span order: a decode row's one, then each other span's rows.
-            parts, at, k = [], 0, 0
-            for i, (_, _, ids) in enumerate(spans):
-                if i in taken:
-                    parts.append(logits[k : k + 1])
-                    k += 1
-                else:
-                    parts.append(rest[at : at + ids.shape[0]])
-                    at += ids.shape[0]
-            return torch.cat(parts)
-        mixed = logits.new_empty(len(spans), logits.shape[-1])
-        mixed[rows] = logits
-        mixed[others] = rest
-        return mixed
+        taken: dict[int, torch.Tensor] = {}
+        for wave in waves:
+            info = self._direct_rows([spans[i][:2] for i in wave])
+            if info is None:
+                if taken:
+                    raise RuntimeError("the step backend stopped taking a pass's decode rows between two of its steps")
+                return None
+            tokens = torch.cat([spans[i][2] for i in wave]).tolist()  # one op, not one per row
+            logits = self.step.rows(tokens, [spans[i][1] for i in wave], [spans[i][0] for i in wave])
+            self._after_direct(info)
+            taken.update((i, logits[k : k + 1]) for k, i in enumerate(wave))
+        if len(taken) == len(spans):
+            return torch.cat([taken[i] for i in range(len(spans))])
+        rest = self.run_packed([span for i, span in enumerate(spans) if i not in taken], all_logits=all_logits).to(taken[next(iter(taken))].device)
+        # Every span's rows in span order (its last row's alone without all_logits): one cat, where
+        # index assignment with a list of rows would copy the list to the device first.
+        parts, at = [], 0
+        for i, (_, _, ids) in enumerate(spans):
+            if i in taken:
+                parts.append(taken[i])
+            else:
+                rows = ids.shape[0] if all_logits else 1
+                parts.append(rest[at : at + rows])
+                at += rows
+        return torch.cat(parts)
 
     def greedy_row(self, slot: int, pos: int, token: int) -> int:
         """One decode step of the sequence in `slot`, `token` at position `pos`: its greedy next
