@@ -374,3 +374,47 @@ def test_a_devices_invariant_pass_without_kernels_takes_each_rows_forms_as_a_cpu
     assert part_forms_on_cpu(DEVICE_INVARIANT_PASS, True, device_kernels=False)
     assert not part_forms_on_cpu(DEVICE_PASS, False, device_kernels=False)
     assert part_forms_on_cpu(CPU_PASS, True, device_kernels=False) and part_forms_on_cpu(CPU_PASS, False, device_kernels=True)
+
+
+def test_the_replay_check_runs_each_row_in_a_slot_of_its_own_and_puts_the_padding_back(monkeypatch):
+    """A captured step is checked by replaying its first bucket against the same step uncaptured.
+    Batch-invariant, that bucket is all the slots' rows: in the padding slot alone they would race
+    on its conv window and recurrent state on a GPU (one row's read before or after another's
+    write) and the check would fail at random. Each row runs in a real slot of its own from a
+    cleared state, both times, and the buffers hold the padding slot again after."""
+    from pocketllm.layers.context import DEVICE_INVARIANT_PASS
+
+    engine = _device_step_engine(monkeypatch, shape=DEVICE_INVARIANT_PASS)
+    step = engine.step
+    step.prepare()
+    (bucket,) = step.buckets
+    assert bucket == 4
+    seen = []
+    forward = step._forward
+
+    def recorded(rows):
+        seen.append(step.inputs[2, :rows].tolist())
+        # Every slot the rows run in starts cleared: a state left from before would show here.
+        for states in engine.slots.stacked.values():
+            for slot in seen[-1]:
+                assert not states.slot(slot).recurrent.any() and not states.slot(slot).conv.any()
+        return forward(rows)
+
+    class Replay:  # a captured graph writes the step's output buffer in place
+        def replay(self):
+            step.out[bucket].copy_(recorded(bucket))
+
+    # Dirty states (a reserve reuses the stacked states it has room in) are cleared for the check.
+    for states in engine.slots.stacked.values():
+        states.recurrent.fill_(0.5)
+        states.conv.fill_(0.5)
+    step._forward = recorded
+    step.graphs[bucket] = Replay()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    with torch.inference_mode():  # as prepare() checks it
+        step.out[bucket] = forward(bucket)
+        assert step.replay_disagrees(bucket) == ""
+    assert seen == [[0, 1, 2, 3]] * 2
+    assert step.inputs[2].tolist() == [engine.slots.padding] * bucket
+    for states in engine.slots.stacked.values():
+        assert not states.recurrent[:bucket].any() and not states.conv[:bucket].any()

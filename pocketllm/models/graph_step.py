@@ -170,15 +170,25 @@ class GraphStep:
     def replay_disagrees(self, bucket: int) -> str:
         """Why a replay of `bucket`'s graph differs from the same step run uncaptured ("" when it
         agrees): a capture that baked in a value it should read from a buffer shows here. Both run
-        the padding slot from a cleared state."""
+        each row in a slot of its own from a cleared state (the real slots, free while they are
+        being reserved, and put back after): rows of one slot would race on its state, one row's
+        window or recurrence read before or after another's write, and differ run to run."""
+        slots = list(range(bucket)) if bucket <= len(self.slots.states) else [self.slots.padding] * bucket
+
         def clear():
             for states in self.slots.stacked.values():
-                states.slot(self.slots.padding).reset()
+                for slot in set(slots):
+                    states.slot(slot).reset()
 
-        clear()
-        eager = self._forward(bucket).clone()
-        clear()
-        self.graphs[bucket].replay()
-        torch.cuda.synchronize(self.device)
-        err = ((self.out[bucket] - eager).abs().max() / eager.abs().max().clamp_min(1e-30)).item()
+        self.inputs[2, :bucket] = torch.tensor(slots, device=self.device)
+        try:
+            clear()
+            eager = self._forward(bucket).clone()
+            clear()
+            self.graphs[bucket].replay()
+            torch.cuda.synchronize(self.device)
+            err = ((self.out[bucket] - eager).abs().max() / eager.abs().max().clamp_min(1e-30)).item()
+        finally:
+            clear()
+            self.inputs[2] = self.slots.padding
         return "" if err <= REPLAY_TOLERANCE else f"a replay of the captured step differs from the step run uncaptured by {err:.1e} of its largest logit"
