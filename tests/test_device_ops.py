@@ -101,6 +101,20 @@ def test_decode_attention_compiles_for_the_27b_heads_within_shared_memory(for_sm
         assert local_memory_bytes(kernel) == 0
 
 
+def test_a_pass_writes_its_kv_from_any_start_with_one_compiled_kernel():
+    """A pass going on from a cached prefix starts at any position; Triton compiles an integer
+    argument apart at 1 and at multiples of 16, so a first request going on at another position
+    than the warm-up's would wait for a compile. The KV write's start is one argument of one
+    kernel, whatever its value."""
+    from pocketllm.ops.device.kernels import kv_write
+
+    pool = torch.zeros(4, 2, 16, 32, dtype=torch.bfloat16)
+    table = torch.arange(4, dtype=torch.int32)
+    k = v = torch.zeros(3, 2, 32, dtype=torch.bfloat16)
+    launches = recorded_launches(kv_write, [(kv_write.write_kv, (pool, pool.clone(), table, start, k, v)) for start in (0, 1, 16, 17, 33)])
+    assert len(launches) == 5 and len({source.hash() for source, _ in launches}) == 1
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
 def test_each_custom_op_is_one_op_and_the_torch_form_off_cuda(case):
     mine, theirs = case.make(torch.bfloat16, 3, 96), case.make(torch.bfloat16, 3, 96)

@@ -149,7 +149,7 @@ def recorded_launches(module, calls) -> list:
     _..._kernel a launcher runs after it), recorded one call at a time with stand-ins in their
     place, each as what triton.compile takes: (source, options), in launch order. As Triton's
     launcher does, an argument gets the hint that it is a multiple of 16 (a pointer's address, an
-    int) where it is: the code a GPU runs is compiled with them, and its registers differ without."""
+    int not marked do_not_specialize) where it is: the code a GPU runs is compiled with them, and its registers differ without."""
     kernels, recorded = _kernels_of(module), []
     for name, kernel in kernels.items():
         setattr(module, name, _Recorder(recorded, kernel))
@@ -166,7 +166,10 @@ def recorded_launches(module, calls) -> list:
         signature, constants, hints = {}, {}, {}
         for i, param in enumerate(kernel.params):
             value = bound[param.name]
-            if param.is_constexpr or (type(value) is int and value == 1):
+            if type(value) is int and param.do_not_specialize:
+                # Neither a constant at 1 nor hinted at multiples of 16: one kernel for any value.
+                signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            elif param.is_constexpr or (type(value) is int and value == 1):
                 signature[param.name], constants[param.name] = "constexpr", value
             elif isinstance(value, torch.Tensor):
                 signature[param.name] = "*" + _TYPES[value.dtype]

@@ -15,7 +15,10 @@ import triton.language as tl
 from .arith import launch_options
 
 
-@triton.jit
+# `start` not specialized: Triton compiles an integer argument apart when it is 1 or a multiple
+# of 16, and a pass going on from a cached prefix starts anywhere (the warm-up starts at 0 only): a
+# first request going on at another position would wait for a compile.
+@triton.jit(do_not_specialize=["start"])
 def _kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, pos_ptr, start, n, heads, block_size, k_row, k_head, v_row, v_head,
             table_row, table_col, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """Program (t, h): row t's head h. ROWS: row t is position pos[t] of table row t (a decode
