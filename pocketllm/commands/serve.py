@@ -60,7 +60,7 @@ def add_arguments(p) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="start a request from the longest cached prefix of its tokens (where a prompt's chunk ended; where an earlier "
-        "request stopped too under POCKETLLM_BATCH_INVARIANT=0, not in the batch-invariant default): KV blocks shared, "
+        "request stopped too where the run is not batch-invariant: a GPU's or NPU's default, or POCKETLLM_BATCH_INVARIANT=0): KV blocks shared, "
         f"Gated DeltaNet state copied, up to {PREFIX_CACHE_FRACTION:g} of the KV cache's budget "
         "in copies, made as prefixes are cached (default on)",
     )
