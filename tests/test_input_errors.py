@@ -252,7 +252,6 @@ def test_a_flags_prefix_is_not_taken_for_the_flag(command, flags, refused, capsy
 
 
 def test_weights_holding_nan_are_named_not_generated_from(ckpt_copy, capsys):
-    import torch
     from safetensors.torch import load_file, save_file
 
     path = ckpt_copy / "model.safetensors"
