@@ -105,7 +105,7 @@ def test_a_cuda_kernel_is_offered_the_op(monkeypatch):
     """select_gdn_kernel offers the op on CUDA only (here no GPU: its probe fails, saying why)."""
     monkeypatch.setattr(backends, "_selected", {})
     offered = []
-    monkeypatch.setattr(backends, "with_triton_decode_rows", lambda kernel, device, dtype: offered.append(device.type) or kernel)
+    monkeypatch.setattr(backends, "with_triton_decode_rows", lambda kernel, device, dtype, layout: offered.append(device.type) or kernel)
     backends.select_gdn_kernel(CPU, torch.float32, env={})
     backends.select_gdn_kernel(torch.device("cuda"), torch.float32, env={})
     assert offered == ["cuda"]

@@ -27,7 +27,7 @@ from kernel_stand_ins import (
 from conftest import main_in_process, usage_error_in_process
 from pocketllm.ops.gated_delta import GdnKernelError, gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_step_torch_
 from pocketllm.ops.gated_delta.naive import gated_delta_step_reference_
-from pocketllm.ops.gated_delta.backends import KernelChoice, probe, select_gdn_kernel
+from pocketllm.ops.gated_delta.backends import KernelChoice, probe, select_gdn_kernel, torch_kernel
 from pocketllm.ops.gdn_choice import CHOICES, choose_gdn_kernel
 from pocketllm.ops.gated_delta import fla_adapter
 from pocketllm.ops.gated_delta.fla_adapter import AUTOTUNING_CACHE, fla_decode_rows_, fla_decode_step_, fla_prefill
@@ -239,6 +239,32 @@ def test_a_passing_device_kernel_is_probed_once_and_kept(monkeypatch, fla):
     assert first.name == "fla" and first.prefill is fla_prefill and first.decode_step_ is fla_decode_step_ and calls == 4
     assert first.decode_rows_indexed_.args == (fla_decode_rows_,)  # fla's rows, gathered and put back
     assert select_gdn_kernel(CPU, torch.bfloat16, env={}) is first and len(fla.calls) == calls
+
+
+def test_a_device_kernel_is_probed_at_the_callers_head_layout_once_per_layout(monkeypatch, fla):
+    """A device kernel compiles (fla autotunes) once per head layout: probed at a layout of its
+    own, a first start would pay for two. Each layout is probed at itself, once; a model's GDN
+    layers ask at their own heads and head dims."""
+    _planned(monkeypatch, "fla")
+    first = select_gdn_kernel(CPU, torch.bfloat16, env={}, layout=(1, 3, 16, 8))
+    assert {(c["q"].shape[2:], c["v"].shape[2:]) for _, c in fla.calls} == {((1, 16), (3, 8))}
+    assert select_gdn_kernel(CPU, torch.bfloat16, env={}, layout=(1, 3, 16, 8)) is first
+    calls = len(fla.calls)
+    select_gdn_kernel(CPU, torch.bfloat16, env={}, layout=(2, 4, 8, 16))
+    assert {(c["q"].shape[2:], c["v"].shape[2:]) for _, c in fla.calls[calls:]} == {((2, 8), (4, 16))}
+
+    from pocketllm.distributed.state import set_tp
+    from pocketllm.layers import gdn
+    from pocketllm.models.qwen3_5 import Qwen35ForCausalLM
+    from pocketllm.presets import get_preset
+
+    asked = []
+    monkeypatch.setattr(gdn, "select_gdn_kernel", lambda device, dtype, layout: asked.append(layout) or torch_kernel("chunk", "test"))
+    cfg = get_preset("tiny")
+    set_tp(0, 1)
+    Qwen35ForCausalLM(cfg, torch.float32, torch.device("meta"))
+    layout = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    assert asked and set(asked) == {layout}
 
 
 DEVICES = ("cpu", "cuda", "npu", "mps")

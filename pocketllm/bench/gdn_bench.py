@@ -214,7 +214,7 @@ def main(spec: GdnBenchSpec) -> int:
         torch.set_num_threads(spec.threads)
     T, Hk, Hv, D = spec.tokens, spec.key_heads, spec.value_heads, spec.head_dim
     C = min(spec.chunk_size, T)
-    kernel = select_gdn_kernel(device.torch_device, dtype)
+    kernel = select_gdn_kernel(device.torch_device, dtype, layout=(Hk, Hv, D, D))
     device_kernel = kernel if kernel.name in ("fla", "npu") else None
     print(f"gdn-bench: T={T} Hk={Hk} Hv={Hv} D={D} dtype={spec.dtype} chunk={spec.chunk_size} device={device.describe()} "
           f"threads={torch.get_num_threads()} reps={spec.reps}; engine's kernel here: {kernel.describe()}", file=sys.stderr)

@@ -61,7 +61,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = sharded_param((self.hv,), [head_src("dt_bias")], dtype, device)
         self.norm = GatedRMSNorm(f"{prefix}.norm.weight", self.dv, cfg.rms_norm_eps, dtype, device)
         self.out_proj = RowParallelLinear(f"{prefix}.out_proj.weight", value_dim, hidden, "lin.out", dtype, device, cfg.weights)
-        self.kernel = select_gdn_kernel(device, dtype)
+        # Probed at this layer's heads: the layout its kernels are compiled (and tuned) for anyway.
+        self.kernel = select_gdn_kernel(device, dtype, layout=(self.hk, self.hv, self.dk, self.dv))
         # The compiled decode block replaces only the CPU torch recurrence, not a device kernel.
         ops = decode_ops(dtype, torch.device(device))
         self.compiled_decode = ops.gdn_decode if self.kernel.decode_step_ is gated_delta_step_torch_ else None

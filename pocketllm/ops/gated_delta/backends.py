@@ -34,8 +34,12 @@ from pocketllm.ops.gated_delta.chunked import gated_delta_rule_chunked
 from pocketllm.ops.gated_delta.indexed import gated_delta_rows_indexed_op, gated_delta_rows_indexed_torch_, gathered
 from pocketllm.ops.gated_delta.recurrent import gated_delta_rows_torch_, gated_delta_rule_recurrent, gated_delta_step_torch_
 
-# The probe's shape: 8 tokens, the model's head dim and its 3 value heads per key head (48 / 16).
-PROBE_SHAPE = (8, 2, 6, 128)
+# The probe's tokens, and its heads and head dims (key heads, value heads, key dim, value dim)
+# where the caller names none: the 27B's head dims and its 3 value heads per key head (48 / 16).
+# A layer probes at its own: a device kernel compiles (and fla autotunes) once per head layout,
+# so a probe at another layout would cost a first start a second compile.
+PROBE_TOKENS = 8
+PROBE_LAYOUT = (2, 6, 128, 128)
 # Worst relative error (max |diff| / max |ref|) a probe accepts, by the dtype the kernel ran in.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -60,16 +64,17 @@ class GdnKernel:
         return f"{self.name} ({self.reason})"
 
 
-def probe_inputs(device, dtype, shape=PROBE_SHAPE, seed: int = 0):
-    """Small inputs like a layer's: q, k l2-normalised (q scaled), g <= 0, beta in (0, 1)."""
-    T, Hk, Hv, D = shape
+def probe_inputs(device, dtype, layout=PROBE_LAYOUT, seed: int = 0, tokens: int = PROBE_TOKENS):
+    """Small inputs like a layer's of `layout` (Hk, Hv, Dk, Dv): q, k l2-normalised (q scaled),
+    g <= 0, beta in (0, 1)."""
+    T, (Hk, Hv, Dk, Dv) = tokens, layout
     gen = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(T, Hk, D, generator=gen), dim=-1) * D**-0.5
-    k = torch.nn.functional.normalize(torch.randn(T, Hk, D, generator=gen), dim=-1)
-    v = torch.randn(T, Hv, D, generator=gen)
+    q = torch.nn.functional.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1) * Dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1)
+    v = torch.randn(T, Hv, Dv, generator=gen)
     g = -torch.rand(T, Hv, generator=gen)
     beta = torch.rand(T, Hv, generator=gen)
-    state = torch.randn(Hv, D, D, generator=gen) * 0.1
+    state = torch.randn(Hv, Dk, Dv, generator=gen) * 0.1
     put = lambda x, dt: x.to(device=device, dtype=dt)  # noqa: E731
     return put(q, torch.float32), put(k, torch.float32), put(v, dtype), put(g, torch.float32), put(beta, torch.float32), put(state, torch.float32)
 
@@ -83,10 +88,10 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
 
 
-def probe(prefill, decode_step_, device, dtype, decode_rows_=gated_delta_rows_torch_) -> str | None:
-    """Run a kernel once on a tiny input on `device` against the torch per-token forms; None when
-    it agrees, else why not (its exception's last line, or how far off it was)."""
-    q, k, v, g, beta, state = probe_inputs(device, dtype)
+def probe(prefill, decode_step_, device, dtype, decode_rows_=gated_delta_rows_torch_, layout=PROBE_LAYOUT) -> str | None:
+    """Run a kernel once on a tiny input of `layout` on `device` against the torch per-token
+    forms; None when it agrees, else why not (its exception's last line, or how far off it was)."""
+    q, k, v, g, beta, state = probe_inputs(device, dtype, layout)
     tol = PROBE_TOLERANCE[dtype]
     try:
         out, final = prefill(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], state)
@@ -113,12 +118,12 @@ def probe(prefill, decode_step_, device, dtype, decode_rows_=gated_delta_rows_to
     return None
 
 
-def probe_indexed(decode_rows_indexed_, device, dtype) -> str | None:
+def probe_indexed(decode_rows_indexed_, device, dtype, layout=PROBE_LAYOUT) -> str | None:
     """Run a decode_rows_indexed_ once on `device` against the torch form: three sequences' rows
     at slots out of order in a stack of four, the fourth left as it was bit for bit. None when it
     agrees, else why not."""
     try:
-        q, k, v, g, beta, state = probe_inputs(device, dtype)
+        q, k, v, g, beta, state = probe_inputs(device, dtype, layout)
         mine = torch.stack([state * scale for scale in (1.0, -0.5, 0.25, 2.0)])
         ref, slots = mine.clone(), torch.tensor([2, 0, 3], device=device)
         out = decode_rows_indexed_(q[:3], k[:3], v[:3], g[:3], beta[:3], mine, slots)
@@ -135,33 +140,33 @@ def probe_indexed(decode_rows_indexed_, device, dtype) -> str | None:
     return None
 
 
-def with_triton_decode_rows(kernel: GdnKernel, device, dtype, op=gated_delta_rows_indexed_op) -> GdnKernel:
+def with_triton_decode_rows(kernel: GdnKernel, device, dtype, op=gated_delta_rows_indexed_op, layout=PROBE_LAYOUT) -> GdnKernel:
     """`kernel` with the Triton decode of several sequences on the stacked state in place (the
     custom op `op`) once it passes its probe on `device`; else `kernel` as it is (its rows form on
     the gathered rows), its reason saying why. Whichever kernel runs prefill (fla's too)."""
     why = triton_missing()
     if why is None:
-        failed = probe_indexed(op, device, dtype)
+        failed = probe_indexed(op, device, dtype, layout)
         why = None if failed is None else f"the triton kernel failed its probe ({failed})"
     if why is not None:
         return replace(kernel, reason=f"{kernel.reason}; decode rows gathered: {why}")
     return replace(kernel, reason=f"{kernel.reason}; decode rows: triton, state in place", decode_rows_indexed_=op)
 
 
-def _fla_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:
-    why = probe(fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, device, dtype, fla_adapter.fla_decode_rows_)
+def _fla_kernel(choice: KernelChoice, device, dtype, layout=PROBE_LAYOUT) -> tuple[GdnKernel | None, str | None]:
+    why = probe(fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, device, dtype, fla_adapter.fla_decode_rows_, layout)
     if why is not None:
         return None, why
     rows = gathered(fla_adapter.fla_decode_rows_)
     return GdnKernel("fla", choice.reason, fla_adapter.fla_prefill, fla_adapter.fla_decode_step_, rows), None
 
 
-def _npu_kernel(choice: KernelChoice, device, dtype) -> tuple[GdnKernel | None, str | None]:
+def _npu_kernel(choice: KernelChoice, device, dtype, layout=PROBE_LAYOUT) -> tuple[GdnKernel | None, str | None]:
     # fp32 state first: where the op takes it, the state is never rounded.
     whys = []
     for state_dtype in (torch.float32, torch.bfloat16):
         prefill = functools.partial(npu_adapter.npu_prefill, state_dtype=state_dtype)
-        why = probe(prefill, gated_delta_step_torch_, device, dtype)
+        why = probe(prefill, gated_delta_step_torch_, device, dtype, layout=layout)
         if why is None:
             state = "fp32 state" if state_dtype == torch.float32 else "state rounded to bf16 per prefill: the op refused fp32"
             return GdnKernel("npu", f"{choice.reason}, {state}", prefill, gated_delta_step_torch_), None
@@ -177,19 +182,20 @@ def torch_kernel(name: str, reason: str) -> GdnKernel:
 _selected: dict[tuple, GdnKernel] = {}
 
 
-def select_gdn_kernel(device, dtype: torch.dtype, env=os.environ) -> GdnKernel:
+def select_gdn_kernel(device, dtype: torch.dtype, env=os.environ, layout: tuple[int, int, int, int] = PROBE_LAYOUT) -> GdnKernel:
     """The kernel this process runs on `device` for `dtype`: planned, and for a device kernel
-    probed once (per device and dtype). A forced kernel that fails its probe is a usage error; an
-    unforced one gives way to the torch chunked kernel, saying why."""
+    probed once (per device, dtype and the caller's head layout, (Hk, Hv, Dk, Dv): a layer's own,
+    the layout its kernels are then compiled for). A forced kernel that fails its probe is a usage
+    error; an unforced one gives way to the torch chunked kernel, saying why."""
     device = torch.device(device)
     source, forced = env_setting(env, ENV)
-    key = (device, dtype, forced)
+    key = (device, dtype, forced, tuple(layout))
     if key in _selected:
         return _selected[key]
     choice = plan_gdn_kernel(device.type, dtype, env)
     if choice.name in ("fla", "npu"):
         build = _fla_kernel if choice.name == "fla" else _npu_kernel
-        kernel, why = build(choice, device, dtype)
+        kernel, why = build(choice, device, dtype, layout)
         if kernel is None:
             if forced.strip():
                 raise GdnKernelError(f"{source}={choice.name} failed its probe on {device}: {why}")
@@ -197,6 +203,6 @@ def select_gdn_kernel(device, dtype: torch.dtype, env=os.environ) -> GdnKernel:
     else:
         kernel = torch_kernel(choice.name, choice.reason)
     if device.type == "cuda":
-        kernel = with_triton_decode_rows(kernel, device, dtype)
+        kernel = with_triton_decode_rows(kernel, device, dtype, layout=layout)
     _selected[key] = kernel
     return kernel
