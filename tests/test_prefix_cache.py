@@ -317,3 +317,18 @@ def test_prefix_counts_reach_metrics():
     assert (m["pocketllm_prefix_cache_hits_total"], m["pocketllm_prefix_cache_misses_total"]) == (3, 5)
     assert (m["pocketllm_prefix_cache_hit_tokens_total"], m["pocketllm_prefix_cache_entries"]) == (700, 2)
     assert "pocketllm_prefix_cache_hits_total" not in parse(Metrics().render(0, 0, KVUsage(40, 10, 64, 0)))
+
+
+def test_a_devices_plans_are_host_memory():
+    """The plans rank 0 sends go over the group's CPU backend on every device (gloo beside NCCL or
+    HCCL): in device memory each pass cost copies both ways, and a rank waiting for the next plan
+    on NCCL returned from wait() at once with a kernel spinning on its device."""
+    from types import SimpleNamespace
+
+    from pocketllm.engine.pass_plan import pass_plan_for
+
+    plan = pass_plan_for(SimpleNamespace(device=torch.device("meta"), prefill_chunk=CHUNK), 3, 64)
+    assert plan.buf.device.type == "cpu"
+    plan.encode([(SNAPSHOT, 1, 2, 3)], [(0, 5, [7, 8])])
+    ops, spans, _ = plan.decode()
+    assert ops == [(SNAPSHOT, 1, 2, 3)] and [(s, p, t.tolist()) for s, p, t in spans] == [(0, 5, [7, 8])]

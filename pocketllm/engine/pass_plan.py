@@ -42,13 +42,16 @@ class PassPlan:
     """One plan in the fixed-size int64 form rank 0 broadcasts: [spans, operations, every row's
     logits (0 or 1), then (code, a, b, c) per operation, then (slot, start, rows) per span, then
     every span's ids]. A step with more operations than MAX_OPS sends them over several plans, all
-    but the last without spans."""
+    but the last without spans. Host memory on every device: the group's CPU backend (gloo beside
+    NCCL or HCCL) carries it, so a rank waiting for the next plan blocks on the host, as on a CPU,
+    where a device buffer cost copies both ways each pass and, on NCCL, a wait that returns at once
+    and a resident kernel spinning on the device."""
 
-    def __init__(self, max_spans: int, max_rows: int, device):
+    def __init__(self, max_spans: int, max_rows: int):
         self.max_spans, self.max_ops = max_spans, MAX_OPS
         self._spans_at = 3 + 4 * MAX_OPS
         self._ids_at = self._spans_at + 3 * max_spans
-        self.buf = torch.zeros(self._ids_at + max_rows, dtype=torch.long, device=device)
+        self.buf = torch.zeros(self._ids_at + max_rows, dtype=torch.long)
 
     def encode(self, ops: list, spans: list[tuple[int, int, list[int]]], all_logits: bool = False) -> None:
         head = [len(spans), len(ops), int(all_logits)] + [v for op in ops for v in op]
@@ -63,7 +66,7 @@ class PassPlan:
 
     def decode(self) -> tuple[list, list[tuple[int, int, torch.Tensor]], bool] | None:
         """(operations, spans, every row's logits), or None for the plan that ends the run."""
-        values = self.buf.cpu()
+        values = self.buf
         n, m, all_logits = int(values[0]), int(values[1]), bool(values[2])
         if n == CLOSE:
             return None
@@ -95,7 +98,7 @@ def pass_plan_for(engine, max_running: int, prefill_budget: int) -> PassPlan:
     and per replayed row; rows of the prompt chunks (the budget, or one chunk where that is more),
     of the decode rows and of the replayed rows."""
     rows = max(prefill_budget, engine.prefill_chunk) + max_running + REPLAY_ROWS
-    return PassPlan(max_running + REPLAY_ROWS, rows, engine.device)
+    return PassPlan(max_running + REPLAY_ROWS, rows)
 
 
 def run_pass_plan(engine, ops: list, spans: list[tuple[int, int, torch.Tensor]], all_logits: bool = False) -> torch.Tensor | None:

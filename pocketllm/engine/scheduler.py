@@ -220,8 +220,9 @@ class Scheduler:
                     req.logprobs.append(logprob)
             chosen.append([req, token])
         if self.lockstep and tp().world > 1 and any(not req.sampling.plain_greedy for req, _ in chosen):
-            # Every rank drew from the same logits; rank 0's draws are the ones every rank keeps.
-            drawn = torch.tensor([token for _, token in chosen], dtype=torch.long, device=self.engine.device)
+            # Every rank drew from the same logits; rank 0's draws are the ones every rank keeps
+            # (host data: over the group's CPU backend, as the pass plans go).
+            drawn = torch.tensor([token for _, token in chosen], dtype=torch.long)
             broadcast_(drawn)
             for pair, token in zip(chosen, drawn.tolist()):
                 pair[1] = token
