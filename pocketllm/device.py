@@ -59,6 +59,25 @@ class DeviceInfo:
         return f"CPU ({n} core{'s' if n != 1 else ''})"
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`, queued behind the device's work rather than waiting for it: on
+    CUDA a copy from pageable memory first waits for everything the stream holds (a decode step's
+    graph, a pass's kernels), so the host could not launch the next pass's kernels meanwhile;
+    through pinned memory the copy is queued like a kernel (torch keeps the pinned block until the
+    copy has run). Elsewhere `t.to(device)`."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (on a device) <- host tensor src, queued as to_device's copy is."""
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
 def setup_device(kind: str, index: int | None, local_rank: int, world: int) -> DeviceInfo:
     """Bind this rank to its device (of the run plan's resolved kind: device `index` when --device
     named one, else its local rank's); on CPU give it one torch thread per physical core it may

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pocketllm.device import copy_to_device_
 from pocketllm.layers.cache import BlockTable
 from pocketllm.layers.kv_layout import KV_BLOCK_SIZE, blocks_for
 
@@ -77,5 +78,5 @@ class BlockAllocator:
     @staticmethod
     def _append(table: BlockTable, blocks: list[int]) -> None:
         if blocks:
-            table.ids[table.count : table.count + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            copy_to_device_(table.ids[table.count : table.count + len(blocks)], torch.tensor(blocks, dtype=torch.int32))
             table.held.extend(blocks)

@@ -14,6 +14,7 @@ import torch
 
 from pocketllm import host_memory
 from pocketllm.config import ModelConfig
+from pocketllm.device import to_device
 from pocketllm.distributed.accounting import COUNTER
 from pocketllm.distributed.overlap import is_serial
 from pocketllm.distributed.policy import SlicePolicy
@@ -253,7 +254,7 @@ class Engine:
         slices = self.policy.slices_for_rows(total)
         ctx = self.model.context([(start, rows) for _, start, rows in pieces], slices, tuple(last), cut, self.policy.slices_for_rows, shape)
         ids = spans[0][2] if len(spans) == 1 else torch.cat([ids for _, _, ids in spans])
-        return self._pass(ids.to(self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
+        return self._pass(to_device(ids, self.device), ctx, [self.slots[slot] for slot, _, _ in pieces], decode, slices, all_logits)
 
     def _through_step(self, spans: list[tuple[int, int, torch.Tensor]], all_logits: bool = False) -> torch.Tensor | None:
         """The spans' last-row logits (every row's, with all_logits) where the step backend takes

@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from pocketllm.device import copy_to_device_
 from pocketllm.distributed.state import tp
 from pocketllm.layers.context import DecodeRows, ForwardContext, Segment, part_forms_on_cpu, parts_of
 from pocketllm.switches import env_switch, env_value
@@ -105,7 +106,7 @@ class GraphStep:
             raise ValueError(f"a step of {n} rows: the slots hold {self.buckets[-1]} sequences")
         pad = bucket - n
         host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.slots.padding] * pad], dtype=torch.long)
-        self.inputs[:, :bucket].copy_(host)
+        copy_to_device_(self.inputs[:, :bucket], host)
         if self.capture:
             self.graphs[bucket].replay()
         else:

@@ -9,6 +9,7 @@ from torch import nn
 
 from pocketllm import host_memory
 from pocketllm.config import FULL, ModelConfig
+from pocketllm.device import to_device
 from pocketllm.layers import row_forms
 from pocketllm.layers.context import CPU_PASS, ForwardContext, Part, PassShape, Segment, part_forms_on_cpu, parts_of
 from pocketllm.layers.attention import GatedAttention
@@ -144,7 +145,7 @@ class Qwen35ForCausalLM(nn.Module):
             # Consecutive last rows (one sequence's, or every row of a pass of decode rows) as a
             # view; others gathered. The last layer's residual add is the final norm's.
             consecutive = last == list(range(last[0], last[0] + len(last)))
-            pick = slice(last[0], last[-1] + 1) if consecutive else last
+            pick = slice(last[0], last[-1] + 1) if consecutive else to_device(torch.tensor(last), h.device)
             rows, rows_x = h[pick], x[pick]
             # The last rows are each their sequence's own: each gets the bits it gets alone (and a
             # decode row the compiled final norm the layers' norms use, which finds the row where

@@ -94,3 +94,32 @@ def test_asked_for_batch_invariance_a_sequences_logits_do_not_depend_on_the_othe
         if i == 1:
             spans.append((2, 0, z[:256]))
         assert torch.equal(busy.run_packed(spans)[0], steps[i]), f"step {i}"
+    # Its tokens replayed after a preemption: one pass of its three decode rows beside a prompt,
+    # each row through a step of its own, with the bits the steps gave it.
+    replayed = fresh()
+    replayed.run_packed([(0, 0, x)])
+    again = replayed.run_packed([(0, 40 + i, torch.tensor([7 + i])) for i in range(3)] + [(2, 0, z[:256])])
+    for i in range(3):
+        assert torch.equal(again[i], steps[i]), f"replayed row {i}"
+
+
+def test_a_pass_beside_a_step_asks_the_device_to_wait_for_nothing(monkeypatch):
+    """A server's mixed pass: decode rows through the captured step, then a prompt going into KV
+    blocks its slot did not hold, on the layers. Nothing in it waits for the device (a pageable
+    host-to-device copy waits for all the stream holds, so the prompt's kernels could not be
+    launched while the step's graph ran): torch's sync debug mode raises at any such wait."""
+    engine = _engine(monkeypatch, torch.bfloat16, True)
+    pos = [len(p) for p in PROMPTS]
+
+    def mixed(k):
+        spans = [(s, pos[s] + k, torch.tensor([11 + s])) for s in range(3)]
+        return engine.run_packed(spans + [(3, 0, torch.tensor([(5 * i + k) % 1000 for i in range(70 + k)]))])
+
+    mixed(0)  # compiles and first-call setup, outside what is checked
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mixed(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape[0] == 4 and bool(torch.isfinite(out).all())
