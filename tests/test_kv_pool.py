@@ -145,3 +145,15 @@ def test_a_devices_free_memory_counts_what_torchs_allocator_holds_unused(monkeyp
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 50 * gib)
     assert free_memory_bytes(torch.device("cuda", 0)) == 13 * gib
 
+
+
+@pytest.mark.parametrize("max_len", [64, 4096 + 66, 40960 + 1])
+def test_every_slots_block_table_starts_16_byte_aligned(max_len):
+    """A slot's table is a row of one tensor that the KV kernels take as a pointer; Triton
+    compiles a pointer that is not a multiple of 16 apart, so a first request in a slot the
+    warm-up did not use waited for a compile where the rows were not aligned."""
+    from pocketllm.engine.kv_blocks import BlockAllocator
+
+    blocks = BlockAllocator(8, 5, max_len, torch.device("cpu"))
+    assert all(t.ids.data_ptr() % 16 == 0 for t in blocks.tables)
+    assert blocks.ids[5].data_ptr() % 16 == 0  # the padding slot's

@@ -23,7 +23,11 @@ class BlockAllocator:
         # Every slot's table as one [slots + 1, capacity] tensor (BlockTable rows are views). The
         # last row, the padding slot's, lists only `num_blocks`: a block past the allocator's, which
         # the pools hold for the rows a fixed-size step runs beyond its real ones to write into.
-        self.ids = torch.zeros(slots + 1, blocks_for(max_len, block_size), dtype=torch.int32, device=device)
+        # Columns to a multiple of 4: each row (a slot's table, which the KV kernels take as a
+        # pointer) then starts 16-byte aligned, and Triton compiles a pointer that is not apart,
+        # so a first request in a slot the warm-up did not use would wait for a compile.
+        columns = -(-blocks_for(max_len, block_size) // 4) * 4
+        self.ids = torch.zeros(slots + 1, columns, dtype=torch.int32, device=device)
         self.ids[slots] = num_blocks
         self.tables = [BlockTable(self.ids[i]) for i in range(slots)]
 
