@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -116,6 +117,21 @@ def test_the_first_fla_prefill_at_a_layout_is_preceded_by_one_at_the_tuning_leng
     like(tune, Hk=2, Hv=6)
     assert called(rows, Hk=2, Hv=2) == []  # a first call that long tunes as it runs
     assert called(3, Hk=2, Hv=2) == []
+
+
+def test_a_tuning_call_that_fails_leaves_the_kernel_to_the_call_itself(monkeypatch, fla):
+    """The tuning call is a speed aid: one the device cannot run (out of memory beside a model,
+    say) must not fail the call after it, nor the probe that decides whether fla runs at all."""
+    real = fla.chunk_gated_delta_rule
+
+    def short_only(*args, **kwargs):
+        if args[0].shape[1] == fla_adapter.TUNE_ROWS:
+            raise RuntimeError("CUDA out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["fla.ops.gated_delta_rule"], "chunk_gated_delta_rule", short_only)
+    _planned(monkeypatch, "fla")
+    assert select_gdn_kernel(CPU, torch.bfloat16, env={}, layout=(1, 3, 16, 8)).name == "fla"
 
 
 @pytest.mark.parametrize("exported", [None, "0"], ids=["unset", "exported-0"])
