@@ -297,6 +297,8 @@ class Engine:
             logits = self.step.rows(tokens, [spans[i][1] for i in wave], [spans[i][0] for i in wave])
             self._after_direct(info)
             taken.update((i, logits[k : k + 1]) for k, i in enumerate(wave))
+        if len(waves) == 1 and len(waves[0]) == len(spans):
+            return logits  # a pass of decode rows alone, one step: its rows are the spans in order
         if len(taken) == len(spans):
             return torch.cat([taken[i] for i in range(len(spans))])
         rest = self.run_packed([span for i, span in enumerate(spans) if i not in taken], all_logits=all_logits).to(taken[next(iter(taken))].device)
