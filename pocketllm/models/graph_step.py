@@ -161,7 +161,10 @@ class GraphStep:
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: only this thread's unsafe calls can spoil the capture, not another
+            # thread's that touch the device meanwhile (NCCL's watchdog querying the events of
+            # the warm-up's collectives at TP > 1, a server's other threads).
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.out[bucket] = self._forward(bucket)
             self.graphs[bucket] = graph
         why = self.replay_disagrees(self.buckets[0])
