@@ -135,13 +135,22 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for i, item in enumerate(items) if _shard_of(i, n) == k]
 
 
+# pytest rewrites each test module's asserts as it imports it and keeps the result beside the
+# module's bytecode, except where bytecode is not being written (PYTHONDONTWRITEBYTECODE, as some CI
+# images set): there the suite's own pytest processes (the interpreter's shards, the narrower-ISA
+# runs) rewrote them all again, and so did every later run (2.3 s of this process's collection on a
+# 2-core VM). Written, as cached_bytecode writes pocketllm's; this process's modules, imported
+# after this conftest, are the first to be kept.
+sys.dont_write_bytecode = False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cached_bytecode():
     """Where bytecode is not being written (PYTHONDONTWRITEBYTECODE, as some CI images set), every
     process the tests start would compile pocketllm's and the tests' sources again (a tenth of a
     second of a core each, over a hundred processes); compiled once here, into the __pycache__
     directories Python writes by default, they read it instead."""
-    if sys.dont_write_bytecode:
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
         import compileall
 
         for folder in (REPO / "pocketllm", REPO / "tests"):
