@@ -67,15 +67,32 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     copy has run). Elsewhere `t.to(device)`."""
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    pinned = _pinned(t)
+    return t.to(device) if pinned is None else pinned.to(device, non_blocking=True)
 
 
 def copy_to_device_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (on a device) <- host tensor src, queued as to_device's copy is."""
-    if dst.device.type == "cuda" and src.device.type == "cpu":
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
+    pinned = _pinned(src) if dst.device.type == "cuda" and src.device.type == "cpu" else None
+    if pinned is None:
         dst.copy_(src)
+    else:
+        dst.copy_(pinned, non_blocking=True)
+
+
+# Whether this process can pin host memory: a host that refuses (a sandbox's limit on locked
+# memory, say) gets the waiting copies, which are correct, rather than a failed run.
+_can_pin = True
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor | None:
+    global _can_pin
+    if _can_pin:
+        try:
+            return t.pin_memory()
+        except RuntimeError:
+            _can_pin = False
+    return None
 
 
 def setup_device(kind: str, index: int | None, local_rank: int, world: int) -> DeviceInfo:
