@@ -498,6 +498,10 @@ def main(argv=None) -> int:
     print(f"\n{failed} step(s) failed" if failed else "\nevery step passed or was skipped")
     if missed:
         print(f"{missed} figure(s) missed their target (rows 'miss': measured and reported, not a failure)")
+    warned = sum(1 for _, outcome, _, _ in table.rows if outcome == "warn")
+    if warned:
+        print(f"{warned} warm-up process(es) did not finish (rows 'warn': the steps after them compiled for themselves, "
+              f"so their ready times are a first start's)")
     return 1 if failed else 0
 
 
