@@ -500,8 +500,7 @@ def main(argv=None) -> int:
         print(f"{missed} figure(s) missed their target (rows 'miss': measured and reported, not a failure)")
     warned = sum(1 for _, outcome, _, _ in table.rows if outcome == "warn")
     if warned:
-        print(f"{warned} warm-up process(es) did not finish (rows 'warn': the steps after them compiled for themselves, "
-              f"so their ready times are a first start's)")
+        print(f"{warned} warm-up process(es) did not finish (rows 'warn': the steps after them compiled what they lacked themselves)")
     return 1 if failed else 0
 
 
