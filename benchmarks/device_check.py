@@ -405,7 +405,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--budget", type=_seconds, default=480,
         help=f"seconds the whole check may take (default 480): each step gets what is left, and a step that would start with "
-        f"with less left than it needs (from {STEP_MIN_S} s to a few minutes) is skipped (the device is lent briefly: the check must end "
+        f"less left than it needs ({STEP_MIN_S} s to two minutes) is skipped (the device is lent briefly: the check must end "
         f"inside its lease)",
     )
     p.add_argument("--out", type=Path, help="a folder to keep device_check.log (each step's command, exit and whole output) and results.json "

@@ -94,7 +94,7 @@ def add_overlap_args(p: argparse.ArgumentParser, pin: bool = True, policy: bool 
 def add_profiling_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("profiling (docs/profile.md)")
     f.add_argument("--phase-profile", action="store_true", help="device-synced phase profile, one report block per pass (env POCKETLLM_PHASE_PROFILE=1, or the seed's QWEN_PHASE_PROFILE=1)")
-    f.add_argument("--host-profile", action="store_true", help="host wall-clock spans, no synchronisation (env POCKETLLM_HOST_PROFILE=1, or the seed's QWEN_HOST_PROFILE=1)")
+    f.add_argument("--host-profile", action="store_true", help="wall-clock spans on a CPU, no synchronisation; on a device its timing events, read after one synchronisation a pass (env POCKETLLM_HOST_PROFILE=1, or the seed's QWEN_HOST_PROFILE=1)")
     f.add_argument("--profile-out", metavar="DIR", help="also write every block as JSON lines, one file per rank, to DIR")
     f.add_argument("--trace-out", metavar="DIR", help="write a Chrome/Perfetto trace per rank to DIR (turns the host profile on)")
     f.add_argument("--split-skew", action="store_true", help="with the phase profile: wait for every rank before each all-reduce and charge that wait to tp_skew")

@@ -30,7 +30,7 @@ SETTINGS = {
     "POCKETLLM_PIN_CPUS": "0: leave the ranks the launcher starts unpinned",
     "POCKETLLM_CPUS": "the cores of the ranks the launcher starts (--cpus)",
     "POCKETLLM_KERNELS": "force projection kernels, kind=name,...: one-row=c-ahead,int8-one-row=c (docs/decode.md)",
-    "POCKETLLM_FUSED_DECODE": "0: decode with the torch forms of the fused ops (on a GPU, prefill too: no Triton ops)",
+    "POCKETLLM_FUSED_DECODE": "0: decode with the torch forms of the fused ops (on a GPU, pocketllm's device ops in prefill too; fla's kernels and the GDN decode rows' kernel still run)",
     "POCKETLLM_COMPILED_STEP": "0: run a decode step of one sequence layer by layer, not as one compiled call",
     "POCKETLLM_CUDA_GRAPH": "0: run decode steps on CUDA layer by layer, not as captured CUDA graphs; 1 at TP>1: capture them with their all-reduces",
     "POCKETLLM_BF16_LAYOUT": "how bf16 projection weights are held on a CPU: auto (measured at start), rows or panels",

@@ -6,7 +6,9 @@ far more than the collective itself on a virtual machine: blocked, a tenth of th
 all-reduces between two pinned ranks took over ten times the median (docs/measuring.md, figures
 behind the code's choices, and the end-to-end effect). Polling keeps the
 core awake, while sched_yield still lets gloo's own threads, pinned to the same core, run.
-NCCL and HCCL keep the plain wait: their work handles order device streams and return at once.
+NCCL and HCCL keep the plain wait: their work handles order device streams and return at once (the
+host tensors such a run broadcasts, rank 0's pass plans, go over the group's gloo half, whose plain
+wait blocks on the host).
 POCKETLLM_POLL_COLLECTIVES=0 turns polling off (benchmarks/switch_ab.py measures both).
 """
 
