@@ -11,8 +11,10 @@ row, not the end of the check; one past its limit gets Ctrl-C first (pytest then
 tests that finished, and a test's server is stopped by its fixture). A figure that misses its
 target (the batch-8 step against the batch-1 step) is a `miss` row, counted apart: figures are
 reported, not enforced; a warm-up process that did not finish is a `warn` row (the timed steps
-compile what they lack themselves). Exit status: 0 when every step passed (skips, misses and
-warnings allowed), 1 when any failed, 2 when there is no such device to check.
+compile what they lack themselves); each group of tests/device ends with a `total` row, its whole
+time (processes, collection and compiles beside the tests' own). Exit status: 0 when every step
+passed (skips, misses and warnings allowed), 1 when any failed, 2 when there is no such device to
+check.
 """
 
 from __future__ import annotations
@@ -209,6 +211,7 @@ def device_tests(table: Table, timeout: float, group: str = "engine") -> None:
             table.add(f"tests/device {group}", "FAIL", f"pytest {why}: {_last_line(err or out)}", seconds)
             return
         skips: dict[str, int] = {}
+        counts = {"pass": 0, "FAIL": 0, "skip": 0}
         for case in ET.parse(xml).getroot().iter("testcase"):
             name = f"{Path(case.get('file') or case.get('classname', '').replace('.', '/')).stem}::{case.get('name')}"
             problem = next((case.find(tag) for tag in ("failure", "error") if case.find(tag) is not None), None)
@@ -219,14 +222,21 @@ def device_tests(table: Table, timeout: float, group: str = "engine") -> None:
                 message = (problem.get("message") or "").strip()
                 why = _last_line(problem.text or "") if message in ("", "collection failure") else message.splitlines()[0][:200]
                 table.add(name, "FAIL", why, float(case.get("time", 0)))
+                counts["FAIL"] += 1
             elif skipped is not None:
                 # One row per reason: the other device's tests skip here by design.
                 reason = (skipped.get("message") or "").removeprefix("Skipped: ")[:200]
                 skips[reason] = skips.get(reason, 0) + 1
+                counts["skip"] += 1
             else:
                 table.add(name, "pass", "", float(case.get("time", 0)))
+                counts["pass"] += 1
         for reason, n in skips.items():
             table.add(f"tests/device {group}: {n} test(s)", "skip", reason, 0.0)
+        if counts["pass"] + counts["FAIL"]:
+            # The step's whole time (its processes' starts, collection and compiles beside the
+            # tests' own), what the check's budget pays.
+            table.add(f"tests/device {group}", "total", f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped", seconds)
         if rc is None:
             table.add(f"tests/device {group}", "FAIL", "pytest timed out: the rows above are the tests that finished", seconds)
 

@@ -226,3 +226,21 @@ def test_ctrl_c_in_a_script_is_one_line_with_the_clis_status(capsys):
         main([])
     assert exc.value.code == 130
     assert capsys.readouterr().err.strip() == f"{Path(__file__).name}: interrupted"
+
+
+def test_a_device_test_group_ends_with_its_whole_time_and_counts_a_failure_once(monkeypatch, tmp_path):
+    """The check's budget pays a group's whole time (its process, collection, compiles), which its
+    tests' own times leave out: a `total` row says it, and is not a second failure."""
+    junit = ('<testsuites><testsuite><testcase classname="tests.device.test_a" name="t1" time="1.5"/>'
+             '<testcase classname="tests.device.test_a" name="t2" time="0.5"><failure message="boom">x</failure></testcase>'
+             '<testcase classname="tests.device.test_b" name="t3"><skipped message="no CUDA device"/></testcase></testsuite></testsuites>')
+
+    def pytest_run(cmd, timeout, env=None):
+        Path(next(a for a in cmd if a.startswith("--junitxml=")).split("=", 1)[1]).write_text(junit)
+        return 1, "", "", 42.0
+
+    monkeypatch.setattr(device_check, "_run", pytest_run)
+    table = device_check.Table()
+    device_check.device_tests(table, 100)
+    assert table.rows[-1] == ("tests/device engine", "total", "1 passed, 1 failed, 1 skipped", 42.0)
+    assert table.failed() == 1
