@@ -308,6 +308,21 @@ def test_unforced_choice(device, have_fla, have_npu):
             assert choice.reason.endswith("fla is not installed (pip install -e '.[cuda]')"), choice
 
 
+def test_a_rank_says_it_probes_fla_before_a_first_starts_long_quiet_compile(monkeypatch):
+    """fla's probe is its first call at the layers' heads: on a machine's first start it compiles
+    and tunes for a minute or two before the load bar. Rank 0 says so where fla is planned, and
+    only there."""
+    from pocketllm.ops import gdn_choice
+    from pocketllm.ops.gdn_choice import probe_note
+
+    monkeypatch.setattr(gdn_choice, "fla_importable", lambda: True)
+
+    assert probe_note("cuda", torch.bfloat16, env={}).startswith("gdn kernel: probing fla at the layers' heads")
+    assert probe_note("cuda", torch.float32, env={}) is None  # the torch chunked kernel (fla's fp32 is TF32)
+    assert probe_note("cuda", torch.bfloat16, env={"POCKETLLM_GDN_KERNEL": "chunk"}) is None
+    assert probe_note("cpu", torch.bfloat16, env={}) is None
+
+
 def _forced_ok(forced, device, dtype, have_fla, have_npu) -> bool:
     if forced in ("chunk", "recurrent"):
         return True

@@ -21,6 +21,7 @@ from pocketllm.engine.runner import Engine
 from pocketllm.fault_injection import FaultHook
 from pocketllm.launch import ENV_PIN_MAP
 from pocketllm.model_args import say
+from pocketllm.ops.gdn_choice import probe_note
 from pocketllm.place import RankEnv
 from pocketllm.profiling.profiler import attach_profiler
 from pocketllm.rank import checked_on_rank0, join_group, run_rank, same_settings, setup_collective
@@ -67,6 +68,9 @@ def load_then_work(run: RunPlan, renv, device, checked, work) -> int:
         faults = FaultHook(run.fault, renv.rank)
         faults.at("load")
         rss_before = current_rss_mib()
+        note = probe_note(device.torch_device.type, plan.dtype)
+        if note:
+            say(note)
         engine = Engine(plan.cfg, plan.open_source(device.torch_device), plan.dtype, device.torch_device, plan.policy.policy)
         # What loading cost this rank at its peak, above what the process held before it.
         engine.load_peak_mib = peak_rss_mib() - rss_before

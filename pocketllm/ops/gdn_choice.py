@@ -88,6 +88,15 @@ def choose_gdn_kernel(device_type: str, dtype, forced: str, have_fla: bool, have
     return KernelChoice("npu", f"forced by {source}")
 
 
+def probe_note(device_type: str, dtype, env=os.environ) -> str | None:
+    """What rank 0 says before it builds the model where the planned GDN kernel is fla: its probe,
+    at the layers' heads, is fla's first call there, which on a machine's first start compiles and
+    tunes its kernels (a minute or two with nothing else to show) before the load bar starts."""
+    if device_type == "cpu" or plan_gdn_kernel(device_type, dtype, env).name != "fla":
+        return None
+    return "gdn kernel: probing fla at the layers' heads (a machine's first start compiles and tunes its kernels first: a minute or two)"
+
+
 def plan_gdn_kernel(device_type: str, dtype, env=os.environ) -> KernelChoice:
     """choose_gdn_kernel with this machine's environment and libraries."""
     source, forced = env_setting(env, ENV)
