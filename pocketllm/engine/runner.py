@@ -267,41 +267,35 @@ class Engine:
         (a preempted request's chosen tokens replayed, in order) is stepped too, its k-th row in
         the pass's k-th step: each row gets the bits a step gave it the first time. None where the
         step does not take them (the layers run the pass)."""
-        per_slot = Counter(slot for slot, _, _ in spans)
         one_row = [ids.shape[0] == 1 and start > 0 for _, start, ids in spans]
         if self.pass_shape.cpu_forms:
-            # On a CPU a row's bits do not depend on the rows beside it: a pass that is not all
-            # single decode rows runs on the layers.
-            waves = [[i for i, (slot, _, _) in enumerate(spans) if one_row[i] and per_slot[slot] == 1]]
-            if len(waves[0]) < len(spans):
+            # On a CPU a row's bits do not depend on the rows beside it: only a pass of single
+            # decode rows, each of a slot of its own, is a step.
+            if not all(one_row) or len({slot for slot, _, _ in spans}) < len(spans):
                 return None
+            waves = [list(range(len(spans)))]
         else:
-            stepped = {slot for slot in per_slot if all(one_row[i] for i, (s, _, _) in enumerate(spans) if s == slot)}
+            other = {slot for (slot, _, _), single in zip(spans, one_row) if not single}
             waves, seen = [], Counter()
             for i, (slot, _, _) in enumerate(spans):
-                if slot in stepped:
+                if slot not in other:
                     if seen[slot] == len(waves):
                         waves.append([])
                     waves[seen[slot]].append(i)
                     seen[slot] += 1
-        if not waves or not waves[0]:
+        if not waves or self._watched():
             return None
-        taken: dict[int, torch.Tensor] = {}
+        steps = []
         for wave in waves:
             info = self._direct_rows([spans[i][:2] for i in wave])
-            if info is None:
-                if taken:
-                    raise RuntimeError("the step backend stopped taking a pass's decode rows between two of its steps")
-                return None
             tokens = torch.cat([spans[i][2] for i in wave]).tolist()  # one op, not one per row
-            logits = self.step.rows(tokens, [spans[i][1] for i in wave], [spans[i][0] for i in wave])
+            steps.append(self.step.rows(tokens, [spans[i][1] for i in wave], [spans[i][0] for i in wave]))
             self._after_direct(info)
-            taken.update((i, logits[k : k + 1]) for k, i in enumerate(wave))
-        if len(waves) == 1 and len(waves[0]) == len(spans):
-            return logits  # a pass of decode rows alone, one step: its rows are the spans in order
-        if len(taken) == len(spans):
-            return torch.cat([taken[i] for i in range(len(spans))])
-        rest = self.run_packed([span for i, span in enumerate(spans) if i not in taken], all_logits=all_logits).to(taken[next(iter(taken))].device)
+        if len(waves[0]) == len(spans):
+            return steps[0]  # a pass of decode rows alone, one step: its rows are the spans in order
+        taken = {i: logits[k : k + 1] for wave, logits in zip(waves, steps) for k, i in enumerate(wave)}
+        others = [span for i, span in enumerate(spans) if i not in taken]
+        rest = self.run_packed(others, all_logits=all_logits).to(steps[0].device) if others else None
         # Every span's rows in span order (its last row's alone without all_logits): one cat, where
         # index assignment with a list of rows would copy the list to the device first.
         parts, at = [], 0
@@ -348,15 +342,18 @@ class Engine:
         """Where the step backend can run this pass of one sequence's one decode row (the sequence
         going on, no hook watching the layers, nothing profiled): the pass begun as a pass is, for
         _after_direct to end; else None. Such a row skips the pass's Python (context, segments)."""
-        if self.step is None or pos <= 0:
+        if self.step is None or pos <= 0 or self._watched():
             return None
         return self._direct_rows([(slot, pos)])
 
-    def _direct_rows(self, rows: list[tuple[int, int]]) -> PassInfo | None:
-        """_direct_step for a pass of decode rows, (slot, position) each, which the step backend
-        runs together."""
-        if recording() or any(getattr(h, "watches_layers", True) for h in self.hooks):
-            return None
+    def _watched(self) -> bool:
+        """Whether something watches the layers' scopes (a profile recording, a hook that sees
+        them), which the step backend skips: such a pass runs on the layers."""
+        return recording() or any(getattr(h, "watches_layers", True) for h in self.hooks)
+
+    def _direct_rows(self, rows: list[tuple[int, int]]) -> PassInfo:
+        """A pass of decode rows, (slot, position) each, that the step backend runs together (where
+        nothing is _watched), begun as a pass is, for _after_direct to end."""
         for slot, pos in rows:
             self.slots.grow(slot, pos + 1)
         return self._begin(len(rows), True, self.policy.slices_for_rows(len(rows)), direct=True)
