@@ -176,12 +176,12 @@ class Scheduler:
         # logits are the ones that may choose a token.
         ends = {id(req): i for i, req in enumerate(fed)}
         host = {}
-        if direct is None:
-            # The rows that sample, on the host where sampling runs: a device's in one copy (one
-            # wait for it), not one a request; a CPU's as they are.
+        if direct is None and logits.device.type != "cpu":
+            # A device's rows that sample, to the host where sampling runs in one copy (one wait
+            # for it), not one a request.
             sampled = [i for i, req in enumerate(fed) if ends[id(req)] == i and not req.sampling.plain_greedy]
             if sampled:
-                host = dict(zip(sampled, logits[sampled].cpu() if logits.device.type != "cpu" else (logits[i] for i in sampled)))
+                host = dict(zip(sampled, logits[sampled].cpu()))
         for req, (_, _, rows) in zip(fed, spans):
             req.fed += len(rows)
         chosen = []

@@ -177,14 +177,14 @@ class GraphStep:
         each row in a slot of its own from a cleared state (the real slots, free while they are
         being reserved, and put back after): rows of one slot would race on its state, one row's
         window or recurrence read before or after another's write, and differ run to run."""
-        slots = list(range(bucket)) if bucket <= len(self.slots.states) else [self.slots.padding] * bucket
-
+        # A bucket holds at most the real slots' rows (a reserve of none is bucket 1 in slot 0, the
+        # padding slot then).
         def clear():
             for states in self.slots.stacked.values():
-                for slot in set(slots):
+                for slot in range(bucket):
                     states.slot(slot).reset()
 
-        self.inputs[2, :bucket] = torch.tensor(slots, device=self.device)
+        self.inputs[2, :bucket] = torch.arange(bucket, device=self.device)
         try:
             clear()
             eager = self._forward(bucket).clone()
