@@ -438,9 +438,6 @@ def main(argv=None) -> int:
             print(line)
         return 2
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    # fla's kernels are autotuned in each process that first calls them (every step's, the
-    # oracle's and transformers' too): kept on disk, a step after the first reads the timings.
-    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     machine = describe_machine(kind)
     for line in machine:
         print(line)

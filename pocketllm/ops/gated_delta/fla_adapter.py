@@ -10,15 +10,11 @@ argument after v goes by keyword: in the recurrent form the fifth slot is `gk`, 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-# Triton's switch that keeps autotuning timings on disk (beside its compiled kernels).
-AUTOTUNING_CACHE = "TRITON_CACHE_AUTOTUNING"
-
 # fla's chunked kernels are autotuned on their heads, head dims and dtypes, not on the sequence's
-# length, and the timings are kept for the process and on disk for every later one: the first call
+# length, and the timings are kept for the process and on disk for every later one (fla 0.6.0
+# asks Triton to, FLA_CACHE_RESULTS=1 by default, so a second start reads them): the first call
 # at a head layout picks the configs every length runs there from then on. A first call of a few
 # rows (a server's warm-up, a short first prompt) is all launch cost, so its timings rank the
 # configs at random; the first call at each layout is preceded by one of TUNE_ROWS rows, a prompt
@@ -28,10 +24,6 @@ _tuned: set[tuple] = set()
 
 
 def _ops():
-    # fla autotunes its kernels in each process that first calls them, which is seconds of every
-    # start; Triton keeps the timings on disk only when asked, so a second start reads them. Its
-    # autotuners read the switch when fla is imported; one the user set is left as it is.
-    os.environ.setdefault(AUTOTUNING_CACHE, "1")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
