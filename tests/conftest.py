@@ -95,9 +95,10 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     own, _ = config.stash[_CACHE] = _use_a_private_cache()
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from triton_on_cpu import helpers_without_repatching
+        from triton_on_cpu import helpers_without_repatching, scalars_index_as_numpy_allows
 
         helpers_without_repatching()
+        scalars_index_as_numpy_allows()
     if own:
         # The suite's own session (not one a test started): start_ranks' server imports torch
         # while the tests are collected, on the core collection leaves idle.

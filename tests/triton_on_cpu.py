@@ -109,6 +109,36 @@ def helpers_without_repatching() -> bool:
     return True
 
 
+def scalars_index_as_numpy_allows() -> bool:
+    """Make a kernel's scalar (a loaded position, a program id) usable as a loop bound under the
+    interpreter of Triton 3.6 (torch 2.11's) with NumPy 2.4 or later. The interpreter holds a scalar
+    as a one-element array and takes its index with int(array), which NumPy 2.4 refuses for arrays
+    of one dimension ("only 0-dimensional arrays can be converted to Python scalars"), so every
+    `range(.., scalar)` failed there: the decode attention's tile loop. Triton 3.9's interpreter
+    squeezes the array first; this does the same for one that does not, through the
+    interpreter's own patch of the tensor class (undone with it at a launch's end). Installed in the
+    interpreter's processes only (conftest, under TRITON_INTERPRET=1); False, and nothing changed,
+    where NumPy still converts such arrays or the interpreter lacks the function this wraps."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return False
+    except TypeError:
+        pass
+    patch = getattr(interp, "_patch_lang_tensor", None)
+    if patch is None:
+        return False
+
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        patch(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interp._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
