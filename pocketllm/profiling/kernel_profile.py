@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -58,11 +59,15 @@ def profile(fn, device_type: str, sync) -> tuple[float, list[tuple[str, float]]]
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
     sync()
-    with torch_profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        wall = time.perf_counter() - t0
+    with warnings.catch_warnings():
+        # torch 2.11 warns at every profiler's start that events are cleared "at the end of each
+        # cycle": of cycles of a schedule, which this one-cycle profile does not have.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+        with torch_profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            wall = time.perf_counter() - t0
     if device_type == "cuda":
         events = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
         if not events:
