@@ -13,12 +13,14 @@ import signal
 import socket
 import subprocess
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from conftest import assert_nothing_left, main_in_process, start, usage_error_in_process
+from pocketllm.distributed import rendezvous
 from pocketllm.distributed.rendezvous import backend_spec
 
 ARGS = ["generate", "--preset", "tiny", "--token-ids", "1,2,3,4", "--max-new-tokens", 2, "--dist-timeout", 20]
@@ -49,6 +51,22 @@ def one_line_error(run, rc: int = 2) -> str:
 
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("lone_ranks")  # started here, to run beside this test's runs
+@pytest.mark.parametrize("where", ["file-store", "env"])
+def test_what_the_backend_writes_to_stdout_as_a_rank_joins_is_dropped(where, tmp_path, capfd, monkeypatch):
+    """torch 2.10's gloo writes a line per rank to stdout as it connects, where generate's results
+    go: a rank joining by either path drops what the join writes there, and only that."""
+
+    def join(*args, **kwargs):
+        os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
+
+    monkeypatch.setattr(dist, "init_process_group", join)
+    os.write(1, b"before\n")
+    store = str(tmp_path / "store") if where == "file-store" else None
+    rendezvous._join_group("gloo", 0, 1, timedelta(seconds=5), store, None)
+    os.write(1, b"after\n")
+    assert capfd.readouterr().out == "before\nafter\n"
+
+
 def test_stale_file_is_refused_then_cleared(tmp_path):
     id_path = tmp_path / "run.id"
     # An earlier run whose rank 0 was killed while it waited for rank 1 leaves the file behind.

@@ -22,8 +22,10 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 from pocketllm.errors import UsageError
@@ -115,6 +117,28 @@ def backend_spec(backend: str) -> str:
     return backend if device is None else f"cpu:gloo,{device}:{backend}"
 
 
+@contextmanager
+def stdout_silenced():
+    """This process's file descriptor 1 sent to /dev/null for the block, what Python had buffered
+    for it written first. The gloo of torch 2.10 (the one torch_npu pins) writes "[Gloo] Rank R is
+    connected to N peer ranks ..." to stdout from C++ as each rank joins a group, where generate
+    prints its results; it says nothing an error would not. A closed fd 1 is left as it is."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_path: str | None, id_path: str | None) -> None:
     import torch.distributed as dist
 
@@ -127,7 +151,8 @@ def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_p
         store.set_timeout(timeout)
     else:
         try:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+            with stdout_silenced():
+                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
         except dist.DistNetworkError as exc:
             if "EADDRINUSE" in str(exc):
                 port = os.environ.get("MASTER_PORT", "?")
@@ -137,7 +162,8 @@ def _join_group(backend: str, rank: int, world: int, timeout: timedelta, store_p
                 ) from None
             raise
         return
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    with stdout_silenced():
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 # Backends whose destroy_process_group waits for the collectives in flight to finish (torch's NCCL
