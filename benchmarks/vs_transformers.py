@@ -9,7 +9,8 @@ share of the matmul limit (its GEMM FLOPs over a measured matmul rate), and on a
 step cut down to its GEMVs alone (what no fusion of the rest can beat).
 
 On a device (--device cuda), transformers runs with whatever kernels it finds (fla's, where the
-cuda extra installed it). --random-weights skips the checkpoint for big shapes: each engine draws
+cuda extra installed it); on a CPU with its torch forms, fla installed or not (fla's kernels take
+device tensors only). --random-weights skips the checkpoint for big shapes: each engine draws
 its own random weights at the preset's shapes on the device (the speeds compare; the tokens do not).
 
     python benchmarks/vs_transformers.py [--ckpt DIR | --preset small [--layers N] [--random-weights]]
@@ -33,7 +34,7 @@ from common import (
     Parser, PocketRunner, absolute_path, alternate, checkpoint_dir, device_sync, even_reps, gemv_only_step_seconds, int_list, machine,
     one_rank_plan, positive_int, projection_weights, script, spread, tensor_bytes,
 )
-from pocketllm.bench import limits
+from pocketllm.bench import limits, transformers_model
 from pocketllm.config import FULL_ATTENTION_INTERVAL
 from pocketllm.device_kind import resolve_kind
 from pocketllm.errors import UsageError
@@ -77,9 +78,11 @@ class HFRunner:
 
     def __init__(self, ckpt: str | None, dtype: torch.dtype, device: str = "cpu", cfg=None):
         """From the checkpoint, or (ckpt None) random weights at `cfg`'s shapes drawn on the device."""
+        self.device = torch.device(device)
+        # fla's kernels take device tensors only: on a CPU its torch forms, fla installed or not.
+        transformers_model.modeling(fla=self.device.type != "cpu")
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-        self.device = torch.device(device)
         self.sync = device_sync(self.device)
         if ckpt is not None:
             self.model = Qwen3_5ForCausalLM.from_pretrained(ckpt, dtype=dtype).eval().to(self.device)

@@ -7,25 +7,13 @@ from pathlib import Path
 
 import torch
 
+from pocketllm.bench import transformers_model
+
 
 def _import_model_without_fla() -> None:
-    """transformers binds fla's kernels in place of its torch forms when it imports the model's
-    module, wherever fla is importable (a GPU machine with the cuda extra), and those Triton
-    kernels take device tensors only: the oracle runs on the CPU, so the module is imported with fla
-    hidden. Only that import is affected: fla stays importable for pocketllm in the same process."""
-    import importlib
-    import sys
-
-    name = "transformers.models.qwen3_5.modeling_qwen3_5"
-    if name in sys.modules:
-        return
-    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
-    sys.modules["fla"] = None  # import fla raises ImportError
-    try:
-        importlib.import_module(name)
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(saved)
+    """The oracle runs on the CPU: transformers' model module without fla's kernels, which take
+    device tensors only (a GPU machine with the cuda extra has fla)."""
+    transformers_model.modeling(fla=False)
 
 
 def build_hf_model(

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import types
 
 import pytest
 import torch
 
+from conftest import cli_env, run_cli
 from pocketllm.bench import gdn_bench
 from pocketllm.commands import gdn_bench as command
 from pocketllm.errors import UsageError
@@ -114,3 +117,25 @@ def test_bad_values_are_usage_errors(argv, word):
     with pytest.raises(UsageError, match=word) as info:
         gdn_bench.main(parse(*argv))
     assert "\n" not in str(info.value)
+
+
+def test_transformers_rows_are_its_torch_forms_where_fla_is_installed(tmp_path):
+    """gdn-bench on the CPU of a machine with fla (the cuda extra): transformers' rows are its torch
+    forms, timed and agreeing, and nothing it says about falling back reaches the user (up to 5.17
+    transformers called fla's kernels on the CPU tensors and the run failed). fla is a stand-in
+    whose kernels refuse CPU tensors, as fla's Triton kernels do."""
+    ops = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    ops.mkdir(parents=True)
+    for d in (tmp_path / "fla", tmp_path / "fla" / "ops"):
+        (d / "__init__.py").write_text("")
+    (ops / "__init__.py").write_text(
+        "def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False, **kwargs):\n"
+        "    raise RuntimeError('fla stand-in: its kernels take device tensors only')\n"
+        "fused_recurrent_gated_delta_rule = chunk_gated_delta_rule\n"
+    )
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    r = run_cli("gdn-bench", *TINY, "--dtype", "float32", env=cli_env(PYTHONPATH=path))
+    assert r.returncode == 0, r.stderr
+    assert "falling back" not in r.stderr, r.stderr
+    for row in ("transformers chunk", "transformers recurrent"):
+        assert re.search(rf"^  {row} .* ok \(tol", r.stdout, re.M), r.stdout

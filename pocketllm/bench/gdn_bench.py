@@ -3,7 +3,8 @@ kernels on one layer's shapes.
 
 Runs pocketllm's chunked and per-token kernels, the device kernel the engine would run on
 --device (fla on CUDA, torch_npu's op on Ascend, where installed and the dtype allows) and, when
-transformers is importable, its torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule,
+transformers is importable, its torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule
+(its torch forms, on any device: bench/transformers_model.py),
 interleaved rep-major on the same seeded inputs; checks they agree; prints a table and, last, one
 JSON line with the ratios. On a device every timing is between two synchronisations.
 The achieved rate counts the chunked algorithm's real matmul FLOPs and is set against this
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pocketllm.bench import transformers_model
 from pocketllm.device import DeviceInfo
 from pocketllm.model_args import parse_dtype
 from pocketllm.ops.gated_delta.backends import select_gdn_kernel
@@ -142,7 +144,7 @@ def _variants(spec: GdnBenchSpec, inputs, device_kernel=None):
     if device_kernel is not None:
         variants[f"device {device_kernel.name}"] = lambda: device_kernel.prefill(q, k, v, g, beta, None)
     try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+        hf = transformers_model.modeling(fla=False)
     except ImportError:
         return variants
     # transformers takes [B, T, H, D] and always scales q by Dk**-0.5 itself, so it gets the
@@ -155,7 +157,8 @@ def _variants(spec: GdnBenchSpec, inputs, device_kernel=None):
 
     def transformers_call(fn):
         def call():
-            out, state = fn(q_hf, k_hf, v_hf, g=g_hf, beta=b_hf, initial_state=None, output_final_state=True)
+            with transformers_model.torch_forms_called_quietly():
+                out, state = fn(q_hf, k_hf, v_hf, g=g_hf, beta=b_hf, initial_state=None, output_final_state=True)
             return out[0], state[0]
 
         return call
