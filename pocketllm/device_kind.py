@@ -1,12 +1,15 @@
 """Which kind of device a run's ranks use (--device resolved once, before any rank starts) and the
 cores a process may run on. Torch-free where it can be: the launcher resolves --device and never
-imports torch on a machine whose torch has no GPU build, so its ranks start that much sooner."""
+imports torch on a machine where torch could see no GPU (a CPU-only build, or a GPU build without
+the driver it needs), so its ranks start that much sooner."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
+import sys
 
 from pocketllm.errors import UsageError
 
@@ -19,26 +22,57 @@ ENV_RANK_CPUS = "POCKETLLM_RANK_CPUS"
 ENV_PIN_CPUS = "POCKETLLM_PIN_CPUS"
 
 
-def torch_has_gpu_build() -> bool:
-    """Whether the installed torch was built for CUDA or ROCm, read from its version file without
-    importing it; True when the file cannot say, so the caller asks torch itself."""
+def _torch_gpu_builds() -> set[str] | None:
+    """The GPU platforms the installed torch was built for ("cuda", "hip"; empty for a CPU-only
+    build), read from its version file without importing it; None where the file cannot say."""
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
-        return True
+        return None
     try:
         with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
             text = f.read()
     except OSError:
-        return True
+        return None
     built = {name: re.search(rf"^{name}(?::[^=]*)?=\s*(.+)$", text, re.M) for name in ("cuda", "hip")}
     if any(m is None for m in built.values()):
+        return None
+    return {name for name, m in built.items() if m.group(1).strip() != "None"}
+
+
+def torch_has_gpu_build() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its version file without
+    importing it; True when the file cannot say, so the caller asks torch itself."""
+    builds = _torch_gpu_builds()
+    return builds is None or bool(builds)
+
+
+def _driver_present(build: str) -> bool:
+    """Whether this machine has what a GPU build of torch needs to see any GPU: CUDA's driver
+    library (libcuda.so.1, which the driver installs and no wheel carries; WSL's included), or
+    ROCm's kernel driver node (/dev/kfd). True off Linux, where these are not the names."""
+    if sys.platform != "linux":
         return True
-    return any(m.group(1).strip() != "None" for m in built.values())
+    if build == "hip":
+        return os.path.exists("/dev/kfd")
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def torch_may_see_a_gpu() -> bool:
+    """Whether torch could see a GPU here, told without importing it: its build is for a GPU and
+    the driver that build needs is on this machine; True when the build cannot be read. The CUDA
+    build is what pip installs from PyPI on Linux by default, CPU-only machines included, where
+    asking torch itself would cost every launcher a torch import before its ranks start."""
+    builds = _torch_gpu_builds()
+    return builds is None or any(_driver_present(build) for build in builds)
 
 
 def cuda_available() -> bool:
-    """torch.cuda.is_available(), without importing torch where its build has no GPU."""
-    if not torch_has_gpu_build():
+    """torch.cuda.is_available(), without importing torch where it could not see a GPU."""
+    if not torch_may_see_a_gpu():
         return False
     import torch
 
@@ -101,6 +135,8 @@ def resolve_kind(requested: str) -> str:
         if not torch_has_gpu_build():
             # Not a driver or CUDA_VISIBLE_DEVICES matter: this torch cannot see a GPU at all.
             raise UsageError("--device cuda: the installed torch is a CPU-only build; install a CUDA build of torch")
+        if not torch_may_see_a_gpu():
+            raise UsageError("--device cuda: this machine has no GPU driver for torch to use (CUDA's libcuda.so.1, ROCm's /dev/kfd)")
         raise UsageError("--device cuda: no CUDA device is visible to torch")
     elif kind == "npu" and not npu_available():
         raise UsageError("--device npu: torch_npu is not installed or sees no NPU")

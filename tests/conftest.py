@@ -41,16 +41,16 @@ EXPORTED = {name: os.environ[name] for name in UNSET_FOR_CLI if name in os.envir
 # Every CLI run a test starts in a subprocess (run_cli, start) is `python -m pocketllm ARGS` plus one
 # check: a process about to start ranks must not have imported torch (a launcher checks the run and
 # starts its ranks without it, so they start sooner: docs/tensor-parallel.md), unless it had to: a
-# forced kernel to check, or a GPU build of torch to ask. One that did stops there, exit status 3,
+# forced kernel to check, or a GPU build of torch with its driver here to ask. One that did stops there, exit status 3,
 # with a line saying so. The ranks it starts are `python -m pocketllm` itself.
 CLI_ENTRY = """
 import os, sys
 from pocketllm.commands import ranked
-from pocketllm.device_kind import torch_has_gpu_build
+from pocketllm.device_kind import torch_may_see_a_gpu
 from pocketllm.switches import forces_kernels
 spawn = ranked.spawn_local_ranks
 def spawn_without_torch(*args, **kwargs):
-    if "torch" in sys.modules and not forces_kernels(os.environ) and not torch_has_gpu_build():
+    if "torch" in sys.modules and not forces_kernels(os.environ) and not torch_may_see_a_gpu():
         print("test entry: the launcher imported torch before it started its ranks", file=sys.stderr, flush=True)
         sys.exit(3)
     return spawn(*args, **kwargs)

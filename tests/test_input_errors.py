@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import free_port, main_in_process, start, usage_error_in_process, usage_line
 
@@ -287,7 +288,36 @@ def test_device_cuda_on_a_cpu_only_torch_says_so(capsys, no_ranks, monkeypatch):
     usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cuda",
                            expect="--device cuda: the installed torch is a CPU-only build; install a CUDA build of torch")
     monkeypatch.setattr(device_kind, "torch_has_gpu_build", lambda: True)
+    monkeypatch.setattr(device_kind, "torch_may_see_a_gpu", lambda: True)
     usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cuda", expect="--device cuda: no CUDA device is visible to torch")
+    monkeypatch.setattr(device_kind, "torch_may_see_a_gpu", lambda: False)
+    usage_error_in_process(capsys, "bench", "--preset", "tiny", "--device", "cuda",
+                           expect="--device cuda: this machine has no GPU driver for torch to use (CUDA's libcuda.so.1, ROCm's /dev/kfd)")
+
+
+@pytest.mark.parametrize("build", ["cuda", "hip"])
+def test_a_gpu_build_of_torch_is_asked_for_a_gpu_only_where_its_driver_is(build, monkeypatch):
+    """pip's default torch on Linux is the CUDA build, CPU-only machines included: there the
+    launcher learns there is no GPU without importing torch (its ranks start sooner), and where
+    the driver is, torch itself answers."""
+    from pocketllm import device_kind
+
+    monkeypatch.setattr(device_kind, "_torch_gpu_builds", lambda: {build})
+    monkeypatch.setattr(device_kind, "_driver_present", lambda b: False)
+
+    def asked():
+        raise AssertionError("torch was asked for a GPU on a machine without the driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+    assert not device_kind.torch_may_see_a_gpu() and not device_kind.cuda_available()
+    assert device_kind.resolve_kind("auto") == "cpu"
+    monkeypatch.setattr(device_kind, "_driver_present", lambda b: b == build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device_kind.torch_may_see_a_gpu() and device_kind.cuda_available()
+    # A version file that cannot say: torch is asked.
+    monkeypatch.setattr(device_kind, "_torch_gpu_builds", lambda: None)
+    monkeypatch.setattr(device_kind, "_driver_present", lambda b: False)
+    assert device_kind.cuda_available()
 
 
 def test_device_takes_torchs_kind_and_index_spelling(capsys, no_ranks, monkeypatch):
