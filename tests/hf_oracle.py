@@ -10,19 +10,14 @@ import torch
 from pocketllm.bench import transformers_model
 
 
-def _import_model_without_fla() -> None:
-    """The oracle runs on the CPU: transformers' model module without fla's kernels, which take
-    device tensors only (a GPU machine with the cuda extra has fla)."""
-    transformers_model.modeling(fla=False)
-
-
 def build_hf_model(
     vocab: int = 251, kv_heads: int = 1, tie: bool = False, layers: int = 4, seed: int = 0, max_positions: int = 512,
     hidden: int = 64, head_dim: int = 16,
 ):
     """head_dim sizes the attention heads and the GDN's key and value heads alike; the MLP is
     twice `hidden` wide."""
-    _import_model_without_fla()
+    # The oracle runs on the CPU, where fla's kernels (a GPU machine's cuda extra) cannot.
+    transformers_model.modeling(fla=False)
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
@@ -54,7 +49,8 @@ def build_hf_release_layout_model(seed: int = 0, tie: bool = False):
     under model.language_model, a vision tower beside it (model.visual), multimodal rope sections
     in rope_parameters, and a config whose text part is its text_config. tie: the outer config's
     tie_word_embeddings, the flag this class reads (its text_config keeps its own default, false)."""
-    _import_model_without_fla()
+    # The oracle runs on the CPU, where fla's kernels (a GPU machine's cuda extra) cannot.
+    transformers_model.modeling(fla=False)
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(seed)

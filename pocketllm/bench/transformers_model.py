@@ -36,9 +36,9 @@ def modeling(fla: bool):
 
 @contextmanager
 def torch_forms_called_quietly():
-    """transformers' line at each kernel's first call on its torch form ("falling back to its
-    reference PyTorch implementation ... much slower"), left out where that form is what the caller
-    asked for."""
+    """transformers' line at a kernel's first call on its torch form ("falling back to its
+    reference PyTorch implementation ... much slower", said once a process), left out where that
+    form is what the caller asked for: around the first calls, not the timed ones."""
     log = logging.getLogger("transformers.integrations.hub_kernels")
     level = log.level
     log.setLevel(logging.ERROR)
